@@ -1,0 +1,116 @@
+"""The public entry points: `load`, `init_random` and the `Model` facade over the jitted functions.
+
+`Model` holds the config, the mesh and the sharded weights; its methods check their inputs on the
+host (clear errors instead of silent garbage) and call the pure functions of `dsr1.model`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from . import model as _model
+from .cache import KVCache
+from .checkpoint import load_params
+from .config import Config
+from .params import Params, init_params
+from .sharding import make_mesh, replicated, to_host
+
+DEFAULT_DECODE_ROOM = 256
+
+_forward = jax.jit(_model.forward, static_argnames=("cfg", "mesh"))
+_prefill = jax.jit(_model.prefill, static_argnames=("cfg", "mesh", "max_len"))
+_decode = jax.jit(_model.decode, static_argnames=("cfg", "mesh"), donate_argnames=("cache",))
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A DeepSeek-V3-architecture model placed on a mesh. Methods take numpy or jax int32 tokens."""
+
+    cfg: Config
+    params: Params
+    mesh: Mesh
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.params["embed"].dtype
+
+    def forward(self, tokens: Any, lengths: Any = None) -> jax.Array:
+        """Logits `[B, T, V]` (float32) for right-padded `tokens [B, T]`; rows are `lengths` long
+        (default: all T). Logits past a row's length are zero."""
+        tokens, lengths = self._prompt(tokens, lengths)
+        return _forward(self.params, tokens, lengths, cfg=self.cfg, mesh=self.mesh)
+
+    def prefill(self, tokens: Any, lengths: Any = None, max_len: int | None = None) -> tuple[jax.Array, KVCache]:
+        """Run the prompts; return logits `[B, V]` at each row's last token and a cache with room for
+        `max_len` positions (default: T + 256, within max_position_embeddings)."""
+        tokens, lengths = self._prompt(tokens, lengths)
+        t = tokens.shape[1]
+        if max_len is None:
+            max_len = max(t, min(t + DEFAULT_DECODE_ROOM, self.cfg.max_position_embeddings))
+        if not t <= max_len <= self.cfg.max_position_embeddings:
+            raise ValueError(f"max_len={max_len} must be at least the prompt length {t} and at most "
+                             f"max_position_embeddings={self.cfg.max_position_embeddings}")
+        return _prefill(self.params, tokens, lengths, cfg=self.cfg, mesh=self.mesh, max_len=max_len)
+
+    def decode(self, cache: KVCache, tokens: Any) -> tuple[jax.Array, KVCache]:
+        """Feed one token per row (`tokens [B]`) at position `cache.lengths`; return logits `[B, V]` and
+        the grown cache. The cache passed in is consumed (its buffers are reused)."""
+        tokens = self._check_tokens(np.asarray(tokens), ndim=1)
+        if tokens.shape[0] != cache.batch_size:
+            raise ValueError(f"decode got {tokens.shape[0]} tokens for a cache of batch {cache.batch_size}")
+        longest = int(to_host(cache.lengths).max())
+        if longest >= cache.max_len:
+            raise ValueError(f"cache is full: a row has length {longest} = max_len {cache.max_len}; "
+                             f"prefill with a larger max_len")
+        return _decode(self.params, cache, self._put(tokens), cfg=self.cfg, mesh=self.mesh)
+
+    # ---- input checks --------------------------------------------------------------------------
+    def _put(self, x: np.ndarray) -> jax.Array:
+        return jax.device_put(x, replicated(self.mesh))
+
+    def _check_tokens(self, tokens: np.ndarray, ndim: int) -> np.ndarray:
+        if tokens.ndim != ndim or not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"tokens must be an integer array of rank {ndim}, got {tokens.dtype}{list(tokens.shape)}")
+        bad = (tokens < 0) | (tokens >= self.cfg.vocab_size)
+        if bad.any():
+            where = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(f"token id {int(tokens[where])} at index {where} is outside the vocabulary "
+                             f"[0, {self.cfg.vocab_size})")
+        return tokens.astype(np.int32)
+
+    def _prompt(self, tokens: Any, lengths: Any) -> tuple[jax.Array, jax.Array]:
+        tokens = self._check_tokens(np.asarray(tokens), ndim=2)
+        b, t = tokens.shape
+        lengths = np.full(b, t, np.int32) if lengths is None else np.asarray(lengths)
+        if lengths.shape != (b,) or not np.issubdtype(lengths.dtype, np.integer):
+            raise ValueError(f"lengths must be {b} integers, got {lengths.dtype}{list(lengths.shape)}")
+        if ((lengths < 1) | (lengths > t)).any():
+            raise ValueError(f"lengths {lengths.tolist()} must be within [1, {t}] (the padded prompt length)")
+        if t > self.cfg.max_position_embeddings:
+            raise ValueError(f"prompt length {t} exceeds max_position_embeddings={self.cfg.max_position_embeddings}")
+        return self._put(tokens), self._put(lengths.astype(np.int32))
+
+
+def _resolve(mesh: Mesh | None, dtype: Any) -> tuple[Mesh, jnp.dtype]:
+    return (make_mesh() if mesh is None else mesh), jnp.dtype(dtype)
+
+
+def init_random(cfg: Config, *, seed: int = 0, mesh: Mesh | None = None, dtype: Any = "bfloat16") -> Model:
+    """A model with random weights (std 1/sqrt(fan_in)), created directly in their shardings.
+    The values depend on `seed` only, not on the mesh."""
+    mesh, dtype = _resolve(mesh, dtype)
+    return Model(cfg, init_params(cfg, mesh, seed=seed, dtype=dtype), mesh)
+
+
+def load(path: str | Path, *, mesh: Mesh | None = None, dtype: Any = "bfloat16", progress: bool = True) -> Model:
+    """Load a HF safetensors checkpoint folder (release layout, bf16/f32/FP8) into `mesh`."""
+    mesh, dtype = _resolve(mesh, dtype)
+    cfg = Config.from_hf(path)
+    return Model(cfg, load_params(path, cfg, mesh, dtype, progress=progress), mesh)

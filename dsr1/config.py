@@ -1,0 +1,264 @@
+"""Model configuration: one frozen dataclass, read from a HF `config.json` or a named preset."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+
+
+class ConfigError(ValueError):
+    """A config.json that dsr1 cannot run, with the file and field at fault."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """YaRN parameters (DeepSeek-V3 uses `type: yarn`; `factor == 1` means plain RoPE)."""
+
+    factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Hyper-parameters of a DeepSeek-V3-architecture model (R1, V3, Kimi-K2, Moonlight, ...)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    first_k_dense_replace: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    max_position_embeddings: int = 4096
+    num_nextn_predict_layers: int = 0
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 0
+    eos_token_id: int | None = 1
+
+    def __post_init__(self):
+        _validate(self, "Config")
+
+    # ---- derived sizes -------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def num_dense_layers(self) -> int:
+        return min(self.first_k_dense_replace, self.num_hidden_layers)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_hidden_layers - self.num_dense_layers
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        return self.moe_intermediate_size * self.n_shared_experts
+
+    @property
+    def softmax_scale(self) -> float:
+        """`1/sqrt(qk_head_dim)`, times YaRN's `mscale(factor, mscale_all_dim)^2`."""
+        m = yarn_mscale(self.rope_scaling.factor, self.rope_scaling.mscale_all_dim)
+        return self.qk_head_dim**-0.5 * m * m
+
+    # ---- constructors -------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, path: str | Path) -> Config:
+        """Read a HF `config.json` (the file, or a checkpoint folder holding it)."""
+        path = Path(path)
+        file = path / "config.json" if path.is_dir() else path
+        try:
+            raw = json.loads(file.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{file}: no such file (expected a HF config.json or a folder holding one)")
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{file}: not valid JSON ({e})") from e
+        return cls.from_dict(raw, source=str(file))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], *, source: str = "config") -> Config:
+        """Build from the fields of a HF `config.json` already parsed into a dict."""
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"{source}: model_type={model_type!r} is not supported; dsr1 runs the DeepSeek-V3 "
+                f"architecture ({', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        _require(raw, "scoring_func", "sigmoid", source)
+        _require(raw, "topk_method", "noaux_tc", source)
+        _require(raw, "hidden_act", "silu", source)
+        if raw.get("moe_layer_freq", 1) != 1:
+            raise ConfigError(f"{source}: moe_layer_freq={raw['moe_layer_freq']} is not supported (only 1)")
+        if raw.get("attention_bias", False):
+            raise ConfigError(f"{source}: attention_bias=true is not supported")
+
+        def get(name: str, default: Any = dataclasses.MISSING) -> Any:
+            if name in raw and raw[name] is not None:
+                return raw[name]
+            if default is dataclasses.MISSING:
+                raise ConfigError(f"{source}: missing field {name!r}")
+            return default
+
+        eos = raw.get("eos_token_id", 1)
+        fields = dict(
+            vocab_size=get("vocab_size"),
+            hidden_size=get("hidden_size"),
+            intermediate_size=get("intermediate_size"),
+            moe_intermediate_size=get("moe_intermediate_size"),
+            num_hidden_layers=get("num_hidden_layers"),
+            num_attention_heads=get("num_attention_heads"),
+            q_lora_rank=raw.get("q_lora_rank"),
+            kv_lora_rank=get("kv_lora_rank"),
+            qk_nope_head_dim=get("qk_nope_head_dim"),
+            qk_rope_head_dim=get("qk_rope_head_dim"),
+            v_head_dim=get("v_head_dim"),
+            n_routed_experts=get("n_routed_experts"),
+            n_shared_experts=get("n_shared_experts", 0),
+            num_experts_per_tok=get("num_experts_per_tok"),
+            n_group=get("n_group", 1),
+            topk_group=get("topk_group", 1),
+            routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
+            norm_topk_prob=bool(get("norm_topk_prob", False)),
+            first_k_dense_replace=get("first_k_dense_replace", 0),
+            rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=get("max_position_embeddings", 4096),
+            num_nextn_predict_layers=get("num_nextn_predict_layers", 0),
+            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        )
+        theta, scaling = _read_rope(raw, source)
+        try:
+            return cls(**fields, rope_theta=theta, rope_scaling=scaling)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+    @classmethod
+    def preset(cls, name: str) -> Config:
+        """A named configuration: `deepseek-r1` (the release config) or `tiny` (a CPU demo model)."""
+        if name not in PRESETS:
+            raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        return PRESETS[name]
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The fields of a HF `config.json` describing this model (used to write test checkpoints)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "rope_scaling"}
+        d.update(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], hidden_act="silu",
+                 scoring_func="sigmoid", topk_method="noaux_tc", moe_layer_freq=1, attention_bias=False,
+                 num_key_value_heads=self.num_attention_heads, rope_interleave=True)
+        s = self.rope_scaling
+        if s.factor != 1.0:
+            d["rope_scaling"] = dict(type="yarn", **dataclasses.asdict(s))
+        return d
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention temperature: `0.1 * mscale * ln(factor) + 1` (1 when not extending)."""
+    return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _require(raw: dict, field: str, expected: str, source: str) -> None:
+    value = raw.get(field, expected)
+    if value != expected:
+        raise ConfigError(f"{source}: {field}={value!r} is not supported (dsr1 implements {expected!r})")
+
+
+def _read_rope(raw: dict, source: str) -> tuple[float, RopeScaling]:
+    """`rope_scaling` (older HF) or `rope_parameters` (newer HF) to (theta, RopeScaling)."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, RopeScaling()
+    if kind != "yarn":
+        raise ConfigError(f"{source}: rope type {kind!r} is not supported (only 'yarn' or none)")
+    try:
+        scaling = RopeScaling(
+            factor=float(params["factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            beta_fast=float(params.get("beta_fast", 32.0)),
+            beta_slow=float(params.get("beta_slow", 1.0)),
+            mscale=float(params.get("mscale", 1.0)),
+            mscale_all_dim=float(params.get("mscale_all_dim", 0.0)),
+        )
+    except KeyError as e:
+        raise ConfigError(f"{source}: yarn rope scaling is missing field {e.args[0]!r}") from None
+    return theta, scaling
+
+
+def _validate(cfg: Config, source: str) -> None:
+    def fail(msg: str):
+        raise ConfigError(msg)
+
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
+                 "qk_nope_head_dim", "v_head_dim", "n_routed_experts", "num_experts_per_tok"):
+        if getattr(cfg, name) <= 0:
+            fail(f"{name}={getattr(cfg, name)} must be positive")
+    if cfg.qk_rope_head_dim <= 0 or cfg.qk_rope_head_dim % 2:
+        fail(f"qk_rope_head_dim={cfg.qk_rope_head_dim} must be a positive even number (rope rotates pairs)")
+    if cfg.n_routed_experts % cfg.n_group:
+        fail(f"n_routed_experts={cfg.n_routed_experts} is not divisible by n_group={cfg.n_group}")
+    per_group = cfg.n_routed_experts // cfg.n_group
+    if per_group < 2 and cfg.n_group > 1:
+        fail(f"n_group={cfg.n_group} leaves {per_group} expert per group; group scores need at least 2")
+    if not 1 <= cfg.topk_group <= cfg.n_group:
+        fail(f"topk_group={cfg.topk_group} must be in [1, n_group={cfg.n_group}]")
+    if cfg.num_experts_per_tok > cfg.topk_group * per_group:
+        fail(f"num_experts_per_tok={cfg.num_experts_per_tok} exceeds the {cfg.topk_group * per_group} experts "
+             f"in topk_group={cfg.topk_group} groups")
+    if cfg.first_k_dense_replace < 0:
+        fail(f"first_k_dense_replace={cfg.first_k_dense_replace} must be >= 0")
+
+
+def _r1() -> Config:
+    return Config(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256,
+        n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+        norm_topk_prob=True, first_k_dense_replace=3, rms_norm_eps=1e-6, rope_theta=10000.0,
+        rope_scaling=RopeScaling(factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
+                                 beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+        max_position_embeddings=163840, num_nextn_predict_layers=1, bos_token_id=0, eos_token_id=1,
+    )
+
+
+def _tiny() -> Config:
+    """R1's structure at toy size: 2-of-4 groups, 16 experts, YaRN, a dense layer, then MoE."""
+    return Config(
+        vocab_size=1024, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=3, num_attention_heads=4, q_lora_rank=64, kv_lora_rank=32,
+        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=16,
+        n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        norm_topk_prob=True, first_k_dense_replace=1, rope_theta=10000.0,
+        rope_scaling=RopeScaling(factor=4.0, original_max_position_embeddings=512, beta_fast=32.0,
+                                 beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+        max_position_embeddings=2048, num_nextn_predict_layers=0,
+    )
+
+
+PRESETS: dict[str, Config] = {"deepseek-r1": _r1(), "tiny": _tiny()}

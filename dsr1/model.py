@@ -1,0 +1,122 @@
+"""DeepSeek-V3 forward passes as pure functions of (params, inputs).
+
+Layers are stacked (the dense ones, then the MoE ones) and run under `jax.lax.scan`, so compile
+time does not grow with depth. The residual stream is float32; matmuls run in the weights' dtype.
+
+- `forward`: logits for every position (prefill attention path).
+- `prefill`: logits at each row's last token, and a KVCache holding the prompts' latents.
+- `decode`: one token per row with absorbed attention against the cache.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from .attention import attend_decode, attend_prefill
+from .cache import KVCache, append_token, cache_from_prefill
+from .config import Config
+from .layers import mlp, rms_norm
+from .moe import moe
+from .params import Params
+
+STACKS = ("dense_layers", "moe_layers")
+
+
+def _replicate(x: jax.Array, mesh: Mesh) -> jax.Array:
+    """Low-latency layout: activations are replicated; only weights are split."""
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
+
+
+def _feed_forward(p: dict, x: jax.Array, cfg: Config, mesh: Mesh) -> jax.Array:
+    if "moe" in p:
+        with jax.named_scope("moe"):
+            return moe(p["moe"], x, cfg, mesh)
+    with jax.named_scope("mlp"):
+        return mlp(p["mlp"], x).astype(jnp.float32)
+
+
+def _block(p: dict, x: jax.Array, attend, cfg: Config, mesh: Mesh):
+    """One pre-norm transformer layer; `attend(p, normed_x)` returns (out, new latents)."""
+    h, new_kv = attend(p, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps))
+    x = _replicate(x + h.astype(jnp.float32), mesh)
+    x = x + _feed_forward(p, rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), cfg, mesh)
+    return _replicate(x, mesh), new_kv
+
+
+def _embed(params: Params, tokens: jax.Array) -> jax.Array:
+    return params["embed"][tokens].astype(jnp.float32)
+
+
+def _logits(params: Params, x: jax.Array, cfg: Config) -> jax.Array:
+    with jax.named_scope("lm_head"):
+        x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+        return jnp.matmul(x, params["lm_head"], preferred_element_type=jnp.float32)
+
+
+def _prefill_hidden(params: Params, tokens: jax.Array, cfg: Config, mesh: Mesh):
+    """Final hidden states `[B, T, D]` and every layer's latents `([L, B, T, r], [L, B, T, rope])`."""
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    x = _replicate(_embed(params, tokens), mesh)
+    latents = []
+    for stack in STACKS:
+        if stack not in params:
+            continue
+
+        def layer(x, p):
+            return _block(p, x, lambda p, h: attend_prefill(p, h, positions, cfg), cfg, mesh)
+
+        with jax.named_scope(stack):
+            x, kv = jax.lax.scan(layer, x, params[stack])
+        latents.append(kv)
+    c_kv = jnp.concatenate([c for c, _ in latents])
+    k_pe = jnp.concatenate([k for _, k in latents])
+    return x, (c_kv, k_pe)
+
+
+def forward(params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg: Config, mesh: Mesh) -> jax.Array:
+    """Logits `[B, T, V]` (float32) for right-padded `tokens [B, T]`; positions >= lengths are zero."""
+    x, _ = _prefill_hidden(params, tokens, cfg, mesh)
+    logits = _logits(params, x, cfg)
+    valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
+    return _replicate(jnp.where(valid[..., None], logits, 0.0), mesh)
+
+
+def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg: Config, mesh: Mesh,
+            max_len: int) -> tuple[jax.Array, KVCache]:
+    """Logits `[B, V]` at each row's last prompt token, and a cache of `max_len` positions."""
+    x, (c_kv, k_pe) = _prefill_hidden(params, tokens, cfg, mesh)
+    last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    logits = _replicate(_logits(params, last, cfg), mesh)
+    cache = cache_from_prefill(c_kv.astype(params["embed"].dtype), k_pe.astype(params["embed"].dtype),
+                               lengths, max_len)
+    return logits, jax.tree.map(lambda a: _replicate(a, mesh), cache)
+
+
+def decode(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config,
+           mesh: Mesh) -> tuple[jax.Array, KVCache]:
+    """Logits `[B, V]` for one new token per row at position `cache.lengths`, and the grown cache."""
+    positions = cache.lengths
+    x = _replicate(_embed(params, tokens), mesh)
+    new_latents = []
+    first_layer = 0
+    for stack in STACKS:
+        if stack not in params:
+            continue
+        n = jax.tree.leaves(params[stack])[0].shape[0]
+
+        def layer(x, inputs):
+            p, i = inputs
+            # The cache is read in place by layer index (a loop invariant), never sliced into a copy.
+            attend = lambda p, h: attend_decode(p, h, positions, cache.c_kv[i], cache.k_pe[i], cache.lengths, cfg)
+            return _block(p, x, attend, cfg, mesh)
+
+        with jax.named_scope(stack):
+            x, kv = jax.lax.scan(layer, x, (params[stack], first_layer + jnp.arange(n)))
+        new_latents.append(kv)
+        first_layer += n
+    c_new = jnp.concatenate([c for c, _ in new_latents])
+    pe_new = jnp.concatenate([k for _, k in new_latents])
+    logits = _replicate(_logits(params, x, cfg), mesh)
+    return logits, jax.tree.map(lambda a: _replicate(a, mesh), append_token(cache, c_new, pe_new))

@@ -1,0 +1,84 @@
+"""DeepSeekMoE: group-limited sigmoid routing and dropless routed experts with `ragged_dot`.
+
+Routing (DeepSeek-V3): `s = sigmoid(x W_gate)` in float32. Selection uses `s + bias` (the
+correction bias): groups are scored by their two best biased scores, the best `topk_group` groups
+are kept and the top `num_experts_per_tok` experts taken among them. The weights are the
+*unbiased* `s` of the chosen experts, normalized when `norm_topk_prob`, times
+`routed_scaling_factor`. Shared experts always run.
+
+Experts run under `shard_map`: each device sorts the token-expert pairs routed to its local experts,
+runs `ragged_dot` for gate/up and down on its slice of the expert ffw, and the partial outputs are
+summed over the expert and tensor mesh axes.
+"""
+
+from __future__ import annotations
+
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from .config import Config
+from .layers import mlp
+from .sharding import LOGICAL_RULES, logical_spec, moe_reduce_axes
+
+
+def route(x: jax.Array, router: jax.Array, bias: jax.Array, cfg: Config) -> tuple[jax.Array, jax.Array]:
+    """`x [N, D]` -> `(weights [N, K] float32, expert ids [N, K] int32)`."""
+    with jax.named_scope("router"):
+        logits = jnp.matmul(x.astype(jnp.float32), router, precision=jax.lax.Precision.HIGHEST)
+        scores = jax.nn.sigmoid(logits)
+        biased = scores + bias
+        if cfg.topk_group < cfg.n_group:
+            n, e = biased.shape
+            grouped = biased.reshape(n, cfg.n_group, e // cfg.n_group)
+            group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)
+            _, kept = jax.lax.top_k(group_scores, cfg.topk_group)
+            group_mask = jax.nn.one_hot(kept, cfg.n_group, dtype=jnp.bool_).any(axis=1)
+            expert_mask = jnp.repeat(group_mask, e // cfg.n_group, axis=1)
+            biased = jnp.where(expert_mask, biased, -jnp.inf)
+        _, experts = jax.lax.top_k(biased, cfg.num_experts_per_tok)
+        weights = jnp.take_along_axis(scores, experts, axis=1)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, experts.astype(jnp.int32)
+
+
+def _local_experts(x, weights, experts, gate, up, down):
+    """Per-device body: this device's experts (and ffw slice) applied to every token routed to them."""
+    n_local = gate.shape[0]
+    first = jax.lax.axis_index(LOGICAL_RULES["experts"]) * n_local if LOGICAL_RULES["experts"] else 0
+    local = experts.reshape(-1) - first
+    is_local = (local >= 0) & (local < n_local)
+    local = jnp.where(is_local, local, n_local)  # other devices' pairs sort last and are dropped
+    order = jnp.argsort(local)
+    token = order // experts.shape[1]
+    group_sizes = jnp.bincount(local, length=n_local + 1)[:n_local].astype(jnp.int32)
+    xs = x[token].astype(gate.dtype)
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, group_sizes)) * jax.lax.ragged_dot(xs, up, group_sizes)
+    y = jax.lax.ragged_dot(h, down, group_sizes, preferred_element_type=jnp.float32)
+    w = jnp.where(is_local[order], weights.reshape(-1)[order], 0.0)
+    out = jnp.zeros((x.shape[0], down.shape[-1]), jnp.float32).at[token].add(y * w[:, None])
+    return jax.lax.psum(out, moe_reduce_axes())
+
+
+def routed_experts(p: dict, x: jax.Array, weights: jax.Array, experts: jax.Array, mesh: Mesh) -> jax.Array:
+    """Dropless routed-expert output `[N, D]` (float32), experts split over the expert mesh axis."""
+    with jax.named_scope("routed_experts"):
+        w_in = logical_spec(("experts", "embed", "expert_ffw"))
+        w_out = logical_spec(("experts", "expert_ffw", "embed"))
+        body = jax.shard_map(_local_experts, mesh=mesh, in_specs=(P(), P(), P(), w_in, w_in, w_out),
+                             out_specs=P())
+        return body(x, weights, experts, p["gate"], p["up"], p["down"])
+
+
+def moe(p: dict, x: jax.Array, cfg: Config, mesh: Mesh) -> jax.Array:
+    """The DeepSeekMoE block on `x [..., D]`: routed experts plus shared experts."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    weights, experts = route(x, p["router"], p["router_bias"], cfg)
+    out = routed_experts(p, x, weights, experts, mesh)
+    if "shared" in p:
+        with jax.named_scope("shared_experts"):
+            out = out + mlp(p["shared"], x).astype(jnp.float32)
+    return out.reshape(shape)

@@ -1,0 +1,153 @@
+"""Every weight declared once: shape, logical axes and initializer. Shardings and sharded random
+init are derived from these declarations, so no weight is ever materialized on one device.
+
+Layout: matrices are stored `[in, out]` (x @ W), per-head matrices keep the head axis explicit,
+and layers are stacked on a leading axis (dense layers and MoE layers in two stacks) so the model
+runs them under `jax.lax.scan`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from .config import Config
+from .sharding import LogicalAxes, check_divisible, logical_sharding
+
+Params = dict[str, Any]  # nested dicts of jax.Array, same structure as param_specs()
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayInfo:
+    """A weight's declaration. `dtype=None` means "the model's dtype"; router weights stay float32."""
+
+    shape: tuple[int, ...]
+    axes: LogicalAxes
+    init: str  # "normal" (std 1/sqrt(fan_in)), "ones", "bias"
+    dtype: Any = None
+    fan_in: int = 1
+
+
+def _linear(shape: tuple[int, ...], axes: LogicalAxes, fan_in: int) -> ArrayInfo:
+    return ArrayInfo(shape, axes, "normal", fan_in=fan_in)
+
+
+def _norm(size: int) -> ArrayInfo:
+    return ArrayInfo((size,), (None,), "ones")
+
+
+def attention_specs(cfg: Config) -> dict[str, ArrayInfo]:
+    d, h, r = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank
+    specs = {
+        "attn_norm": _norm(d),
+        "kv_a": _linear((d, r + cfg.qk_rope_head_dim), ("embed", "kv_lora"), d),
+        "kv_a_norm": _norm(r),
+        # kv_b_proj split into W_UK and W_UV, stored [heads, out, latent] so decode can absorb them.
+        "wk_b": _linear((h, cfg.qk_nope_head_dim, r), ("heads", "head_dim", "kv_lora"), r),
+        "wv_b": _linear((h, cfg.v_head_dim, r), ("heads", "head_dim", "kv_lora"), r),
+        "o": _linear((h, cfg.v_head_dim, d), ("heads", "head_dim", "embed"), h * cfg.v_head_dim),
+        "mlp_norm": _norm(d),
+    }
+    if cfg.q_lora_rank is None:
+        specs["q"] = _linear((d, h, cfg.qk_head_dim), ("embed", "heads", "head_dim"), d)
+    else:
+        q = cfg.q_lora_rank
+        specs["q_a"] = _linear((d, q), ("embed", "q_lora"), d)
+        specs["q_a_norm"] = _norm(q)
+        specs["q_b"] = _linear((q, h, cfg.qk_head_dim), ("q_lora", "heads", "head_dim"), q)
+    return specs
+
+
+def mlp_specs(d: int, f: int) -> dict[str, ArrayInfo]:
+    return {
+        "gate": _linear((d, f), ("embed", "ffw"), d),
+        "up": _linear((d, f), ("embed", "ffw"), d),
+        "down": _linear((f, d), ("ffw", "embed"), f),
+    }
+
+
+def moe_specs(cfg: Config) -> dict[str, Any]:
+    d, e, f = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+    specs: dict[str, Any] = {
+        "router": ArrayInfo((d, e), ("embed", None), "normal", jnp.float32, d),
+        "router_bias": ArrayInfo((e,), (None,), "bias", jnp.float32),
+        "gate": _linear((e, d, f), ("experts", "embed", "expert_ffw"), d),
+        "up": _linear((e, d, f), ("experts", "embed", "expert_ffw"), d),
+        "down": _linear((e, f, d), ("experts", "expert_ffw", "embed"), f),
+    }
+    if cfg.n_shared_experts:
+        specs["shared"] = mlp_specs(d, cfg.shared_intermediate_size)
+    return specs
+
+
+def _stack(tree: dict[str, Any], n: int) -> dict[str, Any]:
+    return jax.tree.map(lambda s: dataclasses.replace(s, shape=(n, *s.shape), axes=("layers", *s.axes)),
+                        tree, is_leaf=lambda x: isinstance(x, ArrayInfo))
+
+
+def param_specs(cfg: Config) -> dict[str, Any]:
+    """The declaration of every weight of the model, as a pytree of ArrayInfo."""
+    specs: dict[str, Any] = {
+        "embed": ArrayInfo((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), "normal", fan_in=1),
+        "final_norm": _norm(cfg.hidden_size),
+        "lm_head": _linear((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg.hidden_size),
+    }
+    if cfg.num_dense_layers:
+        specs["dense_layers"] = _stack(
+            {**attention_specs(cfg), "mlp": mlp_specs(cfg.hidden_size, cfg.intermediate_size)},
+            cfg.num_dense_layers)
+    if cfg.num_moe_layers:
+        specs["moe_layers"] = _stack({**attention_specs(cfg), "moe": moe_specs(cfg)}, cfg.num_moe_layers)
+    return specs
+
+
+def is_spec(x: Any) -> bool:
+    return isinstance(x, ArrayInfo)
+
+
+def resolved_dtype(spec: ArrayInfo, dtype: Any) -> jnp.dtype:
+    return jnp.dtype(spec.dtype if spec.dtype is not None else dtype)
+
+
+def shardings(cfg: Config, mesh: Mesh) -> dict[str, Any]:
+    """NamedSharding of every weight, checking that each sharded dimension splits evenly."""
+    def one(path, spec: ArrayInfo):
+        check_divisible(mesh, spec.shape, spec.axes, jax.tree_util.keystr(path))
+        return logical_sharding(mesh, spec.axes)
+    return jax.tree_util.tree_map_with_path(one, param_specs(cfg), is_leaf=is_spec)
+
+
+def abstract_params(cfg: Config, mesh: Mesh, dtype: Any) -> dict[str, Any]:
+    """ShapeDtypeStructs with shardings: what a loader must produce."""
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, resolved_dtype(s, dtype), sharding=sh),
+                        param_specs(cfg), shardings(cfg, mesh), is_leaf=is_spec)
+
+
+def _init_leaf(path, spec: ArrayInfo, key: jax.Array, dtype: Any) -> jax.Array:
+    # Each weight's key depends only on its name, so values do not depend on the mesh.
+    key = jax.random.fold_in(key, zlib.crc32(jax.tree_util.keystr(path).encode()))
+    dt = resolved_dtype(spec, dtype)
+    if spec.init == "ones":
+        return jnp.ones(spec.shape, dt)
+    if spec.init == "bias":
+        return (0.01 * jax.random.normal(key, spec.shape, jnp.float32)).astype(dt)
+    std = spec.fan_in ** -0.5
+    return (std * jax.random.normal(key, spec.shape, jnp.float32)).astype(dt)
+
+
+def init_params(cfg: Config, mesh: Mesh, *, seed: int, dtype: Any) -> Params:
+    """Random weights created directly in their shardings (one jitted program, no host copy)."""
+    specs = param_specs(cfg)
+    out_shardings = shardings(cfg, mesh)
+
+    def build(key):
+        return jax.tree_util.tree_map_with_path(lambda p, s: _init_leaf(p, s, key, dtype), specs, is_leaf=is_spec)
+
+    init: Callable = jax.jit(build, out_shardings=out_shardings)
+    return init(jax.random.key(seed))

@@ -1,0 +1,60 @@
+"""Rotary position embedding with YaRN frequency scaling, on interleaved pairs.
+
+DeepSeek's weights expect RoPE applied to pairs `(x[2i], x[2i+1])`, each rotated by frequency i
+(the reference code views them as complex numbers), not to the two halves of the vector.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import Config, yarn_mscale
+
+
+def _correction_dim(rotations: float, dim: int, base: float, max_pos: int) -> float:
+    return dim * math.log(max_pos / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+
+def inverse_frequencies(cfg: Config) -> np.ndarray:
+    """Per-pair angular frequencies `[qk_rope_head_dim // 2]` (float32), YaRN-blended when scaled."""
+    dim, base, s = cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling
+    # float32 throughout, as the reference computes it, so angles agree to the last bit that matters.
+    exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+    extrapolated = np.float32(1.0) / (np.float32(base) ** exponents)
+    if s.factor == 1.0:
+        return extrapolated
+    interpolated = extrapolated / np.float32(s.factor)
+    low = max(math.floor(_correction_dim(s.beta_fast, dim, base, s.original_max_position_embeddings)), 0)
+    high = min(math.ceil(_correction_dim(s.beta_slow, dim, base, s.original_max_position_embeddings)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
+    keep_extrapolated = np.float32(1) - ramp
+    return (interpolated * (1 - keep_extrapolated) + extrapolated * keep_extrapolated).astype(np.float32)
+
+
+def attention_factor(cfg: Config) -> float:
+    """YaRN's magnitude correction applied to cos and sin (1.0 for R1, where mscale == mscale_all_dim)."""
+    s = cfg.rope_scaling
+    return yarn_mscale(s.factor, s.mscale) / yarn_mscale(s.factor, s.mscale_all_dim)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, cfg: Config) -> jax.Array:
+    """Rotate interleaved pairs of the last axis of `x [..., T, (H,) rope_dim]` by `positions [..., T]`.
+
+    `x` may carry a head axis after the position axis; positions broadcast over it.
+    """
+    inv_freq = jnp.asarray(inverse_frequencies(cfg))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, dim/2]
+    if x.ndim == angles.ndim + 1:  # a head axis sits between positions and features
+        angles = angles[..., None, :]
+    scale = attention_factor(cfg)
+    cos, sin = jnp.cos(angles) * scale, jnp.sin(angles) * scale
+    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
+    return rotated.reshape(x.shape).astype(x.dtype)

@@ -1,0 +1,85 @@
+"""Reading safetensors shards by memory map, with errors that name the file and tensor.
+
+The format is an 8-byte little-endian header length, a JSON header mapping each tensor name to
+`{dtype, shape, data_offsets}`, then the raw bytes. Reading through `numpy.memmap` lets a loader
+touch only the tensors (and rows) it needs; FP8 and bf16 come from `ml_dtypes`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+}
+MAX_HEADER_BYTES = 100 * 2**20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read as asked, naming the file and tensor at fault."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offset in the file
+    end: int
+
+
+def read_header(file: Path) -> dict[str, TensorInfo]:
+    """Every tensor's description in one shard, checked against the file's real size."""
+    try:
+        size = os.path.getsize(file)
+        with open(file, "rb") as f:
+            raw_len = f.read(8)
+            if len(raw_len) < 8:
+                raise CheckpointError(f"{file}: truncated safetensors file ({size} bytes, no header)")
+            header_len = int.from_bytes(raw_len, "little")
+            if header_len > min(MAX_HEADER_BYTES, size - 8):
+                raise CheckpointError(f"{file}: corrupt or truncated safetensors header "
+                                      f"(claims {header_len} bytes, file has {size})")
+            header = json.loads(f.read(header_len))
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: missing checkpoint shard") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: corrupt safetensors header ({e})") from None
+    data_start = 8 + header_len
+    tensors = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = meta["dtype"], tuple(meta["shape"]), meta["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{file}: tensor {name!r} has a malformed header entry {meta!r}") from None
+        if dtype not in DTYPES:
+            raise CheckpointError(f"{file}: tensor {name!r} has unsupported dtype {dtype}")
+        expected = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
+        if end - begin != expected:
+            raise CheckpointError(f"{file}: tensor {name!r} holds {end - begin} bytes, but {dtype}{list(shape)} "
+                                  f"needs {expected}")
+        if data_start + end > size:
+            raise CheckpointError(f"{file}: truncated: tensor {name!r} ends at byte {data_start + end}, "
+                                  f"file has {size}")
+        tensors[name] = TensorInfo(name, file, dtype, shape, data_start + begin, data_start + end)
+    return tensors
+
+
+def read_tensor(info: TensorInfo) -> np.ndarray:
+    """The tensor as a read-only memory-mapped numpy array (no bytes are read until used)."""
+    dtype = DTYPES[info.dtype]
+    if info.end == info.begin:
+        return np.zeros(info.shape, dtype)
+    return np.memmap(info.file, dtype=dtype, mode="r", offset=info.begin, shape=info.shape)
