@@ -1,0 +1,30 @@
+"""Shared fixtures: tiny release-layout checkpoints with their HF float32 reference logits."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from harness import Fixture, build_fixture  # noqa: E402
+from reference import CONFIGS  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def all_fixtures(tmp_path_factory) -> dict[str, Fixture]:
+    """Every reference variant, built once per session; the R1-like one carries an MTP layer."""
+    root = tmp_path_factory.mktemp("ckpt")
+    return {name: build_fixture(root, name, mtp=name == "grouped_qlora") for name in sorted(CONFIGS)}
+
+
+@pytest.fixture(params=sorted(CONFIGS))
+def fixture(request, all_fixtures) -> Fixture:
+    return all_fixtures[request.param]
+
+
+@pytest.fixture
+def grouped(all_fixtures) -> Fixture:
+    """The R1-like variant: group-limited routing, q_lora, odd head dims, MTP layer in the folder."""
+    return all_fixtures["grouped_qlora"]

@@ -1,0 +1,93 @@
+"""Test harness: reference fixtures, the decode-versus-reference loop and subprocess helpers."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+import reference  # noqa: E402
+
+
+MIN_ROUTING_MARGIN = 2e-5  # below this, float32 rounding may legitimately flip an expert choice
+TOLERANCE = 1e-4  # max |dlogit| <= TOLERANCE * max |logit|
+EOS = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Fixture:
+    name: str
+    folder: Path
+    hf_config: dict
+    tokens: np.ndarray  # [B, T], right-padded (padding is 0)
+    lengths: np.ndarray  # [B]
+    reference: np.ndarray  # HF float32 logits [B, T, V]; valid at positions < lengths
+    seed: int
+    margin: float
+
+
+def prompt_batch(vocab: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Three prompts of different lengths, one holding EOS tokens inside it, reaching past
+    original_max_position_embeddings (16) up to 40 positions."""
+    rng = np.random.default_rng(1000 + seed)
+    lengths = np.array([40, 29, 17], np.int32)
+    tokens = rng.integers(2, vocab, (3, 40)).astype(np.int32)
+    tokens[1, [5, 11]] = EOS
+    for row, n in enumerate(lengths):
+        tokens[row, n:] = 0
+    return tokens, lengths
+
+
+def build_fixture(root: Path, name: str, mtp: bool = False) -> Fixture:
+    cfg = reference.hf_config(reference.CONFIGS[name])
+    if mtp:
+        cfg["num_nextn_predict_layers"] = 1
+    for seed in range(20):
+        folder = root / f"{name}-{seed}"
+        reference.write_checkpoint(folder, cfg, reference.release_tensors(cfg, seed, mtp=mtp))
+        tokens, lengths = prompt_batch(cfg["vocab_size"], seed)
+        logits, margin = reference.reference_logits(folder, tokens)
+        if margin >= MIN_ROUTING_MARGIN:
+            return Fixture(name, folder, cfg, tokens, lengths, logits, seed, margin)
+    raise RuntimeError(f"{name}: no seed gave a routing margin >= {MIN_ROUTING_MARGIN}")
+
+
+def decode_logits(model, fx: Fixture, prefix: np.ndarray) -> dict[tuple[int, int], np.ndarray]:
+    """Prefill `prefix[b]` tokens of each row, then decode the rest of the row one token at a time.
+
+    Returns the logits predicted at every position >= prefix - 1, keyed by (row, position): the
+    prefill gives position prefix-1, each decode step the position of the token it was fed.
+    """
+    from dsr1.sharding import to_host
+
+    b, t = fx.tokens.shape
+    steps = int((fx.lengths - prefix).max())
+    # Rows that finish early keep decoding (their logits are ignored), so leave room for them.
+    logits, cache = model.prefill(fx.tokens[:, : prefix.max()], prefix, max_len=int(prefix.max()) + steps)
+    out = {(r, int(prefix[r]) - 1): to_host(logits)[r] for r in range(b)}
+    for step in range(steps):
+        pos = prefix + step
+        feed = np.where(pos < fx.lengths, fx.tokens[np.arange(b), np.minimum(pos, t - 1)], 0)
+        logits, cache = model.decode(cache, feed)
+        host = to_host(logits)
+        out.update({(r, int(pos[r])): host[r] for r in range(b) if pos[r] < fx.lengths[r]})
+    return out
+
+
+DECODE_PREFIX = np.array([3, 20, 9], np.int32)  # rows decode 37, 9 and 8 tokens
+
+
+def relative_error(ours: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+def subprocess_env(devices: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+    return env
