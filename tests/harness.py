@@ -56,7 +56,7 @@ def build_fixture(root: Path, name: str, mtp: bool = False) -> Fixture:
     raise RuntimeError(f"{name}: no seed gave a routing margin >= {MIN_ROUTING_MARGIN}")
 
 
-def decode_logits(model, fx: Fixture, prefix: np.ndarray) -> dict[tuple[int, int], np.ndarray]:
+def decode_logits(model, tokens: np.ndarray, lengths: np.ndarray, prefix: np.ndarray) -> dict[tuple[int, int], np.ndarray]:
     """Prefill `prefix[b]` tokens of each row, then decode the rest of the row one token at a time.
 
     Returns the logits predicted at every position >= prefix - 1, keyed by (row, position): the
@@ -64,17 +64,17 @@ def decode_logits(model, fx: Fixture, prefix: np.ndarray) -> dict[tuple[int, int
     """
     from dsr1.sharding import to_host
 
-    b, t = fx.tokens.shape
-    steps = int((fx.lengths - prefix).max())
+    b, t = tokens.shape
+    steps = int((lengths - prefix).max())
     # Rows that finish early keep decoding (their logits are ignored), so leave room for them.
-    logits, cache = model.prefill(fx.tokens[:, : prefix.max()], prefix, max_len=int(prefix.max()) + steps)
+    logits, cache = model.prefill(tokens[:, : prefix.max()], prefix, max_len=int(prefix.max()) + steps)
     out = {(r, int(prefix[r]) - 1): to_host(logits)[r] for r in range(b)}
     for step in range(steps):
         pos = prefix + step
-        feed = np.where(pos < fx.lengths, fx.tokens[np.arange(b), np.minimum(pos, t - 1)], 0)
+        feed = np.where(pos < lengths, tokens[np.arange(b), np.minimum(pos, t - 1)], 0)
         logits, cache = model.decode(cache, feed)
         host = to_host(logits)
-        out.update({(r, int(pos[r])): host[r] for r in range(b) if pos[r] < fx.lengths[r]})
+        out.update({(r, int(pos[r])): host[r] for r in range(b) if pos[r] < lengths[r]})
     return out
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 BASE = dict(
-    vocab_size=211, hidden_size=48, intermediate_size=80, moe_intermediate_size=24,
+    vocab_size=220, hidden_size=48, intermediate_size=80, moe_intermediate_size=24,
     num_hidden_layers=3, num_attention_heads=4, q_lora_rank=24, kv_lora_rank=20,
     qk_nope_head_dim=7, qk_rope_head_dim=6, v_head_dim=5, n_routed_experts=16, n_shared_experts=1,
     num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,

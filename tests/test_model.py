@@ -32,7 +32,7 @@ def test_unpadded_forward_matches_hf(fixture, model):
 
 
 def test_decode_matches_hf_position_by_position(fixture, model):
-    decoded = decode_logits(model, fixture, DECODE_PREFIX)
+    decoded = decode_logits(model, fixture.tokens, fixture.lengths, DECODE_PREFIX)
     assert len(decoded) == int((fixture.lengths - DECODE_PREFIX + 1).sum())
     errors = {key: relative_error(v, fixture.reference[key]) for key, v in decoded.items()}
     worst = max(errors, key=errors.get)

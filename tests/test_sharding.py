@@ -1,0 +1,88 @@
+"""The same logits on 1 device, on 8 fake CPU devices under expert x tensor meshes, and in
+2 processes x 2 devices (jax.distributed over gloo)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dsr1
+from harness import DECODE_PREFIX, TOLERANCE, decode_logits, relative_error, subprocess_env
+
+WORKER = str(Path(__file__).parent / "mesh_worker.py")
+SAME = 1e-5  # sharded vs single-device: only the order of float32 sums differs
+
+
+@pytest.fixture(scope="module")
+def single_device(all_fixtures, tmp_path_factory):
+    """The R1-like fixture on one device: inputs file and logits to compare against."""
+    fx = all_fixtures["grouped_qlora"]
+    model = dsr1.load(fx.folder, dtype="float32", progress=False)
+    inputs = tmp_path_factory.mktemp("mesh") / "inputs.npz"
+    np.savez(inputs, tokens=fx.tokens, lengths=fx.lengths, prefix=DECODE_PREFIX)
+    return fx, inputs, np.asarray(model.forward(fx.tokens, fx.lengths)), decode_logits(
+        model, fx.tokens, fx.lengths, DECODE_PREFIX)
+
+
+def _compare(result: dict, single_device, label: str) -> None:
+    fx, _, forward, decoded = single_device
+    valid = np.arange(forward.shape[1])[None, :] < fx.lengths[:, None]
+    fwd_err = relative_error(result["forward"][valid], forward[valid])
+    dec_err = max(relative_error(v, decoded[tuple(k)]) for k, v in zip(result["decode_keys"], result["decode"]))
+    ref_err = max(relative_error(result["forward"][r, :n], fx.reference[r, :n]) for r, n in enumerate(fx.lengths))
+    print(f"\n[{label}] vs 1 device: forward {fwd_err:.1e}, decode {dec_err:.1e}; vs HF {ref_err:.1e}")
+    assert len(result["decode_keys"]) == len(decoded)
+    assert fwd_err <= SAME and dec_err <= SAME and ref_err <= TOLERANCE
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(args: list[str], devices: int, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, WORKER, *args], env=subprocess_env(devices), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("expert,tensor", [(None, None), (8, 1), (2, 4)])
+def test_eight_fake_devices(single_device, tmp_path, expert, tensor):
+    fx, inputs, *_ = single_device
+    out = tmp_path / "out.npz"
+    sizes = [f"--expert={expert}"] * (expert is not None) + [f"--tensor={tensor}"] * (tensor is not None)
+    proc = _run(["--folder", str(fx.folder), "--inputs", str(inputs), "--out", str(out), *sizes], devices=8)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = dict(np.load(out))
+    e, t = result["mesh_shape"]
+    assert e * t == 8 and (expert is None or (e, t) == (expert, tensor))
+    n_experts, heads = fx.hf_config["n_routed_experts"], fx.hf_config["num_attention_heads"]
+    assert result["local_expert_shard"][1] == n_experts // e, "experts must be split over the expert axis"
+    assert result["local_head_shard"][2] == heads // t, "heads must be split over the tensor axis"
+    _compare(result, single_device, f"8 devices, expert={e} x tensor={t}")
+
+
+@pytest.mark.slow
+def test_two_processes_two_devices_each(single_device, tmp_path):
+    fx, inputs, *_ = single_device
+    port, out = _free_port(), tmp_path / "out.npz"
+    common = ["--folder", str(fx.folder), "--inputs", str(inputs), "--out", str(out), "--expert=2", "--tensor=2",
+              "--num-processes=2", f"--port={port}"]
+    procs = [subprocess.Popen([sys.executable, WORKER, *common, f"--process-id={i}"], env=subprocess_env(2),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        outputs = [p.communicate(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+    result = dict(np.load(out))
+    assert int(result["processes"]) == 2 and int(result["devices"]) == 4
+    _compare(result, single_device, "2 processes x 2 devices, expert=2 x tensor=2")
