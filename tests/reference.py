@@ -150,15 +150,15 @@ def routing_margin(router_logits: np.ndarray, bias: np.ndarray, cfg: dict[str, A
     return float(min(m.min() for m in margins))
 
 
-def reference_logits(folder: Path, tokens: np.ndarray) -> tuple[np.ndarray, float]:
-    """HF float32 logits `[B, T, V]` for unpadded rows, and the smallest routing margin seen."""
+def reference_logits(folder: Path, tokens: np.ndarray, dtype: str = "float32") -> tuple[np.ndarray, float]:
+    """HF logits `[B, T, V]` (as float32) computed in `dtype`, and the smallest routing margin seen."""
     import torch
     import transformers
     from transformers import DeepseekV3ForCausalLM
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    model, info = DeepseekV3ForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+    model, info = DeepseekV3ForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype),
                                                         output_loading_info=True)
     cfg = json.loads((folder / "config.json").read_text())
     mtp_prefix = f"model.layers.{cfg['num_hidden_layers']}."  # HF has no MTP module; it may skip it
@@ -169,11 +169,12 @@ def reference_logits(folder: Path, tokens: np.ndarray) -> tuple[np.ndarray, floa
     margins: list[float] = []
 
     def hook(module, inputs, outputs):
-        margins.append(routing_margin(outputs[0].detach().numpy(), module.e_score_correction_bias.numpy(), cfg))
+        margins.append(routing_margin(outputs[0].detach().float().numpy(),
+                                      module.e_score_correction_bias.float().numpy(), cfg))
 
     handles = [m.register_forward_hook(hook) for m in model.modules() if type(m).__name__.endswith("TopkRouter")]
     with torch.no_grad():
-        logits = model(torch.from_numpy(np.asarray(tokens, np.int64))).logits.numpy()
+        logits = model(torch.from_numpy(np.asarray(tokens, np.int64))).logits.float().numpy()
     for handle in handles:
         handle.remove()
     return logits, min(margins, default=math.inf)
