@@ -9,8 +9,8 @@ runs them under `jax.lax.scan`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -141,13 +141,13 @@ def _init_leaf(path, spec: ArrayInfo, key: jax.Array, dtype: Any) -> jax.Array:
     return (std * jax.random.normal(key, spec.shape, jnp.float32)).astype(dt)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "dtype"))
+def _random_params(key: jax.Array, *, cfg: Config, mesh: Mesh, dtype: jnp.dtype) -> Params:
+    params = jax.tree_util.tree_map_with_path(lambda p, s: _init_leaf(p, s, key, dtype), param_specs(cfg),
+                                              is_leaf=is_spec)
+    return jax.tree.map(jax.lax.with_sharding_constraint, params, shardings(cfg, mesh))
+
+
 def init_params(cfg: Config, mesh: Mesh, *, seed: int, dtype: Any) -> Params:
     """Random weights created directly in their shardings (one jitted program, no host copy)."""
-    specs = param_specs(cfg)
-    out_shardings = shardings(cfg, mesh)
-
-    def build(key):
-        return jax.tree_util.tree_map_with_path(lambda p, s: _init_leaf(p, s, key, dtype), specs, is_leaf=is_spec)
-
-    init: Callable = jax.jit(build, out_shardings=out_shardings)
-    return init(jax.random.key(seed))
+    return _random_params(jax.random.key(seed), cfg=cfg, mesh=mesh, dtype=jnp.dtype(dtype))

@@ -45,11 +45,12 @@ def make_mesh(expert: int | None = None, tensor: int | None = None,
     n = len(devices)
     if expert is None and tensor is None:
         tensor = max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)
-    if expert is None:
-        expert = n // tensor if tensor and n % tensor == 0 else -1
-    if tensor is None:
-        tensor = n // expert if expert and n % expert == 0 else -1
-    if expert * tensor != n or expert <= 0 or tensor <= 0:
+    for name, size in (("expert", expert), ("tensor", tensor)):
+        if size is not None and (size <= 0 or n % size):
+            raise ValueError(f"mesh axis {name}={size} does not divide the {n} devices")
+    expert = n // tensor if expert is None else expert
+    tensor = n // expert if tensor is None else tensor
+    if expert * tensor != n:
         raise ValueError(f"mesh expert={expert} x tensor={tensor} does not match the {n} devices")
     grid = np.array(devices, dtype=object).reshape(expert, tensor)
     return Mesh(grid, MESH_AXES)

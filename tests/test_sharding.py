@@ -86,3 +86,16 @@ def test_two_processes_two_devices_each(single_device, tmp_path):
     result = dict(np.load(out))
     assert int(result["processes"]) == 2 and int(result["devices"]) == 4
     _compare(result, single_device, "2 processes x 2 devices, expert=2 x tensor=2")
+
+
+@pytest.mark.slow
+def test_default_mesh_and_indivisible_weights():
+    code = ("import dsr1; tiny = dsr1.Config.preset('tiny'); print(dict(dsr1.make_mesh().shape)); "
+            "m = dsr1.init_random(tiny); print(m.params['moe_layers']['moe']['gate'].addressable_shards[0].data.shape); "
+            "dsr1.init_random(tiny, mesh=dsr1.make_mesh(expert=1, tensor=8))")
+    proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(8), capture_output=True, text=True,
+                          timeout=300)
+    assert "{'expert': 4, 'tensor': 2}" in proc.stdout
+    assert "(2, 4, 128, 32)" in proc.stdout, "random init must create experts and expert ffw already split"
+    assert proc.returncode != 0
+    assert "dimension 'heads' of size 4 does not split over mesh axis 'tensor' of size 8" in proc.stderr

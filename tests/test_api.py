@@ -1,0 +1,92 @@
+"""The public API: input checks with clear errors, cache layout, and numpy/jax token inputs."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dsr1
+
+CFG = dsr1.Config.preset("tiny")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return dsr1.init_random(CFG, seed=0, dtype="float32")
+
+
+def test_random_init_depends_on_seed_only(model):
+    again = dsr1.init_random(CFG, seed=0, dtype="float32")
+    other = dsr1.init_random(CFG, seed=1, dtype="float32")
+    np.testing.assert_array_equal(np.asarray(again.params["embed"]), np.asarray(model.params["embed"]))
+    assert not np.array_equal(np.asarray(other.params["embed"]), np.asarray(model.params["embed"]))
+    assert model.dtype == jnp.float32 and dsr1.init_random(CFG).dtype == jnp.bfloat16
+
+
+def test_numpy_and_jax_tokens_agree(model):
+    tokens = np.arange(12, dtype=np.int64).reshape(2, 6) + 5
+    a = np.asarray(model.forward(tokens))
+    b = np.asarray(model.forward(jnp.asarray(tokens, jnp.int32)))
+    np.testing.assert_array_equal(a, b)
+    assert a.shape == (2, 6, CFG.vocab_size) and a.dtype == np.float32
+
+
+def test_cache_holds_only_latents(model):
+    _, cache = model.prefill(np.ones((2, 5), np.int32), max_len=32)
+    assert cache.c_kv.shape == (CFG.num_hidden_layers, 2, 32, CFG.kv_lora_rank)
+    assert cache.k_pe.shape == (CFG.num_hidden_layers, 2, 32, CFG.qk_rope_head_dim)
+    per_token = CFG.num_hidden_layers * (CFG.kv_lora_rank + CFG.qk_rope_head_dim) * 4
+    assert cache.nbytes() == per_token * 2 * 32
+
+
+def test_default_max_len_leaves_room_to_decode(model):
+    _, cache = model.prefill(np.ones((1, 5), np.int32))
+    assert cache.max_len == 5 + 256
+
+
+@pytest.mark.parametrize("tokens,message", [
+    (np.array([[1, 2, CFG.vocab_size]]), rf"token id {CFG.vocab_size} at index \(0, 2\) is outside the vocabulary"),
+    (np.array([[1, -3]]), r"token id -3 at index \(0, 1\) is outside"),
+    (np.array([1, 2]), "tokens must be an integer array of rank 2"),
+    (np.array([[1.0, 2.0]]), "tokens must be an integer array of rank 2"),
+])
+def test_bad_tokens(model, tokens, message):
+    with pytest.raises(ValueError, match=message):
+        model.forward(tokens)
+
+
+@pytest.mark.parametrize("lengths,message", [
+    ([3, 7], r"lengths \[3, 7\] must be within \[1, 6\]"),
+    ([0, 2], r"lengths \[0, 2\] must be within"),
+    ([3], "lengths must be 2 integers"),
+])
+def test_bad_lengths(model, lengths, message):
+    with pytest.raises(ValueError, match=message):
+        model.prefill(np.ones((2, 6), np.int32), lengths)
+
+
+def test_bad_max_len(model):
+    with pytest.raises(ValueError, match="max_len=4 must be at least the prompt length 6"):
+        model.prefill(np.ones((1, 6), np.int32), max_len=4)
+    with pytest.raises(ValueError, match=f"at most max_position_embeddings={CFG.max_position_embeddings}"):
+        model.prefill(np.ones((1, 6), np.int32), max_len=CFG.max_position_embeddings + 1)
+
+
+def test_decode_errors(model):
+    _, cache = model.prefill(np.ones((2, 3), np.int32), max_len=4)
+    with pytest.raises(ValueError, match="decode got 3 tokens for a cache of batch 2"):
+        model.decode(cache, [1, 2, 3])
+    with pytest.raises(ValueError, match=rf"token id {CFG.vocab_size} at index \(1,\)"):
+        model.decode(cache, [1, CFG.vocab_size])
+    _, cache = model.decode(cache, [1, 2])
+    with pytest.raises(ValueError, match="cache is full: a row has length 4 = max_len 4"):
+        model.decode(cache, [1, 2])
+
+
+def test_mesh_must_match_devices():
+    with pytest.raises(ValueError, match="mesh axis expert=3 does not divide the 1 devices"):
+        dsr1.make_mesh(expert=3)
+    with pytest.raises(ValueError, match="mesh expert=1 x tensor=1 does not match the 2 devices"):
+        dsr1.make_mesh(expert=1, tensor=1, devices=jax.devices() * 2)

@@ -1,0 +1,129 @@
+"""Release-layout loading: FP8 block dequantization, and clear errors on broken checkpoints."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import dsr1
+from dsr1 import CheckpointError
+from dsr1.checkpoint import CheckpointIndex, dequantize_fp8, expected_tensors
+from reference import hf_config, release_tensors, write_checkpoint
+
+SMALL = hf_config({"num_hidden_layers": 2, "n_routed_experts": 8, "n_group": 2, "topk_group": 1,
+                   "num_experts_per_tok": 2})
+
+
+@pytest.fixture
+def tensors():
+    return release_tensors(SMALL, seed=0)
+
+
+def test_fp8_blocks_with_partial_edges():
+    rng = np.random.default_rng(0)
+    rows, cols = 300, 200  # 3 x 2 blocks, the last of each partial (44 rows, 72 columns)
+    w = rng.standard_normal((rows, cols)).astype(ml_dtypes.float8_e4m3fn)
+    scale = rng.uniform(0.5, 2.0, (3, 2)).astype(np.float32)
+    expected = np.empty((rows, cols), np.float32)
+    for i in range(rows):
+        for j in range(cols):
+            expected[i, j] = float(w[i, j]) * scale[i // 128, j // 128]
+    np.testing.assert_array_equal(dequantize_fp8(w, scale), expected)
+    with pytest.raises(CheckpointError, match=r"w_scale_inv: shape \[2, 2\], expected \[3, 2\]"):
+        dequantize_fp8(w, scale[:2], "w")
+
+
+def test_fp8_tensor_is_dequantized_on_read(tmp_path, tensors):
+    import torch
+    from safetensors.torch import save_file
+
+    name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    w = tensors[name]
+    scale = np.full((math.ceil(w.shape[0] / 128), math.ceil(w.shape[1] / 128)), 0.5, np.float32)
+    fp8 = torch.from_numpy(w / 0.5).to(torch.float8_e4m3fn)
+    write_checkpoint(tmp_path, SMALL, {k: v for k, v in tensors.items() if k != name})
+    save_file({name: fp8, name + "_scale_inv": torch.from_numpy(scale)}, str(tmp_path / "fp8.safetensors"))
+    index_file = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    index["weight_map"].update({name: "fp8.safetensors", name + "_scale_inv": "fp8.safetensors"})
+    index_file.write_text(json.dumps(index))
+    got = CheckpointIndex.open(tmp_path).read(name)
+    np.testing.assert_array_equal(got, fp8.float().numpy() * 0.5)
+    assert np.abs(got - w).max() <= 0.07 * np.abs(w).max()  # e4m3 keeps 3 mantissa bits
+    dsr1.load(tmp_path, dtype="float32", progress=False)  # and the model loads with it
+
+
+def test_expected_tensors_cover_the_checkpoint(tensors):
+    assert set(expected_tensors(dsr1.Config.from_dict(SMALL))) == set(tensors)
+
+
+def test_missing_tensor(tmp_path, tensors):
+    name = "model.layers.1.mlp.experts.5.up_proj.weight"
+    write_checkpoint(tmp_path, SMALL, {k: v for k, v in tensors.items() if k != name})
+    with pytest.raises(CheckpointError, match=rf"missing tensor '{name}' \(expected shape \[24, 48\]\)"):
+        dsr1.load(tmp_path, progress=False)
+
+
+def test_wrong_shape_names_file_tensor_and_both_shapes(tmp_path, tensors):
+    name = "model.layers.0.self_attn.o_proj.weight"
+    tensors[name] = tensors[name][:, :-1]
+    write_checkpoint(tmp_path, SMALL, tensors, shards=1)
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' in model-00001-of-000001.safetensors has shape "
+                                               r"\[48, 19\], config predicts \[48, 20\]"):
+        dsr1.load(tmp_path, progress=False)
+
+
+def test_config_disagreeing_with_tensors(tmp_path, tensors):
+    write_checkpoint(tmp_path, {**SMALL, "hidden_size": 64}, tensors)
+    with pytest.raises(CheckpointError, match=r"(?s)does not match its config:.*config predicts \[220, 64\]"):
+        dsr1.load(tmp_path, progress=False)
+
+
+def test_truncated_shard(tmp_path, tensors):
+    write_checkpoint(tmp_path, SMALL, tensors)
+    shard = tmp_path / "model-00002-of-000002.safetensors"
+    os.truncate(shard, shard.stat().st_size - 100)
+    with pytest.raises(CheckpointError, match=rf"{shard}: truncated: tensor '.+' ends at byte"):
+        dsr1.load(tmp_path, progress=False)
+
+
+def test_corrupt_header(tmp_path, tensors):
+    write_checkpoint(tmp_path, SMALL, tensors)
+    shard = tmp_path / "model-00001-of-000002.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[8:12] = b"\xff\xfe{!"
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"{shard}: corrupt safetensors header"):
+        dsr1.load(tmp_path, progress=False)
+    shard.write_bytes(b"\x01\x02")
+    with pytest.raises(CheckpointError, match=rf"{shard}: truncated safetensors file"):
+        dsr1.load(tmp_path, progress=False)
+
+
+def test_missing_shard(tmp_path, tensors):
+    write_checkpoint(tmp_path, SMALL, tensors)
+    (tmp_path / "model-00002-of-000002.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"model-00002-of-000002.safetensors: missing checkpoint shard"):
+        dsr1.load(tmp_path, progress=False)
+
+
+def test_folder_without_index_or_shards(tmp_path, tensors):
+    write_checkpoint(tmp_path, SMALL, tensors)
+    (tmp_path / "model.safetensors.index.json").unlink()
+    dsr1.load(tmp_path, progress=False)  # shards are found by their headers
+    for f in tmp_path.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(CheckpointError, match="no \\*.safetensors files"):
+        dsr1.load(tmp_path, progress=False)
+
+
+def test_tied_embeddings_read_the_embedding(tmp_path, tensors):
+    del tensors["lm_head.weight"]
+    write_checkpoint(tmp_path, {**SMALL, "tie_word_embeddings": True}, tensors)
+    model = dsr1.load(tmp_path, dtype="float32", progress=False)
+    np.testing.assert_array_equal(np.asarray(model.params["lm_head"]), tensors["model.embed_tokens.weight"].T)
