@@ -20,12 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from .config import Config
-from .params import ArrayInfo, Params, is_spec, param_specs, resolved_dtype, shardings
+from .params import STACKS, Params, is_spec, param_specs, resolved_dtype, shardings, stack_layers
 from .safetensors_io import CheckpointError, TensorInfo, read_header, read_tensor
 
 FP8_BLOCK = 128
@@ -117,20 +118,12 @@ def weight_sources(cfg: Config) -> dict[str, Any]:
     return sources
 
 
-def _layer_numbers(cfg: Config, stack: str | None) -> range:
-    if stack == "dense_layers":
-        return range(cfg.num_dense_layers)
-    if stack == "moe_layers":
-        return range(cfg.num_dense_layers, cfg.num_hidden_layers)
-    return range(1)
-
-
 def expected_tensors(cfg: Config) -> dict[str, tuple[int, ...]]:
     """Every checkpoint tensor the model reads, with its HF shape (MTP layers not included)."""
     out: dict[str, tuple[int, ...]] = {}
     for path, src in jax.tree_util.tree_flatten_with_path(weight_sources(cfg), is_leaf=_is_source)[0]:
-        stack = path[0].key if len(path) > 1 else None
-        for layer in _layer_numbers(cfg, stack):
+        layers = stack_layers(cfg, path[0].key) if len(path) > 1 else range(1)
+        for layer in layers:
             experts = range(cfg.n_routed_experts) if src.per_expert else range(1)
             for e in experts:
                 out[src.name.format(layer=layer, expert=e)] = src.hf_shape
@@ -237,8 +230,16 @@ def _read_layer_slice(index: CheckpointIndex, src: Source, spec_shape: tuple[int
 
 def _load_array(index: CheckpointIndex, src: Source, shape: tuple[int, ...], sharding: NamedSharding,
                 layer: int, dtype: np.dtype) -> jax.Array:
-    return jax.make_array_from_callback(
-        shape, sharding, lambda region: _read_layer_slice(index, src, shape, layer, region, dtype))
+    # Devices that hold the same region (replicas along another mesh axis) share one read.
+    regions: dict[tuple, np.ndarray] = {}
+
+    def read(region: tuple[slice, ...]) -> np.ndarray:
+        key = tuple((s.start, s.stop, s.step) for s in region)
+        if key not in regions:
+            regions[key] = _read_layer_slice(index, src, shape, layer, region, dtype)
+        return regions[key]
+
+    return jax.make_array_from_callback(shape, sharding, read)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -247,32 +248,36 @@ def _set_layer(stacked: jax.Array, layer: jax.Array, i: jax.Array) -> jax.Array:
     return jax.lax.dynamic_update_index_in_dim(stacked, layer.astype(stacked.dtype), i, 0)
 
 
+def _load_stack(index: CheckpointIndex, cfg: Config, stack: str, mesh: Mesh, dtype: Any, bar: tqdm) -> Any:
+    """One stack of layers: each stacked weight is allocated in its sharding, then filled layer by layer."""
+    specs = param_specs(cfg)[stack]
+    leaves = jax.tree.leaves(specs, is_leaf=is_spec)
+    sources = jax.tree.leaves(weight_sources(cfg)[stack], is_leaf=_is_source)
+    out_shardings = jax.tree.leaves(shardings(cfg, mesh)[stack])
+    stacked = [jax.jit(functools.partial(jnp.zeros, s.shape, resolved_dtype(s, dtype)), out_shardings=sh)()
+               for s, sh in zip(leaves, out_shardings)]
+    for i, layer in enumerate(stack_layers(cfg, stack)):
+        for j, (s, src, sh) in enumerate(zip(leaves, sources, out_shardings)):
+            layer_sharding = NamedSharding(mesh, P(*sh.spec[1:]))  # the stacked sharding minus "layers"
+            part = _load_array(index, src, s.shape[1:], layer_sharding, layer, resolved_dtype(s, dtype))
+            stacked[j] = _set_layer(stacked[j], part, np.int32(i))
+        bar.update(1)
+    return jax.tree.unflatten(jax.tree.structure(specs, is_leaf=is_spec), stacked)
+
+
 def load_params(folder: str | Path, cfg: Config, mesh: Mesh, dtype: Any, *, progress: bool = True) -> Params:
     """Stream a release-layout checkpoint folder into sharded weights of `dtype`."""
     index = CheckpointIndex.open(folder)
     validate(index, cfg)
     specs, sources, out_shardings = param_specs(cfg), weight_sources(cfg), shardings(cfg, mesh)
-    params: dict[str, Any] = {}
-    for key in ("embed", "final_norm", "lm_head"):
-        s: ArrayInfo = specs[key]
-        params[key] = _load_array(index, sources[key], s.shape, out_shardings[key], 0, resolved_dtype(s, dtype))
-
-    stacks = [k for k in ("dense_layers", "moe_layers") if k in specs]
-    total = sum(len(_layer_numbers(cfg, k)) for k in stacks)
-    bar = tqdm(total=total, desc=f"loading {Path(folder).name}", unit="layer", disable=not progress)
-    for stack in stacks:
-        leaves = jax.tree_util.tree_flatten_with_path(specs[stack], is_leaf=is_spec)[0]
-        treedef = jax.tree.structure(specs[stack], is_leaf=is_spec)
-        flat_sources = jax.tree.leaves(sources[stack], is_leaf=_is_source)
-        flat_shardings = jax.tree.leaves(out_shardings[stack])
-        stacked = [jax.jit(lambda s=s: jax.numpy.zeros(s.shape, resolved_dtype(s, dtype)), out_shardings=sh)()
-                   for (_, s), sh in zip(leaves, flat_shardings)]
-        for i, layer in enumerate(_layer_numbers(cfg, stack)):
-            for j, ((_, s), src, sh) in enumerate(zip(leaves, flat_sources, flat_shardings)):
-                layer_sharding = NamedSharding(mesh, P(*sh.spec[1:]))
-                part = _load_array(index, src, s.shape[1:], layer_sharding, layer, resolved_dtype(s, dtype))
-                stacked[j] = _set_layer(stacked[j], part, np.int32(i))
-            bar.update(1)
-        params[stack] = jax.tree.unflatten(treedef, stacked)
-    bar.close()
+    params: dict[str, Any] = {
+        key: _load_array(index, sources[key], specs[key].shape, out_shardings[key], 0,
+                         resolved_dtype(specs[key], dtype))
+        for key in ("embed", "final_norm", "lm_head")
+    }
+    stacks = [k for k in STACKS if k in specs]
+    total = sum(len(stack_layers(cfg, k)) for k in stacks)
+    with tqdm(total=total, desc=f"loading {Path(folder).name}", unit="layer", disable=not progress) as bar:
+        for stack in stacks:
+            params[stack] = _load_stack(index, cfg, stack, mesh, dtype, bar)
     return params

@@ -19,9 +19,7 @@ from .cache import KVCache, append_token, cache_from_prefill
 from .config import Config
 from .layers import mlp, rms_norm
 from .moe import moe
-from .params import Params
-
-STACKS = ("dense_layers", "moe_layers")
+from .params import STACKS, Params, stack_layers
 
 
 def _replicate(x: jax.Array, mesh: Mesh) -> jax.Array:
@@ -100,11 +98,10 @@ def decode(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config,
     positions = cache.lengths
     x = _replicate(_embed(params, tokens), mesh)
     new_latents = []
-    first_layer = 0
     for stack in STACKS:
         if stack not in params:
             continue
-        n = jax.tree.leaves(params[stack])[0].shape[0]
+        layers = stack_layers(cfg, stack)
 
         def layer(x, inputs):
             p, i = inputs
@@ -113,9 +110,8 @@ def decode(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config,
             return _block(p, x, attend, cfg, mesh)
 
         with jax.named_scope(stack):
-            x, kv = jax.lax.scan(layer, x, (params[stack], first_layer + jnp.arange(n)))
+            x, kv = jax.lax.scan(layer, x, (params[stack], jnp.arange(layers.start, layers.stop)))
         new_latents.append(kv)
-        first_layer += n
     c_new = jnp.concatenate([c for c, _ in new_latents])
     pe_new = jnp.concatenate([k for _, k in new_latents])
     logits = _replicate(_logits(params, x, cfg), mesh)

@@ -21,6 +21,7 @@ from .config import Config
 from .sharding import LogicalAxes, check_divisible, logical_sharding
 
 Params = dict[str, Any]  # nested dicts of jax.Array, same structure as param_specs()
+STACKS = ("dense_layers", "moe_layers")  # the first_k_dense_replace dense layers, then the MoE layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +106,11 @@ def param_specs(cfg: Config) -> dict[str, Any]:
     if cfg.num_moe_layers:
         specs["moe_layers"] = _stack({**attention_specs(cfg), "moe": moe_specs(cfg)}, cfg.num_moe_layers)
     return specs
+
+
+def stack_layers(cfg: Config, stack: str) -> range:
+    """The model-wide layer numbers (HF `model.layers.N`) held by a stack."""
+    return range(cfg.num_dense_layers) if stack == STACKS[0] else range(cfg.num_dense_layers, cfg.num_hidden_layers)
 
 
 def is_spec(x: Any) -> bool:
