@@ -1,0 +1,339 @@
+"""Token sampling on device, with per-row settings, for a jitted generation loop.
+
+A generation loop (a `jax.lax.while_loop` around the model's decode step) carries a
+`SamplingArrays` pytree with one entry per batch row, so rows of one batch may use different
+settings and changing them never recompiles. Everything that runs per token (`sample`,
+`update_counts`, `is_stop_token`) is pure JAX; `Sampling`, `batch_sampling` and
+`find_stop_string` run on the host.
+
+Per token, `sample` applies, in this order (the order of HF transformers and vLLM):
+
+1. penalties: repetition (HF/CTRL, on tokens seen in the prompt or the output so far), then
+   presence and frequency (OpenAI, on the output so far);
+2. rows with temperature 0 take the argmax of the penalized logits (filters and key unused);
+3. temperature, then top-k, top-p and min-p on the temperature-scaled distribution;
+4. a categorical draw with the key `fold_in(keys[b], step)`, so a row's tokens depend only on
+   its own seed, logits and settings, never on the other rows of the batch.
+
+Ties: top-k and top-p are applied as a per-row logit threshold, so every token tied with the
+last kept token is kept too (HF's top-k does the same; top-p in HF/vLLM breaks such ties by sort
+order instead). This keeps the result independent of the sort's tie order and avoids a scatter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import secrets
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Seeds are split into two 32-bit words on the host: `jax.random.key(seed)` silently keeps only
+# the low 32 bits when x64 is off, which would make seeds 2**32 apart collide.
+_SEED_LIMIT = 2**64
+_PENALTY_LIMIT = 2.0  # OpenAI's documented range for presence/frequency penalties
+
+
+def _check_real(name: str, value: object) -> float:
+    """`value` as a float, or a ValueError naming the field if it is not a finite real number."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"Sampling.{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _check_int(name: str, value: object) -> int:
+    """`value` as an int, or a ValueError naming the field if it is not an integer."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"Sampling.{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """One request's sampling settings (validated on construction, clear ValueError naming the field and value).
+
+    A single int for `stop_token_ids` or a single str for `stop_strings` is accepted and stored
+    as a one-element tuple; lists are stored as tuples (the dataclass stays hashable).
+    """
+
+    temperature: float = 0.0  # 0 means greedy (argmax after penalties); must be >= 0
+    top_k: int = 0  # 0 = off; else >= 1 (ties with the k-th largest logit are kept)
+    top_p: float = 1.0  # in (0, 1]; 1 = off
+    min_p: float = 0.0  # in [0, 1); 0 = off
+    repetition_penalty: float = 1.0  # > 0; HF/CTRL style on prompt and output tokens
+    presence_penalty: float = 0.0  # OpenAI style, on output tokens, in [-2, 2]
+    frequency_penalty: float = 0.0  # OpenAI style, times the output count, in [-2, 2]
+    seed: int | None = None  # None -> a seed drawn at random on the host by `batch_sampling`
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    max_new_tokens: int = 256  # >= 1
+
+    def __post_init__(self) -> None:
+        self._validate_numbers()
+        self._normalize_stops()
+
+    def _validate_numbers(self) -> None:
+        """Range checks for every numeric field, each error naming the field and the value."""
+        checks = {
+            "temperature": (_check_real, lambda v: v >= 0, ">= 0 (0 means greedy)"),
+            "top_k": (_check_int, lambda v: v >= 0, ">= 0 (0 means off)"),
+            "top_p": (_check_real, lambda v: 0 < v <= 1, "in (0, 1]"),
+            "min_p": (_check_real, lambda v: 0 <= v < 1, "in [0, 1)"),
+            "repetition_penalty": (_check_real, lambda v: v > 0, "> 0 (1 means off)"),
+            "presence_penalty": (_check_real, lambda v: abs(v) <= _PENALTY_LIMIT, "in [-2, 2]"),
+            "frequency_penalty": (_check_real, lambda v: abs(v) <= _PENALTY_LIMIT, "in [-2, 2]"),
+            "max_new_tokens": (_check_int, lambda v: v >= 1, ">= 1"),
+        }
+        for name, (convert, ok, wanted) in checks.items():
+            value = getattr(self, name)
+            if not ok(convert(name, value)):
+                raise ValueError(f"Sampling.{name} must be {wanted}, got {value!r}")
+        if self.seed is not None and not 0 <= _check_int("seed", self.seed) < _SEED_LIMIT:
+            raise ValueError(f"Sampling.seed must be None or in [0, 2**64), got {self.seed!r}")
+
+    def _normalize_stops(self) -> None:
+        """Store stop ids/strings as tuples; reject negative ids and empty strings."""
+        ids = self.stop_token_ids
+        ids = (ids,) if isinstance(ids, numbers.Integral) and not isinstance(ids, bool) else tuple(ids)
+        for token in ids:
+            if _check_int("stop_token_ids", token) < 0:
+                raise ValueError(f"Sampling.stop_token_ids must be token ids >= 0, got {token!r}")
+        strings = self.stop_strings
+        strings = (strings,) if isinstance(strings, str) else tuple(strings)
+        for text in strings:
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"Sampling.stop_strings must be non-empty strings, got {text!r}")
+        # Frozen dataclass: object.__setattr__ is the sanctioned way to normalize in __post_init__.
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+        object.__setattr__(self, "stop_strings", strings)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingArrays:
+    """Per-row settings as device arrays [B] (what the jitted loop carries).
+
+    Every field is a pytree leaf, so new values of the same batch size never recompile.
+    """
+
+    temperature: jax.Array  # [B] float32, 0 = greedy
+    top_k: jax.Array  # [B] int32, 0 = off
+    top_p: jax.Array  # [B] float32, 1 = off
+    min_p: jax.Array  # [B] float32, 0 = off
+    repetition_penalty: jax.Array  # [B] float32, 1 = off
+    presence_penalty: jax.Array  # [B] float32
+    frequency_penalty: jax.Array  # [B] float32
+    keys: jax.Array  # [B] typed threefry PRNG keys, one per row from its seed
+    stop_tokens: jax.Array  # [B, S] int32 stop ids, padded with -1 (S >= 1)
+    max_new_tokens: jax.Array  # [B] int32
+
+    @property
+    def batch_size(self) -> int:
+        return self.temperature.shape[0]
+
+
+def _seed_keys(seeds: Sequence[int]) -> jax.Array:
+    """Typed threefry keys from 64-bit seeds; equal to `jax.random.key(seed)` for seeds < 2**32."""
+    words = np.array([[seed >> 32, seed & 0xFFFFFFFF] for seed in seeds], dtype=np.uint32)
+    return jax.random.wrap_key_data(words, impl="threefry2x32")
+
+
+def _stop_token_matrix(settings: Sequence[Sampling], stop_width: int | None) -> np.ndarray:
+    """[B, S] int32 stop ids padded with -1, with S >= 1 so the array is never empty."""
+    longest = max(len(s.stop_token_ids) for s in settings)
+    if stop_width is None:
+        width = max(1, longest)
+    elif isinstance(stop_width, bool) or not isinstance(stop_width, numbers.Integral) or stop_width < 1:
+        raise ValueError(f"batch_sampling: stop_width must be an integer >= 1 or None, got {stop_width!r}")
+    elif longest > stop_width:
+        raise ValueError(f"batch_sampling: a row has {longest} stop_token_ids, more than stop_width={stop_width}")
+    else:
+        width = int(stop_width)
+    table = np.full((len(settings), width), -1, dtype=np.int32)
+    for row, s in enumerate(settings):
+        table[row, : len(s.stop_token_ids)] = s.stop_token_ids
+    return table
+
+
+def batch_sampling(settings: Sequence[Sampling], stop_width: int | None = None) -> SamplingArrays:
+    """Stack one `Sampling` per row into device arrays; rows with seed None get a random seed.
+
+    `stop_width` fixes the number of columns of `stop_tokens` (None: the longest row's count,
+    at least 1). Array shapes are part of a jitted function's cache key, so a loop that serves
+    batches with varying stop-id counts should pass a fixed width to avoid recompiling.
+    """
+    settings = list(settings)
+    if not settings:
+        raise ValueError("batch_sampling needs at least one Sampling, got an empty sequence")
+    for row, s in enumerate(settings):
+        if not isinstance(s, Sampling):
+            raise ValueError(f"batch_sampling: row {row} is {type(s).__name__}, expected Sampling")
+
+    def column(name: str, dtype) -> jax.Array:
+        return jnp.asarray(np.array([getattr(s, name) for s in settings], dtype=dtype))
+
+    seeds = [secrets.randbits(64) if s.seed is None else s.seed for s in settings]
+    return SamplingArrays(
+        temperature=column("temperature", np.float32),
+        top_k=column("top_k", np.int32),
+        top_p=column("top_p", np.float32),
+        min_p=column("min_p", np.float32),
+        repetition_penalty=column("repetition_penalty", np.float32),
+        presence_penalty=column("presence_penalty", np.float32),
+        frequency_penalty=column("frequency_penalty", np.float32),
+        keys=_seed_keys(seeds),
+        stop_tokens=jnp.asarray(_stop_token_matrix(settings, stop_width)),
+        max_new_tokens=column("max_new_tokens", np.int32),
+    )
+
+
+def init_counts(
+    prompt_tokens: jax.Array | np.ndarray, lengths: jax.Array | np.ndarray | None, vocab_size: int
+) -> tuple[jax.Array, jax.Array]:
+    """(prompt_seen [B, V] bool, output_counts [B, V] int32 zeros) to start a generation.
+
+    prompt_seen marks the tokens in each row's prompt, counting only the first lengths[b] positions.
+    `prompt_tokens` is [B, T], right-padded; `lengths` None means every position is real.
+    Token ids outside [0, vocab_size) are ignored (the model could not have produced them).
+    """
+    tokens = jnp.asarray(prompt_tokens, jnp.int32)
+    if tokens.ndim != 2:
+        raise ValueError(f"init_counts: prompt_tokens must be [batch, time], got shape {tokens.shape}")
+    batch, time = tokens.shape
+    if lengths is None:
+        lengths = jnp.full((batch,), time, jnp.int32)
+    valid = jnp.arange(time)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]
+    valid &= (tokens >= 0) & (tokens < vocab_size)
+    # Padding goes to an extra column that is dropped, instead of relying on scatter OOB modes.
+    index = jnp.where(valid, tokens, vocab_size)
+    rows = jnp.arange(batch)[:, None]
+    seen = jnp.zeros((batch, vocab_size + 1), bool).at[rows, index].set(True)[:, :vocab_size]
+    return seen, jnp.zeros((batch, vocab_size), jnp.int32)
+
+
+def update_counts(output_counts: jax.Array, tokens: jax.Array, active: jax.Array | None = None) -> jax.Array:
+    """Add each row's new token to its output counts; rows with `active` False are unchanged."""
+    increment = jnp.ones(tokens.shape, output_counts.dtype)
+    if active is not None:
+        increment = jnp.where(active, increment, 0)
+    rows = jnp.arange(output_counts.shape[0])
+    return output_counts.at[rows, tokens].add(increment)
+
+
+def is_stop_token(tokens: jax.Array, params: SamplingArrays) -> jax.Array:
+    """[B] bool: the token is one of the row's stop ids (the -1 padding never matches)."""
+    return jnp.any(tokens[:, None] == params.stop_tokens, axis=-1)
+
+
+def apply_penalties(
+    logits: jax.Array, params: SamplingArrays, prompt_seen: jax.Array, output_counts: jax.Array
+) -> jax.Array:
+    """Repetition (prompt or output), then presence and frequency (output only) penalties, float32 [B, V]."""
+    logits = logits.astype(jnp.float32)
+    rep = params.repetition_penalty[:, None]
+    seen = prompt_seen | (output_counts > 0)
+    # CTRL/HF: dividing a positive logit and multiplying a negative one both make it less likely.
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    counts = output_counts.astype(jnp.float32)
+    logits -= params.frequency_penalty[:, None] * counts
+    logits -= params.presence_penalty[:, None] * (counts > 0)
+    return logits
+
+
+def _scale(logits: jax.Array, temperature: jax.Array) -> jax.Array:
+    """Divide by temperature after subtracting the row max, so a tiny temperature gives -inf, not inf - inf = NaN."""
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)  # an all -inf row stays -inf instead of NaN
+    safe_t = jnp.where(temperature > 0, temperature, 1.0)[:, None]  # greedy rows: value unused
+    return (logits - top) / safe_t
+
+
+def _top_k_top_p_threshold(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """[B, 1] logit threshold of top-k then top-p (keep logits >= threshold); -inf where both are off."""
+    vocab = logits.shape[-1]
+    ordered = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)  # descending
+    kth = jnp.take_along_axis(ordered, (jnp.clip(top_k, 1, vocab) - 1)[:, None], axis=-1)
+    k_threshold = jnp.where(top_k[:, None] > 0, kth, -jnp.inf)
+    in_top_k = ordered >= k_threshold
+    # Top-p on the distribution renormalized after top-k, as HF applies its warpers in sequence.
+    probs = jax.nn.softmax(jnp.where(in_top_k, ordered, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # exclusive: the first token is always kept
+    # top_p == 1 is "off" rather than trusting a float32 cumsum to stay below 1.0.
+    keep = in_top_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
+    # keep is a prefix of the sorted row; the clamp only matters for an all -inf row (NaN probs).
+    last_kept = jnp.maximum(jnp.sum(keep, axis=-1, keepdims=True) - 1, 0)
+    return jnp.take_along_axis(ordered, last_kept, axis=-1)
+
+
+def apply_filters(logits: jax.Array, params: SamplingArrays) -> jax.Array:
+    """Temperature, top-k, top-p and min-p: float32 [B, V] scaled logits with removed tokens at -inf.
+
+    The row's maximum is always kept, so at least one token stays finite for a finite row.
+    Values for greedy rows (temperature 0) are meaningless; `sample` ignores them.
+    """
+    scaled = _scale(logits, params.temperature)
+    needs_sort = jnp.any((params.top_k > 0) | (params.top_p < 1.0))
+    # The full sort of a 129k vocabulary is the expensive part: skip it when no row filters.
+    threshold = jax.lax.cond(
+        needs_sort,
+        _top_k_top_p_threshold,
+        lambda x, k, p: jnp.full((x.shape[0], 1), -jnp.inf, x.dtype),
+        scaled,
+        params.top_k,
+        params.top_p,
+    )
+    # min-p: prob >= min_p * max_prob  <=>  logit >= max_logit + log(min_p); after top-k/top-p
+    # the maximum survives, so renormalizing does not change this ratio. Here max_logit is 0.
+    min_p_threshold = jnp.log(params.min_p)[:, None]  # log(0) = -inf keeps everything
+    keep = (scaled >= threshold) & (scaled >= min_p_threshold)
+    return jnp.where(keep, scaled, -jnp.inf)
+
+
+def sample(
+    logits: jax.Array, params: SamplingArrays, prompt_seen: jax.Array, output_counts: jax.Array, step: jax.Array
+) -> jax.Array:
+    """Next token per row, int32 [B].
+
+    Order: penalties (repetition on prompt_seen | output_counts>0, presence and frequency on
+    output_counts) -> greedy rows take argmax -> temperature -> top-k -> top-p -> min-p ->
+    categorical draw with key fold_in(keys[b], step).
+
+    `step` is a scalar or a [B] array (rows at different steps); it must differ between the
+    draws of one row, e.g. the number of tokens generated so far.
+    """
+    penalized = apply_penalties(logits, params, prompt_seen, output_counts)
+    greedy_tokens = jnp.argmax(penalized, axis=-1).astype(jnp.int32)
+    filtered = apply_filters(penalized, params)
+    steps = jnp.broadcast_to(jnp.asarray(step, jnp.uint32), params.keys.shape)
+    step_keys = jax.vmap(jax.random.fold_in)(params.keys, steps)
+    # One draw per row from that row's own key: rows never share random bits.
+    drawn = jax.vmap(jax.random.categorical)(step_keys, filtered).astype(jnp.int32)
+    return jnp.where(params.temperature > 0, drawn, greedy_tokens)
+
+
+def find_stop_string(text: str, stop_strings: Sequence[str], start: int = 0) -> int | None:
+    """Host-side helper for streaming: index where the earliest stop string begins in text, or None.
+
+    The search starts at `start`, but a stop string may straddle `start` (it began in text
+    already seen). The generator cuts the output exactly there: the stop string itself is not
+    part of the output.
+
+    `start` is how much of `text` was already searched, so a stop string lying wholly before
+    `start` is not reported again; one that begins before `start` but ends after it is.
+    """
+    best = None
+    for stop in stop_strings:
+        if not stop:
+            raise ValueError("find_stop_string: stop strings must be non-empty")
+        found = text.find(stop, max(0, start - len(stop) + 1))
+        if found >= 0 and (best is None or found < best):
+            best = found
+    return best
