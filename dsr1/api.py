@@ -16,30 +16,48 @@ import numpy as np
 from jax.sharding import Mesh
 
 from . import model as _model
-from .cache import KVCache
-from .checkpoint import load_params
+from .cache import KVCache, check_kv_cache_dtype
+from .loading import load_params
 from .config import Config
 from .params import Params, init_params
+from .quant import Int8Weight, check_quant
 from .sharding import make_mesh, replicated, to_host
 
 DEFAULT_DECODE_ROOM = 256
 
 _forward = jax.jit(_model.forward, static_argnames=("cfg", "mesh"))
-_prefill = jax.jit(_model.prefill, static_argnames=("cfg", "mesh", "max_len"))
+_prefill = jax.jit(_model.prefill, static_argnames=("cfg", "mesh", "max_len", "kv_cache_dtype"))
 _decode = jax.jit(_model.decode, static_argnames=("cfg", "mesh"), donate_argnames=("cache",))
 
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-    """A DeepSeek-V3-architecture model placed on a mesh. Methods take numpy or jax int32 tokens."""
+    """A DeepSeek-V3-architecture model placed on a mesh. Methods take numpy or jax int32 tokens.
+
+    `kv_cache_dtype`: None keeps the decode cache in the model's dtype; "int8" stores the latent
+    `c_kv` as int8 with per-token scales."""
 
     cfg: Config
     params: Params
     mesh: Mesh
+    kv_cache_dtype: str | None = None
+
+    def __post_init__(self):
+        check_kv_cache_dtype(self.kv_cache_dtype)
 
     @property
     def dtype(self) -> jnp.dtype:
         return self.params["embed"].dtype
+
+    @property
+    def quant(self) -> str | None:
+        """"int8" when the matmul weights are int8 with per-channel scales, else None."""
+        return "int8" if any(isinstance(x, Int8Weight) for x in jax.tree.leaves(
+            self.params, is_leaf=lambda x: isinstance(x, Int8Weight))) else None
+
+    def weight_bytes(self) -> int:
+        """Bytes of all weights (int8 values and their scales included)."""
+        return sum(x.nbytes for x in jax.tree.leaves(self.params))
 
     def forward(self, tokens: Any, lengths: Any = None) -> jax.Array:
         """Logits `[B, T, V]` (float32) for right-padded `tokens [B, T]`; rows are `lengths` long
@@ -57,7 +75,8 @@ class Model:
         if not t <= max_len <= self.cfg.max_position_embeddings:
             raise ValueError(f"max_len={max_len} must be at least the prompt length {t} and at most "
                              f"max_position_embeddings={self.cfg.max_position_embeddings}")
-        return _prefill(self.params, tokens, lengths, cfg=self.cfg, mesh=self.mesh, max_len=max_len)
+        return _prefill(self.params, tokens, lengths, cfg=self.cfg, mesh=self.mesh, max_len=max_len,
+                        kv_cache_dtype=self.kv_cache_dtype)
 
     def decode(self, cache: KVCache, tokens: Any) -> tuple[jax.Array, KVCache]:
         """Feed one token per row (`tokens [B]`) at position `cache.lengths`; return logits `[B, V]` and
@@ -102,15 +121,24 @@ def _resolve(mesh: Mesh | None, dtype: Any) -> tuple[Mesh, jnp.dtype]:
     return (make_mesh() if mesh is None else mesh), jnp.dtype(dtype)
 
 
-def init_random(cfg: Config, *, seed: int = 0, mesh: Mesh | None = None, dtype: Any = "bfloat16") -> Model:
+def init_random(cfg: Config, *, seed: int = 0, mesh: Mesh | None = None, dtype: Any = "bfloat16",
+                quant: str | None = None, kv_cache_dtype: str | None = None) -> Model:
     """A model with random weights (std 1/sqrt(fan_in)), created directly in their shardings.
-    The values depend on `seed` only, not on the mesh."""
+    The values depend on `seed` only, not on the mesh. `quant="int8"` quantizes the matmul weights."""
     mesh, dtype = _resolve(mesh, dtype)
-    return Model(cfg, init_params(cfg, mesh, seed=seed, dtype=dtype), mesh)
+    return Model(cfg, init_params(cfg, mesh, seed=seed, dtype=dtype, quant=quant), mesh, kv_cache_dtype)
 
 
-def load(path: str | Path, *, mesh: Mesh | None = None, dtype: Any = "bfloat16", progress: bool = True) -> Model:
-    """Load a HF safetensors checkpoint folder (release layout, bf16/f32/FP8) into `mesh`."""
+def load(path: str | Path, *, mesh: Mesh | None = None, dtype: Any = "bfloat16", quant: str | None = None,
+         kv_cache_dtype: str | None = None, mtp: bool = False, progress: bool = True) -> Model:
+    """Load a checkpoint into `mesh`: a HF safetensors folder in the release layout (bf16, f32 or
+    FP8 block-scaled) or a folder written by `python -m dsr1.convert`.
+
+    `quant="int8"` holds the matmul weights as int8 with per-output-channel scales (embeddings,
+    norms, router and lm_head stay in `dtype`); a converted int8 checkpoint is int8 already.
+    `mtp=True` also loads the multi-token-prediction module as `params["mtp"]`.
+    """
     mesh, dtype = _resolve(mesh, dtype)
     cfg = Config.from_hf(path)
-    return Model(cfg, load_params(path, cfg, mesh, dtype, progress=progress), mesh)
+    params = load_params(path, cfg, mesh, dtype, quant=check_quant(quant), mtp=mtp, progress=progress)
+    return Model(cfg, params, mesh, kv_cache_dtype)

@@ -1,18 +1,18 @@
-"""Loading a HF checkpoint folder in the DeepSeek *release layout* straight into sharded weights.
+"""The HF checkpoint in the DeepSeek *release layout*: which tensor feeds which weight, and reading.
 
 Release layout: one tensor per expert (`model.layers.L.mlp.experts.E.gate_proj.weight`), linear
-weights `[out, in]`, optionally float8 e4m3 with a `weight_scale_inv` per 128x128 block.
+weights `[out, in]`, float8 e4m3 with a `weight_scale_inv` per 128x128 block (edge blocks
+partial) for every matmul weight but the MTP projection and heads, and the MTP module stored as
+layer `num_hidden_layers`.
 
-Loading streams layer by layer: every device shard is built by `jax.make_array_from_callback`
-from memory-mapped tensors, reading only the experts and rows that shard holds (on several hosts
-each process reads only its own devices' slices), then written into the stacked weight in place.
-Host memory follows the largest single device shard of one layer, never the model.
+`read_region` builds any region of one layer's weight in our layout, reading only the experts
+it covers from memory-mapped shards: the loader asks it for each device shard.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
+import gzip
 import json
 import math
 from collections.abc import Callable
@@ -20,17 +20,16 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from tqdm.auto import tqdm
 
 from .config import Config
-from .params import STACKS, Params, is_spec, param_specs, resolved_dtype, shardings, stack_layers
+from .params import ArrayInfo, float_specs, is_spec, stack_layers
 from .safetensors_io import CheckpointError, TensorInfo, read_header, read_tensor
 
 FP8_BLOCK = 128
 INDEX_FILE = "model.safetensors.index.json"
+FLOAT_DTYPES = ("F32", "F16", "BF16")
+FP8_DTYPES = ("F8_E4M3",)
 
 
 # ---- where each weight comes from ---------------------------------------------------------------
@@ -101,8 +100,21 @@ def _moe_sources(cfg: Config) -> dict[str, Any]:
     return sources
 
 
-def weight_sources(cfg: Config) -> dict[str, Any]:
-    """A pytree shaped like `param_specs(cfg)` whose leaves say which checkpoint tensor feeds them."""
+def _mtp_sources(cfg: Config) -> dict[str, Any]:
+    d, v, pre = cfg.hidden_size, cfg.vocab_size, "model.layers.{layer}."
+    return {
+        "embed": Source(pre + "embed_tokens.weight", (v, d), _same),
+        "enorm": Source(pre + "enorm.weight", (d,), _same),
+        "hnorm": Source(pre + "hnorm.weight", (d,), _same),
+        "eh_proj": Source(pre + "eh_proj.weight", (d, 2 * d), _transposed),
+        "block": {**_attention_sources(cfg), "moe": _moe_sources(cfg)},
+        "head_norm": Source(pre + "shared_head.norm.weight", (d,), _same),
+        "head": Source(pre + "shared_head.head.weight", (v, d), _transposed),
+    }
+
+
+def weight_sources(cfg: Config, *, mtp: bool = False) -> dict[str, Any]:
+    """A pytree shaped like `float_specs(cfg)` whose leaves say which checkpoint tensor feeds them."""
     head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     sources: dict[str, Any] = {
         "embed": Source("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size), _same),
@@ -115,30 +127,56 @@ def weight_sources(cfg: Config) -> dict[str, Any]:
                                                        cfg.intermediate_size)}
     if cfg.num_moe_layers:
         sources["moe_layers"] = {**_attention_sources(cfg), "moe": _moe_sources(cfg)}
+    if mtp and cfg.num_nextn_predict_layers:
+        sources["mtp"] = _mtp_sources(cfg)
     return sources
 
 
-def expected_tensors(cfg: Config) -> dict[str, tuple[int, ...]]:
-    """Every checkpoint tensor the model reads, with its HF shape (MTP layers not included)."""
-    out: dict[str, tuple[int, ...]] = {}
-    for path, src in jax.tree_util.tree_flatten_with_path(weight_sources(cfg), is_leaf=_is_source)[0]:
-        layers = stack_layers(cfg, path[0].key) if len(path) > 1 else range(1)
-        for layer in layers:
+def is_source(x: Any) -> bool:
+    return isinstance(x, Source)
+
+
+def unit_sources(cfg: Config, unit: str, *, mtp: bool = False) -> list[tuple[ArrayInfo, Source]]:
+    """(declaration, source) pairs of one loading unit: "globals" or a stack (declarations per layer)."""
+    specs, sources = float_specs(cfg, mtp=mtp), weight_sources(cfg, mtp=mtp)
+    if unit == "globals":
+        keys = [k for k in specs if is_spec(specs[k])]
+        return [(specs[k], sources[k]) for k in keys]
+    per_layer = jax.tree.map(lambda s: dataclasses.replace(s, shape=s.shape[1:], axes=s.axes[1:]), specs[unit],
+                             is_leaf=is_spec)
+    return list(zip(jax.tree.leaves(per_layer, is_leaf=is_spec), jax.tree.leaves(sources[unit], is_leaf=is_source)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Expected:
+    shape: tuple[int, ...]
+    matmul: bool  # a weight the release stores in FP8 with a weight_scale_inv
+
+
+def expected_tensors(cfg: Config, *, mtp: bool = False) -> dict[str, Expected]:
+    """Every checkpoint tensor the model reads (scales excluded), with its HF shape."""
+    out: dict[str, Expected] = {}
+    units = ["globals"] + [k for k in float_specs(cfg, mtp=mtp) if not is_spec(float_specs(cfg, mtp=mtp)[k])]
+    for unit in units:
+        layers = range(1) if unit == "globals" else stack_layers(cfg, unit)
+        for spec, src in unit_sources(cfg, unit, mtp=mtp):
             experts = range(cfg.n_routed_experts) if src.per_expert else range(1)
-            for e in experts:
-                out[src.name.format(layer=layer, expert=e)] = src.hf_shape
+            for layer in layers:
+                for e in experts:
+                    out[src.name.format(layer=layer, expert=e)] = Expected(src.hf_shape, spec.input_axes is not None)
     return out
 
 
-def _is_source(x: Any) -> bool:
-    return isinstance(x, Source)
+def fp8_scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    return math.ceil(shape[0] / FP8_BLOCK), math.ceil(shape[1] / FP8_BLOCK)
 
 
 # ---- the checkpoint folder ----------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointIndex:
-    """Every tensor of a safetensors checkpoint folder, from the index file or the shards' headers."""
+    """Every tensor of a safetensors checkpoint, from its shards' headers (or, for `--check`, from an
+    index file that lists shapes and dtypes, such as `model.safetensors.index-with-shapes.json.gz`)."""
 
     folder: Path
     tensors: dict[str, TensorInfo]
@@ -148,10 +186,9 @@ class CheckpointIndex:
         folder = Path(folder)
         index_file = folder / INDEX_FILE
         if index_file.exists():
-            try:
-                weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise CheckpointError(f"{index_file}: not a valid safetensors index ({e!r})") from None
+            weight_map = _read_json(index_file).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index_file}: not a safetensors index (no weight_map)")
             files = sorted({folder / f for f in weight_map.values()})
         else:
             weight_map = {}
@@ -169,25 +206,49 @@ class CheckpointIndex:
                 raise CheckpointError(f"{index_file}: maps tensor {name!r} to {file}, which does not hold it")
         return cls(folder, tensors)
 
+    @classmethod
+    def from_shape_index(cls, index_file: str | Path) -> CheckpointIndex:
+        """An index listing `{name: {shape, dtype, file}}` (plain or gzipped JSON): no weights needed."""
+        index_file = Path(index_file)
+        raw = _read_json(index_file)
+        tensors = {}
+        for name, meta in raw.items():
+            try:
+                tensors[name] = TensorInfo(name, index_file.parent / meta["file"], meta["dtype"], tuple(meta["shape"]),
+                                           -1, -1)
+            except (KeyError, TypeError):
+                raise CheckpointError(f"{index_file}: entry {name!r} lacks shape/dtype/file") from None
+        return cls(index_file.parent, tensors)
+
     def info(self, name: str) -> TensorInfo:
         if name not in self.tensors:
             raise CheckpointError(f"{self.folder}: checkpoint has no tensor {name!r}")
         return self.tensors[name]
 
     def read(self, name: str) -> np.ndarray:
-        """The tensor in float32-compatible form; FP8 weights are dequantized per 128x128 block."""
+        """The tensor, memory-mapped; FP8 weights come back dequantized per 128x128 block (float32)."""
         info = self.info(name)
         w = read_tensor(info)
-        if info.dtype.startswith("F8"):
-            scale = read_tensor(self.info(name + "_scale_inv"))
-            return dequantize_fp8(w, scale, name)
+        if info.dtype in FP8_DTYPES:
+            return dequantize_fp8(w, read_tensor(self.info(name + "_scale_inv")), f"{info.file.name}: {name}")
         return w
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        opener = gzip.open if file.suffix == ".gz" else open
+        with opener(file, "rt") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: no such file") from None
+    except (json.JSONDecodeError, OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
 
 
 def dequantize_fp8(w: np.ndarray, scale_inv: np.ndarray, name: str = "weight") -> np.ndarray:
     """`W = fp8 * scale_inv` blockwise over 128x128 blocks (edge blocks are partial)."""
     rows, cols = w.shape
-    want = (math.ceil(rows / FP8_BLOCK), math.ceil(cols / FP8_BLOCK))
+    want = fp8_scale_shape(w.shape)
     if scale_inv.shape != want:
         raise CheckpointError(f"{name}_scale_inv: shape {list(scale_inv.shape)}, expected {list(want)} for "
                               f"{FP8_BLOCK}x{FP8_BLOCK} blocks of a {rows}x{cols} weight")
@@ -195,89 +256,59 @@ def dequantize_fp8(w: np.ndarray, scale_inv: np.ndarray, name: str = "weight") -
     return w.astype(np.float32) * full
 
 
-def validate(index: CheckpointIndex, cfg: Config) -> None:
-    """Check, without reading weights, that every tensor the model needs is there with its shape."""
-    problems = []
-    for name, shape in expected_tensors(cfg).items():
+def check_tensors(index: CheckpointIndex, cfg: Config, *, mtp: bool = False, strict: bool = False) -> list[str]:
+    """Problems found comparing the checkpoint's tensors with what `cfg` predicts, without reading
+    weights: missing tensors, wrong shapes or dtypes, FP8 weights without (right-shaped) scales, and
+    with `strict`, tensors nothing reads."""
+    problems, used = [], set()
+    for name, want in expected_tensors(cfg, mtp=mtp).items():
         info = index.tensors.get(name)
+        used.add(name)
         if info is None:
-            problems.append(f"missing tensor {name!r} (expected shape {list(shape)})")
-        elif info.shape != shape:
-            problems.append(f"tensor {name!r} in {info.file.name} has shape {list(info.shape)}, "
-                            f"config predicts {list(shape)}")
-        elif info.dtype.startswith("F8") and name + "_scale_inv" not in index.tensors:
-            problems.append(f"FP8 tensor {name!r} in {info.file.name} has no {name}_scale_inv")
+            problems.append(f"missing tensor {name!r} (expected shape {list(want.shape)})")
+            continue
+        where = f"tensor {name!r} in {info.file.name}"
+        if info.shape != want.shape:
+            problems.append(f"{where} has shape {list(info.shape)}, config predicts {list(want.shape)}")
+        elif info.dtype in FP8_DTYPES and want.matmul:
+            scale = index.tensors.get(name + "_scale_inv")
+            used.add(name + "_scale_inv")
+            if scale is None:
+                problems.append(f"FP8 {where} has no {name}_scale_inv")
+            elif scale.shape != fp8_scale_shape(want.shape) or scale.dtype != "F32":
+                problems.append(f"{name}_scale_inv in {scale.file.name} is {scale.dtype}{list(scale.shape)}, "
+                                f"expected F32{list(fp8_scale_shape(want.shape))}")
+        elif info.dtype not in FLOAT_DTYPES:
+            problems.append(f"{where} has dtype {info.dtype}, expected one of {FLOAT_DTYPES}"
+                            + (" or FP8 with a scale" if want.matmul else ""))
+    if strict:
+        problems += [f"unexpected tensor {name!r} in {index.tensors[name].file.name}"
+                     for name in sorted(set(index.tensors) - used)]
+    return problems
+
+
+def validate(index: CheckpointIndex, cfg: Config, *, mtp: bool = False, strict: bool = False) -> None:
+    """Raise a CheckpointError listing what `check_tensors` found, if anything."""
+    problems = check_tensors(index, cfg, mtp=mtp, strict=strict)
     if problems:
         more = f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
-        raise CheckpointError(f"{index.folder}: checkpoint does not match its config:\n  "
+        raise CheckpointError(f"{index.folder}: checkpoint does not match its config ({len(problems)} problems):\n  "
                               + "\n  ".join(problems[:10]) + more)
 
 
-# ---- streaming into shardings -------------------------------------------------------------------
-
-def _read_layer_slice(index: CheckpointIndex, src: Source, spec_shape: tuple[int, ...], layer: int,
-                      region: tuple[slice, ...], dtype: np.dtype) -> np.ndarray:
+def read_region(index: CheckpointIndex, src: Source, shape: tuple[int, ...], layer: int,
+                region: tuple[slice, ...], dtype: Any) -> np.ndarray:
     """The part `region` of one layer's weight in our layout, reading only the experts it covers."""
     def ours(name: str, shape: tuple[int, ...]) -> np.ndarray:
         return src.to_ours(index.read(name)).reshape(shape)
 
-    if src.per_expert:
-        experts = range(spec_shape[0])[region[0]]
-        parts = [ours(src.name.format(layer=layer, expert=e), spec_shape[1:])[region[1:]] for e in experts]
-        return np.stack(parts).astype(dtype)
-    return np.asarray(ours(src.name.format(layer=layer), spec_shape)[region]).astype(dtype)
-
-
-def _load_array(index: CheckpointIndex, src: Source, shape: tuple[int, ...], sharding: NamedSharding,
-                layer: int, dtype: np.dtype) -> jax.Array:
-    # Devices that hold the same region (replicas along another mesh axis) share one read.
-    regions: dict[tuple, np.ndarray] = {}
-
-    def read(region: tuple[slice, ...]) -> np.ndarray:
-        key = tuple((s.start, s.stop, s.step) for s in region)
-        if key not in regions:
-            regions[key] = _read_layer_slice(index, src, shape, layer, region, dtype)
-        return regions[key]
-
-    return jax.make_array_from_callback(shape, sharding, read)
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _set_layer(stacked: jax.Array, layer: jax.Array, i: jax.Array) -> jax.Array:
-    """Write one layer into a stacked weight in place (the old buffer is donated)."""
-    return jax.lax.dynamic_update_index_in_dim(stacked, layer.astype(stacked.dtype), i, 0)
-
-
-def _load_stack(index: CheckpointIndex, cfg: Config, stack: str, mesh: Mesh, dtype: Any, bar: tqdm) -> Any:
-    """One stack of layers: each stacked weight is allocated in its sharding, then filled layer by layer."""
-    specs = param_specs(cfg)[stack]
-    leaves = jax.tree.leaves(specs, is_leaf=is_spec)
-    sources = jax.tree.leaves(weight_sources(cfg)[stack], is_leaf=_is_source)
-    out_shardings = jax.tree.leaves(shardings(cfg, mesh)[stack])
-    stacked = [jax.jit(functools.partial(jnp.zeros, s.shape, resolved_dtype(s, dtype)), out_shardings=sh)()
-               for s, sh in zip(leaves, out_shardings)]
-    for i, layer in enumerate(stack_layers(cfg, stack)):
-        for j, (s, src, sh) in enumerate(zip(leaves, sources, out_shardings)):
-            layer_sharding = NamedSharding(mesh, P(*sh.spec[1:]))  # the stacked sharding minus "layers"
-            part = _load_array(index, src, s.shape[1:], layer_sharding, layer, resolved_dtype(s, dtype))
-            stacked[j] = _set_layer(stacked[j], part, np.int32(i))
-        bar.update(1)
-    return jax.tree.unflatten(jax.tree.structure(specs, is_leaf=is_spec), stacked)
-
-
-def load_params(folder: str | Path, cfg: Config, mesh: Mesh, dtype: Any, *, progress: bool = True) -> Params:
-    """Stream a release-layout checkpoint folder into sharded weights of `dtype`."""
-    index = CheckpointIndex.open(folder)
-    validate(index, cfg)
-    specs, sources, out_shardings = param_specs(cfg), weight_sources(cfg), shardings(cfg, mesh)
-    params: dict[str, Any] = {
-        key: _load_array(index, sources[key], specs[key].shape, out_shardings[key], 0,
-                         resolved_dtype(specs[key], dtype))
-        for key in ("embed", "final_norm", "lm_head")
-    }
-    stacks = [k for k in STACKS if k in specs]
-    total = sum(len(stack_layers(cfg, k)) for k in stacks)
-    with tqdm(total=total, desc=f"loading {Path(folder).name}", unit="layer", disable=not progress) as bar:
-        for stack in stacks:
-            params[stack] = _load_stack(index, cfg, stack, mesh, dtype, bar)
-    return params
+    if src.per_expert:  # filled expert by expert: at most one expert is ever held in float32
+        experts = range(shape[0])[region[0]]
+        out = None
+        for i, e in enumerate(experts):
+            part = ours(src.name.format(layer=layer, expert=e), shape[1:])[region[1:]]
+            if out is None:
+                out = np.empty((len(experts), *part.shape), dtype)
+            out[i] = part
+        return out
+    return np.asarray(ours(src.name.format(layer=layer), shape)[region]).astype(dtype)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .quant import matmul
+
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm computed in float32, returned in the weight's dtype."""
@@ -14,6 +16,5 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def mlp(p: dict, x: jax.Array) -> jax.Array:
-    """SwiGLU feed-forward: `(silu(x W_gate) * x W_up) W_down`."""
-    x = x.astype(p["gate"].dtype)
-    return (jax.nn.silu(x @ p["gate"]) * (x @ p["up"])) @ p["down"]
+    """SwiGLU feed-forward: `(silu(x W_gate) * x W_up) W_down`, in x's dtype."""
+    return matmul(jax.nn.silu(matmul(x, p["gate"])) * matmul(x, p["up"]), p["down"])

@@ -82,13 +82,12 @@ def forward(params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg: Confi
 
 
 def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg: Config, mesh: Mesh,
-            max_len: int) -> tuple[jax.Array, KVCache]:
+            max_len: int, kv_cache_dtype: str | None = None) -> tuple[jax.Array, KVCache]:
     """Logits `[B, V]` at each row's last prompt token, and a cache of `max_len` positions."""
     x, (c_kv, k_pe) = _prefill_hidden(params, tokens, cfg, mesh)
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]
     logits = _replicate(_logits(params, last, cfg), mesh)
-    cache = cache_from_prefill(c_kv.astype(params["embed"].dtype), k_pe.astype(params["embed"].dtype),
-                               lengths, max_len)
+    cache = cache_from_prefill(c_kv, k_pe, lengths, max_len, kv_cache_dtype)
     return logits, jax.tree.map(lambda a: _replicate(a, mesh), cache)
 
 
@@ -106,7 +105,9 @@ def decode(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config,
         def layer(x, inputs):
             p, i = inputs
             # The cache is read in place by layer index (a loop invariant), never sliced into a copy.
-            attend = lambda p, h: attend_decode(p, h, positions, cache.c_kv[i], cache.k_pe[i], cache.lengths, cfg)
+            c_scale = None if cache.c_scale is None else cache.c_scale[i]
+            attend = lambda p, h: attend_decode(p, h, positions, cache.c_kv[i], c_scale, cache.k_pe[i],
+                                                cache.lengths, cfg)
             return _block(p, x, attend, cfg, mesh)
 
         with jax.named_scope(stack):

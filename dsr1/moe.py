@@ -20,6 +20,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from .config import Config
 from .layers import mlp
+from .quant import Int8Weight, ragged_dot
 from .sharding import LOGICAL_RULES, logical_spec, moe_reduce_axes
 
 
@@ -52,21 +53,29 @@ def _local_experts(x, weights, experts, gate, up, down):
     is_local = (local >= 0) & (local < n_local)
     local = jnp.where(is_local, local, n_local)  # other devices' pairs sort last and are dropped
     order = jnp.argsort(local)
-    token = order // experts.shape[1]
+    token, expert = order // experts.shape[1], local[order]
     group_sizes = jnp.bincount(local, length=n_local + 1)[:n_local].astype(jnp.int32)
-    xs = x[token].astype(gate.dtype)
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, group_sizes)) * jax.lax.ragged_dot(xs, up, group_sizes)
-    y = jax.lax.ragged_dot(h, down, group_sizes, preferred_element_type=jnp.float32)
+    xs = x[token]
+    h = jax.nn.silu(ragged_dot(xs, gate, group_sizes, expert)) * ragged_dot(xs, up, group_sizes, expert)
+    y = ragged_dot(h.astype(x.dtype), down, group_sizes, expert)
     w = jnp.where(is_local[order], weights.reshape(-1)[order], 0.0)
-    out = jnp.zeros((x.shape[0], down.shape[-1]), jnp.float32).at[token].add(y * w[:, None])
+    out = jnp.zeros((x.shape[0], y.shape[-1]), jnp.float32).at[token].add(y * w[:, None])
     return jax.lax.psum(out, moe_reduce_axes())
+
+
+def _partition_spec(w: Any, axes: tuple[str, ...]) -> Any:
+    """The shard_map spec of an expert weight (and of its int8 scales, which drop the input axis)."""
+    if not isinstance(w, Int8Weight):
+        return logical_spec(axes)
+    scale_axes = tuple(a for i, a in enumerate(axes) if i not in w.input_axes)
+    return Int8Weight(logical_spec(axes), logical_spec(scale_axes), w.input_axes)
 
 
 def routed_experts(p: dict, x: jax.Array, weights: jax.Array, experts: jax.Array, mesh: Mesh) -> jax.Array:
     """Dropless routed-expert output `[N, D]` (float32), experts split over the expert mesh axis."""
     with jax.named_scope("routed_experts"):
-        w_in = logical_spec(("experts", "embed", "expert_ffw"))
-        w_out = logical_spec(("experts", "expert_ffw", "embed"))
+        w_in = _partition_spec(p["gate"], ("experts", "embed", "expert_ffw"))
+        w_out = _partition_spec(p["down"], ("experts", "expert_ffw", "embed"))
         body = jax.shard_map(_local_experts, mesh=mesh, in_specs=(P(), P(), P(), w_in, w_in, w_out),
                              out_specs=P())
         return body(x, weights, experts, p["gate"], p["up"], p["down"])

@@ -1,9 +1,11 @@
-"""Every weight declared once: shape, logical axes and initializer. Shardings and sharded random
-init are derived from these declarations, so no weight is ever materialized on one device.
+"""Every weight declared once: shape, logical axes, initializer and which axes a matmul contracts.
+Shardings, sharded random init and int8 variants are derived from these declarations, so no
+weight is ever materialized on one device.
 
 Layout: matrices are stored `[in, out]` (x @ W), per-head matrices keep the head axis explicit,
 and layers are stacked on a leading axis (dense layers and MoE layers in two stacks) so the model
-runs them under `jax.lax.scan`.
+runs them under `jax.lax.scan`. The MTP module (layer `num_hidden_layers` of the release) is its
+own subtree, loaded only on request.
 """
 
 from __future__ import annotations
@@ -18,25 +20,29 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from .config import Config
+from .quant import Int8Weight, check_quant, quantize
 from .sharding import LogicalAxes, check_divisible, logical_sharding
 
-Params = dict[str, Any]  # nested dicts of jax.Array, same structure as param_specs()
+Params = dict[str, Any]  # nested dicts of jax.Array / Int8Weight, same structure as param_specs()
 STACKS = ("dense_layers", "moe_layers")  # the first_k_dense_replace dense layers, then the MoE layers
 
 
 @dataclasses.dataclass(frozen=True)
 class ArrayInfo:
-    """A weight's declaration. `dtype=None` means "the model's dtype"; router weights stay float32."""
+    """A weight's declaration. `dtype=None` means "the model's dtype" (router weights stay float32).
+    `input_axes`: the axes a matmul contracts, for a weight that int8 may quantize (per layer)."""
 
     shape: tuple[int, ...]
     axes: LogicalAxes
     init: str  # "normal" (std 1/sqrt(fan_in)), "ones", "bias"
     dtype: Any = None
     fan_in: int = 1
+    input_axes: tuple[int, ...] | None = None
 
 
-def _linear(shape: tuple[int, ...], axes: LogicalAxes, fan_in: int) -> ArrayInfo:
-    return ArrayInfo(shape, axes, "normal", fan_in=fan_in)
+def _linear(shape: tuple[int, ...], axes: LogicalAxes, fan_in: int, input_axes: tuple[int, ...] = (0,),
+            quantizable: bool = True) -> ArrayInfo:
+    return ArrayInfo(shape, axes, "normal", fan_in=fan_in, input_axes=input_axes if quantizable else None)
 
 
 def _norm(size: int) -> ArrayInfo:
@@ -50,9 +56,9 @@ def attention_specs(cfg: Config) -> dict[str, ArrayInfo]:
         "kv_a": _linear((d, r + cfg.qk_rope_head_dim), ("embed", "kv_lora"), d),
         "kv_a_norm": _norm(r),
         # kv_b_proj split into W_UK and W_UV, stored [heads, out, latent] so decode can absorb them.
-        "wk_b": _linear((h, cfg.qk_nope_head_dim, r), ("heads", "head_dim", "kv_lora"), r),
-        "wv_b": _linear((h, cfg.v_head_dim, r), ("heads", "head_dim", "kv_lora"), r),
-        "o": _linear((h, cfg.v_head_dim, d), ("heads", "head_dim", "embed"), h * cfg.v_head_dim),
+        "wk_b": _linear((h, cfg.qk_nope_head_dim, r), ("heads", "head_dim", "kv_lora"), r, input_axes=(2,)),
+        "wv_b": _linear((h, cfg.v_head_dim, r), ("heads", "head_dim", "kv_lora"), r, input_axes=(2,)),
+        "o": _linear((h, cfg.v_head_dim, d), ("heads", "head_dim", "embed"), h * cfg.v_head_dim, input_axes=(0, 1)),
         "mlp_norm": _norm(d),
     }
     if cfg.q_lora_rank is None:
@@ -78,26 +84,40 @@ def moe_specs(cfg: Config) -> dict[str, Any]:
     specs: dict[str, Any] = {
         "router": ArrayInfo((d, e), ("embed", None), "normal", jnp.float32, d),
         "router_bias": ArrayInfo((e,), (None,), "bias", jnp.float32),
-        "gate": _linear((e, d, f), ("experts", "embed", "expert_ffw"), d),
-        "up": _linear((e, d, f), ("experts", "embed", "expert_ffw"), d),
-        "down": _linear((e, f, d), ("experts", "expert_ffw", "embed"), f),
+        "gate": _linear((e, d, f), ("experts", "embed", "expert_ffw"), d, input_axes=(1,)),
+        "up": _linear((e, d, f), ("experts", "embed", "expert_ffw"), d, input_axes=(1,)),
+        "down": _linear((e, f, d), ("experts", "expert_ffw", "embed"), f, input_axes=(1,)),
     }
     if cfg.n_shared_experts:
         specs["shared"] = mlp_specs(d, cfg.shared_intermediate_size)
     return specs
 
 
+def mtp_specs(cfg: Config) -> dict[str, Any]:
+    """One multi-token-prediction module: embeddings and head of its own, a projection, a MoE block."""
+    d, v = cfg.hidden_size, cfg.vocab_size
+    return {
+        "embed": ArrayInfo((v, d), ("vocab", "embed"), "normal", fan_in=1),
+        "enorm": _norm(d),
+        "hnorm": _norm(d),
+        "eh_proj": _linear((2 * d, d), ("embed", None), 2 * d, quantizable=False),  # bf16 in the release
+        "block": {**attention_specs(cfg), "moe": moe_specs(cfg)},
+        "head_norm": _norm(d),
+        "head": _linear((d, v), ("embed", "vocab"), d, quantizable=False),
+    }
+
+
 def _stack(tree: dict[str, Any], n: int) -> dict[str, Any]:
     return jax.tree.map(lambda s: dataclasses.replace(s, shape=(n, *s.shape), axes=("layers", *s.axes)),
-                        tree, is_leaf=lambda x: isinstance(x, ArrayInfo))
+                        tree, is_leaf=is_spec)
 
 
-def param_specs(cfg: Config) -> dict[str, Any]:
-    """The declaration of every weight of the model, as a pytree of ArrayInfo."""
+def float_specs(cfg: Config, *, mtp: bool = False) -> dict[str, Any]:
+    """The declaration of every weight in full precision, as a pytree of ArrayInfo."""
     specs: dict[str, Any] = {
         "embed": ArrayInfo((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), "normal", fan_in=1),
         "final_norm": _norm(cfg.hidden_size),
-        "lm_head": _linear((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg.hidden_size),
+        "lm_head": _linear((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg.hidden_size, quantizable=False),
     }
     if cfg.num_dense_layers:
         specs["dense_layers"] = _stack(
@@ -105,11 +125,38 @@ def param_specs(cfg: Config) -> dict[str, Any]:
             cfg.num_dense_layers)
     if cfg.num_moe_layers:
         specs["moe_layers"] = _stack({**attention_specs(cfg), "moe": moe_specs(cfg)}, cfg.num_moe_layers)
+    if mtp and cfg.num_nextn_predict_layers:
+        specs["mtp"] = _stack(mtp_specs(cfg), cfg.num_nextn_predict_layers)
     return specs
 
 
+def _int8_spec(s: ArrayInfo) -> Any:
+    if s.input_axes is None:
+        return s
+    stacked = s.axes[:1] == ("layers",)  # input_axes count within one layer
+    dropped = {a + stacked for a in s.input_axes}
+    keep = [i for i in range(len(s.shape)) if i not in dropped]
+    scale = ArrayInfo(tuple(s.shape[i] for i in keep), tuple(s.axes[i] for i in keep), "ones", jnp.float32)
+    return Int8Weight(dataclasses.replace(s, dtype=jnp.int8), scale, s.input_axes)
+
+
+def param_specs(cfg: Config, quant: str | None = None, *, mtp: bool = False) -> dict[str, Any]:
+    """Every weight's declaration; with `quant="int8"` the matmul weights become `Int8Weight`s."""
+    specs = float_specs(cfg, mtp=mtp)
+    if check_quant(quant) == "int8":
+        specs = jax.tree.map(_int8_spec, specs, is_leaf=is_spec)
+    return specs
+
+
+def per_layer(specs: Any) -> Any:
+    """The declarations of one layer of a stack (the leading "layers" axis removed)."""
+    return jax.tree.map(lambda s: dataclasses.replace(s, shape=s.shape[1:], axes=s.axes[1:]), specs, is_leaf=is_spec)
+
+
 def stack_layers(cfg: Config, stack: str) -> range:
-    """The model-wide layer numbers (HF `model.layers.N`) held by a stack."""
+    """The release's layer numbers (`model.layers.N`) held by a stack."""
+    if stack == "mtp":
+        return range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
     return range(cfg.num_dense_layers) if stack == STACKS[0] else range(cfg.num_dense_layers, cfg.num_hidden_layers)
 
 
@@ -121,18 +168,34 @@ def resolved_dtype(spec: ArrayInfo, dtype: Any) -> jnp.dtype:
     return jnp.dtype(spec.dtype if spec.dtype is not None else dtype)
 
 
-def shardings(cfg: Config, mesh: Mesh) -> dict[str, Any]:
-    """NamedSharding of every weight, checking that each sharded dimension splits evenly."""
+def spec_shardings(mesh: Mesh, specs: Any) -> Any:
+    """NamedSharding of every declared weight, checking that each sharded dimension splits evenly."""
     def one(path, spec: ArrayInfo):
         check_divisible(mesh, spec.shape, spec.axes, jax.tree_util.keystr(path))
         return logical_sharding(mesh, spec.axes)
-    return jax.tree_util.tree_map_with_path(one, param_specs(cfg), is_leaf=is_spec)
+    return jax.tree_util.tree_map_with_path(one, specs, is_leaf=is_spec)
 
 
-def abstract_params(cfg: Config, mesh: Mesh, dtype: Any) -> dict[str, Any]:
+def shardings(cfg: Config, mesh: Mesh, quant: str | None = None, *, mtp: bool = False) -> dict[str, Any]:
+    return spec_shardings(mesh, param_specs(cfg, quant, mtp=mtp))
+
+
+def abstract_params(specs: Any, mesh: Mesh, dtype: Any) -> Any:
     """ShapeDtypeStructs with shardings: what a loader must produce."""
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, resolved_dtype(s, dtype), sharding=sh),
-                        param_specs(cfg), shardings(cfg, mesh), is_leaf=is_spec)
+                        specs, spec_shardings(mesh, specs), is_leaf=is_spec)
+
+
+def quantize_like(specs: Any, weights: Any) -> Any:
+    """Quantize the float `weights` wherever `specs` (a quantized declaration tree) holds an Int8Weight.
+    Works on whole stacks or on one layer (`stacked` tells whether a leading layer axis is present)."""
+    def one(spec, w):
+        if not isinstance(spec, Int8Weight):
+            return w
+        stacked = spec.q.axes[:1] == ("layers",) and w.ndim == len(spec.q.shape)
+        qw = quantize(w, tuple(a + stacked for a in spec.input_axes))
+        return Int8Weight(qw.q, qw.scale, spec.input_axes)
+    return jax.tree.map(one, specs, weights, is_leaf=lambda x: is_spec(x) or isinstance(x, Int8Weight))
 
 
 def _init_leaf(path, spec: ArrayInfo, key: jax.Array, dtype: Any) -> jax.Array:
@@ -147,13 +210,14 @@ def _init_leaf(path, spec: ArrayInfo, key: jax.Array, dtype: Any) -> jax.Array:
     return (std * jax.random.normal(key, spec.shape, jnp.float32)).astype(dt)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "dtype"))
-def _random_params(key: jax.Array, *, cfg: Config, mesh: Mesh, dtype: jnp.dtype) -> Params:
-    params = jax.tree_util.tree_map_with_path(lambda p, s: _init_leaf(p, s, key, dtype), param_specs(cfg),
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "dtype", "quant"))
+def _random_params(key: jax.Array, *, cfg: Config, mesh: Mesh, dtype: jnp.dtype, quant: str | None) -> Params:
+    params = jax.tree_util.tree_map_with_path(lambda p, s: _init_leaf(p, s, key, dtype), float_specs(cfg),
                                               is_leaf=is_spec)
-    return jax.tree.map(jax.lax.with_sharding_constraint, params, shardings(cfg, mesh))
+    params = quantize_like(param_specs(cfg, quant), params)
+    return jax.tree.map(jax.lax.with_sharding_constraint, params, shardings(cfg, mesh, quant))
 
 
-def init_params(cfg: Config, mesh: Mesh, *, seed: int, dtype: Any) -> Params:
+def init_params(cfg: Config, mesh: Mesh, *, seed: int, dtype: Any, quant: str | None = None) -> Params:
     """Random weights created directly in their shardings (one jitted program, no host copy)."""
-    return _random_params(jax.random.key(seed), cfg=cfg, mesh=mesh, dtype=jnp.dtype(dtype))
+    return _random_params(jax.random.key(seed), cfg=cfg, mesh=mesh, dtype=jnp.dtype(dtype), quant=check_quant(quant))

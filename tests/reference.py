@@ -53,9 +53,19 @@ def _linear(rng: np.random.Generator, out: int, inp: int, gain: float = 1.0) -> 
     return (gain * rng.standard_normal((out, inp)) / math.sqrt(inp)).astype(np.float32)
 
 
-def release_tensors(cfg: dict[str, Any], seed: int, mtp: bool = False) -> dict[str, np.ndarray]:
-    """Random weights named and shaped as in the DeepSeek release checkpoint."""
+def release_tensors(cfg: dict[str, Any], seed: int, mtp: bool = False, calm: bool = False) -> dict[str, np.ndarray]:
+    """Random weights named and shaped as in the DeepSeek release checkpoint.
+
+    By default some projections get gains of 2-3: activations and routing become sensitive, which
+    makes float32 parity tests sharper. `calm=True` uses unit gains, closer to a trained model's
+    behaviour under rounding (fewer routing flips), for precision measurements.
+    """
     rng = np.random.default_rng(seed)
+    if calm:
+        _linear_gained = _linear
+        linear = lambda r, out, inp, gain=1.0: _linear_gained(r, out, inp)  # noqa: E731
+    else:
+        linear = _linear
     d, h, r = cfg["hidden_size"], cfg["num_attention_heads"], cfg["kv_lora_rank"]
     nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
     e, f_moe = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
@@ -63,7 +73,7 @@ def release_tensors(cfg: dict[str, Any], seed: int, mtp: bool = False) -> dict[s
     t = {
         "model.embed_tokens.weight": rng.standard_normal((cfg["vocab_size"], d)).astype(np.float32),
         "model.norm.weight": norm(d),
-        "lm_head.weight": _linear(rng, cfg["vocab_size"], d, gain=2.0),
+        "lm_head.weight": linear(rng, cfg["vocab_size"], d, gain=2.0),
     }
     n_layers = cfg["num_hidden_layers"] + (cfg["num_nextn_predict_layers"] if mtp else 0)
     for layer in range(n_layers):
@@ -71,43 +81,44 @@ def release_tensors(cfg: dict[str, Any], seed: int, mtp: bool = False) -> dict[s
         t[p + "input_layernorm.weight"] = norm(d)
         t[p + "post_attention_layernorm.weight"] = norm(d)
         if cfg["q_lora_rank"] is None:
-            t[p + "self_attn.q_proj.weight"] = _linear(rng, h * (nope + rope), d)
+            t[p + "self_attn.q_proj.weight"] = linear(rng, h * (nope + rope), d)
         else:
             q = cfg["q_lora_rank"]
-            t[p + "self_attn.q_a_proj.weight"] = _linear(rng, q, d)
+            t[p + "self_attn.q_a_proj.weight"] = linear(rng, q, d)
             t[p + "self_attn.q_a_layernorm.weight"] = norm(q)
-            t[p + "self_attn.q_b_proj.weight"] = _linear(rng, h * (nope + rope), q, gain=2.0)
-        t[p + "self_attn.kv_a_proj_with_mqa.weight"] = _linear(rng, r + rope, d, gain=2.0)
+            t[p + "self_attn.q_b_proj.weight"] = linear(rng, h * (nope + rope), q, gain=2.0)
+        t[p + "self_attn.kv_a_proj_with_mqa.weight"] = linear(rng, r + rope, d, gain=2.0)
         t[p + "self_attn.kv_a_layernorm.weight"] = norm(r)
-        t[p + "self_attn.kv_b_proj.weight"] = _linear(rng, h * (nope + v), r, gain=2.0)
-        t[p + "self_attn.o_proj.weight"] = _linear(rng, d, h * v)
+        t[p + "self_attn.kv_b_proj.weight"] = linear(rng, h * (nope + v), r, gain=2.0)
+        t[p + "self_attn.o_proj.weight"] = linear(rng, d, h * v)
         if layer < cfg["first_k_dense_replace"]:
             f = cfg["intermediate_size"]
-            t[p + "mlp.gate_proj.weight"] = _linear(rng, f, d)
-            t[p + "mlp.up_proj.weight"] = _linear(rng, f, d)
-            t[p + "mlp.down_proj.weight"] = _linear(rng, d, f)
+            t[p + "mlp.gate_proj.weight"] = linear(rng, f, d)
+            t[p + "mlp.up_proj.weight"] = linear(rng, f, d)
+            t[p + "mlp.down_proj.weight"] = linear(rng, d, f)
             continue
-        t[p + "mlp.gate.weight"] = _linear(rng, e, d, gain=3.0)
+        t[p + "mlp.gate.weight"] = linear(rng, e, d, gain=3.0)
         # A non-zero correction bias that changes selections but keeps biased scores positive.
         t[p + "mlp.gate.e_score_correction_bias"] = rng.uniform(-0.08, 0.08, e).astype(np.float32)
         for x in range(e):
             q = f"{p}mlp.experts.{x}."
-            t[q + "gate_proj.weight"] = _linear(rng, f_moe, d)
-            t[q + "up_proj.weight"] = _linear(rng, f_moe, d)
-            t[q + "down_proj.weight"] = _linear(rng, d, f_moe)
+            t[q + "gate_proj.weight"] = linear(rng, f_moe, d)
+            t[q + "up_proj.weight"] = linear(rng, f_moe, d)
+            t[q + "down_proj.weight"] = linear(rng, d, f_moe)
         if cfg["n_shared_experts"]:
             fs = f_moe * cfg["n_shared_experts"]
-            t[p + "mlp.shared_experts.gate_proj.weight"] = _linear(rng, fs, d)
-            t[p + "mlp.shared_experts.up_proj.weight"] = _linear(rng, fs, d)
-            t[p + "mlp.shared_experts.down_proj.weight"] = _linear(rng, d, fs)
+            t[p + "mlp.shared_experts.gate_proj.weight"] = linear(rng, fs, d)
+            t[p + "mlp.shared_experts.up_proj.weight"] = linear(rng, fs, d)
+            t[p + "mlp.shared_experts.down_proj.weight"] = linear(rng, d, fs)
     if mtp:
         for layer in range(cfg["num_hidden_layers"], n_layers):
             p = f"model.layers.{layer}."
+            t[p + "embed_tokens.weight"] = t["model.embed_tokens.weight"].copy()
             t[p + "enorm.weight"] = norm(d)
             t[p + "hnorm.weight"] = norm(d)
-            t[p + "eh_proj.weight"] = _linear(rng, d, 2 * d)
+            t[p + "eh_proj.weight"] = linear(rng, d, 2 * d)
             t[p + "shared_head.norm.weight"] = norm(d)
-            t[p + "shared_head.head.weight"] = _linear(rng, cfg["vocab_size"], d)
+            t[p + "shared_head.head.weight"] = linear(rng, cfg["vocab_size"], d)
     return t
 
 

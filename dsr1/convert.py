@@ -1,0 +1,218 @@
+"""`python -m dsr1.convert`: a HF release checkpoint to dsr1's orbax format, or `--check` one.
+
+    python -m dsr1.convert --hf DeepSeek-R1/ --out r1-int8/ --quant int8
+    python -m dsr1.convert --check --hf DeepSeek-R1/model.safetensors.index.json
+
+Conversion streams one unit at a time (the global weights, then each layer, then the MTP module),
+and within a layer one expert at a time, so peak host memory follows the largest layer, not the
+model. It writes into `OUT.partial/`; an interrupted run started again with the same arguments
+resumes after the last finished layer. `OUT` appears (or is replaced) only when everything is
+written, so a failed run never leaves something `dsr1.load` would accept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from . import store
+from .checkpoint import CheckpointIndex, check_tensors, read_region, unit_sources, validate
+from .config import Config
+from .params import ArrayInfo, is_spec, param_specs, per_layer, resolved_dtype, stack_layers
+from .quant import Int8Weight, check_quant, quantize
+from .safetensors_io import CheckpointError
+
+SETTINGS = "convert.json"  # in OUT.partial: the arguments a resumed run must share
+
+
+class ConversionError(RuntimeError):
+    """Conversion failed; the message names the unit, its tensors and the path at fault."""
+
+
+def _is_weight(x: Any) -> bool:
+    return is_spec(x) or isinstance(x, Int8Weight)
+
+
+def _host_weight(index: CheckpointIndex, spec: ArrayInfo, target: Any, src, layer: int, dtype: Any) -> Any:
+    """One weight of one layer as numpy in the target precision, read (and quantized) expert by expert."""
+    def convert(w: np.ndarray) -> Any:
+        if isinstance(target, Int8Weight):
+            return quantize(w, target.input_axes)
+        return w.astype(resolved_dtype(target, dtype))
+
+    full = tuple(slice(None) for _ in spec.shape)
+    if not src.per_expert:
+        return convert(read_region(index, src, spec.shape, layer, full, np.float32))
+    out = None
+    for e in range(spec.shape[0]):
+        part = convert(read_region(index, src, spec.shape, layer, (slice(e, e + 1), *full[1:]), np.float32))
+        if out is None:
+            out = jax.tree.map(lambda p: np.empty((spec.shape[0], *p.shape[1:]), p.dtype), part)
+        jax.tree.map(lambda o, p: o.__setitem__(slice(e, e + 1), p), out, part)
+    if isinstance(target, Int8Weight):
+        return Int8Weight(out.q, out.scale, target.input_axes)
+    return out
+
+
+def _unit_tree(index: CheckpointIndex, cfg: Config, unit: str, layer: int | None, quant: str | None,
+               dtype: Any) -> Any:
+    target = param_specs(cfg, quant, mtp=True)
+    if unit == "globals":
+        target = {k: v for k, v in target.items() if is_spec(v)}
+    else:
+        target = per_layer(target[unit])
+    targets = jax.tree.leaves(target, is_leaf=_is_weight)
+    weights = [_host_weight(index, spec, t, src, 0 if layer is None else layer, dtype)
+               for (spec, src), t in zip(unit_sources(cfg, unit, mtp=True), targets)]
+    return jax.tree.unflatten(jax.tree.structure(target, is_leaf=_is_weight), weights)
+
+
+def _unit_tensors(index: CheckpointIndex, cfg: Config, unit: str, layer: int | None) -> list[str]:
+    names = []
+    for _, src in unit_sources(cfg, unit, mtp=True):
+        experts = range(cfg.n_routed_experts) if src.per_expert else range(1)
+        names += [src.name.format(layer=layer, expert=e) for e in experts]
+    return names + [n + "_scale_inv" for n in names if n + "_scale_inv" in index.tensors]
+
+
+def _units(cfg: Config, mtp: bool) -> list[tuple[str, int | None]]:
+    stacks = [k for k, v in param_specs(cfg, mtp=mtp).items() if not is_spec(v)]
+    return [("globals", None)] + [(s, layer) for s in stacks for layer in stack_layers(cfg, s)]
+
+
+def _release_memory() -> None:
+    """Hand freed layer buffers back to the OS. Without this, glibc keeps them in its arenas and the
+    resident size creeps up layer after layer, although nothing is retained."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
+def _prepare_partial(partial: Path, settings: dict[str, Any]) -> None:
+    if partial.exists():
+        try:
+            previous = store.read_json_file(partial / SETTINGS)
+        except CheckpointError:
+            previous = None
+        if previous == settings:
+            return
+        print(f"{partial}: left by a run with other arguments; starting over", file=sys.stderr)
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    store.write_json(partial / SETTINGS, settings)
+
+
+def _replace(out: Path, partial: Path) -> None:
+    """Swap the finished folder into place; an earlier conversion at `out` is removed only after."""
+    old = out.with_name(out.name + ".old")
+    if out.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(out, old)
+    os.replace(partial, out)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def convert(hf: str | Path, out: str | Path, *, quant: str | None = None, dtype: str = "bfloat16",
+            mtp: bool = True, progress: bool = True) -> Path:
+    """Convert the HF checkpoint folder `hf` to `out` (orbax, our layout, `quant` or `dtype` weights)."""
+    hf, out = Path(hf), Path(out)
+    quant = check_quant(quant)
+    cfg = Config.from_hf(hf)
+    mtp = mtp and cfg.num_nextn_predict_layers > 0
+    if out.exists() and not store.is_converted(out):
+        raise ConversionError(f"--out {out} exists and is not a dsr1 checkpoint; refusing to replace it")
+    index = CheckpointIndex.open(hf)
+    validate(index, cfg, mtp=mtp)
+    partial = out.with_name(out.name + ".partial")
+    settings = {"hf": str(hf.resolve()), "quant": quant, "dtype": dtype, "mtp": mtp}
+    _prepare_partial(partial, settings)
+
+    units = _units(cfg, mtp)
+    sizes = [sum(index.tensors[n].end - index.tensors[n].begin for n in _unit_tensors(index, cfg, *u)) for u in units]
+    with tqdm(total=sum(sizes), unit="B", unit_scale=True, desc=f"converting {hf.name}", disable=not progress) as bar:
+        for i, ((unit, layer), size) in enumerate(zip(units, sizes)):
+            bar.set_postfix_str(f"unit {i + 1}/{len(units)} {store.unit_dir(unit, layer)}")
+            dest = partial / store.unit_dir(unit, layer)
+            if not dest.exists():  # finished by an earlier, interrupted run
+                tree = _unit_tree(index, cfg, unit, layer, quant, dtype)
+                try:
+                    store.save_unit(dest, tree)
+                except OSError as e:
+                    tensors = _unit_tensors(index, cfg, unit, layer)
+                    raise ConversionError(f"writing {dest} ({len(tensors)} tensors, e.g. {tensors[0]!r}) failed: {e}; "
+                                          f"run again with the same arguments to resume") from e
+                del tree
+                _release_memory()
+            bar.update(size)
+    try:
+        shutil.copyfile(hf / "config.json", partial / "config.json")
+        store.write_json(partial / store.MANIFEST, {"format": store.FORMAT, "version": store.VERSION, "quant": quant,
+                                                    "dtype": dtype, "mtp": mtp, "units": [store.unit_dir(*u) for u in units]})
+        (partial / SETTINGS).unlink()
+        _replace(out, partial)
+    except OSError as e:
+        raise ConversionError(f"finishing {out} failed: {e}; run again with the same arguments to resume") from e
+    return out
+
+
+def check(path: str | Path, config: str | Path | None = None) -> list[str]:
+    """Validate a checkpoint folder or index file against its config without reading weights:
+    every tensor mapped, every shape as the config predicts, nothing missing or extra."""
+    path = Path(path)
+    if path.is_dir():
+        index = CheckpointIndex.open(path)
+    elif path.name.endswith((".json", ".json.gz")) and not path.name.startswith("model.safetensors.index.json"):
+        index = CheckpointIndex.from_shape_index(path)
+    else:
+        index = CheckpointIndex.open(path.parent)
+    cfg = Config.from_hf(config or (path if path.is_dir() else path.parent))
+    return check_tensors(index, cfg, mtp=cfg.num_nextn_predict_layers > 0, strict=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dsr1.convert", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hf", required=True, metavar="DIR_OR_INDEX",
+                    help="HF checkpoint folder (release layout); with --check also an index file")
+    ap.add_argument("--out", metavar="DIR", help="output folder (written as DIR.partial, then renamed)")
+    ap.add_argument("--quant", choices=["int8", "bf16"], default="bf16",
+                    help="int8: per-output-channel int8 matmul weights; bf16: all weights bf16 (default)")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                    help="dtype of the weights int8 leaves alone (default: bfloat16)")
+    ap.add_argument("--no-mtp", action="store_true", help="leave out the multi-token-prediction module")
+    ap.add_argument("--check", action="store_true", help="only validate --hf against its config, reading no weights")
+    ap.add_argument("--config", help="config.json for --check (default: next to --hf)")
+    args = ap.parse_args(argv)
+    try:
+        if args.check:
+            problems = check(args.hf, args.config)
+            for p in problems:
+                print(p)
+            print(f"{args.hf}: {'OK' if not problems else f'{len(problems)} problems'}")
+            return 1 if problems else 0
+        if not args.out:
+            ap.error("--out is required unless --check")
+        out = convert(args.hf, args.out, quant=None if args.quant == "bf16" else args.quant, dtype=args.dtype,
+                      mtp=not args.no_mtp)
+        print(f"wrote {out}")
+        return 0
+    except (CheckpointError, ConversionError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
