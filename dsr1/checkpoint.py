@@ -264,6 +264,8 @@ def check_tensors(index: CheckpointIndex, cfg: Config, *, mtp: bool = False, str
     for name, want in expected_tensors(cfg, mtp=mtp).items():
         info = index.tensors.get(name)
         used.add(name)
+        if info is None or info.shape != want.shape:
+            used.add(name + "_scale_inv")  # its scale belongs to the problem reported for the weight
         if info is None:
             problems.append(f"missing tensor {name!r} (expected shape {list(want.shape)})")
             continue

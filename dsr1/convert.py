@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
 from . import store
@@ -142,14 +143,15 @@ def convert(hf: str | Path, out: str | Path, *, quant: str | None = None, dtype:
 
     units = _units(cfg, mtp)
     sizes = [sum(index.tensors[n].end - index.tensors[n].begin for n in _unit_tensors(index, cfg, *u)) for u in units]
-    with tqdm(total=sum(sizes), unit="B", unit_scale=True, desc=f"converting {hf.name}", disable=not progress) as bar:
+    with (tqdm(total=sum(sizes), unit="B", unit_scale=True, desc=f"converting {hf.name}", disable=not progress) as bar,
+          ocp.StandardCheckpointer() as checkpointer):
         for i, ((unit, layer), size) in enumerate(zip(units, sizes)):
             bar.set_postfix_str(f"unit {i + 1}/{len(units)} {store.unit_dir(unit, layer)}")
             dest = partial / store.unit_dir(unit, layer)
             if not dest.exists():  # finished by an earlier, interrupted run
                 tree = _unit_tree(index, cfg, unit, layer, quant, dtype)
                 try:
-                    store.save_unit(dest, tree)
+                    store.save_unit(dest, tree, checkpointer)
                 except OSError as e:
                     tensors = _unit_tensors(index, cfg, unit, layer)
                     raise ConversionError(f"writing {dest} ({len(tensors)} tensors, e.g. {tensors[0]!r}) failed: {e}; "

@@ -46,8 +46,10 @@ def quantize(w: Any, input_axes: tuple[int, ...]) -> Int8Weight:
     xp = jnp if isinstance(w, jax.Array) else np
     w = w.astype(xp.float32)
     amax = xp.max(xp.abs(w), axis=input_axes, keepdims=True)
-    scale = xp.where(amax > 0, amax / 127.0, 1.0)
-    q = xp.clip(xp.round(w / scale), -127, 127).astype(xp.int8)
+    # Multiply by reciprocals explicitly: XLA rewrites divisions that way, and host (numpy, the
+    # converter) and device (the loader) quantization must agree to the last bit.
+    scale = xp.where(amax > 0, amax * np.float32(1 / 127), np.float32(1))
+    q = xp.clip(xp.round(w * (np.float32(1) / scale)), -127, 127).astype(xp.int8)
     return Int8Weight(q, xp.squeeze(scale, axis=input_axes).astype(xp.float32), tuple(input_axes))
 
 

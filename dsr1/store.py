@@ -62,14 +62,20 @@ def write_json(file: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, file)
 
 
-def save_unit(folder: Path, tree: Any) -> None:
-    """Save one unit's pytree (numpy or jax arrays); the folder appears only when complete."""
+def save_unit(folder: Path, tree: Any, checkpointer: ocp.StandardCheckpointer | None = None) -> None:
+    """Save one unit's pytree (numpy or jax arrays); the folder appears only when complete.
+    Pass one `checkpointer` for many units: its thread pools and buffers are then set up once,
+    which keeps a long conversion's memory flat."""
     tmp = folder.with_name(folder.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with ocp.StandardCheckpointer() as checkpointer:
+    if checkpointer is None:
+        with ocp.StandardCheckpointer() as own:
+            own.save(tmp.absolute(), tree)
+    else:
         checkpointer.save(tmp.absolute(), tree)
+        checkpointer.wait_until_finished()
     os.replace(tmp, folder)
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import dsr1
+from dsr1.convert import convert
 from harness import DECODE_PREFIX, TOLERANCE, decode_logits, relative_error, subprocess_env
 
 WORKER = str(Path(__file__).parent / "mesh_worker.py")
@@ -68,12 +69,9 @@ def test_eight_fake_devices(single_device, tmp_path, expert, tensor):
     _compare(result, single_device, f"8 devices, expert={e} x tensor={t}")
 
 
-@pytest.mark.slow
-def test_two_processes_two_devices_each(single_device, tmp_path):
-    fx, inputs, *_ = single_device
-    port, out = _free_port(), tmp_path / "out.npz"
-    common = ["--folder", str(fx.folder), "--inputs", str(inputs), "--out", str(out), "--expert=2", "--tensor=2",
-              "--num-processes=2", f"--port={port}"]
+def _two_processes(folder: Path, inputs: Path, out: Path) -> dict:
+    common = ["--folder", str(folder), "--inputs", str(inputs), "--out", str(out), "--expert=2", "--tensor=2",
+              "--num-processes=2", f"--port={_free_port()}"]
     procs = [subprocess.Popen([sys.executable, WORKER, *common, f"--process-id={i}"], env=subprocess_env(2),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     try:
@@ -85,7 +83,26 @@ def test_two_processes_two_devices_each(single_device, tmp_path):
         assert p.returncode == 0, err[-3000:]
     result = dict(np.load(out))
     assert int(result["processes"]) == 2 and int(result["devices"]) == 4
-    _compare(result, single_device, "2 processes x 2 devices, expert=2 x tensor=2")
+    return result
+
+
+@pytest.mark.slow
+def test_two_processes_two_devices_each(single_device, tmp_path):
+    fx, inputs, *_ = single_device
+    _compare(_two_processes(fx.folder, inputs, tmp_path / "out.npz"), single_device,
+             "2 processes x 2 devices, expert=2 x tensor=2")
+
+
+@pytest.mark.slow
+def test_converted_checkpoint_on_eight_devices_and_two_processes(single_device, tmp_path):
+    """Converted (orbax) then restored into other meshes equals the direct single-device load."""
+    fx, inputs, *_ = single_device
+    converted = convert(fx.folder, tmp_path / "converted", dtype="float32", progress=False)
+    proc = _run(["--folder", str(converted), "--inputs", str(inputs), "--out", str(tmp_path / "8.npz")], devices=8)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _compare(dict(np.load(tmp_path / "8.npz")), single_device, "converted, 8 devices, expert=4 x tensor=2")
+    _compare(_two_processes(converted, inputs, tmp_path / "2.npz"), single_device,
+             "converted, 2 processes x 2 devices")
 
 
 @pytest.mark.slow

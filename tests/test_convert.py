@@ -1,0 +1,250 @@
+"""FP8 release checkpoints, `python -m dsr1.convert` (orbax, resumable, atomic) and `--check`."""
+
+from __future__ import annotations
+
+import errno
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+import dsr1
+from dsr1 import convert as dsr1_convert
+from dsr1 import store
+from harness import DECODE_PREFIX, TOLERANCE, decode_logits, prompt_batch, relative_error, subprocess_env
+from reference import hf_config, reference_logits, release_tensors, write_checkpoint
+
+SHARED_INDEX = (Path(__file__).parents[2] / "shared" / "reference" / "deepseek-r1"
+                / "model.safetensors.index-with-shapes.json.gz")
+FP8_MAX = 448.0
+# Dims that are not multiples of 128, so every FP8 weight has partial edge blocks.
+FP8_CONFIG = hf_config({"hidden_size": 160, "intermediate_size": 200, "moe_intermediate_size": 136,
+                        "q_lora_rank": 136, "kv_lora_rank": 136, "num_attention_heads": 2, "qk_nope_head_dim": 48,
+                        "qk_rope_head_dim": 16, "v_head_dim": 40, "n_routed_experts": 8, "n_group": 2,
+                        "topk_group": 1, "num_experts_per_tok": 2, "num_hidden_layers": 2,
+                        "num_nextn_predict_layers": 1,
+                        "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3",
+                                                "quant_method": "fp8", "weight_block_size": [128, 128]}})
+
+
+def is_fp8_in_release(name: str) -> bool:
+    """The release stores every layer's *_proj matmul in FP8, except the MTP projection eh_proj."""
+    return (name.startswith("model.layers.") and name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
+            and ".eh_proj." not in name)
+
+
+def fp8_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(fp8 weight, scale_inv per 128x128 block, the dequantized weight), block by block."""
+    rows, cols = w.shape
+    nr, nc = -(-rows // 128), -(-cols // 128)
+    q = np.empty(w.shape, ml_dtypes.float8_e4m3fn)
+    scale = np.empty((nr, nc), np.float32)
+    deq = np.empty(w.shape, np.float32)
+    for i in range(nr):
+        for j in range(nc):
+            block = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+            scale[i, j] = np.abs(block).max() / FP8_MAX
+            q[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = (block / scale[i, j]).astype(ml_dtypes.float8_e4m3fn)
+            deq[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = (
+                q[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].astype(np.float32) * scale[i, j])
+    return q, scale, deq
+
+
+@pytest.fixture(scope="module")
+def fp8(tmp_path_factory):
+    """An FP8 release-layout folder (with MTP layer) and a float32 folder of its dequantized weights."""
+    import torch
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("fp8")
+    tensors = release_tensors(FP8_CONFIG, seed=3, mtp=True)
+    fp8_tensors, dequantized = {}, {}
+    for name, w in tensors.items():
+        if is_fp8_in_release(name):
+            q, scale, deq = fp8_blocks(w)
+            fp8_tensors[name] = torch.from_numpy(q.view(np.uint8)).view(torch.float8_e4m3fn)
+            fp8_tensors[name + "_scale_inv"] = torch.from_numpy(scale)
+            dequantized[name] = deq
+        else:
+            fp8_tensors[name] = torch.from_numpy(w).to(torch.bfloat16)
+            dequantized[name] = torch.from_numpy(w).to(torch.bfloat16).float().numpy()
+    folder = root / "release"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(FP8_CONFIG))
+    names = sorted(fp8_tensors)
+    weight_map = {}
+    for i in range(3):
+        file = f"model-{i + 1:05d}-of-000003.safetensors"
+        save_file({n: fp8_tensors[n].contiguous() for n in names[i::3]}, str(folder / file))
+        weight_map.update({n: file for n in names[i::3]})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    plain_config = {k: v for k, v in FP8_CONFIG.items() if k != "quantization_config"}
+    reference = write_checkpoint(root / "dequantized", plain_config, dequantized)
+    tokens, lengths = prompt_batch(FP8_CONFIG["vocab_size"], seed=3)
+    return folder, reference, tokens, lengths, reference_logits(reference, tokens)[0]
+
+
+def test_fp8_release_matches_hf_on_dequantized_weights(fp8):
+    folder, _, tokens, lengths, ref = fp8
+    index = dsr1.checkpoint.CheckpointIndex.open(folder)
+    assert sum(info.dtype == "F8_E4M3" for info in index.tensors.values()) > 20
+    assert dsr1_convert.check(folder) == [], "the FP8 fixture must be a complete release layout"
+    model = dsr1.load(folder, dtype="float32", progress=False)
+    logits = np.asarray(model.forward(tokens, lengths))
+    errors = [relative_error(logits[r, :n], ref[r, :n]) for r, n in enumerate(lengths)]
+    decoded = decode_logits(model, tokens, lengths, DECODE_PREFIX)
+    dec_err = max(relative_error(v, ref[k]) for k, v in decoded.items())
+    print(f"\nFP8 release (dims 160/136/200, partial 128-blocks) vs HF on dequantized weights: forward "
+          f"{max(errors):.2e}, decode {dec_err:.2e}")
+    assert max(errors) <= TOLERANCE and dec_err <= TOLERANCE
+
+
+def _leaves_equal(a, b) -> bool:
+    return jax.tree.structure(a) == jax.tree.structure(b) and all(
+        np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+@pytest.mark.parametrize("quant,dtype", [(None, "float32"), (None, "bfloat16"), ("int8", "bfloat16")])
+def test_converted_equals_direct_load(fp8, tmp_path, quant, dtype):
+    folder, _, tokens, lengths, _ = fp8
+    out = dsr1_convert.convert(folder, tmp_path / "out", quant=quant, dtype=dtype, progress=False)
+    manifest = store.read_manifest(out)
+    assert manifest["quant"] == quant and manifest["mtp"] and (out / "mtp" / "0002").is_dir()
+    direct = dsr1.load(folder, dtype=dtype, quant=quant, mtp=True, progress=False)
+    restored = dsr1.load(out, dtype=dtype, mtp=True, progress=False)
+    assert restored.quant == quant
+    assert _leaves_equal(direct.params, restored.params), "restored weights differ from a direct load"
+    np.testing.assert_array_equal(np.asarray(restored.forward(tokens, lengths)),
+                                  np.asarray(direct.forward(tokens, lengths)))
+    if quant == "int8":
+        bf16 = dsr1.load(folder, progress=False)
+        print(f"\nweight bytes (main model): bf16 {bf16.weight_bytes():,}, int8 "
+              f"{dsr1.load(out, progress=False).weight_bytes():,}")
+
+
+def test_mtp_subtree_holds_layer_num_hidden_layers(fp8):
+    folder, *_ = fp8
+    model = dsr1.load(folder, dtype="float32", mtp=True, progress=False)
+    index = dsr1.checkpoint.CheckpointIndex.open(folder)
+    mtp = model.params["mtp"]
+    np.testing.assert_array_equal(np.asarray(mtp["eh_proj"][0]), index.read("model.layers.2.eh_proj.weight").T)
+    np.testing.assert_array_equal(np.asarray(mtp["block"]["moe"]["router_bias"][0]),
+                                  index.read("model.layers.2.mlp.gate.e_score_correction_bias"))
+    assert "mtp" not in dsr1.load(folder, progress=False).params
+
+
+class Interrupt(Exception):
+    pass
+
+
+def _failing_save(monkeypatch, after: int, error: BaseException) -> list[Path]:
+    saved: list[Path] = []
+    original = store.save_unit
+
+    def save(folder, tree, checkpointer=None):
+        if len(saved) == after:
+            raise error
+        original(folder, tree, checkpointer)
+        saved.append(folder)
+
+    monkeypatch.setattr(store, "save_unit", save)
+    return saved
+
+
+def test_interrupted_run_resumes_after_last_finished_layer(fp8, tmp_path, monkeypatch, capsys):
+    folder, *_ = fp8
+    out = tmp_path / "out"
+    saved = _failing_save(monkeypatch, after=2, error=Interrupt())
+    with pytest.raises(Interrupt):
+        dsr1_convert.convert(folder, out, progress=False)
+    assert [p.name for p in saved] == ["globals", "0000"] and not out.exists()
+    with pytest.raises((dsr1.CheckpointError, dsr1.ConfigError)):  # the partial folder is not a checkpoint
+        dsr1.load(out.with_name("out.partial"), progress=False)
+    monkeypatch.undo()
+    saved = _failing_save(monkeypatch, after=-1, error=Interrupt())
+    dsr1_convert.convert(folder, out, progress=True)
+    assert [p.name for p in saved] == ["0001", "0002"], "finished units must not be converted again"
+    assert "converting release" in capsys.readouterr().err  # the progress bar
+    assert not out.with_name("out.partial").exists()
+    fresh = dsr1_convert.convert(folder, tmp_path / "fresh", progress=False)
+    assert _leaves_equal(dsr1.load(out, mtp=True, progress=False).params,
+                         dsr1.load(fresh, mtp=True, progress=False).params)
+
+
+def test_full_disk_leaves_previous_output_untouched(fp8, tmp_path, monkeypatch, capsys):
+    folder, _, tokens, lengths, _ = fp8
+    out = dsr1_convert.convert(folder, tmp_path / "out", progress=False)
+    before = np.asarray(dsr1.load(out, progress=False).forward(tokens, lengths))
+    _failing_save(monkeypatch, after=1, error=OSError(errno.ENOSPC, "No space left on device"))
+    with pytest.raises(dsr1_convert.ConversionError, match=r"layers/0000.*model\.layers\.0\..*No space left"):
+        dsr1_convert.convert(folder, out, quant="int8", progress=False)
+    assert dsr1_convert.main(["--hf", str(folder), "--out", str(out), "--quant", "int8"]) == 1
+    assert "No space left on device" in capsys.readouterr().err
+    assert store.read_manifest(out)["quant"] is None
+    np.testing.assert_array_equal(np.asarray(dsr1.load(out, progress=False).forward(tokens, lengths)), before)
+
+
+def test_refuses_to_replace_a_foreign_folder(fp8, tmp_path):
+    folder, *_ = fp8
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(dsr1_convert.ConversionError, match="exists and is not a dsr1 checkpoint"):
+        dsr1_convert.convert(folder, tmp_path / "mine", progress=False)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+@pytest.mark.skipif(not SHARED_INDEX.exists(), reason="../shared reference not present")
+def test_check_on_the_real_r1_index(tmp_path, capsys):
+    assert dsr1_convert.main(["--check", "--hf", str(SHARED_INDEX)]) == 0
+    assert capsys.readouterr().out.strip().endswith(": OK")
+    with gzip.open(SHARED_INDEX, "rt") as f:
+        index = json.load(f)
+    assert len(index) == 91991
+    assert {n[: -len("_scale_inv")] for n in index if n.endswith("_scale_inv")} == {
+        n for n in index if is_fp8_in_release(n)}, "the fixture's FP8 rule must be the release's"
+    broken = dict(index)
+    del broken["model.layers.7.mlp.experts.100.up_proj.weight"]
+    del broken["model.layers.9.self_attn.q_b_proj.weight_scale_inv"]
+    broken["model.layers.5.self_attn.o_proj.weight"] = {**index["model.layers.5.self_attn.o_proj.weight"],
+                                                        "shape": [7168, 16000]}
+    broken["model.layers.3.mlp.experts.256.up_proj.weight"] = index["model.layers.3.mlp.experts.0.up_proj.weight"]
+    (tmp_path / "index.json").write_text(json.dumps(broken))
+    (tmp_path / "config.json").write_text((SHARED_INDEX.parent / "config.json").read_text())
+    problems = dsr1_convert.check(tmp_path / "index.json")
+    assert len(problems) == 4
+    assert any("experts.100.up_proj.weight' (expected shape [2048, 7168])" in p for p in problems)
+    assert any("has no model.layers.9.self_attn.q_b_proj.weight_scale_inv" in p for p in problems)
+    assert any("[7168, 16000], config predicts [7168, 16384]" in p for p in problems)
+    assert any("unexpected tensor 'model.layers.3.mlp.experts.256.up_proj.weight'" in p for p in problems)
+
+
+MEMORY_CONFIG = dict(hidden_size=512, moe_intermediate_size=512, n_routed_experts=32, n_group=4, topk_group=2,
+                     num_experts_per_tok=4, first_k_dense_replace=0, q_lora_rank=64, kv_lora_rank=64,
+                     num_attention_heads=4, vocab_size=256)
+PEAK = ("import sys; from dsr1.convert import convert; convert(sys.argv[1], sys.argv[2], progress=False); "
+        "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])")
+
+
+@pytest.mark.slow
+def test_peak_memory_follows_one_layer_not_the_model(tmp_path):
+    """Twice the layers (50 MB each in bf16) must not raise the converter's peak RSS by more than 10%;
+    holding the model would add 200 MB to a ~400 MB process. VmHWM is the process's own peak
+    (ru_maxrss would include the parent's at fork)."""
+    peaks = {}
+    for layers in (4, 8):
+        cfg = hf_config({**MEMORY_CONFIG, "num_hidden_layers": layers})
+        folder = write_checkpoint(tmp_path / f"hf{layers}", cfg, release_tensors(cfg, seed=0), shards=layers,
+                                  dtype="bfloat16")
+        proc = subprocess.run([sys.executable, "-c", PEAK, str(folder), str(tmp_path / f"out{layers}")],
+                              env=subprocess_env(1), capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        peaks[layers] = int(proc.stdout.split()[-1]) / 1024
+    print(f"\nconverter peak RSS: 4 layers {peaks[4]:.0f} MiB, 8 layers {peaks[8]:.0f} MiB "
+          f"(+{peaks[8] / peaks[4] - 1:.1%}); one layer is 50 MiB in bf16")
+    assert peaks[8] <= 1.10 * peaks[4]
