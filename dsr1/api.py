@@ -62,13 +62,13 @@ class Model:
     def forward(self, tokens: Any, lengths: Any = None) -> jax.Array:
         """Logits `[B, T, V]` (float32) for right-padded `tokens [B, T]`; rows are `lengths` long
         (default: all T). Logits past a row's length are zero."""
-        tokens, lengths = self._prompt(tokens, lengths)
+        tokens, lengths = self.check_prompt(tokens, lengths)
         return _forward(self.params, tokens, lengths, cfg=self.cfg, mesh=self.mesh)
 
     def prefill(self, tokens: Any, lengths: Any = None, max_len: int | None = None) -> tuple[jax.Array, KVCache]:
         """Run the prompts; return logits `[B, V]` at each row's last token and a cache with room for
         `max_len` positions (default: T + 256, within max_position_embeddings)."""
-        tokens, lengths = self._prompt(tokens, lengths)
+        tokens, lengths = self.check_prompt(tokens, lengths)
         t = tokens.shape[1]
         if max_len is None:
             max_len = max(t, min(t + DEFAULT_DECODE_ROOM, self.cfg.max_position_embeddings))
@@ -104,7 +104,9 @@ class Model:
                              f"[0, {self.cfg.vocab_size})")
         return tokens.astype(np.int32)
 
-    def _prompt(self, tokens: Any, lengths: Any) -> tuple[jax.Array, jax.Array]:
+    def check_prompt(self, tokens: Any, lengths: Any = None) -> tuple[jax.Array, jax.Array]:
+        """Validate right-padded prompts `tokens [B, T]` with `lengths [B]` (default T) and place
+        both on the mesh; raises a ValueError naming the bad token, length or size."""
         tokens = self._check_tokens(np.asarray(tokens), ndim=2)
         b, t = tokens.shape
         lengths = np.full(b, t, np.int32) if lengths is None else np.asarray(lengths)

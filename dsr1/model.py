@@ -27,20 +27,22 @@ def _replicate(x: jax.Array, mesh: Mesh) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
 
 
-def _feed_forward(p: dict, x: jax.Array, cfg: Config, mesh: Mesh) -> jax.Array:
+def _feed_forward(p: dict, x: jax.Array, cfg: Config, mesh: Mesh) -> tuple[jax.Array, jax.Array | None]:
+    """The layer's MLP or MoE output (float32), and the routed expert ids (None for a dense layer)."""
     if "moe" in p:
         with jax.named_scope("moe"):
             return moe(p["moe"], x, cfg, mesh)
     with jax.named_scope("mlp"):
-        return mlp(p["mlp"], x).astype(jnp.float32)
+        return mlp(p["mlp"], x).astype(jnp.float32), None
 
 
 def _block(p: dict, x: jax.Array, attend, cfg: Config, mesh: Mesh):
-    """One pre-norm transformer layer; `attend(p, normed_x)` returns (out, new latents)."""
+    """One pre-norm transformer layer; `attend(p, normed_x)` returns (out, new latents).
+    Returns the new residual stream and (new latents, routed expert ids or None)."""
     h, new_kv = attend(p, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps))
     x = _replicate(x + h.astype(jnp.float32), mesh)
-    x = x + _feed_forward(p, rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), cfg, mesh)
-    return _replicate(x, mesh), new_kv
+    ffn, experts = _feed_forward(p, rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), cfg, mesh)
+    return _replicate(x + ffn, mesh), (new_kv, experts)
 
 
 def _embed(params: Params, tokens: jax.Array) -> jax.Array:
@@ -66,7 +68,7 @@ def _prefill_hidden(params: Params, tokens: jax.Array, cfg: Config, mesh: Mesh):
             return _block(p, x, lambda p, h: attend_prefill(p, h, positions, cfg), cfg, mesh)
 
         with jax.named_scope(stack):
-            x, kv = jax.lax.scan(layer, x, params[stack])
+            x, (kv, _) = jax.lax.scan(layer, x, params[stack])
         latents.append(kv)
     c_kv = jnp.concatenate([c for c, _ in latents])
     k_pe = jnp.concatenate([k for _, k in latents])
@@ -91,12 +93,13 @@ def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg: Confi
     return logits, jax.tree.map(lambda a: _replicate(a, mesh), cache)
 
 
-def decode(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config,
-           mesh: Mesh) -> tuple[jax.Array, KVCache]:
-    """Logits `[B, V]` for one new token per row at position `cache.lengths`, and the grown cache."""
+def decode_step(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config,
+                mesh: Mesh) -> tuple[jax.Array, KVCache, jax.Array | None]:
+    """`decode`, also returning the routed expert ids of every MoE layer `[L_moe, B, K]` (None
+    without MoE layers): what the step read, for benchmarks and profiles."""
     positions = cache.lengths
     x = _replicate(_embed(params, tokens), mesh)
-    new_latents = []
+    new_latents, routing = [], None
     for stack in STACKS:
         if stack not in params:
             continue
@@ -111,9 +114,17 @@ def decode(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config,
             return _block(p, x, attend, cfg, mesh)
 
         with jax.named_scope(stack):
-            x, kv = jax.lax.scan(layer, x, (params[stack], jnp.arange(layers.start, layers.stop)))
+            x, (kv, experts) = jax.lax.scan(layer, x, (params[stack], jnp.arange(layers.start, layers.stop)))
         new_latents.append(kv)
+        routing = experts if experts is not None else routing
     c_new = jnp.concatenate([c for c, _ in new_latents])
     pe_new = jnp.concatenate([k for _, k in new_latents])
     logits = _replicate(_logits(params, x, cfg), mesh)
-    return logits, jax.tree.map(lambda a: _replicate(a, mesh), append_token(cache, c_new, pe_new))
+    return logits, jax.tree.map(lambda a: _replicate(a, mesh), append_token(cache, c_new, pe_new)), routing
+
+
+def decode(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config,
+           mesh: Mesh) -> tuple[jax.Array, KVCache]:
+    """Logits `[B, V]` for one new token per row at position `cache.lengths`, and the grown cache."""
+    logits, cache, _ = decode_step(params, cache, tokens, cfg=cfg, mesh=mesh)
+    return logits, cache

@@ -81,8 +81,9 @@ def routed_experts(p: dict, x: jax.Array, weights: jax.Array, experts: jax.Array
         return body(x, weights, experts, p["gate"], p["up"], p["down"])
 
 
-def moe(p: dict, x: jax.Array, cfg: Config, mesh: Mesh) -> jax.Array:
-    """The DeepSeekMoE block on `x [..., D]`: routed experts plus shared experts."""
+def moe(p: dict, x: jax.Array, cfg: Config, mesh: Mesh) -> tuple[jax.Array, jax.Array]:
+    """The DeepSeekMoE block on `x [..., D]`: routed plus shared experts, and the routed expert ids
+    `[N, K]` (for accounting what a step reads; unused outputs cost nothing under jit)."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     weights, experts = route(x, p["router"], p["router_bias"], cfg)
@@ -90,4 +91,4 @@ def moe(p: dict, x: jax.Array, cfg: Config, mesh: Mesh) -> jax.Array:
     if "shared" in p:
         with jax.named_scope("shared_experts"):
             out = out + mlp(p["shared"], x).astype(jnp.float32)
-    return out.reshape(shape)
+    return out.reshape(shape), experts
