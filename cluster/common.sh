@@ -1,0 +1,261 @@
+# shellcheck shell=bash
+# cluster/common.sh: sourced by the pieces in cluster/ (bash only): settings, logging, pid files.
+#
+# The pieces run on a cluster host from ~/$MCJAX_REMOTE_DIR (copied there by mcjax_setup.sh,
+# with mcjax.env holding the operator's settings) or, for the local provider, from the repository.
+
+set -euo pipefail
+
+MCJAX_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+export MCJAX_ROOT
+if [ -f "$MCJAX_ROOT/mcjax.env" ]; then
+  # shellcheck source=/dev/null
+  . "$MCJAX_ROOT/mcjax.env"
+fi
+# shellcheck source-path=SCRIPTDIR/.. source=mcjax_defs.sh
+. "$MCJAX_ROOT/mcjax_defs.sh"
+
+mcjax_log() {
+  printf '[mcjax%s] %s\n' "${MCJAX_HOST_INDEX:+ host $MCJAX_HOST_INDEX}" "$*"
+}
+
+mcjax_die() {
+  printf '[mcjax%s] ERROR: %s\n' "${MCJAX_HOST_INDEX:+ host $MCJAX_HOST_INDEX}" "$*" >&2
+  exit 1
+}
+
+# Run as root: directly when we are root, else through sudo.
+mcjax_sudo() {
+  if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
+}
+
+# The Python that runs the controller and the engines on this host.
+mcjax_python() {
+  if [ "$MCJAX_PROVIDER" = local ]; then
+    echo "$MCJAX_PYTHON"
+  else
+    echo "$MCJAX_VENV/bin/python"
+  fi
+}
+
+mcjax_pidfile() {
+  echo "$MCJAX_STATE/pids/$1.pid"
+}
+
+# True when PID is a live process (a zombie is not).
+mcjax_pid_alive() {
+  local pid=$1 stat
+  [ -n "$pid" ] || return 1
+  kill -0 "$pid" 2>/dev/null || return 1
+  stat=$(ps -o stat= -p "$pid" 2>/dev/null || true)
+  [ -n "$stat" ] && [ "${stat#Z}" = "$stat" ]
+}
+
+# The recorded pid of NAME when that process is alive and is one of ours (its command line holds
+# MARKER, by default our cluster id: a pid reused by another program is never taken for ours).
+# usage: mcjax_running_pid NAME [MARKER]
+mcjax_running_pid() {
+  local pidfile pid marker=${2:---cluster-id=$MCJAX_CLUSTER_ID}
+  pidfile=$(mcjax_pidfile "$1")
+  [ -f "$pidfile" ] || return 0
+  pid=$(head -n 1 "$pidfile")
+  if mcjax_pid_alive "$pid" && ps -o command= -p "$pid" 2>/dev/null | grep -qF -- "$marker"; then
+    echo "$pid"
+  fi
+}
+
+# Start CMD... in the background in a session of its own, as NAME, logging to LOG; the pid file
+# is written by the process itself (a tiny Python launcher that execs CMD), so it is exact.
+# usage: mcjax_start_bg NAME LOG CMD...
+mcjax_start_bg() {
+  local name=$1 log=$2 pidfile py pid i
+  shift 2
+  pidfile=$(mcjax_pidfile "$name")
+  py=$(mcjax_python)
+  mkdir -p "$(dirname "$pidfile")" "$(dirname "$log")"
+  rm -f "$pidfile"
+  # shellcheck disable=SC2016
+  nohup "$py" -c '
+import os, sys
+try:
+    os.setsid()  # a session and process group of its own: stop kills the whole group
+except OSError:
+    pass  # already a process group leader (job control)
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(f"{os.getpid()}\n")
+os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+os.execvp(sys.argv[2], sys.argv[2:])
+' "$pidfile" "$@" >"$log" 2>&1 </dev/null &
+  for i in $(seq 1 100); do
+    [ -s "$pidfile" ] && break
+    [ "$i" -lt 100 ] || mcjax_die "could not start $name (no pid file after 10 s); see $log"
+    sleep 0.1
+  done
+  pid=$(head -n 1 "$pidfile")
+  mcjax_log "started $name: pid $pid, log $log"
+}
+
+# Stop NAME: SIGTERM to its process group and its children (e.g. an engine's nanny, which lives
+# in a session of its own), SIGKILL after MCJAX_STOP_TIMEOUT seconds. Only a process recorded in
+# our pid file whose command line holds MARKER (default: our cluster id) is touched.
+# usage: mcjax_stop NAME [MARKER]
+mcjax_stop() {
+  local name=$1 marker=${2:-} pidfile pid kids k i left
+  pidfile=$(mcjax_pidfile "$name")
+  if [ ! -f "$pidfile" ]; then
+    return 0
+  fi
+  pid=$(head -n 1 "$pidfile")
+  if ! mcjax_pid_alive "$pid"; then
+    mcjax_log "$name (pid $pid) is not running; removing its pid file"
+    rm -f "$pidfile"
+    return 0
+  fi
+  if [ -z "$(mcjax_running_pid "$name" "$marker")" ]; then
+    mcjax_log "pid $pid is no longer $name (pid reused?): leaving it alone, removing the pid file"
+    rm -f "$pidfile"
+    return 0
+  fi
+  kids=""
+  if command -v pgrep >/dev/null 2>&1; then
+    kids=$(pgrep -P "$pid" || true)
+  fi
+  mcjax_log "stopping $name (pid $pid${kids:+, children $(echo "$kids" | tr '\n' ' ')})"
+  kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+  for k in $kids; do kill -TERM "$k" 2>/dev/null || true; done
+  for i in $(seq 1 $((MCJAX_STOP_TIMEOUT * 10))); do
+    left=""
+    for k in "$pid" $kids; do
+      if mcjax_pid_alive "$k"; then left="$left $k"; fi
+    done
+    [ -n "$left" ] || break
+    if [ "$i" -eq $((MCJAX_STOP_TIMEOUT * 10)) ]; then
+      mcjax_log "$name: still running after ${MCJAX_STOP_TIMEOUT}s ($left); sending SIGKILL"
+      kill -KILL -- "-$pid" 2>/dev/null || true
+      for k in $left; do kill -KILL "$k" 2>/dev/null || true; done
+      sleep 0.5
+    fi
+    sleep 0.1
+  done
+  rm -f "$pidfile"
+}
+
+# The controller's connection files.
+mcjax_client_json() {
+  echo "$MCJAX_PROFILE_DIR/security/ipcontroller-$MCJAX_CLUSTER_ID-client.json"
+}
+mcjax_engine_json() {
+  echo "$MCJAX_PROFILE_DIR/security/ipcontroller-$MCJAX_CLUSTER_ID-engine.json"
+}
+
+# Start the ipyparallel controller bound to IP (never 0.0.0.0): its connection files are made
+# mode 600 in a mode 700 folder. Waits until they exist.
+mcjax_controller_start() {
+  local ip=$1 py sec i
+  case "$ip" in
+    '' | 0.0.0.0 | '*' | '::' | '[::]') mcjax_die "the controller must bind to one internal address, not '$ip'" ;;
+  esac
+  py=$(mcjax_python)
+  sec="$MCJAX_PROFILE_DIR/security"
+  mkdir -p "$sec"
+  chmod 700 "$MCJAX_PROFILE_DIR" "$sec"
+  # Stale connection files of a previous run would send engines to dead ports.
+  rm -f "$(mcjax_client_json)" "$(mcjax_engine_json)"
+  mcjax_start_bg controller "$MCJAX_STATE/logs/controller.log" \
+    "$py" -m ipyparallel.controller --ip="$ip" --profile-dir="$MCJAX_PROFILE_DIR" \
+    --cluster-id="$MCJAX_CLUSTER_ID" --log-level=WARN
+  for i in $(seq 1 $((MCJAX_START_TIMEOUT * 10))); do
+    if [ -s "$(mcjax_client_json)" ] && [ -s "$(mcjax_engine_json)" ]; then break; fi
+    if [ -z "$(mcjax_running_pid controller)" ]; then
+      tail -n 30 "$MCJAX_STATE/logs/controller.log" >&2 || true
+      mcjax_die "the controller exited during startup (log: $MCJAX_STATE/logs/controller.log)"
+    fi
+    [ "$i" -lt $((MCJAX_START_TIMEOUT * 10)) ] ||
+      mcjax_die "no connection files in $sec after ${MCJAX_START_TIMEOUT}s (log: $MCJAX_STATE/logs/controller.log)"
+    sleep 0.1
+  done
+  sleep 0.2 # let the controller finish writing them
+  chmod 600 "$(mcjax_client_json)" "$(mcjax_engine_json)"
+  grep -q "\"interface\": \"tcp://$ip\"" "$(mcjax_client_json)" ||
+    mcjax_die "the controller's connection file does not name tcp://$ip: $(mcjax_client_json)"
+  mcjax_log "controller listening on $ip only; connection files (mode 600) in $sec"
+}
+
+# Start the engine of host INDEX with the extra environment NAME=VALUE... (after the index).
+mcjax_engine_start() {
+  local index=$1 py
+  shift
+  py=$(mcjax_python)
+  [ -s "$(mcjax_engine_json)" ] || mcjax_die "no engine connection file $(mcjax_engine_json): is the controller running?"
+  mcjax_start_bg "engine-$index" "$MCJAX_STATE/logs/engine-$index.log" \
+    env MCJAX_HOST_INDEX="$index" MCJAX_PROVIDER="$MCJAX_PROVIDER" MCJAX_STATE="$MCJAX_STATE" "$@" \
+    "$py" -m ipyparallel.engine --profile-dir="$MCJAX_PROFILE_DIR" --cluster-id="$MCJAX_CLUSTER_ID" \
+    --log-level=WARN
+}
+
+# Wait until N engines are registered with the controller (bounded by MCJAX_START_TIMEOUT).
+mcjax_wait_engines() {
+  local n=$1 timeout=${2:-$MCJAX_START_TIMEOUT} py
+  py=$(mcjax_python)
+  "$py" - "$(mcjax_client_json)" "$n" "$timeout" <<'EOF'
+import sys
+import ipyparallel as ipp
+
+url, n, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+client = ipp.Client(url_file=url, timeout=timeout)
+try:
+    client.wait_for_engines(n, timeout=timeout, interactive=False)
+except TimeoutError:
+    sys.exit(f"only {len(client.ids)} of {n} engines registered after {timeout:.0f}s: see the engine logs")
+finally:
+    client.close()
+print(f"[mcjax] {n} engines registered")
+EOF
+}
+
+# Write $MCJAX_STATE/cluster.json, which dsr1.cluster.connect() reads.
+mcjax_write_cluster_json() {
+  local engines=$1 controller_ip=$2 py
+  py=$(mcjax_python)
+  mkdir -p "$MCJAX_STATE"
+  "$py" - "$MCJAX_STATE/cluster.json" "$engines" "$controller_ip" <<'EOF'
+import json, os, sys
+
+path, engines, ip = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+env = os.environ
+info = {
+    "provider": env["MCJAX_PROVIDER"],
+    "profile_dir": env["MCJAX_PROFILE_DIR"],
+    "cluster_id": env["MCJAX_CLUSTER_ID"],
+    "engines": engines,
+    "controller_ip": ip,
+    "root": env["MCJAX_ROOT"],
+    "state": env["MCJAX_STATE"],
+    "local_devices": int(env["MCJAX_LOCAL_DEVICES"]) if env["MCJAX_PROVIDER"] == "local" else None,
+}
+with open(path + ".tmp", "w") as f:
+    json.dump(info, f, indent=1)
+os.replace(path + ".tmp", path)
+EOF
+}
+
+# Add LINE to the fstab FILE unless a line with the same mount point is there already (then the
+# lines must agree: a different entry for our mount point is an error, never a duplicate).
+mcjax_fstab_ensure() {
+  local file=$1 line=$2 mnt existing
+  mnt=$(echo "$line" | awk '{ print $2 }')
+  existing=$(awk -v m="$mnt" '$1 !~ /^#/ && $2 == m' "$file" 2>/dev/null || true)
+  if [ -n "$existing" ]; then
+    if [ "$(echo "$existing" | tr -s ' \t' '  ')" = "$(echo "$line" | tr -s ' \t' '  ')" ]; then
+      mcjax_log "$file already mounts $mnt"
+      return 0
+    fi
+    mcjax_die "$file already has a different entry for $mnt: '$existing' (wanted '$line'); fix it by hand"
+  fi
+  mcjax_log "adding to $file: $line"
+  if [ -w "$file" ] || { [ ! -e "$file" ] && [ -w "$(dirname "$file")" ]; }; then
+    echo "$line" >>"$file"
+  else
+    echo "$line" | mcjax_sudo tee -a "$file" >/dev/null
+  fi
+}

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# cluster/gcsfuse.sh: mount the GCS bucket $MCJAX_BUCKET on $MCJAX_BUCKET_DIR (every host; optional).
+#
+#   gcsfuse.sh mount     install gcsfuse if missing, mount the bucket, persist it in /etc/fstab
+#   gcsfuse.sh unmount
+#
+# Idempotent: an existing mount and fstab line are kept. Does nothing when MCJAX_BUCKET is empty.
+# shellcheck source-path=SCRIPTDIR source=common.sh
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+: "${MCJAX_FSTAB:=/etc/fstab}"
+
+install_gcsfuse() {
+  command -v gcsfuse >/dev/null 2>&1 && return 0
+  mcjax_log "installing gcsfuse from Google's apt repository"
+  local codename
+  # shellcheck source=/dev/null
+  codename=$(. /etc/os-release && echo "${VERSION_CODENAME:-}")
+  [ -n "$codename" ] || mcjax_die "cannot tell the distribution's codename: install gcsfuse by hand"
+  echo "deb [signed-by=/usr/share/keyrings/cloud.google.asc] https://packages.cloud.google.com/apt gcsfuse-$codename main" |
+    mcjax_sudo tee /etc/apt/sources.list.d/gcsfuse.list >/dev/null
+  curl -fsSL https://packages.cloud.google.com/apt/doc/apt-key.gpg | mcjax_sudo tee /usr/share/keyrings/cloud.google.asc >/dev/null
+  mcjax_sudo apt-get update -qq
+  mcjax_sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcsfuse
+}
+
+cmd_mount() {
+  if [ -z "$MCJAX_BUCKET" ]; then
+    mcjax_log "MCJAX_BUCKET is empty: no bucket to mount"
+    return 0
+  fi
+  install_gcsfuse
+  mcjax_sudo mkdir -p "$MCJAX_BUCKET_DIR"
+  mcjax_sudo chown "$(id -u):$(id -g)" "$MCJAX_BUCKET_DIR"
+  mcjax_fstab_ensure "$MCJAX_FSTAB" \
+    "$MCJAX_BUCKET $MCJAX_BUCKET_DIR gcsfuse rw,_netdev,allow_other,implicit_dirs,uid=$(id -u),gid=$(id -g) 0 0"
+  if mountpoint -q "$MCJAX_BUCKET_DIR"; then
+    mcjax_log "gs://$MCJAX_BUCKET is already mounted on $MCJAX_BUCKET_DIR"
+    return 0
+  fi
+  mcjax_log "mounting gs://$MCJAX_BUCKET on $MCJAX_BUCKET_DIR"
+  gcsfuse --implicit-dirs "$MCJAX_BUCKET" "$MCJAX_BUCKET_DIR" ||
+    mcjax_die "gcsfuse could not mount gs://$MCJAX_BUCKET (does the VM's service account have storage access?)"
+}
+
+cmd_unmount() {
+  if mountpoint -q "$MCJAX_BUCKET_DIR"; then
+    fusermount -u "$MCJAX_BUCKET_DIR" || mcjax_sudo umount "$MCJAX_BUCKET_DIR"
+    mcjax_log "unmounted $MCJAX_BUCKET_DIR"
+  fi
+}
+
+case "${1:-}" in
+  mount) cmd_mount ;;
+  unmount) cmd_unmount ;;
+  *) sed -n '3,5p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2 ;;
+esac

@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# cluster/nfs.sh: the shared folder $MCJAX_NFS_DIR, exported by host 0 over NFS.
+#
+#   nfs.sh exports IP...          print the export lines for these hosts (changes nothing)
+#   nfs.sh server IP...           on host 0: install the NFS server, export $MCJAX_NFS_DIR to IP... only
+#   nfs.sh fstab-line SERVER_IP   print the /etc/fstab line a client host gets
+#   nfs.sh client SERVER_IP       on hosts 1..N-1: mount $MCJAX_NFS_DIR from SERVER_IP, persisted in fstab
+#
+# The exports go to their own file, /etc/exports.d/mcjax.exports (MCJAX_EXPORTS_FILE), rewritten
+# whole on every run: one entry per host IP, never a network range or '*'. Idempotent.
+# shellcheck source-path=SCRIPTDIR source=common.sh
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+EXPORT_OPTIONS="rw,sync,no_subtree_check,root_squash"
+MOUNT_OPTIONS="rw,hard,noatime,_netdev"
+: "${MCJAX_EXPORTS_FILE:=/etc/exports.d/mcjax.exports}"
+: "${MCJAX_FSTAB:=/etc/fstab}"
+
+usage() {
+  sed -n '3,7p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  exit 2
+}
+
+check_dir() {
+  case "$MCJAX_NFS_DIR" in
+    /*) ;;
+    *) mcjax_die "MCJAX_NFS_DIR='$MCJAX_NFS_DIR' must be an absolute path" ;;
+  esac
+  case "$MCJAX_NFS_DIR" in
+    *[[:space:]]* | / ) mcjax_die "MCJAX_NFS_DIR='$MCJAX_NFS_DIR' cannot be exported (spaces or /)" ;;
+  esac
+}
+
+# One export line per host, for exactly the given IPv4 addresses (duplicates dropped).
+exports_lines() {
+  local ip seen=" " a b c d rest
+  [ "$#" -ge 1 ] || mcjax_die "no host IPs to export $MCJAX_NFS_DIR to"
+  check_dir
+  for ip in "$@"; do
+    IFS=. read -r a b c d rest <<<"$ip"
+    if [ -n "$rest" ] || ! _mcjax_is_uint "$a" || ! _mcjax_is_uint "$b" || ! _mcjax_is_uint "$c" ||
+      ! _mcjax_is_uint "$d" || [ "$a" -gt 255 ] || [ "$b" -gt 255 ] || [ "$c" -gt 255 ] || [ "$d" -gt 255 ]; then
+      mcjax_die "'$ip' is not one host's IPv4 address: exports go to single hosts, never ranges or '*'"
+    fi
+    case "$seen" in *" $ip "*) continue ;; esac
+    seen="$seen$ip "
+    printf '%s %s(%s)\n' "$MCJAX_NFS_DIR" "$ip" "$EXPORT_OPTIONS"
+  done
+}
+
+cmd_server() {
+  local lines
+  lines=$(exports_lines "$@")
+  if ! command -v exportfs >/dev/null 2>&1; then
+    mcjax_log "installing the NFS server (nfs-kernel-server)"
+    mcjax_sudo apt-get update -qq
+    mcjax_sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nfs-kernel-server
+  fi
+  mcjax_log "shared folder $MCJAX_NFS_DIR (owned by $(id -un))"
+  mcjax_sudo mkdir -p "$MCJAX_NFS_DIR"
+  mcjax_sudo chown "$(id -u):$(id -g)" "$MCJAX_NFS_DIR"
+  mcjax_sudo mkdir -p "$(dirname "$MCJAX_EXPORTS_FILE")"
+  mcjax_log "writing $MCJAX_EXPORTS_FILE ($# hosts):"
+  printf '%s\n' "$lines"
+  printf '# written by mcjax_setup.sh (cluster/nfs.sh): one line per cluster host\n%s\n' "$lines" |
+    mcjax_sudo tee "$MCJAX_EXPORTS_FILE.tmp" >/dev/null
+  mcjax_sudo mv "$MCJAX_EXPORTS_FILE.tmp" "$MCJAX_EXPORTS_FILE"
+  if command -v systemctl >/dev/null 2>&1; then
+    mcjax_sudo systemctl enable --now nfs-kernel-server >/dev/null 2>&1 ||
+      mcjax_sudo systemctl enable --now nfs-server
+  fi
+  mcjax_sudo exportfs -ra
+  mcjax_log "exported $MCJAX_NFS_DIR to: $*"
+}
+
+fstab_line() {
+  local server=${1:-}
+  [ -n "$server" ] || mcjax_die "usage: nfs.sh fstab-line SERVER_IP"
+  check_dir
+  printf '%s:%s %s nfs %s 0 0\n' "$server" "$MCJAX_NFS_DIR" "$MCJAX_NFS_DIR" "$MOUNT_OPTIONS"
+}
+
+cmd_client() {
+  local server=${1:-} line
+  line=$(fstab_line "$server")
+  if ! command -v mount.nfs >/dev/null 2>&1 && [ ! -x /sbin/mount.nfs ]; then
+    mcjax_log "installing the NFS client (nfs-common)"
+    mcjax_sudo apt-get update -qq
+    mcjax_sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nfs-common
+  fi
+  mcjax_sudo mkdir -p "$MCJAX_NFS_DIR"
+  mcjax_fstab_ensure "$MCJAX_FSTAB" "$line"
+  if mountpoint -q "$MCJAX_NFS_DIR"; then
+    mcjax_log "$MCJAX_NFS_DIR is already mounted"
+  else
+    mcjax_log "mounting $server:$MCJAX_NFS_DIR on $MCJAX_NFS_DIR"
+    mcjax_sudo mount "$MCJAX_NFS_DIR" || mcjax_die "mount of $server:$MCJAX_NFS_DIR failed: is host 0 exporting it (nfs.sh server) and reachable?"
+  fi
+}
+
+case "${1:-}" in
+  exports) shift; exports_lines "$@" ;;
+  server) shift; cmd_server "$@" ;;
+  fstab-line) fstab_line "${2:-}" ;;
+  fstab-ensure) fstab_line "${2:-}" >/dev/null; mcjax_fstab_ensure "$MCJAX_FSTAB" "$(fstab_line "${2:-}")" ;;
+  client) cmd_client "${2:-}" ;;
+  *) usage ;;
+esac

@@ -1,0 +1,201 @@
+#!/usr/bin/env bash
+# mcjax_setup.sh: prepare a cluster for the multi-host JAX notebook (settings: mcjax_defs.sh).
+#
+#   ./mcjax_setup.sh [--steps LIST] [--dry-run]   set up the cluster of $MCJAX_PROVIDER (gcloud or ssh)
+#   ./mcjax_setup.sh --local N                    a simulated cluster here: controller + N-1 engines on 127.0.0.1
+#   ./mcjax_setup.sh --stop | --local-stop        stop what setup started (the local cluster, or the
+#                                                 controller/engines/Jupyter of the real cluster)
+#   ./mcjax_setup.sh --status
+#   ./mcjax_setup.sh --print-exports              print the NFS export lines host 0 would get (changes nothing)
+#
+# Steps (default: all, in this order; every one is idempotent, so rerunning setup is safe):
+#   check      the provider's tools, the hosts and their internal IPs
+#   push       copy mcjax_defs.sh, cluster/ and the settings (mcjax.env) to ~/$MCJAX_REMOTE_DIR on every host
+#   nfs        host 0 exports $MCJAX_NFS_DIR to the hosts' internal IPs only; the others mount it (fstab)
+#   gcsfuse    mount gs://$MCJAX_BUCKET on $MCJAX_BUCKET_DIR on every host (skipped when MCJAX_BUCKET is empty)
+#   code       copy this repository (without .git) to $MCJAX_REPO_DIR on the shared folder
+#   venv       a venv $MCJAX_VENV per host with dsr1[notebook] (+ $MCJAX_JAX_SPEC)
+#   ipcluster  ipyparallel controller on host 0 (bound to its internal IP), one engine on hosts 1..N-1
+#   jupyter    Jupyter on host 0, bound to 127.0.0.1 (reach it with cluster_port_forward)
+set -euo pipefail
+
+SETUP_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+PROVIDER_WAS_SET=${MCJAX_PROVIDER+x}
+ALL_STEPS="check push nfs gcsfuse code venv ipcluster jupyter"
+
+usage() {
+  sed -n '3,19p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  exit 2
+}
+
+step() {
+  printf '\n==> %s\n' "$*"
+}
+
+die() {
+  echo "mcjax_setup: ERROR: $*" >&2
+  exit 1
+}
+
+steps=$ALL_STEPS
+mode=setup
+local_n=""
+while [ "$#" -gt 0 ]; do
+  case "$1" in
+    --local) mode=local; local_n=${2:-}; shift ;;
+    --local=*) mode=local; local_n=${1#--local=} ;;
+    --stop) mode=stop ;;
+    --local-stop) mode=local-stop ;;
+    --status) mode=status ;;
+    --print-exports) mode=exports ;;
+    --steps) steps=$(echo "${2:-}" | tr ',' ' '); shift ;;
+    --steps=*) steps=$(echo "${1#--steps=}" | tr ',' ' ') ;;
+    --dry-run) export MCJAX_DRY_RUN=1 ;;
+    -h | --help) usage ;;
+    *) echo "mcjax_setup: unknown argument '$1'" >&2; usage ;;
+  esac
+  shift
+done
+
+# A local cluster is recorded in the state dir: --stop stops it unless a provider is named.
+if [ "$mode" = stop ] && [ -z "$PROVIDER_WAS_SET" ] && [ -f "${MCJAX_STATE:-$HOME/.mcjax}/local.env" ]; then
+  mode=local-stop
+fi
+case "$mode" in
+  local) exec bash "$SETUP_DIR/cluster/local.sh" start "$local_n" ;;
+  local-stop) exec bash "$SETUP_DIR/cluster/local.sh" stop ;;
+esac
+
+# shellcheck source-path=SCRIPTDIR source=mcjax_defs.sh
+. "$SETUP_DIR/mcjax_defs.sh"
+if [ "$MCJAX_PROVIDER" = local ]; then
+  case "$mode" in
+    stop) exec bash "$SETUP_DIR/cluster/local.sh" stop ;;
+    status) exec bash "$SETUP_DIR/cluster/local.sh" status ;;
+    exports) ;;
+    *) die "MCJAX_PROVIDER=local: use ./mcjax_setup.sh --local N" ;;
+  esac
+fi
+
+REMOTE="bash $MCJAX_REMOTE_DIR/cluster"
+
+if [ "$mode" = exports ]; then
+  # shellcheck disable=SC2046  # one argument per IP
+  exec bash "$SETUP_DIR/cluster/nfs.sh" exports $(cluster_internal_ips)
+fi
+
+N=$(cluster_host_count) || die "cannot tell how many hosts the cluster has"
+IPS=$(cluster_internal_ips) || die "cannot get the hosts' internal IPs"
+[ "$(echo "$IPS" | wc -l)" -eq "$N" ] || die "$N hosts but $(echo "$IPS" | wc -l) internal IPs: $(echo "$IPS" | tr '\n' ' ')"
+HOST0_IP=$(echo "$IPS" | head -n 1)
+LAST=$((N - 1))
+
+case "$mode" in
+  status) cluster_status; exit ;;
+  stop)
+    step "stopping Jupyter and the controller on host 0, the engines on hosts 1..$LAST"
+    [ "$N" -lt 2 ] || cluster_exec 1 "$LAST" "$REMOTE/ipcluster.sh engine stop"
+    cluster_exec 0 0 "$REMOTE/ipcluster.sh jupyter stop && $REMOTE/ipcluster.sh controller stop"
+    exit
+    ;;
+esac
+
+# The settings the pieces need on the hosts. Host-dependent defaults ($HOME) are left to each host.
+write_env() {
+  local var value
+  echo "# written by mcjax_setup.sh on $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  for var in MCJAX_PROVIDER MCJAX_CLUSTER MCJAX_ZONE MCJAX_PROJECT MCJAX_HOSTS MCJAX_INTERNAL_IPS \
+    MCJAX_NFS_DIR MCJAX_BUCKET MCJAX_BUCKET_DIR MCJAX_VENV MCJAX_REPO_DIR MCJAX_JAX_SPEC MCJAX_STATE \
+    MCJAX_PROFILE MCJAX_PROFILE_DIR MCJAX_CLUSTER_ID MCJAX_JUPYTER_PORT MCJAX_REMOTE_DIR \
+    MCJAX_START_TIMEOUT MCJAX_STOP_TIMEOUT; do
+    value=${!var}
+    case "$var" in
+      MCJAX_HOSTS) value=$N ;;
+      MCJAX_INTERNAL_IPS) value=$(echo "$IPS" | tr '\n' ' ' | sed 's/ $//') ;;
+    esac
+    if [ "${value#"$HOME"/}" != "$value" ]; then
+      # shellcheck disable=SC2016  # $HOME is expanded on the host
+      printf 'export %s="$HOME"/%q\n' "$var" "${value#"$HOME"/}"
+    else
+      printf 'export %s=%q\n' "$var" "$value"
+    fi
+  done
+}
+
+for s in $steps; do
+  case " $ALL_STEPS " in *" $s "*) ;; *) die "unknown step '$s' (steps: $ALL_STEPS)" ;; esac
+done
+
+for s in $steps; do
+  case "$s" in
+    check)
+      step "check: provider $MCJAX_PROVIDER, $N hosts"
+      case "$MCJAX_PROVIDER" in
+        gcloud) command -v gcloud >/dev/null || die "gcloud is not installed (https://cloud.google.com/sdk)" ;;
+        ssh) command -v ssh >/dev/null || die "ssh is not installed" ;;
+        *) die "unknown MCJAX_PROVIDER '$MCJAX_PROVIDER' (gcloud, ssh or local)" ;;
+      esac
+      [ "$N" -ge 2 ] || die "a cluster needs at least 2 hosts (host 0: controller + kernel; hosts 1..N-1: engines)"
+      i=0
+      for ip in $IPS; do
+        echo "  host $i: internal IP $ip"
+        i=$((i + 1))
+      done
+      # shellcheck disable=SC2016  # expanded on each host
+      cluster_exec 0 "$LAST" 'echo "$(hostname): $(uname -sm), $(nproc) cores"'
+      ;;
+    push)
+      step "push: scripts and settings to ~/$MCJAX_REMOTE_DIR on every host"
+      stage=$(mktemp -d "${TMPDIR:-/tmp}/mcjax_push.XXXXXX")
+      trap 'rm -rf "$stage"' EXIT
+      mkdir -p "$stage/$MCJAX_REMOTE_DIR/cluster"
+      cp "$SETUP_DIR/mcjax_defs.sh" "$stage/$MCJAX_REMOTE_DIR/"
+      cp "$SETUP_DIR"/cluster/*.sh "$stage/$MCJAX_REMOTE_DIR/cluster/"
+      write_env >"$stage/$MCJAX_REMOTE_DIR/mcjax.env"
+      i=0
+      while [ "$i" -le "$LAST" ]; do
+        cluster_scp "$stage/$MCJAX_REMOTE_DIR" . "$i" "$i" || die "copying the scripts to host $i failed"
+        i=$((i + 1))
+      done
+      ;;
+    nfs)
+      step "nfs: host 0 exports $MCJAX_NFS_DIR to the $N hosts' internal IPs; hosts 1..$LAST mount it"
+      # shellcheck disable=SC2086  # one argument per IP
+      bash "$SETUP_DIR/cluster/nfs.sh" exports $IPS
+      cluster_exec 0 0 "$REMOTE/nfs.sh server $(echo "$IPS" | tr '\n' ' ')" || die "NFS server setup on host 0 failed"
+      cluster_exec 1 "$LAST" "$REMOTE/nfs.sh client $HOST0_IP" || die "NFS mounts failed (see the hosts named above)"
+      ;;
+    gcsfuse)
+      if [ -z "$MCJAX_BUCKET" ]; then
+        step "gcsfuse: skipped (MCJAX_BUCKET is empty)"
+      else
+        step "gcsfuse: gs://$MCJAX_BUCKET on $MCJAX_BUCKET_DIR on every host"
+        cluster_exec 0 "$LAST" "$REMOTE/gcsfuse.sh mount" || die "gcsfuse mounts failed (see the hosts named above)"
+      fi
+      ;;
+    code)
+      step "code: $SETUP_DIR -> $MCJAX_REPO_DIR (shared folder, via host 0)"
+      tar -C "$SETUP_DIR" --exclude=.git --exclude=.venv --exclude=__pycache__ --exclude='*.egg-info' -czf - . |
+        cluster_exec 0 0 "mkdir -p '$MCJAX_REPO_DIR' && tar -xzf - -C '$MCJAX_REPO_DIR'" ||
+        die "copying the code to host 0 failed"
+      ;;
+    venv)
+      step "venv: $MCJAX_VENV with dsr1[notebook] ${MCJAX_JAX_SPEC} on host 0, then hosts 1..$LAST"
+      # Host 0 first: the editable install writes build metadata into the shared source folder.
+      cluster_exec 0 0 "$REMOTE/venv.sh install" || die "venv setup on host 0 failed"
+      cluster_exec 1 "$LAST" "$REMOTE/venv.sh install" || die "venv setup failed (see the hosts named above)"
+      ;;
+    ipcluster)
+      step "ipcluster: controller on host 0 ($HOST0_IP), engines on hosts 1..$LAST"
+      cluster_exec 0 0 "$REMOTE/ipcluster.sh controller start $HOST0_IP" || die "the controller did not start"
+      cluster_exec 1 "$LAST" "$REMOTE/ipcluster.sh engine start" || die "engines did not start (see the hosts named above)"
+      cluster_exec 0 0 "$REMOTE/ipcluster.sh wait $LAST" || die "the engines did not register; try cluster_restart"
+      ;;
+    jupyter)
+      step "jupyter: on host 0, 127.0.0.1:$MCJAX_JUPYTER_PORT"
+      cluster_exec 0 0 "$REMOTE/ipcluster.sh jupyter start" || die "Jupyter did not start"
+      ;;
+  esac
+done
+
+step "done: source mcjax_defs.sh; cluster_port_forward; open http://127.0.0.1:$MCJAX_JUPYTER_PORT"
