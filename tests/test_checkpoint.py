@@ -127,3 +127,17 @@ def test_tied_embeddings_read_the_embedding(tmp_path, tensors):
     write_checkpoint(tmp_path, {**SMALL, "tie_word_embeddings": True}, tensors)
     model = dsr1.load(tmp_path, dtype="float32", progress=False)
     np.testing.assert_array_equal(np.asarray(model.params["lm_head"]), tensors["model.embed_tokens.weight"].T)
+
+
+def test_wrong_dtype_names_tensor_and_dtype(tmp_path, tensors):
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"
+    write_checkpoint(tmp_path, SMALL, {k: v for k, v in tensors.items() if k != name})
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({name: torch.zeros(tensors[name].shape, dtype=torch.int32)}, str(tmp_path / "int.safetensors"))
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    index["weight_map"][name] = "int.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' in int.safetensors has dtype I32, expected one of"):
+        dsr1.load(tmp_path, progress=False)
