@@ -202,7 +202,7 @@ import sys
 import ipyparallel as ipp
 
 url, n, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-client = ipp.Client(url_file=url, timeout=timeout)
+client = ipp.Client(url, timeout=timeout)  # positional: ipyparallel 9 ignores url_file=
 try:
     client.wait_for_engines(n, timeout=timeout, interactive=False)
 except TimeoutError:

@@ -96,7 +96,7 @@ status() {
     else
       pid=$(mcjax_running_pid "$name")
     fi
-    echo "  $name: ${pid:+running, pid $pid}${pid:-NOT RUNNING (stale pid file)}"
+    if [ -n "$pid" ]; then echo "  $name: running, pid $pid"; else echo "  $name: NOT RUNNING (stale pid file)"; fi
   done
 }
 

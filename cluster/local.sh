@@ -124,19 +124,21 @@ cmd_restart() {
 }
 
 cmd_status() {
-  local n i pid ok=0
+  local n i pid name ok=0
   n=$(recorded_hosts) || true
   if [ -z "$n" ]; then
     echo "no local cluster in $MCJAX_STATE"
     return 1
   fi
-  pid=$(mcjax_running_pid controller)
-  echo "controller: ${pid:+running, pid $pid}${pid:-NOT RUNNING}"
-  [ -n "$pid" ] || ok=1
-  for i in $(seq 1 $((n - 1))); do
-    pid=$(mcjax_running_pid "engine-$i")
-    echo "engine $i: ${pid:+running, pid $pid}${pid:-NOT RUNNING}"
-    [ -n "$pid" ] || ok=1
+  for i in $(seq 0 $((n - 1))); do
+    if [ "$i" -eq 0 ]; then name=controller; else name="engine-$i"; fi
+    pid=$(mcjax_running_pid "$name")
+    if [ -n "$pid" ]; then
+      echo "$name: running, pid $pid"
+    else
+      echo "$name: NOT RUNNING"
+      ok=1
+    fi
   done
   return "$ok"
 }
