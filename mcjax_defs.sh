@@ -37,7 +37,7 @@
 : "${MCJAX_JUPYTER_PORT:=8888}"               # Jupyter on host 0 (bound to 127.0.0.1)
 : "${MCJAX_REMOTE_DIR:=.mcjax-setup}"         # where mcjax_setup.sh copies these scripts (relative to home)
 : "${MCJAX_START_TIMEOUT:=120}"               # seconds to wait for the controller / engines to come up
-: "${MCJAX_STOP_TIMEOUT:=15}"                 # seconds between SIGTERM and SIGKILL when stopping
+: "${MCJAX_STOP_TIMEOUT:=5}"                  # seconds between SIGTERM and SIGKILL when stopping
 : "${MCJAX_DRY_RUN:=0}"                       # 1: cluster_exec / cluster_scp print what they would run
 
 if [ -z "$MCJAX_JAX_SPEC" ]; then
@@ -308,9 +308,12 @@ cluster_scp() {
   [ -e "$src" ] || { _mcjax_err "cluster_scp: '$src' does not exist"; return 2; }
   n=$(cluster_host_count) || return 2
   [ -n "$last" ] || last=$((n - 1))
+  if [ "$MCJAX_DRY_RUN" = 1 ]; then
+    echo "[dry-run] copy $src into $dest on hosts $first..$last ($MCJAX_PROVIDER)"
+    return 0
+  fi
   if [ "$MCJAX_PROVIDER" = local ]; then
     # The local "hosts" share this machine's disk: one copy (relative paths from the state dir).
-    if [ "$MCJAX_DRY_RUN" = 1 ]; then echo "[dry-run] cp -R $src $dest/"; return 0; fi
     (mkdir -p "$MCJAX_STATE" && cd "$MCJAX_STATE" && mkdir -p "$dest") || return 1
     case "$dest" in /*) ;; *) dest="$MCJAX_STATE/$dest" ;; esac
     cp -R "$src" "$dest/"

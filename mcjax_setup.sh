@@ -3,10 +3,12 @@
 #
 #   ./mcjax_setup.sh [--steps LIST] [--dry-run]   set up the cluster of $MCJAX_PROVIDER (gcloud or ssh)
 #   ./mcjax_setup.sh --local N                    a simulated cluster here: controller + N-1 engines on 127.0.0.1
-#   ./mcjax_setup.sh --stop | --local-stop        stop what setup started (the local cluster, or the
-#                                                 controller/engines/Jupyter of the real cluster)
-#   ./mcjax_setup.sh --status
+#   ./mcjax_setup.sh --stop | --local-stop        stop what setup started: the local cluster, or with
+#                                                 MCJAX_PROVIDER=gcloud|ssh the real cluster's
+#                                                 controller, engines and Jupyter
+#   ./mcjax_setup.sh --status                     the same choice: local, or MCJAX_PROVIDER's cluster
 #   ./mcjax_setup.sh --print-exports              print the NFS export lines host 0 would get (changes nothing)
+#   ./mcjax_setup.sh --print-env                  print the settings file (mcjax.env) the hosts would get
 #
 # Steps (default: all, in this order; every one is idempotent, so rerunning setup is safe):
 #   check      the provider's tools, the hosts and their internal IPs
@@ -24,7 +26,7 @@ PROVIDER_WAS_SET=${MCJAX_PROVIDER+x}
 ALL_STEPS="check push nfs gcsfuse code venv ipcluster jupyter"
 
 usage() {
-  sed -n '3,19p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  sed -n '3,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
   exit 2
 }
 
@@ -48,6 +50,7 @@ while [ "$#" -gt 0 ]; do
     --local-stop) mode=local-stop ;;
     --status) mode=status ;;
     --print-exports) mode=exports ;;
+    --print-env) mode=print-env ;;
     --steps) steps=$(echo "${2:-}" | tr ',' ' '); shift ;;
     --steps=*) steps=$(echo "${1#--steps=}" | tr ',' ' ') ;;
     --dry-run) export MCJAX_DRY_RUN=1 ;;
@@ -57,9 +60,13 @@ while [ "$#" -gt 0 ]; do
   shift
 done
 
-# A local cluster is recorded in the state dir: --stop stops it unless a provider is named.
-if [ "$mode" = stop ] && [ -z "$PROVIDER_WAS_SET" ] && [ -f "${MCJAX_STATE:-$HOME/.mcjax}/local.env" ]; then
-  mode=local-stop
+# Without a provider named, --stop and --status mean the local cluster (a real one needs
+# MCJAX_PROVIDER set), so that they never reach out to a cloud by default.
+if [ -z "$PROVIDER_WAS_SET" ]; then
+  case "$mode" in
+    stop) mode=local-stop ;;
+    status) exec bash "$SETUP_DIR/cluster/local.sh" status ;;
+  esac
 fi
 case "$mode" in
   local) exec bash "$SETUP_DIR/cluster/local.sh" start "$local_n" ;;
@@ -90,20 +97,11 @@ IPS=$(cluster_internal_ips) || die "cannot get the hosts' internal IPs"
 HOST0_IP=$(echo "$IPS" | head -n 1)
 LAST=$((N - 1))
 
-case "$mode" in
-  status) cluster_status; exit ;;
-  stop)
-    step "stopping Jupyter and the controller on host 0, the engines on hosts 1..$LAST"
-    [ "$N" -lt 2 ] || cluster_exec 1 "$LAST" "$REMOTE/ipcluster.sh engine stop"
-    cluster_exec 0 0 "$REMOTE/ipcluster.sh jupyter stop && $REMOTE/ipcluster.sh controller stop"
-    exit
-    ;;
-esac
-
-# The settings the pieces need on the hosts. Host-dependent defaults ($HOME) are left to each host.
+# The settings the pieces need on the hosts (~/$MCJAX_REMOTE_DIR/mcjax.env): defaults there, so a
+# variable set in a host's own environment wins; paths under $HOME are taken under each host's home.
 write_env() {
   local var value
-  echo "# written by mcjax_setup.sh on $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "# written by mcjax_setup.sh on $(date -u +%Y-%m-%dT%H:%M:%SZ); sourced by cluster/common.sh"
   for var in MCJAX_PROVIDER MCJAX_CLUSTER MCJAX_ZONE MCJAX_PROJECT MCJAX_HOSTS MCJAX_INTERNAL_IPS \
     MCJAX_NFS_DIR MCJAX_BUCKET MCJAX_BUCKET_DIR MCJAX_VENV MCJAX_REPO_DIR MCJAX_JAX_SPEC MCJAX_STATE \
     MCJAX_PROFILE MCJAX_PROFILE_DIR MCJAX_CLUSTER_ID MCJAX_JUPYTER_PORT MCJAX_REMOTE_DIR \
@@ -115,12 +113,24 @@ write_env() {
     esac
     if [ "${value#"$HOME"/}" != "$value" ]; then
       # shellcheck disable=SC2016  # $HOME is expanded on the host
-      printf 'export %s="$HOME"/%q\n' "$var" "${value#"$HOME"/}"
+      printf '[ -n "${%s+x}" ] || %s="$HOME"/%q; export %s\n' "$var" "$var" "${value#"$HOME"/}" "$var"
     else
-      printf 'export %s=%q\n' "$var" "$value"
+      # shellcheck disable=SC2016
+      printf '[ -n "${%s+x}" ] || %s=%q; export %s\n' "$var" "$var" "$value" "$var"
     fi
   done
 }
+
+case "$mode" in
+  print-env) write_env; exit ;;
+  status) cluster_status; exit ;;
+  stop)
+    step "stopping Jupyter and the controller on host 0, the engines on hosts 1..$LAST"
+    [ "$N" -lt 2 ] || cluster_exec 1 "$LAST" "$REMOTE/ipcluster.sh engine stop"
+    cluster_exec 0 0 "$REMOTE/ipcluster.sh jupyter stop && $REMOTE/ipcluster.sh controller stop"
+    exit
+    ;;
+esac
 
 for s in $steps; do
   case " $ALL_STEPS " in *" $s "*) ;; *) die "unknown step '$s' (steps: $ALL_STEPS)" ;; esac
@@ -175,6 +185,10 @@ for s in $steps; do
       ;;
     code)
       step "code: $SETUP_DIR -> $MCJAX_REPO_DIR (shared folder, via host 0)"
+      if [ "$MCJAX_DRY_RUN" = 1 ]; then
+        echo "[dry-run] tar of $SETUP_DIR (without .git, .venv) extracted into $MCJAX_REPO_DIR on host 0"
+        continue
+      fi
       tar -C "$SETUP_DIR" --exclude=.git --exclude=.venv --exclude=__pycache__ --exclude='*.egg-info' -czf - . |
         cluster_exec 0 0 "mkdir -p '$MCJAX_REPO_DIR' && tar -xzf - -C '$MCJAX_REPO_DIR'" ||
         die "copying the code to host 0 failed"

@@ -59,7 +59,7 @@ mcjax_running_pid() {
   pidfile=$(mcjax_pidfile "$1")
   [ -f "$pidfile" ] || return 0
   pid=$(head -n 1 "$pidfile")
-  if mcjax_pid_alive "$pid" && ps -o command= -p "$pid" 2>/dev/null | grep -qF -- "$marker"; then
+  if mcjax_pid_alive "$pid" && ps -ww -o command= -p "$pid" 2>/dev/null | grep -qF -- "$marker"; then
     echo "$pid"
   fi
 }
@@ -85,7 +85,7 @@ with open(sys.argv[1] + ".tmp", "w") as f:
     f.write(f"{os.getpid()}\n")
 os.replace(sys.argv[1] + ".tmp", sys.argv[1])
 os.execvp(sys.argv[2], sys.argv[2:])
-' "$pidfile" "$@" >"$log" 2>&1 </dev/null &
+' "$pidfile" "$@" >>"$log" 2>&1 </dev/null &
   for i in $(seq 1 100); do
     [ -s "$pidfile" ] && break
     [ "$i" -lt 100 ] || mcjax_die "could not start $name (no pid file after 10 s); see $log"
@@ -95,12 +95,15 @@ os.execvp(sys.argv[2], sys.argv[2:])
   mcjax_log "started $name: pid $pid, log $log"
 }
 
-# Stop NAME: SIGTERM to its process group and its children (e.g. an engine's nanny, which lives
-# in a session of its own), SIGKILL after MCJAX_STOP_TIMEOUT seconds. Only a process recorded in
-# our pid file whose command line holds MARKER (default: our cluster id) is touched.
+# Stop NAME: SIGTERM to its process group; after 2 s a SIGINT too (an engine busy running code
+# only stops once that code is interrupted); SIGKILL after MCJAX_STOP_TIMEOUT seconds (an engine
+# that ran jax.distributed ignores SIGTERM: JAX's preemption notifier takes it over). Its
+# children in sessions of their own (an engine's nanny, which tells the controller at once that
+# its engine is gone) get 3 s to exit by themselves, then the same. Only a process recorded in our
+# pid file whose command line holds MARKER (default: our cluster id) is touched.
 # usage: mcjax_stop NAME [MARKER]
 mcjax_stop() {
-  local name=$1 marker=${2:-} pidfile pid kids k i left
+  local name=$1 marker=${2:-} pidfile pid kids k i left ticks
   pidfile=$(mcjax_pidfile "$name")
   if [ ! -f "$pidfile" ]; then
     return 0
@@ -122,18 +125,30 @@ mcjax_stop() {
   fi
   mcjax_log "stopping $name (pid $pid${kids:+, children $(echo "$kids" | tr '\n' ' ')})"
   kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
-  for k in $kids; do kill -TERM "$k" 2>/dev/null || true; done
-  for i in $(seq 1 $((MCJAX_STOP_TIMEOUT * 10))); do
+  ticks=$((MCJAX_STOP_TIMEOUT * 10))
+  for i in $(seq 1 "$ticks"); do
+    mcjax_pid_alive "$pid" || break
+    if [ "$i" -eq 20 ]; then
+      kill -INT "$pid" 2>/dev/null || true
+      kill -TERM "$pid" 2>/dev/null || true
+    fi
+    if [ "$i" -eq "$ticks" ]; then
+      mcjax_log "$name: still running after ${MCJAX_STOP_TIMEOUT}s; sending SIGKILL"
+      kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true
+      sleep 0.5
+    fi
+    sleep 0.1
+  done
+  for i in $(seq 1 30); do
     left=""
-    for k in "$pid" $kids; do
+    for k in $kids; do
       if mcjax_pid_alive "$k"; then left="$left $k"; fi
     done
     [ -n "$left" ] || break
-    if [ "$i" -eq $((MCJAX_STOP_TIMEOUT * 10)) ]; then
-      mcjax_log "$name: still running after ${MCJAX_STOP_TIMEOUT}s ($left); sending SIGKILL"
-      kill -KILL -- "-$pid" 2>/dev/null || true
+    if [ "$i" -eq 30 ]; then
+      for k in $left; do kill -TERM "$k" 2>/dev/null || true; done
+      sleep 1
       for k in $left; do kill -KILL "$k" 2>/dev/null || true; done
-      sleep 0.5
     fi
     sleep 0.1
   done
@@ -221,7 +236,7 @@ mcjax_write_cluster_json() {
   "$py" - "$MCJAX_STATE/cluster.json" "$engines" "$controller_ip" <<'EOF'
 import json, os, sys
 
-path, engines, ip = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+path, engines, ip = sys.argv[1], int(sys.argv[2]), sys.argv[3]  # this Python runs the engines
 env = os.environ
 info = {
     "provider": env["MCJAX_PROVIDER"],
@@ -232,6 +247,7 @@ info = {
     "root": env["MCJAX_ROOT"],
     "state": env["MCJAX_STATE"],
     "local_devices": int(env["MCJAX_LOCAL_DEVICES"]) if env["MCJAX_PROVIDER"] == "local" else None,
+    "python": sys.executable,
 }
 with open(path + ".tmp", "w") as f:
     json.dump(info, f, indent=1)

