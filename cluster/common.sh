@@ -183,10 +183,13 @@ mcjax_controller_start() {
     if [ -s "$(mcjax_client_json)" ] && [ -s "$(mcjax_engine_json)" ]; then break; fi
     if [ -z "$(mcjax_running_pid controller)" ]; then
       tail -n 30 "$MCJAX_STATE/logs/controller.log" >&2 || true
+      mcjax_stop controller # whatever is left of it: never leave a half-started controller behind
       mcjax_die "the controller exited during startup (log: $MCJAX_STATE/logs/controller.log)"
     fi
-    [ "$i" -lt $((MCJAX_START_TIMEOUT * 10)) ] ||
+    if [ "$i" -ge $((MCJAX_START_TIMEOUT * 10)) ]; then
+      mcjax_stop controller
       mcjax_die "no connection files in $sec after ${MCJAX_START_TIMEOUT}s (log: $MCJAX_STATE/logs/controller.log)"
+    fi
     sleep 0.1
   done
   sleep 0.2 # let the controller finish writing them

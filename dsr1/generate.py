@@ -123,6 +123,17 @@ def _decode_chunk(params, state: _State, sampling: SamplingArrays, *, cfg, mesh,
     return state, out
 
 
+def _replicated(tree: Any, mesh) -> Any:
+    """Host values (or single-device arrays) as arrays replicated over the mesh. Across processes
+    `device_put` takes host data only, so arrays go through numpy and PRNG keys through their data."""
+    def put(x):
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            data = jax.device_put(np.asarray(jax.random.key_data(x)), replicated(mesh))
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+        return jax.device_put(np.asarray(x), replicated(mesh))
+    return jax.tree.map(put, tree)
+
+
 def _prompt_tokens(prompt: Prompt, tokenizer: Tokenizer | None, chat: bool) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
@@ -237,7 +248,7 @@ def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | N
         raise ValueError(f"prompt ({tokens.shape[1]}) + max_new_tokens ({budget}) exceeds max_position_embeddings="
                          f"{model.cfg.max_position_embeddings}")
     tokens, lengths = model.check_prompt(tokens, lengths)
-    arrays = jax.device_put(batch_sampling(settings, stop_width=STOP_WIDTH), replicated(model.mesh))
+    arrays = _replicated(batch_sampling(settings, stop_width=STOP_WIDTH), model.mesh)
     rows = [_Row(tokenizer, s) for s in settings]
     thinking = [bool(tokenizer) and p[-2:] == tokenizer.encode(THINK_START + "\n") for p in encoded]
 

@@ -1,0 +1,61 @@
+"""`pytest --nbval-lax notebooks/` runs each notebook against a fresh simulated cluster.
+
+Before a notebook's first cell, `./mcjax_setup.sh --local N` starts a controller and N-1 engines
+(the nbval kernel is process N-1); after its last cell, and in any case when pytest ends, the
+cluster is stopped. A fresh cluster per notebook because a JAX process cannot join a second
+`jax.distributed` group: engines initialized with one kernel cannot serve the next.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+PROCESSES = int(os.environ.get("MCJAX_TEST_PROCESSES", "4"))
+_running: dict[str, Path] = {}
+
+
+def _setup(*args: str) -> None:
+    subprocess.run([str(ROOT / "mcjax_setup.sh"), *args], check=True, cwd=ROOT, timeout=300)
+
+
+def _stop() -> None:
+    if _running.pop("notebook", None) is not None:
+        _setup("--stop")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(notebook: Path) -> None:
+    """A new state folder (ipyparallel profile) and coordinator port per notebook, so nothing of the
+    previous cluster, still shutting down, is in the way. The kernel inherits them."""
+    _stop()
+    os.environ["MCJAX_STATE"] = tempfile.mkdtemp(prefix=f"mcjax-{notebook.stem}-")
+    os.environ["MCJAX_COORDINATOR_PORT"] = str(_free_port())
+    _running["notebook"] = notebook  # before starting: a failed start is stopped too
+    _setup("--local", str(PROCESSES))
+
+
+@pytest.hookimpl(tryfirst=True)  # before nbval starts the notebook's kernel, which inherits the environment
+def pytest_runtest_setup(item) -> None:
+    notebook = Path(str(item.fspath))
+    if notebook.suffix == ".ipynb" and _running.get("notebook") != notebook:
+        _start(notebook)
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    _stop()
+
+
+atexit.register(_stop)  # also when pytest is interrupted
