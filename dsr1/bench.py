@@ -331,8 +331,9 @@ def _config(args: argparse.Namespace) -> tuple[Config, str]:
 def cmd_decode(args: argparse.Namespace) -> dict[str, Any]:
     cfg, name = _config(args)
     dev = device_description()
-    _log(f"measuring copy bandwidth ({COPY_BYTES / 1e6:.0f} MB x + 1) ...")
-    copy_gbs = copy_bandwidth()
+    copy_nbytes = args.copy_mb * 2**20
+    _log(f"measuring copy bandwidth (x + 1 over {copy_nbytes / 1e6:.0f} MB) ...")
+    copy_gbs = copy_bandwidth(copy_nbytes)
     _log(f"building {name} (random weights{', int8' if args.quant else ''}) ...")
     model = init_random(cfg, seed=args.seed, mesh=make_mesh(), dtype=args.dtype, quant=args.quant,
                         kv_cache_dtype=args.kv_cache_dtype)
@@ -348,13 +349,14 @@ def cmd_decode(args: argparse.Namespace) -> dict[str, Any]:
     print(f"{args.steps} greedy decode steps in one jitted loop per point (best of {args.repeats})\n")
     print(decode_table(rows))
     print()
-    print(DECODE_NOTES.format(copy_mb=COPY_BYTES / 1e6, copy_gbs=copy_gbs))
+    print(DECODE_NOTES.format(copy_mb=copy_nbytes / 1e6, copy_gbs=copy_gbs))
     result = {
         "command": "decode", "device": dev, "model": name, "config": dataclasses.asdict(cfg), "dtype": args.dtype,
         "quant": args.quant, "kv_cache_dtype": args.kv_cache_dtype, "steps": args.steps, "repeats": args.repeats,
         "weight_bytes": model.weight_bytes(), "expert_bytes": expert_bytes(model.params),
         "fixed_weight_bytes": fixed_weight_bytes(model.params), "copy_gbs": copy_gbs,
-        "copy_definition": f"jitted x + 1 over {COPY_BYTES} bytes of float32, (bytes read + bytes written) / best time",
+        "copy_definition": f"jitted x + 1 over {copy_nbytes} bytes of float32 (donated, in place), "
+                           f"(bytes read + bytes written) / best of 5",
         "columns": list(DECODE_COLUMNS), "rows": rows,
     }
     return result
@@ -410,9 +412,9 @@ class GenerateTiming:
         return batch * (self.tokens.shape[1] - 1) / self.decode_s
 
 
-def hf_generate(folder: Path, prompts: np.ndarray, new_tokens: int, repeats: int = 2) -> GenerateTiming:
-    """HF transformers (torch, CPU, bf16) greedy generate. Decode time = generate(N tokens) minus
-    generate(1 token) (which is the prefill), each the best of `repeats` after a warm-up."""
+def load_hf(folder: Path) -> Any:
+    """HF transformers' DeepseekV3ForCausalLM (torch, CPU, bf16) from a release-layout folder, with
+    torch using every core."""
     import torch
     import transformers
     from transformers import DeepseekV3ForCausalLM
@@ -420,7 +422,14 @@ def hf_generate(folder: Path, prompts: np.ndarray, new_tokens: int, repeats: int
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     torch.set_num_threads(os.cpu_count() or 1)
-    model = DeepseekV3ForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).eval()
+    return DeepseekV3ForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).eval()
+
+
+def hf_generate(model: Any, prompts: np.ndarray, new_tokens: int, repeats: int = 2) -> GenerateTiming:
+    """HF greedy generate. Decode time = generate(N tokens) minus generate(1 token) (which is the
+    prefill), each the best of `repeats` after a warm-up."""
+    import torch
+
     ids = torch.from_numpy(prompts.astype(np.int64))
 
     def generate(n: int) -> tuple[float, np.ndarray]:
@@ -462,25 +471,29 @@ def cmd_compare_hf(args: argparse.Namespace) -> dict[str, Any]:
         folder = Path(tmp) / "checkpoint"
         _log(f"writing a random {name} checkpoint (release layout, bf16) ...")
         write_random_checkpoint(folder, cfg, seed=args.seed)
-        _log("loading it into dsr1 ...")
-        model = load(folder, mesh=make_mesh(), dtype="bfloat16", progress=False)
+        _log(f"loading it into dsr1 ({args.dsr1_dtype}) ...")
+        model = load(folder, mesh=make_mesh(), dtype=args.dsr1_dtype, progress=False)
+        _log("loading it into HF transformers (bf16) ...")
+        hf_model = load_hf(folder)
         rng = np.random.default_rng(args.seed)
         for batch in args.batch:
             prompts = rng.integers(2, cfg.vocab_size, (batch, args.prompt_len)).astype(np.int32)
             _log(f"batch {batch}: dsr1 ...")
             ours = dsr1_generate(model, prompts, args.new_tokens, args.repeats)
             _log(f"batch {batch}: HF transformers ...")
-            hf = hf_generate(folder, prompts, args.new_tokens, args.repeats)
+            hf = hf_generate(hf_model, prompts, args.new_tokens, args.repeats)
             rows.append(compare_row(batch, ours, hf))
     print(_device_line(dev))
-    print(f"model: {name}, bf16, random weights (one checkpoint read by both); prompts of {args.prompt_len} tokens, "
-          f"{args.new_tokens} greedy tokens; torch threads {os.cpu_count()}\n")
+    print(f"model: {name}, random weights (one bf16 checkpoint read by both; HF in bfloat16, dsr1 in "
+          f"{args.dsr1_dtype}); prompts of {args.prompt_len} tokens, {args.new_tokens} greedy tokens; "
+          f"torch threads {os.cpu_count()}\n")
     print(compare_table(rows))
     print("\ndecode tok/s = batch x (new tokens - 1) / decode time. HF decode time = generate(N) - generate(1); "
           "dsr1: prefill, then one jitted loop of N - 1 steps.\nsame first token: rows whose first greedy token "
           "(from the prefill) agrees; bf16 rounding differs between the two, so later tokens may diverge.")
     return {"command": "compare-hf", "device": dev, "model": name, "config": dataclasses.asdict(cfg),
             "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "torch_threads": os.cpu_count(),
+            "hf_dtype": "bfloat16", "dsr1_dtype": args.dsr1_dtype,
             "rows": rows}
 
 
@@ -542,6 +555,8 @@ def parser() -> argparse.ArgumentParser:
     dec.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="model dtype")
     dec.add_argument("--quant", choices=["int8"], help="int8 matmul weights with per-channel scales")
     dec.add_argument("--kv-cache-dtype", choices=["int8"], help="int8 latent cache with per-token scales")
+    dec.add_argument("--copy-mb", type=int, default=COPY_BYTES // 2**20,
+                     help=f"MiB of the array whose x + 1 measures the copy bandwidth (default: {COPY_BYTES // 2**20})")
     _model_args(dec)
     cmp = sub.add_parser("compare-hf", help="decode tok/s of HF transformers (torch, bf16) and dsr1 on the same "
                                             "random checkpoint",
@@ -551,6 +566,8 @@ def parser() -> argparse.ArgumentParser:
     cmp.add_argument("--batch", type=_ints, default=[1, 8], help="comma-separated batch sizes (default: 1,8)")
     cmp.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per row (default: 32)")
     cmp.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per row (default: 32)")
+    cmp.add_argument("--dsr1-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                     help="dtype dsr1 holds the (bf16) checkpoint in; HF always runs bf16 (default: bfloat16)")
     _model_args(cmp)
     return ap
 
