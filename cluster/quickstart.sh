@@ -11,6 +11,7 @@ echo "[quickstart] building the environment in .venv (dsr1 with the notebook ext
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/pip install -q -e ".[notebook]"
 export PATH="$root/.venv/bin:$PATH"
+export MCJAX_PYTHON="$root/.venv/bin/python" # the engines run the same environment as the kernel
 export MCJAX_STATE="${MCJAX_STATE:-$root/.mcjax}"
 out="$MCJAX_STATE/quickstart"
 mkdir -p "$out"

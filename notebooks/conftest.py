@@ -12,6 +12,7 @@ import atexit
 import os
 import socket
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -43,6 +44,7 @@ def _start(notebook: Path) -> None:
     _stop()
     os.environ["MCJAX_STATE"] = tempfile.mkdtemp(prefix=f"mcjax-{notebook.stem}-")
     os.environ["MCJAX_COORDINATOR_PORT"] = str(_free_port())
+    os.environ["MCJAX_PYTHON"] = sys.executable  # engines run this environment's Python, as the kernel does
     _running["notebook"] = notebook  # before starting: a failed start is stopped too
     _setup("--local", str(PROCESSES))
 
