@@ -159,8 +159,14 @@ def device_description() -> dict[str, Any]:
     desc = {"platform": dev.platform, "device_kind": dev.device_kind, "device_count": jax.device_count(),
             "jax": jax.__version__}
     if dev.platform == "cpu":
-        desc.update(cpu=_cpu_model(), cores=os.cpu_count())
+        # Other processes share a CPU: the load average tells how much of it the benchmark had.
+        desc.update(cpu=_cpu_model(), cores=os.cpu_count(), load_avg_start=os.getloadavg()[0])
     return desc
+
+
+def _finish(dev: dict[str, Any]) -> dict[str, Any]:
+    """The device description with the load average at the end of the run (CPU only)."""
+    return {**dev, "load_avg_end": os.getloadavg()[0]} if "cpu" in dev else dev
 
 
 def _cpu_model() -> str:
@@ -316,8 +322,11 @@ def _describe(model: Model, preset: str) -> str:
 
 
 def _device_line(dev: dict[str, Any]) -> str:
-    extra = f", {dev['cpu']}, {dev['cores']} cores" if "cpu" in dev else ""
-    return f"device: {dev['device_kind']} ({dev['platform']}, {dev['device_count']} device(s){extra}), jax {dev['jax']}"
+    line = f"device: {dev['device_kind']} ({dev['platform']}, {dev['device_count']} device(s)"
+    if "cpu" in dev:
+        line += (f", {dev['cpu']}, {dev['cores']} cores; 1-min load average {dev['load_avg_start']:.1f} at the start, "
+                 f"{dev['load_avg_end']:.1f} at the end")
+    return line + f"), jax {dev['jax']}"
 
 
 # ---- the decode command -------------------------------------------------------------------------------
@@ -344,6 +353,7 @@ def cmd_decode(args: argparse.Namespace) -> dict[str, Any]:
         rows.append(bench_decode_point(model, batch, context, args.steps, copy_gbs, seed=args.seed,
                                        repeats=args.repeats))
         _log(f"    {rows[-1]['step_ms']:.1f} ms/step, {rows[-1]['achieved_gbs']:.2f} GB/s")
+    dev = _finish(dev)
     print(_device_line(dev))
     print(_describe(model, name))
     print(f"{args.steps} greedy decode steps in one jitted loop per point (best of {args.repeats})\n")
@@ -446,17 +456,18 @@ def hf_generate(model: Any, prompts: np.ndarray, new_tokens: int, repeats: int =
 
 
 def dsr1_generate(model: Model, prompts: np.ndarray, new_tokens: int, repeats: int = 2) -> GenerateTiming:
-    """dsr1 greedy generate: prefill (first token), then one jitted loop of `new_tokens - 1` decode steps."""
-    batch, t = prompts.shape
-    max_len = t + new_tokens
-    model.prefill(prompts, max_len=max_len)  # compile
+    """dsr1 greedy generate: prefill (first token), then one jitted loop of `new_tokens - 1` decode
+    steps, each timed as the best of `repeats` after a warm-up. The decode runs start from copies of
+    the prefilled cache (the loop consumes its cache; a copy is cheaper than another prefill)."""
+    max_len = prompts.shape[1] + new_tokens
+    jax.block_until_ready(model.prefill(prompts, max_len=max_len))  # compile
     prefill = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        logits, _ = jax.block_until_ready(model.prefill(prompts, max_len=max_len))
+        logits, cache = jax.block_until_ready(model.prefill(prompts, max_len=max_len))
         prefill = min(prefill, time.perf_counter() - start)
     first = to_host(logits).argmax(-1).astype(np.int32)
-    run = time_decode(model, lambda i: model.prefill(prompts, max_len=max_len)[1], first, new_tokens - 1, repeats)
+    run = time_decode(model, lambda i: jax.tree.map(jnp.copy, cache), first, new_tokens - 1, repeats)
     tokens = np.concatenate([run.tokens.T, run.last[:, None]], axis=1)  # fed tokens = generated ones, then the last
     return GenerateTiming(prefill, run.seconds, tokens)
 
@@ -483,6 +494,7 @@ def cmd_compare_hf(args: argparse.Namespace) -> dict[str, Any]:
             _log(f"batch {batch}: HF transformers ...")
             hf = hf_generate(hf_model, prompts, args.new_tokens, args.repeats)
             rows.append(compare_row(batch, ours, hf))
+    dev = _finish(dev)
     print(_device_line(dev))
     print(f"model: {name}, random weights (one bf16 checkpoint read by both; HF in bfloat16, dsr1 in "
           f"{args.dsr1_dtype}); prompts of {args.prompt_len} tokens, {args.new_tokens} greedy tokens; "
