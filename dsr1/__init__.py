@@ -1,10 +1,31 @@
-"""dsr1: DeepSeek-V3/R1 inference in pure JAX."""
+"""dsr1: DeepSeek-V3/R1 inference in pure JAX.
+
+The everyday API::
+
+    import dsr1
+    model = dsr1.load("/ckpt/DeepSeek-R1", mesh=dsr1.make_mesh())   # or dsr1.init_random(dsr1.Config.preset("tiny"))
+    out = dsr1.generate(model, ["Why is the sky blue?"], chat=True, sampling=dsr1.Sampling(temperature=0.6))
+
+The package reads as the data flow: `core` (the model as pure functions on a mesh), `weights`
+(checkpoints on disk), `programs` (the jitted entry points), `api` (`Model`, `load`,
+`init_random`), `generation` (tokenizer, sampling, generate), `workbench` (cluster, widgets,
+profiles) and `bench` (benchmarks, `python -m dsr1.bench`).
+"""
+
+__version__ = "0.1.0"
 
 from .api import Model, init_random, load
-from .cache import KVCache
-from .config import Config, ConfigError
-from .safetensors_io import CheckpointError
-from .sharding import make_mesh
+from .core.cache import KVCache
+from .core.config import Config, ConfigError
+from .core.sharding import make_mesh
+from .generation.batch import Completion, GenerationResult, generate
+from .generation.sampling import Sampling
+from .generation.tokenizer import Tokenizer, load_tokenizer
+from .weights.convert import ConversionError
+from .weights.safetensors_io import CheckpointError
 
-__all__ = ["CheckpointError", "Config", "ConfigError", "KVCache", "Model", "init_random", "load", "make_mesh"]
-__version__ = "0.1.0"
+__all__ = [
+    "CheckpointError", "Completion", "Config", "ConfigError", "ConversionError", "GenerationResult", "KVCache",
+    "Model", "Sampling", "Tokenizer", "__version__", "generate", "init_random", "load", "load_tokenizer",
+    "make_mesh",
+]

@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _load(args: argparse.Namespace):
     import dsr1
-    from dsr1.tokenizer import load_tokenizer
+    from dsr1.generation.tokenizer import load_tokenizer
 
     mesh = dsr1.make_mesh(expert=args.expert, tensor=args.tensor)
     if args.model:
@@ -76,7 +76,7 @@ def _load(args: argparse.Namespace):
 
 
 def _sampling(args: argparse.Namespace):
-    from dsr1.sampling import Sampling
+    from dsr1.generation.sampling import Sampling
 
     return Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                     repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
@@ -96,7 +96,7 @@ def _speed(result: Any) -> str:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from dsr1.generate import generate
+    from dsr1.generation.batch import generate
 
     model, tokenizer = _load(args)
     prompts = args.prompt or ["Why is the sky blue?"]
@@ -117,7 +117,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_chat(args: argparse.Namespace, stdin=sys.stdin) -> int:
-    from dsr1.generate import generate
+    from dsr1.generation.batch import generate
 
     model, tokenizer = _load(args)
     sampling = _sampling(args)

@@ -15,13 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from . import model as _model
-from .cache import KVCache, check_kv_cache_dtype
-from .loading import load_params
-from .config import Config
-from .params import Params, init_params
-from .quant import Int8Weight, check_quant
-from .sharding import make_mesh, replicated, to_host
+from .core import model as _model
+from .core.cache import KVCache, check_kv_cache_dtype
+from .weights.loading import load_params
+from .core.config import Config
+from .core.params import Params, init_params
+from .core.quant import Int8Weight, check_quant
+from .core.sharding import make_mesh, replicated, to_host
 
 DEFAULT_DECODE_ROOM = 256
 

@@ -16,7 +16,7 @@ SETUP = '''\
 # Host 0's kernel is the last JAX process. On a simulated cluster it needs the same fake CPU devices
 # as the engines, set before JAX starts its backend.
 import os
-from dsr1 import cluster
+from dsr1.workbench import cluster
 
 info = cluster.cluster_info()
 if info.get("provider") == "local":
@@ -32,7 +32,7 @@ assert NUM_PROCESSES == len(engines) + 1 and PROCESS_ID == NUM_PROCESSES - 1'''
 INITIALIZE = '''\
 %%px --local
 # Runs on every engine (submitted without blocking) and then here: initialize waits for all N.
-from dsr1 import cluster
+from dsr1.workbench import cluster
 cluster.initialize(PROCESS_ID, NUM_PROCESSES, COORDINATOR)
 import jax
 assert jax.process_count() == NUM_PROCESSES and jax.process_index() == PROCESS_ID
@@ -64,7 +64,7 @@ print("checkpoint:", CHECKPOINT or "none (random tiny model)")'''),
     ("code", '''\
 %%px --local
 import dsr1
-from dsr1.tokenizer import load_tokenizer
+from dsr1.generation.tokenizer import load_tokenizer
 mesh = dsr1.make_mesh()
 if CHECKPOINT:
     model = dsr1.load(CHECKPOINT, mesh=mesh, progress=PROCESS_ID == NUM_PROCESSES - 1)
@@ -80,7 +80,7 @@ assert gate.addressable_shards[0].data.shape[1] == model.cfg.n_routed_experts //
     ("code", '''\
 %%px --local
 import numpy as np
-from dsr1.sharding import to_host
+from dsr1.core.sharding import to_host
 check_cfg = dsr1.Config.preset("tiny")
 check_tokens = np.random.default_rng(0).integers(0, check_cfg.vocab_size, (2, 12))
 everywhere = dsr1.init_random(check_cfg, seed=1, mesh=mesh, dtype="float32")
@@ -93,7 +93,7 @@ print(f"{jax.process_count()} processes vs one process: max|dlogit|/max|logit| =
 assert err < 1e-5'''),
     ("md", "## Generate\nThe widget runs each generation on every engine too (the model is split across processes). It is driven from code here so the handler runs under nbval; in Jupyter, type and click."),
     ("code", '''\
-from dsr1.widgets import GenerationWidget
+from dsr1.workbench.widgets import GenerationWidget
 widget = GenerationWidget(model, tokenizer, engines=client[:], max_new_tokens=48)
 display(widget)
 widget.prompt.value = "Explain multi-head latent attention in one paragraph."
@@ -106,7 +106,7 @@ assert 0 < len(completion.tokens) <= 48'''),
     ("md", "## Profile decode\nStep latency, throughput by batch size, device time by block from a `jax.profiler` trace, and achieved bandwidth against this machine's measured copy bandwidth. Every process runs it (the model is sharded); the kernel plots."),
     ("code", '''\
 %%px --local
-from dsr1 import profiling
+from dsr1.workbench import profiling
 profile = profiling.profile_decode(model, batch=4, batches=(1, 2, 4, 8), context=64, steps=8,
                                    copy_bytes=64 * 2**20)'''),
     ("code", '''\

@@ -62,7 +62,7 @@ def decode_logits(model, tokens: np.ndarray, lengths: np.ndarray, prefix: np.nda
     Returns the logits predicted at every position >= prefix - 1, keyed by (row, position): the
     prefill gives position prefix-1, each decode step the position of the token it was fed.
     """
-    from dsr1.sharding import to_host
+    from dsr1.core.sharding import to_host
 
     b, t = tokens.shape
     steps = int((lengths - prefix).max())

@@ -35,7 +35,7 @@ def main() -> None:
 
     import dsr1
     from harness import decode_logits
-    from dsr1.sharding import to_host
+    from dsr1.core.sharding import to_host
 
     inputs = np.load(args.inputs)
     mesh = dsr1.make_mesh(expert=args.expert, tensor=args.tensor)

@@ -122,7 +122,7 @@ def test_fstab_entry_is_added_once(tmp_path):
 
 
 def test_process_numbering_follows_host_index():
-    from dsr1.cluster import _layout
+    from dsr1.workbench.cluster import _layout
 
     infos = {7: dict(host_index="3", hostname="h3", pid=30, address="10.0.0.3"),
              2: dict(host_index="1", hostname="h1", pid=10, address="10.0.0.1"),
@@ -136,7 +136,7 @@ def test_process_numbering_follows_host_index():
 
 
 def test_health_check_flags_mismatches():
-    from dsr1.cluster import _problems
+    from dsr1.workbench.cluster import _problems
 
     base = dict(hostname="h", environment="/venv (/usr/bin/python3.11)", python="3.11.7", dsr1="0.1.0", jax="0.10.2",
                 jaxlib="0.10.2", provider="gcloud", distributed=True, process_count=3, local_devices=4)
@@ -158,7 +158,7 @@ def test_real_cluster_pieces_on_one_machine(tmp_path):
     """cluster/ipcluster.sh as mcjax_setup.sh runs it on each host (from ~/.mcjax-setup with the
     mcjax.env of --print-env), here with this machine playing host 0 and two engine hosts."""
     pytest.importorskip("ipyparallel")
-    from dsr1 import cluster
+    from dsr1.workbench import cluster
 
     remote = tmp_path / ".mcjax-setup"
     (remote / "cluster").mkdir(parents=True)
@@ -294,7 +294,7 @@ def local_cluster(tmp_path_factory):
 
 
 def test_local_setup_starts_engines_and_a_second_run_is_clean(local_cluster):
-    from dsr1 import cluster
+    from dsr1.workbench import cluster
 
     pids = local_cluster.pids()
     assert sorted(pids) == ["controller", "engine-1", "engine-2"]
@@ -350,7 +350,7 @@ def test_px_local_initializes_jax_distributed_across_processes(local_cluster):
 
 
 def test_killed_engine_gives_a_clear_error_and_cluster_restart_brings_it_back(local_cluster):
-    from dsr1 import cluster
+    from dsr1.workbench import cluster
 
     client = cluster.connect(state=local_cluster.state, timeout=30)
     try:
@@ -387,7 +387,7 @@ def test_killed_engine_gives_a_clear_error_and_cluster_restart_brings_it_back(lo
 
 
 def test_hung_initialize_is_cleared_then_initialize_everywhere_works(local_cluster):
-    from dsr1 import cluster
+    from dsr1.workbench import cluster
 
     client = cluster.connect(state=local_cluster.state, timeout=30)
     try:
@@ -429,7 +429,7 @@ def test_stop_leaves_no_process_of_the_cluster(local_cluster):
 KERNEL = r'''
 import json, os, sys
 import psutil
-from dsr1 import cluster
+from dsr1.workbench import cluster
 
 ALLREDUCE = """
 import jax, jax.numpy as jnp, numpy as np
@@ -463,7 +463,7 @@ if mode == "px-local":
 else:  # recover: the engines initialize without the kernel (a hang), clear it, initialize_everywhere
     layout = cluster.assign_process_ids(client, port=ports[0])
     try:
-        cluster.px(client, "import dsr1.cluster as c\nc.initialize(PROCESS_ID, NUM_PROCESSES, COORDINATOR, timeout=4)",
+        cluster.px(client, "import dsr1.workbench.cluster as c\nc.initialize(PROCESS_ID, NUM_PROCESSES, COORDINATOR, timeout=4)",
                    timeout=60)
         out["hung"] = "no error"
     except Exception as e:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dsr1 import Config, ConfigError
-from dsr1.rope import attention_factor, inverse_frequencies
+from dsr1.core.rope import attention_factor, inverse_frequencies
 
 DATA = Path(__file__).parent / "data"
 SHARED_R1 = Path(__file__).parents[2] / "shared" / "reference" / "deepseek-r1" / "config.json"

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import dsr1
-from dsr1 import convert as dsr1_convert
-from dsr1 import store
+from dsr1.weights import convert as dsr1_convert
+from dsr1.weights import store
 from harness import DECODE_PREFIX, TOLERANCE, decode_logits, prompt_batch, relative_error, subprocess_env
 from reference import hf_config, reference_logits, release_tensors, write_checkpoint
 
@@ -227,7 +227,7 @@ def test_check_on_the_real_r1_index(tmp_path, capsys):
 MEMORY_CONFIG = dict(hidden_size=512, moe_intermediate_size=512, n_routed_experts=32, n_group=4, topk_group=2,
                      num_experts_per_tok=4, first_k_dense_replace=0, q_lora_rank=64, kv_lora_rank=64,
                      num_attention_heads=4, vocab_size=256)
-PEAK = ("import sys; from dsr1.convert import convert; convert(sys.argv[1], sys.argv[2], progress=False); "
+PEAK = ("import sys; from dsr1.weights.convert import convert; convert(sys.argv[1], sys.argv[2], progress=False); "
         "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])")
 
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import dsr1
-from dsr1.generate import generate, split_reasoning
-from dsr1.sampling import Sampling
+from dsr1.generation.batch import generate, split_reasoning
+from dsr1.generation.sampling import Sampling
 
 NEW_TOKENS = 24
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import dsr1
-from dsr1.moe import moe, route
+from dsr1.core.moe import moe, route
 
 TINY = dsr1.Config.preset("tiny")
 
@@ -109,7 +109,7 @@ def test_moe_block_matches_numpy():
 @pytest.mark.parametrize("quant", [None, "int8"])
 def test_gather_and_ragged_paths_agree(tokens, quant, monkeypatch):
     """Both expert paths (gathering the hit experts; sorted pairs with ragged_dot) give the same output."""
-    import dsr1.moe as moe_module
+    import dsr1.core.moe as moe_module
 
     cfg = TINY
     model = dsr1.init_random(cfg, seed=2, dtype="float32", quant=quant)

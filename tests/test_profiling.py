@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import dsr1
-from dsr1 import profiling
+from dsr1.workbench import profiling
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +38,8 @@ def test_profile_decode(tiny, tmp_path):
 
 
 def test_generation_widget_streams_into_its_output(tiny):
-    from dsr1.tokenizer import load_tokenizer
-    from dsr1.widgets import GenerationWidget
+    from dsr1.generation.tokenizer import load_tokenizer
+    from dsr1.workbench.widgets import GenerationWidget
 
     w = GenerationWidget(tiny, load_tokenizer(), max_new_tokens=8)
     w.prompt.value, w.chat.value, w.temperature.value = "Bonjour", False, 0.0

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsr1.sampling import (
+from dsr1.generation.sampling import (
     Sampling,
     SamplingArrays,
     apply_filters,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import dsr1
-from dsr1.convert import convert
+from dsr1.weights.convert import convert
 from harness import DECODE_PREFIX, TOLERANCE, decode_logits, relative_error, subprocess_env
 
 WORKER = str(Path(__file__).parent / "mesh_worker.py")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tokenizers
 
-from dsr1.tokenizer import (
+from dsr1.generation.tokenizer import (
     ASSISTANT,
     BOS,
     EOS,

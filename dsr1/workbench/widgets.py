@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .api import Model
-from .generate import GenerationResult, generate
-from .sampling import Sampling
-from .tokenizer import Tokenizer
+from ..api import Model
+from ..generation.batch import GenerationResult, generate
+from ..generation.sampling import Sampling
+from ..generation.tokenizer import Tokenizer
 
 
 class GenerationWidget:
@@ -60,7 +60,7 @@ class GenerationWidget:
             self.engines.push({"_dsr1_prompts": prompts, "_dsr1_kwargs": kwargs}, block=True)
             model, tokenizer = self.names
             pending = self.engines.execute(
-                "from dsr1.generate import generate as _dsr1_generate\n"
+                "from dsr1.generation.batch import generate as _dsr1_generate\n"
                 f"_dsr1_result = _dsr1_generate({model}, _dsr1_prompts, tokenizer={tokenizer}, **_dsr1_kwargs)",
                 block=False)
         self.output.value, self.status.value = "", "generating..."

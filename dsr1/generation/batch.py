@@ -20,12 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import model as _model
-from .api import Model
-from .cache import KVCache
+from ..core import model as _model
+from ..api import Model
+from ..core.cache import KVCache
 from .sampling import Sampling, SamplingArrays, batch_sampling, find_stop_string, init_counts, is_stop_token, \
     sample, update_counts
-from .sharding import replicated, to_host
+from ..core.sharding import replicated, to_host
 from .tokenizer import THINK_END, THINK_START, StreamDecoder, Tokenizer, load_tokenizer
 
 STOP_WIDTH = 8  # stop-token columns: fixed, so requests with more or fewer stop ids share one program

@@ -194,8 +194,8 @@ def _mcjax_probe(controller_ip, devices):
     except OSError:
         info["address"] = "127.0.0.1"
     try:
-        import dsr1.cluster
-        info["accelerator"] = dsr1.cluster.detect_platform()
+        import dsr1.workbench.cluster
+        info["accelerator"] = dsr1.workbench.cluster.detect_platform()
     except Exception:
         info["accelerator"] = "unknown"
     for name in ("dsr1", "jax", "jaxlib", "ipyparallel"):
@@ -557,7 +557,7 @@ def initialize_everywhere(client: ipyparallel.Client, *, port: int | None = None
     layout = getattr(client, "_mcjax_layout", None)
     if layout is None or port is not None:
         layout = assign_process_ids(client, port=port, namespace=namespace)
-    code = ("import dsr1.cluster as _mcjax_cluster\n"
+    code = ("import dsr1.workbench.cluster as _mcjax_cluster\n"
             f"_mcjax_cluster.initialize(PROCESS_ID, NUM_PROCESSES, COORDINATOR, timeout={timeout!r})\n")
     px(client, code, local=True, namespace=namespace, timeout=timeout + 30)
     return layout
@@ -569,7 +569,7 @@ def shutdown_everywhere(client: ipyparallel.Client, *, timeout: float = 120.0, n
     Do this before stopping the cluster or the kernel; otherwise the survivors see a missing
     heartbeat and JAX ends them. JAX cannot be initialized again in a process that computed.
     """
-    code = "import dsr1.cluster as _mcjax_cluster\n_mcjax_cluster._shutdown_here()\n"
+    code = "import dsr1.workbench.cluster as _mcjax_cluster\n_mcjax_cluster._shutdown_here()\n"
     px(client, code, local=True, namespace=namespace, timeout=timeout)
 
 
@@ -624,7 +624,7 @@ def clear_hung_initialize(client: ipyparallel.Client | None = None, *, timeout: 
     abort_stale(client)
     ids = _targets(client, None)
     # The engines first, without waiting, then here: a finished initialize shuts down in a barrier.
-    report = {"kernel": _run(client, {e: "import dsr1.cluster as _mcjax_cluster\n"
+    report = {"kernel": _run(client, {e: "import dsr1.workbench.cluster as _mcjax_cluster\n"
                                          "_mcjax_reset = _mcjax_cluster._reset_here()\n" for e in ids},
                              timeout, local=_reset_here)}
     report.update({f"engine {e}": what for e, what in zip(ids, _pull(client, ids, "_mcjax_reset", timeout))})

@@ -19,11 +19,11 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from . import store
-from .checkpoint import CheckpointIndex, read_region, unit_sources, validate
-from .config import Config
-from .params import (Params, abstract_params, is_spec, param_specs, per_layer, quantize_like, resolved_dtype,
+from .release import CheckpointIndex, read_region, unit_sources, validate
+from ..core.config import Config
+from ..core.params import (Params, abstract_params, is_spec, param_specs, per_layer, quantize_like, resolved_dtype,
                      stack_layers)
-from .quant import check_quant
+from ..core.quant import check_quant
 
 UnitReader = Callable[[str, int | None], Any]  # (unit, layer) -> pytree of sharded arrays
 

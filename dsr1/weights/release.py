@@ -22,8 +22,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from .config import Config
-from .params import ArrayInfo, float_specs, is_spec, stack_layers
+from ..core.config import Config
+from ..core.params import ArrayInfo, float_specs, is_spec, stack_layers
 from .safetensors_io import CheckpointError, TensorInfo, read_header, read_tensor
 
 FP8_BLOCK = 128

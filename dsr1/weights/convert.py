@@ -27,10 +27,10 @@ import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
 from . import store
-from .checkpoint import CheckpointIndex, check_tensors, read_region, unit_sources, validate
-from .config import Config
-from .params import ArrayInfo, is_spec, param_specs, per_layer, resolved_dtype, stack_layers
-from .quant import Int8Weight, check_quant, quantize
+from .release import CheckpointIndex, check_tensors, read_region, unit_sources, validate
+from ..core.config import Config
+from ..core.params import ArrayInfo, is_spec, param_specs, per_layer, resolved_dtype, stack_layers
+from ..core.quant import Int8Weight, check_quant, quantize
 from .safetensors_io import CheckpointError
 
 SETTINGS = "convert.json"  # in OUT.partial: the arguments a resumed run must share

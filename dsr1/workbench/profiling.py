@@ -19,9 +19,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from . import api
-from .api import Model
-from .bench import copy_bandwidth, mean_step_bytes, random_cache, time_decode
+from .. import api
+from ..api import Model
+from ..bench.__main__ import copy_bandwidth, mean_step_bytes, random_cache, time_decode
 
 BLOCKS = (  # (label, scope marker in an op's name path); the first match wins
     ("routed experts", "routed_experts"),

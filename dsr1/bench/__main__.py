@@ -40,13 +40,13 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh
 
-from .api import Model, init_random, load
-from .cache import KVCache, check_kv_cache_dtype, quantize_latent
-from .checkpoint import expected_tensors
-from .config import Config
-from .model import decode_step
-from .params import Params
-from .sharding import make_mesh, replicated, to_host
+from ..api import Model, init_random, load
+from ..core.cache import KVCache, check_kv_cache_dtype, quantize_latent
+from ..weights.release import expected_tensors
+from ..core.config import Config
+from ..core.model import decode_step
+from ..core.params import Params
+from ..core.sharding import make_mesh, replicated, to_host
 
 COPY_BYTES = 2**29  # 512 MiB: far beyond any cache, so the copy runs at memory speed
 ROUTED = ("gate", "up", "down")  # the routed-expert stacks under params["moe_layers"]["moe"]

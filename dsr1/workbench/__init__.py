@@ -1,0 +1,3 @@
+"""The notebook workbench: the ipyparallel cluster and `jax.distributed`, the generation widget,
+and decode profiles.
+"""
