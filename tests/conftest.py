@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from harness import Fixture, build_fixture  # noqa: E402
-from reference import CONFIGS  # noqa: E402
+from .harness import Fixture, build_fixture
+from .reference import CONFIGS
 
 
 @pytest.fixture(scope="session")

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-import reference  # noqa: E402
+from . import reference
 
 
 MIN_ROUTING_MARGIN = 2e-5  # below this, float32 rounding may legitimately flip an expert choice

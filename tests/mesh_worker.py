@@ -7,13 +7,10 @@ Used by test_sharding.py in subprocesses, because the device count (XLA_FLAGS) a
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 def main() -> None:
@@ -34,7 +31,7 @@ def main() -> None:
                                    process_id=args.process_id)
 
     import dsr1
-    from harness import decode_logits
+    from tests.harness import decode_logits
     from dsr1.core.sharding import to_host
 
     inputs = np.load(args.inputs)

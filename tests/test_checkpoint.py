@@ -13,7 +13,7 @@ import pytest
 import dsr1
 from dsr1 import CheckpointError
 from dsr1.weights.release import CheckpointIndex, dequantize_fp8, expected_tensors
-from reference import hf_config, release_tensors, write_checkpoint
+from .reference import hf_config, release_tensors, write_checkpoint
 
 SMALL = hf_config({"num_hidden_layers": 2, "n_routed_experts": 8, "n_group": 2, "topk_group": 1,
                    "num_experts_per_tok": 2})

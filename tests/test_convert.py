@@ -17,8 +17,8 @@ import pytest
 import dsr1
 from dsr1.weights import convert as dsr1_convert
 from dsr1.weights import store
-from harness import DECODE_PREFIX, TOLERANCE, decode_logits, prompt_batch, relative_error, subprocess_env
-from reference import hf_config, reference_logits, release_tensors, write_checkpoint
+from .harness import DECODE_PREFIX, TOLERANCE, decode_logits, prompt_batch, relative_error, subprocess_env
+from .reference import hf_config, reference_logits, release_tensors, write_checkpoint
 
 SHARED_INDEX = (Path(__file__).parents[2] / "shared" / "reference" / "deepseek-r1"
                 / "model.safetensors.index-with-shapes.json.gz")

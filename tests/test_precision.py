@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import dsr1
-from harness import DECODE_PREFIX, decode_logits
-from reference import CONFIGS, hf_config, reference_logits, release_tensors, write_checkpoint
+from .harness import decode_logits
+from .reference import CONFIGS, hf_config, reference_logits, release_tensors, write_checkpoint
 
 DECISIVE = 0.05
 ROWS, LENGTH = 8, 40

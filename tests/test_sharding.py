@@ -13,9 +13,9 @@ import pytest
 
 import dsr1
 from dsr1.weights.convert import convert
-from harness import DECODE_PREFIX, TOLERANCE, decode_logits, relative_error, subprocess_env
+from .harness import DECODE_PREFIX, TOLERANCE, decode_logits, relative_error, subprocess_env
 
-WORKER = str(Path(__file__).parent / "mesh_worker.py")
+WORKER = ("-m", "tests.mesh_worker")
 SAME = 1e-5  # sharded vs single-device: only the order of float32 sums differs
 
 
@@ -48,7 +48,7 @@ def _free_port() -> int:
 
 
 def _run(args: list[str], devices: int, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, WORKER, *args], env=subprocess_env(devices), capture_output=True,
+    return subprocess.run([sys.executable, *WORKER, *args], env=subprocess_env(devices), capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -72,7 +72,7 @@ def test_eight_fake_devices(single_device, tmp_path, expert, tensor):
 def _two_processes(folder: Path, inputs: Path, out: Path) -> dict:
     common = ["--folder", str(folder), "--inputs", str(inputs), "--out", str(out), "--expert=2", "--tensor=2",
               "--num-processes=2", f"--port={_free_port()}"]
-    procs = [subprocess.Popen([sys.executable, WORKER, *common, f"--process-id={i}"], env=subprocess_env(2),
+    procs = [subprocess.Popen([sys.executable, *WORKER, *common, f"--process-id={i}"], env=subprocess_env(2),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     try:
         outputs = [p.communicate(timeout=600) for p in procs]

@@ -1,0 +1,1 @@
+"""dsr1's tests: a package, so helpers (`tests.harness`, `tests.reference`) import like any module."""
