@@ -1,8 +1,10 @@
-"""Command line: `python -m dsr1 generate` streams a completion; `python -m dsr1 chat` is a multi-turn REPL.
+"""Command line: `generate` streams a completion, `chat` is a multi-turn REPL, `convert` writes
+dsr1's orbax format (or `--check`s a release checkpoint).
 
     python -m dsr1 generate --prompt "Why is the sky blue?" --chat --temperature 0.6
     python -m dsr1 generate --model /ckpt/DeepSeek-R1 --quant int8 --prompt "..."
     python -m dsr1 chat --model /ckpt/r1-int8
+    python -m dsr1 convert --hf /ckpt/DeepSeek-R1 --out /ckpt/r1-int8 --quant int8
 
 Without --model, a random-weight `tiny` model with R1's tokenizer runs (its text is noise).
 """
@@ -15,16 +17,8 @@ from typing import Any
 
 import jax
 
-
-def _model_args(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", metavar="PATH", help="HF release checkpoint folder or a converted one")
-    src.add_argument("--preset", default="tiny", help="random weights for a named config (default: tiny)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weight dtype")
-    p.add_argument("--quant", choices=["int8"], help="int8 matmul weights (per-output-channel scales)")
-    p.add_argument("--kv-cache-dtype", choices=["int8"], help="int8 latent cache (per-token scales)")
-    p.add_argument("--expert", type=int, help="expert-parallel mesh size (default: automatic)")
-    p.add_argument("--tensor", type=int, help="tensor-parallel mesh size (default: automatic)")
+from .options import add_model_options, model_from_options
+from .weights import convert
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -46,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="stream a completion for one or more prompts, then report speed",
                          description="Generate for the prompts (one batch) and stream the first row's text.")
-    _model_args(gen)
+    add_model_options(gen, default_preset="tiny")
     gen.add_argument("--prompt", action="append", metavar="TEXT",
                      help="prompt text (repeat for a batch; default: a short question)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in R1's chat template")
@@ -54,25 +48,20 @@ def _parser() -> argparse.ArgumentParser:
                      help="skip the warm-up run (then the speed figures include compilation)")
     _sampling_args(gen)
     chat = sub.add_parser("chat", help="interactive multi-turn chat (/reset clears, /exit or Ctrl-D quits)")
-    _model_args(chat)
+    add_model_options(chat, default_preset="tiny")
     chat.add_argument("--system", help="system prompt")
     _sampling_args(chat)
+    conv = sub.add_parser("convert", help="convert a HF release checkpoint to dsr1's orbax format, or --check one",
+                          description=convert.__doc__.split("\n\n")[0])
+    convert.add_arguments(conv)
     return ap
 
 
 def _load(args: argparse.Namespace):
-    import dsr1
     from dsr1.generation.tokenizer import load_tokenizer
 
-    mesh = dsr1.make_mesh(expert=args.expert, tensor=args.tensor)
-    if args.model:
-        model = dsr1.load(args.model, mesh=mesh, dtype=args.dtype, quant=args.quant, kv_cache_dtype=args.kv_cache_dtype)
-        print(f"model: {args.model} ({model.weight_bytes() / 2**30:.2f} GiB of weights)", file=sys.stderr)
-        return model, load_tokenizer(args.model)
-    model = dsr1.init_random(dsr1.Config.preset(args.preset), mesh=mesh, dtype=args.dtype, quant=args.quant,
-                             kv_cache_dtype=args.kv_cache_dtype)
-    print(f"model: preset {args.preset!r} with RANDOM weights (no checkpoint): the text is noise", file=sys.stderr)
-    return model, load_tokenizer()
+    model = model_from_options(args)
+    return model, load_tokenizer(args.model)
 
 
 def _sampling(args: argparse.Namespace):
@@ -142,7 +131,10 @@ def run_chat(args: argparse.Namespace, stdin=sys.stdin) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    ap = _parser()
+    args = ap.parse_args(argv)
+    if args.command == "convert":
+        return convert.run(ap, args)
     try:
         return run_generate(args) if args.command == "generate" else run_chat(args)
     except (ValueError, FileNotFoundError) as e:

@@ -1,7 +1,7 @@
-"""The public entry points: `load`, `init_random` and the `Model` facade over the jitted functions.
+"""The public entry points: `load`, `init_random` and the `Model` facade over the jitted programs.
 
-`Model` holds the config, the mesh and the sharded weights; its methods check their inputs on the
-host (clear errors instead of silent garbage) and call the pure functions of `dsr1.model`.
+`Model` holds the config, the mesh, the sharding rules and the sharded weights; its methods check
+their inputs on the host (clear errors instead of silent garbage) and call `dsr1.programs`.
 """
 
 from __future__ import annotations
@@ -15,19 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from .core import model as _model
+from . import programs
 from .core.cache import KVCache, check_kv_cache_dtype
-from .weights.loading import load_params
 from .core.config import Config
 from .core.params import Params, init_params
 from .core.quant import Int8Weight, check_quant
-from .core.sharding import make_mesh, replicated, to_host
+from .core.sharding import DEFAULT_RULES, ShardingRules, make_mesh, put_replicated, to_host
+from .weights.loading import load_params
 
 DEFAULT_DECODE_ROOM = 256
-
-_forward = jax.jit(_model.forward, static_argnames=("cfg", "mesh"))
-_prefill = jax.jit(_model.prefill, static_argnames=("cfg", "mesh", "max_len", "kv_cache_dtype"))
-_decode = jax.jit(_model.decode, static_argnames=("cfg", "mesh"), donate_argnames=("cache",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,15 +31,21 @@ class Model:
     """A DeepSeek-V3-architecture model placed on a mesh. Methods take numpy or jax int32 tokens.
 
     `kv_cache_dtype`: None keeps the decode cache in the model's dtype; "int8" stores the latent
-    `c_kv` as int8 with per-token scales."""
+    `c_kv` as int8 with per-token scales. `rules`: how logical axes map onto the mesh."""
 
     cfg: Config
     params: Params
     mesh: Mesh
     kv_cache_dtype: str | None = None
+    rules: ShardingRules = DEFAULT_RULES
 
     def __post_init__(self):
         check_kv_cache_dtype(self.kv_cache_dtype)
+
+    @property
+    def program_kwargs(self) -> dict[str, Any]:
+        """The static arguments every program of `dsr1.programs` is compiled for."""
+        return {"cfg": self.cfg, "mesh": self.mesh, "rules": self.rules}
 
     @property
     def dtype(self) -> jnp.dtype:
@@ -63,7 +65,7 @@ class Model:
         """Logits `[B, T, V]` (float32) for right-padded `tokens [B, T]`; rows are `lengths` long
         (default: all T). Logits past a row's length are zero."""
         tokens, lengths = self.check_prompt(tokens, lengths)
-        return _forward(self.params, tokens, lengths, cfg=self.cfg, mesh=self.mesh)
+        return programs.forward(self.params, tokens, lengths, **self.program_kwargs)
 
     def prefill(self, tokens: Any, lengths: Any = None, max_len: int | None = None) -> tuple[jax.Array, KVCache]:
         """Run the prompts; return logits `[B, V]` at each row's last token and a cache with room for
@@ -75,8 +77,8 @@ class Model:
         if not t <= max_len <= self.cfg.max_position_embeddings:
             raise ValueError(f"max_len={max_len} must be at least the prompt length {t} and at most "
                              f"max_position_embeddings={self.cfg.max_position_embeddings}")
-        return _prefill(self.params, tokens, lengths, cfg=self.cfg, mesh=self.mesh, max_len=max_len,
-                        kv_cache_dtype=self.kv_cache_dtype)
+        return programs.prefill(self.params, tokens, lengths, **self.program_kwargs, max_len=max_len,
+                                kv_cache_dtype=self.kv_cache_dtype)
 
     def decode(self, cache: KVCache, tokens: Any) -> tuple[jax.Array, KVCache]:
         """Feed one token per row (`tokens [B]`) at position `cache.lengths`; return logits `[B, V]` and
@@ -88,12 +90,11 @@ class Model:
         if longest >= cache.max_len:
             raise ValueError(f"cache is full: a row has length {longest} = max_len {cache.max_len}; "
                              f"prefill with a larger max_len")
-        return _decode(self.params, cache, self._put(tokens), cfg=self.cfg, mesh=self.mesh)
+        logits, cache, _ = programs.decode(self.params, cache, put_replicated(tokens, self.mesh),
+                                           **self.program_kwargs)
+        return logits, cache
 
     # ---- input checks --------------------------------------------------------------------------
-    def _put(self, x: np.ndarray) -> jax.Array:
-        return jax.device_put(x, replicated(self.mesh))
-
     def _check_tokens(self, tokens: np.ndarray, ndim: int) -> np.ndarray:
         if tokens.ndim != ndim or not np.issubdtype(tokens.dtype, np.integer):
             raise ValueError(f"tokens must be an integer array of rank {ndim}, got {tokens.dtype}{list(tokens.shape)}")
@@ -116,7 +117,7 @@ class Model:
             raise ValueError(f"lengths {lengths.tolist()} must be within [1, {t}] (the padded prompt length)")
         if t > self.cfg.max_position_embeddings:
             raise ValueError(f"prompt length {t} exceeds max_position_embeddings={self.cfg.max_position_embeddings}")
-        return self._put(tokens), self._put(lengths.astype(np.int32))
+        return put_replicated((tokens, lengths.astype(np.int32)), self.mesh)
 
 
 def _resolve(mesh: Mesh | None, dtype: Any) -> tuple[Mesh, jnp.dtype]:
@@ -124,17 +125,19 @@ def _resolve(mesh: Mesh | None, dtype: Any) -> tuple[Mesh, jnp.dtype]:
 
 
 def init_random(cfg: Config, *, seed: int = 0, mesh: Mesh | None = None, dtype: Any = "bfloat16",
-                quant: str | None = None, kv_cache_dtype: str | None = None) -> Model:
+                quant: str | None = None, kv_cache_dtype: str | None = None,
+                rules: ShardingRules = DEFAULT_RULES) -> Model:
     """A model with random weights (std 1/sqrt(fan_in)), created directly in their shardings.
     The values depend on `seed` only, not on the mesh. `quant="int8"` quantizes the matmul weights."""
     mesh, dtype = _resolve(mesh, dtype)
-    return Model(cfg, init_params(cfg, mesh, seed=seed, dtype=dtype, quant=quant), mesh, kv_cache_dtype)
+    return Model(cfg, init_params(cfg, mesh, rules, seed=seed, dtype=dtype, quant=quant), mesh, kv_cache_dtype, rules)
 
 
 def load(path: str | Path, *, mesh: Mesh | None = None, dtype: Any = "bfloat16", quant: str | None = None,
-         kv_cache_dtype: str | None = None, mtp: bool = False, progress: bool = True) -> Model:
+         kv_cache_dtype: str | None = None, mtp: bool = False, progress: bool = True,
+         rules: ShardingRules = DEFAULT_RULES) -> Model:
     """Load a checkpoint into `mesh`: a HF safetensors folder in the release layout (bf16, f32 or
-    FP8 block-scaled) or a folder written by `python -m dsr1.convert`.
+    FP8 block-scaled) or a folder written by `python -m dsr1 convert`.
 
     `quant="int8"` holds the matmul weights as int8 with per-output-channel scales (embeddings,
     norms, router and lm_head stay in `dtype`); a converted int8 checkpoint is int8 already.
@@ -142,5 +145,5 @@ def load(path: str | Path, *, mesh: Mesh | None = None, dtype: Any = "bfloat16",
     """
     mesh, dtype = _resolve(mesh, dtype)
     cfg = Config.from_hf(path)
-    params = load_params(path, cfg, mesh, dtype, quant=check_quant(quant), mtp=mtp, progress=progress)
-    return Model(cfg, params, mesh, kv_cache_dtype)
+    params = load_params(path, cfg, mesh, rules, dtype, quant=check_quant(quant), mtp=mtp, progress=progress)
+    return Model(cfg, params, mesh, kv_cache_dtype, rules)

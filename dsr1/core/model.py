@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from .attention import attend_decode, attend_prefill
 from .cache import KVCache, append_token, cache_from_prefill
@@ -20,29 +20,28 @@ from .config import Config
 from .layers import mlp, rms_norm
 from .moe import moe
 from .params import STACKS, Params, stack_layers
+from .sharding import ShardingRules, keep_replicated
+
+# Low-latency layout: activations are replicated (`keep_replicated`); only weights are split.
 
 
-def _replicate(x: jax.Array, mesh: Mesh) -> jax.Array:
-    """Low-latency layout: activations are replicated; only weights are split."""
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
-
-
-def _feed_forward(p: dict, x: jax.Array, cfg: Config, mesh: Mesh) -> tuple[jax.Array, jax.Array | None]:
+def _feed_forward(p: dict, x: jax.Array, cfg: Config, mesh: Mesh,
+                  rules: ShardingRules) -> tuple[jax.Array, jax.Array | None]:
     """The layer's MLP or MoE output (float32), and the routed expert ids (None for a dense layer)."""
     if "moe" in p:
         with jax.named_scope("moe"):
-            return moe(p["moe"], x, cfg, mesh)
+            return moe(p["moe"], x, cfg, mesh, rules)
     with jax.named_scope("mlp"):
         return mlp(p["mlp"], x).astype(jnp.float32), None
 
 
-def _block(p: dict, x: jax.Array, attend, cfg: Config, mesh: Mesh):
+def _block(p: dict, x: jax.Array, attend, cfg: Config, mesh: Mesh, rules: ShardingRules):
     """One pre-norm transformer layer; `attend(p, normed_x)` returns (out, new latents).
     Returns the new residual stream and (new latents, routed expert ids or None)."""
     h, new_kv = attend(p, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps))
-    x = _replicate(x + h.astype(jnp.float32), mesh)
-    ffn, experts = _feed_forward(p, rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), cfg, mesh)
-    return _replicate(x + ffn, mesh), (new_kv, experts)
+    x = keep_replicated(x + h.astype(jnp.float32), mesh)
+    ffn, experts = _feed_forward(p, rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), cfg, mesh, rules)
+    return keep_replicated(x + ffn, mesh), (new_kv, experts)
 
 
 def _embed(params: Params, tokens: jax.Array) -> jax.Array:
@@ -55,17 +54,17 @@ def _logits(params: Params, x: jax.Array, cfg: Config) -> jax.Array:
         return jnp.matmul(x, params["lm_head"], preferred_element_type=jnp.float32)
 
 
-def _prefill_hidden(params: Params, tokens: jax.Array, cfg: Config, mesh: Mesh):
+def _prefill_hidden(params: Params, tokens: jax.Array, cfg: Config, mesh: Mesh, rules: ShardingRules):
     """Final hidden states `[B, T, D]` and every layer's latents `([L, B, T, r], [L, B, T, rope])`."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    x = _replicate(_embed(params, tokens), mesh)
+    x = keep_replicated(_embed(params, tokens), mesh)
     latents = []
     for stack in STACKS:
         if stack not in params:
             continue
 
         def layer(x, p):
-            return _block(p, x, lambda p, h: attend_prefill(p, h, positions, cfg), cfg, mesh)
+            return _block(p, x, lambda p, h: attend_prefill(p, h, positions, cfg), cfg, mesh, rules)
 
         with jax.named_scope(stack):
             x, (kv, _) = jax.lax.scan(layer, x, params[stack])
@@ -75,30 +74,32 @@ def _prefill_hidden(params: Params, tokens: jax.Array, cfg: Config, mesh: Mesh):
     return x, (c_kv, k_pe)
 
 
-def forward(params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg: Config, mesh: Mesh) -> jax.Array:
+def forward(params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg: Config, mesh: Mesh,
+            rules: ShardingRules) -> jax.Array:
     """Logits `[B, T, V]` (float32) for right-padded `tokens [B, T]`; positions >= lengths are zero."""
-    x, _ = _prefill_hidden(params, tokens, cfg, mesh)
+    x, _ = _prefill_hidden(params, tokens, cfg, mesh, rules)
     logits = _logits(params, x, cfg)
     valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
-    return _replicate(jnp.where(valid[..., None], logits, 0.0), mesh)
+    return keep_replicated(jnp.where(valid[..., None], logits, 0.0), mesh)
 
 
 def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg: Config, mesh: Mesh,
-            max_len: int, kv_cache_dtype: str | None = None) -> tuple[jax.Array, KVCache]:
+            rules: ShardingRules, max_len: int, kv_cache_dtype: str | None = None) -> tuple[jax.Array, KVCache]:
     """Logits `[B, V]` at each row's last prompt token, and a cache of `max_len` positions."""
-    x, (c_kv, k_pe) = _prefill_hidden(params, tokens, cfg, mesh)
+    x, (c_kv, k_pe) = _prefill_hidden(params, tokens, cfg, mesh, rules)
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    logits = _replicate(_logits(params, last, cfg), mesh)
+    logits = keep_replicated(_logits(params, last, cfg), mesh)
     cache = cache_from_prefill(c_kv, k_pe, lengths, max_len, kv_cache_dtype)
-    return logits, jax.tree.map(lambda a: _replicate(a, mesh), cache)
+    return logits, jax.tree.map(lambda a: keep_replicated(a, mesh), cache)
 
 
-def decode_step(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config,
-                mesh: Mesh) -> tuple[jax.Array, KVCache, jax.Array | None]:
-    """`decode`, also returning the routed expert ids of every MoE layer `[L_moe, B, K]` (None
-    without MoE layers): what the step read, for benchmarks and profiles."""
+def decode(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config, mesh: Mesh,
+           rules: ShardingRules) -> tuple[jax.Array, KVCache, jax.Array | None]:
+    """Logits `[B, V]` for one new token per row at position `cache.lengths`, the grown cache, and
+    the routed expert ids of every MoE layer `[L_moe, B, K]` (None without MoE layers): what the
+    step read, for benchmarks and profiles (an unused output costs nothing under jit)."""
     positions = cache.lengths
-    x = _replicate(_embed(params, tokens), mesh)
+    x = keep_replicated(_embed(params, tokens), mesh)
     new_latents, routing = [], None
     for stack in STACKS:
         if stack not in params:
@@ -111,7 +112,7 @@ def decode_step(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Confi
             c_scale = None if cache.c_scale is None else cache.c_scale[i]
             attend = lambda p, h: attend_decode(p, h, positions, cache.c_kv[i], c_scale, cache.k_pe[i],
                                                 cache.lengths, cfg)
-            return _block(p, x, attend, cfg, mesh)
+            return _block(p, x, attend, cfg, mesh, rules)
 
         with jax.named_scope(stack):
             x, (kv, experts) = jax.lax.scan(layer, x, (params[stack], jnp.arange(layers.start, layers.stop)))
@@ -119,12 +120,6 @@ def decode_step(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Confi
         routing = experts if experts is not None else routing
     c_new = jnp.concatenate([c for c, _ in new_latents])
     pe_new = jnp.concatenate([k for _, k in new_latents])
-    logits = _replicate(_logits(params, x, cfg), mesh)
-    return logits, jax.tree.map(lambda a: _replicate(a, mesh), append_token(cache, c_new, pe_new)), routing
+    logits = keep_replicated(_logits(params, x, cfg), mesh)
+    return logits, jax.tree.map(lambda a: keep_replicated(a, mesh), append_token(cache, c_new, pe_new)), routing
 
-
-def decode(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config,
-           mesh: Mesh) -> tuple[jax.Array, KVCache]:
-    """Logits `[B, V]` for one new token per row at position `cache.lengths`, and the grown cache."""
-    logits, cache, _ = decode_step(params, cache, tokens, cfg=cfg, mesh=mesh)
-    return logits, cache

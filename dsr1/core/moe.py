@@ -14,6 +14,8 @@ hit experts (see `use_gather`).
 
 from __future__ import annotations
 
+import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +24,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from .config import Config
 from .layers import mlp
 from .quant import Int8Weight, ragged_dot
-from .sharding import LOGICAL_RULES, logical_spec, moe_reduce_axes
+from .sharding import ShardingRules
 
 
 def route(x: jax.Array, router: jax.Array, bias: jax.Array, cfg: Config) -> tuple[jax.Array, jax.Array]:
@@ -46,9 +48,9 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array, cfg: Config) -> tupl
     return weights * cfg.routed_scaling_factor, experts.astype(jnp.int32)
 
 
-def _local_pairs(experts: jax.Array, n_local: int) -> tuple[jax.Array, jax.Array]:
+def _local_pairs(experts: jax.Array, n_local: int, rules: ShardingRules) -> tuple[jax.Array, jax.Array]:
     """Each token-expert pair's index among this device's experts, and whether it is local."""
-    first = jax.lax.axis_index(LOGICAL_RULES["experts"]) * n_local if LOGICAL_RULES["experts"] else 0
+    first = jax.lax.axis_index(rules.experts) * n_local if rules.experts else 0
     local = experts.reshape(-1) - first
     return local, (local >= 0) & (local < n_local)
 
@@ -64,9 +66,9 @@ def _per_pair(x: jax.Array, w: Any) -> jax.Array:
     return jnp.einsum("pi,pio->po", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
 
 
-def _gather_experts(x, weights, experts, gate, up, down):
+def _gather_experts(x, weights, experts, gate, up, down, rules: ShardingRules):
     """Few pairs: gather just the hit experts' weights, one copy per token-expert pair."""
-    local, is_local = _local_pairs(experts, gate.shape[0])
+    local, is_local = _local_pairs(experts, gate.shape[0], rules)
     index = jnp.clip(local, 0, gate.shape[0] - 1)
     token = jnp.arange(local.shape[0]) // experts.shape[1]
     xs = x[token]
@@ -76,10 +78,10 @@ def _gather_experts(x, weights, experts, gate, up, down):
     return jnp.zeros((x.shape[0], y.shape[-1]), jnp.float32).at[token].add(y * w[:, None])
 
 
-def _ragged_experts(x, weights, experts, gate, up, down):
+def _ragged_experts(x, weights, experts, gate, up, down, rules: ShardingRules):
     """Many pairs: sort them by expert and run grouped matmuls (`ragged_dot`)."""
     n_local = gate.shape[0]
-    local, is_local = _local_pairs(experts, n_local)
+    local, is_local = _local_pairs(experts, n_local, rules)
     local = jnp.where(is_local, local, n_local)  # other devices' pairs sort last and are dropped
     order = jnp.argsort(local)
     token, expert = order // experts.shape[1], local[order]
@@ -101,37 +103,38 @@ def use_gather(n_pairs: int, n_local: int) -> bool:
     return jax.default_backend() == "cpu" and n_pairs <= n_local
 
 
-def _local_experts(x, weights, experts, gate, up, down):
+def _local_experts(x, weights, experts, gate, up, down, *, rules: ShardingRules):
     """Per-device body: this device's experts (and ffw slice) applied to every token routed to them."""
     body = _gather_experts if use_gather(experts.size, gate.shape[0]) else _ragged_experts
-    return jax.lax.psum(body(x, weights, experts, gate, up, down), moe_reduce_axes())
+    return jax.lax.psum(body(x, weights, experts, gate, up, down, rules), rules.moe_reduce_axes())
 
 
-def _partition_spec(w: Any, axes: tuple[str, ...]) -> Any:
+def _partition_spec(w: Any, axes: tuple[str, ...], rules: ShardingRules) -> Any:
     """The shard_map spec of an expert weight (and of its int8 scales, which drop the input axis)."""
     if not isinstance(w, Int8Weight):
-        return logical_spec(axes)
+        return rules.spec(axes)
     scale_axes = tuple(a for i, a in enumerate(axes) if i not in w.input_axes)
-    return Int8Weight(logical_spec(axes), logical_spec(scale_axes), w.input_axes)
+    return Int8Weight(rules.spec(axes), rules.spec(scale_axes), w.input_axes)
 
 
-def routed_experts(p: dict, x: jax.Array, weights: jax.Array, experts: jax.Array, mesh: Mesh) -> jax.Array:
+def routed_experts(p: dict, x: jax.Array, weights: jax.Array, experts: jax.Array, mesh: Mesh,
+                   rules: ShardingRules) -> jax.Array:
     """Dropless routed-expert output `[N, D]` (float32), experts split over the expert mesh axis."""
     with jax.named_scope("routed_experts"):
-        w_in = _partition_spec(p["gate"], ("experts", "embed", "expert_ffw"))
-        w_out = _partition_spec(p["down"], ("experts", "expert_ffw", "embed"))
-        body = jax.shard_map(_local_experts, mesh=mesh, in_specs=(P(), P(), P(), w_in, w_in, w_out),
-                             out_specs=P())
+        w_in = _partition_spec(p["gate"], ("experts", "embed", "expert_ffw"), rules)
+        w_out = _partition_spec(p["down"], ("experts", "expert_ffw", "embed"), rules)
+        body = jax.shard_map(functools.partial(_local_experts, rules=rules), mesh=mesh,
+                             in_specs=(P(), P(), P(), w_in, w_in, w_out), out_specs=P())
         return body(x, weights, experts, p["gate"], p["up"], p["down"])
 
 
-def moe(p: dict, x: jax.Array, cfg: Config, mesh: Mesh) -> tuple[jax.Array, jax.Array]:
+def moe(p: dict, x: jax.Array, cfg: Config, mesh: Mesh, rules: ShardingRules) -> tuple[jax.Array, jax.Array]:
     """The DeepSeekMoE block on `x [..., D]`: routed plus shared experts, and the routed expert ids
     `[N, K]` (for accounting what a step reads; unused outputs cost nothing under jit)."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     weights, experts = route(x, p["router"], p["router_bias"], cfg)
-    out = routed_experts(p, x, weights, experts, mesh)
+    out = routed_experts(p, x, weights, experts, mesh, rules)
     if "shared" in p:
         with jax.named_scope("shared_experts"):
             out = out + mlp(p["shared"], x).astype(jnp.float32)

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 
 from .config import Config
 from .quant import Int8Weight, check_quant, quantize
-from .sharding import LogicalAxes, check_divisible, logical_sharding
+from .sharding import LogicalAxes, ShardingRules
 
 Params = dict[str, Any]  # nested dicts of jax.Array / Int8Weight, same structure as param_specs()
 STACKS = ("dense_layers", "moe_layers")  # the first_k_dense_replace dense layers, then the MoE layers
@@ -153,6 +153,27 @@ def per_layer(specs: Any) -> Any:
     return jax.tree.map(lambda s: dataclasses.replace(s, shape=s.shape[1:], axes=s.axes[1:]), specs, is_leaf=is_spec)
 
 
+def global_specs(specs: dict[str, Any]) -> dict[str, Any]:
+    """The weights outside the layer stacks (embeddings, final norm, lm_head): one loading unit."""
+    return {k: v for k, v in specs.items() if k not in stack_names(specs)}
+
+
+def stack_names(specs: dict[str, Any]) -> list[str]:
+    """The layer stacks a declaration tree holds, in model order (dense, MoE, then MTP)."""
+    return [k for k in (*STACKS, "mtp") if k in specs]
+
+
+def unit_specs(specs: dict[str, Any], unit: str) -> Any:
+    """The declarations of one loading unit: "globals", or one layer of a stack."""
+    return global_specs(specs) if unit == "globals" else per_layer(specs[unit])
+
+
+def loading_units(cfg: Config, specs: dict[str, Any]) -> list[tuple[str, int | None]]:
+    """The units weights are read, converted and written in: the globals, then every layer of every
+    stack, by release layer number."""
+    return [("globals", None)] + [(s, layer) for s in stack_names(specs) for layer in stack_layers(cfg, s)]
+
+
 def stack_layers(cfg: Config, stack: str) -> range:
     """The release's layer numbers (`model.layers.N`) held by a stack."""
     if stack == "mtp":
@@ -168,22 +189,18 @@ def resolved_dtype(spec: ArrayInfo, dtype: Any) -> jnp.dtype:
     return jnp.dtype(spec.dtype if spec.dtype is not None else dtype)
 
 
-def spec_shardings(mesh: Mesh, specs: Any) -> Any:
+def spec_shardings(specs: Any, mesh: Mesh, rules: ShardingRules) -> Any:
     """NamedSharding of every declared weight, checking that each sharded dimension splits evenly."""
     def one(path, spec: ArrayInfo):
-        check_divisible(mesh, spec.shape, spec.axes, jax.tree_util.keystr(path))
-        return logical_sharding(mesh, spec.axes)
+        rules.check_divisible(mesh, spec.shape, spec.axes, jax.tree_util.keystr(path))
+        return rules.sharding(mesh, spec.axes)
     return jax.tree_util.tree_map_with_path(one, specs, is_leaf=is_spec)
 
 
-def shardings(cfg: Config, mesh: Mesh, quant: str | None = None, *, mtp: bool = False) -> dict[str, Any]:
-    return spec_shardings(mesh, param_specs(cfg, quant, mtp=mtp))
-
-
-def abstract_params(specs: Any, mesh: Mesh, dtype: Any) -> Any:
+def abstract_params(specs: Any, mesh: Mesh, rules: ShardingRules, dtype: Any) -> Any:
     """ShapeDtypeStructs with shardings: what a loader must produce."""
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, resolved_dtype(s, dtype), sharding=sh),
-                        specs, spec_shardings(mesh, specs), is_leaf=is_spec)
+                        specs, spec_shardings(specs, mesh, rules), is_leaf=is_spec)
 
 
 def quantize_like(specs: Any, weights: Any) -> Any:
@@ -210,14 +227,18 @@ def _init_leaf(path, spec: ArrayInfo, key: jax.Array, dtype: Any) -> jax.Array:
     return (std * jax.random.normal(key, spec.shape, jnp.float32)).astype(dt)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "dtype", "quant"))
-def _random_params(key: jax.Array, *, cfg: Config, mesh: Mesh, dtype: jnp.dtype, quant: str | None) -> Params:
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "rules", "dtype", "quant"))
+def _random_params(key: jax.Array, *, cfg: Config, mesh: Mesh, rules: ShardingRules, dtype: jnp.dtype,
+                   quant: str | None) -> Params:
     params = jax.tree_util.tree_map_with_path(lambda p, s: _init_leaf(p, s, key, dtype), float_specs(cfg),
                                               is_leaf=is_spec)
-    params = quantize_like(param_specs(cfg, quant), params)
-    return jax.tree.map(jax.lax.with_sharding_constraint, params, shardings(cfg, mesh, quant))
+    specs = param_specs(cfg, quant)
+    params = quantize_like(specs, params)
+    return jax.tree.map(jax.lax.with_sharding_constraint, params, spec_shardings(specs, mesh, rules))
 
 
-def init_params(cfg: Config, mesh: Mesh, *, seed: int, dtype: Any, quant: str | None = None) -> Params:
+def init_params(cfg: Config, mesh: Mesh, rules: ShardingRules, *, seed: int, dtype: Any,
+                quant: str | None = None) -> Params:
     """Random weights created directly in their shardings (one jitted program, no host copy)."""
-    return _random_params(jax.random.key(seed), cfg=cfg, mesh=mesh, dtype=jnp.dtype(dtype), quant=check_quant(quant))
+    return _random_params(jax.random.key(seed), cfg=cfg, mesh=mesh, rules=rules, dtype=jnp.dtype(dtype),
+                          quant=check_quant(quant))

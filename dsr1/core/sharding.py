@@ -1,42 +1,88 @@
 """The device mesh and the logical-axis rules: the only module that names mesh axes.
 
-Every weight and activation elsewhere speaks *logical* axes ("heads", "experts", ...); the table
-below maps each to a mesh axis (or to None: replicated). Low-latency decode layout: activations
-replicated, attention heads and ffw split over `tensor`, routed experts over `expert`.
+Every weight and activation elsewhere speaks *logical* axes ("heads", "experts", ...);
+`ShardingRules` maps each to a mesh axis (or to None: replicated). The rules are a value, passed
+to whatever places arrays (`Model.rules`, `init_random(..., rules=)`); `DEFAULT_RULES` is the
+low-latency decode layout: activations replicated, attention heads and ffw split over `tensor`,
+routed experts over `expert` (and their ffw over `tensor`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 EXPERT = "expert"
 TENSOR = "tensor"
 MESH_AXES = (EXPERT, TENSOR)
 
-LOGICAL_RULES: dict[str, str | None] = {
-    "layers": None,
-    "vocab": TENSOR,
-    "embed": None,
-    "q_lora": None,
-    "kv_lora": None,
-    "heads": TENSOR,
-    "head_dim": None,
-    "ffw": TENSOR,
-    "experts": EXPERT,
-    "expert_ffw": TENSOR,
-}
-
 LogicalAxes = tuple[str | None, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+    """Which mesh axis (or None: replicated) each logical axis is split over."""
+
+    layers: str | None = None
+    vocab: str | None = TENSOR
+    embed: str | None = None
+    q_lora: str | None = None
+    kv_lora: str | None = None
+    heads: str | None = TENSOR
+    head_dim: str | None = None
+    ffw: str | None = TENSOR
+    experts: str | None = EXPERT
+    expert_ffw: str | None = TENSOR
+
+    def mesh_axis(self, logical: str | None) -> str | None:
+        """The mesh axis of one logical axis; a name with no rule is an error, not "replicated"."""
+        if logical is None:
+            return None
+        if logical not in {f.name for f in dataclasses.fields(self)}:
+            raise ValueError(f"no sharding rule for logical axis {logical!r}")
+        return getattr(self, logical)
+
+    def spec(self, axes: LogicalAxes) -> P:
+        """The PartitionSpec of an array whose dimensions carry these logical axes. Two dimensions
+        mapped to one mesh axis would be split twice over the same devices: that is an error."""
+        mesh_axes = [self.mesh_axis(a) for a in axes]
+        used = [m for m in mesh_axes if m is not None]
+        if len(used) != len(set(used)):
+            clash = next(m for m in used if used.count(m) > 1)
+            raise ValueError(f"logical axes {axes} map {[a for a, m in zip(axes, mesh_axes) if m == clash]} "
+                             f"to the same mesh axis {clash!r}")
+        return P(*mesh_axes)
+
+    def sharding(self, mesh: Mesh, axes: LogicalAxes) -> NamedSharding:
+        return NamedSharding(mesh, self.spec(axes))
+
+    def moe_reduce_axes(self) -> tuple[str, ...]:
+        """Mesh axes over which the routed-expert block's partial outputs are summed."""
+        return tuple(a for a in (self.experts, self.expert_ffw) if a is not None)
+
+    def check_divisible(self, mesh: Mesh, shape: Sequence[int], axes: LogicalAxes, name: str) -> None:
+        """Fail early, naming the weight, when a dimension does not split evenly over its mesh axis."""
+        for size, axis in zip(shape, axes):
+            mesh_axis = self.mesh_axis(axis)
+            if mesh_axis is not None and size % mesh.shape[mesh_axis]:
+                raise ValueError(
+                    f"{name}: dimension {axis!r} of size {size} does not split over mesh axis "
+                    f"{mesh_axis!r} of size {mesh.shape[mesh_axis]}; choose another make_mesh(expert=, tensor=)")
+
+
+DEFAULT_RULES = ShardingRules()
 
 
 def make_mesh(expert: int | None = None, tensor: int | None = None,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A 2-D (expert, tensor) mesh over `devices` (default: every device of every process).
+    """A 2-D (expert, tensor) mesh over `devices` (default: every device of every process), laid
+    out by `jax.make_mesh`, which knows the TPU/GPU topology.
 
     With no sizes given, `tensor` is the largest divisor of the device count not above its square
     root and `expert` takes the rest (8 devices -> 4 x 2). Give one size and the other is inferred.
@@ -52,37 +98,31 @@ def make_mesh(expert: int | None = None, tensor: int | None = None,
     tensor = n // expert if tensor is None else tensor
     if expert * tensor != n:
         raise ValueError(f"mesh expert={expert} x tensor={tensor} does not match the {n} devices")
-    grid = np.array(devices, dtype=object).reshape(expert, tensor)
-    return Mesh(grid, MESH_AXES)
+    # Auto axes: shardings come from the logical rules and `with_sharding_constraint`, as XLA's
+    # partitioner expects; explicit-sharding types would change how every jnp op is typed.
+    return jax.make_mesh((expert, tensor), MESH_AXES, (AxisType.Auto, AxisType.Auto), devices=devices)
 
 
-def logical_spec(axes: LogicalAxes) -> P:
-    """The PartitionSpec of an array whose dimensions carry these logical axis names."""
-    return P(*(None if a is None else LOGICAL_RULES[a] for a in axes))
-
-
-def logical_sharding(mesh: Mesh, axes: LogicalAxes) -> NamedSharding:
-    return NamedSharding(mesh, logical_spec(axes))
-
-
-def replicated(mesh: Mesh) -> NamedSharding:
+def replicated_sharding(mesh: Mesh) -> NamedSharding:
+    """Every device holds the whole array."""
     return NamedSharding(mesh, P())
 
 
-def moe_reduce_axes() -> tuple[str, ...]:
-    """Mesh axes over which the routed-expert block's partial outputs are summed."""
-    return tuple(a for a in (LOGICAL_RULES["experts"], LOGICAL_RULES["expert_ffw"]) if a is not None)
+def keep_replicated(x: jax.Array, mesh: Mesh) -> jax.Array:
+    """Inside jit: constrain an activation to the low-latency layout (whole on every device)."""
+    return jax.lax.with_sharding_constraint(x, replicated_sharding(mesh))
 
 
-def check_divisible(mesh: Mesh, shape: Sequence[int], axes: LogicalAxes, name: str) -> None:
-    """Fail early, naming the weight, when a dimension does not split evenly over its mesh axis."""
-    for size, axis in zip(shape, axes):
-        mesh_axis = None if axis is None else LOGICAL_RULES[axis]
-        if mesh_axis is not None and size % mesh.shape[mesh_axis]:
-            raise ValueError(
-                f"{name}: dimension {axis!r} of size {size} does not split over mesh axis "
-                f"{mesh_axis!r} of size {mesh.shape[mesh_axis]}; choose another make_mesh(expert=, tensor=)"
-            )
+def put_replicated(tree: Any, mesh: Mesh) -> Any:
+    """Host values (numpy, Python numbers, single-device arrays, PRNG keys) as arrays replicated over
+    the mesh. Across processes `device_put` takes host data only, so arrays go through numpy and
+    PRNG keys through their key data."""
+    def put(x: Any) -> jax.Array:
+        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            data = jax.device_put(np.asarray(jax.random.key_data(x)), replicated_sharding(mesh))
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+        return jax.device_put(np.asarray(x), replicated_sharding(mesh))
+    return jax.tree.map(put, tree)
 
 
 def to_host(x: jax.Array) -> np.ndarray:

@@ -1,8 +1,9 @@
 """Text generation: prefill the batch, then decode on device in chunks of steps.
 
-One `jax.lax.while_loop` runs up to `chunk_size` decode steps without returning to the host:
-decode, sample (per-row settings, `dsr1.sampling`), record, stop rows that hit a stop token or
-their token budget, and leave early when every row is done. Between chunks the host detokenizes
+One `jax.lax.while_loop` (`dsr1.programs.generate_chunk`) runs up to `chunk_size` decode steps
+without returning to the host: decode, sample (per-row settings, `dsr1.generation.sampling`),
+record, stop rows that hit a stop token or their token budget, and leave early when every row is
+done. Between chunks the host detokenizes
 the new tokens, streams text, and looks for stop strings; a row that hits one is cut exactly
 there and marked done on the device. R1's reasoning (`<think>...</think>`) is separated from the
 answer in each completion.
@@ -11,21 +12,16 @@ answer in each completion.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from ..core import model as _model
+from .. import programs
 from ..api import Model
-from ..core.cache import KVCache
-from .sampling import Sampling, SamplingArrays, batch_sampling, find_stop_string, init_counts, is_stop_token, \
-    sample, update_counts
-from ..core.sharding import replicated, to_host
+from ..core.sharding import put_replicated, to_host
+from .sampling import Sampling, batch_sampling, find_stop_string
 from .tokenizer import THINK_END, THINK_START, StreamDecoder, Tokenizer, load_tokenizer
 
 STOP_WIDTH = 8  # stop-token columns: fixed, so requests with more or fewer stop ids share one program
@@ -65,73 +61,6 @@ class GenerationResult:
         if self.steady_decode_tokens:
             return self.steady_decode_tokens / max(self.steady_decode_seconds, 1e-9)
         return self.decode_tokens / max(self.decode_seconds, 1e-9)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class _State:
-    """What the decode loop carries: the cache, each row's last token and progress, penalty counts."""
-
-    cache: KVCache
-    last: jax.Array  # [B] the token to feed next
-    done: jax.Array  # [B] bool
-    generated: jax.Array  # [B] tokens produced so far (the sampling step index)
-    prompt_seen: jax.Array  # [B, V] bool
-    counts: jax.Array  # [B, V] int32 output token counts
-
-
-def _advance(state: _State, logits: jax.Array, sampling: SamplingArrays, cache: KVCache) -> tuple[_State, jax.Array]:
-    """Sample each active row's next token from `logits` and update the row's progress."""
-    active = ~state.done
-    token = sample(logits, sampling, state.prompt_seen, state.counts, state.generated)
-    generated = state.generated + active
-    done = state.done | (active & (is_stop_token(token, sampling) | (generated >= sampling.max_new_tokens)))
-    recorded = jnp.where(active, token, -1)
-    new = _State(cache, jnp.where(active, token, state.last), done, generated, state.prompt_seen,
-                 update_counts(state.counts, token, active))
-    return new, recorded
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "max_len", "kv_cache_dtype"))
-def _start(params, tokens, lengths, sampling: SamplingArrays, *, cfg, mesh, max_len, kv_cache_dtype):
-    """Prefill and sample the first token of every row."""
-    logits, cache = _model.prefill(params, tokens, lengths, cfg=cfg, mesh=mesh, max_len=max_len,
-                                   kv_cache_dtype=kv_cache_dtype)
-    prompt_seen, counts = init_counts(tokens, lengths, cfg.vocab_size)
-    b = tokens.shape[0]
-    state = _State(cache, jnp.zeros(b, jnp.int32), jnp.zeros(b, bool), jnp.zeros(b, jnp.int32), prompt_seen, counts)
-    return _advance(state, logits, sampling, cache)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "steps"), donate_argnames=("state",))
-def _decode_chunk(params, state: _State, sampling: SamplingArrays, *, cfg, mesh, steps: int):
-    """Up to `steps` decode steps on device; stops early when every row is done. Returns the new state
-    and the tokens recorded `[B, steps]` (-1 where a row was done or the loop ended)."""
-    out = jnp.full((state.last.shape[0], steps), -1, jnp.int32)
-
-    def step(carry):
-        i, state, out = carry
-        logits, cache = _model.decode(params, state.cache, state.last, cfg=cfg, mesh=mesh)
-        state, token = _advance(state, logits, sampling, cache)
-        return i + 1, state, out.at[:, i].set(token)
-
-    def running(carry):
-        i, state, _ = carry
-        return (i < steps) & ~jnp.all(state.done)
-
-    _, state, out = jax.lax.while_loop(running, step, (0, state, out))
-    return state, out
-
-
-def _replicated(tree: Any, mesh) -> Any:
-    """Host values (or single-device arrays) as arrays replicated over the mesh. Across processes
-    `device_put` takes host data only, so arrays go through numpy and PRNG keys through their data."""
-    def put(x):
-        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-            data = jax.device_put(np.asarray(jax.random.key_data(x)), replicated(mesh))
-            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
-        return jax.device_put(np.asarray(x), replicated(mesh))
-    return jax.tree.map(put, tree)
 
 
 def _prompt_tokens(prompt: Prompt, tokenizer: Tokenizer | None, chat: bool) -> list[int]:
@@ -248,13 +177,13 @@ def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | N
         raise ValueError(f"prompt ({tokens.shape[1]}) + max_new_tokens ({budget}) exceeds max_position_embeddings="
                          f"{model.cfg.max_position_embeddings}")
     tokens, lengths = model.check_prompt(tokens, lengths)
-    arrays = _replicated(batch_sampling(settings, stop_width=STOP_WIDTH), model.mesh)
+    arrays = put_replicated(batch_sampling(settings, stop_width=STOP_WIDTH), model.mesh)
     rows = [_Row(tokenizer, s) for s in settings]
     thinking = [bool(tokenizer) and p[-2:] == tokenizer.encode(THINK_START + "\n") for p in encoded]
 
     start = time.perf_counter()
-    state, first = _start(model.params, tokens, lengths, arrays, cfg=model.cfg, mesh=model.mesh, max_len=max_len,
-                          kv_cache_dtype=model.kv_cache_dtype)
+    state, first = programs.generate_start(model.params, tokens, lengths, arrays, **model.program_kwargs,
+                                           max_len=max_len, kv_cache_dtype=model.kv_cache_dtype)
     chunk = to_host(first)[:, None]
     prefill_seconds = time.perf_counter() - start
     chunks, steady_start, steady_from = 0, time.perf_counter(), 0
@@ -262,10 +191,10 @@ def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | N
         _consume(rows, chunk, stream, final=False)
         stopped = np.array([r.stopped_by_string for r in rows])
         if stopped.any():
-            state = dataclasses.replace(state, done=state.done | jax.device_put(stopped, replicated(model.mesh)))
+            state = dataclasses.replace(state, done=state.done | put_replicated(stopped, model.mesh))
         if to_host(state.done).all():
             break
-        state, out = _decode_chunk(model.params, state, arrays, cfg=model.cfg, mesh=model.mesh, steps=chunk_size)
+        state, out = programs.generate_chunk(model.params, state, arrays, **model.program_kwargs, steps=chunk_size)
         chunk = to_host(out)
         chunks += 1
         if chunks == 1:

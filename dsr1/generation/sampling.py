@@ -228,23 +228,23 @@ def update_counts(output_counts: jax.Array, tokens: jax.Array, active: jax.Array
     return output_counts.at[rows, tokens].add(increment)
 
 
-def is_stop_token(tokens: jax.Array, params: SamplingArrays) -> jax.Array:
+def is_stop_token(tokens: jax.Array, sampling: SamplingArrays) -> jax.Array:
     """[B] bool: the token is one of the row's stop ids (the -1 padding never matches)."""
-    return jnp.any(tokens[:, None] == params.stop_tokens, axis=-1)
+    return jnp.any(tokens[:, None] == sampling.stop_tokens, axis=-1)
 
 
 def apply_penalties(
-    logits: jax.Array, params: SamplingArrays, prompt_seen: jax.Array, output_counts: jax.Array
+    logits: jax.Array, sampling: SamplingArrays, prompt_seen: jax.Array, output_counts: jax.Array
 ) -> jax.Array:
     """Repetition (prompt or output), then presence and frequency (output only) penalties, float32 [B, V]."""
     logits = logits.astype(jnp.float32)
-    rep = params.repetition_penalty[:, None]
+    rep = sampling.repetition_penalty[:, None]
     seen = prompt_seen | (output_counts > 0)
     # CTRL/HF: dividing a positive logit and multiplying a negative one both make it less likely.
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     counts = output_counts.astype(jnp.float32)
-    logits -= params.frequency_penalty[:, None] * counts
-    logits -= params.presence_penalty[:, None] * (counts > 0)
+    logits -= sampling.frequency_penalty[:, None] * counts
+    logits -= sampling.presence_penalty[:, None] * (counts > 0)
     return logits
 
 
@@ -273,32 +273,32 @@ def _top_k_top_p_threshold(logits: jax.Array, top_k: jax.Array, top_p: jax.Array
     return jnp.take_along_axis(ordered, last_kept, axis=-1)
 
 
-def apply_filters(logits: jax.Array, params: SamplingArrays) -> jax.Array:
+def apply_filters(logits: jax.Array, sampling: SamplingArrays) -> jax.Array:
     """Temperature, top-k, top-p and min-p: float32 [B, V] scaled logits with removed tokens at -inf.
 
     The row's maximum is always kept, so at least one token stays finite for a finite row.
     Values for greedy rows (temperature 0) are meaningless; `sample` ignores them.
     """
-    scaled = _scale(logits, params.temperature)
-    needs_sort = jnp.any((params.top_k > 0) | (params.top_p < 1.0))
+    scaled = _scale(logits, sampling.temperature)
+    needs_sort = jnp.any((sampling.top_k > 0) | (sampling.top_p < 1.0))
     # The full sort of a 129k vocabulary is the expensive part: skip it when no row filters.
     threshold = jax.lax.cond(
         needs_sort,
         _top_k_top_p_threshold,
         lambda x, k, p: jnp.full((x.shape[0], 1), -jnp.inf, x.dtype),
         scaled,
-        params.top_k,
-        params.top_p,
+        sampling.top_k,
+        sampling.top_p,
     )
     # min-p: prob >= min_p * max_prob  <=>  logit >= max_logit + log(min_p); after top-k/top-p
     # the maximum survives, so renormalizing does not change this ratio. Here max_logit is 0.
-    min_p_threshold = jnp.log(params.min_p)[:, None]  # log(0) = -inf keeps everything
+    min_p_threshold = jnp.log(sampling.min_p)[:, None]  # log(0) = -inf keeps everything
     keep = (scaled >= threshold) & (scaled >= min_p_threshold)
     return jnp.where(keep, scaled, -jnp.inf)
 
 
 def sample(
-    logits: jax.Array, params: SamplingArrays, prompt_seen: jax.Array, output_counts: jax.Array, step: jax.Array
+    logits: jax.Array, sampling: SamplingArrays, prompt_seen: jax.Array, output_counts: jax.Array, step: jax.Array
 ) -> jax.Array:
     """Next token per row, int32 [B].
 
@@ -309,14 +309,14 @@ def sample(
     `step` is a scalar or a [B] array (rows at different steps); it must differ between the
     draws of one row, e.g. the number of tokens generated so far.
     """
-    penalized = apply_penalties(logits, params, prompt_seen, output_counts)
+    penalized = apply_penalties(logits, sampling, prompt_seen, output_counts)
     greedy_tokens = jnp.argmax(penalized, axis=-1).astype(jnp.int32)
-    filtered = apply_filters(penalized, params)
-    steps = jnp.broadcast_to(jnp.asarray(step, jnp.uint32), params.keys.shape)
-    step_keys = jax.vmap(jax.random.fold_in)(params.keys, steps)
+    filtered = apply_filters(penalized, sampling)
+    steps = jnp.broadcast_to(jnp.asarray(step, jnp.uint32), sampling.keys.shape)
+    step_keys = jax.vmap(jax.random.fold_in)(sampling.keys, steps)
     # One draw per row from that row's own key: rows never share random bits.
     drawn = jax.vmap(jax.random.categorical)(step_keys, filtered).astype(jnp.int32)
-    return jnp.where(params.temperature > 0, drawn, greedy_tokens)
+    return jnp.where(sampling.temperature > 0, drawn, greedy_tokens)
 
 
 def find_stop_string(text: str, stop_strings: Sequence[str], start: int = 0) -> int | None:

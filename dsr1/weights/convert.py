@@ -1,7 +1,8 @@
-"""`python -m dsr1.convert`: a HF release checkpoint to dsr1's orbax format, or `--check` one.
+"""`python -m dsr1 convert`: a HF release checkpoint to dsr1's orbax format, or `--check` one.
 
-    python -m dsr1.convert --hf DeepSeek-R1/ --out r1-int8/ --quant int8
-    python -m dsr1.convert --check --hf DeepSeek-R1/model.safetensors.index.json
+    python -m dsr1 convert --hf DeepSeek-R1/ --out r1-int8/ --quant int8
+    python -m dsr1 convert --hf DeepSeek-R1/ --out r1-bf16/                # no quantization, bfloat16
+    python -m dsr1 convert --check --hf DeepSeek-R1/model.safetensors.index.json
 
 Conversion streams one unit at a time (the global weights, then each layer, then the MTP module),
 and within a layer one expert at a time, so peak host memory follows the largest layer, not the
@@ -26,11 +27,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
+from ..core.config import Config
+from ..core.params import ArrayInfo, is_spec, loading_units, param_specs, resolved_dtype, unit_specs
+from ..core.quant import Int8Weight, check_quant, quantize
 from . import store
 from .release import CheckpointIndex, check_tensors, read_region, unit_sources, validate
-from ..core.config import Config
-from ..core.params import ArrayInfo, is_spec, param_specs, per_layer, resolved_dtype, stack_layers
-from ..core.quant import Int8Weight, check_quant, quantize
 from .safetensors_io import CheckpointError
 
 SETTINGS = "convert.json"  # in OUT.partial: the arguments a resumed run must share
@@ -67,11 +68,7 @@ def _host_weight(index: CheckpointIndex, spec: ArrayInfo, target: Any, src, laye
 
 def _unit_tree(index: CheckpointIndex, cfg: Config, unit: str, layer: int | None, quant: str | None,
                dtype: Any) -> Any:
-    target = param_specs(cfg, quant, mtp=True)
-    if unit == "globals":
-        target = {k: v for k, v in target.items() if is_spec(v)}
-    else:
-        target = per_layer(target[unit])
+    target = unit_specs(param_specs(cfg, quant, mtp=True), unit)
     targets = jax.tree.leaves(target, is_leaf=_is_weight)
     weights = [_host_weight(index, spec, t, src, 0 if layer is None else layer, dtype)
                for (spec, src), t in zip(unit_sources(cfg, unit, mtp=True), targets)]
@@ -84,11 +81,6 @@ def _unit_tensors(index: CheckpointIndex, cfg: Config, unit: str, layer: int | N
         experts = range(cfg.n_routed_experts) if src.per_expert else range(1)
         names += [src.name.format(layer=layer, expert=e) for e in experts]
     return names + [n + "_scale_inv" for n in names if n + "_scale_inv" in index.tensors]
-
-
-def _units(cfg: Config, mtp: bool) -> list[tuple[str, int | None]]:
-    stacks = [k for k, v in param_specs(cfg, mtp=mtp).items() if not is_spec(v)]
-    return [("globals", None)] + [(s, layer) for s in stacks for layer in stack_layers(cfg, s)]
 
 
 def _release_memory() -> None:
@@ -128,7 +120,9 @@ def _replace(out: Path, partial: Path) -> None:
 
 def convert(hf: str | Path, out: str | Path, *, quant: str | None = None, dtype: str = "bfloat16",
             mtp: bool = True, progress: bool = True) -> Path:
-    """Convert the HF checkpoint folder `hf` to `out` (orbax, our layout, `quant` or `dtype` weights)."""
+    """Convert the HF checkpoint folder `hf` to `out` (orbax, our layout). `quant="int8"` stores the
+    matmul weights as int8 with per-output-channel scales; every other weight (all of them with
+    `quant=None`) is stored in `dtype`."""
     hf, out = Path(hf), Path(out)
     quant = check_quant(quant)
     cfg = Config.from_hf(hf)
@@ -141,7 +135,7 @@ def convert(hf: str | Path, out: str | Path, *, quant: str | None = None, dtype:
     settings = {"hf": str(hf.resolve()), "quant": quant, "dtype": dtype, "mtp": mtp}
     _prepare_partial(partial, settings)
 
-    units = _units(cfg, mtp)
+    units = loading_units(cfg, param_specs(cfg, mtp=mtp))
     sizes = [sum(index.tensors[n].end - index.tensors[n].begin for n in _unit_tensors(index, cfg, *u)) for u in units]
     with (tqdm(total=sum(sizes), unit="B", unit_scale=True, desc=f"converting {hf.name}", disable=not progress) as bar,
           ocp.StandardCheckpointer() as checkpointer):
@@ -185,19 +179,29 @@ def check(path: str | Path, config: str | Path | None = None) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dsr1.convert", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m dsr1 convert", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    return run(ap, ap.parse_args(argv))
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The converter's flags (also the `convert` subcommand of `python -m dsr1`)."""
     ap.add_argument("--hf", required=True, metavar="DIR_OR_INDEX",
                     help="HF checkpoint folder (release layout); with --check also an index file")
     ap.add_argument("--out", metavar="DIR", help="output folder (written as DIR.partial, then renamed)")
-    ap.add_argument("--quant", choices=["int8", "bf16"], default="bf16",
-                    help="int8: per-output-channel int8 matmul weights; bf16: all weights bf16 (default)")
+    ap.add_argument("--quant", choices=["none", "int8"], default="none",
+                    help="int8: matmul weights as int8 with per-output-channel scales; none: no quantization "
+                         "(default)")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                    help="dtype of the weights int8 leaves alone (default: bfloat16)")
+                    help="dtype of every weight that is not quantized (default: bfloat16)")
     ap.add_argument("--no-mtp", action="store_true", help="leave out the multi-token-prediction module")
     ap.add_argument("--check", action="store_true", help="only validate --hf against its config, reading no weights")
     ap.add_argument("--config", help="config.json for --check (default: next to --hf)")
-    args = ap.parse_args(argv)
+
+
+def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Convert or check as the parsed flags say; errors are printed, naming the file or tensor."""
     try:
         if args.check:
             problems = check(args.hf, args.config)
@@ -207,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1 if problems else 0
         if not args.out:
             ap.error("--out is required unless --check")
-        out = convert(args.hf, args.out, quant=None if args.quant == "bf16" else args.quant, dtype=args.dtype,
+        out = convert(args.hf, args.out, quant=None if args.quant == "none" else args.quant, dtype=args.dtype,
                       mtp=not args.no_mtp)
         print(f"wrote {out}")
         return 0
@@ -215,6 +219,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -18,38 +18,38 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from . import store
-from .release import CheckpointIndex, read_region, unit_sources, validate
 from ..core.config import Config
 from ..core.params import (Params, abstract_params, is_spec, param_specs, per_layer, quantize_like, resolved_dtype,
-                     stack_layers)
+                           stack_layers, stack_names, unit_specs)
 from ..core.quant import check_quant
+from ..core.sharding import ShardingRules
+from . import store
+from .release import CheckpointIndex, read_region, unit_sources, validate
 
 UnitReader = Callable[[str, int | None], Any]  # (unit, layer) -> pytree of sharded arrays
 
 
-def _globals(specs: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in specs.items() if is_spec(v)}
-
-
-def _hf_reader(folder: Path, cfg: Config, mesh: Mesh, dtype: Any, quant: str | None, mtp: bool) -> UnitReader:
+def _hf_reader(folder: Path, cfg: Config, mesh: Mesh, rules: ShardingRules, dtype: Any, quant: str | None,
+               mtp: bool) -> UnitReader:
     index = CheckpointIndex.open(folder)
     validate(index, cfg, mtp=mtp)
     specs = param_specs(cfg, mtp=mtp)
     layer_dtype = jnp.float32 if quant else dtype  # quantize from full precision
 
     def read(unit: str, layer: int | None) -> Any:
-        declared = _globals(specs) if unit == "globals" else per_layer(specs[unit])
+        declared = unit_specs(specs, unit)
         read_dtype = dtype if unit == "globals" else layer_dtype
-        arrays = [_from_callback(index, src, spec, mesh, 0 if layer is None else layer, resolved_dtype(spec, read_dtype))
+        arrays = [_from_callback(index, src, spec, mesh, rules, 0 if layer is None else layer,
+                                 resolved_dtype(spec, read_dtype))
                   for spec, src in unit_sources(cfg, unit, mtp=mtp)]
         return jax.tree.unflatten(jax.tree.structure(declared, is_leaf=is_spec), arrays)
 
     return read
 
 
-def _from_callback(index: CheckpointIndex, src, spec, mesh: Mesh, layer: int, dtype: Any) -> jax.Array:
-    sharding = abstract_params(spec, mesh, dtype).sharding
+def _from_callback(index: CheckpointIndex, src, spec, mesh: Mesh, rules: ShardingRules, layer: int,
+                   dtype: Any) -> jax.Array:
+    sharding = abstract_params(spec, mesh, rules, dtype).sharding
     regions: dict[tuple, np.ndarray] = {}  # devices holding the same region share one read
 
     def read(region: tuple[slice, ...]) -> np.ndarray:
@@ -61,13 +61,13 @@ def _from_callback(index: CheckpointIndex, src, spec, mesh: Mesh, layer: int, dt
     return jax.make_array_from_callback(spec.shape, sharding, read)
 
 
-def _converted_reader(folder: Path, cfg: Config, mesh: Mesh, dtype: Any, stored_quant: str | None,
-                      mtp: bool) -> UnitReader:
+def _converted_reader(folder: Path, cfg: Config, mesh: Mesh, rules: ShardingRules, dtype: Any,
+                      stored_quant: str | None, mtp: bool) -> UnitReader:
     specs = param_specs(cfg, stored_quant, mtp=mtp)
 
     def read(unit: str, layer: int | None) -> Any:
-        declared = _globals(specs) if unit == "globals" else per_layer(specs[unit])
-        return store.restore_unit(folder / store.unit_dir(unit, layer), abstract_params(declared, mesh, dtype))
+        abstract = abstract_params(unit_specs(specs, unit), mesh, rules, dtype)
+        return store.restore_unit(folder / store.unit_dir(unit, layer), abstract)
 
     return read
 
@@ -78,15 +78,15 @@ def _set_layer(stacked: jax.Array, layer: jax.Array, i: jax.Array) -> jax.Array:
     return jax.lax.dynamic_update_index_in_dim(stacked, layer.astype(stacked.dtype), i, 0)
 
 
-def _assemble_stack(read: UnitReader, cfg: Config, unit: str, target: Any, mesh: Mesh, dtype: Any,
-                    quantize: bool, bar: tqdm) -> Any:
+def _assemble_stack(read: UnitReader, cfg: Config, unit: str, target: Any, mesh: Mesh, rules: ShardingRules,
+                    dtype: Any, quantize: bool, bar: tqdm) -> Any:
     """Allocate a stack in its shardings, then fill it layer by layer (quantizing each layer if asked)."""
-    abstract = abstract_params(target, mesh, dtype)
+    abstract = abstract_params(target, mesh, rules, dtype)
     stacked = [jax.jit(functools.partial(jnp.zeros, a.shape, a.dtype), out_shardings=a.sharding)()
                for a in jax.tree.leaves(abstract)]
     layer_target = per_layer(target)
     to_target = jax.jit(functools.partial(quantize_like, layer_target),
-                        out_shardings=jax.tree.map(lambda a: a.sharding, abstract_params(layer_target, mesh, dtype)))
+                        out_shardings=jax.tree.map(lambda a: a.sharding, abstract_params(layer_target, mesh, rules, dtype)))
     for i, layer in enumerate(stack_layers(cfg, unit)):
         part = read(unit, layer)
         if quantize:
@@ -97,8 +97,8 @@ def _assemble_stack(read: UnitReader, cfg: Config, unit: str, target: Any, mesh:
     return jax.tree.unflatten(jax.tree.structure(abstract), stacked)
 
 
-def load_params(folder: str | Path, cfg: Config, mesh: Mesh, dtype: Any, *, quant: str | None = None,
-                mtp: bool = False, progress: bool = True) -> Params:
+def load_params(folder: str | Path, cfg: Config, mesh: Mesh, rules: ShardingRules, dtype: Any, *,
+                quant: str | None = None, mtp: bool = False, progress: bool = True) -> Params:
     """Weights of `dtype` (int8 matmul weights with `quant="int8"`) in their shardings on `mesh`."""
     folder = Path(folder)
     if store.is_converted(folder):
@@ -106,16 +106,17 @@ def load_params(folder: str | Path, cfg: Config, mesh: Mesh, dtype: Any, *, quan
         stored_quant = manifest["quant"]
         if mtp and not manifest["mtp"]:
             raise store.CheckpointError(f"{folder}: converted without the MTP module; cannot load mtp=True")
-        read = _converted_reader(folder, cfg, mesh, dtype, stored_quant, mtp)
+        read = _converted_reader(folder, cfg, mesh, rules, dtype, stored_quant, mtp)
     else:
         stored_quant = None
-        read = _hf_reader(folder, cfg, mesh, dtype, check_quant(quant), mtp)
+        read = _hf_reader(folder, cfg, mesh, rules, dtype, check_quant(quant), mtp)
     quant = check_quant(quant) or stored_quant
     target = param_specs(cfg, quant, mtp=mtp)
     params: dict[str, Any] = dict(read("globals", None))
-    stacks = [k for k in target if not is_spec(target[k])]
+    stacks = stack_names(target)
     with tqdm(total=sum(len(stack_layers(cfg, k)) for k in stacks), desc=f"loading {folder.name}", unit="layer",
               disable=not progress) as bar:
         for unit in stacks:
-            params[unit] = _assemble_stack(read, cfg, unit, target[unit], mesh, dtype, quant != stored_quant, bar)
+            params[unit] = _assemble_stack(read, cfg, unit, target[unit], mesh, rules, dtype, quant != stored_quant,
+                                           bar)
     return params

@@ -23,13 +23,16 @@ import jax
 import numpy as np
 
 from ..core.config import Config
-from ..core.params import ArrayInfo, float_specs, is_spec, stack_layers
+from ..core.params import ArrayInfo, float_specs, is_spec, loading_units, unit_specs
 from .safetensors_io import CheckpointError, TensorInfo, read_header, read_tensor
 
 FP8_BLOCK = 128
 INDEX_FILE = "model.safetensors.index.json"
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 FP8_DTYPES = ("F8_E4M3",)
+# Tensors some releases carry that no model reads: RoPE frequency buffers (Kimi-K2 saves one per
+# layer; HF transformers recomputes them and ignores the saved ones). Not "unexpected" for --check.
+IGNORED_TENSORS = (".rotary_emb.inv_freq",)
 
 
 # ---- where each weight comes from ---------------------------------------------------------------
@@ -139,31 +142,27 @@ def is_source(x: Any) -> bool:
 def unit_sources(cfg: Config, unit: str, *, mtp: bool = False) -> list[tuple[ArrayInfo, Source]]:
     """(declaration, source) pairs of one loading unit: "globals" or a stack (declarations per layer)."""
     specs, sources = float_specs(cfg, mtp=mtp), weight_sources(cfg, mtp=mtp)
-    if unit == "globals":
-        keys = [k for k in specs if is_spec(specs[k])]
-        return [(specs[k], sources[k]) for k in keys]
-    per_layer = jax.tree.map(lambda s: dataclasses.replace(s, shape=s.shape[1:], axes=s.axes[1:]), specs[unit],
-                             is_leaf=is_spec)
-    return list(zip(jax.tree.leaves(per_layer, is_leaf=is_spec), jax.tree.leaves(sources[unit], is_leaf=is_source)))
+    declared = unit_specs(specs, unit)
+    fed_by = {k: sources[k] for k in declared} if unit == "globals" else sources[unit]
+    return list(zip(jax.tree.leaves(declared, is_leaf=is_spec), jax.tree.leaves(fed_by, is_leaf=is_source)))
 
 
 @dataclasses.dataclass(frozen=True)
 class Expected:
     shape: tuple[int, ...]
-    matmul: bool  # a weight the release stores in FP8 with a weight_scale_inv
+    # The release stores exactly the int8-quantizable matmul weights in FP8 with a weight_scale_inv
+    # (not the router, lm_head, or the MTP projection and head).
+    fp8_in_release: bool
 
 
 def expected_tensors(cfg: Config, *, mtp: bool = False) -> dict[str, Expected]:
     """Every checkpoint tensor the model reads (scales excluded), with its HF shape."""
     out: dict[str, Expected] = {}
-    units = ["globals"] + [k for k in float_specs(cfg, mtp=mtp) if not is_spec(float_specs(cfg, mtp=mtp)[k])]
-    for unit in units:
-        layers = range(1) if unit == "globals" else stack_layers(cfg, unit)
+    for unit, layer in loading_units(cfg, float_specs(cfg, mtp=mtp)):
         for spec, src in unit_sources(cfg, unit, mtp=mtp):
             experts = range(cfg.n_routed_experts) if src.per_expert else range(1)
-            for layer in layers:
-                for e in experts:
-                    out[src.name.format(layer=layer, expert=e)] = Expected(src.hf_shape, spec.input_axes is not None)
+            for e in experts:
+                out[src.name.format(layer=layer, expert=e)] = Expected(src.hf_shape, spec.input_axes is not None)
     return out
 
 
@@ -272,7 +271,7 @@ def check_tensors(index: CheckpointIndex, cfg: Config, *, mtp: bool = False, str
         where = f"tensor {name!r} in {info.file.name}"
         if info.shape != want.shape:
             problems.append(f"{where} has shape {list(info.shape)}, config predicts {list(want.shape)}")
-        elif info.dtype in FP8_DTYPES and want.matmul:
+        elif info.dtype in FP8_DTYPES and want.fp8_in_release:
             scale = index.tensors.get(name + "_scale_inv")
             used.add(name + "_scale_inv")
             if scale is None:
@@ -282,10 +281,10 @@ def check_tensors(index: CheckpointIndex, cfg: Config, *, mtp: bool = False, str
                                 f"expected F32{list(fp8_scale_shape(want.shape))}")
         elif info.dtype not in FLOAT_DTYPES:
             problems.append(f"{where} has dtype {info.dtype}, expected one of {FLOAT_DTYPES}"
-                            + (" or FP8 with a scale" if want.matmul else ""))
+                            + (" or FP8 with a scale" if want.fp8_in_release else ""))
     if strict:
         problems += [f"unexpected tensor {name!r} in {index.tensors[name].file.name}"
-                     for name in sorted(set(index.tensors) - used)]
+                     for name in sorted(set(index.tensors) - used) if not name.endswith(IGNORED_TENSORS)]
     return problems
 
 

@@ -1,0 +1,138 @@
+"""Every jitted program that runs the model, defined once: the `Model` methods, `generate`, the
+benchmarks and the profiles all call these, so each compiles once per shape and static setting.
+
+Static arguments are the hashable description of the program (`cfg`, `mesh`, `rules`, sizes and
+dtypes); arrays are the weights, tokens and caches. A cache passed to a decoding program is
+donated: its buffers are reused for the grown cache, so the caller must not use it again.
+
+- `forward`, `prefill`, `decode`: the model's three passes (`dsr1.core.model`).
+- `generate_start`, `generate_chunk`: prefill and sample the first token; then up to `steps`
+  decode-and-sample steps in one `lax.while_loop` that leaves early when every row is done.
+- `greedy_decode`: `steps` greedy steps in one `fori_loop`, recording the tokens fed and the
+  experts routed (what benchmarks and profiles account for).
+- `random_cache`: a cache as if prompts had been prefilled, for timing decode at any context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from .core import model
+from .core.cache import KVCache, quantize_latent
+from .core.config import Config
+from .core.params import Params
+from .core.sharding import ShardingRules, keep_replicated
+from .generation.sampling import SamplingArrays, init_counts, is_stop_token, sample, update_counts
+
+_MODEL = ("cfg", "mesh", "rules")  # the static arguments every program shares
+
+forward = jax.jit(model.forward, static_argnames=_MODEL)
+prefill = jax.jit(model.prefill, static_argnames=(*_MODEL, "max_len", "kv_cache_dtype"))
+decode = jax.jit(model.decode, static_argnames=_MODEL, donate_argnames=("cache",))
+
+
+# ---- generation: sampling on device --------------------------------------------------------------
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """What the generation loop carries: the cache, each row's last token and progress, penalty counts."""
+
+    cache: KVCache
+    last: jax.Array  # [B] the token to feed next
+    done: jax.Array  # [B] bool
+    generated: jax.Array  # [B] tokens produced so far (the sampling step index)
+    prompt_seen: jax.Array  # [B, V] bool
+    counts: jax.Array  # [B, V] int32 output token counts
+
+
+def _advance(state: DecodeState, logits: jax.Array, sampling: SamplingArrays,
+             cache: KVCache) -> tuple[DecodeState, jax.Array]:
+    """Sample each active row's next token from `logits` and update the row's progress; the
+    recorded token is -1 for rows that were already done."""
+    active = ~state.done
+    token = sample(logits, sampling, state.prompt_seen, state.counts, state.generated)
+    generated = state.generated + active
+    done = state.done | (active & (is_stop_token(token, sampling) | (generated >= sampling.max_new_tokens)))
+    new = DecodeState(cache, jnp.where(active, token, state.last), done, generated, state.prompt_seen,
+                      update_counts(state.counts, token, active))
+    return new, jnp.where(active, token, -1)
+
+
+@functools.partial(jax.jit, static_argnames=(*_MODEL, "max_len", "kv_cache_dtype"))
+def generate_start(params: Params, tokens: jax.Array, lengths: jax.Array, sampling: SamplingArrays, *, cfg: Config,
+                   mesh: Mesh, rules: ShardingRules, max_len: int,
+                   kv_cache_dtype: str | None) -> tuple[DecodeState, jax.Array]:
+    """Prefill and sample the first token of every row: the loop state and the tokens `[B]`."""
+    logits, cache = model.prefill(params, tokens, lengths, cfg=cfg, mesh=mesh, rules=rules, max_len=max_len,
+                                  kv_cache_dtype=kv_cache_dtype)
+    prompt_seen, counts = init_counts(tokens, lengths, cfg.vocab_size)
+    b = tokens.shape[0]
+    state = DecodeState(cache, jnp.zeros(b, jnp.int32), jnp.zeros(b, bool), jnp.zeros(b, jnp.int32), prompt_seen,
+                        counts)
+    return _advance(state, logits, sampling, cache)
+
+
+@functools.partial(jax.jit, static_argnames=(*_MODEL, "steps"), donate_argnames=("state",))
+def generate_chunk(params: Params, state: DecodeState, sampling: SamplingArrays, *, cfg: Config, mesh: Mesh,
+                   rules: ShardingRules, steps: int) -> tuple[DecodeState, jax.Array]:
+    """Up to `steps` decode steps on device; stops early when every row is done. Returns the new state
+    and the tokens recorded `[B, steps]` (-1 where a row was done or the loop ended)."""
+    out = jnp.full((state.last.shape[0], steps), -1, jnp.int32)
+
+    def step(carry):
+        i, state, out = carry
+        logits, cache, _ = model.decode(params, state.cache, state.last, cfg=cfg, mesh=mesh, rules=rules)
+        state, token = _advance(state, logits, sampling, cache)
+        return i + 1, state, out.at[:, i].set(token)
+
+    def running(carry):
+        i, state, _ = carry
+        return (i < steps) & ~jnp.all(state.done)
+
+    _, state, out = jax.lax.while_loop(running, step, (0, state, out))
+    return state, out
+
+
+# ---- benchmarks and profiles ---------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=(*_MODEL, "steps"), donate_argnames=("cache",))
+def greedy_decode(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config, mesh: Mesh,
+                  rules: ShardingRules, steps: int) -> tuple[KVCache, jax.Array, jax.Array, jax.Array]:
+    """`steps` greedy decode steps in one program. Returns the grown cache, the tokens fed at each
+    step `[steps, B]` (the first is `tokens`, then each step's argmax), the routed expert ids of
+    each step `[steps, L_moe, B, K]`, and the last step's argmax `[B]`."""
+    batch, k = tokens.shape[0], cfg.num_experts_per_tok
+    fed = jnp.zeros((steps, batch), jnp.int32)
+    ids = jnp.zeros((steps, cfg.num_moe_layers, batch, k), jnp.int32)
+
+    def body(i, carry):
+        cache, tokens, fed, ids = carry
+        logits, cache, routed = model.decode(params, cache, tokens, cfg=cfg, mesh=mesh, rules=rules)
+        fed = fed.at[i].set(tokens)
+        if routed is not None:
+            ids = ids.at[i].set(routed)
+        return cache, jnp.argmax(logits, axis=-1).astype(jnp.int32), fed, ids
+
+    cache, last, fed, ids = jax.lax.fori_loop(0, steps, body, (cache, tokens, fed, ids))
+    return cache, fed, ids, last
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "batch", "context", "max_len", "dtype", "kv_cache_dtype"))
+def random_cache(key: jax.Array, *, cfg: Config, mesh: Mesh, batch: int, context: int, max_len: int, dtype: Any,
+                 kv_cache_dtype: str | None) -> KVCache:
+    """A cache as if `batch` prompts of `context` tokens had been prefilled: random latents in the
+    cache's dtype, room for `max_len` positions, replicated over the mesh."""
+    layers = cfg.num_hidden_layers
+    k_lat, k_pe = jax.random.split(key)
+    c_kv = jax.random.normal(k_lat, (layers, batch, max_len, cfg.kv_lora_rank), jnp.float32)
+    pe = jax.random.normal(k_pe, (layers, batch, max_len, cfg.qk_rope_head_dim), jnp.float32).astype(dtype)
+    c_kv, c_scale = quantize_latent(c_kv) if kv_cache_dtype == "int8" else (c_kv.astype(dtype), None)
+    cache = KVCache(c_kv, pe, c_scale, jnp.full((batch,), context, jnp.int32))
+    return jax.tree.map(lambda a: keep_replicated(a, mesh), cache)
