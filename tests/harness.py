@@ -10,7 +10,6 @@ import numpy as np
 
 from . import reference
 
-
 MIN_ROUTING_MARGIN = 2e-5  # below this, float32 rounding may legitimately flip an expert choice
 TOLERANCE = 1e-4  # max |dlogit| <= TOLERANCE * max |logit|
 EOS = 1
@@ -54,7 +53,8 @@ def build_fixture(root: Path, name: str, mtp: bool = False) -> Fixture:
     raise RuntimeError(f"{name}: no seed gave a routing margin >= {MIN_ROUTING_MARGIN}")
 
 
-def decode_logits(model, tokens: np.ndarray, lengths: np.ndarray, prefix: np.ndarray) -> dict[tuple[int, int], np.ndarray]:
+def decode_logits(model, tokens: np.ndarray, lengths: np.ndarray,
+                  prefix: np.ndarray) -> dict[tuple[int, int], np.ndarray]:
     """Prefill `prefix[b]` tokens of each row, then decode the rest of the row one token at a time.
 
     Returns the logits predicted at every position >= prefix - 1, keyed by (row, position): the

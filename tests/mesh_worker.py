@@ -12,7 +12,6 @@ import jax
 import numpy as np
 
 
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--folder", required=True)
@@ -31,8 +30,8 @@ def main() -> None:
                                    process_id=args.process_id)
 
     import dsr1
-    from tests.harness import decode_logits
     from dsr1.core.sharding import to_host
+    from tests.harness import decode_logits
 
     inputs = np.load(args.inputs)
     mesh = dsr1.make_mesh(expert=args.expert, tensor=args.tensor)

@@ -69,7 +69,10 @@ def release_tensors(cfg: dict[str, Any], seed: int, mtp: bool = False, calm: boo
     d, h, r = cfg["hidden_size"], cfg["num_attention_heads"], cfg["kv_lora_rank"]
     nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
     e, f_moe = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
-    norm = lambda n: (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
     t = {
         "model.embed_tokens.weight": rng.standard_normal((cfg["vocab_size"], d)).astype(np.float32),
         "model.norm.weight": norm(d),

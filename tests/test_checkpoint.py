@@ -13,6 +13,7 @@ import pytest
 import dsr1
 from dsr1 import CheckpointError
 from dsr1.weights.release import CheckpointIndex, dequantize_fp8, expected_tensors
+
 from .reference import hf_config, release_tensors, write_checkpoint
 
 SMALL = hf_config({"num_hidden_layers": 2, "n_routed_experts": 8, "n_group": 2, "topk_group": 1,
@@ -80,7 +81,8 @@ def test_wrong_shape_names_file_tensor_and_both_shapes(tmp_path, tensors):
 
 def test_config_disagreeing_with_tensors(tmp_path, tensors):
     write_checkpoint(tmp_path, {**SMALL, "hidden_size": 64}, tensors)
-    with pytest.raises(CheckpointError, match=r"(?s)does not match its config \(44 problems\):.*config predicts \[220, 64\]"):
+    match = r"(?s)does not match its config \(44 problems\):.*config predicts \[220, 64\]"
+    with pytest.raises(CheckpointError, match=match):
         dsr1.load(tmp_path, progress=False)
 
 

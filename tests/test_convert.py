@@ -1,4 +1,4 @@
-"""FP8 release checkpoints, `python -m dsr1.convert` (orbax, resumable, atomic) and `--check`."""
+"""FP8 release checkpoints, `python -m dsr1 convert` (orbax, resumable, atomic) and `--check`."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import pytest
 import dsr1
 from dsr1.weights import convert as dsr1_convert
 from dsr1.weights import store
+
 from .harness import DECODE_PREFIX, TOLERANCE, decode_logits, prompt_batch, relative_error, subprocess_env
 from .reference import hf_config, reference_logits, release_tensors, write_checkpoint
 
@@ -248,3 +249,31 @@ def test_peak_memory_follows_one_layer_not_the_model(tmp_path):
     print(f"\nconverter peak RSS: 4 layers {peaks[4]:.0f} MiB, 8 layers {peaks[8]:.0f} MiB "
           f"(+{peaks[8] / peaks[4] - 1:.1%}); one layer is 50 MiB in bf16")
     assert peaks[8] <= 1.10 * peaks[4]
+
+
+@pytest.mark.skipif(not SHARED_INDEX.exists(), reason="../shared reference not present")
+def test_check_ignores_saved_rope_buffers(tmp_path, capsys):
+    """Kimi-K2's release saves `self_attn.rotary_emb.inv_freq` in every layer; HF recomputes and
+    ignores them, so `--check` must too (it once reported 61 false problems and exited 1)."""
+    with gzip.open(SHARED_INDEX, "rt") as f:
+        index = json.load(f)
+    config = json.loads((SHARED_INDEX.parent / "config.json").read_text())
+    template = index["model.norm.weight"]
+    for layer in range(config["num_hidden_layers"]):
+        index[f"model.layers.{layer}.self_attn.rotary_emb.inv_freq"] = {**template, "shape": [32], "dtype": "F32"}
+    index["model.layers.0.self_attn.rotary_emb.cos_cached"] = {**template, "shape": [32], "dtype": "F32"}
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "kimi_k2"}))
+    assert dsr1_convert.check(tmp_path / "index.json") == [
+        "unexpected tensor 'model.layers.0.self_attn.rotary_emb.cos_cached' in " + template["file"]]
+
+
+def test_quant_flag_is_none_or_int8(fp8, tmp_path, capsys):
+    """`--quant none` (the default) keeps every weight in `--dtype`; `bf16` is no longer a quant mode."""
+    folder, *_ = fp8
+    with pytest.raises(SystemExit):
+        dsr1_convert.main(["--hf", str(folder), "--out", str(tmp_path / "out"), "--quant", "bf16"])
+    assert "invalid choice: 'bf16'" in capsys.readouterr().err
+    assert dsr1_convert.main(["--hf", str(folder), "--out", str(tmp_path / "out"), "--dtype", "float32"]) == 0
+    model = dsr1.load(tmp_path / "out", dtype="float32", progress=False)
+    assert model.quant is None and model.params["moe_layers"]["moe"]["gate"].dtype == np.float32

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import dsr1
+
 from .harness import DECODE_PREFIX, TOLERANCE, decode_logits, relative_error
 
 

@@ -10,6 +10,7 @@ import pytest
 
 import dsr1
 from dsr1.core.moe import moe, route
+from dsr1.core.sharding import DEFAULT_RULES
 
 TINY = dsr1.Config.preset("tiny")
 
@@ -36,7 +37,9 @@ def numpy_route(x, router, bias, cfg):
 
 
 def numpy_moe(x, p, cfg):
-    silu = lambda z: z / (1 + np.exp(-z))
+    def silu(z):
+        return z / (1 + np.exp(-z))
+
     weights, experts = numpy_route(x, p["router"], p["router_bias"], cfg)
     out = np.zeros_like(x, dtype=np.float64)
     for t in range(x.shape[0]):
@@ -98,7 +101,7 @@ def test_moe_block_matches_numpy():
     cfg = TINY
     mesh, p = _moe_params(cfg)
     x = np.random.default_rng(4).standard_normal((24, cfg.hidden_size)).astype(np.float32)
-    ours = np.asarray(jax.jit(lambda p, x: moe(p, x, cfg, mesh)[0])(p, x))
+    ours = np.asarray(jax.jit(lambda p, x: moe(p, x, cfg, mesh, DEFAULT_RULES)[0])(p, x))
     ref = numpy_moe(x, p, cfg)
     err = np.abs(ours - ref).max() / np.abs(ref).max()
     print(f"\nMoE block (ragged_dot, sorted pairs) vs per-token numpy loop: {err:.1e}")
@@ -118,5 +121,5 @@ def test_gather_and_ragged_paths_agree(tokens, quant, monkeypatch):
     outputs = {}
     for gather in (True, False):
         monkeypatch.setattr(moe_module, "use_gather", lambda n_pairs, n_local, g=gather: g)
-        outputs[gather] = np.asarray(jax.jit(lambda p, x: moe(p, x, cfg, model.mesh)[0])(p, x))
+        outputs[gather] = np.asarray(jax.jit(lambda p, x: moe(p, x, cfg, model.mesh, model.rules)[0])(p, x))
     np.testing.assert_allclose(outputs[True], outputs[False], rtol=2e-5, atol=2e-5 * np.abs(outputs[False]).max())

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import dsr1
+
 from .harness import decode_logits
 from .reference import CONFIGS, hf_config, reference_logits, release_tensors, write_checkpoint
 

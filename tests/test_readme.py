@@ -1,12 +1,45 @@
-"""The README's test command is exactly what CI runs."""
+"""The README: its test command is exactly what CI runs, and its Python examples run as written."""
 
+import re
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
+
+from .harness import subprocess_env
+
 ROOT = Path(__file__).parents[1]
+README = (ROOT / "README.md").read_text()
+EXAMPLES = re.findall(r"```python\n(.*?)```", README, flags=re.S)
 
 
 def test_ci_runs_the_readme_test_command():
-    readme = (ROOT / "README.md").read_text().splitlines()
+    readme = README.splitlines()
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     test_command = next(line for line in readme if line.startswith("python3 -m venv") and "pytest" in line)
     assert test_command in ci
+    assert "ruff check" in test_command and "shellcheck" in test_command
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], env=subprocess_env(1), capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+
+
+@pytest.mark.parametrize("index", range(len(EXAMPLES)))
+def test_readme_example_runs(index):
+    """Each ```python block of the README runs in a fresh interpreter, using `dsr1.*` only."""
+    code = EXAMPLES[index]
+    imports = set(re.findall(r"^(?:from|import) (\S+)", code, flags=re.M))
+    assert imports <= {"dsr1", "numpy"}, f"example {index} imports {imports}: the README should need dsr1 alone"
+    proc = _run(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_one_line_generate():
+    """The one-liner from the API issue: the everyday API without any submodule import."""
+    proc = _run("import dsr1; print(dsr1.generate(dsr1.init_random(dsr1.Config.preset('tiny')), ['hi'], "
+                "max_new_tokens=4).completions[0].text)")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip(), "generate printed no text"

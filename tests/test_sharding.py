@@ -8,11 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
 import dsr1
+from dsr1.core.sharding import DEFAULT_RULES, ShardingRules, to_host
 from dsr1.weights.convert import convert
+
 from .harness import DECODE_PREFIX, TOLERANCE, decode_logits, relative_error, subprocess_env
 
 WORKER = ("-m", "tests.mesh_worker")
@@ -108,7 +111,8 @@ def test_converted_checkpoint_on_eight_devices_and_two_processes(single_device, 
 @pytest.mark.slow
 def test_default_mesh_and_indivisible_weights():
     code = ("import dsr1; tiny = dsr1.Config.preset('tiny'); print(dict(dsr1.make_mesh().shape)); "
-            "m = dsr1.init_random(tiny); print(m.params['moe_layers']['moe']['gate'].addressable_shards[0].data.shape); "
+            "m = dsr1.init_random(tiny); "
+            "print(m.params['moe_layers']['moe']['gate'].addressable_shards[0].data.shape); "
             "dsr1.init_random(tiny, mesh=dsr1.make_mesh(expert=1, tensor=8))")
     proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(8), capture_output=True, text=True,
                           timeout=300)
@@ -116,3 +120,34 @@ def test_default_mesh_and_indivisible_weights():
     assert "(2, 4, 128, 32)" in proc.stdout, "random init must create experts and expert ffw already split"
     assert proc.returncode != 0
     assert "dimension 'heads' of size 4 does not split over mesh axis 'tensor' of size 8" in proc.stderr
+
+
+def test_sharding_rules_are_a_value_with_a_collision_check():
+    """Rules map logical to mesh axes; one mesh axis twice in one array is refused, naming both."""
+    assert DEFAULT_RULES.spec(("experts", "embed", "expert_ffw")) == jax.sharding.PartitionSpec("expert", None,
+                                                                                               "tensor")
+    clashing = ShardingRules(expert_ffw="expert")
+    with pytest.raises(ValueError, match=r"map \['experts', 'expert_ffw'\] to the same mesh axis 'expert'"):
+        clashing.spec(("experts", "embed", "expert_ffw"))
+    with pytest.raises(ValueError, match="no sharding rule for logical axis 'batch'"):
+        DEFAULT_RULES.spec(("batch", None))
+    with pytest.raises(ValueError, match="same mesh axis"):
+        dsr1.init_random(dsr1.Config.preset("tiny"), rules=clashing)
+
+
+def test_other_rules_give_the_same_logits(grouped):
+    """Rules are passed as a value: replicating the experts instead of splitting them over the
+    expert axis changes where weights live, not the logits."""
+    tokens = np.array([[0, 5, 9, 2, 7]], np.int32)
+    base = dsr1.load(grouped.folder, dtype="float32", progress=False)
+    other = dsr1.load(grouped.folder, dtype="float32", progress=False, rules=ShardingRules(experts=None))
+    assert other.rules.experts is None
+    np.testing.assert_allclose(to_host(other.forward(tokens)), to_host(base.forward(tokens)), rtol=0, atol=1e-5)
+
+
+def test_make_mesh_lays_out_devices_with_jax_make_mesh():
+    mesh = dsr1.make_mesh()
+    assert mesh.axis_names == ("expert", "tensor")
+    assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+    with pytest.raises(ValueError, match="does not divide"):
+        dsr1.make_mesh(expert=3)

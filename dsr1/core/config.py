@@ -251,30 +251,23 @@ def _r1() -> Config:
 def _tiny() -> Config:
     """R1's structure at toy size (2-of-4 groups, 16 experts, YaRN, a dense layer, then MoE) with
     R1's vocabulary, so the real tokenizer and chat template work with it."""
-    return Config(
-        vocab_size=129280, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-        num_hidden_layers=3, num_attention_heads=4, q_lora_rank=64, kv_lora_rank=32,
-        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=16,
-        n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-        norm_topk_prob=True, first_k_dense_replace=1, rope_theta=10000.0,
-        rope_scaling=RopeScaling(factor=4.0, original_max_position_embeddings=512, beta_fast=32.0,
-                                 beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+    return dataclasses.replace(
+        _r1(), hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16,
+        v_head_dim=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
+        rope_scaling=dataclasses.replace(_r1().rope_scaling, factor=4.0, original_max_position_embeddings=512),
         max_position_embeddings=2048, num_nextn_predict_layers=0,
     )
 
 
 def _bench() -> Config:
     """Big enough to be memory-bound on a CPU (~1 GB of bf16 weights, 64 experts of which a batch of
-    one reads 6 per layer), with R1's per-layer structure."""
-    return Config(
-        vocab_size=32768, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512,
-        num_hidden_layers=5, num_attention_heads=8, q_lora_rank=384, kv_lora_rank=256,
-        qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=64,
-        n_shared_experts=1, num_experts_per_tok=6, n_group=8, topk_group=4, routed_scaling_factor=2.5,
-        norm_topk_prob=True, first_k_dense_replace=1, rope_theta=10000.0,
-        rope_scaling=RopeScaling(factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
-                                 beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
-        max_position_embeddings=163840, num_nextn_predict_layers=0,
+    one reads 6 per layer), with R1's per-layer structure and YaRN."""
+    return dataclasses.replace(
+        _r1(), vocab_size=32768, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512,
+        num_hidden_layers=5, num_attention_heads=8, q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64,
+        qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=64, num_experts_per_tok=6, first_k_dense_replace=1,
+        num_nextn_predict_layers=0,
     )
 
 

@@ -110,8 +110,10 @@ def decode(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config, me
             p, i = inputs
             # The cache is read in place by layer index (a loop invariant), never sliced into a copy.
             c_scale = None if cache.c_scale is None else cache.c_scale[i]
-            attend = lambda p, h: attend_decode(p, h, positions, cache.c_kv[i], c_scale, cache.k_pe[i],
-                                                cache.lengths, cfg)
+
+            def attend(p, h):
+                return attend_decode(p, h, positions, cache.c_kv[i], c_scale, cache.k_pe[i], cache.lengths, cfg)
+
             return _block(p, x, attend, cfg, mesh, rules)
 
         with jax.named_scope(stack):

@@ -155,8 +155,9 @@ def convert(hf: str | Path, out: str | Path, *, quant: str | None = None, dtype:
             bar.update(size)
     try:
         shutil.copyfile(hf / "config.json", partial / "config.json")
-        store.write_json(partial / store.MANIFEST, {"format": store.FORMAT, "version": store.VERSION, "quant": quant,
-                                                    "dtype": dtype, "mtp": mtp, "units": [store.unit_dir(*u) for u in units]})
+        manifest = {"format": store.FORMAT, "version": store.VERSION, "quant": quant, "dtype": dtype, "mtp": mtp,
+                    "units": [store.unit_dir(*u) for u in units]}
+        store.write_json(partial / store.MANIFEST, manifest)
         (partial / SETTINGS).unlink()
         _replace(out, partial)
     except OSError as e:

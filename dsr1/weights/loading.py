@@ -19,8 +19,18 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from ..core.config import Config
-from ..core.params import (Params, abstract_params, is_spec, param_specs, per_layer, quantize_like, resolved_dtype,
-                           stack_layers, stack_names, unit_specs)
+from ..core.params import (
+    Params,
+    abstract_params,
+    is_spec,
+    param_specs,
+    per_layer,
+    quantize_like,
+    resolved_dtype,
+    stack_layers,
+    stack_names,
+    unit_specs,
+)
 from ..core.quant import check_quant
 from ..core.sharding import ShardingRules
 from . import store
@@ -85,8 +95,8 @@ def _assemble_stack(read: UnitReader, cfg: Config, unit: str, target: Any, mesh:
     stacked = [jax.jit(functools.partial(jnp.zeros, a.shape, a.dtype), out_shardings=a.sharding)()
                for a in jax.tree.leaves(abstract)]
     layer_target = per_layer(target)
-    to_target = jax.jit(functools.partial(quantize_like, layer_target),
-                        out_shardings=jax.tree.map(lambda a: a.sharding, abstract_params(layer_target, mesh, rules, dtype)))
+    layer_shardings = jax.tree.map(lambda a: a.sharding, abstract_params(layer_target, mesh, rules, dtype))
+    to_target = jax.jit(functools.partial(quantize_like, layer_target), out_shardings=layer_shardings)
     for i, layer in enumerate(stack_layers(cfg, unit)):
         part = read(unit, layer)
         if quantize:

@@ -1,0 +1,47 @@
+"""The package's shape: `import dsr1` is the everyday API, no module shadows a function, one version."""
+
+import importlib
+import importlib.metadata
+import pkgutil
+import types
+from pathlib import Path
+
+import dsr1
+
+EVERYDAY = ("load", "init_random", "Config", "make_mesh", "Model", "KVCache", "generate", "Sampling",
+            "load_tokenizer", "ConfigError", "CheckpointError", "ConversionError")
+
+
+def test_everyday_api_is_at_the_top():
+    for name in EVERYDAY:
+        assert name in dsr1.__all__, name
+        assert not isinstance(getattr(dsr1, name), types.ModuleType), f"dsr1.{name} is a module"
+    assert callable(dsr1.generate) and callable(dsr1.load) and callable(dsr1.load_tokenizer)
+
+
+def _modules() -> list[str]:
+    return ["dsr1"] + [m.name for m in pkgutil.walk_packages(dsr1.__path__, "dsr1.")]
+
+
+def test_no_module_shadows_a_function():
+    """Importing everything, every submodule is still reachable as its parent's attribute: no
+    function or class of the same name hides it (as `dsr1.generate` once did)."""
+    names = _modules()
+    for name in names:
+        importlib.import_module(name)
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        if parent:
+            attr = getattr(importlib.import_module(parent), child)
+            assert isinstance(attr, types.ModuleType), f"{parent}.{child} is {attr!r}, not the module {name}"
+
+
+def test_one_version():
+    assert importlib.metadata.version("dsr1") == dsr1.__version__
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in pyproject and dsr1.__version__ not in pyproject
+
+
+def test_license_is_shipped():
+    text = (Path(__file__).parents[1] / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0" in text
