@@ -53,10 +53,6 @@ def quantize(w: Any, input_axes: tuple[int, ...]) -> Int8Weight:
     return Int8Weight(q, xp.squeeze(scale, axis=input_axes).astype(xp.float32), tuple(input_axes))
 
 
-def dequantize(w: Int8Weight, dtype: Any = jnp.float32) -> jax.Array:
-    return (w.q.astype(jnp.float32) * jnp.expand_dims(w.scale, w.input_axes)).astype(dtype)
-
-
 def einsum(spec: str, x: jax.Array, w: Any, **kwargs) -> jax.Array:
     """`jnp.einsum(spec, x, w)` for a plain or an `Int8Weight` weight (the second operand)."""
     if not isinstance(w, Int8Weight):
