@@ -17,6 +17,7 @@ import pytest
 import dsr1
 from dsr1.weights import convert as dsr1_convert
 from dsr1.weights import store
+from dsr1.weights.release import CheckpointIndex
 
 from .harness import DECODE_PREFIX, TOLERANCE, decode_logits, prompt_batch, relative_error, subprocess_env
 from .reference import hf_config, reference_logits, release_tensors, write_checkpoint
@@ -93,7 +94,7 @@ def fp8(tmp_path_factory):
 
 def test_fp8_release_matches_hf_on_dequantized_weights(fp8):
     folder, _, tokens, lengths, ref = fp8
-    index = dsr1.checkpoint.CheckpointIndex.open(folder)
+    index = CheckpointIndex.open(folder)
     assert sum(info.dtype == "F8_E4M3" for info in index.tensors.values()) > 20
     assert dsr1_convert.check(folder) == [], "the FP8 fixture must be a complete release layout"
     model = dsr1.load(folder, dtype="float32", progress=False)
@@ -132,7 +133,7 @@ def test_converted_equals_direct_load(fp8, tmp_path, quant, dtype):
 def test_mtp_subtree_holds_layer_num_hidden_layers(fp8):
     folder, *_ = fp8
     model = dsr1.load(folder, dtype="float32", mtp=True, progress=False)
-    index = dsr1.checkpoint.CheckpointIndex.open(folder)
+    index = CheckpointIndex.open(folder)
     mtp = model.params["mtp"]
     np.testing.assert_array_equal(np.asarray(mtp["eh_proj"][0]), index.read("model.layers.2.eh_proj.weight").T)
     np.testing.assert_array_equal(np.asarray(mtp["block"]["moe"]["router_bias"][0]),
