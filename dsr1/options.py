@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jax.sharding import Mesh
+
 from .api import Model, init_random, load
 from .core.config import Config
 from .core.sharding import make_mesh
@@ -37,10 +39,15 @@ def config_from_options(args: argparse.Namespace) -> tuple[Config, str]:
     return Config.preset(args.preset), args.preset
 
 
+def mesh_from_options(args: argparse.Namespace) -> Mesh:
+    """The mesh `--expert` and `--tensor` ask for (automatic sizes where not given)."""
+    return make_mesh(expert=args.expert, tensor=args.tensor)
+
+
 def model_from_options(args: argparse.Namespace, *, seed: int = 0) -> Model:
     """Load `--model`, or build random weights (from `seed`) for `--config` / `--preset`; says on
     stderr which, since random weights write noise."""
-    mesh = make_mesh(expert=args.expert, tensor=args.tensor)
+    mesh = mesh_from_options(args)
     if getattr(args, "model", None):
         model = load(args.model, mesh=mesh, dtype=args.dtype, quant=args.quant, kv_cache_dtype=args.kv_cache_dtype)
         print(f"model: {args.model} ({model.weight_bytes() / 2**30:.2f} GiB of weights)", file=sys.stderr)

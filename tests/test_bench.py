@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import dsr1
-from dsr1 import bench
+from dsr1.bench import accounting, bandwidth, cli, compare_hf, timing
 
 # The tiny preset with a small vocabulary: every test here stays fast.
 CFG = dataclasses.replace(dsr1.Config.preset("tiny"), vocab_size=512)
@@ -48,13 +48,13 @@ def hand_fixed_bytes(c: dsr1.Config, item: int) -> int:
 def test_bf16_bytes_match_hand_computation(models):
     c, params = CFG, models["bf16"].params
     d, f = c.hidden_size, c.moe_intermediate_size
-    assert bench.expert_bytes(params) == 3 * d * f * BF16
-    assert bench.fixed_weight_bytes(params) == hand_fixed_bytes(c, BF16)
+    assert accounting.expert_bytes(params) == 3 * d * f * BF16
+    assert accounting.fixed_weight_bytes(params) == hand_fixed_bytes(c, BF16)
     # One row, 4 distinct experts in the first MoE layer, 2 in the second (ids need not be real routes).
     ids = np.array([[[0, 1, 2, 3]], [[7, 7, 9, 9]]])
-    got = bench.step_bytes(params, c, None, lengths=np.array([10]), tokens=np.array([42]), expert_ids=ids)
+    got = accounting.step_bytes(params, c, None, lengths=np.array([10]), tokens=np.array([42]), expert_ids=ids)
     cache = 10 * c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * BF16
-    assert got == bench.StepBytes(hand_fixed_bytes(c, BF16), 6 * 3 * d * f * BF16, d * BF16, cache, 3.0)
+    assert got == accounting.StepBytes(hand_fixed_bytes(c, BF16), 6 * 3 * d * f * BF16, d * BF16, cache, 3.0)
     assert got.total == hand_fixed_bytes(c, BF16) + 6 * 3 * d * f * BF16 + d * BF16 + cache
     # The whole model minus the embedding table and the experts not hit.
     unread = (c.vocab_size - 1) * d * BF16 + (c.num_moe_layers * c.n_routed_experts - 6) * 3 * d * f * BF16
@@ -65,14 +65,14 @@ def test_int8_weights_and_cache_count_fewer_bytes(models):
     c = CFG
     d, f, r, rope = c.hidden_size, c.moe_intermediate_size, c.kv_lora_rank, c.qk_rope_head_dim
     # int8 values plus float32 scales of the output channels: gate and up [f], down [d].
-    assert bench.expert_bytes(models["int8"].params) == 3 * d * f * INT8 + (2 * f + d) * 4
-    assert bench.cache_token_bytes(c, jnp.bfloat16, "int8") == r * INT8 + 4 + rope * BF16
-    assert bench.cache_token_bytes(c, jnp.bfloat16, None) == (r + rope) * BF16
+    assert accounting.expert_bytes(models["int8"].params) == 3 * d * f * INT8 + (2 * f + d) * 4
+    assert accounting.cache_token_bytes(c, jnp.bfloat16, "int8") == r * INT8 + 4 + rope * BF16
+    assert accounting.cache_token_bytes(c, jnp.bfloat16, None) == (r + rope) * BF16
     ids = np.array([[[0, 1, 2, 3], [2, 3, 4, 5]]] * c.num_moe_layers)
     args = dict(lengths=np.array([64, 64]), tokens=np.array([3, 4]), expert_ids=ids)
-    full = bench.step_bytes(models["bf16"].params, c, None, **args)
-    quant = bench.step_bytes(models["int8"].params, c, None, **args)
-    quant_cache = bench.step_bytes(models["int8"].params, c, "int8", **args)
+    full = accounting.step_bytes(models["bf16"].params, c, None, **args)
+    quant = accounting.step_bytes(models["int8"].params, c, None, **args)
+    quant_cache = accounting.step_bytes(models["int8"].params, c, "int8", **args)
     assert full.distinct_experts == quant.distinct_experts == 6
     assert quant.experts < full.experts and quant.fixed_weights < full.fixed_weights
     assert quant.embed == full.embed  # the embedding table stays in the model's dtype
@@ -85,13 +85,13 @@ def test_decode_point_accounting(models):
     and the whole model, and achieved GB/s = bytes per step / step time."""
     c, model = CFG, models["bf16"]
     batch, context, steps = 3, 16, 3
-    row = bench.bench_decode_point(model, batch, context, steps, copy_gbs=10.0, seed=1)
+    row = timing.bench_decode_point(model, batch, context, steps, copy_gbs=10.0, seed=1)
     assert 1 <= row["distinct_experts_per_layer"] <= min(batch * c.num_experts_per_tok, c.n_routed_experts)
     assert row["bytes"]["experts"] <= c.num_moe_layers * min(batch * c.num_experts_per_tok, c.n_routed_experts) \
-        * bench.expert_bytes(model.params)
+        * accounting.expert_bytes(model.params)
     mean_len = context + (steps - 1) / 2
     assert row["bytes"]["cache"] == round(batch * mean_len * c.num_hidden_layers
-                                          * bench.cache_token_bytes(c, model.dtype, None))
+                                          * accounting.cache_token_bytes(c, model.dtype, None))
     assert row["bytes_per_step"] == sum(row["bytes"].values())
     step_s = row["step_ms"] / 1e3
     assert row["achieved_gbs"] == pytest.approx(row["bytes_per_step"] / step_s / 1e9)
@@ -100,8 +100,8 @@ def test_decode_point_accounting(models):
 
 
 def test_decode_row_arithmetic():
-    nbytes = bench.StepBytes(fixed_weights=600, experts=300, embed=50, cache=50, distinct_experts=2.0)
-    row = bench.decode_row(batch=4, context=8, steps=10, seconds=2e-6, nbytes=nbytes, copy_gbs=10.0)
+    nbytes = accounting.StepBytes(fixed_weights=600, experts=300, embed=50, cache=50, distinct_experts=2.0)
+    row = timing.decode_row(batch=4, context=8, steps=10, seconds=2e-6, nbytes=nbytes, copy_gbs=10.0)
     assert row["step_ms"] == pytest.approx(2e-4)
     assert row["achieved_gbs"] == pytest.approx(5.0)  # 1000 B per 0.2 us
     assert row["pct_of_copy_bw"] == pytest.approx(50.0)
@@ -111,7 +111,7 @@ def test_decode_row_arithmetic():
 def test_random_cache_shape_and_dtype(models):
     for kv in (None, "int8"):
         model = dataclasses.replace(models["bf16"], kv_cache_dtype=kv)
-        cache = bench.random_cache(model, batch=2, context=5, max_len=9)
+        cache = timing.random_cache(model, batch=2, context=5, max_len=9)
         assert cache.c_kv.shape == (CFG.num_hidden_layers, 2, 9, CFG.kv_lora_rank)
         assert cache.c_kv.dtype == (jnp.int8 if kv else jnp.bfloat16)
         assert (cache.c_scale is None) == (kv is None)
@@ -119,12 +119,12 @@ def test_random_cache_shape_and_dtype(models):
 
 
 def test_copy_bandwidth_is_positive():
-    assert bench.copy_bandwidth(nbytes=2**22, repeats=2) > 0
+    assert bandwidth.copy_bandwidth(nbytes=2**22, repeats=2) > 0
 
 
 def test_cli_decode_writes_json(tmp_path, config_file, capsys):
     out = tmp_path / "decode.json"
-    assert bench.main(["decode", "--config", str(config_file), "--batch", "1,2", "--context", "4", "--steps", "2",
+    assert cli.main(["decode", "--config", str(config_file), "--batch", "1,2", "--context", "4", "--steps", "2",
                        "--repeats", "1", "--copy-mb", "4", "--kv-cache-dtype", "int8", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "achieved GB/s" in printed and "% of copy BW" in printed and "device: " in printed
@@ -133,12 +133,12 @@ def test_cli_decode_writes_json(tmp_path, config_file, capsys):
     assert result["kv_cache_dtype"] == "int8"
     assert [(r["batch"], r["context"]) for r in result["rows"]] == [(1, 4), (2, 4)]
     for row in result["rows"]:
-        assert set(bench.DECODE_COLUMNS) <= set(row)
+        assert set(timing.DECODE_COLUMNS) <= set(row)
         assert row["tok_s"] > 0 and row["mb_per_step"] > 0 and row["achieved_gbs"] > 0
 
 
 def test_random_checkpoint_loads_in_dsr1(tmp_path):
-    folder = bench.write_random_checkpoint(tmp_path / "ckpt", CFG, seed=3)
+    folder = compare_hf.write_random_checkpoint(tmp_path / "ckpt", CFG, seed=3)
     model = dsr1.load(folder, progress=False)
     assert model.cfg == CFG
     embed = np.asarray(model.params["embed"], np.float32)
@@ -151,7 +151,7 @@ def test_random_checkpoint_loads_in_dsr1(tmp_path):
 def test_cli_compare_hf(tmp_path, config_file, capsys):
     pytest.importorskip("transformers")
     out = tmp_path / "compare.json"
-    assert bench.main(["compare-hf", "--config", str(config_file), "--batch", "2", "--new-tokens", "4",
+    assert cli.main(["compare-hf", "--config", str(config_file), "--batch", "2", "--new-tokens", "4",
                        "--prompt-len", "6", "--repeats", "1", "--json", str(out)]) == 0
     assert "dsr1 / HF" in capsys.readouterr().out
     rows = json.loads(out.read_text())["rows"]

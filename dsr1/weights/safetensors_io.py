@@ -1,4 +1,5 @@
-"""Reading safetensors shards by memory map, with errors that name the file and tensor.
+"""Reading safetensors shards by memory map, with errors that name the file and tensor, and
+writing them one tensor at a time.
 
 The format is an 8-byte little-endian header length, a JSON header mapping each tensor name to
 `{dtype, shape, data_offsets}`, then the raw bytes. Reading through `numpy.memmap` lets a loader
@@ -10,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -83,3 +86,43 @@ def read_tensor(info: TensorInfo) -> np.ndarray:
     if info.end == info.begin:
         return np.zeros(info.shape, dtype)
     return np.memmap(info.file, dtype=dtype, mode="r", offset=info.begin, shape=info.shape)
+
+
+def safetensors_dtype(dtype: np.dtype) -> str:
+    """The safetensors name of a numpy dtype (`BF16` for `ml_dtypes.bfloat16`)."""
+    for name, known in DTYPES.items():
+        if known == np.dtype(dtype):
+            return name
+    raise CheckpointError(f"dtype {np.dtype(dtype)} has no safetensors equivalent")
+
+
+def write_safetensors(file: Path, layout: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+                      value: Callable[[str], np.ndarray], metadata: Mapping[str, str] | None = None) -> Path:
+    """Write one shard tensor by tensor: `layout` maps each name to its (shape, dtype), and
+    `value(name)` produces that tensor only when it is written, so host memory holds one tensor at a
+    time. The file appears under its name only once complete (written beside it, then renamed)."""
+    file = Path(file)
+    header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    for name, (shape, dtype) in layout.items():
+        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        header[name] = {"dtype": safetensors_dtype(dtype), "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)  # the data must start 8-byte aligned
+    tmp = file.with_name(f".{file.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little") + raw)
+            for name, (shape, dtype) in layout.items():
+                array = np.asarray(value(name))
+                if array.shape != tuple(shape):
+                    raise CheckpointError(f"{file}: tensor {name!r} has shape {list(array.shape)}, the layout "
+                                          f"says {list(shape)}")
+                f.write(np.ascontiguousarray(array, dtype=dtype).tobytes())
+        os.replace(tmp, file)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return file

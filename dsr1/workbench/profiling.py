@@ -19,9 +19,12 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from .. import api
+from .. import programs
 from ..api import Model
-from ..bench.__main__ import copy_bandwidth, mean_step_bytes, random_cache, time_decode
+from ..bench.accounting import mean_step_bytes
+from ..bench.bandwidth import copy_bandwidth
+from ..bench.timing import random_cache, time_decode
+from ..core.sharding import put_replicated
 
 BLOCKS = (  # (label, scope marker in an op's name path); the first match wins
     ("routed experts", "routed_experts"),
@@ -53,10 +56,6 @@ class DecodeProfile:
                 f"device time per step by block: {blocks}\n"
                 f"bandwidth: {self.bytes_per_step / 1e6:.1f} MB/step -> {self.achieved_gbs:.1f} GB/s achieved, "
                 f"{self.achieved_gbs / self.peak_gbs:.0%} of the measured {self.peak_gbs:.1f} GB/s copy bandwidth")
-
-
-def _put(model: Model, tokens: np.ndarray) -> jax.Array:
-    return jax.device_put(np.asarray(tokens, np.int32), api.replicated(model.mesh))
 
 
 def step_latencies(model: Model, batch: int, context: int, steps: int) -> np.ndarray:
@@ -95,8 +94,8 @@ def _scope_of_ops(hlo_text: str) -> dict[str, str]:
 def time_by_block(model: Model, batch: int, context: int, steps: int, logdir: str | Path | None = None) -> dict:
     """Device time per decode step by model block, from a `jax.profiler` trace of `steps` steps."""
     cache = random_cache(model, batch, context, context + steps + 2)
-    tokens = _put(model, np.ones(batch, np.int32))
-    hlo = api._decode.lower(model.params, cache, tokens, cfg=model.cfg, mesh=model.mesh).compile().as_text()
+    tokens = put_replicated(np.ones(batch, np.int32), model.mesh)
+    hlo = programs.decode.lower(model.params, cache, tokens, **model.program_kwargs).compile().as_text()
     blocks = _scope_of_ops(hlo)
     _, cache = model.decode(cache, tokens)  # compile the jitted path too
     logdir = Path(logdir or tempfile.mkdtemp(prefix="dsr1-trace-"))

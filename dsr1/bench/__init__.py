@@ -1,0 +1,9 @@
+"""Benchmarks, one concern per module (the command line is `python -m dsr1.bench`):
+
+- `accounting`: the bytes a decode step must read (weights touched, experts hit, cache).
+- `bandwidth`: the device's measured copy bandwidth and its description.
+- `timing`: greedy decode timed in one jitted loop on a cache built at any context.
+- `compare_hf`: the same random checkpoint through HF transformers and dsr1.
+- `report`: Markdown tables and the device and model lines.
+- `cli`: the `decode` and `compare-hf` commands.
+"""

@@ -1,0 +1,72 @@
+"""Printing benchmark results: Markdown tables (readable in a terminal, pasteable into docs), the
+device line and the model line. Units: MB = 1e6 bytes, GB/s = 1e9 bytes per second."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..api import Model
+
+DECODE_NOTES = """\
+MB read/step: bytes a decode step must read (MB = 1e6 B): attention, dense-MLP and shared-expert weights,
+  routers, norms and lm_head; the embedding rows of the step's tokens; only the distinct routed experts the
+  batch hit in each MoE layer (experts/layer, averaged over the steps); and the cached latents up to each
+  row's length, all layers (int8 values + scales when quantized).
+achieved GB/s = MB read/step / step time. % of copy BW = achieved GB/s / the measured copy bandwidth
+  (a jitted x + 1 over {copy_mb:.0f} MB: bytes read + written per second) = {copy_gbs:.2f} GB/s."""
+
+COMPARE_NOTES = """\
+decode tok/s = batch x (new tokens - 1) / decode time. HF decode time = generate(N) - generate(1); dsr1: prefill,
+then one jitted loop of N - 1 steps.
+same first token: rows whose first greedy token (from the prefill) agrees; bf16 rounding differs between the
+two, so later tokens may diverge."""
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A right-aligned Markdown table."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"
+
+    return "\n".join([line(headers), "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"]
+                     + [line(r) for r in rows])
+
+
+def decode_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The `decode` command's table, one line per (batch, context)."""
+    headers = ("batch", "context", "tok/s per seq", "aggregate tok/s", "MB read/step", "achieved GB/s",
+               "% of copy BW", "ms/step", "experts/layer")
+    cells = [(str(r["batch"]), str(r["context"]), f"{r['tok_s_per_seq']:.1f}", f"{r['tok_s']:.1f}",
+              f"{r['mb_per_step']:.1f}", f"{r['achieved_gbs']:.2f}", f"{r['pct_of_copy_bw']:.1f}%",
+              f"{r['step_ms']:.1f}", f"{r['distinct_experts_per_layer']:.1f}") for r in rows]
+    return markdown_table(headers, cells)
+
+
+def compare_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The `compare-hf` command's table, one line per batch size."""
+    headers = ("batch", "dsr1 decode tok/s", "HF decode tok/s", "dsr1 / HF", "dsr1 prefill ms", "HF prefill ms",
+               "same first token", "same tokens")
+    cells = [(str(r["batch"]), f"{r['dsr1_tok_s']:.1f}", f"{r['hf_tok_s']:.1f}", f"{r['ratio']:.2f}x",
+              f"{1e3 * r['dsr1_prefill_s']:.0f}", f"{1e3 * r['hf_prefill_s']:.0f}",
+              f"{100 * r['same_first_token']:.0f}%", f"{100 * r['same_tokens']:.0f}%") for r in rows]
+    return markdown_table(headers, cells)
+
+
+def model_line(model: Model, name: str) -> str:
+    """The model's shape and precision in one line."""
+    cfg = model.cfg
+    return (f"model: {name}, {cfg.num_hidden_layers} layers ({cfg.num_dense_layers} dense, {cfg.num_moe_layers} "
+            f"MoE), {cfg.n_routed_experts} experts top-{cfg.num_experts_per_tok}, weights {model.dtype}"
+            f"{' int8' if model.quant else ''} {model.weight_bytes() / 1e6:.0f} MB, "
+            f"KV cache {model.kv_cache_dtype or model.dtype}")
+
+
+def device_line(dev: dict[str, Any]) -> str:
+    """The device description (`bandwidth.device_description`) in one line."""
+    line = f"device: {dev['device_kind']} ({dev['platform']}, {dev['device_count']} device(s)"
+    if "cpu" in dev:
+        line += (f", {dev['cpu']}, {dev['cores']} cores; 1-min load average {dev['load_avg_start']:.1f} at the start, "
+                 f"{dev['load_avg_end']:.1f} at the end")
+    return line + f"), jax {dev['jax']}"

@@ -1,0 +1,66 @@
+"""The streaming safetensors writer: what it writes reads back bit for bit (with dsr1's reader and
+with the `safetensors` library), and a failure leaves no file behind."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from dsr1 import CheckpointError
+from dsr1.weights.safetensors_io import read_header, read_tensor, write_safetensors
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def arrays() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {
+        "a.weight": rng.standard_normal((3, 5)).astype(BF16),
+        "b.bias": rng.standard_normal(7).astype(np.float32),
+        "c.fp8": rng.standard_normal((2, 4)).astype(ml_dtypes.float8_e4m3fn),
+        "d.empty": np.zeros((0, 3), np.int32),
+        "e.odd": np.arange(3, dtype=np.int8),  # 3 bytes: later offsets are not aligned
+    }
+
+
+def test_round_trip(tmp_path):
+    tensors = arrays()
+    produced = []
+
+    def value(name: str) -> np.ndarray:
+        produced.append(name)
+        return tensors[name]
+
+    file = write_safetensors(tmp_path / "x.safetensors", {n: (a.shape, a.dtype) for n, a in tensors.items()}, value)
+    assert produced == list(tensors)  # each tensor produced once, in order, when written
+    header = read_header(file)
+    assert list(header) == list(tensors)
+    for name, expected in tensors.items():
+        got = read_tensor(header[name])
+        assert got.dtype == expected.dtype and got.shape == expected.shape
+        np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8))
+    assert list(tmp_path.iterdir()) == [file]
+
+
+def test_the_safetensors_library_reads_it(tmp_path):
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    tensors = {n: a for n, a in arrays().items() if a.dtype in (np.float32, np.int32, np.int8)}
+    file = write_safetensors(tmp_path / "x.safetensors", {n: (a.shape, a.dtype) for n, a in tensors.items()},
+                             tensors.__getitem__)
+    loaded = safetensors_numpy.load_file(str(file))
+    assert set(loaded) == set(tensors)
+    for name, expected in tensors.items():
+        np.testing.assert_array_equal(loaded[name], expected)
+
+
+def test_a_wrong_shape_leaves_no_file(tmp_path):
+    layout = {"w": ((2, 2), np.dtype(np.float32))}
+    with pytest.raises(CheckpointError, match=r"x.safetensors: tensor 'w' has shape \[3\], the layout says \[2, 2\]"):
+        write_safetensors(tmp_path / "x.safetensors", layout, lambda name: np.zeros(3, np.float32))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unknown_dtype_is_named(tmp_path):
+    with pytest.raises(CheckpointError, match="complex64 has no safetensors equivalent"):
+        write_safetensors(tmp_path / "x.safetensors", {"w": ((1,), np.dtype(np.complex64))}, lambda n: None)
