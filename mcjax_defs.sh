@@ -76,9 +76,30 @@ export MCJAX_PROVIDER MCJAX_CLUSTER MCJAX_ZONE MCJAX_PROJECT MCJAX_HOSTS MCJAX_H
 # Every function starts with `emulate -L ksh` under zsh: bash-like word splitting and arrays,
 # restored when the function returns, so the same code runs in both shells.
 
-_mcjax_err() {
-  echo "mcjax: error: $*" >&2
-  return 1
+# Errors: one convention for every script of the workbench.
+#  - A script run as a program (mcjax_setup.sh, cluster/*.sh) stops with `mcjax_die MESSAGE`:
+#    "<script>: MESSAGE" on stderr, exit status 1. A wrong command line is
+#    `mcjax_usage_error MESSAGE`: the same line plus a pointer to --help, exit status 2. Both are
+#    defined in cluster/common.sh and, identically, in mcjax_setup.sh (which runs before any of
+#    this is sourced); `--help` prints the script's usage() to stdout and exits 0.
+#  - The functions below run in the user's interactive shell, so they never exit: they fail
+#    with `_mcjax_fail STATUS MESSAGE; return` ("<function>: MESSAGE" on stderr, where
+#    <function> is the cluster_* function that was called, then return STATUS): 2 for a wrong
+#    call (usage), 1 for anything else.
+
+# _mcjax_fail STATUS MESSAGE...: print "<function>: MESSAGE" on stderr and return STATUS.
+_mcjax_fail() {
+  local rc=$1 name="" f  # not "status": read-only in zsh
+  shift
+  # The outermost cluster_* function on the call stack: the one the user (or a script) called.
+  if [ -n "${ZSH_VERSION:-}" ]; then
+    # shellcheck disable=SC2154  # zsh's call stack, innermost first
+    for f in "${funcstack[@]}"; do case "$f" in cluster_*) name=$f ;; esac; done
+  else
+    for f in "${FUNCNAME[@]}"; do case "$f" in cluster_*) name=$f ;; esac; done
+  fi
+  printf '%s: %s\n' "${name:-mcjax}" "$*" >&2
+  return "$rc"
 }
 
 _mcjax_is_uint() {
@@ -99,7 +120,7 @@ _mcjax_host_addr() {
   [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
   local addr
   addr=$(_mcjax_host_lines | sed -n "$(($1 + 1))p")
-  [ -n "$addr" ] || { _mcjax_err "host $1 is not in MCJAX_HOST_LIST ($MCJAX_HOST_LIST)"; return 1; }
+  [ -n "$addr" ] || { _mcjax_fail 1 "host $1 is not in MCJAX_HOST_LIST ($MCJAX_HOST_LIST)"; return; }
   echo "$addr"
 }
 
@@ -124,17 +145,17 @@ cluster_internal_ips() {
   case "$MCJAX_PROVIDER" in
     gcloud)
       ips=$(_mcjax_gcloud_tpu describe "$MCJAX_CLUSTER" --format='value(networkEndpoints[].ipAddress)') ||
-        { _mcjax_err "gcloud could not describe TPU VM '$MCJAX_CLUSTER' (zone '${MCJAX_ZONE:-default}')"; return 1; }
+        { _mcjax_fail 1 "gcloud could not describe TPU VM '$MCJAX_CLUSTER' (zone '${MCJAX_ZONE:-default}')"; return; }
       printf '%s\n' "$ips" | tr ';, ' '\n' | sed '/^$/d'
       ;;
     ssh)
-      [ -n "$MCJAX_HOST_LIST" ] || { _mcjax_err "MCJAX_HOST_LIST is empty (the ssh provider needs the hosts, host 0 first)"; return 1; }
+      [ -n "$MCJAX_HOST_LIST" ] || { _mcjax_fail 1 "MCJAX_HOST_LIST is empty (the ssh provider needs the hosts, host 0 first)"; return; }
       for host in $(_mcjax_host_lines); do
         host=${host#*@}
         case "$host" in
           *[!0-9.]*)
             ip=$(getent ahostsv4 "$host" 2>/dev/null | awk 'NR == 1 { print $1 }')
-            [ -n "$ip" ] || { _mcjax_err "cannot resolve host '$host' to an IPv4 address (set MCJAX_INTERNAL_IPS)"; return 1; }
+            [ -n "$ip" ] || { _mcjax_fail 1 "cannot resolve host '$host' to an IPv4 address (set MCJAX_INTERNAL_IPS)"; return; }
             echo "$ip"
             ;;
           *) echo "$host" ;;
@@ -150,8 +171,8 @@ cluster_internal_ips() {
       done
       ;;
     *)
-      _mcjax_err "unknown MCJAX_PROVIDER '$MCJAX_PROVIDER' (gcloud, ssh or local)"
-      return 1
+      _mcjax_fail 1 "unknown MCJAX_PROVIDER '$MCJAX_PROVIDER' (gcloud, ssh or local)"
+      return
       ;;
   esac
 }
@@ -161,7 +182,7 @@ cluster_host_count() {
   [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
   local n
   if [ -n "$MCJAX_HOSTS" ]; then
-    _mcjax_is_uint "$MCJAX_HOSTS" || { _mcjax_err "MCJAX_HOSTS='$MCJAX_HOSTS' is not a number"; return 1; }
+    _mcjax_is_uint "$MCJAX_HOSTS" || { _mcjax_fail 1 "MCJAX_HOSTS='$MCJAX_HOSTS' is not a number"; return; }
     echo "$MCJAX_HOSTS"
     return 0
   fi
@@ -170,7 +191,7 @@ cluster_host_count() {
       if [ -f "$MCJAX_STATE/local.env" ]; then
         n=$(sed -n 's/^MCJAX_HOSTS=//p' "$MCJAX_STATE/local.env")
       fi
-      [ -n "${n:-}" ] || { _mcjax_err "no local cluster in $MCJAX_STATE: set MCJAX_HOSTS or run ./mcjax_setup.sh --local N"; return 1; }
+      [ -n "${n:-}" ] || { _mcjax_fail 1 "no local cluster in $MCJAX_STATE: set MCJAX_HOSTS or run ./mcjax_setup.sh --local N"; return; }
       echo "$n"
       ;;
     ssh) _mcjax_host_lines | wc -l | tr -d ' ' ;;
@@ -204,7 +225,7 @@ _mcjax_exec_one() {
       _mcjax_gcloud_tpu ssh "$MCJAX_CLUSTER" --quiet --worker="$i" --command="export MCJAX_HOST_INDEX=$i; $cmd"
       ;;
     *)
-      _mcjax_err "unknown MCJAX_PROVIDER '$MCJAX_PROVIDER' (gcloud, ssh or local)"
+      _mcjax_fail 1 "unknown MCJAX_PROVIDER '$MCJAX_PROVIDER' (gcloud, ssh or local)"
       ;;
   esac
 }
@@ -216,25 +237,25 @@ _mcjax_exec_one() {
 cluster_exec() {
   [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
   if [ "$#" -lt 3 ]; then
-    echo "usage: cluster_exec FIRST LAST CMD..." >&2
-    return 2
+    _mcjax_fail 2 "usage: cluster_exec FIRST LAST CMD..."
+    return
   fi
   local first=$1 last=$2 cmd n tmp i rc ret failed
   shift 2
   cmd="$*"
   if ! _mcjax_is_uint "$first" || ! _mcjax_is_uint "$last" || [ "$first" -gt "$last" ]; then
-    _mcjax_err "cluster_exec: bad host range '$first'..'$last' (want 0 <= FIRST <= LAST)"
-    return 2
+    _mcjax_fail 2 "bad host range '$first'..'$last' (want 0 <= FIRST <= LAST; usage: cluster_exec FIRST LAST CMD...)"
+    return
   fi
   n=$(cluster_host_count) || return 2
   if [ "$last" -ge "$n" ]; then
-    _mcjax_err "cluster_exec: host $last does not exist (the cluster has $n hosts: 0..$((n - 1)))"
-    return 2
+    _mcjax_fail 2 "host $last does not exist (the cluster has $n hosts: 0..$((n - 1)))"
+    return
   fi
   if [ "$first" -eq "$last" ]; then
     _mcjax_exec_one "$first" "$cmd"
     rc=$?
-    [ "$rc" -eq 0 ] || echo "cluster_exec: host $first failed (exit status $rc)" >&2
+    [ "$rc" -eq 0 ] || _mcjax_fail "$rc" "host $first failed (exit status $rc)"
     return "$rc"
   fi
   tmp=$(mktemp -d "${TMPDIR:-/tmp}/mcjax_exec.XXXXXX") || return 1
@@ -263,7 +284,7 @@ cluster_exec() {
   done
   rm -rf "$tmp"
   if [ "$ret" -ne 0 ]; then
-    echo "cluster_exec: failed on${failed%,}" >&2
+    _mcjax_fail "$ret" "failed on${failed%,}"
   fi
   return "$ret"
 }
@@ -273,7 +294,7 @@ cluster_ssh() {
   [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
   local i=${1:-0} addr
   [ "$#" -eq 0 ] || shift
-  _mcjax_is_uint "$i" || { echo "usage: cluster_ssh HOST [CMD...]" >&2; return 2; }
+  _mcjax_is_uint "$i" || { _mcjax_fail 2 "bad host '$i' (want a host number; usage: cluster_ssh HOST [CMD...])"; return; }
   case "$MCJAX_PROVIDER" in
     local)
       if [ "$#" -gt 0 ]; then _mcjax_exec_one "$i" "$*"; else (cd "$MCJAX_STATE" && MCJAX_HOST_INDEX=$i bash -i); fi
@@ -291,7 +312,7 @@ cluster_ssh() {
         _mcjax_gcloud_tpu ssh "$MCJAX_CLUSTER" --worker="$i"
       fi
       ;;
-    *) _mcjax_err "unknown MCJAX_PROVIDER '$MCJAX_PROVIDER'" ;;
+    *) _mcjax_fail 1 "unknown MCJAX_PROVIDER '$MCJAX_PROVIDER' (gcloud, ssh or local)" ;;
   esac
 }
 
@@ -301,11 +322,11 @@ cluster_ssh() {
 cluster_scp() {
   [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
   if [ "$#" -lt 2 ]; then
-    echo "usage: cluster_scp SRC DEST_DIR [FIRST [LAST]]" >&2
-    return 2
+    _mcjax_fail 2 "usage: cluster_scp SRC DEST_DIR [FIRST [LAST]]"
+    return
   fi
   local src=$1 dest=$2 first=${3:-0} last=${4:-} n i rc ret=0 parent base
-  [ -e "$src" ] || { _mcjax_err "cluster_scp: '$src' does not exist"; return 2; }
+  [ -e "$src" ] || { _mcjax_fail 2 "'$src' does not exist"; return; }
   n=$(cluster_host_count) || return 2
   [ -n "$last" ] || last=$((n - 1))
   if [ "$MCJAX_DRY_RUN" = 1 ]; then
@@ -326,7 +347,7 @@ cluster_scp() {
     tar -C "$parent" -czf - "$base" | _mcjax_exec_one "$i" "mkdir -p $dest && tar -xzf - -C $dest"
     rc=$?
     if [ "$rc" -ne 0 ]; then
-      echo "cluster_scp: copy to host $i failed (exit status $rc)" >&2
+      _mcjax_fail "$rc" "copy to host $i failed (exit status $rc)" || true  # go on with the next host
       [ "$ret" -ne 0 ] || ret=$rc
     fi
     i=$((i + 1))
@@ -339,7 +360,10 @@ cluster_scp() {
 cluster_restart() {
   [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
   local what=${1:-engines} n remote
-  case "$what" in engines | all) ;; *) echo "usage: cluster_restart [engines|all]" >&2; return 2 ;; esac
+  case "$what" in
+    engines | all) ;;
+    *) _mcjax_fail 2 "unknown argument '$what' (usage: cluster_restart [engines|all])"; return ;;
+  esac
   if [ "$MCJAX_PROVIDER" = local ]; then
     bash "$MCJAX_ROOT/cluster/local.sh" restart "$what"
     return
@@ -373,7 +397,7 @@ cluster_status() {
 cluster_port_forward() {
   [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
   local port=${1:-$MCJAX_JUPYTER_PORT} addr
-  _mcjax_is_uint "$port" || { echo "usage: cluster_port_forward [PORT]" >&2; return 2; }
+  _mcjax_is_uint "$port" || { _mcjax_fail 2 "bad port '$port' (usage: cluster_port_forward [PORT])"; return; }
   echo "forwarding http://127.0.0.1:$port -> host 0 127.0.0.1:$port (Ctrl-C to stop)"
   case "$MCJAX_PROVIDER" in
     local)
@@ -388,6 +412,6 @@ cluster_port_forward() {
     gcloud)
       _mcjax_gcloud_tpu ssh "$MCJAX_CLUSTER" --worker=0 -- -N -L "127.0.0.1:$port:127.0.0.1:$port"
       ;;
-    *) _mcjax_err "unknown MCJAX_PROVIDER '$MCJAX_PROVIDER'" ;;
+    *) _mcjax_fail 1 "unknown MCJAX_PROVIDER '$MCJAX_PROVIDER' (gcloud, ssh or local)" ;;
   esac
 }

@@ -1,24 +1,6 @@
 #!/usr/bin/env bash
 # mcjax_setup.sh: prepare a cluster for the multi-host JAX notebook (settings: mcjax_defs.sh).
-#
-#   ./mcjax_setup.sh [--steps LIST] [--dry-run]   set up the cluster of $MCJAX_PROVIDER (gcloud or ssh)
-#   ./mcjax_setup.sh --local N                    a simulated cluster here: controller + N-1 engines on 127.0.0.1
-#   ./mcjax_setup.sh --stop | --local-stop        stop what setup started: the local cluster, or with
-#                                                 MCJAX_PROVIDER=gcloud|ssh the real cluster's
-#                                                 controller, engines and Jupyter
-#   ./mcjax_setup.sh --status                     the same choice: local, or MCJAX_PROVIDER's cluster
-#   ./mcjax_setup.sh --print-exports              print the NFS export lines host 0 would get (changes nothing)
-#   ./mcjax_setup.sh --print-env                  print the settings file (mcjax.env) the hosts would get
-#
-# Steps (default: all, in this order; every one is idempotent, so rerunning setup is safe):
-#   check      the provider's tools, the hosts and their internal IPs
-#   push       copy mcjax_defs.sh, cluster/ and the settings (mcjax.env) to ~/$MCJAX_REMOTE_DIR on every host
-#   nfs        host 0 exports $MCJAX_NFS_DIR to the hosts' internal IPs only; the others mount it (fstab)
-#   gcsfuse    mount gs://$MCJAX_BUCKET on $MCJAX_BUCKET_DIR on every host (skipped when MCJAX_BUCKET is empty)
-#   code       copy this repository (without .git) to $MCJAX_REPO_DIR on the shared folder
-#   venv       a venv $MCJAX_VENV per host with dsr1[notebook] (+ $MCJAX_JAX_SPEC)
-#   ipcluster  ipyparallel controller on host 0 (bound to its internal IP), one engine on hosts 1..N-1
-#   jupyter    Jupyter on host 0, bound to 127.0.0.1 (reach it with cluster_port_forward)
+# ./mcjax_setup.sh --help prints the usage: the text of usage() below.
 set -euo pipefail
 
 SETUP_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -26,7 +8,41 @@ PROVIDER_WAS_SET=${MCJAX_PROVIDER+x}
 ALL_STEPS="check push nfs gcsfuse code venv ipcluster jupyter"
 
 usage() {
-  sed -n '3,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  cat <<'EOF'
+mcjax_setup.sh: prepare a cluster for the multi-host JAX notebook (settings: mcjax_defs.sh).
+
+  ./mcjax_setup.sh [--steps LIST] [--dry-run]   set up the cluster of $MCJAX_PROVIDER (gcloud or ssh)
+  ./mcjax_setup.sh --local N                    a simulated cluster here: controller + N-1 engines on 127.0.0.1
+  ./mcjax_setup.sh --stop | --local-stop        stop what setup started: the local cluster, or with
+                                                MCJAX_PROVIDER=gcloud|ssh the real cluster's
+                                                controller, engines and Jupyter
+  ./mcjax_setup.sh --status                     the same choice: local, or MCJAX_PROVIDER's cluster
+  ./mcjax_setup.sh --print-exports              print the NFS export lines host 0 would get (changes nothing)
+  ./mcjax_setup.sh --print-env                  print the settings file (mcjax.env) the hosts would get
+  ./mcjax_setup.sh --help                       this text
+
+Steps (default: all, in this order; every one is idempotent, so rerunning setup is safe):
+  check      the provider's tools, the hosts and their internal IPs
+  push       copy mcjax_defs.sh, cluster/ and the settings (mcjax.env) to ~/$MCJAX_REMOTE_DIR on every host
+  nfs        host 0 exports $MCJAX_NFS_DIR to the hosts' internal IPs only; the others mount it (fstab)
+  gcsfuse    mount gs://$MCJAX_BUCKET on $MCJAX_BUCKET_DIR on every host (skipped when MCJAX_BUCKET is empty)
+  code       copy this repository (without .git) to $MCJAX_REPO_DIR on the shared folder
+  venv       a venv $MCJAX_VENV per host with dsr1[notebook] (+ $MCJAX_JAX_SPEC)
+  ipcluster  ipyparallel controller on host 0 (bound to its internal IP), one engine on hosts 1..N-1
+  jupyter    Jupyter on host 0, bound to 127.0.0.1 (reach it with cluster_port_forward)
+EOF
+}
+
+# Errors: the convention of mcjax_defs.sh ("Errors"); the same two functions as cluster/common.sh,
+# which this script does not source.
+# mcjax_die MESSAGE...: "<script>: MESSAGE" on stderr, exit status 1.
+mcjax_die() {
+  printf '%s: %s\n' "${0##*/}" "$*" >&2
+  exit 1
+}
+# mcjax_usage_error MESSAGE...: a wrong command line: the same, a pointer to --help, exit status 2.
+mcjax_usage_error() {
+  printf "%s: %s\nTry '%s --help'.\n" "${0##*/}" "$*" "${0##*/}" >&2
   exit 2
 }
 
@@ -34,31 +50,39 @@ step() {
   printf '\n==> %s\n' "$*"
 }
 
-die() {
-  echo "mcjax_setup: ERROR: $*" >&2
-  exit 1
-}
-
 steps=$ALL_STEPS
 mode=setup
 local_n=""
 while [ "$#" -gt 0 ]; do
   case "$1" in
-    --local) mode=local; local_n=${2:-}; shift ;;
+    --local)
+      [ "$#" -ge 2 ] || mcjax_usage_error "--local needs N, the number of processes"
+      mode=local; local_n=$2; shift ;;
     --local=*) mode=local; local_n=${1#--local=} ;;
     --stop) mode=stop ;;
     --local-stop) mode=local-stop ;;
     --status) mode=status ;;
     --print-exports) mode=exports ;;
     --print-env) mode=print-env ;;
-    --steps) steps=$(echo "${2:-}" | tr ',' ' '); shift ;;
+    --steps)
+      [ "$#" -ge 2 ] || mcjax_usage_error "--steps needs a LIST, e.g. --steps push,code,venv"
+      steps=$(echo "$2" | tr ',' ' '); shift ;;
     --steps=*) steps=$(echo "${1#--steps=}" | tr ',' ' ') ;;
     --dry-run) export MCJAX_DRY_RUN=1 ;;
-    -h | --help) usage ;;
-    *) echo "mcjax_setup: unknown argument '$1'" >&2; usage ;;
+    -h | --help) usage; exit 0 ;;
+    *) mcjax_usage_error "unknown argument '$1'" ;;
   esac
   shift
 done
+
+if [ "$mode" = local ] && ! { [[ $local_n =~ ^[0-9]+$ ]] && [ "$local_n" -ge 2 ]; }; then
+  mcjax_usage_error "--local needs N >= 2 (a controller, N-1 engines, and the notebook kernel as process N-1), not '$local_n'"
+fi
+if [ "$mode" = setup ]; then
+  for s in $steps; do
+    case " $ALL_STEPS " in *" $s "*) ;; *) mcjax_usage_error "unknown step '$s' (steps: $ALL_STEPS)" ;; esac
+  done
+fi
 
 # Without a provider named, --stop and --status mean the local cluster (a real one needs
 # MCJAX_PROVIDER set), so that they never reach out to a cloud by default.
@@ -80,7 +104,7 @@ if [ "$MCJAX_PROVIDER" = local ]; then
     stop) exec bash "$SETUP_DIR/cluster/local.sh" stop ;;
     status) exec bash "$SETUP_DIR/cluster/local.sh" status ;;
     exports) ;;
-    *) die "MCJAX_PROVIDER=local: use ./mcjax_setup.sh --local N" ;;
+    *) mcjax_die "MCJAX_PROVIDER=local: use ./mcjax_setup.sh --local N" ;;
   esac
 fi
 
@@ -91,9 +115,9 @@ if [ "$mode" = exports ]; then
   exec bash "$SETUP_DIR/cluster/nfs.sh" exports $(cluster_internal_ips)
 fi
 
-N=$(cluster_host_count) || die "cannot tell how many hosts the cluster has"
-IPS=$(cluster_internal_ips) || die "cannot get the hosts' internal IPs"
-[ "$(echo "$IPS" | wc -l)" -eq "$N" ] || die "$N hosts but $(echo "$IPS" | wc -l) internal IPs: $(echo "$IPS" | tr '\n' ' ')"
+N=$(cluster_host_count) || mcjax_die "cannot tell how many hosts the cluster has"
+IPS=$(cluster_internal_ips) || mcjax_die "cannot get the hosts' internal IPs"
+[ "$(echo "$IPS" | wc -l)" -eq "$N" ] || mcjax_die "$N hosts but $(echo "$IPS" | wc -l) internal IPs: $(echo "$IPS" | tr '\n' ' ')"
 HOST0_IP=$(echo "$IPS" | head -n 1)
 LAST=$((N - 1))
 
@@ -133,19 +157,15 @@ case "$mode" in
 esac
 
 for s in $steps; do
-  case " $ALL_STEPS " in *" $s "*) ;; *) die "unknown step '$s' (steps: $ALL_STEPS)" ;; esac
-done
-
-for s in $steps; do
   case "$s" in
     check)
       step "check: provider $MCJAX_PROVIDER, $N hosts"
       case "$MCJAX_PROVIDER" in
-        gcloud) command -v gcloud >/dev/null || die "gcloud is not installed (https://cloud.google.com/sdk)" ;;
-        ssh) command -v ssh >/dev/null || die "ssh is not installed" ;;
-        *) die "unknown MCJAX_PROVIDER '$MCJAX_PROVIDER' (gcloud, ssh or local)" ;;
+        gcloud) command -v gcloud >/dev/null || mcjax_die "gcloud is not installed (https://cloud.google.com/sdk)" ;;
+        ssh) command -v ssh >/dev/null || mcjax_die "ssh is not installed" ;;
+        *) mcjax_die "unknown MCJAX_PROVIDER '$MCJAX_PROVIDER' (gcloud, ssh or local)" ;;
       esac
-      [ "$N" -ge 2 ] || die "a cluster needs at least 2 hosts (host 0: controller + kernel; hosts 1..N-1: engines)"
+      [ "$N" -ge 2 ] || mcjax_die "a cluster needs at least 2 hosts (host 0: controller + kernel; hosts 1..N-1: engines)"
       i=0
       for ip in $IPS; do
         echo "  host $i: internal IP $ip"
@@ -164,7 +184,7 @@ for s in $steps; do
       write_env >"$stage/$MCJAX_REMOTE_DIR/mcjax.env"
       i=0
       while [ "$i" -le "$LAST" ]; do
-        cluster_scp "$stage/$MCJAX_REMOTE_DIR" . "$i" "$i" || die "copying the scripts to host $i failed"
+        cluster_scp "$stage/$MCJAX_REMOTE_DIR" . "$i" "$i" || mcjax_die "copying the scripts to host $i failed"
         i=$((i + 1))
       done
       ;;
@@ -172,15 +192,15 @@ for s in $steps; do
       step "nfs: host 0 exports $MCJAX_NFS_DIR to the $N hosts' internal IPs; hosts 1..$LAST mount it"
       # shellcheck disable=SC2086  # one argument per IP
       bash "$SETUP_DIR/cluster/nfs.sh" exports $IPS
-      cluster_exec 0 0 "$REMOTE/nfs.sh server $(echo "$IPS" | tr '\n' ' ')" || die "NFS server setup on host 0 failed"
-      cluster_exec 1 "$LAST" "$REMOTE/nfs.sh client $HOST0_IP" || die "NFS mounts failed (see the hosts named above)"
+      cluster_exec 0 0 "$REMOTE/nfs.sh server $(echo "$IPS" | tr '\n' ' ')" || mcjax_die "NFS server setup on host 0 failed"
+      cluster_exec 1 "$LAST" "$REMOTE/nfs.sh client $HOST0_IP" || mcjax_die "NFS mounts failed (see the hosts named above)"
       ;;
     gcsfuse)
       if [ -z "$MCJAX_BUCKET" ]; then
         step "gcsfuse: skipped (MCJAX_BUCKET is empty)"
       else
         step "gcsfuse: gs://$MCJAX_BUCKET on $MCJAX_BUCKET_DIR on every host"
-        cluster_exec 0 "$LAST" "$REMOTE/gcsfuse.sh mount" || die "gcsfuse mounts failed (see the hosts named above)"
+        cluster_exec 0 "$LAST" "$REMOTE/gcsfuse.sh mount" || mcjax_die "gcsfuse mounts failed (see the hosts named above)"
       fi
       ;;
     code)
@@ -191,23 +211,23 @@ for s in $steps; do
       fi
       tar -C "$SETUP_DIR" --exclude=.git --exclude=.venv --exclude=__pycache__ --exclude='*.egg-info' -czf - . |
         cluster_exec 0 0 "mkdir -p '$MCJAX_REPO_DIR' && tar -xzf - -C '$MCJAX_REPO_DIR'" ||
-        die "copying the code to host 0 failed"
+        mcjax_die "copying the code to host 0 failed"
       ;;
     venv)
       step "venv: $MCJAX_VENV with dsr1[notebook] ${MCJAX_JAX_SPEC} on host 0, then hosts 1..$LAST"
       # Host 0 first: the editable install writes build metadata into the shared source folder.
-      cluster_exec 0 0 "$REMOTE/venv.sh install" || die "venv setup on host 0 failed"
-      cluster_exec 1 "$LAST" "$REMOTE/venv.sh install" || die "venv setup failed (see the hosts named above)"
+      cluster_exec 0 0 "$REMOTE/venv.sh install" || mcjax_die "venv setup on host 0 failed"
+      cluster_exec 1 "$LAST" "$REMOTE/venv.sh install" || mcjax_die "venv setup failed (see the hosts named above)"
       ;;
     ipcluster)
       step "ipcluster: controller on host 0 ($HOST0_IP), engines on hosts 1..$LAST"
-      cluster_exec 0 0 "$REMOTE/ipcluster.sh controller start $HOST0_IP" || die "the controller did not start"
-      cluster_exec 1 "$LAST" "$REMOTE/ipcluster.sh engine start" || die "engines did not start (see the hosts named above)"
-      cluster_exec 0 0 "$REMOTE/ipcluster.sh wait $LAST" || die "the engines did not register; try cluster_restart"
+      cluster_exec 0 0 "$REMOTE/ipcluster.sh controller start $HOST0_IP" || mcjax_die "the controller did not start"
+      cluster_exec 1 "$LAST" "$REMOTE/ipcluster.sh engine start" || mcjax_die "engines did not start (see the hosts named above)"
+      cluster_exec 0 0 "$REMOTE/ipcluster.sh wait $LAST" || mcjax_die "the engines did not register; try cluster_restart"
       ;;
     jupyter)
       step "jupyter: on host 0, 127.0.0.1:$MCJAX_JUPYTER_PORT"
-      cluster_exec 0 0 "$REMOTE/ipcluster.sh jupyter start" || die "Jupyter did not start"
+      cluster_exec 0 0 "$REMOTE/ipcluster.sh jupyter start" || mcjax_die "Jupyter did not start"
       ;;
   esac
 done

@@ -19,9 +19,17 @@ mcjax_log() {
   printf '[mcjax%s] %s\n' "${MCJAX_HOST_INDEX:+ host $MCJAX_HOST_INDEX}" "$*"
 }
 
+# The programs' side of the error convention (see "Errors" in mcjax_defs.sh); mcjax_setup.sh
+# has the same two functions. Each program defines usage(), its --help text.
+# mcjax_die MESSAGE...: "<script>: MESSAGE" on stderr, exit status 1.
 mcjax_die() {
-  printf '[mcjax%s] ERROR: %s\n' "${MCJAX_HOST_INDEX:+ host $MCJAX_HOST_INDEX}" "$*" >&2
+  printf '%s: %s\n' "${0##*/}" "$*" >&2
   exit 1
+}
+# mcjax_usage_error MESSAGE...: a wrong command line: the same, a pointer to --help, exit status 2.
+mcjax_usage_error() {
+  printf "%s: %s\nTry '%s --help'.\n" "${0##*/}" "$*" "${0##*/}" >&2
+  exit 2
 }
 
 # Run as root: directly when we are root, else through sudo.
@@ -231,7 +239,7 @@ print(f"[mcjax] {n} engines registered")
 EOF
 }
 
-# Write $MCJAX_STATE/cluster.json, which dsr1.cluster.connect() reads.
+# Write $MCJAX_STATE/cluster.json, which dsr1.workbench.cluster.connect() reads.
 mcjax_write_cluster_json() {
   local engines=$1 controller_ip=$2 py
   py=$(mcjax_python)

@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
 # cluster/gcsfuse.sh: mount the GCS bucket $MCJAX_BUCKET on $MCJAX_BUCKET_DIR (every host; optional).
-#
-#   gcsfuse.sh mount     install gcsfuse if missing, mount the bucket, persist it in /etc/fstab
-#   gcsfuse.sh unmount
-#
-# Idempotent: an existing mount and fstab line are kept. Does nothing when MCJAX_BUCKET is empty.
+# gcsfuse.sh --help prints the usage: the text of usage() below.
 # shellcheck source-path=SCRIPTDIR source=common.sh
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+usage() {
+  cat <<'EOF'
+gcsfuse.sh: mount the GCS bucket $MCJAX_BUCKET on $MCJAX_BUCKET_DIR (every host; optional).
+
+  gcsfuse.sh mount     install gcsfuse if missing, mount the bucket, persist it in /etc/fstab
+  gcsfuse.sh unmount
+  gcsfuse.sh --help    this text
+
+Idempotent: an existing mount and fstab line are kept. Does nothing when MCJAX_BUCKET is empty.
+EOF
+}
 
 : "${MCJAX_FSTAB:=/etc/fstab}"
 
@@ -53,5 +61,7 @@ cmd_unmount() {
 case "${1:-}" in
   mount) cmd_mount ;;
   unmount) cmd_unmount ;;
-  *) sed -n '3,5p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  -h | --help) usage ;;
+  '') mcjax_usage_error "no command given (mount or unmount)" ;;
+  *) mcjax_usage_error "unknown command '$1'" ;;
 esac

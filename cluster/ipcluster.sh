@@ -1,22 +1,26 @@
 #!/usr/bin/env bash
-# cluster/ipcluster.sh: the ipyparallel controller (host 0), the engines (hosts 1..N-1) and the
-# Jupyter server (host 0) of a real cluster, run on the host itself by mcjax_setup.sh /
-# cluster_restart through cluster_exec.
-#
-#   ipcluster.sh controller start|stop|restart [IP]   IP: host 0's internal address (default: first of cluster_internal_ips)
-#   ipcluster.sh engine start|stop|restart            this host's engine (index $MCJAX_HOST_INDEX)
-#   ipcluster.sh wait N                               wait until N engines are registered (host 0)
-#   ipcluster.sh jupyter start|stop                   Jupyter on 127.0.0.1:$MCJAX_JUPYTER_PORT (host 0)
-#   ipcluster.sh status
-#
-# "start" keeps a running process (idempotent); "restart" replaces it. Processes are recorded in
-# pid files under $MCJAX_STATE/pids and only those are ever stopped.
+# cluster/ipcluster.sh: the ipyparallel controller, the engines and Jupyter of a real cluster, run
+# on each host by mcjax_setup.sh / cluster_restart through cluster_exec.
+# ipcluster.sh --help prints the usage: the text of usage() below.
 # shellcheck source-path=SCRIPTDIR source=common.sh
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 usage() {
-  sed -n '6,10p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
-  exit 2
+  cat <<'EOF'
+ipcluster.sh: the ipyparallel controller (host 0), the engines (hosts 1..N-1) and the Jupyter
+server (host 0) of a real cluster, run on the host itself by mcjax_setup.sh / cluster_restart
+through cluster_exec.
+
+  ipcluster.sh controller start|stop|restart [IP]   IP: host 0's internal address (default: first of cluster_internal_ips)
+  ipcluster.sh engine start|stop|restart            this host's engine (index $MCJAX_HOST_INDEX)
+  ipcluster.sh wait N                               wait until N engines are registered (host 0)
+  ipcluster.sh jupyter start|stop                   Jupyter on 127.0.0.1:$MCJAX_JUPYTER_PORT (host 0)
+  ipcluster.sh status
+  ipcluster.sh --help                               this text
+
+"start" keeps a running process (idempotent); "restart" replaces it. Processes are recorded in
+pid files under $MCJAX_STATE/pids and only those are ever stopped.
+EOF
 }
 
 host_index() {
@@ -40,12 +44,16 @@ controller() {
       mcjax_write_cluster_json $((n - 1)) "$ip"
       ;;
     stop) mcjax_stop controller ;;
-    *) usage ;;
+    *) mcjax_usage_error "controller needs start, stop or restart, not '$action'" ;;
   esac
 }
 
 engine() {
   local action=$1 i pid
+  case "$action" in
+    start | restart | stop) ;;
+    *) mcjax_usage_error "engine needs start, stop or restart, not '$action'" ;;
+  esac
   i=$(host_index)
   case "$action" in
     start | restart)
@@ -60,7 +68,6 @@ engine() {
       mcjax_engine_start "$i"
       ;;
     stop) mcjax_stop "engine-$i" ;;
-    *) usage ;;
   esac
 }
 
@@ -81,7 +88,7 @@ jupyter() {
       mcjax_log "Jupyter on host 0 at 127.0.0.1:$MCJAX_JUPYTER_PORT: run cluster_port_forward on your machine; token: $MCJAX_VENV/bin/jupyter server list"
       ;;
     stop) mcjax_stop jupyter "$marker" ;;
-    *) usage ;;
+    *) mcjax_usage_error "jupyter needs start or stop, not '$action'" ;;
   esac
 }
 
@@ -103,8 +110,13 @@ status() {
 case "${1:-}" in
   controller) controller "${2:-}" "${3:-}" ;;
   engine) engine "${2:-}" ;;
-  wait) mcjax_wait_engines "${2:?usage: ipcluster.sh wait N}" ;;
+  wait)
+    _mcjax_is_uint "${2:-}" || mcjax_usage_error "wait needs N, the number of engines, not '${2:-}'"
+    mcjax_wait_engines "$2"
+    ;;
   jupyter) jupyter "${2:-}" ;;
   status) status ;;
-  *) usage ;;
+  -h | --help) usage ;;
+  '') mcjax_usage_error "no command given (controller, engine, wait, jupyter or status)" ;;
+  *) mcjax_usage_error "unknown command '$1'" ;;
 esac

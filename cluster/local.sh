@@ -1,15 +1,6 @@
 #!/usr/bin/env bash
 # cluster/local.sh: a simulated cluster on this machine (what ./mcjax_setup.sh --local N runs).
-#
-#   local.sh start N            controller + N-1 engines on 127.0.0.1 (the notebook kernel is process N-1)
-#   local.sh stop               stop exactly the processes this script started (pid files)
-#   local.sh restart [engines|all]
-#   local.sh status             exit status 0 when the controller and every engine are running
-#
-# Each engine is an ipyparallel engine with JAX_PLATFORMS=cpu and
-# XLA_FLAGS=--xla_force_host_platform_device_count=$MCJAX_LOCAL_DEVICES, run by the current Python
-# ($MCJAX_PYTHON): no venv is created. Everything lives under $MCJAX_STATE: pid files, logs,
-# the ipyparallel profile (connection files) and cluster.json for dsr1.cluster.connect().
+# local.sh --help prints the usage: the text of usage() below.
 MCJAX_PROVIDER=local
 export MCJAX_PROVIDER
 # shellcheck source-path=SCRIPTDIR source=common.sh
@@ -18,8 +9,20 @@ export MCJAX_PROVIDER
 LOCAL_ENV="$MCJAX_STATE/local.env"
 
 usage() {
-  sed -n '3,7p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
-  exit 2
+  cat <<'EOF'
+local.sh: a simulated cluster on this machine (what ./mcjax_setup.sh --local N runs).
+
+  local.sh start N            controller + N-1 engines on 127.0.0.1 (the notebook kernel is process N-1)
+  local.sh stop               stop exactly the processes this script started (pid files)
+  local.sh restart [engines|all]
+  local.sh status             exit status 0 when the controller and every engine are running
+  local.sh --help             this text
+
+Each engine is an ipyparallel engine with JAX_PLATFORMS=cpu and
+XLA_FLAGS=--xla_force_host_platform_device_count=$MCJAX_LOCAL_DEVICES, run by the current Python
+($MCJAX_PYTHON): no venv is created. Everything lives under $MCJAX_STATE: pid files, logs,
+the ipyparallel profile (connection files) and cluster.json for dsr1.workbench.cluster.connect().
+EOF
 }
 
 # The cluster size recorded by the last start.
@@ -72,7 +75,7 @@ healthy() {
 cmd_start() {
   local n=${1:-}
   _mcjax_is_uint "$n" && [ "$n" -ge 2 ] ||
-    mcjax_die "usage: mcjax_setup.sh --local N with N >= 2 (a controller, N-1 engines, and the notebook kernel as process N-1)"
+    mcjax_usage_error "start needs N >= 2 (a controller, N-1 engines, and the notebook kernel as process N-1), not '$n'"
   _mcjax_is_uint "$MCJAX_LOCAL_DEVICES" && [ "$MCJAX_LOCAL_DEVICES" -ge 1 ] ||
     mcjax_die "MCJAX_LOCAL_DEVICES='$MCJAX_LOCAL_DEVICES' must be a positive number"
   "$MCJAX_PYTHON" -c 'import ipyparallel, jax' 2>/dev/null ||
@@ -100,7 +103,7 @@ cmd_start() {
     mcjax_die "the engines did not register (logs: $MCJAX_STATE/logs); stop with ./mcjax_setup.sh --stop"
   }
   mcjax_write_cluster_json $((n - 1)) 127.0.0.1
-  mcjax_log "ready: in Python, client = dsr1.cluster.connect() (MCJAX_STATE=$MCJAX_STATE); the kernel is process $((n - 1))"
+  mcjax_log "ready: in Python, cluster = dsr1.workbench.cluster.connect() (MCJAX_STATE=$MCJAX_STATE); the kernel is process $((n - 1))"
 }
 
 cmd_stop() {
@@ -116,6 +119,10 @@ cmd_stop() {
 
 cmd_restart() {
   local what=${1:-engines} n
+  case "$what" in
+    engines | all) ;;
+    *) mcjax_usage_error "restart takes engines or all, not '$what'" ;;
+  esac
   n=$(recorded_hosts) || true
   [ -n "$n" ] || mcjax_die "no local cluster recorded in $MCJAX_STATE: start one with ./mcjax_setup.sh --local N"
   if [ "$what" = all ] || [ -z "$(mcjax_running_pid controller)" ]; then
@@ -154,5 +161,7 @@ case "${1:-}" in
   stop) cmd_stop ;;
   restart) cmd_restart "${2:-engines}" ;;
   status) cmd_status ;;
-  *) usage ;;
+  -h | --help) usage ;;
+  '') mcjax_usage_error "no command given (start, stop, restart or status)" ;;
+  *) mcjax_usage_error "unknown command '$1'" ;;
 esac

@@ -1,13 +1,6 @@
 #!/usr/bin/env bash
 # cluster/nfs.sh: the shared folder $MCJAX_NFS_DIR, exported by host 0 over NFS.
-#
-#   nfs.sh exports IP...          print the export lines for these hosts (changes nothing)
-#   nfs.sh server IP...           on host 0: install the NFS server, export $MCJAX_NFS_DIR to IP... only
-#   nfs.sh fstab-line SERVER_IP   print the /etc/fstab line a client host gets
-#   nfs.sh client SERVER_IP       on hosts 1..N-1: mount $MCJAX_NFS_DIR from SERVER_IP, persisted in fstab
-#
-# The exports go to their own file, /etc/exports.d/mcjax.exports (MCJAX_EXPORTS_FILE), rewritten
-# whole on every run: one entry per host IP, never a network range or '*'. Idempotent.
+# nfs.sh --help prints the usage: the text of usage() below.
 # shellcheck source-path=SCRIPTDIR source=common.sh
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
@@ -17,8 +10,19 @@ MOUNT_OPTIONS="rw,hard,noatime,_netdev"
 : "${MCJAX_FSTAB:=/etc/fstab}"
 
 usage() {
-  sed -n '3,7p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
-  exit 2
+  cat <<'EOF'
+nfs.sh: the shared folder $MCJAX_NFS_DIR, exported by host 0 over NFS.
+
+  nfs.sh exports IP...          print the export lines for these hosts (changes nothing)
+  nfs.sh server IP...           on host 0: install the NFS server, export $MCJAX_NFS_DIR to IP... only
+  nfs.sh fstab-line SERVER_IP   print the /etc/fstab line a client host gets
+  nfs.sh fstab-ensure SERVER_IP add that line to $MCJAX_FSTAB (default /etc/fstab) unless it is there
+  nfs.sh client SERVER_IP       on hosts 1..N-1: mount $MCJAX_NFS_DIR from SERVER_IP, persisted in fstab
+  nfs.sh --help                 this text
+
+The exports go to their own file, /etc/exports.d/mcjax.exports (MCJAX_EXPORTS_FILE), rewritten
+whole on every run: one entry per host IP, never a network range or '*'. Idempotent.
+EOF
 }
 
 check_dir() {
@@ -75,7 +79,7 @@ cmd_server() {
 
 fstab_line() {
   local server=${1:-}
-  [ -n "$server" ] || mcjax_die "usage: nfs.sh fstab-line SERVER_IP"
+  [ -n "$server" ] || mcjax_usage_error "SERVER_IP missing (nfs.sh fstab-line|fstab-ensure|client SERVER_IP)"
   check_dir
   printf '%s:%s %s nfs %s 0 0\n' "$server" "$MCJAX_NFS_DIR" "$MCJAX_NFS_DIR" "$MOUNT_OPTIONS"
 }
@@ -104,5 +108,7 @@ case "${1:-}" in
   fstab-line) fstab_line "${2:-}" ;;
   fstab-ensure) fstab_line "${2:-}" >/dev/null; mcjax_fstab_ensure "$MCJAX_FSTAB" "$(fstab_line "${2:-}")" ;;
   client) cmd_client "${2:-}" ;;
-  *) usage ;;
+  -h | --help) usage ;;
+  '') mcjax_usage_error "no command given (exports, server, fstab-line, fstab-ensure or client)" ;;
+  *) mcjax_usage_error "unknown command '$1'" ;;
 esac

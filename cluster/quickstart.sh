@@ -1,9 +1,30 @@
 #!/usr/bin/env bash
-# The workbench on this machine, headless: build the environment, start a simulated 4-process
-# cluster, execute notebooks/main.ipynb, print the generated text and the profile summary, stop
-# the cluster (also on failure). To use the notebook interactively instead:
-#   ./mcjax_setup.sh --local 4 && .venv/bin/jupyter lab notebooks/main.ipynb   (then --stop)
+# cluster/quickstart.sh: the workbench on this machine, headless (notebooks/main.ipynb on a
+# simulated cluster). quickstart.sh --help prints the usage: the text of usage() below.
 set -euo pipefail
+
+usage() {
+  cat <<'EOF'
+quickstart.sh: the workbench on this machine, headless: build the environment (.venv, dsr1 with
+the notebook extra), start a simulated 4-process cluster, execute notebooks/main.ipynb, print the
+generated text and the profile summary, stop the cluster (also on failure).
+
+  cluster/quickstart.sh           all of the above (no arguments)
+  cluster/quickstart.sh --help    this text
+
+To use the notebook interactively instead:
+  ./mcjax_setup.sh --local 4 && .venv/bin/jupyter lab notebooks/main.ipynb   (then --stop)
+EOF
+}
+
+# A wrong argument is a usage error, as everywhere (see "Errors" in mcjax_defs.sh, which this
+# script does not source: it runs before the environment exists).
+case "${1:-}" in
+  '') ;;
+  -h | --help) usage; exit 0 ;;
+  *) printf "%s: unknown argument '%s'\nTry '%s --help'.\n" "${0##*/}" "$1" "${0##*/}" >&2; exit 2 ;;
+esac
+
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 

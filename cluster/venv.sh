@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
-# cluster/venv.sh: the Python venv $MCJAX_VENV on this host, with dsr1 (editable, from the shared
-# folder $MCJAX_REPO_DIR) and its notebook extra (jupyter, ipyparallel), plus $MCJAX_JAX_SPEC
-# (jax[tpu] on TPU VMs, jax[cuda12] on GPU hosts). Idempotent: an existing venv is reused.
-#
-#   venv.sh install
-#   venv.sh check      print the versions the notebook's health check compares
+# cluster/venv.sh: the Python venv $MCJAX_VENV on this host, with dsr1 and $MCJAX_JAX_SPEC.
+# venv.sh --help prints the usage: the text of usage() below.
 # shellcheck source-path=SCRIPTDIR source=common.sh
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+usage() {
+  cat <<'EOF'
+venv.sh: the Python venv $MCJAX_VENV on this host, with dsr1 (editable, from the shared folder
+$MCJAX_REPO_DIR) and its notebook extra (jupyter, ipyparallel), plus $MCJAX_JAX_SPEC (jax[tpu] on
+TPU VMs, jax[cuda12] on GPU hosts). Idempotent: an existing venv is reused.
+
+  venv.sh [install]  create or update the venv (the default)
+  venv.sh check      print the versions the notebook's health check compares
+  venv.sh --help     this text
+EOF
+}
 
 cmd_install() {
   local base_python=${MCJAX_BASE_PYTHON:-python3}
@@ -44,5 +52,6 @@ print(f"[mcjax] python {sys.executable} {sys.version.split()[0]}; dsr1 {dsr1.__v
 case "${1:-install}" in
   install) cmd_install ;;
   check) cmd_check ;;
-  *) sed -n '6,7p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  -h | --help) usage ;;
+  *) mcjax_usage_error "unknown command '$1'" ;;
 esac
