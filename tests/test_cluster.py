@@ -154,11 +154,48 @@ def test_health_check_flags_mismatches():
     assert same_host == ["engine 0, engine 1, engine 2 run on the same host h: one engine per host expected"]
 
 
+def test_jax_still_has_the_private_names_the_workbench_relies_on():
+    """dsr1.workbench.jax_internals is the one adapter to jax._src: a JAX upgrade that moves what
+    it uses fails here, by name, instead of hanging a notebook's clear_hung_initialize."""
+    import jax
+
+    try:
+        from dsr1.workbench import jax_internals
+    except ImportError as e:
+        pytest.fail(f"jax {jax.__version__} moved a private module dsr1.workbench.jax_internals imports ({e}): "
+                    f"update that adapter (and only it)")
+    gone = jax_internals.missing()
+    assert not gone, (f"jax {jax.__version__} no longer has {', '.join(gone)}, which "
+                      f"dsr1.workbench.jax_internals relies on: update that adapter (and only it)")
+    jax.devices()  # starts the backends (this pytest process computes anyway)
+    assert jax_internals.backends_are_initialized()
+    assert not jax_internals.has_distributed_state()
+    jax_internals.abandon_distributed_state(stop_service=True)  # nothing to forget: a no-op
+    assert not jax_internals.has_distributed_state() and not jax.distributed.is_initialized()
+
+
+def test_only_the_adapter_reaches_into_jax_private_modules():
+    offenders = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "dsr1").rglob("*.py"))
+                 if "jax._src" in p.read_text() and p.name != "jax_internals.py"]
+    assert offenders == [], f"use dsr1.workbench.jax_internals instead of jax._src in {offenders}"
+
+
+def test_probe_describes_this_process():
+    from dsr1.workbench import cluster as mcjax
+
+    info = mcjax.probe("127.0.0.1", devices=True, namespace={"PROCESS_ID": 2, "NUM_PROCESSES": 3})
+    assert (info["pid"], info["PROCESS_ID"], info["NUM_PROCESSES"]) == (os.getpid(), 2, 3)
+    assert info["address"] == "127.0.0.1" and info["environment"].startswith(sys.prefix)
+    assert info["dsr1"] == __import__("dsr1").__version__ and not info["jax"].startswith("missing")
+    assert info["distributed"] is False  # this pytest process never initializes jax.distributed
+    assert set(mcjax.probe("127.0.0.1", devices=False, namespace={})) >= {"hostname", "accelerator", "jaxlib"}
+
+
 def test_real_cluster_pieces_on_one_machine(tmp_path):
     """cluster/ipcluster.sh as mcjax_setup.sh runs it on each host (from ~/.mcjax-setup with the
     mcjax.env of --print-env), here with this machine playing host 0 and two engine hosts."""
     pytest.importorskip("ipyparallel")
-    from dsr1.workbench import cluster
+    from dsr1.workbench import cluster as mcjax
 
     remote = tmp_path / ".mcjax-setup"
     (remote / "cluster").mkdir(parents=True)
@@ -196,12 +233,12 @@ def test_real_cluster_pieces_on_one_machine(tmp_path):
         assert info["profile_dir"] == str(profile) and info["provider"] == "ssh" and info["engines"] == 2
         assert json.loads((profile / "security" / f"ipcontroller-{cluster_id}-engine.json").read_text())[
             "interface"] == "tcp://127.0.0.1"
-        client = cluster.connect(state=tmp_path / "state0", cluster_id=cluster_id, timeout=30)
+        cluster = mcjax.connect(state=tmp_path / "state0", cluster_id=cluster_id, timeout=30)
         try:
-            layout = cluster.assign_process_ids(client, namespace={})
+            layout = mcjax.assign_process_ids(cluster, namespace={})
             assert [(e.host_index, e.process_id) for e in layout.engines] == [(1, 0), (2, 1)]
         finally:
-            client.close()
+            cluster.close()
     finally:
         pids = [int(p.read_text()) for p in tmp_path.glob("state*/pids/*.pid")]
         for i in (1, 2):
@@ -294,24 +331,25 @@ def local_cluster(tmp_path_factory):
 
 
 def test_local_setup_starts_engines_and_a_second_run_is_clean(local_cluster):
-    from dsr1.workbench import cluster
+    from dsr1.workbench import cluster as mcjax
 
     pids = local_cluster.pids()
     assert sorted(pids) == ["controller", "engine-1", "engine-2"]
     assert all(alive(p) for p in pids.values())
-    client = cluster.connect(state=local_cluster.state, timeout=30)
+    cluster = mcjax.connect(state=local_cluster.state, timeout=30)
     try:
-        assert len(cluster.wait_for_engines(client, N - 1, timeout=60)) == N - 1
+        assert cluster.controller_ip == "127.0.0.1" and cluster.info["provider"] == "local"
+        assert len(mcjax.wait_for_engines(cluster, N - 1, timeout=60)) == N - 1
         again = local_cluster.setup("--local", str(N))
         assert again.returncode == 0, again.stdout + again.stderr
         assert "reusing it" in again.stdout
         assert local_cluster.pids() == pids  # nothing restarted, nothing duplicated
-        assert sorted(client.ids) == sorted(cluster.wait_for_engines(client, N - 1, timeout=10))
-        assert len(client.ids) == N - 1
-        with pytest.raises(cluster.ClusterError, match=r"only 2 of 3 engines came up within 1s"):
-            cluster.wait_for_engines(client, N, timeout=1)
+        assert sorted(cluster.client.ids) == sorted(mcjax.wait_for_engines(cluster, N - 1, timeout=10))
+        assert len(cluster.client.ids) == N - 1
+        with pytest.raises(mcjax.ClusterError, match=r"only 2 of 3 engines came up within 1s"):
+            mcjax.wait_for_engines(cluster, N, timeout=1)
     finally:
-        client.close()
+        cluster.close()
 
 
 def test_local_controller_listens_on_localhost_only(local_cluster):
@@ -345,23 +383,26 @@ def test_px_local_initializes_jax_distributed_across_processes(local_cluster):
                          gathered=list(range(N))), r
     assert out["problems"] == [] and len(out["health"]) == N
     assert {p["local_devices"] for p in out["health"]} == {DEVICES}
+    assert sorted(p["PROCESS_ID"] for p in out["health"]) == list(range(N))  # read from each user namespace
     # jax's coordinator, gloo and ipyparallel: every listening socket of every process on loopback.
     assert out["listen"] and {ip.removeprefix("::ffff:") for ip in out["listen"]} == {"127.0.0.1"}, out["listen"]
 
 
 def test_killed_engine_gives_a_clear_error_and_cluster_restart_brings_it_back(local_cluster):
-    from dsr1.workbench import cluster
+    from dsr1.workbench import cluster as mcjax
 
-    client = cluster.connect(state=local_cluster.state, timeout=30)
+    cluster = mcjax.connect(state=local_cluster.state, timeout=30)
+    client = cluster.client
     try:
-        layout = cluster.assign_process_ids(client, namespace={})
+        layout = mcjax.assign_process_ids(cluster, namespace={})
+        assert cluster.layout == layout
         victim = layout.engines[-1]
         client[layout.engine_ids].execute("import time; time.sleep(30)", block=False)  # in use
         time.sleep(0.5)
         os.kill(victim.pid, signal.SIGKILL)
         start = time.monotonic()
-        with pytest.raises(cluster.ClusterError) as error:
-            cluster.px(client, "x = 1", timeout=60)
+        with pytest.raises(mcjax.ClusterError) as error:
+            mcjax.px(cluster, "x = 1", timeout=60)
         assert time.monotonic() - start < 15
         message = str(error.value)
         assert f"engine {victim.engine_id} (process {victim.process_id}" in message and f"pid {victim.pid}" in message
@@ -379,26 +420,27 @@ def test_killed_engine_gives_a_clear_error_and_cluster_restart_brings_it_back(lo
         while len(set(client.ids) - old) < N - 1 or set(client.ids) & old:
             assert time.monotonic() < deadline, f"engines after the restart: {client.ids}"
             time.sleep(0.2)
-        layout = cluster.assign_process_ids(client, namespace={})
-        cluster.px(client, "x = 40 + PROCESS_ID", timeout=60)
+        layout = mcjax.assign_process_ids(cluster, namespace={})
+        mcjax.px(cluster, "x = 40 + PROCESS_ID", timeout=60)
         assert client[layout.engine_ids].pull("x", block=True) == [40, 41]
     finally:
-        client.close()
+        cluster.close()
 
 
 def test_hung_initialize_is_cleared_then_initialize_everywhere_works(local_cluster):
-    from dsr1.workbench import cluster
+    from dsr1.workbench import cluster as mcjax
 
-    client = cluster.connect(state=local_cluster.state, timeout=30)
+    cluster = mcjax.connect(state=local_cluster.state, timeout=30)
     try:
         before = local_cluster.pids()
-        new = cluster.reset_engines(client, timeout=120)  # fresh engines: JAX not started in them yet
+        new = mcjax.reset_engines(cluster, timeout=120)  # fresh engines: JAX not started in them yet
+        assert cluster.layout is None
         assert len(new) == N - 1
         after = local_cluster.pids()
         assert all(alive(after[f"engine-{i}"]) and after[f"engine-{i}"] != before[f"engine-{i}"] for i in (1, 2))
         assert after["controller"] == before["controller"]
     finally:
-        client.close()
+        cluster.close()
     out = local_cluster.kernel("recover", free_port(), free_port())
     assert "did not complete within 4s" in out["hung"] and "clear_hung_initialize" in out["hung"]
     assert out["cleared"] == {"kernel": "nothing to reset", "engine " + str(new[0]): "reset a pending initialize",
@@ -429,7 +471,7 @@ def test_stop_leaves_no_process_of_the_cluster(local_cluster):
 KERNEL = r'''
 import json, os, sys
 import psutil
-from dsr1.workbench import cluster
+from dsr1.workbench import cluster as mcjax
 
 ALLREDUCE = """
 import jax, jax.numpy as jnp, numpy as np
@@ -446,36 +488,37 @@ RESULT = dict(index=jax.process_index(), count=jax.process_count(), devices=jax.
 
 mode, ports = sys.argv[1], [int(p) for p in sys.argv[2:]]
 out = {}
-client = cluster.connect(timeout=30)
-cluster.wait_for_engines(client, 2, timeout=60)
+cluster = mcjax.connect(timeout=30)
+client = cluster.client
+mcjax.wait_for_engines(cluster, 2, timeout=60)
 if mode == "px-local":
     from IPython.core.interactiveshell import InteractiveShell
     shell = InteractiveShell.instance()
-    layout = cluster.assign_process_ids(client, port=ports[0])
+    layout = mcjax.assign_process_ids(cluster, port=ports[0])
     client.activate()  # %px magics on a blocking view
-    shell.run_cell("%%px --local\nfrom dsr1 import cluster\n"
-                   "cluster.initialize(PROCESS_ID, NUM_PROCESSES, COORDINATOR, timeout=60)\n").raise_error()
+    shell.run_cell("%%px --local\nfrom dsr1.workbench import cluster as mcjax\n"
+                   "mcjax.initialize(PROCESS_ID, NUM_PROCESSES, COORDINATOR, timeout=60)\n").raise_error()
     shell.run_cell("%%px --local\n" + ALLREDUCE).raise_error()
     mine = shell.user_ns["RESULT"]
     out["listen"] = [c.laddr.ip for pid in [e.pid for e in layout.engines] + [os.getpid()]
                      for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
                      for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN]
 else:  # recover: the engines initialize without the kernel (a hang), clear it, initialize_everywhere
-    layout = cluster.assign_process_ids(client, port=ports[0])
+    layout = mcjax.assign_process_ids(cluster, port=ports[0])
     try:
-        cluster.px(client, "import dsr1.workbench.cluster as c\nc.initialize(PROCESS_ID, NUM_PROCESSES, COORDINATOR, timeout=4)",
-                   timeout=60)
+        mcjax.px(cluster, "from dsr1.workbench import cluster as mcjax\n"
+                 "mcjax.initialize(PROCESS_ID, NUM_PROCESSES, COORDINATOR, timeout=4)", timeout=60)
         out["hung"] = "no error"
     except Exception as e:
         out["hung"] = str(e)
-    out["cleared"] = cluster.clear_hung_initialize(client)
-    layout = cluster.initialize_everywhere(client, port=ports[1], timeout=60)
-    cluster.px(client, ALLREDUCE, local=True, timeout=120)
+    out["cleared"] = mcjax.clear_hung_initialize(cluster)
+    layout = mcjax.initialize_everywhere(cluster, port=ports[1], timeout=60)
+    mcjax.px(cluster, ALLREDUCE, local=True, timeout=120)
     mine = RESULT
-report = cluster.health_check(client)
+report = mcjax.health_check(cluster)
 out.update(results=client[layout.engine_ids].pull("RESULT", block=True) + [mine], layout=layout.__dict__ | {
     "engines": [e.__dict__ for e in layout.engines]}, problems=report.problems, health=report.processes)
-cluster.shutdown_everywhere(client)
-client.close()
+mcjax.shutdown_everywhere(cluster)
+cluster.close()
 print("RESULT " + json.dumps(out, default=str), flush=True)
 '''

@@ -10,15 +10,15 @@ TPU worker: there the kernel is process 0 and host i is process i. With
 
 The pattern, in a notebook on host 0::
 
-    from dsr1 import cluster
-    client = cluster.connect()                    # reads $MCJAX_STATE/cluster.json
-    cluster.wait_for_engines(client, N - 1)
-    cluster.assign_process_ids(client)            # PROCESS_ID, NUM_PROCESSES, COORDINATOR everywhere
-    client.activate()                             # the %px / %%px magics, on a blocking view
+    from dsr1.workbench import cluster as mcjax
+    cluster = mcjax.connect()                     # a Cluster; reads $MCJAX_STATE/cluster.json
+    mcjax.wait_for_engines(cluster, N - 1)
+    mcjax.assign_process_ids(cluster)             # PROCESS_ID, NUM_PROCESSES, COORDINATOR everywhere
+    cluster.client.activate()                     # the %px / %%px magics, on a blocking view
 
     %%px --local
-    from dsr1 import cluster
-    cluster.initialize(PROCESS_ID, NUM_PROCESSES, COORDINATOR)
+    from dsr1.workbench import cluster as mcjax
+    mcjax.initialize(PROCESS_ID, NUM_PROCESSES, COORDINATOR)
 
 ``%%px --local`` is safe for ``initialize``, which blocks until all N processes have joined:
 ipyparallel's magic (8.x, 9.x) submits the cell to the engines *without blocking*, then runs it
@@ -27,8 +27,11 @@ shows their output. tests/test_cluster.py runs exactly this cell in an IPython s
 process N-1. Never run the engines' part blocking first (``%px`` / ``%%px`` without
 ``--local``, ``view.execute(..., block=True)``) and the kernel's afterwards: the engines would
 wait for the kernel and the kernel for them (``initialize`` then times out with a ClusterError).
-From Python, :func:`initialize_everywhere` (or :func:`px` with ``local=True``) does the same as
-the cell.
+From Python, :func:`initialize_everywhere` does the same as the cell, and :func:`px` with
+``local=True`` runs any cell's code that way.
+
+Our own steps run in every process as plain functions (:mod:`dsr1.workbench.process`): on the
+engines through ipyparallel's ``apply``, here directly.
 
 Troubleshooting: :func:`abort_stale` (queued or running tasks left behind),
 :func:`clear_hung_initialize` (an initialize timed out: reset ``jax.distributed`` everywhere so
@@ -39,28 +42,40 @@ it can run again), :func:`reset_engines` (restart the engines, e.g. to free thei
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import socket
 import subprocess
-import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from .process import (
+    ClusterError,
+    define_process_names,
+    detect_platform,
+    initialize,
+    probe,
+    reset_here,
+    shutdown_here,
+    user_namespace,
+)
 
 if TYPE_CHECKING:
     import ipyparallel
 
+__all__ = [
+    "DEFAULT_COORDINATOR_PORT", "Cluster", "ClusterError", "EngineInfo", "HealthReport", "Layout", "abort_stale",
+    "assign_process_ids", "clear_hung_initialize", "cluster_info", "connect", "connection_file", "detect_platform",
+    "health_check", "initialize", "initialize_everywhere", "probe", "px", "reset_engines", "shutdown_everywhere",
+    "state_dir", "wait_for_engines",
+]
+
 DEFAULT_COORDINATOR_PORT = 8476
-# jax's own initialization timeout ends the *process* (a fatal error, not an exception), so jax
-# gets one that never fires and `initialize` enforces its own timeout, raising ClusterError.
-_JAX_INIT_TIMEOUT = 10**7
 _RESTART_HINT = ("restart the engines: `source mcjax_defs.sh && cluster_restart` (or "
-                 "dsr1.cluster.reset_engines(client)), then assign_process_ids and initialize again")
-
-
-class ClusterError(RuntimeError):
-    """A cluster problem with what to do about it in the message."""
+                 "dsr1.workbench.cluster.reset_engines(cluster)), then assign_process_ids and initialize again")
 
 
 # ----------------------------------------------------------------------------- connecting
@@ -98,8 +113,33 @@ def connection_file(profile: str | os.PathLike | None = None, cluster_id: str | 
     return profile_dir / "security" / f"ipcontroller-{cluster_id}-client.json"
 
 
+@dataclasses.dataclass(eq=False)
+class Cluster:
+    """The connection to the cluster's controller that :func:`connect` returns and the other
+    functions here take.
+
+    ``client``: the ipyparallel Client (``cluster.client.activate()`` for the %px magics,
+    ``cluster.client[:]`` for a view of every engine); ``info``: what the setup scripts recorded in
+    ``cluster.json``; ``controller_ip``: the controller's address, from its connection file;
+    ``layout``: the process numbering of :func:`assign_process_ids` (None before it, and after
+    :func:`reset_engines`).
+    """
+    client: ipyparallel.Client
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    controller_ip: str = "127.0.0.1"
+    layout: Layout | None = None
+
+    def describe(self, engine_id: int) -> str:
+        """``engine 3 (process 1, host h1, pid 123)`` once numbered, else ``engine 3``."""
+        return self.layout.describe(engine_id) if self.layout else f"engine {engine_id}"
+
+    def close(self) -> None:
+        """Close the connection (the cluster keeps running)."""
+        self.client.close()
+
+
 def connect(profile: str | os.PathLike | None = None, cluster_id: str | None = None,
-            timeout: float = 30.0, *, state: str | os.PathLike | None = None) -> ipyparallel.Client:
+            timeout: float = 30.0, *, state: str | os.PathLike | None = None) -> Cluster:
     """Connect to the controller that ``mcjax_setup.sh`` (or ``--local N``) started.
 
     Waits up to ``timeout`` seconds for the connection file, then for the controller to answer;
@@ -121,15 +161,26 @@ def connect(profile: str | os.PathLike | None = None, cluster_id: str | None = N
     except (TimeoutError, OSError) as e:
         raise ClusterError(f"the controller of {path} did not answer ({e}): is it running? Check with "
                            f"cluster_status; restart it with `cluster_restart all`.") from e
-    client._mcjax_info = cluster_info(state)  # type: ignore[attr-defined]
-    return client
+    info = cluster_info(state)
+    return Cluster(client=client, info=info, controller_ip=_controller_ip(path, info))
 
 
-def wait_for_engines(client: ipyparallel.Client, n: int, timeout: float = 120.0) -> list[int]:
+def _controller_ip(connection: Path, info: dict[str, Any]) -> str:
+    """The controller's IP: the ``interface`` of its connection file, else cluster.json's, else loopback."""
+    try:
+        interface = str(json.loads(connection.read_text()).get("interface", ""))
+    except (OSError, ValueError):
+        interface = ""
+    ip = interface.split("://")[-1].strip("[]") if interface else ""
+    return ip or info.get("controller_ip") or "127.0.0.1"
+
+
+def wait_for_engines(cluster: Cluster, n: int, timeout: float = 120.0) -> list[int]:
     """Wait until ``n`` engines are registered; returns their ids (sorted).
 
     Raises ClusterError naming how many came up within ``timeout`` seconds.
     """
+    client = cluster.client
     try:
         client.wait_for_engines(n, timeout=timeout, interactive=False)
     except TimeoutError:
@@ -176,78 +227,13 @@ class Layout:
         return f"engine {engine_id}"
 
 
-# Runs in every process (engines through execute, the kernel through exec): who and what it is.
-# Devices are only read once JAX is initialized: reading them earlier would start JAX's backend
-# and make jax.distributed.initialize impossible in that process.
-_PROBE = r'''
-def _mcjax_probe(controller_ip, devices):
-    import os, socket, sys
-    info = {"hostname": socket.gethostname(), "pid": os.getpid(), "executable": sys.executable,
-            "environment": f"{sys.prefix} ({os.path.realpath(sys.executable)})", "python": sys.version.split()[0],
-            "host_index": os.environ.get("MCJAX_HOST_INDEX"),
-            "provider": os.environ.get("MCJAX_PROVIDER"),
-            "PROCESS_ID": globals().get("PROCESS_ID"), "NUM_PROCESSES": globals().get("NUM_PROCESSES")}
-    try:  # the address this host uses to reach the controller: where process 0's coordinator listens
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((controller_ip, 9))
-            info["address"] = s.getsockname()[0]
-    except OSError:
-        info["address"] = "127.0.0.1"
-    try:
-        import dsr1.workbench.cluster
-        info["accelerator"] = dsr1.workbench.cluster.detect_platform()
-    except Exception:
-        info["accelerator"] = "unknown"
-    for name in ("dsr1", "jax", "jaxlib", "ipyparallel"):
-        try:
-            info[name] = getattr(__import__(name), "__version__", "?")
-        except Exception as e:
-            info[name] = f"missing ({type(e).__name__}: {e})"
-    if devices and not info["jax"].startswith("missing"):
-        import jax
-        from jax._src import xla_bridge
-        info["distributed"] = jax.distributed.is_initialized()
-        if info["distributed"] or xla_bridge.backends_are_initialized():
-            info.update(platform=jax.default_backend(), local_devices=jax.local_device_count(),
-                        devices=jax.device_count(), process_index=jax.process_index(),
-                        process_count=jax.process_count())
-    return info
-'''
-
-
-def _namespace(namespace: dict | None) -> dict:
-    """The kernel's namespace: ``namespace``, else IPython's user namespace, else ``__main__``'s."""
-    if namespace is not None:
-        return namespace
-    try:
-        from IPython import get_ipython
-
-        shell = get_ipython()
-        if shell is not None:
-            return shell.user_ns
-    except ImportError:
-        pass
-    import __main__
-
-    return __main__.__dict__
-
-
-def _controller_ip(client: ipyparallel.Client) -> str:
-    interface = str(getattr(client, "_config", {}).get("interface", ""))
-    ip = interface.split("://")[-1].strip("[]") if interface else ""
-    return ip or getattr(client, "_mcjax_info", {}).get("controller_ip") or "127.0.0.1"
-
-
-def _probe(client: ipyparallel.Client, engine_ids: list[int], devices: bool, timeout: float,
-           namespace: dict | None = None) -> tuple[list[dict], dict]:
-    """Run the probe on the engines and in this process; returns (engine infos, kernel info)."""
-    ip = _controller_ip(client)
-    code = f"{_PROBE}\n_mcjax_probe_result = _mcjax_probe({ip!r}, {devices!r})\n"
-    _run(client, {e: code for e in engine_ids}, timeout)
-    infos = _pull(client, engine_ids, "_mcjax_probe_result", timeout)
-    ns = dict(_namespace(namespace))  # a copy: the probe's helper names stay out of the kernel's namespace
-    exec(compile(code, "<mcjax probe>", "exec"), ns)
-    return list(infos), ns["_mcjax_probe_result"]
+def _probe_everywhere(cluster: Cluster, engine_ids: list[int], devices: bool, timeout: float,
+                      namespace: dict | None = None) -> tuple[list[dict], dict]:
+    """:func:`probe` on the engines and in this process; returns (engine infos, kernel info)."""
+    ip = cluster.controller_ip
+    engines, mine = _call_everywhere(cluster, {e: functools.partial(probe, ip, devices) for e in engine_ids},
+                                     timeout, local=functools.partial(probe, ip, devices, namespace))
+    return [engines[e] for e in engine_ids], mine
 
 
 def _layout(engine_ids: list[int], infos: list[dict], port: int, tpu: bool) -> Layout:
@@ -269,45 +255,47 @@ def _layout(engine_ids: list[int], infos: list[dict], port: int, tpu: bool) -> L
     return Layout(num_processes=n, kernel_process_id=0 if tpu else n - 1, coordinator=coordinator, engines=engines)
 
 
-def assign_process_ids(client: ipyparallel.Client, *, port: int | None = None, timeout: float = 60.0,
+def assign_process_ids(cluster: Cluster, *, port: int | None = None, timeout: float = 60.0,
                        namespace: dict | None = None) -> Layout:
     """Give every engine a JAX process id 0..N-2 (in host index order) and the kernel N-1.
 
     Sets ``PROCESS_ID``, ``NUM_PROCESSES`` and ``COORDINATOR`` (process 0's address and ``port``,
     default ``$MCJAX_COORDINATOR_PORT`` or 8476) in each engine's namespace and in the kernel's
     (``namespace``, else IPython's user namespace), so one ``%%px --local`` cell reads the right
-    values everywhere. Run it again after engines were restarted.
+    values everywhere, and keeps the layout in ``cluster.layout``. Run it again after engines
+    were restarted.
 
     On TPU VMs JAX assigns the process ids itself, by TPU worker: there the kernel (host 0) is
     process 0, engine hosts 1..N-1 are processes 1..N-1 and ``COORDINATOR`` is None (automatic).
     """
-    ids = sorted(client.ids)
+    ids = sorted(cluster.client.ids)
     if not ids:
         raise ClusterError(f"no engines are registered with the controller: {_RESTART_HINT}")
-    infos, mine = _probe(client, ids, devices=False, timeout=timeout, namespace=namespace)
+    infos, mine = _probe_everywhere(cluster, ids, devices=False, timeout=timeout, namespace=namespace)
     tpu = mine["accelerator"] == "tpu" and all(i["accelerator"] == "tpu" for i in infos)
     layout = _layout(ids, infos, port or int(os.environ.get("MCJAX_COORDINATOR_PORT", DEFAULT_COORDINATOR_PORT)), tpu)
     n, coordinator = layout.num_processes, layout.coordinator
-    _run(client, {e.engine_id: f"PROCESS_ID, NUM_PROCESSES, COORDINATOR = {e.process_id}, {n}, {coordinator!r}"
-                  for e in layout.engines}, timeout)
-    _namespace(namespace).update(PROCESS_ID=layout.kernel_process_id, NUM_PROCESSES=n, COORDINATOR=coordinator)
-    client._mcjax_layout = layout  # type: ignore[attr-defined]
+    _call_everywhere(
+        cluster, {e.engine_id: functools.partial(define_process_names, e.process_id, n, coordinator)
+                  for e in layout.engines}, timeout,
+        local=functools.partial(define_process_names, layout.kernel_process_id, n, coordinator, namespace))
+    cluster.layout = layout
     return layout
 
 
 # ----------------------------------------------------------------------------- running code
 
-def _dead_engines(client: ipyparallel.Client, engine_ids: list[int]) -> list[int]:
+def _dead_engines(cluster: Cluster, engine_ids: list[int]) -> list[int]:
     """Engines among ``engine_ids`` that left the controller, or whose process here is gone."""
-    registered = set(client.ids)
-    layout: Layout | None = getattr(client, "_mcjax_layout", None)
+    registered = set(cluster.client.ids)
+    engines = {e.engine_id: e for e in cluster.layout.engines} if cluster.layout else {}
     here = socket.gethostname()
     dead = []
     for eid in engine_ids:
         if eid not in registered:
             dead.append(eid)
             continue
-        info = next((e for e in layout.engines if e.engine_id == eid), None) if layout else None
+        info = engines.get(eid)
         if info is not None and info.hostname == here and not _pid_alive(info.pid):
             dead.append(eid)
     return dead
@@ -327,16 +315,15 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-def _dead_error(client: ipyparallel.Client, dead: list[int]) -> ClusterError:
-    layout: Layout | None = getattr(client, "_mcjax_layout", None)
-    names = ", ".join(layout.describe(e) if layout else f"engine {e}" for e in dead)
+def _dead_error(cluster: Cluster, dead: list[int]) -> ClusterError:
+    names = ", ".join(cluster.describe(e) for e in dead)
     return ClusterError(
-        f"{names} {'is' if len(dead) == 1 else 'are'} gone: the engine died or was stopped (killed, out of memory, or a crash in JAX; "
-        f"its log is $MCJAX_STATE/logs/engine-<host index>.log). The other processes cannot go on "
-        f"with jax.distributed without it: {_RESTART_HINT}.")
+        f"{names} {'is' if len(dead) == 1 else 'are'} gone: the engine died or was stopped (killed, out of memory, "
+        f"or a crash in JAX; its log is $MCJAX_STATE/logs/engine-<host index>.log). The other processes cannot go "
+        f"on with jax.distributed without it: {_RESTART_HINT}.")
 
 
-def _wait(client: ipyparallel.Client, ar: Any, engine_ids: list[int], timeout: float | None) -> Any:
+def _wait(cluster: Cluster, ar: Any, engine_ids: list[int], timeout: float | None) -> Any:
     """Wait for ``ar`` (one task per engine of ``engine_ids``), turning dead engines and timeouts
     into ClusterErrors that say what to do. Errors raised by the code itself propagate as usual;
     aborted tasks come back as TaskAborted results (see :func:`_aborted`)."""
@@ -344,19 +331,17 @@ def _wait(client: ipyparallel.Client, ar: Any, engine_ids: list[int], timeout: f
 
     deadline = None if timeout is None else time.monotonic() + timeout
     while not ar.wait(0.25):
-        dead = _dead_engines(client, engine_ids)
+        dead = _dead_engines(cluster, engine_ids)
         if dead:
-            raise _dead_error(client, dead)
+            raise _dead_error(cluster, dead)
         if deadline is not None and time.monotonic() > deadline:
-            outstanding = client.outstanding
+            outstanding = cluster.client.outstanding
             busy = [e for e, m in zip(engine_ids, ar.msg_ids) if m in outstanding] or engine_ids
-            layout: Layout | None = getattr(client, "_mcjax_layout", None)
-            names = ", ".join(layout.describe(e) if layout else f"engine {e}" for e in busy)
             raise ClusterError(
-                f"{names} did not finish within {timeout:.0f}s. If it waits for the other processes "
-                f"(a collective, or jax.distributed.initialize), one of them did not take part. "
-                f"Interrupt it with dsr1.cluster.abort_stale(client, interrupt=True); after a hung "
-                f"initialize call clear_hung_initialize(client); if it stays busy, {_RESTART_HINT}.")
+                f"{', '.join(cluster.describe(e) for e in busy)} did not finish within {timeout:.0f}s. If it "
+                f"waits for the other processes (a collective, or jax.distributed.initialize), one of them did "
+                f"not take part. Interrupt it with dsr1.workbench.cluster.abort_stale(cluster, interrupt=True); "
+                f"after a hung initialize call clear_hung_initialize(cluster); if it stays busy, {_RESTART_HINT}.")
     try:
         return ar.get()
     except ipp.error.TaskAborted as e:  # raised for one target, returned in the list for several
@@ -364,10 +349,10 @@ def _wait(client: ipyparallel.Client, ar: Any, engine_ids: list[int], timeout: f
     except ipp.error.CompositeError as e:
         died = [(info or {}).get("engine_id") for ename, _value, _tb, info in e.elist if ename == "EngineError"]
         if died:
-            raise _dead_error(client, [d for d in died if d is not None] or engine_ids) from e
+            raise _dead_error(cluster, [d for d in died if d is not None] or engine_ids) from e
         raise
     except ipp.error.EngineError as e:
-        raise _dead_error(client, _dead_engines(client, engine_ids) or engine_ids) from e
+        raise _dead_error(cluster, _dead_engines(cluster, engine_ids) or engine_ids) from e
 
 
 def _aborted(ids: list[int], results: Any) -> list[int]:
@@ -377,52 +362,54 @@ def _aborted(ids: list[int], results: Any) -> list[int]:
     return [e for e, r in zip(ids, results) if isinstance(r, ipp.error.TaskAborted)]
 
 
-def _run(client: ipyparallel.Client, code: dict[int, str], timeout: float, local: Any = None) -> Any:
-    """Our own bookkeeping code, per engine, submitted to all of them before ``local()`` (if
-    given: its value is returned) runs here. An engine drops the requests that reach it while it
-    handles an error in an earlier one (ipykernel's stop-on-error): those are sent again."""
-    todo = dict(code)
+def _call_everywhere(cluster: Cluster, calls: dict[int, Callable[[], Any]], timeout: float | None,
+                     local: Callable[[], Any] | None = None) -> tuple[dict[int, Any], Any]:
+    """Call ``calls[e]()`` on each engine ``e`` (ipyparallel's apply: a module function or a
+    partial of one), all submitted before ``local()`` (if given) runs here, then wait for them.
+    Returns (each engine's return value by engine id, ``local()``'s value).
+
+    An engine drops the requests that reach it while it handles an error in an earlier one
+    (ipykernel's stop-on-error): those are sent again.
+    """
+    dead = _dead_engines(cluster, list(calls))
+    if dead:
+        raise _dead_error(cluster, dead)
+    results: dict[int, Any] = {}
     mine = None
+    todo = dict(calls)
     for attempt in range(5):
-        ars = {e: client[e].execute(c, silent=False, block=False) for e, c in todo.items()}
+        pending = {e: cluster.client[e].apply_async(call) for e, call in todo.items()}
         if attempt == 0 and local is not None:
             mine = local()
-        todo = {e: todo[e] for e, ar in ars.items() if _aborted([e], [_wait(client, ar, [e], timeout)])}
+        for e, ar in pending.items():
+            value = _wait(cluster, ar, [e], timeout)
+            if not _aborted([e], [value]):
+                results[e] = value
+        todo = {e: call for e, call in todo.items() if e not in results}
         if not todo:
-            return mine
+            return results, mine
         time.sleep(0.2)
-    raise ClusterError(f"engines {sorted(todo)} keep aborting requests: call abort_stale(client) and try again")
+    raise ClusterError(f"engines {sorted(todo)} keep aborting requests: call abort_stale(cluster) and try again")
 
 
-def _pull(client: ipyparallel.Client, ids: list[int], name: str, timeout: float) -> list:
-    """The value of ``name`` on each engine of ``ids`` (aborted pulls are sent again)."""
-    values: dict[int, Any] = {}
-    todo = list(ids)
-    for _attempt in range(5):
-        results = client[todo].pull(name, block=False).get(timeout=timeout)  # a list: targets is a list
-        values.update({e: r for e, r in zip(todo, results) if e not in _aborted([e], [r])})
-        todo = [e for e in ids if e not in values]
-        if not todo:
-            return [values[e] for e in ids]
-        time.sleep(0.2)
-    raise ClusterError(f"engines {todo} keep aborting requests: call abort_stale(client) and try again")
-
-
-def _targets(client: ipyparallel.Client, targets: list[int] | None) -> list[int]:
-    layout: Layout | None = getattr(client, "_mcjax_layout", None)
-    ids = sorted(targets if targets is not None else (layout.engine_ids if layout else client.ids))
+def _targets(cluster: Cluster, targets: list[int] | None) -> list[int]:
+    """``targets``, else the numbered engines, else every registered one; raises if one is dead."""
+    if targets is None:
+        targets = cluster.layout.engine_ids if cluster.layout else cluster.client.ids
+    ids = sorted(targets)
     if not ids:
         raise ClusterError(f"no engines are registered with the controller: {_RESTART_HINT}")
-    dead = _dead_engines(client, ids)
+    dead = _dead_engines(cluster, ids)
     if dead:
-        raise _dead_error(client, dead)
+        raise _dead_error(cluster, dead)
     return ids
 
 
-def px(client: ipyparallel.Client, code: str, *, local: bool = False, namespace: dict | None = None,
+def px(cluster: Cluster, code: str, *, local: bool = False, namespace: dict | None = None,
        targets: list[int] | None = None, timeout: float | None = None) -> Any:
-    """``%%px [--local]`` from Python: run ``code`` on the engines (all those numbered by
-    :func:`assign_process_ids`, or ``targets``) and, with ``local=True``, in this process too.
+    """``%%px [--local]`` from Python: run the cell ``code`` on the engines (all those numbered by
+    :func:`assign_process_ids`, or ``targets``) and, with ``local=True``, in this process too (in
+    ``namespace``, else IPython's user namespace).
 
     The engines' execution is submitted without blocking, then the local one runs, then the
     engines are awaited (``timeout`` seconds at most): the order collective code such as
@@ -430,205 +417,64 @@ def px(client: ipyparallel.Client, code: str, *, local: bool = False, namespace:
     the engine and the way out; an error in ``code`` itself is raised as such. Returns the
     engines' AsyncResult (``.display_outputs()`` shows their output).
     """
-    ids = _targets(client, targets)
-    ar = client[ids].execute(code, silent=False, block=False)
+    ids = _targets(cluster, targets)
+    ar = cluster.client[ids].execute(code, silent=False, block=False)
     if local:
-        exec(compile(code, "<px --local>", "exec"), _namespace(namespace))
-    aborted = _aborted(ids, _wait(client, ar, ids, timeout))
+        exec(compile(code, "<px --local>", "exec"), user_namespace(namespace))  # the user's cell, as %%px runs it
+    aborted = _aborted(ids, _wait(cluster, ar, ids, timeout))
     if aborted:
-        layout: Layout | None = getattr(client, "_mcjax_layout", None)
         raise ClusterError(
-            ", ".join(layout.describe(e) if layout else f"engine {e}" for e in aborted) + " dropped the code without "
-            "running it: it arrived while the engine was handling an error of the previous code (or abort_stale "
-            "aborted it). Run it again.")
+            ", ".join(cluster.describe(e) for e in aborted) + " dropped the code without running it: it arrived "
+            "while the engine was handling an error of the previous code (or abort_stale aborted it). Run it again.")
     return ar
 
 
 # ----------------------------------------------------------------------------- jax.distributed
 
-def detect_platform() -> str:
-    """``tpu``, ``gpu`` or ``cpu``, without starting JAX: from ``JAX_PLATFORMS``, else the
-    installed plugins (libtpu, jax CUDA/ROCm plugins)."""
-    import importlib.util
-
-    first = os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip().lower()
-    if first:
-        return "gpu" if first in ("cuda", "rocm", "gpu") else first
-    if importlib.util.find_spec("libtpu") is not None:
-        return "tpu"
-    if any(importlib.util.find_spec(m) is not None for m in
-           ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin")):
-        return "gpu"
-    return "cpu"
-
-
-@dataclasses.dataclass
-class _Init:
-    """This process's jax.distributed.initialize, run in a thread so it can time out."""
-    args: tuple
-    done: threading.Event
-    thread: threading.Thread | None = None
-    error: BaseException | None = None
-
-
-_INIT: _Init | None = None
-_INIT_LOCK = threading.Lock()
-
-
-def initialize(process_id: int, num_processes: int, coordinator: str | None = None, *,
-               timeout: float = 300.0, platform: str | None = None) -> None:
-    """``jax.distributed.initialize`` for this process, with a timeout that raises instead of hanging.
-
-    On TPU (without ``coordinator``) JAX finds the processes itself. On GPU and CPU the
-    coordinator ``host:port`` (process 0's address) is required; on CPU the gloo collectives
-    are selected. Must run before anything starts JAX's backend (``jax.devices()``, a
-    computation) in this process. Calling it again with the same arguments is a no-op (re-running
-    the ``%%px --local`` cell is harmless); after a timeout, fix the cause and call it again with
-    the same arguments (the first attempt may still complete), or call :func:`clear_hung_initialize`
-    and start over with a new port.
-    """
-    global _INIT
-    import jax
-    from jax._src import xla_bridge
-
-    platform = (platform or detect_platform()).lower()
-    args = (process_id, num_processes, coordinator)
-    where = f"process {process_id} of {num_processes} (coordinator {coordinator or 'auto'})"
-    with _INIT_LOCK:
-        init = _INIT
-        if init is not None and init.args != args:
-            state = "is still waiting" if not init.done.is_set() else "ran"
-            raise ClusterError(
-                f"jax.distributed.initialize {state} in this process as process {init.args[0]} of "
-                f"{init.args[1]} (coordinator {init.args[2]}): call dsr1.cluster.clear_hung_initialize() "
-                f"first (or restart the process) to initialize as {where}.")
-        if init is None:
-            if xla_bridge.backends_are_initialized():
-                raise ClusterError(
-                    "JAX has already started its devices in this process (jax.devices(), a computation, "
-                    "or a health check before initialize): jax.distributed.initialize must come first. "
-                    "Restart this process (reset_engines for engines, restart the kernel) and initialize first.")
-            if platform == "tpu" and coordinator is None:
-                kwargs: dict[str, Any] = {}
-            elif coordinator is None:
-                raise ClusterError(f"initialize on {platform} needs the coordinator 'host:port' of process 0 "
-                                   f"(assign_process_ids sets COORDINATOR)")
-            else:
-                # Process 0's coordinator listens on its own address only (JAX's default is [::]).
-                kwargs = dict(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
-                              coordinator_bind_address=coordinator)
-            if platform == "cpu":
-                jax.config.update("jax_cpu_collectives_implementation", "gloo")
-
-            def run(init: _Init) -> None:
-                try:
-                    jax.distributed.initialize(initialization_timeout=_JAX_INIT_TIMEOUT, **kwargs)
-                except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-                    init.error = e
-                finally:
-                    init.done.set()
-
-            init = _Init(args, threading.Event())
-            init.thread = threading.Thread(target=run, args=(init,), name="mcjax-initialize", daemon=True)
-            _INIT = init
-            init.thread.start()
-    deadline = time.monotonic() + timeout
-    while not init.done.wait(0.2):
-        if time.monotonic() > deadline:
-            raise ClusterError(
-                f"jax.distributed.initialize did not complete within {timeout:.0f}s in {where}: not all "
-                f"{num_processes} processes joined. Usual causes: an engine is dead or busy (health_check, "
-                f"cluster_status), the engines ran it blocking before the kernel (use %%px --local or "
-                f"initialize_everywhere), a wrong NUM_PROCESSES, or the coordinator port is blocked or in "
-                f"use. Then call dsr1.cluster.clear_hung_initialize(client) and initialize with a new port.")
-    if init.error is not None:
-        raise ClusterError(f"jax.distributed.initialize failed in {where}: {init.error}; call "
-                           f"clear_hung_initialize before trying again") from init.error
-
-
-def initialize_everywhere(client: ipyparallel.Client, *, port: int | None = None, timeout: float = 300.0,
+def initialize_everywhere(cluster: Cluster, *, port: int | None = None, timeout: float = 300.0,
                           namespace: dict | None = None) -> Layout:
     """Initialize ``jax.distributed`` on every engine and in this process (process N-1).
 
-    Numbers the processes first (:func:`assign_process_ids`) unless that was done, submits
-    ``initialize`` to the engines without blocking, runs it here, then waits for the engines:
-    what ``%%px --local`` does. Returns the layout.
+    Numbers the processes first (:func:`assign_process_ids`) unless that was done (or ``port`` is
+    given), submits :func:`initialize` to the engines without blocking, runs it here, then waits for
+    the engines: what the ``%%px --local`` cell does. Returns the layout.
     """
-    layout = getattr(client, "_mcjax_layout", None)
+    layout = cluster.layout
     if layout is None or port is not None:
-        layout = assign_process_ids(client, port=port, namespace=namespace)
-    code = ("import dsr1.workbench.cluster as _mcjax_cluster\n"
-            f"_mcjax_cluster.initialize(PROCESS_ID, NUM_PROCESSES, COORDINATOR, timeout={timeout!r})\n")
-    px(client, code, local=True, namespace=namespace, timeout=timeout + 30)
+        layout = assign_process_ids(cluster, port=port, namespace=namespace)
+    n, coordinator = layout.num_processes, layout.coordinator
+    calls = {e.engine_id: functools.partial(initialize, e.process_id, n, coordinator, timeout=timeout)
+             for e in layout.engines}
+    _call_everywhere(cluster, calls, timeout + 30,
+                     local=functools.partial(initialize, layout.kernel_process_id, n, coordinator, timeout=timeout))
     return layout
 
 
-def shutdown_everywhere(client: ipyparallel.Client, *, timeout: float = 120.0, namespace: dict | None = None) -> None:
+def shutdown_everywhere(cluster: Cluster, *, timeout: float = 120.0) -> None:
     """Leave ``jax.distributed`` cleanly in every process (all must call it: it is a barrier).
 
     Do this before stopping the cluster or the kernel; otherwise the survivors see a missing
     heartbeat and JAX ends them. JAX cannot be initialized again in a process that computed.
     """
-    code = "import dsr1.workbench.cluster as _mcjax_cluster\n_mcjax_cluster._shutdown_here()\n"
-    px(client, code, local=True, namespace=namespace, timeout=timeout)
+    ids = _targets(cluster, None)
+    _call_everywhere(cluster, {e: shutdown_here for e in ids}, timeout, local=shutdown_here)
 
 
-def _shutdown_here() -> None:
-    global _INIT
-    import jax
-
-    jax.distributed.shutdown()
-    _INIT = None
-
-
-def _reset_here() -> str:
-    """Forget this process's jax.distributed state so initialize can run again: a finished
-    initialize is shut down (a barrier, so every process must do it), a pending one is abandoned
-    (its thread stays blocked on a coordinator that is closed) and the coordinator service of
-    process 0 is stopped."""
-    global _INIT
-    import jax
-    from jax._src import distributed
-
-    init, state = _INIT, distributed.global_state
-    if init is not None and init.done.is_set() and init.error is None:
-        # A barrier with the other processes: bounded, in case one of them is gone.
-        done = threading.Event()
-        threading.Thread(target=lambda: (jax.distributed.shutdown(), done.set()), daemon=True).start()
-        what = "shut down" if done.wait(30) else "reset (the shutdown barrier timed out)"
-        if not done.is_set():
-            state.client = state.service = state.preemption_sync_manager = None
-    elif init is None and state.client is None and state.service is None:
-        what = "nothing to reset"
-    else:
-        state.client = None  # abandoned: the stuck thread keeps its reference
-        state.preemption_sync_manager = None
-        if state.service is not None:
-            state.service.shutdown()
-            state.service = None
-        what = "reset a pending initialize" if init is not None and not init.done.is_set() else "reset"
-    _INIT = None
-    return what
-
-
-def clear_hung_initialize(client: ipyparallel.Client | None = None, *, timeout: float = 60.0) -> dict[str, str]:
+def clear_hung_initialize(cluster: Cluster | None = None, *, timeout: float = 60.0) -> dict[str, str]:
     """After ``initialize`` timed out (or a hung ``%%px`` cell was interrupted): reset
-    ``jax.distributed`` in this process and, with ``client``, on every engine, so that
+    ``jax.distributed`` in this process and, with ``cluster``, on every engine, so that
     :func:`initialize` / :func:`initialize_everywhere` can run again (use a new port).
 
     Queued tasks are aborted first. Returns what was done per process; an engine that does not
     answer within ``timeout`` is stuck: restart it (:func:`reset_engines`).
     """
-    if client is None:
-        return {"kernel": _reset_here()}
-    abort_stale(client)
-    ids = _targets(client, None)
+    if cluster is None:
+        return {"kernel": reset_here()}
+    abort_stale(cluster)
+    ids = _targets(cluster, None)
     # The engines first, without waiting, then here: a finished initialize shuts down in a barrier.
-    report = {"kernel": _run(client, {e: "import dsr1.workbench.cluster as _mcjax_cluster\n"
-                                         "_mcjax_reset = _mcjax_cluster._reset_here()\n" for e in ids},
-                             timeout, local=_reset_here)}
-    report.update({f"engine {e}": what for e, what in zip(ids, _pull(client, ids, "_mcjax_reset", timeout))})
-    return report
+    engines, mine = _call_everywhere(cluster, {e: reset_here for e in ids}, timeout, local=reset_here)
+    return {"kernel": mine} | {f"engine {e}": engines[e] for e in ids}
 
 
 # ----------------------------------------------------------------------------- health
@@ -690,7 +536,7 @@ def _problems(processes: list[dict]) -> list[str]:
     return problems
 
 
-def health_check(client: ipyparallel.Client, *, timeout: float = 60.0, namespace: dict | None = None,
+def health_check(cluster: Cluster, *, timeout: float = 60.0, namespace: dict | None = None,
                  raise_on_problem: bool = True) -> HealthReport:
     """Compare the engines and this kernel: same Python environment (``sys.prefix`` and the
     real ``sys.executable``, so ``venv/bin/python`` and ``venv/bin/python3`` agree), Python, dsr1,
@@ -701,8 +547,8 @@ def health_check(client: ipyparallel.Client, *, timeout: float = 60.0, namespace
     Raises ClusterError with the report when something differs (``raise_on_problem=False``:
     returns it, see ``report.problems``).
     """
-    ids = _targets(client, None)
-    infos, mine = _probe(client, ids, devices=True, timeout=timeout, namespace=namespace)
+    ids = _targets(cluster, None)
+    infos, mine = _probe_everywhere(cluster, ids, devices=True, timeout=timeout, namespace=namespace)
     processes = [dict(info, role=f"engine {eid}") for eid, info in zip(ids, infos)] + [dict(mine, role="kernel")]
     report = HealthReport(processes=processes, problems=_problems(processes))
     if report.problems and raise_on_problem:
@@ -712,12 +558,13 @@ def health_check(client: ipyparallel.Client, *, timeout: float = 60.0, namespace
 
 # ----------------------------------------------------------------------------- troubleshooting
 
-def abort_stale(client: ipyparallel.Client, *, interrupt: bool = False, timeout: float = 10.0) -> int:
+def abort_stale(cluster: Cluster, *, interrupt: bool = False, timeout: float = 10.0) -> int:
     """Abort the tasks still queued on the engines (e.g. left by an interrupted cell); with
     ``interrupt=True`` also send SIGINT to engines still running one. Returns how many tasks were
     outstanding. Code blocked inside JAX may ignore SIGINT: then :func:`reset_engines`."""
     import signal
 
+    client = cluster.client
     outstanding = list(client.outstanding)
     if not outstanding:
         return 0
@@ -733,7 +580,7 @@ def abort_stale(client: ipyparallel.Client, *, interrupt: bool = False, timeout:
     return len(outstanding)
 
 
-def reset_engines(client: ipyparallel.Client, *, n: int | None = None, timeout: float = 180.0,
+def reset_engines(cluster: Cluster, *, n: int | None = None, timeout: float = 180.0,
                   command: list[str] | None = None) -> list[int]:
     """Restart every engine (e.g. to free the memory they hold, or after one died): abort stale
     tasks, ask the engines to exit, run the scripts' ``cluster_restart engines`` (``command``
@@ -743,13 +590,12 @@ def reset_engines(client: ipyparallel.Client, *, n: int | None = None, timeout: 
     For a real cluster the restart runs on this host (host 0), which must reach the others
     with the provider's tools (gcloud or ssh); otherwise run ``cluster_restart`` yourself.
     """
-    info = getattr(client, "_mcjax_info", None) or cluster_info()
-    layout: Layout | None = getattr(client, "_mcjax_layout", None)
+    client, info, layout = cluster.client, cluster.info or cluster_info(), cluster.layout
     old = set(client.ids)
     n = n or (len(layout.engines) if layout else 0) or int(info.get("engines") or 0) or len(old)
     if not n:
         raise ClusterError("reset_engines: how many engines? (pass n=)")
-    abort_stale(client, interrupt=True, timeout=5)
+    abort_stale(cluster, interrupt=True, timeout=5)
     if old:
         client.shutdown(targets=sorted(old), hub=False, block=False)
         deadline = time.monotonic() + 10
@@ -779,5 +625,5 @@ def reset_engines(client: ipyparallel.Client, *, n: int | None = None, timeout: 
                                f"{sorted(set(client.ids) & old)} of the old ones are still registered: see "
                                f"cluster_status and the engine logs")
         time.sleep(0.2)
-    client._mcjax_layout = None  # type: ignore[attr-defined]
+    cluster.layout = None  # the new engines have no process ids yet
     return sorted(set(client.ids) - old)

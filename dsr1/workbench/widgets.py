@@ -4,8 +4,9 @@ Generate button and streaming output.
 On a cluster the model is split across processes, so every process must run the same generation
 (same programs, same stop decisions) or the collectives wait forever. Given the engines' view,
 the widget therefore submits the identical call to every engine (non-blocking), runs it in the
-kernel with streaming, then waits for the engines. The engines refer to their own `model` and
-`tokenizer` (created by the same `%%px --local` cells as the kernel's).
+kernel with streaming, then waits for the engines. The engines use their own `model` and
+`tokenizer` (created by the same `%%px --local` cells as the kernel's), which ipyparallel looks up
+by name in each engine's namespace (`ipyparallel.Reference`).
 """
 
 from __future__ import annotations
@@ -57,12 +58,10 @@ class GenerationWidget:
         prompts = [self.prompt.value]
         pending = None
         if self.engines is not None:
-            self.engines.push({"_dsr1_prompts": prompts, "_dsr1_kwargs": kwargs}, block=True)
-            model, tokenizer = self.names
-            pending = self.engines.execute(
-                "from dsr1.generation.batch import generate as _dsr1_generate\n"
-                f"_dsr1_result = _dsr1_generate({model}, _dsr1_prompts, tokenizer={tokenizer}, **_dsr1_kwargs)",
-                block=False)
+            import ipyparallel as ipp
+
+            model, tokenizer = (ipp.Reference(name) for name in self.names)
+            pending = self.engines.apply_async(_generate_on_engine, model, prompts, tokenizer, kwargs)
         self.output.value, self.status.value = "", "generating..."
         try:
             self.result = generate(self.model, prompts, tokenizer=self.tokenizer, stream=self._append, **kwargs)
@@ -71,5 +70,12 @@ class GenerationWidget:
                 pending.get()  # surfaces an engine's error (e.g. a dead engine) in the notebook
         r = self.result
         self.status.value = (f"{r.completions[0].finish_reason}: {r.decode_tokens} tokens, prefill "
-                             f"{r.prefill_tokens_per_second:,.0f} tok/s, decode {r.decode_tokens_per_second:,.1f} tok/s")
+                             f"{r.prefill_tokens_per_second:,.0f} tok/s, "
+                             f"decode {r.decode_tokens_per_second:,.1f} tok/s")
         return r
+
+
+def _generate_on_engine(model: Model, prompts: list[str], tokenizer: Tokenizer, kwargs: dict[str, Any]) -> None:
+    """An engine's part of a widget generation: the kernel's call without streaming. Returns
+    nothing: the kernel shows its own result, the same one."""
+    generate(model, prompts, tokenizer=tokenizer, **kwargs)

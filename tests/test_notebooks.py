@@ -1,0 +1,48 @@
+"""The committed notebooks are what their jupytext sources say.
+
+Each ``notebooks/<name>.ipynb`` is generated from ``notebooks/<name>.py`` (jupytext percent
+format, which reviews as plain Python): after editing either, run
+``jupytext --sync notebooks/<name>.py`` (the newer file of the pair wins) and commit both.
+Outputs and metadata do not matter here; cell types and sources do.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+
+
+def jupytext_sources() -> list[Path]:
+    """The notebooks' .py sources: the .py files with a jupytext header."""
+    return sorted(p for p in NOTEBOOKS.glob("*.py") if p.read_text().startswith("# ---\n# jupyter:\n#   jupytext:"))
+
+
+def cells(notebook) -> list[tuple[str, str]]:
+    return [(cell.cell_type, cell.source) for cell in notebook.cells]
+
+
+def test_every_notebook_has_a_jupytext_source():
+    sources = {p.stem for p in jupytext_sources()}
+    notebooks = {p.stem for p in NOTEBOOKS.glob("*.ipynb")}
+    assert notebooks and notebooks == sources, (
+        f"notebooks without a jupytext source: {sorted(notebooks - sources)}; sources without a notebook: "
+        f"{sorted(sources - notebooks)} (create the missing one with `jupytext --to py:percent` or "
+        f"`jupytext --to ipynb`, then pair them with `jupytext --set-formats ipynb,py:percent`)")
+
+
+@pytest.mark.parametrize("source", jupytext_sources(), ids=lambda p: p.name)
+def test_notebook_matches_its_jupytext_source(source: Path):
+    jupytext = pytest.importorskip("jupytext")
+    import nbformat
+
+    notebook = source.with_suffix(".ipynb")
+    expected = cells(jupytext.read(source))
+    committed = cells(nbformat.read(notebook, as_version=4))
+    stale = [i for i, (a, b) in enumerate(zip(expected, committed)) if a != b]
+    assert committed == expected, (
+        f"{notebook.name} differs from its source {source.name} ({len(committed)} cells vs {len(expected)}; first "
+        f"differing cell: {(stale or [min(len(committed), len(expected))])[0]}): run "
+        f"`jupytext --sync notebooks/{source.name}` and commit both files")
