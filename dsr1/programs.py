@@ -11,6 +11,10 @@ donated: its buffers are reused for the grown cache, so the caller must not use 
 - `greedy_decode`: `steps` greedy steps in one `fori_loop`, recording the tokens fed and the
   experts routed (what benchmarks and profiles account for).
 - `random_cache`: a cache as if prompts had been prefilled, for timing decode at any context.
+- `extend`, `paged_cache`: serving. `extend` runs T new tokens per row against each row's pages
+  of a `PagedKVCache` (donated) and writes their latents; it compiles once per (B, T, P, K) bucket
+  and static setting, whatever the rows' starts, counts and page tables. `paged_cache` creates an
+  empty page pool on the mesh.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from .core import model
-from .core.cache import KVCache, quantize_latent
+from .core.cache import KVCache, PagedKVCache, empty_paged_cache, quantize_latent
 from .core.config import Config
 from .core.params import Params
 from .core.sharding import ShardingRules, keep_replicated
@@ -35,6 +39,7 @@ _MODEL = ("cfg", "mesh", "rules")  # the static arguments every program shares
 forward = jax.jit(model.forward, static_argnames=_MODEL)
 prefill = jax.jit(model.prefill, static_argnames=(*_MODEL, "max_len", "kv_cache_dtype"))
 decode = jax.jit(model.decode, static_argnames=_MODEL, donate_argnames=("cache",))
+extend = jax.jit(model.extend, static_argnames=(*_MODEL, "absorbed", "block_pages"), donate_argnames=("cache",))
 
 
 # ---- generation: sampling on device --------------------------------------------------------------
@@ -135,4 +140,17 @@ def random_cache(key: jax.Array, *, cfg: Config, mesh: Mesh, batch: int, context
     pe = jax.random.normal(k_pe, (layers, batch, max_len, cfg.qk_rope_head_dim), jnp.float32).astype(dtype)
     c_kv, c_scale = quantize_latent(c_kv) if kv_cache_dtype == "int8" else (c_kv.astype(dtype), None)
     cache = KVCache(c_kv, pe, c_scale, jnp.full((batch,), context, jnp.int32))
+    return jax.tree.map(lambda a: keep_replicated(a, mesh), cache)
+
+
+# ---- serving -------------------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "num_pages", "page_size", "dtype", "kv_cache_dtype"))
+def paged_cache(*, cfg: Config, mesh: Mesh, num_pages: int, page_size: int, dtype: Any,
+                kv_cache_dtype: str | None) -> PagedKVCache:
+    """An empty pool of `num_pages` pages of `page_size` tokens (page 0 is the scratch page) for every
+    layer, in the model's `dtype` (or int8 latents with per-token scales), replicated over the mesh
+    like the contiguous cache."""
+    cache = empty_paged_cache(cfg.num_hidden_layers, num_pages, page_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+                              jnp.dtype(dtype), kv_cache_dtype)
     return jax.tree.map(lambda a: keep_replicated(a, mesh), cache)

@@ -1,18 +1,30 @@
-"""Multi-head latent attention (MLA), in two forms.
+"""Multi-head latent attention (MLA), in two forms, and the paged attention of `extend`.
 
-- `attend_prefill`: non-absorbed. Expands the latent `c_kv` into per-head keys and values and runs
-  standard causal attention: cheapest when many queries share the keys (prompts).
-- `attend_decode`: absorbed. Folds `W_UK` into the query and `W_UV` after the softmax, so the
-  scores are taken directly against the cached 512-d latents; no per-head K/V is ever built.
+- *Expanded* (non-absorbed): the latent `c_kv` is expanded into per-head keys `k_nope = W_UK c` and
+  values `v = W_UV c`; cheapest when many queries share the keys (prompts). `attend_prefill`.
+- *Absorbed*: `W_UK` is folded into the query (`q_nope W_UK` lives in the latent space) and `W_UV`
+  is applied after the softmax, so scores are taken directly against the latents and no per-head
+  K/V is ever built; cheapest for few queries per row (decode). `attend_decode`.
+- `attend_extend`: T new tokens per row against that row's pages of a `PagedKVCache` plus the new
+  tokens themselves (causal), in either form (`use_absorbed` picks the cheaper one for T). Pages are
+  read block by block with an online softmax (flash-decoding style), for as many blocks as the
+  longest row actually holds.
 
-Both compute `q_nope . k_nope + q_pe . k_pe` as two products rather than a concatenation.
+All three share the pieces below: a `Query` and `Keys` in one form, `scores`, `weighted_values`,
+`attention_output`. Scores are `q_nope . k_nope + q_pe . k_pe`, two products, not a concatenation.
+With an int8 latent cache, each cached token's scale multiplies its scores (after the latent
+product) and its probabilities (before the value product), so no dequantized cache is built.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
 
+from .cache import PagedKVCache
 from .config import Config
 from .layers import rms_norm
 from .quant import einsum, matmul
@@ -39,12 +51,99 @@ def latents(p: dict, x: jax.Array, positions: jax.Array, cfg: Config) -> tuple[j
     return rms_norm(c_kv, p["kv_a_norm"], cfg.rms_norm_eps), apply_rope(k_pe, positions, cfg)
 
 
-def _softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
-    return jax.nn.softmax(jnp.where(mask, scores, NEG_INF), axis=-1)
+# ---- the two forms: queries and keys ------------------------------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class Query:
+    """Queries `[B, T, H, k]` in one form: `main` is `q_nope` (expanded, k = nope) or `q_nope W_UK`
+    (absorbed, k = kv_lora_rank); `pe` is the roped `q_pe [B, T, H, rope]`."""
+
+    main: jax.Array
+    pe: jax.Array
+    absorbed: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Keys:
+    """S keys per row in the form of the queries they meet. Absorbed: `main` and `values` are both
+    the latents `c_kv [B, S, r]` (shared by all heads). Expanded: `main` is `k_nope [B, S, H, nope]`,
+    `values` is `v [B, S, H, v]`. `pe [B, S, rope]`; `scale [B, S]`: int8 latent scales, or None."""
+
+    main: jax.Array
+    values: jax.Array
+    pe: jax.Array
+    scale: jax.Array | None
+
+    @property
+    def shared_by_heads(self) -> bool:
+        return self.main.ndim == 3
+
+
+def make_query(p: dict, q_nope: jax.Array, q_pe: jax.Array, absorbed: bool) -> Query:
+    """The query in the chosen form; absorbed folds `W_UK` in (`[B, T, H, nope] -> [B, T, H, r]`)."""
+    if not absorbed:
+        return Query(q_nope, q_pe, absorbed)
+    return Query(einsum("bthn,hnr->bthr", q_nope, p["wk_b"]), q_pe, absorbed)
+
+
+def make_keys(p: dict, c_kv: jax.Array, c_scale: jax.Array | None, k_pe: jax.Array, absorbed: bool,
+              dtype: jnp.dtype) -> Keys:
+    """Keys from latents `c_kv [B, S, r]` (possibly int8, then `c_scale [B, S]`), `k_pe [B, S, rope]`.
+    Expanded keys are built from the *unscaled* int8 values: `W_UK` and `W_UV` are linear, so the
+    scale still applies to scores and probabilities exactly as in the absorbed form."""
+    c_kv, k_pe = c_kv.astype(dtype), k_pe.astype(dtype)
+    if absorbed:
+        return Keys(c_kv, c_kv, k_pe, c_scale)
+    k_nope = einsum("bsr,hnr->bshn", c_kv, p["wk_b"])
+    v = einsum("bsr,hvr->bshv", c_kv, p["wv_b"])
+    return Keys(k_nope, v, k_pe, c_scale)
+
+
+def scores(q: Query, k: Keys, cfg: Config) -> jax.Array:
+    """Scaled attention scores `[B, H, T, S]` (float32)."""
+    f32 = jnp.float32
+    main_spec = "bthk,bsk->bhts" if k.shared_by_heads else "bthk,bshk->bhts"
+    s = jnp.einsum(main_spec, q.main, k.main, preferred_element_type=f32)
+    if k.scale is not None:
+        s = s * k.scale[:, None, None, :]
+    return (s + jnp.einsum("bthp,bsp->bhts", q.pe, k.pe, preferred_element_type=f32)) * cfg.softmax_scale
+
+
+def weighted_values(probs: jax.Array, k: Keys) -> jax.Array:
+    """`probs [B, H, T, S]` times the values: the context `[B, H, T, r]` (absorbed) or `[B, H, T, v]`,
+    float32. (Heads before T: XLA:CPU has no bf16 x bf16 -> f32 dot for the `[B, T, H, r]` order.)"""
+    if k.scale is not None:
+        probs = probs * k.scale[:, None, None, :]
+    spec = "bhts,bsk->bhtk" if k.shared_by_heads else "bhts,bshk->bhtk"
+    return jnp.einsum(spec, probs.astype(k.values.dtype), k.values, preferred_element_type=jnp.float32)
+
+
+def attention_output(p: dict, ctx: jax.Array, absorbed: bool, dtype: jnp.dtype) -> jax.Array:
+    """The attention context `[B, H, T, k]` to the layer's output `[B, T, D]`: `W_UV` first when the
+    context is still latent (absorbed), then `o_proj`."""
+    ctx = ctx.astype(dtype)
+    if absorbed:
+        ctx = einsum("bhtr,hvr->bhtv", ctx, p["wv_b"])
+    return einsum("bhtv,hvd->btd", ctx, p["o"])
+
+
+def _masked(s: jax.Array, mask: jax.Array) -> jax.Array:
+    return jnp.where(mask, s, NEG_INF)
+
+
+def _softmax(s: jax.Array, mask: jax.Array) -> jax.Array:
+    return jax.nn.softmax(_masked(s, mask), axis=-1)
+
+
+def _causal(t: int) -> jax.Array:
+    """`[T, T]`: query i sees keys j <= i."""
+    return jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+
+
+# ---- prefill and decode -------------------------------------------------------------------------
 
 def attend_prefill(p: dict, x: jax.Array, positions: jax.Array, cfg: Config):
-    """Causal self-attention over a right-padded block `x [B, T, D]`.
+    """Causal self-attention over a right-padded block `x [B, T, D]` (expanded form).
 
     Returns `(out [B, T, D], (c_kv, k_pe))`. Padding needs no key mask: a valid query at position i
     only sees keys j <= i, which are valid too.
@@ -52,48 +151,145 @@ def attend_prefill(p: dict, x: jax.Array, positions: jax.Array, cfg: Config):
     with jax.named_scope("mla_prefill"):
         q_nope, q_pe = queries(p, x, positions, cfg)
         c_kv, k_pe = latents(p, x, positions, cfg)
-        k_nope = einsum("btr,hnr->bthn", c_kv, p["wk_b"])
-        v = einsum("btr,hvr->bthv", c_kv, p["wv_b"])
-        f32 = jnp.float32
-        scores = (jnp.einsum("bshn,bthn->bhst", q_nope, k_nope, preferred_element_type=f32)
-                  + jnp.einsum("bshp,btp->bhst", q_pe, k_pe, preferred_element_type=f32)) * cfg.softmax_scale
-        t = x.shape[1]
-        causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
-        probs = _softmax(scores, causal).astype(v.dtype)
-        ctx = jnp.einsum("bhst,bthv->bshv", probs, v)
-        out = einsum("bshv,hvd->bsd", ctx, p["o"])
+        q = make_query(p, q_nope, q_pe, absorbed=False)
+        k = make_keys(p, c_kv, None, k_pe, absorbed=False, dtype=q_nope.dtype)
+        probs = _softmax(scores(q, k, cfg), _causal(x.shape[1]))
+        out = attention_output(p, weighted_values(probs, k), absorbed=False, dtype=q_nope.dtype)
     return out, (c_kv, k_pe)
 
 
 def attend_decode(p: dict, x: jax.Array, positions: jax.Array, c_cache: jax.Array, c_scale: jax.Array | None,
                   pe_cache: jax.Array, lengths: jax.Array, cfg: Config):
-    """One new token per row, `x [B, D]` at `positions [B]`, against `lengths[b]` cached positions.
+    """One new token per row, `x [B, D]` at `positions [B]`, against `lengths[b]` cached positions
+    of a contiguous cache (`c_cache [B, S, r]`, `c_scale [B, S]` or None, `pe_cache [B, S, rope]`).
 
-    `c_scale [B, S]` is the per-token scale of an int8 latent cache (None for a bf16/f32 cache): it
-    multiplies the scores after the latent product and the probabilities before the value product,
-    so no dequantized cache is built. The new token's own latent joins the softmax directly, so the
-    cache is only read here; the caller writes the returned `(c_kv [B, r], k_pe [B, rope])` once for
-    all layers.
+    Absorbed form. The new token's own latent joins the softmax directly, so the cache is only read
+    here; the caller writes the returned `(c_kv [B, r], k_pe [B, rope])` once for all layers.
     """
     with jax.named_scope("mla_decode"):
         q_nope, q_pe = queries(p, x[:, None], positions[:, None], cfg)
         c_new, pe_new = latents(p, x[:, None], positions[:, None], cfg)
-        q_nope, q_pe, c_new, pe_new = q_nope[:, 0], q_pe[:, 0], c_new[:, 0], pe_new[:, 0]
-        f32, dt = jnp.float32, q_nope.dtype
-        q_lat = einsum("bhn,hnr->bhr", q_nope, p["wk_b"])  # absorb W_UK
-        latent_scores = jnp.einsum("bhr,bsr->bhs", q_lat, c_cache.astype(dt), preferred_element_type=f32)
-        if c_scale is not None:
-            latent_scores = latent_scores * c_scale[:, None, :]
-        cached = latent_scores + jnp.einsum("bhp,bsp->bhs", q_pe, pe_cache, preferred_element_type=f32)
-        own = (jnp.einsum("bhr,br->bh", q_lat, c_new, preferred_element_type=f32)
-               + jnp.einsum("bhp,bp->bh", q_pe, pe_new, preferred_element_type=f32))
-        scores = jnp.concatenate([cached, own[..., None]], axis=-1) * cfg.softmax_scale
+        dt = q_nope.dtype
+        q = make_query(p, q_nope, q_pe, absorbed=True)
+        cached = make_keys(p, c_cache, c_scale, pe_cache, absorbed=True, dtype=dt)
+        own = make_keys(p, c_new, None, pe_new, absorbed=True, dtype=dt)
         valid = jnp.arange(c_cache.shape[1])[None, :] < lengths[:, None]
-        mask = jnp.concatenate([valid, jnp.ones_like(valid[:, :1])], axis=-1)[:, None, :]
-        probs = _softmax(scores, mask)
-        cached_probs = probs[..., :-1] if c_scale is None else probs[..., :-1] * c_scale[:, None, :]
-        ctx_lat = (jnp.einsum("bhs,bsr->bhr", cached_probs.astype(dt), c_cache.astype(dt), preferred_element_type=f32)
-                   + probs[..., -1:] * c_new[:, None, :].astype(f32))
-        ctx = einsum("bhr,hvr->bhv", ctx_lat.astype(dt), p["wv_b"])  # absorb W_UV
-        out = einsum("bhv,hvd->bd", ctx, p["o"])
+        mask = jnp.concatenate([valid, jnp.ones_like(valid[:, :1])], axis=-1)[:, None, None, :]
+        probs = _softmax(jnp.concatenate([scores(q, cached, cfg), scores(q, own, cfg)], axis=-1), mask)
+        ctx = weighted_values(probs[..., :-1], cached) + weighted_values(probs[..., -1:], own)
+        out = attention_output(p, ctx, absorbed=True, dtype=dt)
+    return out[:, 0], (c_new[:, 0], pe_new[:, 0])
+
+
+# ---- extend: T new tokens per row against paged context ------------------------------------------
+
+def absorbed_crossover(cfg: Config) -> float:
+    """The chunk length T below which the absorbed form costs fewer FLOPs than the expanded one.
+
+    Per cached token and head, for a chunk of T queries (r = kv_lora_rank, n = qk_nope, v = v_head):
+    absorbed costs `T (r + rope)` for scores plus `T r` for values; expanded first builds the
+    token's key and value, `r (n + v)`, then costs `T (n + rope)` plus `T v`. So absorbed wins while
+    `T (2r - n - v) < r (n + v)`: T < 171 for R1 (r = 512, n = v = 128). (The per-query terms,
+    folding `W_UK` and `W_UV`, cost `r (n + v)` per query whatever the context and lower the
+    crossover a little for short contexts: ~146 at 1024 cached tokens.) Infinite when the latent is
+    no wider than a head's key plus value.
+    """
+    r, n, v = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim
+    saving = 2 * r - n - v
+    return math.inf if saving <= 0 else r * (n + v) / saving
+
+
+def use_absorbed(cfg: Config, chunk: int) -> bool:
+    """Whether `extend` with `chunk` new tokens per row should run the absorbed form (static)."""
+    return chunk < absorbed_crossover(cfg)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedContext:
+    """What a row's new tokens attend to besides themselves, for every layer: the page pool, each
+    row's page table `[B, P]`, and how many of its tokens are cached `[B]` (positions `< cached` are
+    read; the new tokens sit right after). `block_pages`: pages read per step of the online softmax."""
+
+    cache: PagedKVCache
+    page_table: jax.Array
+    cached: jax.Array
+    block_pages: int
+
+    @property
+    def block_tokens(self) -> int:
+        return self.block_pages * self.cache.page_size
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PartialSoftmax:
+    """A softmax over the keys seen so far, kept unnormalized (flash-attention style): the running
+    max score `[B, H, T]`, the sum of `exp(score - max)` `[B, H, T]`, and the values weighted by
+    those exponentials `[B, H, T, k]` (float32)."""
+
+    max: jax.Array
+    total: jax.Array
+    acc: jax.Array
+
+    def result(self) -> jax.Array:
+        """The normalized context `[B, H, T, k]`."""
+        return self.acc / self.total[..., None]
+
+
+def fold_keys(state: PartialSoftmax | None, q: Query, k: Keys, mask: jax.Array, cfg: Config) -> PartialSoftmax:
+    """Fold one block of keys into a partial softmax (None: start one). `mask` broadcasts to the
+    scores `[B, H, T, S]`. A block may be fully masked for a query only if an earlier block was not
+    (otherwise its max would be NEG_INF): `attend_extend` starts from the new tokens, where every
+    query sees at least itself."""
+    s = _masked(scores(q, k, cfg), mask)
+    block_max = s.max(axis=-1)
+    new_max = block_max if state is None else jnp.maximum(state.max, block_max)
+    e = jnp.exp(s - new_max[..., None])  # masked scores give exactly 0
+    total, acc = e.sum(axis=-1), weighted_values(e, k)
+    if state is None:
+        return PartialSoftmax(new_max, total, acc)
+    rescale = jnp.exp(state.max - new_max)
+    return PartialSoftmax(new_max, state.total * rescale + total, state.acc * rescale[..., None] + acc)
+
+
+def _fold_pages(state: PartialSoftmax, p: dict, q: Query, context: PagedContext, layer: jax.Array,
+                dtype: jnp.dtype, cfg: Config) -> PartialSoftmax:
+    """Fold every row's cached tokens into `state`, `block_pages` pages at a time, in as many steps as
+    the longest row needs (a dynamic trip count: cost follows the context actually held, not the
+    page table's width). Each step gathers one block of pages per row, never a whole context."""
+    n = context.block_pages
+    width = context.page_table.shape[1]
+    table = jnp.pad(context.page_table, [(0, 0), (0, -width % n)])  # whole blocks; padding is masked
+    steps = (jnp.max(context.cached) + context.block_tokens - 1) // context.block_tokens
+
+    def step(i, state):
+        pages = jax.lax.dynamic_slice_in_dim(table, i * n, n, axis=1)
+        c_kv, c_scale, k_pe = context.cache.read_pages(layer, pages)
+        positions = i * context.block_tokens + jnp.arange(context.block_tokens)
+        mask = (positions[None, :] < context.cached[:, None])[:, None, None, :]
+        keys = make_keys(p, c_kv, c_scale, k_pe, q.absorbed, dtype)
+        return fold_keys(state, q, keys, mask, cfg)
+
+    return jax.lax.fori_loop(0, steps, step, state)
+
+
+def attend_extend(p: dict, x: jax.Array, positions: jax.Array, context: PagedContext, layer: jax.Array,
+                  cfg: Config, *, absorbed: bool):
+    """T new tokens per row, `x [B, T, D]` at `positions [B, T]` (`context.cached[b] + t`), attending
+    to their row's cached tokens in `layer` of the page pool and causally to each other.
+
+    The new tokens' latents join the softmax directly (the pool is only read here); the caller writes
+    the returned `(c_kv [B, T, r], k_pe [B, T, rope])` for all layers at once. `absorbed` picks the
+    form (see `use_absorbed`). Returns `(out [B, T, D], (c_kv, k_pe))`.
+    """
+    with jax.named_scope("mla_extend"):
+        q_nope, q_pe = queries(p, x, positions, cfg)
+        c_new, pe_new = latents(p, x, positions, cfg)
+        dt = q_nope.dtype
+        q = make_query(p, q_nope, q_pe, absorbed)
+        with jax.named_scope("new_tokens"):
+            state = fold_keys(None, q, make_keys(p, c_new, None, pe_new, absorbed, dt), _causal(x.shape[1]), cfg)
+        with jax.named_scope("cached_pages"):
+            state = _fold_pages(state, p, q, context, layer, dt, cfg)
+        out = attention_output(p, state.result(), absorbed, dt)
     return out, (c_new, pe_new)

@@ -1,9 +1,14 @@
-"""The decode cache of multi-head latent attention: only the latent `c_kv` and the shared `k_pe`.
+"""The caches of multi-head latent attention: only the latent `c_kv` and the shared `k_pe`.
 
-Per token per layer it holds `kv_lora_rank + qk_rope_head_dim` values (576 for R1), never
+Per token per layer they hold `kv_lora_rank + qk_rope_head_dim` values (576 for R1), never
 per-head keys and values. With `kv_cache_dtype="int8"` the latent `c_kv` (89% of the cache) is
 stored as int8 with one float32 scale per token per layer; `k_pe`, which carries position, stays
 in the model's dtype.
+
+- `KVCache`: contiguous, one row of `max_len` positions per batch row (`prefill`, `decode`).
+- `PagedKVCache`: a pool of fixed-size pages shared by all sequences, each sequence reading and
+  writing its own pages through a page table (`extend`, serving). Rows grow a page at a time and
+  sequences with a common prefix can share its pages.
 """
 
 from __future__ import annotations
@@ -37,7 +42,12 @@ class KVCache:
         return self.c_kv.shape[1]
 
     def nbytes(self) -> int:
-        return sum(x.nbytes for x in (self.c_kv, self.k_pe, self.c_scale) if x is not None)
+        return _latent_bytes(self)
+
+
+def _latent_bytes(cache: KVCache | PagedKVCache) -> int:
+    """Bytes of a cache's latents, int8 scales included."""
+    return sum(x.nbytes for x in (cache.c_kv, cache.k_pe, cache.c_scale) if x is not None)
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str | None) -> str | None:
@@ -77,4 +87,87 @@ def append_token(cache: KVCache, c_kv: jax.Array, k_pe: jax.Array) -> KVCache:
         cache.k_pe.at[:, rows, cache.lengths].set(k_pe.astype(cache.k_pe.dtype)),
         None if c_scale is None else cache.c_scale.at[:, rows, cache.lengths].set(c_scale),
         cache.lengths + 1,
+    )
+
+
+# ---- the paged latent cache (serving) -----------------------------------------------------------
+
+SCRATCH_PAGE = 0
+"""A page no sequence owns: writes of padding tokens (idle slots, the unused tail of a chunk) land
+here, so device code never masks a write. Nothing reads it as context (reads are masked by length)."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    """A pool of fixed-size pages of latents, shared by every running sequence, for every layer.
+
+    `c_kv [layers, num_pages, page_size, kv_lora_rank]` (the model's dtype, or int8),
+    `c_scale [layers, num_pages, page_size]` (float32 per-token scales of an int8 cache, else None),
+    `k_pe [layers, num_pages, page_size, rope_dim]` (the model's dtype). Which pages hold which
+    sequence is not stored here: each sequence has a page table (page ids, in order), kept on the
+    host by `dsr1.serving.pages` and passed to every call. Token `pos` of a sequence lives in page
+    `table[pos // page_size]`, slot `pos % page_size`. Page `SCRATCH_PAGE` is never handed out.
+    """
+
+    c_kv: jax.Array
+    k_pe: jax.Array
+    c_scale: jax.Array | None
+
+    @property
+    def page_size(self) -> int:
+        return self.c_kv.shape[2]
+
+    @property
+    def kv_cache_dtype(self) -> str | None:
+        return None if self.c_scale is None else "int8"
+
+    def nbytes(self) -> int:
+        return _latent_bytes(self)
+
+    def read_pages(self, layer: jax.Array, pages: jax.Array) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+        """One layer's latents in `pages [B, n]`, each row's pages laid end to end: `c_kv [B, n * page_size, r]`
+        (as stored), `c_scale [B, n * page_size]` or None, `k_pe [B, n * page_size, rope]`. One gather from
+        the whole pool (the layer index is part of it), so no per-layer copy of the pool is made."""
+        def flat(a: jax.Array) -> jax.Array:
+            a = a[layer, pages]  # [B, n, page_size, ...]
+            return a.reshape(a.shape[0], a.shape[1] * a.shape[2], *a.shape[3:])
+
+        return flat(self.c_kv), None if self.c_scale is None else flat(self.c_scale), flat(self.k_pe)
+
+
+def empty_paged_cache(num_layers: int, num_pages: int, page_size: int, kv_lora_rank: int, rope_dim: int,
+                      dtype: jnp.dtype, kv_cache_dtype: str | None = None) -> PagedKVCache:
+    """A zeroed page pool (scales 1 for int8). Call under jit to create it directly on the devices."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    shape = (num_layers, num_pages, page_size)
+    int8 = kv_cache_dtype == "int8"
+    return PagedKVCache(jnp.zeros((*shape, kv_lora_rank), jnp.int8 if int8 else dtype),
+                        jnp.zeros((*shape, rope_dim), dtype), jnp.ones(shape, jnp.float32) if int8 else None)
+
+
+def token_slots(page_table: jax.Array, starts: jax.Array, counts: jax.Array, chunk: int,
+                page_size: int) -> tuple[jax.Array, jax.Array]:
+    """Where each of `chunk` new tokens per row is written: `(page [B, T], slot [B, T])`.
+
+    Row b's token t sits at position `starts[b] + t`; the first `counts[b]` are real and go to their
+    row's page; the rest are padding and go to `SCRATCH_PAGE`.
+    """
+    t = jnp.arange(chunk)
+    positions = starts[:, None] + t
+    index = jnp.minimum(positions // page_size, page_table.shape[1] - 1)  # padding may run past the table
+    real = t[None, :] < counts[:, None]
+    pages = jnp.where(real, jnp.take_along_axis(page_table, index, axis=1), SCRATCH_PAGE)
+    return pages, positions % page_size
+
+
+def write_tokens(cache: PagedKVCache, c_kv: jax.Array, k_pe: jax.Array, pages: jax.Array,
+                 slots: jax.Array) -> PagedKVCache:
+    """Write every layer's new latents `c_kv [L, B, T, r]`, `k_pe [L, B, T, rope]` at `(pages, slots)
+    [B, T]` in one scatter per array (quantized first for an int8 cache)."""
+    c_kv, c_scale = _stored(c_kv, cache.kv_cache_dtype)
+    return PagedKVCache(
+        cache.c_kv.at[:, pages, slots].set(c_kv.astype(cache.c_kv.dtype)),
+        cache.k_pe.at[:, pages, slots].set(k_pe.astype(cache.k_pe.dtype)),
+        None if c_scale is None else cache.c_scale.at[:, pages, slots].set(c_scale),
     )

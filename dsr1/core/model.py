@@ -6,16 +6,20 @@ time does not grow with depth. The residual stream is float32; matmuls run in th
 - `forward`: logits for every position (prefill attention path).
 - `prefill`: logits at each row's last token, and a KVCache holding the prompts' latents.
 - `decode`: one token per row with absorbed attention against the cache.
+- `extend`: T new tokens per row against each row's pages of a `PagedKVCache` (serving: chunked
+  prefill, prefill after a prefix-cache hit, decode with T = 1, speculative verification).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from .attention import attend_decode, attend_prefill
-from .cache import KVCache, append_token, cache_from_prefill
+from .attention import PagedContext, attend_decode, attend_extend, attend_prefill, use_absorbed
+from .cache import KVCache, PagedKVCache, append_token, cache_from_prefill, token_slots, write_tokens
 from .config import Config
 from .layers import mlp, rms_norm
 from .moe import moe
@@ -23,6 +27,11 @@ from .params import STACKS, Params, stack_layers
 from .sharding import ShardingRules, keep_replicated
 
 # Low-latency layout: activations are replicated (`keep_replicated`); only weights are split.
+
+Attend = Callable[[dict, jax.Array, jax.Array], tuple[jax.Array, tuple[jax.Array, jax.Array]]]
+"""`attend(layer_params, normed_x, layer_index) -> (out, (c_kv, k_pe))`: one layer's attention."""
+
+DEFAULT_BLOCK_TOKENS = 512  # tokens of context per step of extend's page loop (rounded to whole pages)
 
 
 def _feed_forward(p: dict, x: jax.Array, cfg: Config, mesh: Mesh,
@@ -54,24 +63,37 @@ def _logits(params: Params, x: jax.Array, cfg: Config) -> jax.Array:
         return jnp.matmul(x, params["lm_head"], preferred_element_type=jnp.float32)
 
 
+def _run_layers(params: Params, x: jax.Array, attend: Attend, cfg: Config, mesh: Mesh, rules: ShardingRules):
+    """Every layer stack under `lax.scan`. `attend(p, normed_x, layer)` gets the model-wide layer
+    index (a scan input, so a cache is read in place by index, never sliced into a copy).
+
+    Returns the final hidden states, every layer's new latents `([L, ...r], [L, ...rope])` and the
+    routed expert ids of the MoE layers `[L_moe, ..., K]` (None without MoE layers)."""
+    new_latents, routing = [], None
+    for stack in STACKS:
+        if stack not in params:
+            continue
+        layers = stack_layers(cfg, stack)
+
+        def layer(x, inputs):
+            p, i = inputs
+            return _block(p, x, lambda p, h: attend(p, h, i), cfg, mesh, rules)
+
+        with jax.named_scope(stack):
+            x, (kv, experts) = jax.lax.scan(layer, x, (params[stack], jnp.arange(layers.start, layers.stop)))
+        new_latents.append(kv)
+        routing = experts if experts is not None else routing
+    c_kv = jnp.concatenate([c for c, _ in new_latents])
+    k_pe = jnp.concatenate([k for _, k in new_latents])
+    return x, (c_kv, k_pe), routing
+
+
 def _prefill_hidden(params: Params, tokens: jax.Array, cfg: Config, mesh: Mesh, rules: ShardingRules):
     """Final hidden states `[B, T, D]` and every layer's latents `([L, B, T, r], [L, B, T, rope])`."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     x = keep_replicated(_embed(params, tokens), mesh)
-    latents = []
-    for stack in STACKS:
-        if stack not in params:
-            continue
-
-        def layer(x, p):
-            return _block(p, x, lambda p, h: attend_prefill(p, h, positions, cfg), cfg, mesh, rules)
-
-        with jax.named_scope(stack):
-            x, (kv, _) = jax.lax.scan(layer, x, params[stack])
-        latents.append(kv)
-    c_kv = jnp.concatenate([c for c, _ in latents])
-    k_pe = jnp.concatenate([k for _, k in latents])
-    return x, (c_kv, k_pe)
+    x, latents, _ = _run_layers(params, x, lambda p, h, _: attend_prefill(p, h, positions, cfg), cfg, mesh, rules)
+    return x, latents
 
 
 def forward(params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg: Config, mesh: Mesh,
@@ -100,28 +122,75 @@ def decode(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config, me
     step read, for benchmarks and profiles (an unused output costs nothing under jit)."""
     positions = cache.lengths
     x = keep_replicated(_embed(params, tokens), mesh)
-    new_latents, routing = [], None
-    for stack in STACKS:
-        if stack not in params:
-            continue
-        layers = stack_layers(cfg, stack)
 
-        def layer(x, inputs):
-            p, i = inputs
-            # The cache is read in place by layer index (a loop invariant), never sliced into a copy.
-            c_scale = None if cache.c_scale is None else cache.c_scale[i]
+    def attend(p, h, i):
+        c_scale = None if cache.c_scale is None else cache.c_scale[i]
+        return attend_decode(p, h, positions, cache.c_kv[i], c_scale, cache.k_pe[i], cache.lengths, cfg)
 
-            def attend(p, h):
-                return attend_decode(p, h, positions, cache.c_kv[i], c_scale, cache.k_pe[i], cache.lengths, cfg)
-
-            return _block(p, x, attend, cfg, mesh, rules)
-
-        with jax.named_scope(stack):
-            x, (kv, experts) = jax.lax.scan(layer, x, (params[stack], jnp.arange(layers.start, layers.stop)))
-        new_latents.append(kv)
-        routing = experts if experts is not None else routing
-    c_new = jnp.concatenate([c for c, _ in new_latents])
-    pe_new = jnp.concatenate([k for _, k in new_latents])
+    x, (c_new, pe_new), routing = _run_layers(params, x, attend, cfg, mesh, rules)
     logits = keep_replicated(_logits(params, x, cfg), mesh)
     return logits, jax.tree.map(lambda a: keep_replicated(a, mesh), append_token(cache, c_new, pe_new)), routing
 
+
+def default_block_pages(page_size: int, table_width: int) -> int:
+    """Pages per step of extend's page loop: about `DEFAULT_BLOCK_TOKENS` tokens, at most the table.
+    Larger blocks mean fewer loop steps but more masked work in a row's last, partial block."""
+    return max(1, min(table_width, DEFAULT_BLOCK_TOKENS // page_size))
+
+
+def extend(params: Params, cache: PagedKVCache, tokens: jax.Array, starts: jax.Array, counts: jax.Array,
+           page_table: jax.Array, logits_at: jax.Array, *, cfg: Config, mesh: Mesh, rules: ShardingRules,
+           absorbed: bool | None = None,
+           block_pages: int | None = None) -> tuple[jax.Array, jax.Array, PagedKVCache]:
+    """Run T new tokens per row against that row's cached pages, and write their latents.
+
+    The one serving primitive: chunked prefill, the prefill of a prompt's remainder after a prefix
+    hit, decode (T = 1) and speculative verification (T = draft length + 1).
+
+    Args:
+      cache: the page pool; donated by `dsr1.programs.extend`.
+      tokens: `[B, T]` int32; row b's new tokens, the first `counts[b]` real, the rest padding.
+      starts: `[B]` how many tokens row b has cached, i.e. the position of its first new token.
+      counts: `[B]` real new tokens per row, in `[0, T]`; 0 marks an idle slot (none of the pool
+        is read or written for it, its outputs are zero).
+      page_table: `[B, P]` row b's pages in order; entries past what the row uses are ignored (use
+        `SCRATCH_PAGE`). Must cover `starts[b] + counts[b]` tokens.
+      logits_at: `[B, K]` indices into T whose logits are wanted (e.g. `counts - 1` for the next
+        token, or every draft position for verification).
+      absorbed: the attention form (None: the cheaper for T, `use_absorbed`); both give the same
+        logits up to float rounding.
+      block_pages: pages per step of the page loop (None: `default_block_pages`).
+
+    Returns:
+      logits `[B, K, V]` float32 at `logits_at`; hidden `[B, K, D]` float32, the residual stream
+      *entering* the final norm at those positions (the MTP module's input; the lm_head input is
+      `rms_norm(hidden, params["final_norm"])`, so both stay available); both zero where
+      `logits_at[b, k] >= counts[b]`. And the cache with the real new tokens written at positions
+      `starts[b] + t` (padding goes to `SCRATCH_PAGE`).
+
+    Each new token attends to its row's cached positions `< starts[b]` and causally to the new
+    tokens. Every shape is static (B, T, P, K), so rows joining, growing and leaving never compile
+    a new program; the page loop's trip count is dynamic, set by the longest row in use.
+    """
+    chunk = tokens.shape[1]
+    absorbed = use_absorbed(cfg, chunk) if absorbed is None else absorbed
+    block_pages = default_block_pages(cache.page_size, page_table.shape[1]) if block_pages is None else block_pages
+    in_use = counts > 0
+    cached = jnp.where(in_use, starts, 0)  # idle slots read nothing and do not lengthen the page loop
+    context = PagedContext(cache, page_table, cached, block_pages)
+    positions = cached[:, None] + jnp.arange(chunk)
+    x = keep_replicated(_embed(params, tokens), mesh)
+
+    def attend(p, h, i):
+        return attend_extend(p, h, positions, context, i, cfg, absorbed=absorbed)
+
+    x, (c_new, pe_new), _ = _run_layers(params, x, attend, cfg, mesh, rules)
+    with jax.named_scope("write_pages"):
+        pages, slots = token_slots(page_table, cached, counts, chunk, cache.page_size)
+        cache = write_tokens(cache, c_new, pe_new, pages, slots)
+    wanted = logits_at < counts[:, None]
+    hidden = jnp.take_along_axis(x, jnp.clip(logits_at, 0, chunk - 1)[..., None], axis=1)
+    hidden = jnp.where(wanted[..., None], hidden, 0.0)
+    logits = jnp.where(wanted[..., None], _logits(params, hidden, cfg), 0.0)
+    return (keep_replicated(logits, mesh), keep_replicated(hidden, mesh),
+            jax.tree.map(lambda a: keep_replicated(a, mesh), cache))
