@@ -8,53 +8,116 @@
 # Providers:
 #   gcloud  TPU VMs: `gcloud compute tpus tpu-vm ssh NAME --worker=i` (MCJAX_CLUSTER, MCJAX_ZONE, MCJAX_PROJECT)
 #   ssh     any hosts reachable by ssh, e.g. a GPU cluster (MCJAX_HOST_LIST: host 0 first)
+#   slurm   the nodes of a Slurm allocation (run inside `salloc -N 4 ...`): `srun --overlap -w NODE`
 #   local   a simulated cluster on this machine: "hosts" are local processes (see cluster/local.sh)
 #
-# Host 0 runs the ipyparallel controller, the Jupyter server and the notebook kernel (the last JAX
-# process); hosts 1..N-1 run one ipyparallel engine each.
+# Host 0 runs the ipyparallel controller, the Jupyter server and the notebook kernel; hosts 1..N-1
+# run one ipyparallel engine each. Which JAX process the kernel is depends on MCJAX_NUMBERING.
 
-: "${MCJAX_PROVIDER:=gcloud}"                 # gcloud | ssh | local
+: "${MCJAX_PROVIDER:=gcloud}"                 # gcloud | ssh | slurm | local
+: "${MCJAX_STATE:=$HOME/.mcjax}"              # pid files, logs, cluster.json (per host, local disk, mode 700); on
+                                              #   your machine also what setup started from it (setup.env): --stop
+                                              #   and --status act on the cluster this folder records, never another
+# Settings left empty get a value that depends on the provider and the state folder (the end of
+# this list); those are remembered in MCJAX_DERIVED, so that sourcing this file again for another
+# provider or state folder (cluster/local.sh run from a shell set up for gcloud) derives them anew.
+if [ "${MCJAX_DERIVED_KEY:-}" != "$MCJAX_PROVIDER $MCJAX_STATE" ]; then
+  [ -z "${MCJAX_DERIVED:-}" ] || eval "unset $MCJAX_DERIVED"
+  MCJAX_DERIVED=""
+  MCJAX_DERIVED_KEY="$MCJAX_PROVIDER $MCJAX_STATE"
+fi
 : "${MCJAX_CLUSTER:=mcjax}"                   # gcloud: the TPU VM (pod slice) name
 : "${MCJAX_ZONE:=}"                           # gcloud: zone (empty: gcloud's configured compute/zone)
 : "${MCJAX_PROJECT:=}"                        # gcloud: project (empty: gcloud's configured project)
+: "${MCJAX_GCLOUD_SSH:=default}"              # gcloud: how `gcloud ... ssh` reaches the workers: default (their
+                                              #   external IPs), internal-ip (--internal-ip: from a machine in the
+                                              #   VPC), iap (--tunnel-through-iap: workers without external IPs)
 : "${MCJAX_HOSTS:=}"                          # number of hosts (empty: from the provider)
-: "${MCJAX_HOST_LIST:=}"                      # ssh: host names or addresses, host 0 first (spaces or commas)
+: "${MCJAX_HOST_LIST:=}"                      # ssh: host names or addresses, host 0 first (spaces or commas);
+                                              #   slurm: the nodes (empty: scontrol show hostnames $SLURM_JOB_NODELIST)
 : "${MCJAX_INTERNAL_IPS:=}"                   # internal IPs, host 0 first (empty: from the provider)
 : "${MCJAX_USER:=${USER:-$(id -un)}}"         # remote user (ssh provider)
-: "${MCJAX_SSH_OPTS:=-o BatchMode=yes -o ConnectTimeout=20}"  # extra ssh options (ssh provider)
-: "${MCJAX_NFS_DIR:=/mnt/mcjax}"              # shared folder: exported by host 0, same path on every host
+: "${MCJAX_CONNECT_TIMEOUT:=20}"              # seconds an ssh connection may take to open (ssh, gcloud ssh)
+: "${MCJAX_SSH_OPTS:=-o BatchMode=yes -o ConnectTimeout=$MCJAX_CONNECT_TIMEOUT}"  # extra ssh options (ssh)
+: "${MCJAX_TRANSPORT:=}"                      # how cluster_exec reaches a host; empty: the provider's way. The
+                                              #   mcjax.env of the hosts sets ssh: host 0 reaches the others over
+                                              #   their internal IPs with the key that setup's `keys` step made
+: "${MCJAX_SLURM_JOB_ID:=${SLURM_JOB_ID:-}}"  # slurm: the allocation every srun joins (srun --jobid)
+: "${MCJAX_SRUN_OPTS:=}"                      # slurm: extra srun options for the engines' and Jupyter's steps,
+                                              #   e.g. --gpus-per-node=8 where a step does not get the job's GPUs
+: "${MCJAX_NFS_DIR:=}"                        # shared folder, same path on every host (empty: /mnt/mcjax, exported
+                                              #   by host 0 over NFS; slurm: ~/mcjax-shared, a folder the nodes share)
 : "${MCJAX_BUCKET:=}"                         # optional GCS bucket mounted with gcsfuse on every host
 : "${MCJAX_BUCKET_DIR:=/mnt/mcjax-bucket}"    # where the bucket is mounted
-: "${MCJAX_VENV:=$HOME/mcjax-venv}"           # the Python venv on every host (local disk)
-: "${MCJAX_REPO_DIR:=$MCJAX_NFS_DIR/dsr1}"    # the dsr1 source on the shared folder
+: "${MCJAX_VENV:=$HOME/mcjax-venv}"           # the Python venv on every host (local disk; a venv on a shared
+                                              #   home is built once, by host 0, and used by every host)
+# Python on the hosts. TPU VM images ship Python 3.10 and dsr1 needs >= 3.11, so setup brings its
+# own: cluster/venv.sh puts uv $MCJAX_UV_VERSION (one binary, taken from its PyPI wheel) in
+# $MCJAX_UV_DIR, has it install CPython $MCJAX_HOST_PYTHON (a uv-managed build, in uv's own folder
+# under ~/.local/share/uv) and builds $MCJAX_VENV with that Python. Pinned here, once, so every
+# host runs the same Python; the local provider downloads nothing and uses MCJAX_PYTHON.
+: "${MCJAX_UV_VERSION:=0.13.9}"               # uv, from PyPI (pip download uv==VERSION)
+: "${MCJAX_HOST_PYTHON:=3.12}"                # the CPython uv installs (its newest 3.12.x known to that uv)
+: "${MCJAX_UV_DIR:=$HOME/.mcjax-uv}"          # where the uv binary goes on each host
 : "${MCJAX_JAX_SPEC:=}"                       # extra pip requirement for jax (default by provider, see below)
-: "${MCJAX_STATE:=$HOME/.mcjax}"              # pid files, logs, cluster.json (per host, local disk)
 : "${MCJAX_PROFILE:=mcjax}"                   # ipyparallel profile name
 : "${MCJAX_PROFILE_DIR:=}"                    # ipyparallel profile dir (default below)
 : "${MCJAX_CLUSTER_ID:=mcjax}"                # ipyparallel cluster id (names the connection files)
 : "${MCJAX_PYTHON:=python3}"                  # local provider: the Python running controller/engines
 : "${MCJAX_LOCAL_DEVICES:=2}"                 # local provider: fake CPU devices per JAX process
-: "${MCJAX_JUPYTER_PORT:=8888}"               # Jupyter on host 0 (bound to 127.0.0.1)
+: "${MCJAX_NUMBERING:=}"                      # who numbers the JAX processes: kernel-last (the notebook gives the
+                                              #   ids, the kernel is process N-1) or platform (JAX finds them itself,
+                                              #   the kernel on host 0 is process 0; cluster.json's kernel_env holds
+                                              #   the kernel's variables). Empty: platform for gcloud (TPU) and
+                                              #   slurm, kernel-last for ssh and local (--local N --numbering platform
+                                              #   simulates Slurm's variables)
+: "${MCJAX_COORDINATOR_PORT:=}"               # the jax.distributed coordinator's port, passed to every process as
+                                              #   JAX_COORDINATOR_PORT (empty: JAX's or the notebook's default; a
+                                              #   local platform-numbered cluster picks a free one)
+: "${MCJAX_JAX_CACHE:=}"                      # JAX's persistent compilation cache, shared by every process
+                                              #   (JAX_COMPILATION_CACHE_DIR); empty: $MCJAX_NFS_DIR/jax_cache,
+                                              #   local: $MCJAX_STATE/jax_cache; off: none
+: "${MCJAX_JAX_CACHE_MIN_SECS:=0}"            # cache programs that took at least this long to compile
+: "${MCJAX_JUPYTER_PORT:=8888}"               # Jupyter on host 0 (bound to 127.0.0.1; setup fails if it is taken)
 : "${MCJAX_REMOTE_DIR:=.mcjax-setup}"         # where mcjax_setup.sh copies these scripts (relative to home)
 : "${MCJAX_START_TIMEOUT:=120}"               # seconds to wait for the controller / engines to come up
 : "${MCJAX_STOP_TIMEOUT:=5}"                  # seconds between SIGTERM and SIGKILL when stopping
-: "${MCJAX_DRY_RUN:=0}"                       # 1: cluster_exec / cluster_scp print what they would run
+: "${MCJAX_DRY_RUN:=0}"                       # 1: cluster_exec / cluster_scp / cluster_restart print each command
+                                              #   they would run ("+ COMMAND", one a line) instead of running it
 
-if [ -z "$MCJAX_JAX_SPEC" ]; then
-  case "$MCJAX_PROVIDER" in
-    gcloud) MCJAX_JAX_SPEC="jax[tpu]" ;;
-    ssh) MCJAX_JAX_SPEC="jax[cuda12]" ;;
-    *) MCJAX_JAX_SPEC="" ;;
-  esac
-fi
-if [ -z "$MCJAX_PROFILE_DIR" ]; then
-  if [ "$MCJAX_PROVIDER" = local ]; then
-    MCJAX_PROFILE_DIR="$MCJAX_STATE/profile_$MCJAX_PROFILE"
-  else
+# The provider's defaults for what is still empty (each name derived is added to MCJAX_DERIVED).
+_mcjax_derive() {
+  [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
+  # shellcheck disable=SC2034  # value is read by the eval
+  local var=$1 value=$2
+  eval "[ -z \"\${$var:-}\" ]" || return 0
+  eval "$var=\$value"
+  MCJAX_DERIVED="${MCJAX_DERIVED# } $var"
+}
+case "$MCJAX_PROVIDER" in
+  slurm) _mcjax_derive MCJAX_NFS_DIR "$HOME/mcjax-shared" ;;
+  *) _mcjax_derive MCJAX_NFS_DIR /mnt/mcjax ;;
+esac
+_mcjax_derive MCJAX_REPO_DIR "$MCJAX_NFS_DIR/dsr1"   # the dsr1 source on the shared folder
+case "$MCJAX_PROVIDER" in
+  gcloud) _mcjax_derive MCJAX_JAX_SPEC "jax[tpu]" ;;
+  ssh | slurm) _mcjax_derive MCJAX_JAX_SPEC "jax[cuda12]" ;;
+esac
+case "$MCJAX_PROVIDER" in
+  gcloud | slurm) _mcjax_derive MCJAX_NUMBERING platform ;;
+  *) _mcjax_derive MCJAX_NUMBERING kernel-last ;;
+esac
+case "$MCJAX_PROVIDER" in
+  local)
+    _mcjax_derive MCJAX_JAX_CACHE "$MCJAX_STATE/jax_cache"
+    _mcjax_derive MCJAX_PROFILE_DIR "$MCJAX_STATE/profile_$MCJAX_PROFILE"
+    ;;
+  *)
+    _mcjax_derive MCJAX_JAX_CACHE "$MCJAX_NFS_DIR/jax_cache"
     # On the shared folder: the engines read the controller's engine connection file from there.
-    MCJAX_PROFILE_DIR="$MCJAX_NFS_DIR/.mcjax/profile_$MCJAX_PROFILE"
-  fi
-fi
+    _mcjax_derive MCJAX_PROFILE_DIR "$MCJAX_NFS_DIR/.mcjax/profile_$MCJAX_PROFILE"
+    ;;
+esac
 
 # The folder holding this file (the repository root, or ~/$MCJAX_REMOTE_DIR on a cluster host).
 if [ -z "${MCJAX_ROOT:-}" ]; then
@@ -67,11 +130,15 @@ if [ -z "${MCJAX_ROOT:-}" ]; then
   unset _mcjax_defs_file
 fi
 
-export MCJAX_PROVIDER MCJAX_CLUSTER MCJAX_ZONE MCJAX_PROJECT MCJAX_HOSTS MCJAX_HOST_LIST \
-  MCJAX_INTERNAL_IPS MCJAX_USER MCJAX_SSH_OPTS MCJAX_NFS_DIR MCJAX_BUCKET MCJAX_BUCKET_DIR \
-  MCJAX_VENV MCJAX_REPO_DIR MCJAX_JAX_SPEC MCJAX_STATE MCJAX_PROFILE MCJAX_PROFILE_DIR \
-  MCJAX_CLUSTER_ID MCJAX_PYTHON MCJAX_LOCAL_DEVICES MCJAX_JUPYTER_PORT MCJAX_REMOTE_DIR \
-  MCJAX_START_TIMEOUT MCJAX_STOP_TIMEOUT MCJAX_DRY_RUN MCJAX_ROOT
+# Every setting above, in one list (mcjax_setup.sh writes them into mcjax.env and setup.env).
+MCJAX_SETTINGS="MCJAX_PROVIDER MCJAX_CLUSTER MCJAX_ZONE MCJAX_PROJECT MCJAX_GCLOUD_SSH MCJAX_HOSTS \
+MCJAX_HOST_LIST MCJAX_INTERNAL_IPS MCJAX_USER MCJAX_CONNECT_TIMEOUT MCJAX_SSH_OPTS MCJAX_TRANSPORT \
+MCJAX_SLURM_JOB_ID MCJAX_SRUN_OPTS MCJAX_NFS_DIR MCJAX_BUCKET MCJAX_BUCKET_DIR MCJAX_VENV \
+MCJAX_UV_VERSION MCJAX_HOST_PYTHON MCJAX_UV_DIR MCJAX_REPO_DIR MCJAX_JAX_SPEC MCJAX_STATE \
+MCJAX_PROFILE MCJAX_PROFILE_DIR MCJAX_CLUSTER_ID MCJAX_PYTHON MCJAX_LOCAL_DEVICES MCJAX_NUMBERING \
+MCJAX_COORDINATOR_PORT MCJAX_JAX_CACHE MCJAX_JAX_CACHE_MIN_SECS MCJAX_JUPYTER_PORT MCJAX_REMOTE_DIR \
+MCJAX_START_TIMEOUT MCJAX_STOP_TIMEOUT"
+eval "export $MCJAX_SETTINGS MCJAX_DRY_RUN MCJAX_ROOT MCJAX_DERIVED MCJAX_DERIVED_KEY"
 
 # Every function starts with `emulate -L ksh` under zsh: bash-like word splitting and arrays,
 # restored when the function returns, so the same code runs in both shells.
@@ -109,13 +176,38 @@ _mcjax_is_uint() {
   esac
 }
 
-# The ssh provider's hosts, one a line.
+# _mcjax_q WORD...: the words on one line, each quoted for a POSIX shell where it needs it. The
+# functions below build every command that reaches a host this way and eval it, and --dry-run
+# prints the same line: what a dry run shows is exactly what a real run runs.
+_mcjax_q() {
+  [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
+  local a out="" sep="" sq="'" esc="'\\''"
+  for a in "$@"; do
+    case "$a" in
+      '') a="''" ;;
+      *[!A-Za-z0-9_@%+=:,./-]*) a="'${a//$sq/$esc}'" ;;
+    esac
+    out="$out$sep$a"
+    sep=" "
+  done
+  printf '%s\n' "$out"
+}
+
+# The hosts (ssh: MCJAX_HOST_LIST; slurm: MCJAX_HOST_LIST, else the allocation's nodes), one a line.
 _mcjax_host_lines() {
   [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
+  if [ -z "$MCJAX_HOST_LIST" ] && [ "$MCJAX_PROVIDER" = slurm ]; then
+    if [ -z "${SLURM_JOB_NODELIST:-}" ]; then
+      _mcjax_fail 1 "no Slurm allocation here (SLURM_JOB_NODELIST is empty): run inside salloc, or set MCJAX_HOST_LIST"
+      return
+    fi
+    scontrol show hostnames "$SLURM_JOB_NODELIST"
+    return
+  fi
   printf '%s\n' "$MCJAX_HOST_LIST" | tr ', \t' '\n' | sed '/^$/d'
 }
 
-# Address of host $1 for the ssh provider.
+# Address of host $1 (ssh transport, slurm): its line of _mcjax_host_lines.
 _mcjax_host_addr() {
   [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
   local addr
@@ -134,23 +226,134 @@ _mcjax_gcloud_tpu() {
   gcloud compute tpus tpu-vm "$sub" "$@"
 }
 
+# The command line (quoted) of `gcloud ... ssh` to TPU worker $1 followed by ARGS...: with the zone,
+# project, a connect timeout and the network path of MCJAX_GCLOUD_SSH.
+_mcjax_gcloud_ssh_line() {
+  [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
+  local i=$1 net=""
+  shift
+  case "$MCJAX_GCLOUD_SSH" in
+    default | '') ;;
+    internal-ip) net=--internal-ip ;;
+    iap) net=--tunnel-through-iap ;;
+    *) _mcjax_fail 2 "MCJAX_GCLOUD_SSH='$MCJAX_GCLOUD_SSH' (want default, internal-ip or iap)"; return ;;
+  esac
+  set -- gcloud compute tpus tpu-vm ssh "$MCJAX_CLUSTER" ${MCJAX_ZONE:+"--zone=$MCJAX_ZONE"} \
+    ${MCJAX_PROJECT:+"--project=$MCJAX_PROJECT"} "--worker=$i" --quiet ${net:+"$net"} \
+    "--ssh-flag=-o ConnectTimeout=$MCJAX_CONNECT_TIMEOUT" "$@"
+  _mcjax_q "$@"
+}
+
+# The command line (quoted) of srun on the node of host $1 in our allocation, followed by ARGS...
+_mcjax_srun_line() {
+  [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
+  local node
+  if [ -z "$MCJAX_SLURM_JOB_ID" ]; then
+    _mcjax_fail 1 "no Slurm allocation: MCJAX_SLURM_JOB_ID (SLURM_JOB_ID) is empty; run inside salloc"
+    return
+  fi
+  node=$(_mcjax_host_addr "$1") || return 1
+  shift
+  _mcjax_q srun "--jobid=$MCJAX_SLURM_JOB_ID" --overlap --nodes=1 --ntasks=1 "--nodelist=$node" \
+    --export=HOME,PATH,USER "$@"
+}
+
+# The command line (quoted) that runs the command string $2 on host $1, by MCJAX_TRANSPORT (empty:
+# the provider's way). The command runs in the host's shell, in the home folder (local: the state
+# folder), with MCJAX_HOST_INDEX set; stdin is passed through.
+_mcjax_host_line() {
+  [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
+  local i=$1 cmd=$2 addr
+  case "${MCJAX_TRANSPORT:-$MCJAX_PROVIDER}" in
+    local)
+      _mcjax_q bash -c "mkdir -p $(_mcjax_q "$MCJAX_STATE") && cd $(_mcjax_q "$MCJAX_STATE") || exit 1; export MCJAX_HOST_INDEX=$i; $cmd"
+      ;;
+    ssh)
+      addr=$(_mcjax_host_addr "$i") || return 1
+      case "$addr" in *@*) ;; *) addr="$MCJAX_USER@$addr" ;; esac
+      # shellcheck disable=SC2086  # several options
+      _mcjax_q ssh $MCJAX_SSH_OPTS "$addr" "export MCJAX_HOST_INDEX=$i; $cmd"
+      ;;
+    gcloud) _mcjax_gcloud_ssh_line "$i" "--command=export MCJAX_HOST_INDEX=$i; $cmd" ;;
+    slurm) _mcjax_srun_line "$i" bash -c "cd || exit 1; export MCJAX_HOST_INDEX=$i; $cmd" ;;
+    *) _mcjax_fail 1 "unknown MCJAX_PROVIDER '$MCJAX_PROVIDER' (gcloud, ssh, slurm or local)" ;;
+  esac
+}
+
+# Run the command string $2 on host $1 (no prefix, stdin passed through); returns its status. A dry
+# run prints "+ COMMAND" instead ("+ $_mcjax_stdin | COMMAND" when the caller pipes something in).
+_mcjax_exec_one() {
+  [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
+  local line
+  line=$(_mcjax_host_line "$1" "$2") || return 1
+  if [ "$MCJAX_DRY_RUN" = 1 ]; then
+    printf '+ %s%s\n' "${_mcjax_stdin:+$_mcjax_stdin | }" "$line"
+    return 0
+  fi
+  eval "$line"
+}
+
+# _mcjax_launch NAME FIRST LAST CMD: start the long-running command string CMD on hosts
+# FIRST..LAST and return at once. Slurm ends every process of a step when the step ends, so there
+# each one runs in a step of its own (srun in the background here, its output in
+# $MCJAX_STATE/logs/srun-NAME-<host>.log; MCJAX_SRUN_OPTS for all but the controller, which needs
+# no GPU) and CMD must block while its process lives (ipcluster.sh ... run). Elsewhere CMD starts
+# a daemon and returns: cluster_exec.
+_mcjax_launch() {
+  [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
+  local name=$1 first=$2 last=$3 cmd=$4 i line log opts=$MCJAX_SRUN_OPTS
+  if [ "$MCJAX_PROVIDER" != slurm ]; then
+    cluster_exec "$first" "$last" "$cmd"
+    return
+  fi
+  [ "$name" != controller ] || opts=""
+  i=$first
+  while [ "$i" -le "$last" ]; do
+    log="$MCJAX_STATE/logs/srun-$name-$i.log"
+    # shellcheck disable=SC2086  # several options
+    line=$(_mcjax_srun_line "$i" $opts bash -c "cd || exit 1; export MCJAX_HOST_INDEX=$i; $cmd") || return 1
+    line="setsid nohup $line >$(_mcjax_q "$log") 2>&1 </dev/null &"
+    if [ "$MCJAX_DRY_RUN" = 1 ]; then
+      printf '+ %s\n' "$line"
+    else
+      mkdir -p "$MCJAX_STATE/logs" && chmod 700 "$MCJAX_STATE" "$MCJAX_STATE/logs" || return 1
+      eval "$line"
+    fi
+    i=$((i + 1))
+  done
+}
+
 # cluster_internal_ips: the hosts' internal IPs, host 0 first, one a line.
 cluster_internal_ips() {
   [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
-  local ips host ip n
+  local ips host ip n line
   if [ -n "$MCJAX_INTERNAL_IPS" ]; then
     printf '%s\n' "$MCJAX_INTERNAL_IPS" | tr ', \t;' '\n' | sed '/^$/d'
     return 0
   fi
   case "$MCJAX_PROVIDER" in
     gcloud)
+      # One entry per worker, as JAX counts them: the worker list in worker 0's metadata. The
+      # TPU's networkEndpoints lists every network interface, several per worker on TPUs with
+      # more than one network, so it is only the fallback.
+      line=$(_mcjax_gcloud_ssh_line 0 "--command=curl -fsS -H Metadata-Flavor:Google http://metadata.google.internal/computeMetadata/v1/instance/attributes/worker-network-endpoints") || return 1
+      ips=$(eval "$line" 2>/dev/null | tr ',' '\n' | awk -F: 'NF >= 3 && $3 != "" { print $3 }') || true
+      if [ -n "$ips" ]; then
+        printf '%s\n' "$ips"
+        return 0
+      fi
+      echo "cluster_internal_ips: worker 0 did not give its worker list; counting the TPU's network endpoints instead (wrong for a TPU with several networks: set MCJAX_INTERNAL_IPS)" >&2
       ips=$(_mcjax_gcloud_tpu describe "$MCJAX_CLUSTER" --format='value(networkEndpoints[].ipAddress)') ||
         { _mcjax_fail 1 "gcloud could not describe TPU VM '$MCJAX_CLUSTER' (zone '${MCJAX_ZONE:-default}')"; return; }
       printf '%s\n' "$ips" | tr ';, ' '\n' | sed '/^$/d'
       ;;
-    ssh)
-      [ -n "$MCJAX_HOST_LIST" ] || { _mcjax_fail 1 "MCJAX_HOST_LIST is empty (the ssh provider needs the hosts, host 0 first)"; return; }
-      for host in $(_mcjax_host_lines); do
+    ssh | slurm)
+      if [ "$MCJAX_PROVIDER" = ssh ] && [ -z "$MCJAX_HOST_LIST" ]; then
+        _mcjax_fail 1 "MCJAX_HOST_LIST is empty (the ssh provider needs the hosts, host 0 first)"
+        return
+      fi
+      host=$(_mcjax_host_lines) || return 1
+      for host in $host; do
         host=${host#*@}
         case "$host" in
           *[!0-9.]*)
@@ -171,7 +374,7 @@ cluster_internal_ips() {
       done
       ;;
     *)
-      _mcjax_fail 1 "unknown MCJAX_PROVIDER '$MCJAX_PROVIDER' (gcloud, ssh or local)"
+      _mcjax_fail 1 "unknown MCJAX_PROVIDER '$MCJAX_PROVIDER' (gcloud, ssh, slurm or local)"
       return
       ;;
   esac
@@ -194,38 +397,13 @@ cluster_host_count() {
       [ -n "${n:-}" ] || { _mcjax_fail 1 "no local cluster in $MCJAX_STATE: set MCJAX_HOSTS or run ./mcjax_setup.sh --local N"; return; }
       echo "$n"
       ;;
-    ssh) _mcjax_host_lines | wc -l | tr -d ' ' ;;
-    *) cluster_internal_ips | wc -l | tr -d ' ' ;;
-  esac
-}
-
-# Run the command string $2 on host $1 (no prefix, stdin passed through); returns its status.
-_mcjax_exec_one() {
-  [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
-  local i=$1 cmd=$2 addr
-  if [ "$MCJAX_DRY_RUN" = 1 ]; then
-    printf '[dry-run] host %s (%s): %s\n' "$i" "$MCJAX_PROVIDER" "$cmd"
-    return 0
-  fi
-  case "$MCJAX_PROVIDER" in
-    local)
-      # A "host" is a subshell of this machine, in the state dir, with its host index set.
-      (
-        mkdir -p "$MCJAX_STATE" && cd "$MCJAX_STATE" || exit 1
-        MCJAX_HOST_INDEX=$i bash -c "$cmd"
-      )
-      ;;
-    ssh)
-      addr=$(_mcjax_host_addr "$i") || return 1
-      case "$addr" in *@*) ;; *) addr="$MCJAX_USER@$addr" ;; esac
-      # shellcheck disable=SC2086,SC2029  # several options; $cmd is meant for the remote shell
-      ssh $MCJAX_SSH_OPTS "$addr" "export MCJAX_HOST_INDEX=$i; $cmd"
-      ;;
-    gcloud)
-      _mcjax_gcloud_tpu ssh "$MCJAX_CLUSTER" --quiet --worker="$i" --command="export MCJAX_HOST_INDEX=$i; $cmd"
+    ssh | slurm)
+      n=$(_mcjax_host_lines) || return 1
+      printf '%s\n' "$n" | sed '/^$/d' | wc -l | tr -d ' '
       ;;
     *)
-      _mcjax_fail 1 "unknown MCJAX_PROVIDER '$MCJAX_PROVIDER' (gcloud, ssh or local)"
+      n=$(cluster_internal_ips) || return 1
+      printf '%s\n' "$n" | sed '/^$/d' | wc -l | tr -d ' '
       ;;
   esac
 }
@@ -233,7 +411,8 @@ _mcjax_exec_one() {
 # cluster_exec FIRST LAST CMD...: run CMD (one string, run by the host's shell) on hosts
 # FIRST..LAST, in parallel when there are several, each output line prefixed by "[host i]".
 # Returns 0 when every host succeeded, else the exit status of the first failing host (lowest
-# index), and names every failing host on stderr. With one host, stdin is passed through.
+# index), and names every failing host on stderr, also under `set -e`. With one host, stdin is
+# passed through. MCJAX_DRY_RUN=1: prints the command for each host, in order, and runs nothing.
 cluster_exec() {
   [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
   if [ "$#" -lt 3 ]; then
@@ -252,30 +431,41 @@ cluster_exec() {
     _mcjax_fail 2 "host $last does not exist (the cluster has $n hosts: 0..$((n - 1)))"
     return
   fi
+  if [ "$MCJAX_DRY_RUN" = 1 ]; then
+    i=$first
+    while [ "$i" -le "$last" ]; do
+      _mcjax_exec_one "$i" "$cmd" || return
+      i=$((i + 1))
+    done
+    return 0
+  fi
   if [ "$first" -eq "$last" ]; then
-    _mcjax_exec_one "$first" "$cmd"
-    rc=$?
-    [ "$rc" -eq 0 ] || _mcjax_fail "$rc" "host $first failed (exit status $rc)"
-    return "$rc"
+    rc=0
+    _mcjax_exec_one "$first" "$cmd" || rc=$?
+    [ "$rc" -eq 0 ] || _mcjax_fail "$rc" "host $first failed (exit status $rc)" || return
+    return 0
   fi
   tmp=$(mktemp -d "${TMPDIR:-/tmp}/mcjax_exec.XXXXXX") || return 1
-  # A subshell: no job-control chatter from interactive shells.
+  # A subshell: no job-control chatter from interactive shells. Every status is caught with `||`,
+  # so that a caller's `set -e` cannot end a host's subshell before it wrote its status.
   (
     i=$first
     while [ "$i" -le "$last" ]; do
       (
-        _mcjax_exec_one "$i" "$cmd" </dev/null 2>&1
-        echo "$?" >"$tmp/$i.rc"
+        rc=0
+        _mcjax_exec_one "$i" "$cmd" </dev/null 2>&1 || rc=$?
+        echo "$rc" >"$tmp/$i.rc"
       ) | while IFS= read -r line || [ -n "$line" ]; do printf '[host %s] %s\n' "$i" "$line"; done &
       i=$((i + 1))
     done
     wait
-  )
+  ) || true
   ret=0
   failed=""
   i=$first
   while [ "$i" -le "$last" ]; do
-    rc=$(cat "$tmp/$i.rc" 2>/dev/null || echo 255)
+    rc=$(cat "$tmp/$i.rc" 2>/dev/null) || rc=""
+    _mcjax_is_uint "$rc" || rc=255  # the host's subshell died before it could tell (killed?)
     if [ "$rc" -ne 0 ]; then
       [ "$ret" -ne 0 ] || ret=$rc
       failed="$failed host $i (exit status $rc),"
@@ -284,35 +474,38 @@ cluster_exec() {
   done
   rm -rf "$tmp"
   if [ "$ret" -ne 0 ]; then
-    _mcjax_fail "$ret" "failed on${failed%,}"
+    _mcjax_fail "$ret" "failed on${failed%,}" || return
   fi
-  return "$ret"
+  return 0
 }
 
 # cluster_ssh HOST [CMD...]: an interactive shell (or CMD) on host HOST.
 cluster_ssh() {
   [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
-  local i=${1:-0} addr
+  local i=${1:-0} addr line
   [ "$#" -eq 0 ] || shift
   _mcjax_is_uint "$i" || { _mcjax_fail 2 "bad host '$i' (want a host number; usage: cluster_ssh HOST [CMD...])"; return; }
-  case "$MCJAX_PROVIDER" in
-    local)
-      if [ "$#" -gt 0 ]; then _mcjax_exec_one "$i" "$*"; else (cd "$MCJAX_STATE" && MCJAX_HOST_INDEX=$i bash -i); fi
-      ;;
+  if [ "$#" -gt 0 ]; then
+    _mcjax_exec_one "$i" "$*"
+    return
+  fi
+  case "${MCJAX_TRANSPORT:-$MCJAX_PROVIDER}" in
+    local) (cd "$MCJAX_STATE" && MCJAX_HOST_INDEX=$i bash -i) ;;
     ssh)
       addr=$(_mcjax_host_addr "$i") || return 1
       case "$addr" in *@*) ;; *) addr="$MCJAX_USER@$addr" ;; esac
       # shellcheck disable=SC2086
-      ssh -t $MCJAX_SSH_OPTS "$addr" "$@"
+      ssh -t $MCJAX_SSH_OPTS "$addr"
       ;;
     gcloud)
-      if [ "$#" -gt 0 ]; then
-        _mcjax_gcloud_tpu ssh "$MCJAX_CLUSTER" --worker="$i" --command="$*"
-      else
-        _mcjax_gcloud_tpu ssh "$MCJAX_CLUSTER" --worker="$i"
-      fi
+      line=$(_mcjax_gcloud_ssh_line "$i") || return 1
+      eval "$line"
       ;;
-    *) _mcjax_fail 1 "unknown MCJAX_PROVIDER '$MCJAX_PROVIDER' (gcloud, ssh or local)" ;;
+    slurm)
+      line=$(_mcjax_srun_line "$i" --pty bash -i) || return 1
+      eval "$line"
+      ;;
+    *) _mcjax_fail 1 "unknown MCJAX_PROVIDER '$MCJAX_PROVIDER' (gcloud, ssh, slurm or local)" ;;
   esac
 }
 
@@ -325,15 +518,11 @@ cluster_scp() {
     _mcjax_fail 2 "usage: cluster_scp SRC DEST_DIR [FIRST [LAST]]"
     return
   fi
-  local src=$1 dest=$2 first=${3:-0} last=${4:-} n i rc ret=0 parent base
+  local src=$1 dest=$2 first=${3:-0} last=${4:-} n i rc ret=0 parent base _mcjax_stdin
   [ -e "$src" ] || { _mcjax_fail 2 "'$src' does not exist"; return; }
   n=$(cluster_host_count) || return 2
   [ -n "$last" ] || last=$((n - 1))
-  if [ "$MCJAX_DRY_RUN" = 1 ]; then
-    echo "[dry-run] copy $src into $dest on hosts $first..$last ($MCJAX_PROVIDER)"
-    return 0
-  fi
-  if [ "$MCJAX_PROVIDER" = local ]; then
+  if [ "$MCJAX_PROVIDER" = local ] && [ "$MCJAX_DRY_RUN" != 1 ]; then
     # The local "hosts" share this machine's disk: one copy (relative paths from the state dir).
     (mkdir -p "$MCJAX_STATE" && cd "$MCJAX_STATE" && mkdir -p "$dest") || return 1
     case "$dest" in /*) ;; *) dest="$MCJAX_STATE/$dest" ;; esac
@@ -342,10 +531,11 @@ cluster_scp() {
   fi
   parent=$(cd "$(dirname "$src")" && pwd) || return 1
   base=$(basename "$src")
+  _mcjax_stdin=$(_mcjax_q tar -C "$parent" -czf - "$base")
   i=$first
   while [ "$i" -le "$last" ]; do
-    tar -C "$parent" -czf - "$base" | _mcjax_exec_one "$i" "mkdir -p $dest && tar -xzf - -C $dest"
-    rc=$?
+    rc=0
+    tar -C "$parent" -czf - "$base" | _mcjax_exec_one "$i" "mkdir -p $(_mcjax_q "$dest") && tar -xzf - -C $(_mcjax_q "$dest")" || rc=$?
     if [ "$rc" -ne 0 ]; then
       _mcjax_fail "$rc" "copy to host $i failed (exit status $rc)" || true  # go on with the next host
       [ "$ret" -ne 0 ] || ret=$rc
@@ -355,27 +545,59 @@ cluster_scp() {
   return "$ret"
 }
 
-# cluster_restart [engines|all]: restart the engines (default) or the controller and the engines.
-# Local provider: restarts only the local processes that ./mcjax_setup.sh --local started.
+# cluster_restart [engines|all|check]: restart the engines (default), or the controller and the
+# engines; check: only find out whether a restart could succeed. Nothing is stopped before every
+# host has answered that it can start again (host 0: the controller is running, or for `all` can
+# be started; hosts 1..N-1: reachable, with their scripts and venv), so a restart that cannot
+# succeed leaves the running engines alone. Local provider: the processes ./mcjax_setup.sh --local
+# started. Under MCJAX_DRY_RUN=1 it prints the commands.
 cluster_restart() {
   [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
-  local what=${1:-engines} n remote
+  local what=${1:-engines} n last remote
   case "$what" in
-    engines | all) ;;
-    *) _mcjax_fail 2 "unknown argument '$what' (usage: cluster_restart [engines|all])"; return ;;
+    engines | all | check) ;;
+    *) _mcjax_fail 2 "unknown argument '$what' (usage: cluster_restart [engines|all|check])"; return ;;
   esac
   if [ "$MCJAX_PROVIDER" = local ]; then
+    if [ "$MCJAX_DRY_RUN" = 1 ]; then
+      printf '+ %s\n' "$(_mcjax_q bash "$MCJAX_ROOT/cluster/local.sh" restart "$what")"
+      return 0
+    fi
     bash "$MCJAX_ROOT/cluster/local.sh" restart "$what"
     return
   fi
   n=$(cluster_host_count) || return 1
-  remote="bash $MCJAX_REMOTE_DIR/cluster/ipcluster.sh"
-  cluster_exec 1 $((n - 1)) "$remote engine stop" || return
-  if [ "$what" = all ]; then
-    cluster_exec 0 0 "$remote controller restart" || return
+  last=$((n - 1))
+  remote="$(_mcjax_q bash "$MCJAX_REMOTE_DIR/cluster/ipcluster.sh")"
+  # A coordinator port asked for here (MCJAX_COORDINATOR_PORT=P cluster_restart) reaches the new
+  # processes and cluster.json (each host's mcjax.env keeps the one of setup otherwise).
+  if [ -n "$MCJAX_COORDINATOR_PORT" ]; then
+    remote="MCJAX_COORDINATOR_PORT=$(_mcjax_q "$MCJAX_COORDINATOR_PORT") $remote"
   fi
-  cluster_exec 1 $((n - 1)) "$remote engine start" || return
-  cluster_exec 0 0 "$remote wait $((n - 1))"
+  if [ "$what" = check ]; then
+    cluster_exec 0 0 "$remote controller check engines" && cluster_exec 1 "$last" "$remote engine check"
+    return
+  fi
+  if ! cluster_exec 0 0 "$remote controller check $what" || ! cluster_exec 1 "$last" "$remote engine check"; then
+    _mcjax_fail 1 "a restart could not succeed (see above): nothing was stopped"
+    return
+  fi
+  cluster_exec 1 "$last" "$remote engine stop" || return
+  if [ "$what" = all ]; then
+    if [ "$MCJAX_PROVIDER" = slurm ]; then
+      cluster_exec 0 0 "$remote controller stop" || return
+      _mcjax_launch controller 0 0 "$remote controller run" || return
+      cluster_exec 0 0 "$remote controller wait" || return
+    else
+      cluster_exec 0 0 "$remote controller restart" || return
+    fi
+  fi
+  if [ "$MCJAX_PROVIDER" = slurm ]; then
+    _mcjax_launch engine 1 "$last" "$remote engine run" || return
+  else
+    cluster_exec 1 "$last" "$remote engine start" || return
+  fi
+  cluster_exec 0 0 "$remote wait $last"
 }
 
 # cluster_status: hosts, internal IPs and whether the controller / engines are running.
@@ -389,29 +611,32 @@ cluster_status() {
   fi
   n=$(cluster_host_count) || return 1
   echo "hosts: $n; internal IPs: $(cluster_internal_ips | tr '\n' ' ')"
-  cluster_exec 0 $((n - 1)) "bash $MCJAX_REMOTE_DIR/cluster/ipcluster.sh status"
+  cluster_exec 0 $((n - 1)) "$(_mcjax_q bash "$MCJAX_REMOTE_DIR/cluster/ipcluster.sh") status"
 }
 
 # cluster_port_forward [PORT]: forward 127.0.0.1:PORT here to Jupyter on host 0 (blocks; Ctrl-C
 # ends it). Both ends are bound to localhost: nothing is exposed on the network.
 cluster_port_forward() {
   [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
-  local port=${1:-$MCJAX_JUPYTER_PORT} addr
+  local port=${1:-$MCJAX_JUPYTER_PORT} addr line
   _mcjax_is_uint "$port" || { _mcjax_fail 2 "bad port '$port' (usage: cluster_port_forward [PORT])"; return; }
   echo "forwarding http://127.0.0.1:$port -> host 0 127.0.0.1:$port (Ctrl-C to stop)"
   case "$MCJAX_PROVIDER" in
     local)
       echo "local provider: Jupyter runs on this machine, nothing to forward"
       ;;
-    ssh)
+    ssh | slurm)
+      # slurm: from a login node that may ssh to the nodes of your job (pam_slurm_adopt); from
+      # your own machine add -J LOGIN_NODE to MCJAX_SSH_OPTS.
       addr=$(_mcjax_host_addr 0) || return 1
       case "$addr" in *@*) ;; *) addr="$MCJAX_USER@$addr" ;; esac
       # shellcheck disable=SC2086
       ssh -N $MCJAX_SSH_OPTS -L "127.0.0.1:$port:127.0.0.1:$port" "$addr"
       ;;
     gcloud)
-      _mcjax_gcloud_tpu ssh "$MCJAX_CLUSTER" --worker=0 -- -N -L "127.0.0.1:$port:127.0.0.1:$port"
+      line=$(_mcjax_gcloud_ssh_line 0 -- -N -L "127.0.0.1:$port:127.0.0.1:$port") || return 1
+      eval "$line"
       ;;
-    *) _mcjax_fail 1 "unknown MCJAX_PROVIDER '$MCJAX_PROVIDER' (gcloud, ssh or local)" ;;
+    *) _mcjax_fail 1 "unknown MCJAX_PROVIDER '$MCJAX_PROVIDER' (gcloud, ssh, slurm or local)" ;;
   esac
 }

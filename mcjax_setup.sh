@@ -4,30 +4,42 @@
 set -euo pipefail
 
 SETUP_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-PROVIDER_WAS_SET=${MCJAX_PROVIDER+x}
-ALL_STEPS="check push nfs gcsfuse code venv ipcluster jupyter"
+ALL_STEPS="check push keys nfs gcsfuse code venv ipcluster jupyter"
 
 usage() {
   cat <<'EOF'
 mcjax_setup.sh: prepare a cluster for the multi-host JAX notebook (settings: mcjax_defs.sh).
 
-  ./mcjax_setup.sh [--steps LIST] [--dry-run]   set up the cluster of $MCJAX_PROVIDER (gcloud or ssh)
-  ./mcjax_setup.sh --local N                    a simulated cluster here: controller + N-1 engines on 127.0.0.1
-  ./mcjax_setup.sh --stop | --local-stop        stop what setup started: the local cluster, or with
-                                                MCJAX_PROVIDER=gcloud|ssh the real cluster's
-                                                controller, engines and Jupyter
-  ./mcjax_setup.sh --status                     the same choice: local, or MCJAX_PROVIDER's cluster
+  ./mcjax_setup.sh [--steps LIST] [--dry-run]   set up the cluster of $MCJAX_PROVIDER (gcloud, ssh or slurm)
+                                                and record it in $MCJAX_STATE/setup.env
+  ./mcjax_setup.sh --local N [--numbering M]    a simulated cluster here: controller + N-1 engines on 127.0.0.1;
+                                                M: kernel-last (default: the kernel is process N-1) or platform
+                                                (Slurm-style variables, JAX numbers the processes, kernel = 0)
+  ./mcjax_setup.sh --stop [--dry-run]           stop the cluster that $MCJAX_STATE records: the local cluster
+                                                started with it, or the real cluster set up from it (its
+                                                controller, engines and Jupyter); never one chosen by
+                                                $MCJAX_PROVIDER, and nothing when the folder records none
+  ./mcjax_setup.sh --status                     the same choice: the cluster $MCJAX_STATE records
+  ./mcjax_setup.sh --stop|--status --provider P the cluster that the MCJAX_* settings describe, with provider P
+                                                (a cluster set up from another machine or state folder)
+  ./mcjax_setup.sh --local-stop                 stop the local cluster of $MCJAX_STATE
   ./mcjax_setup.sh --print-exports              print the NFS export lines host 0 would get (changes nothing)
   ./mcjax_setup.sh --print-env                  print the settings file (mcjax.env) the hosts would get
   ./mcjax_setup.sh --help                       this text
 
+--dry-run prints every command that would reach a host, one a line ("+ COMMAND"), and runs none
+(it still asks the provider for the hosts unless MCJAX_HOSTS and MCJAX_INTERNAL_IPS are set).
+--provider P sets MCJAX_PROVIDER for setup, --print-env and --print-exports too.
+
 Steps (default: all, in this order; every one is idempotent, so rerunning setup is safe):
-  check      the provider's tools, the hosts and their internal IPs
+  check      the provider's tools, the hosts, their internal IPs, the same uid and gid everywhere
   push       copy mcjax_defs.sh, cluster/ and the settings (mcjax.env) to ~/$MCJAX_REMOTE_DIR on every host
-  nfs        host 0 exports $MCJAX_NFS_DIR to the hosts' internal IPs only; the others mount it (fstab)
+  keys       an ssh key on host 0 that every host accepts, so cluster_restart runs on host 0 (gcloud, ssh)
+  nfs        host 0 exports $MCJAX_NFS_DIR to the hosts' internal IPs only; the others mount it (fstab);
+             slurm: checks that every node sees the same $MCJAX_NFS_DIR
   gcsfuse    mount gs://$MCJAX_BUCKET on $MCJAX_BUCKET_DIR on every host (skipped when MCJAX_BUCKET is empty)
   code       copy this repository (without .git) to $MCJAX_REPO_DIR on the shared folder
-  venv       a venv $MCJAX_VENV per host with dsr1[notebook] (+ $MCJAX_JAX_SPEC)
+  venv       uv with CPython $MCJAX_HOST_PYTHON, a venv $MCJAX_VENV per host with dsr1[notebook] (+ $MCJAX_JAX_SPEC)
   ipcluster  ipyparallel controller on host 0 (bound to its internal IP), one engine on hosts 1..N-1
   jupyter    Jupyter on host 0, bound to 127.0.0.1 (reach it with cluster_port_forward)
 EOF
@@ -53,12 +65,22 @@ step() {
 steps=$ALL_STEPS
 mode=setup
 local_n=""
+numbering=""
+provider=""
 while [ "$#" -gt 0 ]; do
   case "$1" in
     --local)
       [ "$#" -ge 2 ] || mcjax_usage_error "--local needs N, the number of processes"
       mode=local; local_n=$2; shift ;;
     --local=*) mode=local; local_n=${1#--local=} ;;
+    --numbering)
+      [ "$#" -ge 2 ] || mcjax_usage_error "--numbering needs kernel-last or platform"
+      numbering=$2; shift ;;
+    --numbering=*) numbering=${1#--numbering=} ;;
+    --provider)
+      [ "$#" -ge 2 ] || mcjax_usage_error "--provider needs gcloud, ssh, slurm or local"
+      provider=$2; shift ;;
+    --provider=*) provider=${1#--provider=} ;;
     --stop) mode=stop ;;
     --local-stop) mode=local-stop ;;
     --status) mode=status ;;
@@ -76,7 +98,21 @@ while [ "$#" -gt 0 ]; do
 done
 
 if [ "$mode" = local ] && ! { [[ $local_n =~ ^[0-9]+$ ]] && [ "$local_n" -ge 2 ]; }; then
-  mcjax_usage_error "--local needs N >= 2 (a controller, N-1 engines, and the notebook kernel as process N-1), not '$local_n'"
+  mcjax_usage_error "--local needs N >= 2 (a controller and N-1 engines, plus the notebook kernel), not '$local_n'"
+fi
+if [ -n "$numbering" ]; then
+  [ "$mode" = local ] || mcjax_usage_error "--numbering goes with --local N (a real cluster's numbering is its platform's)"
+  case "$numbering" in
+    kernel-last | platform) ;;
+    *) mcjax_usage_error "--numbering takes kernel-last or platform, not '$numbering'" ;;
+  esac
+fi
+case "$provider" in
+  '' | gcloud | ssh | slurm | local) ;;
+  *) mcjax_usage_error "--provider takes gcloud, ssh, slurm or local, not '$provider'" ;;
+esac
+if [ -n "$provider" ] && [ "$mode" = local ]; then
+  mcjax_usage_error "--provider does not go with --local"
 fi
 if [ "$mode" = setup ]; then
   for s in $steps; do
@@ -84,57 +120,123 @@ if [ "$mode" = setup ]; then
   done
 fi
 
-# Without a provider named, --stop and --status mean the local cluster (a real one needs
-# MCJAX_PROVIDER set), so that they never reach out to a cloud by default.
-if [ -z "$PROVIDER_WAS_SET" ]; then
-  case "$mode" in
-    stop) mode=local-stop ;;
-    status) exec bash "$SETUP_DIR/cluster/local.sh" status ;;
-  esac
-fi
+# The state folder holds at most one cluster: local.env for a local one (cluster/local.sh), setup.env
+# for a real one set up from here. --stop and --status act on that cluster, whatever MCJAX_PROVIDER
+# says (it may well be exported for another cluster), so that a caller's exit trap stops its own.
+STATE=${MCJAX_STATE:-$HOME/.mcjax}
+RECORD="$STATE/setup.env"
+local_recorded() {
+  [ -f "$STATE/local.env" ] || { [ ! -f "$RECORD" ] && compgen -G "$STATE/pids/*.pid" >/dev/null; }
+}
+
 case "$mode" in
-  local) exec bash "$SETUP_DIR/cluster/local.sh" start "$local_n" ;;
+  local)
+    [ ! -f "$RECORD" ] || mcjax_die "MCJAX_STATE=$STATE records the $(sed -n 's/.*MCJAX_PROVIDER=\([a-z]*\).*/\1/p' "$RECORD" | head -n 1) cluster set up from here: use another MCJAX_STATE for a local cluster (or stop that one first: ./mcjax_setup.sh --stop)"
+    [ -z "$numbering" ] || export MCJAX_NUMBERING="$numbering"
+    exec bash "$SETUP_DIR/cluster/local.sh" start "$local_n"
+    ;;
   local-stop) exec bash "$SETUP_DIR/cluster/local.sh" stop ;;
+  stop | status)
+    if [ "$provider" = local ] || { [ -z "$provider" ] && local_recorded; }; then
+      if [ "${MCJAX_DRY_RUN:-0}" = 1 ]; then
+        printf '+ %s\n' "bash $SETUP_DIR/cluster/local.sh $mode"
+        exit 0
+      fi
+      exec bash "$SETUP_DIR/cluster/local.sh" "$mode"
+    fi
+    if [ -z "$provider" ]; then
+      if [ ! -f "$RECORD" ]; then
+        echo "mcjax_setup.sh: MCJAX_STATE=$STATE records no cluster: nothing to $mode (a cluster set up elsewhere: --$mode --provider P)"
+        [ "$mode" = stop ] && exit 0
+        exit 1
+      fi
+      # The recorded settings, not the environment's: only the state folder and --dry-run stay.
+      for var in $(compgen -v MCJAX_); do
+        case "$var" in MCJAX_STATE | MCJAX_DRY_RUN) ;; *) unset "$var" ;; esac
+      done
+      # shellcheck source=/dev/null
+      . "$RECORD"
+    fi
+    ;;
 esac
+if [ -n "$provider" ]; then
+  export MCJAX_PROVIDER="$provider"
+fi
 
 # shellcheck source-path=SCRIPTDIR source=mcjax_defs.sh
 . "$SETUP_DIR/mcjax_defs.sh"
-if [ "$MCJAX_PROVIDER" = local ]; then
-  case "$mode" in
-    stop) exec bash "$SETUP_DIR/cluster/local.sh" stop ;;
-    status) exec bash "$SETUP_DIR/cluster/local.sh" status ;;
-    exports) ;;
-    *) mcjax_die "MCJAX_PROVIDER=local: use ./mcjax_setup.sh --local N" ;;
-  esac
+if [ "$MCJAX_PROVIDER" = local ] && [ "$mode" != exports ]; then
+  mcjax_die "MCJAX_PROVIDER=local: use ./mcjax_setup.sh --local N"
 fi
 
-REMOTE="bash $MCJAX_REMOTE_DIR/cluster"
+# remote SCRIPT ARGS...: the command line that runs cluster/SCRIPT on a host (from ~/$MCJAX_REMOTE_DIR).
+remote() {
+  local script=$1
+  shift
+  _mcjax_q bash "$MCJAX_REMOTE_DIR/cluster/$script" "$@"
+}
 
 if [ "$mode" = exports ]; then
   # shellcheck disable=SC2046  # one argument per IP
   exec bash "$SETUP_DIR/cluster/nfs.sh" exports $(cluster_internal_ips)
 fi
 
+if [ "$MCJAX_PROVIDER" = slurm ] && [ -z "$MCJAX_HOST_LIST" ]; then
+  MCJAX_HOST_LIST=$(_mcjax_host_lines | tr '\n' ' ' | sed 's/ $//') || mcjax_die "cannot list the allocation's nodes"
+fi
 N=$(cluster_host_count) || mcjax_die "cannot tell how many hosts the cluster has"
 IPS=$(cluster_internal_ips) || mcjax_die "cannot get the hosts' internal IPs"
 [ "$(echo "$IPS" | wc -l)" -eq "$N" ] || mcjax_die "$N hosts but $(echo "$IPS" | wc -l) internal IPs: $(echo "$IPS" | tr '\n' ' ')"
 HOST0_IP=$(echo "$IPS" | head -n 1)
 LAST=$((N - 1))
+# Asked once: every cluster_* call below uses these instead of asking the provider again.
+MCJAX_HOSTS=$N
+MCJAX_INTERNAL_IPS=$(echo "$IPS" | tr '\n' ' ' | sed 's/ $//')
+export MCJAX_HOSTS MCJAX_INTERNAL_IPS MCJAX_HOST_LIST
 
-# The settings the pieces need on the hosts (~/$MCJAX_REMOTE_DIR/mcjax.env): defaults there, so a
-# variable set in a host's own environment wins; paths under $HOME are taken under each host's home.
+# How host 0 reaches the other hosts (cluster_restart, reset_engines run there): over ssh to their
+# internal IPs, with the key the `keys` step makes and the host keys it collected (no prompt, no
+# trust on first use). Slurm: srun, as from here.
+# shellcheck disable=SC2088  # ssh expands the ~ (on host 0)
+HOST_KEY='~/.ssh/mcjax_ed25519'
+HOST_SSH_OPTS="-i $HOST_KEY -o IdentitiesOnly=yes -o UserKnownHostsFile=~/.ssh/mcjax_known_hosts -o StrictHostKeyChecking=yes -o BatchMode=yes -o ConnectTimeout=$MCJAX_CONNECT_TIMEOUT"
+
+# The hosts' internal IPs as host 0 addresses them (user@IP where the host list names a user).
+host_side_list() {
+  local i=0 ip entry out=""
+  for ip in $IPS; do
+    entry=""
+    if [ "$MCJAX_PROVIDER" = ssh ]; then entry=$(_mcjax_host_addr "$i"); fi
+    case "$entry" in *@*) ip="${entry%%@*}@$ip" ;; esac
+    out="$out $ip"
+    i=$((i + 1))
+  done
+  echo "${out# }"
+}
+
+# write_env hosts|record: the settings as shell assignments. hosts: mcjax.env, which every host gets
+# in ~/$MCJAX_REMOTE_DIR: defaults there, so a variable set in a host's own environment wins; paths
+# under $HOME are taken under each host's home. record: setup.env in the state folder here, what
+# --stop and --status use (read with every MCJAX_* variable unset, so it is what counts).
 write_env() {
-  local var value
-  echo "# written by mcjax_setup.sh on $(date -u +%Y-%m-%dT%H:%M:%SZ); sourced by cluster/common.sh"
-  for var in MCJAX_PROVIDER MCJAX_CLUSTER MCJAX_ZONE MCJAX_PROJECT MCJAX_HOSTS MCJAX_INTERNAL_IPS \
-    MCJAX_NFS_DIR MCJAX_BUCKET MCJAX_BUCKET_DIR MCJAX_VENV MCJAX_REPO_DIR MCJAX_JAX_SPEC MCJAX_STATE \
-    MCJAX_PROFILE MCJAX_PROFILE_DIR MCJAX_CLUSTER_ID MCJAX_JUPYTER_PORT MCJAX_REMOTE_DIR \
-    MCJAX_START_TIMEOUT MCJAX_STOP_TIMEOUT; do
+  local kind=$1 var value
+  echo "# written by mcjax_setup.sh ($kind); sourced by cluster/common.sh (hosts) or mcjax_setup.sh --stop (record)"
+  for var in $MCJAX_SETTINGS; do
     value=${!var}
-    case "$var" in
-      MCJAX_HOSTS) value=$N ;;
-      MCJAX_INTERNAL_IPS) value=$(echo "$IPS" | tr '\n' ' ' | sed 's/ $//') ;;
-    esac
+    if [ "$kind" = hosts ]; then
+      case "$MCJAX_PROVIDER:$var" in
+        slurm:MCJAX_TRANSPORT) value="" ;;
+        *:MCJAX_TRANSPORT) value=ssh ;;
+        gcloud:MCJAX_HOST_LIST | ssh:MCJAX_HOST_LIST) value=$(host_side_list) ;;
+        gcloud:MCJAX_SSH_OPTS | ssh:MCJAX_SSH_OPTS) value=$HOST_SSH_OPTS ;;
+        gcloud:MCJAX_USER)
+          # The user gcloud logs in as: the host's own.
+          # shellcheck disable=SC2016  # expanded on the host
+          printf '[ -n "${MCJAX_USER+x}" ] || MCJAX_USER=$(id -un); export MCJAX_USER\n'
+          continue
+          ;;
+      esac
+    fi
     if [ "${value#"$HOME"/}" != "$value" ]; then
       # shellcheck disable=SC2016  # $HOME is expanded on the host
       printf '[ -n "${%s+x}" ] || %s="$HOME"/%q; export %s\n' "$var" "$var" "${value#"$HOME"/}" "$var"
@@ -145,16 +247,34 @@ write_env() {
   done
 }
 
+dry() { [ "$MCJAX_DRY_RUN" = 1 ]; }
+
 case "$mode" in
-  print-env) write_env; exit ;;
+  print-env) write_env hosts; exit ;;
   status) cluster_status; exit ;;
   stop)
-    step "stopping Jupyter and the controller on host 0, the engines on hosts 1..$LAST"
-    [ "$N" -lt 2 ] || cluster_exec 1 "$LAST" "$REMOTE/ipcluster.sh engine stop"
-    cluster_exec 0 0 "$REMOTE/ipcluster.sh jupyter stop && $REMOTE/ipcluster.sh controller stop"
-    exit
+    step "stop: Jupyter and the controller on host 0, the engines on hosts 1..$LAST ($MCJAX_PROVIDER cluster '$MCJAX_CLUSTER_ID')"
+    rc=0
+    [ "$N" -lt 2 ] || cluster_exec 1 "$LAST" "$(remote ipcluster.sh engine stop)" || rc=$?
+    cluster_exec 0 0 "$(remote ipcluster.sh jupyter stop) && $(remote ipcluster.sh controller stop)" || rc=$?
+    if [ "$rc" -ne 0 ]; then
+      mcjax_die "stopping failed on some hosts (see above); $RECORD kept: run --stop again"
+    fi
+    if ! dry && [ -f "$RECORD" ] && [ -z "$provider" ]; then
+      rm -f "$RECORD"
+    fi
+    exit 0
     ;;
 esac
+
+# Setup: this state folder now records this cluster (before anything is started, so that --stop
+# finds what a failed setup left).
+if ! dry; then
+  [ ! -f "$STATE/local.env" ] || mcjax_die "MCJAX_STATE=$STATE holds a local cluster: stop it (./mcjax_setup.sh --stop) or use another MCJAX_STATE"
+  mkdir -p "$STATE"
+  chmod 700 "$STATE"
+  (umask 077 && write_env record >"$RECORD.tmp" && mv "$RECORD.tmp" "$RECORD")
+fi
 
 for s in $steps; do
   case "$s" in
@@ -163,7 +283,8 @@ for s in $steps; do
       case "$MCJAX_PROVIDER" in
         gcloud) command -v gcloud >/dev/null || mcjax_die "gcloud is not installed (https://cloud.google.com/sdk)" ;;
         ssh) command -v ssh >/dev/null || mcjax_die "ssh is not installed" ;;
-        *) mcjax_die "unknown MCJAX_PROVIDER '$MCJAX_PROVIDER' (gcloud, ssh or local)" ;;
+        slurm) command -v srun >/dev/null || mcjax_die "srun is not on PATH (run this inside a Slurm allocation)" ;;
+        *) mcjax_die "unknown MCJAX_PROVIDER '$MCJAX_PROVIDER' (gcloud, ssh, slurm or local)" ;;
       esac
       [ "$N" -ge 2 ] || mcjax_die "a cluster needs at least 2 hosts (host 0: controller + kernel; hosts 1..N-1: engines)"
       i=0
@@ -171,65 +292,151 @@ for s in $steps; do
         echo "  host $i: internal IP $ip"
         i=$((i + 1))
       done
+      # The same uid and gid everywhere: the shared folder's files (connection files, the code, the
+      # compilation cache) are created by one host and read by the others.
       # shellcheck disable=SC2016  # expanded on each host
-      cluster_exec 0 "$LAST" 'echo "$(hostname): $(uname -sm), $(nproc) cores"'
+      ids=$(cluster_exec 0 "$LAST" 'echo "mcjax-id $(id -un) $(id -u):$(id -g) $(hostname) $(uname -sm | tr " " _) $(nproc)"') ||
+        { printf '%s\n' "$ids"; mcjax_die "some hosts did not answer (see above)"; }
+      if dry; then
+        printf '%s\n' "$ids"
+      else
+        printf '%s\n' "$ids" | awk '$3 == "mcjax-id" { printf "  host %s %s: user %s, uid:gid %s, %s, %s cores\n", substr($2, 1, length($2) - 1), $6, $4, $5, $7, $8 }'
+        ref=$(printf '%s\n' "$ids" | awk '$1 == "[host" && $2 == "0]" && $3 == "mcjax-id" { print $4, $5 }')
+        bad=$(printf '%s\n' "$ids" | awk -v ref="$ref" '$3 == "mcjax-id" && ($4 " " $5) != ref { printf "host %s has %s %s, ", substr($2, 1, length($2) - 1), $4, $5 }')
+        [ -z "$bad" ] || mcjax_die "the user differs between hosts: host 0 has $ref but ${bad%, }; the shared folder needs the same user, uid and gid on every host (OS Login / LDAP, or create the user with the same ids)"
+      fi
       ;;
     push)
       step "push: scripts and settings to ~/$MCJAX_REMOTE_DIR on every host"
+      if dry; then
+        echo "# STAGE: a new temporary folder holding $MCJAX_REMOTE_DIR/{mcjax_defs.sh,cluster/*.sh,mcjax.env} (mcjax.env: see --print-env)"
+        _mcjax_stdin=$(_mcjax_q tar -C STAGE -czf - "$MCJAX_REMOTE_DIR")
+        for i in $(seq 0 "$LAST"); do _mcjax_exec_one "$i" "mkdir -p . && tar -xzf - -C ."; done
+        unset _mcjax_stdin
+        continue
+      fi
       stage=$(mktemp -d "${TMPDIR:-/tmp}/mcjax_push.XXXXXX")
       trap 'rm -rf "$stage"' EXIT
       mkdir -p "$stage/$MCJAX_REMOTE_DIR/cluster"
       cp "$SETUP_DIR/mcjax_defs.sh" "$stage/$MCJAX_REMOTE_DIR/"
       cp "$SETUP_DIR"/cluster/*.sh "$stage/$MCJAX_REMOTE_DIR/cluster/"
-      write_env >"$stage/$MCJAX_REMOTE_DIR/mcjax.env"
-      i=0
-      while [ "$i" -le "$LAST" ]; do
-        cluster_scp "$stage/$MCJAX_REMOTE_DIR" . "$i" "$i" || mcjax_die "copying the scripts to host $i failed"
-        i=$((i + 1))
+      (umask 077 && write_env hosts >"$stage/$MCJAX_REMOTE_DIR/mcjax.env")
+      for i in $(seq 0 "$LAST"); do
+        tar -C "$stage" -czf - "$MCJAX_REMOTE_DIR" | _mcjax_exec_one "$i" "mkdir -p . && tar -xzf - -C ." ||
+          mcjax_die "copying the scripts to host $i failed"
       done
       ;;
+    keys)
+      if [ "$MCJAX_PROVIDER" = slurm ]; then
+        step "keys: skipped (slurm: host 0 reaches the nodes with srun)"
+        continue
+      fi
+      step "keys: host 0's ssh key ($HOST_KEY), accepted by every host, with their host keys as host 0 knows them"
+      out=$(cluster_exec 0 0 "$(remote ssh.sh key)") || { printf '%s\n' "$out"; mcjax_die "making host 0's ssh key failed"; }
+      if dry; then
+        printf '%s\n' "$out"
+        pub='<host 0 public key>'
+      else
+        pub=$(printf '%s\n' "$out" | grep -E '^(ssh-|ecdsa-)' | tail -n 1)
+        [ -n "$pub" ] || mcjax_die "host 0 gave no public key: $out"
+      fi
+      out=$(cluster_exec 0 "$LAST" "$(remote ssh.sh hostkey)") ||
+        { printf '%s\n' "$out"; mcjax_die "reading the hosts' ssh host keys failed"; }
+      if dry; then
+        printf '%s\n' "$out"
+        out=$(i=0; for ip in $IPS; do echo "[host $i] $ip <host $i ssh host key>"; i=$((i + 1)); done)
+      fi
+      set --
+      while IFS= read -r line; do
+        if [[ $line =~ ^\[host\ [0-9]+\]\ ([0-9.]+\ (ssh-|ecdsa-|[<]).*)$ ]]; then set -- "$@" "${BASH_REMATCH[1]}"; fi
+      done <<<"$out"
+      [ "$#" -eq "$N" ] || mcjax_die "got $# host keys for $N hosts: $out"
+      cluster_exec 0 "$LAST" "$(remote ssh.sh authorize "$pub")" || mcjax_die "adding host 0's key failed (see above)"
+      cluster_exec 0 0 "$(remote ssh.sh known-hosts "$@")" || mcjax_die "writing host 0's known hosts failed"
+      set --
+      ;;
     nfs)
+      if [ "$MCJAX_PROVIDER" = slurm ]; then
+        step "nfs: slurm: checking that every node sees the same $MCJAX_NFS_DIR"
+        token="$MCJAX_CLUSTER_ID-$MCJAX_SLURM_JOB_ID"
+        cluster_exec 0 0 "$(remote nfs.sh shared-mark "$token")" || mcjax_die "cannot write to $MCJAX_NFS_DIR on host 0"
+        cluster_exec 1 "$LAST" "$(remote nfs.sh shared-check "$token")" ||
+          mcjax_die "MCJAX_NFS_DIR=$MCJAX_NFS_DIR is not one folder for every node: set it to a shared file system (home, scratch)"
+        continue
+      fi
       step "nfs: host 0 exports $MCJAX_NFS_DIR to the $N hosts' internal IPs; hosts 1..$LAST mount it"
       # shellcheck disable=SC2086  # one argument per IP
       bash "$SETUP_DIR/cluster/nfs.sh" exports $IPS
-      cluster_exec 0 0 "$REMOTE/nfs.sh server $(echo "$IPS" | tr '\n' ' ')" || mcjax_die "NFS server setup on host 0 failed"
-      cluster_exec 1 "$LAST" "$REMOTE/nfs.sh client $HOST0_IP" || mcjax_die "NFS mounts failed (see the hosts named above)"
+      # shellcheck disable=SC2086
+      cluster_exec 0 0 "$(remote nfs.sh server $IPS)" || mcjax_die "NFS server setup on host 0 failed"
+      cluster_exec 1 "$LAST" "$(remote nfs.sh client "$HOST0_IP")" || mcjax_die "NFS mounts failed (see the hosts named above)"
       ;;
     gcsfuse)
       if [ -z "$MCJAX_BUCKET" ]; then
         step "gcsfuse: skipped (MCJAX_BUCKET is empty)"
       else
         step "gcsfuse: gs://$MCJAX_BUCKET on $MCJAX_BUCKET_DIR on every host"
-        cluster_exec 0 "$LAST" "$REMOTE/gcsfuse.sh mount" || mcjax_die "gcsfuse mounts failed (see the hosts named above)"
+        cluster_exec 0 "$LAST" "$(remote gcsfuse.sh mount)" || mcjax_die "gcsfuse mounts failed (see the hosts named above)"
       fi
       ;;
     code)
       step "code: $SETUP_DIR -> $MCJAX_REPO_DIR (shared folder, via host 0)"
-      if [ "$MCJAX_DRY_RUN" = 1 ]; then
-        echo "[dry-run] tar of $SETUP_DIR (without .git, .venv) extracted into $MCJAX_REPO_DIR on host 0"
+      untar="mkdir -p $(_mcjax_q "$MCJAX_REPO_DIR") && tar -xzf - -C $(_mcjax_q "$MCJAX_REPO_DIR")"
+      if dry; then
+        _mcjax_stdin=$(_mcjax_q tar -C "$SETUP_DIR" --exclude=.git --exclude=.venv --exclude=.mcjax --exclude=__pycache__ --exclude='*.egg-info' -czf - .)
+        _mcjax_exec_one 0 "$untar"
+        unset _mcjax_stdin
         continue
       fi
-      tar -C "$SETUP_DIR" --exclude=.git --exclude=.venv --exclude=__pycache__ --exclude='*.egg-info' -czf - . |
-        cluster_exec 0 0 "mkdir -p '$MCJAX_REPO_DIR' && tar -xzf - -C '$MCJAX_REPO_DIR'" ||
-        mcjax_die "copying the code to host 0 failed"
+      tar -C "$SETUP_DIR" --exclude=.git --exclude=.venv --exclude=.mcjax --exclude=__pycache__ --exclude='*.egg-info' -czf - . |
+        cluster_exec 0 0 "$untar" || mcjax_die "copying the code to host 0 failed"
       ;;
     venv)
-      step "venv: $MCJAX_VENV with dsr1[notebook] ${MCJAX_JAX_SPEC} on host 0, then hosts 1..$LAST"
-      # Host 0 first: the editable install writes build metadata into the shared source folder.
-      cluster_exec 0 0 "$REMOTE/venv.sh install" || mcjax_die "venv setup on host 0 failed"
-      cluster_exec 1 "$LAST" "$REMOTE/venv.sh install" || mcjax_die "venv setup failed (see the hosts named above)"
+      step "venv: uv $MCJAX_UV_VERSION, CPython $MCJAX_HOST_PYTHON, $MCJAX_VENV with dsr1[notebook] ${MCJAX_JAX_SPEC} on every host"
+      if dry; then
+        echo "# venv.sh on a host: install|deps: uv $MCJAX_UV_VERSION from its PyPI wheel into $MCJAX_UV_DIR/$MCJAX_UV_VERSION/uv;" \
+          "uv python install $MCJAX_HOST_PYTHON; uv venv --seed --managed-python --python $MCJAX_HOST_PYTHON $MCJAX_VENV;" \
+          "uv pip install -r $MCJAX_REPO_DIR/pyproject.toml --extra notebook $MCJAX_JAX_SPEC; install|project: uv pip install --no-deps -e $MCJAX_REPO_DIR"
+      fi
+      # Host 0 first, alone: its editable install writes build metadata into the shared source.
+      cluster_exec 0 0 "$(remote venv.sh install)" || mcjax_die "venv setup on host 0 failed"
+      # The others in parallel (their own disks; nothing to do where the venv is host 0's, on a
+      # shared home), then dsr1 itself one host at a time: no two installs write the shared tree.
+      cluster_exec 1 "$LAST" "$(remote venv.sh deps)" || mcjax_die "venv setup failed (see the hosts named above)"
+      for i in $(seq 1 "$LAST"); do
+        cluster_exec "$i" "$i" "$(remote venv.sh project)" || mcjax_die "installing dsr1 on host $i failed"
+      done
+      cluster_exec 0 "$LAST" "$(remote venv.sh check)" || mcjax_die "some venvs are broken (see above)"
       ;;
     ipcluster)
       step "ipcluster: controller on host 0 ($HOST0_IP), engines on hosts 1..$LAST"
-      cluster_exec 0 0 "$REMOTE/ipcluster.sh controller start $HOST0_IP" || mcjax_die "the controller did not start"
-      cluster_exec 1 "$LAST" "$REMOTE/ipcluster.sh engine start" || mcjax_die "engines did not start (see the hosts named above)"
-      cluster_exec 0 0 "$REMOTE/ipcluster.sh wait $LAST" || mcjax_die "the engines did not register; try cluster_restart"
+      if [ "$MCJAX_PROVIDER" = slurm ]; then
+        # Each long-running process in a job step of its own (a step's processes end with it).
+        _mcjax_launch controller 0 0 "$(remote ipcluster.sh controller run "$HOST0_IP")" || mcjax_die "srun failed"
+        cluster_exec 0 0 "$(remote ipcluster.sh controller wait)" || mcjax_die "the controller did not start"
+        _mcjax_launch engine 1 "$LAST" "$(remote ipcluster.sh engine run)" || mcjax_die "srun failed"
+      else
+        cluster_exec 0 0 "$(remote ipcluster.sh controller start "$HOST0_IP")" || mcjax_die "the controller did not start"
+        # An engine of a replaced controller is replaced too (ipcluster.sh engine start).
+        cluster_exec 1 "$LAST" "$(remote ipcluster.sh engine start)" || mcjax_die "engines did not start (see the hosts named above)"
+      fi
+      cluster_exec 0 0 "$(remote ipcluster.sh wait "$LAST")" || mcjax_die "the engines did not register; try cluster_restart"
       ;;
     jupyter)
       step "jupyter: on host 0, 127.0.0.1:$MCJAX_JUPYTER_PORT"
-      cluster_exec 0 0 "$REMOTE/ipcluster.sh jupyter start" || mcjax_die "Jupyter did not start"
+      if [ "$MCJAX_PROVIDER" = slurm ]; then
+        cluster_exec 0 0 "$(remote ipcluster.sh jupyter check-port)" || mcjax_die "Jupyter cannot have its port"
+        _mcjax_launch jupyter 0 0 "$(remote ipcluster.sh jupyter run)" || mcjax_die "srun failed"
+        cluster_exec 0 0 "$(remote ipcluster.sh jupyter wait)" || mcjax_die "Jupyter did not start"
+      else
+        cluster_exec 0 0 "$(remote ipcluster.sh jupyter start)" || mcjax_die "Jupyter did not start"
+      fi
       ;;
   esac
 done
 
-step "done: source mcjax_defs.sh; cluster_port_forward; open http://127.0.0.1:$MCJAX_JUPYTER_PORT"
+if dry; then
+  step "dry run: nothing was run"
+else
+  step "done: source mcjax_defs.sh; cluster_port_forward; open http://127.0.0.1:$MCJAX_JUPYTER_PORT ($RECORD records this cluster: ./mcjax_setup.sh --stop stops it)"
+fi

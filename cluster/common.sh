@@ -37,6 +37,21 @@ mcjax_sudo() {
   if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
 }
 
+# Install Debian packages PKG... A fresh VM runs its own apt jobs (unattended-upgrades) at boot:
+# wait for the dpkg lock (up to MCJAX_APT_LOCK_TIMEOUT seconds) instead of failing on it.
+: "${MCJAX_APT_LOCK_TIMEOUT:=600}"
+mcjax_apt_install() {
+  local i
+  for i in $(seq 1 10); do
+    mcjax_sudo apt-get -o DPkg::Lock::Timeout="$MCJAX_APT_LOCK_TIMEOUT" update -qq && break
+    [ "$i" -lt 10 ] || mcjax_die "apt-get update kept failing (another apt running? network?)"
+    mcjax_log "apt-get update failed (the package lists are locked?); again in 10 s"
+    sleep 10
+  done
+  mcjax_sudo env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout="$MCJAX_APT_LOCK_TIMEOUT" \
+    install -y -qq "$@"
+}
+
 # The Python that runs the controller and the engines on this host.
 mcjax_python() {
   if [ "$MCJAX_PROVIDER" = local ]; then
@@ -48,6 +63,12 @@ mcjax_python() {
 
 mcjax_pidfile() {
   echo "$MCJAX_STATE/pids/$1.pid"
+}
+
+# Create the folders DIR... (and the state folder) readable by this user only (mode 700).
+mcjax_private_dirs() {
+  mkdir -p "$MCJAX_STATE" "$@"
+  chmod 700 "$MCJAX_STATE" "$@"
 }
 
 # True when PID is a live process (a zombie is not).
@@ -80,8 +101,11 @@ mcjax_start_bg() {
   shift 2
   pidfile=$(mcjax_pidfile "$name")
   py=$(mcjax_python)
-  mkdir -p "$(dirname "$pidfile")" "$(dirname "$log")"
+  mcjax_private_dirs "$(dirname "$pidfile")" "$(dirname "$log")"
   rm -f "$pidfile"
+  # The log may hold secrets (Jupyter's token): mode 600, in a mode 700 folder.
+  (umask 077 && : >>"$log")
+  chmod 600 "$log"
   # shellcheck disable=SC2016
   nohup "$py" -c '
 import os, sys
@@ -113,6 +137,7 @@ os.execvp(sys.argv[2], sys.argv[2:])
 mcjax_stop() {
   local name=$1 marker=${2:-} pidfile pid kids k i left ticks
   pidfile=$(mcjax_pidfile "$name")
+  rm -f "${pidfile%.pid}.controller"
   if [ ! -f "$pidfile" ]; then
     return 0
   fi
@@ -207,16 +232,76 @@ mcjax_controller_start() {
   mcjax_log "controller listening on $ip only; connection files (mode 600) in $sec"
 }
 
-# Start the engine of host INDEX with the extra environment NAME=VALUE... (after the index).
+# The environment every JAX process gets (engines here, Jupyter and so the kernel on host 0), as
+# NAME=VALUE lines: the shared compilation cache and, when one is asked for, the coordinator port.
+mcjax_process_env() {
+  if [ "$MCJAX_JAX_CACHE" != off ]; then
+    echo "JAX_COMPILATION_CACHE_DIR=$MCJAX_JAX_CACHE"
+    echo "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=$MCJAX_JAX_CACHE_MIN_SECS"
+  fi
+  if [ -n "$MCJAX_COORDINATOR_PORT" ]; then echo "JAX_COORDINATOR_PORT=$MCJAX_COORDINATOR_PORT"; fi
+  if [ "$MCJAX_PROVIDER" = slurm ]; then mcjax_gpu_env; fi
+}
+
+# Slurm: JAX takes SLURM_LOCALID as the one GPU a process should use; ours own every GPU of their
+# node: JAX_LOCAL_DEVICE_IDS=0,...,k-1 (from CUDA_VISIBLE_DEVICES, else nvidia-smi).
+mcjax_gpu_env() {
+  local n=0
+  if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+    n=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | sed '/^$/d' | wc -l)
+  elif command -v nvidia-smi >/dev/null 2>&1; then
+    n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  fi
+  if [ "$n" -gt 0 ]; then echo "JAX_LOCAL_DEVICE_IDS=$(seq -s, 0 $((n - 1)))"; fi
+}
+
+# The Slurm variables from which JAX numbers process I of N by itself (platform numbering: the
+# kernel on host 0 is process 0, the engine of host i process i), as NAME=VALUE lines. Slurm
+# provider: the allocation, its nodes in host order (the first, host 0, runs the coordinator: the
+# kernel), one process per node. Local provider: a simulation of that on localhost.
+mcjax_platform_env() {
+  local i=$1 n=$2
+  case "$MCJAX_PROVIDER" in
+    local)
+      printf '%s\n' SLURM_JOB_ID=4242 SLURM_STEP_NODELIST=localhost "SLURM_NTASKS=$n" "SLURM_PROCID=$i" \
+        "SLURM_LOCALID=$i" "SLURM_STEP_NUM_NODES=$n"
+      ;;
+    slurm)
+      printf '%s\n' "SLURM_JOB_ID=$MCJAX_SLURM_JOB_ID" \
+        "SLURM_STEP_NODELIST=$(_mcjax_host_lines | head -n "$n" | tr '\n' ',' | sed 's/,$//')" \
+        "SLURM_NTASKS=$n" "SLURM_PROCID=$i" SLURM_LOCALID=0 "SLURM_STEP_NUM_NODES=$n"
+      ;;
+  esac
+  if [ -n "$MCJAX_COORDINATOR_PORT" ]; then echo "JAX_COORDINATOR_PORT=$MCJAX_COORDINATOR_PORT"; fi
+}
+
+# Which controller a process belongs to: a checksum of the engine connection file it started with.
+mcjax_controller_fingerprint() {
+  cksum <"$(mcjax_engine_json)" 2>/dev/null | awk '{ print $1 "-" $2 }'
+}
+
+# Start the engine of host INDEX with the extra environment NAME=VALUE... (after the index), plus
+# mcjax_process_env. It records which controller it joined (pids/engine-INDEX.controller).
 mcjax_engine_start() {
-  local index=$1 py
+  local index=$1 py line
   shift
   py=$(mcjax_python)
   [ -s "$(mcjax_engine_json)" ] || mcjax_die "no engine connection file $(mcjax_engine_json): is the controller running?"
+  while IFS= read -r line; do set -- "$@" "$line"; done < <(mcjax_process_env)
+  if [ "$MCJAX_JAX_CACHE" != off ]; then mkdir -p "$MCJAX_JAX_CACHE"; fi
   mcjax_start_bg "engine-$index" "$MCJAX_STATE/logs/engine-$index.log" \
     env MCJAX_HOST_INDEX="$index" MCJAX_PROVIDER="$MCJAX_PROVIDER" MCJAX_STATE="$MCJAX_STATE" "$@" \
     "$py" -m ipyparallel.engine --profile-dir="$MCJAX_PROFILE_DIR" --cluster-id="$MCJAX_CLUSTER_ID" \
     --log-level=WARN
+  mcjax_controller_fingerprint >"$MCJAX_STATE/pids/engine-$index.controller"
+}
+
+# True when the running engine of host INDEX joined a controller that is no longer the current one
+# (the controller was replaced since: that engine is of no use any more).
+mcjax_engine_stale() {
+  local recorded="$MCJAX_STATE/pids/engine-$1.controller"
+  [ -s "$(mcjax_engine_json)" ] || return 1
+  [ -f "$recorded" ] && [ "$(cat "$recorded")" != "$(mcjax_controller_fingerprint)" ]
 }
 
 # Wait until N engines are registered with the controller (bounded by MCJAX_START_TIMEOUT).
@@ -239,16 +324,28 @@ print(f"[mcjax] {n} engines registered")
 EOF
 }
 
-# Write $MCJAX_STATE/cluster.json, which dsr1.workbench.cluster.connect() reads.
+# Write $MCJAX_STATE/cluster.json, which dsr1.workbench.cluster.connect() reads: where the
+# controller is, how many engines, and how the processes are numbered. "numbering":
+# "kernel-last" (the notebook gives the ids; the kernel is process N-1) or "platform" (JAX finds
+# them itself; the kernel on host 0 is process 0). "kernel_env": the variables the kernel sets in
+# os.environ before jax.distributed.initialize() with no arguments (platform numbering; may be {}).
+# "jax_cache_dir": the compilation cache every process uses (null: none).
+# usage: mcjax_write_cluster_json ENGINES CONTROLLER_IP
 mcjax_write_cluster_json() {
-  local engines=$1 controller_ip=$2 py
+  local engines=$1 controller_ip=$2 py line
   py=$(mcjax_python)
   mkdir -p "$MCJAX_STATE"
-  "$py" - "$MCJAX_STATE/cluster.json" "$engines" "$controller_ip" <<'EOF'
+  set --
+  if [ "$MCJAX_NUMBERING" = platform ]; then
+    while IFS= read -r line; do set -- "$@" "$line"; done < <(mcjax_platform_env 0 $((engines + 1)))
+  fi
+  "$py" - "$MCJAX_STATE/cluster.json" "$engines" "$controller_ip" "$@" <<'EOF'
 import json, os, sys
 
 path, engines, ip = sys.argv[1], int(sys.argv[2]), sys.argv[3]  # this Python runs the engines
+kernel_env = dict(arg.split("=", 1) for arg in sys.argv[4:])
 env = os.environ
+cache = env.get("MCJAX_JAX_CACHE", "off")
 info = {
     "provider": env["MCJAX_PROVIDER"],
     "profile_dir": env["MCJAX_PROFILE_DIR"],
@@ -259,6 +356,10 @@ info = {
     "state": env["MCJAX_STATE"],
     "local_devices": int(env["MCJAX_LOCAL_DEVICES"]) if env["MCJAX_PROVIDER"] == "local" else None,
     "python": sys.executable,
+    "numbering": env["MCJAX_NUMBERING"],
+    "kernel_env": kernel_env,
+    "coordinator_port": int(env["MCJAX_COORDINATOR_PORT"]) if env.get("MCJAX_COORDINATOR_PORT") else None,
+    "jax_cache_dir": None if cache == "off" else cache,
 }
 with open(path + ".tmp", "w") as f:
     json.dump(info, f, indent=1)
@@ -266,18 +367,28 @@ os.replace(path + ".tmp", path)
 EOF
 }
 
-# Add LINE to the fstab FILE unless a line with the same mount point is there already (then the
-# lines must agree: a different entry for our mount point is an error, never a duplicate).
-mcjax_fstab_ensure() {
+# 0 when the fstab FILE has LINE's entry for its mount point, 1 when it has none; dies when it has a
+# different one for that mount point (an error to fix by hand, never a duplicate).
+mcjax_fstab_has() {
   local file=$1 line=$2 mnt existing
   mnt=$(echo "$line" | awk '{ print $2 }')
   existing=$(awk -v m="$mnt" '$1 !~ /^#/ && $2 == m' "$file" 2>/dev/null || true)
-  if [ -n "$existing" ]; then
-    if [ "$(echo "$existing" | tr -s ' \t' '  ')" = "$(echo "$line" | tr -s ' \t' '  ')" ]; then
-      mcjax_log "$file already mounts $mnt"
-      return 0
-    fi
-    mcjax_die "$file already has a different entry for $mnt: '$existing' (wanted '$line'); fix it by hand"
+  [ -n "$existing" ] || return 1
+  if [ "$(echo "$existing" | tr -s ' \t' '  ')" = "$(echo "$line" | tr -s ' \t' '  ')" ]; then
+    return 0
+  fi
+  mcjax_die "$file already has a different entry for $mnt: '$existing' (wanted '$line'); fix it by hand"
+}
+
+# Add LINE to the fstab FILE unless a line with the same mount point is there already (then the
+# lines must agree). Callers add it only once the mount itself worked: a line that cannot mount
+# must not stay behind for the next boot.
+mcjax_fstab_ensure() {
+  local file=$1 line=$2 mnt
+  mnt=$(echo "$line" | awk '{ print $2 }')
+  if mcjax_fstab_has "$file" "$line"; then
+    mcjax_log "$file already mounts $mnt"
+    return 0
   fi
   mcjax_log "adding to $file: $line"
   if [ -w "$file" ] || { [ ! -e "$file" ] && [ -w "$(dirname "$file")" ]; }; then

@@ -8,7 +8,7 @@ usage() {
   cat <<'EOF'
 gcsfuse.sh: mount the GCS bucket $MCJAX_BUCKET on $MCJAX_BUCKET_DIR (every host; optional).
 
-  gcsfuse.sh mount     install gcsfuse if missing, mount the bucket, persist it in /etc/fstab
+  gcsfuse.sh mount     install gcsfuse if missing, mount the bucket, then persist it in /etc/fstab
   gcsfuse.sh unmount
   gcsfuse.sh --help    this text
 
@@ -28,8 +28,7 @@ install_gcsfuse() {
   echo "deb [signed-by=/usr/share/keyrings/cloud.google.asc] https://packages.cloud.google.com/apt gcsfuse-$codename main" |
     mcjax_sudo tee /etc/apt/sources.list.d/gcsfuse.list >/dev/null
   curl -fsSL https://packages.cloud.google.com/apt/doc/apt-key.gpg | mcjax_sudo tee /usr/share/keyrings/cloud.google.asc >/dev/null
-  mcjax_sudo apt-get update -qq
-  mcjax_sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcsfuse
+  mcjax_apt_install gcsfuse
 }
 
 cmd_mount() {
@@ -38,17 +37,19 @@ cmd_mount() {
     return 0
   fi
   install_gcsfuse
+  local line
+  line="$MCJAX_BUCKET $MCJAX_BUCKET_DIR gcsfuse rw,_netdev,allow_other,implicit_dirs,uid=$(id -u),gid=$(id -g) 0 0"
+  mcjax_fstab_has "$MCJAX_FSTAB" "$line" || true  # a conflicting entry stops us before mounting
   mcjax_sudo mkdir -p "$MCJAX_BUCKET_DIR"
   mcjax_sudo chown "$(id -u):$(id -g)" "$MCJAX_BUCKET_DIR"
-  mcjax_fstab_ensure "$MCJAX_FSTAB" \
-    "$MCJAX_BUCKET $MCJAX_BUCKET_DIR gcsfuse rw,_netdev,allow_other,implicit_dirs,uid=$(id -u),gid=$(id -g) 0 0"
   if mountpoint -q "$MCJAX_BUCKET_DIR"; then
     mcjax_log "gs://$MCJAX_BUCKET is already mounted on $MCJAX_BUCKET_DIR"
-    return 0
+  else
+    mcjax_log "mounting gs://$MCJAX_BUCKET on $MCJAX_BUCKET_DIR"
+    gcsfuse --implicit-dirs "$MCJAX_BUCKET" "$MCJAX_BUCKET_DIR" ||
+      mcjax_die "gcsfuse could not mount gs://$MCJAX_BUCKET (does the VM's service account have storage access?); nothing was added to $MCJAX_FSTAB"
   fi
-  mcjax_log "mounting gs://$MCJAX_BUCKET on $MCJAX_BUCKET_DIR"
-  gcsfuse --implicit-dirs "$MCJAX_BUCKET" "$MCJAX_BUCKET_DIR" ||
-    mcjax_die "gcsfuse could not mount gs://$MCJAX_BUCKET (does the VM's service account have storage access?)"
+  mcjax_fstab_ensure "$MCJAX_FSTAB" "$line"
 }
 
 cmd_unmount() {

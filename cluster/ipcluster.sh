@@ -11,15 +11,23 @@ ipcluster.sh: the ipyparallel controller (host 0), the engines (hosts 1..N-1) an
 server (host 0) of a real cluster, run on the host itself by mcjax_setup.sh / cluster_restart
 through cluster_exec.
 
-  ipcluster.sh controller start|stop|restart [IP]   IP: host 0's internal address (default: first of cluster_internal_ips)
-  ipcluster.sh engine start|stop|restart            this host's engine (index $MCJAX_HOST_INDEX)
-  ipcluster.sh wait N                               wait until N engines are registered (host 0)
-  ipcluster.sh jupyter start|stop                   Jupyter on 127.0.0.1:$MCJAX_JUPYTER_PORT (host 0)
+  ipcluster.sh controller start|stop|restart|run [IP]   IP: host 0's internal address (default: first of cluster_internal_ips)
+  ipcluster.sh controller wait                          wait until a controller runs and its connection files exist
+  ipcluster.sh controller check [engines|all]           can engines be restarted? (engines: a controller runs; all: one could start)
+  ipcluster.sh engine start|stop|restart|run            this host's engine (index $MCJAX_HOST_INDEX)
+  ipcluster.sh engine check                             could this host start its engine? (venv, connection file)
+  ipcluster.sh wait N                                   wait until N engines are registered (host 0); rewrites cluster.json
+  ipcluster.sh jupyter start|stop|run|wait|check-port   Jupyter on 127.0.0.1:$MCJAX_JUPYTER_PORT (host 0)
   ipcluster.sh status
-  ipcluster.sh --help                               this text
+  ipcluster.sh --help                                   this text
 
-"start" keeps a running process (idempotent); "restart" replaces it. Processes are recorded in
-pid files under $MCJAX_STATE/pids and only those are ever stopped.
+"start" keeps a running process (idempotent) and returns; "restart" replaces it; "run" starts it
+(or keeps it) and then blocks while it lives (Slurm: a job step lasts as long as its command). An
+engine that joined a controller which was replaced since is replaced too. Processes are recorded
+in pid files under $MCJAX_STATE/pids (mode 700, as are the logs) and only those are ever stopped.
+Every process gets JAX_COMPILATION_CACHE_DIR ($MCJAX_JAX_CACHE) and, when MCJAX_COORDINATOR_PORT
+is set, JAX_COORDINATOR_PORT; Slurm engines also the variables from which JAX numbers them.
+Jupyter fails at once when its port is taken (it never moves to another one).
 EOF
 }
 
@@ -28,67 +36,162 @@ host_index() {
   echo "$MCJAX_HOST_INDEX"
 }
 
+# Block while process NAME (marker MARKER) lives: what "run" does after starting it.
+block_while_running() {
+  local pid
+  pid=$(mcjax_running_pid "$@")
+  [ -n "$pid" ] || return 0
+  mcjax_log "$1 runs (pid $pid); this command returns when it exits"
+  while mcjax_pid_alive "$pid"; do sleep 5; done
+}
+
 controller() {
-  local action=$1 ip=${2:-} pid n
+  local action=$1 ip=${2:-} pid n i
   case "$action" in
-    start | restart)
+    start | restart | run)
       if [ -z "$ip" ]; then ip=$(cluster_internal_ips | head -n 1); fi
       pid=$(mcjax_running_pid controller)
-      if [ "$action" = start ] && [ -n "$pid" ] && [ -s "$(mcjax_client_json)" ]; then
+      if [ "$action" != restart ] && [ -n "$pid" ] && [ -s "$(mcjax_client_json)" ]; then
         mcjax_log "the controller is already running (pid $pid): keeping it"
       else
         mcjax_stop controller
+        if [ "$MCJAX_JAX_CACHE" != off ]; then mkdir -p "$MCJAX_JAX_CACHE"; fi
         mcjax_controller_start "$ip"
       fi
       n=$(cluster_host_count)
       mcjax_write_cluster_json $((n - 1)) "$ip"
+      [ "$action" != run ] || block_while_running controller
       ;;
     stop) mcjax_stop controller ;;
-    *) mcjax_usage_error "controller needs start, stop or restart, not '$action'" ;;
+    wait)
+      for i in $(seq 1 $((MCJAX_START_TIMEOUT * 10))); do
+        if [ -n "$(mcjax_running_pid controller)" ] && [ -s "$(mcjax_client_json)" ] && [ -s "$(mcjax_engine_json)" ]; then
+          mcjax_log "the controller is running (pid $(mcjax_running_pid controller))"
+          return 0
+        fi
+        sleep 0.1
+      done
+      tail -n 20 "$MCJAX_STATE/logs/controller.log" >&2 2>/dev/null || true
+      mcjax_die "no controller with connection files after ${MCJAX_START_TIMEOUT}s (log: $MCJAX_STATE/logs/controller.log)"
+      ;;
+    check)
+      "$(mcjax_python)" -c 'import ipyparallel' 2>/dev/null || mcjax_die "$(mcjax_python) cannot import ipyparallel"
+      if [ "$ip" != all ]; then
+        [ -n "$(mcjax_running_pid controller)" ] && [ -s "$(mcjax_client_json)" ] ||
+          mcjax_die "no controller runs on host 0: restart everything (cluster_restart all)"
+      fi
+      mcjax_log "host 0: ready"
+      ;;
+    *) mcjax_usage_error "controller needs start, stop, restart, run, wait or check, not '$action'" ;;
   esac
 }
 
 engine() {
-  local action=$1 i pid
+  local action=$1 i pid line
   case "$action" in
-    start | restart | stop) ;;
-    *) mcjax_usage_error "engine needs start, stop or restart, not '$action'" ;;
+    start | restart | stop | run | check) ;;
+    *) mcjax_usage_error "engine needs start, stop, restart, run or check, not '$action'" ;;
   esac
   i=$(host_index)
   case "$action" in
-    start | restart)
+    start | restart | run)
       pid=$(mcjax_running_pid "engine-$i")
-      if [ "$action" = start ] && [ -n "$pid" ]; then
-        mcjax_log "engine $i is already running (pid $pid): keeping it"
-        return 0
+      if [ "$action" != restart ] && [ -n "$pid" ]; then
+        if mcjax_engine_stale "$i"; then
+          mcjax_log "engine $i (pid $pid) joined a controller that was replaced since: replacing the engine"
+        else
+          mcjax_log "engine $i is already running (pid $pid): keeping it"
+          return 0
+        fi
       fi
       mcjax_stop "engine-$i"
       mkdir -p "$MCJAX_NFS_DIR"
       cd "$MCJAX_NFS_DIR" || mcjax_die "cannot enter $MCJAX_NFS_DIR"
-      mcjax_engine_start "$i"
+      set --
+      if [ "$MCJAX_PROVIDER" = slurm ] && [ "$MCJAX_NUMBERING" = platform ]; then
+        while IFS= read -r line; do set -- "$@" "$line"; done < <(mcjax_platform_env "$i" "$(cluster_host_count)")
+      fi
+      mcjax_engine_start "$i" "$@"
+      [ "$action" != run ] || block_while_running "engine-$i"
       ;;
     stop) mcjax_stop "engine-$i" ;;
+    check)
+      "$(mcjax_python)" -c 'import ipyparallel' 2>/dev/null || mcjax_die "$(mcjax_python) cannot import ipyparallel"
+      [ -s "$(mcjax_engine_json)" ] || mcjax_die "no engine connection file $(mcjax_engine_json) (shared folder not mounted?)"
+      mcjax_log "host $i: ready"
+      ;;
   esac
 }
 
+# 0 when nothing listens on 127.0.0.1:PORT (and we may bind it).
+port_free() {
+  "$(mcjax_python)" - "$1" <<'EOF'
+import socket, sys
+s = socket.socket()
+try:
+    s.bind(("127.0.0.1", int(sys.argv[1])))
+except OSError:
+    sys.exit(1)
+finally:
+    s.close()
+EOF
+}
+
+# 0 when something accepts connections on 127.0.0.1:PORT.
+port_listening() {
+  "$(mcjax_python)" - "$1" <<'EOF'
+import socket, sys
+try:
+    socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=2).close()
+except OSError:
+    sys.exit(1)
+EOF
+}
+
 jupyter() {
-  local action=$1 pid marker="--port=$MCJAX_JUPYTER_PORT"
+  local action=$1 pid marker="--port=$MCJAX_JUPYTER_PORT" i line
   case "$action" in
-    start)
+    check-port)
+      if [ -n "$(mcjax_running_pid jupyter "$marker")" ]; then return 0; fi
+      port_free "$MCJAX_JUPYTER_PORT" ||
+        mcjax_die "127.0.0.1:$MCJAX_JUPYTER_PORT on host 0 is taken (another Jupyter, maybe another user's: ss -ltnp): set MCJAX_JUPYTER_PORT to a free port and run setup again (--steps push,jupyter); cluster_port_forward then uses it too"
+      ;;
+    start | run)
       pid=$(mcjax_running_pid jupyter "$marker")
       if [ -n "$pid" ]; then
         mcjax_log "Jupyter is already running (pid $pid)"
       else
+        jupyter check-port
         "$MCJAX_VENV/bin/python" -m ipykernel install --user --name mcjax --display-name "mcjax (dsr1 venv)" >/dev/null
         cd "$MCJAX_NFS_DIR" || mcjax_die "cannot enter $MCJAX_NFS_DIR"
-        mcjax_start_bg jupyter "$MCJAX_STATE/logs/jupyter.log" env MCJAX_STATE="$MCJAX_STATE" \
+        set --
+        while IFS= read -r line; do set -- "$@" "$line"; done < <(mcjax_process_env)
+        # --ServerApp.port_retries=0: a taken port is an error, never a silent move to the next one
+        # (the port-forward points at this one).
+        mcjax_start_bg jupyter "$MCJAX_STATE/logs/jupyter.log" env MCJAX_STATE="$MCJAX_STATE" "$@" \
           "$MCJAX_VENV/bin/python" -m jupyter lab --no-browser --ip=127.0.0.1 --port="$MCJAX_JUPYTER_PORT" \
-          --notebook-dir="$MCJAX_NFS_DIR"
+          --ServerApp.port_retries=0 --notebook-dir="$MCJAX_NFS_DIR"
+        jupyter wait
       fi
       mcjax_log "Jupyter on host 0 at 127.0.0.1:$MCJAX_JUPYTER_PORT: run cluster_port_forward on your machine; token: $MCJAX_VENV/bin/jupyter server list"
+      [ "$action" != run ] || block_while_running jupyter "$marker"
+      ;;
+    wait)
+      for i in $(seq 1 "$MCJAX_START_TIMEOUT"); do
+        pid=$(mcjax_running_pid jupyter "$marker")
+        if [ -n "$pid" ] && port_listening "$MCJAX_JUPYTER_PORT"; then
+          mcjax_log "Jupyter (pid $pid) listens on 127.0.0.1:$MCJAX_JUPYTER_PORT"
+          return 0
+        fi
+        if [ -z "$pid" ] && [ "$i" -gt 5 ]; then break; fi
+        sleep 1
+      done
+      # The log's last lines, without the token.
+      grep -v -i token "$MCJAX_STATE/logs/jupyter.log" 2>/dev/null | tail -n 15 >&2 || true
+      mcjax_die "Jupyter is not listening on 127.0.0.1:$MCJAX_JUPYTER_PORT (log: $MCJAX_STATE/logs/jupyter.log)"
       ;;
     stop) mcjax_stop jupyter "$marker" ;;
-    *) mcjax_usage_error "jupyter needs start or stop, not '$action'" ;;
+    *) mcjax_usage_error "jupyter needs start, stop, run, wait or check-port, not '$action'" ;;
   esac
 }
 
@@ -113,6 +216,10 @@ case "${1:-}" in
   wait)
     _mcjax_is_uint "${2:-}" || mcjax_usage_error "wait needs N, the number of engines, not '${2:-}'"
     mcjax_wait_engines "$2"
+    # The engines' settings may have changed with them (a new coordinator port): cluster.json anew.
+    if [ -s "$MCJAX_STATE/cluster.json" ]; then
+      mcjax_write_cluster_json "$2" "$(cluster_internal_ips | head -n 1)"
+    fi
     ;;
   jupyter) jupyter "${2:-}" ;;
   status) status ;;

@@ -12,16 +12,22 @@ usage() {
   cat <<'EOF'
 local.sh: a simulated cluster on this machine (what ./mcjax_setup.sh --local N runs).
 
-  local.sh start N            controller + N-1 engines on 127.0.0.1 (the notebook kernel is process N-1)
+  local.sh start N            controller + N-1 engines on 127.0.0.1, numbered by $MCJAX_NUMBERING
   local.sh stop               stop exactly the processes this script started (pid files)
-  local.sh restart [engines|all]
+  local.sh restart [engines|all|check]   check: only whether a restart could succeed
   local.sh status             exit status 0 when the controller and every engine are running
   local.sh --help             this text
 
 Each engine is an ipyparallel engine with JAX_PLATFORMS=cpu and
 XLA_FLAGS=--xla_force_host_platform_device_count=$MCJAX_LOCAL_DEVICES, run by the current Python
-($MCJAX_PYTHON): no venv is created. Everything lives under $MCJAX_STATE: pid files, logs,
-the ipyparallel profile (connection files) and cluster.json for dsr1.workbench.cluster.connect().
+($MCJAX_PYTHON): no venv is created. Numbering (MCJAX_NUMBERING, or mcjax_setup.sh --numbering):
+kernel-last (default): the notebook gives the ids, the kernel is process N-1; platform: engine i
+gets Slurm's variables (SLURM_JOB_ID, SLURM_STEP_NODELIST=localhost, SLURM_NTASKS=N,
+SLURM_PROCID=i, SLURM_LOCALID=i, SLURM_STEP_NUM_NODES=N) and JAX_COORDINATOR_PORT, so JAX numbers
+the processes itself as on a real platform, and the kernel, process 0, takes the same from
+cluster.json's kernel_env. Every process gets JAX_COMPILATION_CACHE_DIR=$MCJAX_JAX_CACHE, which
+outlives the cluster. Everything lives under $MCJAX_STATE (mode 700): pid files, logs, the
+ipyparallel profile (connection files) and cluster.json for dsr1.workbench.cluster.connect().
 EOF
 }
 
@@ -40,12 +46,31 @@ engine_xla_flags() {
   echo "${flags# } --xla_force_host_platform_device_count=$MCJAX_LOCAL_DEVICES" | sed 's/^ //'
 }
 
-start_engines() {
-  local n=$1 i
-  for i in $(seq 1 $((n - 1))); do
-    mcjax_engine_start "$i" JAX_PLATFORMS=cpu MCJAX_LOCAL_DEVICES="$MCJAX_LOCAL_DEVICES" \
-      XLA_FLAGS="$(engine_xla_flags)"
+# The settings of the running cluster, as the last start recorded them: a restart (perhaps run by
+# the notebook's reset_engines, with another environment) starts the same engines again.
+# Stop, status and restart act on the cluster the state folder records, whatever the environment.
+load_recorded() {
+  local var value
+  for var in MCJAX_CLUSTER_ID MCJAX_LOCAL_DEVICES MCJAX_NUMBERING MCJAX_COORDINATOR_PORT MCJAX_JAX_CACHE; do
+    value=$(sed -n "s/^$var=//p" "$LOCAL_ENV" 2>/dev/null) || true
+    if [ -n "$value" ]; then printf -v "$var" '%s' "$value"; fi
   done
+}
+
+start_engines() {
+  local n=$1 i line
+  for i in $(seq 1 $((n - 1))); do
+    set -- JAX_PLATFORMS=cpu MCJAX_LOCAL_DEVICES="$MCJAX_LOCAL_DEVICES" XLA_FLAGS="$(engine_xla_flags)"
+    if [ "$MCJAX_NUMBERING" = platform ]; then
+      while IFS= read -r line; do set -- "$@" "$line"; done < <(mcjax_platform_env "$i" "$n")
+    fi
+    mcjax_engine_start "$i" "$@"
+  done
+}
+
+# A free TCP port on 127.0.0.1 (the platform-numbered cluster's coordinator, unless one is set).
+free_port() {
+  "$MCJAX_PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()'
 }
 
 # All engines at once: a busy or hung one may take MCJAX_STOP_TIMEOUT seconds.
@@ -64,6 +89,11 @@ healthy() {
   [ "$(recorded_hosts)" = "$n" ] || return 1
   grep -qx "MCJAX_LOCAL_DEVICES=$MCJAX_LOCAL_DEVICES" "$LOCAL_ENV" || return 1
   grep -qx "MCJAX_CLUSTER_ID=$MCJAX_CLUSTER_ID" "$LOCAL_ENV" || return 1
+  grep -qx "MCJAX_NUMBERING=$MCJAX_NUMBERING" "$LOCAL_ENV" || return 1
+  grep -qx "MCJAX_JAX_CACHE=$MCJAX_JAX_CACHE" "$LOCAL_ENV" || return 1
+  if [ -n "$MCJAX_COORDINATOR_PORT" ]; then
+    grep -qx "MCJAX_COORDINATOR_PORT=$MCJAX_COORDINATOR_PORT" "$LOCAL_ENV" || return 1
+  fi
   [ -n "$(mcjax_running_pid controller)" ] || return 1
   for i in $(seq 1 $((n - 1))); do
     [ -n "$(mcjax_running_pid "engine-$i")" ] || return 1
@@ -73,58 +103,84 @@ healthy() {
 }
 
 cmd_start() {
-  local n=${1:-}
+  local n=${1:-} reused=""
   _mcjax_is_uint "$n" && [ "$n" -ge 2 ] ||
-    mcjax_usage_error "start needs N >= 2 (a controller, N-1 engines, and the notebook kernel as process N-1), not '$n'"
+    mcjax_usage_error "start needs N >= 2 (a controller and N-1 engines, plus the notebook kernel), not '$n'"
   _mcjax_is_uint "$MCJAX_LOCAL_DEVICES" && [ "$MCJAX_LOCAL_DEVICES" -ge 1 ] ||
     mcjax_die "MCJAX_LOCAL_DEVICES='$MCJAX_LOCAL_DEVICES' must be a positive number"
+  case "$MCJAX_NUMBERING" in
+    kernel-last | platform) ;;
+    *) mcjax_die "MCJAX_NUMBERING='$MCJAX_NUMBERING': want kernel-last or platform" ;;
+  esac
+  [ ! -f "$MCJAX_STATE/setup.env" ] ||
+    mcjax_die "$MCJAX_STATE records a real cluster (setup.env): use another MCJAX_STATE for a local cluster"
   "$MCJAX_PYTHON" -c 'import ipyparallel, jax' 2>/dev/null ||
     mcjax_die "$MCJAX_PYTHON cannot import ipyparallel and jax: pip install -e '.[notebook]' (or set MCJAX_PYTHON)"
-  mcjax_log "local cluster: $n processes ($((n - 1)) engines + the notebook kernel), $MCJAX_LOCAL_DEVICES CPU devices each; state in $MCJAX_STATE"
+  if [ "$MCJAX_NUMBERING" = platform ]; then
+    mcjax_log "local cluster: $n processes ($((n - 1)) engines + the notebook kernel, process 0; Slurm-style numbering), $MCJAX_LOCAL_DEVICES CPU devices each; state in $MCJAX_STATE"
+  else
+    mcjax_log "local cluster: $n processes ($((n - 1)) engines + the notebook kernel, process $((n - 1))), $MCJAX_LOCAL_DEVICES CPU devices each; state in $MCJAX_STATE"
+  fi
   if healthy "$n"; then
     mcjax_log "a healthy local cluster '$MCJAX_CLUSTER_ID' with $((n - 1)) engines is already running: reusing it"
-    mcjax_write_cluster_json $((n - 1)) 127.0.0.1
-    return 0
+    load_recorded
+    reused=1
+  else
+    if [ -f "$LOCAL_ENV" ] || [ -d "$MCJAX_STATE/pids" ]; then
+      mcjax_log "stopping what is left of a previous local cluster in $MCJAX_STATE"
+      cmd_stop
+    fi
+    if [ "$MCJAX_NUMBERING" = platform ] && [ -z "$MCJAX_COORDINATOR_PORT" ]; then
+      MCJAX_COORDINATOR_PORT=$(free_port)
+    fi
+    mcjax_private_dirs "$MCJAX_STATE/pids" "$MCJAX_STATE/logs"
+    printf 'MCJAX_HOSTS=%s\nMCJAX_LOCAL_DEVICES=%s\nMCJAX_CLUSTER_ID=%s\nMCJAX_NUMBERING=%s\nMCJAX_JAX_CACHE=%s\nMCJAX_COORDINATOR_PORT=%s\n' \
+      "$n" "$MCJAX_LOCAL_DEVICES" "$MCJAX_CLUSTER_ID" "$MCJAX_NUMBERING" "$MCJAX_JAX_CACHE" "$MCJAX_COORDINATOR_PORT" >"$LOCAL_ENV"
+    # Engines import from the repository root, like the notebook next to it.
+    cd "$MCJAX_ROOT" || mcjax_die "cannot enter $MCJAX_ROOT"
+    mcjax_controller_start 127.0.0.1
+    start_engines "$n"
+    mcjax_wait_engines $((n - 1)) || {
+      tail -n 20 "$MCJAX_STATE"/logs/engine-*.log >&2 || true
+      mcjax_die "the engines did not register (logs: $MCJAX_STATE/logs); stop with ./mcjax_setup.sh --stop"
+    }
   fi
-  if [ -f "$LOCAL_ENV" ] || [ -d "$MCJAX_STATE/pids" ]; then
-    mcjax_log "stopping what is left of a previous local cluster in $MCJAX_STATE"
-    cmd_stop
-  fi
-  mkdir -p "$MCJAX_STATE/pids" "$MCJAX_STATE/logs"
-  chmod 700 "$MCJAX_STATE"
-  printf 'MCJAX_HOSTS=%s\nMCJAX_LOCAL_DEVICES=%s\nMCJAX_CLUSTER_ID=%s\n' "$n" "$MCJAX_LOCAL_DEVICES" \
-    "$MCJAX_CLUSTER_ID" >"$LOCAL_ENV"
-  # Engines import from the repository root, like the notebook next to it.
-  cd "$MCJAX_ROOT" || mcjax_die "cannot enter $MCJAX_ROOT"
-  mcjax_controller_start 127.0.0.1
-  start_engines "$n"
-  mcjax_wait_engines $((n - 1)) || {
-    tail -n 20 "$MCJAX_STATE"/logs/engine-*.log >&2 || true
-    mcjax_die "the engines did not register (logs: $MCJAX_STATE/logs); stop with ./mcjax_setup.sh --stop"
-  }
   mcjax_write_cluster_json $((n - 1)) 127.0.0.1
-  mcjax_log "ready: in Python, cluster = dsr1.workbench.cluster.connect() (MCJAX_STATE=$MCJAX_STATE); the kernel is process $((n - 1))"
+  [ -n "$reused" ] || mcjax_log "ready: in Python, cluster = dsr1.workbench.cluster.connect() (MCJAX_STATE=$MCJAX_STATE)"
+  if [ "$MCJAX_JAX_CACHE" != off ]; then
+    mcjax_log "compilation cache: $MCJAX_JAX_CACHE; for your own kernel (e.g. jupyter lab): export JAX_COMPILATION_CACHE_DIR=$MCJAX_JAX_CACHE JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=$MCJAX_JAX_CACHE_MIN_SECS"
+  fi
 }
 
-cmd_stop() {
+# In a subshell: the recorded settings it loads stay there (cmd_start calls it).
+cmd_stop() (
   if [ ! -f "$LOCAL_ENV" ] && [ -z "$(ls "$MCJAX_STATE"/pids/*.pid 2>/dev/null)" ]; then
-    mcjax_log "no local cluster in $MCJAX_STATE (a real cluster: MCJAX_PROVIDER=gcloud|ssh ./mcjax_setup.sh --stop)"
+    mcjax_log "no local cluster in $MCJAX_STATE"
     return 0
   fi
+  load_recorded
   stop_engines
   mcjax_stop controller
   rm -f "$(mcjax_client_json)" "$(mcjax_engine_json)" "$MCJAX_STATE/cluster.json" "$LOCAL_ENV"
   mcjax_log "local cluster '$MCJAX_CLUSTER_ID' stopped"
-}
+)
 
 cmd_restart() {
   local what=${1:-engines} n
   case "$what" in
-    engines | all) ;;
-    *) mcjax_usage_error "restart takes engines or all, not '$what'" ;;
+    engines | all | check) ;;
+    *) mcjax_usage_error "restart takes engines, all or check, not '$what'" ;;
   esac
   n=$(recorded_hosts) || true
   [ -n "$n" ] || mcjax_die "no local cluster recorded in $MCJAX_STATE: start one with ./mcjax_setup.sh --local N"
+  load_recorded
+  # Whatever runs now stays until we know a restart can succeed.
+  "$MCJAX_PYTHON" -c 'import ipyparallel, jax' 2>/dev/null ||
+    mcjax_die "$MCJAX_PYTHON cannot import ipyparallel and jax: nothing was stopped"
+  if [ "$what" = check ]; then
+    mcjax_log "a restart of the local cluster in $MCJAX_STATE can proceed"
+    return 0
+  fi
   if [ "$what" = all ] || [ -z "$(mcjax_running_pid controller)" ]; then
     cmd_stop
     cmd_start "$n"
@@ -134,6 +190,7 @@ cmd_restart() {
   cd "$MCJAX_ROOT" || mcjax_die "cannot enter $MCJAX_ROOT"
   start_engines "$n"
   mcjax_wait_engines $((n - 1)) || mcjax_die "the engines did not register again (logs: $MCJAX_STATE/logs)"
+  mcjax_write_cluster_json $((n - 1)) 127.0.0.1
 }
 
 cmd_status() {
@@ -143,6 +200,7 @@ cmd_status() {
     echo "no local cluster in $MCJAX_STATE"
     return 1
   fi
+  load_recorded
   for i in $(seq 0 $((n - 1))); do
     if [ "$i" -eq 0 ]; then name=controller; else name="engine-$i"; fi
     pid=$(mcjax_running_pid "$name")

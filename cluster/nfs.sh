@@ -17,11 +17,14 @@ nfs.sh: the shared folder $MCJAX_NFS_DIR, exported by host 0 over NFS.
   nfs.sh server IP...           on host 0: install the NFS server, export $MCJAX_NFS_DIR to IP... only
   nfs.sh fstab-line SERVER_IP   print the /etc/fstab line a client host gets
   nfs.sh fstab-ensure SERVER_IP add that line to $MCJAX_FSTAB (default /etc/fstab) unless it is there
-  nfs.sh client SERVER_IP       on hosts 1..N-1: mount $MCJAX_NFS_DIR from SERVER_IP, persisted in fstab
+  nfs.sh client SERVER_IP       on hosts 1..N-1: mount $MCJAX_NFS_DIR from SERVER_IP, then persist it in fstab
+  nfs.sh shared-mark TOKEN      (slurm) write TOKEN into $MCJAX_NFS_DIR/.mcjax-shared on host 0
+  nfs.sh shared-check TOKEN     (slurm) fail unless this host sees that TOKEN: the folder is shared
   nfs.sh --help                 this text
 
 The exports go to their own file, /etc/exports.d/mcjax.exports (MCJAX_EXPORTS_FILE), rewritten
-whole on every run: one entry per host IP, never a network range or '*'. Idempotent.
+whole on every run: one entry per host IP, never a network range or '*'. The fstab line is
+written only after the mount worked. apt waits for the dpkg lock of a fresh VM. Idempotent.
 EOF
 }
 
@@ -57,8 +60,7 @@ cmd_server() {
   lines=$(exports_lines "$@")
   if ! command -v exportfs >/dev/null 2>&1; then
     mcjax_log "installing the NFS server (nfs-kernel-server)"
-    mcjax_sudo apt-get update -qq
-    mcjax_sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nfs-kernel-server
+    mcjax_apt_install nfs-kernel-server
   fi
   mcjax_log "shared folder $MCJAX_NFS_DIR (owned by $(id -un))"
   mcjax_sudo mkdir -p "$MCJAX_NFS_DIR"
@@ -89,17 +91,31 @@ cmd_client() {
   line=$(fstab_line "$server")
   if ! command -v mount.nfs >/dev/null 2>&1 && [ ! -x /sbin/mount.nfs ]; then
     mcjax_log "installing the NFS client (nfs-common)"
-    mcjax_sudo apt-get update -qq
-    mcjax_sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nfs-common
+    mcjax_apt_install nfs-common
   fi
+  mcjax_fstab_has "$MCJAX_FSTAB" "$line" || true  # a conflicting entry stops us before mounting
   mcjax_sudo mkdir -p "$MCJAX_NFS_DIR"
-  mcjax_fstab_ensure "$MCJAX_FSTAB" "$line"
   if mountpoint -q "$MCJAX_NFS_DIR"; then
     mcjax_log "$MCJAX_NFS_DIR is already mounted"
   else
     mcjax_log "mounting $server:$MCJAX_NFS_DIR on $MCJAX_NFS_DIR"
-    mcjax_sudo mount "$MCJAX_NFS_DIR" || mcjax_die "mount of $server:$MCJAX_NFS_DIR failed: is host 0 exporting it (nfs.sh server) and reachable?"
+    mcjax_sudo mount -t nfs -o "${MOUNT_OPTIONS%,_netdev}" "$server:$MCJAX_NFS_DIR" "$MCJAX_NFS_DIR" ||
+      mcjax_die "mount of $server:$MCJAX_NFS_DIR failed: is host 0 exporting it (nfs.sh server) and reachable? (nothing was added to $MCJAX_FSTAB)"
   fi
+  mcjax_fstab_ensure "$MCJAX_FSTAB" "$line"
+}
+
+# Slurm: the nodes share a file system already; check that $MCJAX_NFS_DIR is on it.
+shared_mark() {
+  [ -n "${1:-}" ] || mcjax_usage_error "shared-mark needs a TOKEN"
+  mkdir -p "$MCJAX_NFS_DIR" || mcjax_die "cannot create $MCJAX_NFS_DIR"
+  echo "$1" >"$MCJAX_NFS_DIR/.mcjax-shared"
+}
+shared_check() {
+  [ -n "${1:-}" ] || mcjax_usage_error "shared-check needs a TOKEN"
+  grep -qxF -- "$1" "$MCJAX_NFS_DIR/.mcjax-shared" 2>/dev/null ||
+    mcjax_die "$(hostname) does not see host 0's $MCJAX_NFS_DIR/.mcjax-shared: that folder is not shared"
+  mcjax_log "$MCJAX_NFS_DIR is shared with host 0"
 }
 
 case "${1:-}" in
@@ -108,6 +124,8 @@ case "${1:-}" in
   fstab-line) fstab_line "${2:-}" ;;
   fstab-ensure) fstab_line "${2:-}" >/dev/null; mcjax_fstab_ensure "$MCJAX_FSTAB" "$(fstab_line "${2:-}")" ;;
   client) cmd_client "${2:-}" ;;
+  shared-mark) shared_mark "${2:-}" ;;
+  shared-check) shared_check "${2:-}" ;;
   -h | --help) usage ;;
   '') mcjax_usage_error "no command given (exports, server, fstab-line, fstab-ensure or client)" ;;
   *) mcjax_usage_error "unknown command '$1'" ;;

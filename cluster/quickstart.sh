@@ -7,10 +7,18 @@ usage() {
   cat <<'EOF'
 quickstart.sh: the workbench on this machine, headless: build the environment (.venv, dsr1 with
 the notebook extra), start a simulated 4-process cluster, execute notebooks/main.ipynb, print the
-generated text and the profile summary, stop the cluster (also on failure).
+generated text, the profile summary and how long the notebook took, stop the cluster (also on
+failure).
 
-  cluster/quickstart.sh           all of the above (no arguments)
-  cluster/quickstart.sh --help    this text
+  cluster/quickstart.sh                 all of the above
+  cluster/quickstart.sh --processes N   a cluster of N processes instead of 4
+  cluster/quickstart.sh --help          this text
+
+Every process uses JAX's persistent compilation cache in $MCJAX_STATE/jax_cache (default
+.mcjax/jax_cache), which outlives the cluster: a second run reuses the first one's compiled
+programs, and prints both runs' times. The cluster is this script's own (its state folder,
+$MCJAX_STATE, default .mcjax): MCJAX_PROVIDER and the other settings of a real cluster in your
+shell neither change it nor are reached by its stop.
 
 To use the notebook interactively instead:
   ./mcjax_setup.sh --local 4 && .venv/bin/jupyter lab notebooks/main.ipynb   (then --stop)
@@ -19,10 +27,24 @@ EOF
 
 # A wrong argument is a usage error, as everywhere (see "Errors" in mcjax_defs.sh, which this
 # script does not source: it runs before the environment exists).
-case "${1:-}" in
-  '') ;;
-  -h | --help) usage; exit 0 ;;
-  *) printf "%s: unknown argument '%s'\nTry '%s --help'.\n" "${0##*/}" "$1" "${0##*/}" >&2; exit 2 ;;
+usage_error() {
+  printf "%s: %s\nTry '%s --help'.\n" "${0##*/}" "$*" "${0##*/}" >&2
+  exit 2
+}
+processes=4
+while [ "$#" -gt 0 ]; do
+  case "$1" in
+    -h | --help) usage; exit 0 ;;
+    --processes)
+      [ "$#" -ge 2 ] || usage_error "--processes needs N"
+      processes=$2; shift ;;
+    --processes=*) processes=${1#--processes=} ;;
+    *) usage_error "unknown argument '$1'" ;;
+  esac
+  shift
+done
+case "$processes" in
+  '' | *[!0-9]* | 0 | 1) usage_error "--processes needs N >= 2, not '$processes'" ;;
 esac
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -37,13 +59,26 @@ export MCJAX_STATE="${MCJAX_STATE:-$root/.mcjax}"
 out="$MCJAX_STATE/quickstart"
 mkdir -p "$out"
 
+# Stop acts on the cluster MCJAX_STATE records: this one, whatever MCJAX_PROVIDER says.
 trap './mcjax_setup.sh --stop' EXIT
-echo "[quickstart] starting a simulated cluster: controller + 3 engines on 127.0.0.1; this kernel is the 4th JAX process (id 3)"
-./mcjax_setup.sh --local 4
+echo "[quickstart] starting a simulated cluster: controller + $((processes - 1)) engines on 127.0.0.1, and this notebook's kernel"
+./mcjax_setup.sh --local "$processes"
+
+# The kernel uses the compilation cache the engines use (cluster.json names it).
+cache=$(python -c 'import json, sys; print(json.load(open(sys.argv[1])).get("jax_cache_dir") or "")' \
+  "$MCJAX_STATE/cluster.json")
+if [ -n "$cache" ]; then
+  export JAX_COMPILATION_CACHE_DIR="$cache" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="${MCJAX_JAX_CACHE_MIN_SECS:-0}"
+  echo "[quickstart] compilation cache: $cache ($(find "$cache" -type f 2>/dev/null | wc -l) entries before this run)"
+fi
 
 echo "[quickstart] executing notebooks/main.ipynb (output: $out/main.ipynb)"
+start=$(date +%s)
 jupyter nbconvert --to notebook --execute notebooks/main.ipynb --output-dir "$out" \
   --ExecutePreprocessor.timeout=1800
+took=$(($(date +%s) - start))
+previous=$(tail -n 1 "$out/timings.log" 2>/dev/null || true)
+echo "$(date -u +%Y-%m-%dT%H:%M:%SZ) $took" >>"$out/timings.log"
 
 python - "$out/main.ipynb" <<'PY'
 import sys
@@ -59,4 +94,8 @@ for cell in nb.cells:
     if "profile.summary()" in cell.source:
         print("=== decode profile ===\n" + text)
 PY
+echo "[quickstart] the notebook took ${took} s this run${previous:+; the previous run (${previous% *}) took ${previous##* } s}"
+if [ -n "$cache" ]; then
+  echo "[quickstart] compilation cache: $cache, $(find "$cache" -type f 2>/dev/null | wc -l) entries (the next run reuses them)"
+fi
 echo "[quickstart] done; open it interactively with: ./mcjax_setup.sh --local 4 && .venv/bin/jupyter lab notebooks/main.ipynb"

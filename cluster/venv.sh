@@ -8,37 +8,134 @@ usage() {
   cat <<'EOF'
 venv.sh: the Python venv $MCJAX_VENV on this host, with dsr1 (editable, from the shared folder
 $MCJAX_REPO_DIR) and its notebook extra (jupyter, ipyparallel), plus $MCJAX_JAX_SPEC (jax[tpu] on
-TPU VMs, jax[cuda12] on GPU hosts). Idempotent: an existing venv is reused.
+TPU VMs, jax[cuda12] on GPU hosts).
 
-  venv.sh [install]  create or update the venv (the default)
+The host's own python3 only fetches uv: uv $MCJAX_UV_VERSION, one binary taken from its PyPI wheel
+(checked against PyPI's sha256) into $MCJAX_UV_DIR. uv then installs CPython $MCJAX_HOST_PYTHON
+(a uv-managed build: TPU images ship 3.10, dsr1 needs >= 3.11), makes the venv with it and
+installs the packages. Idempotent: what is there at the right version is kept.
+
+  venv.sh [install]  host 0: all of it, dsr1 included (the only install that writes into the shared
+                     source); marks the venv as host 0's
+  venv.sh deps       other hosts (in parallel): uv, CPython, the venv and the dependencies; nothing
+                     when the venv is host 0's (a home folder shared with host 0)
+  venv.sh project    other hosts (one at a time): dsr1 itself, editable, without dependencies
   venv.sh check      print the versions the notebook's health check compares
   venv.sh --help     this text
 EOF
 }
 
-cmd_install() {
-  local base_python=${MCJAX_BASE_PYTHON:-python3}
+UV="$MCJAX_UV_DIR/$MCJAX_UV_VERSION/uv"
+OWNER_SHARED="$MCJAX_NFS_DIR/.mcjax/venv-owner"  # written by host 0's install, on the shared folder
+OWNER_VENV="$MCJAX_VENV/.mcjax-owner"           # the same, in the venv it made
+
+# uv at the pinned version, from its PyPI wheel (a zip holding the uv binary): fetched by the
+# host's pip when it has one (its configuration: index, proxy, certificates), else straight from
+# PyPI's JSON API, checked against PyPI's sha256.
+ensure_uv() {
+  local base=${MCJAX_BASE_PYTHON:-python3} tmp
+  if [ -x "$UV" ] && "$UV" --version 2>/dev/null | grep -qF " $MCJAX_UV_VERSION"; then
+    return 0
+  fi
+  command -v "$base" >/dev/null 2>&1 || mcjax_die "no $base on this host to fetch uv with"
+  mcjax_log "fetching uv $MCJAX_UV_VERSION from PyPI into $(dirname "$UV")"
+  mkdir -p "$(dirname "$UV")"
+  tmp=$(mktemp -d "$(dirname "$UV")/fetch.XXXXXX")
+  if "$base" -m pip --version >/dev/null 2>&1; then
+    "$base" -m pip download --quiet --no-deps --only-binary=:all: --dest "$tmp" "uv==$MCJAX_UV_VERSION" ||
+      mcjax_log "pip download failed; trying PyPI directly"
+  fi
+  "$base" - "$MCJAX_UV_VERSION" "$tmp" <<'EOF' || { rm -rf "$tmp"; mcjax_die "fetching uv $MCJAX_UV_VERSION failed"; }
+import glob, hashlib, io, json, os, platform, sys, urllib.parse, urllib.request, zipfile
+
+version, folder = sys.argv[1], sys.argv[2]
+found = glob.glob(os.path.join(folder, f"uv-{version}-*.whl"))
+if found:
+    data = open(found[0], "rb").read()
+else:
+    arch = {"x86_64": "x86_64", "amd64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}[platform.machine().lower()]
+    index = "https://pypi.org/pypi/uv/json"
+    with urllib.request.urlopen(index, timeout=120) as r:
+        files = json.load(r)["releases"][version]
+    wheel = next(f for f in files if f["filename"].endswith(".whl") and "manylinux" in f["filename"]
+                 and f"_{arch}" in f["filename"])
+    with urllib.request.urlopen(urllib.parse.urljoin(index, wheel["url"]), timeout=300) as r:
+        data = r.read()
+    if hashlib.sha256(data).hexdigest() != wheel["digests"]["sha256"]:
+        sys.exit(f"{wheel['filename']}: its sha256 is not PyPI's")
+with zipfile.ZipFile(io.BytesIO(data)) as z:
+    member = next(n for n in z.namelist() if n.endswith(".data/scripts/uv"))
+    with open(os.path.join(folder, "uv"), "wb") as f:
+        f.write(z.read(member))
+EOF
+  chmod 755 "$tmp/uv"
+  mv "$tmp/uv" "$UV"
+  rm -rf "$tmp"
+  "$UV" --version >/dev/null || mcjax_die "$UV does not run"
+}
+
+# True when $MCJAX_VENV is the one host 0 made (a home folder shared with host 0).
+venv_is_host0s() {
+  [ -s "$OWNER_SHARED" ] && cmp -s "$OWNER_SHARED" "$OWNER_VENV"
+}
+
+# The venv with uv's CPython $MCJAX_HOST_PYTHON (made anew when it has another Python).
+ensure_venv() {
+  ensure_uv
+  "$UV" python install "$MCJAX_HOST_PYTHON" || mcjax_die "uv could not install CPython $MCJAX_HOST_PYTHON"
+  if [ -x "$MCJAX_VENV/bin/python" ] &&
+    "$MCJAX_VENV/bin/python" -c 'import sys; v = sys.argv[1].split("."); sys.exit([str(x) for x in sys.version_info[:len(v)]] != v)' "$MCJAX_HOST_PYTHON" 2>/dev/null; then
+    mcjax_log "reusing the venv $MCJAX_VENV ($("$MCJAX_VENV/bin/python" --version 2>&1))"
+  else
+    mcjax_log "creating the venv $MCJAX_VENV with CPython $MCJAX_HOST_PYTHON"
+    "$UV" venv --clear --seed --python "$MCJAX_HOST_PYTHON" --managed-python "$MCJAX_VENV" ||
+      mcjax_die "uv could not create $MCJAX_VENV"
+  fi
+}
+
+# dsr1's dependencies (read from its pyproject.toml, without building it) and $MCJAX_JAX_SPEC.
+install_deps() {
   [ -f "$MCJAX_REPO_DIR/pyproject.toml" ] ||
     mcjax_die "no dsr1 source at $MCJAX_REPO_DIR (the 'code' step of mcjax_setup.sh copies it there)"
-  if [ ! -x "$MCJAX_VENV/bin/python" ]; then
-    "$base_python" -c 'import venv, ensurepip' 2>/dev/null || {
-      mcjax_log "installing python3-venv"
-      mcjax_sudo apt-get update -qq
-      mcjax_sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv
-    }
-    mcjax_log "creating the venv $MCJAX_VENV"
-    "$base_python" -m venv "$MCJAX_VENV"
-  else
-    mcjax_log "reusing the venv $MCJAX_VENV"
+  mcjax_log "uv pip install -r $MCJAX_REPO_DIR/pyproject.toml --extra notebook $MCJAX_JAX_SPEC"
+  set -- -r "$MCJAX_REPO_DIR/pyproject.toml" --extra notebook
+  if [ -n "$MCJAX_JAX_SPEC" ]; then set -- "$@" "$MCJAX_JAX_SPEC"; fi
+  "$UV" pip install --quiet --python "$MCJAX_VENV/bin/python" "$@" || mcjax_die "installing the dependencies failed"
+}
+
+# dsr1 itself, editable: this writes build metadata (dsr1.egg-info) into the shared source, so
+# mcjax_setup.sh runs it on one host at a time.
+install_project() {
+  mcjax_log "uv pip install --no-deps -e $MCJAX_REPO_DIR"
+  "$UV" pip install --quiet --python "$MCJAX_VENV/bin/python" --no-deps -e "$MCJAX_REPO_DIR" ||
+    mcjax_die "installing dsr1 from $MCJAX_REPO_DIR failed"
+}
+
+cmd_install() {
+  ensure_venv
+  install_deps
+  install_project
+  mkdir -p "$(dirname "$OWNER_SHARED")"
+  echo "$(hostname) $(date +%s%N) $$" >"$OWNER_VENV"
+  cp "$OWNER_VENV" "$OWNER_SHARED"
+}
+
+cmd_deps() {
+  if venv_is_host0s; then
+    mcjax_log "$MCJAX_VENV is host 0's (a shared home): nothing to install here"
+    return 0
   fi
-  "$MCJAX_VENV/bin/python" -m pip install -q --upgrade pip
-  mcjax_log "pip install -e '${MCJAX_REPO_DIR}[notebook]' ${MCJAX_JAX_SPEC}"
-  if [ -n "$MCJAX_JAX_SPEC" ]; then
-    "$MCJAX_VENV/bin/python" -m pip install -q -e "${MCJAX_REPO_DIR}[notebook]" "$MCJAX_JAX_SPEC"
-  else
-    "$MCJAX_VENV/bin/python" -m pip install -q -e "${MCJAX_REPO_DIR}[notebook]"
+  ensure_venv
+  install_deps
+}
+
+cmd_project() {
+  if venv_is_host0s; then
+    mcjax_log "$MCJAX_VENV is host 0's (a shared home): dsr1 is installed"
+    return 0
   fi
-  cmd_check
+  ensure_uv
+  install_project
 }
 
 cmd_check() {
@@ -50,7 +147,9 @@ print(f"[mcjax] python {sys.executable} {sys.version.split()[0]}; dsr1 {dsr1.__v
 }
 
 case "${1:-install}" in
-  install) cmd_install ;;
+  install) cmd_install; cmd_check ;;
+  deps) cmd_deps ;;
+  project) cmd_project ;;
   check) cmd_check ;;
   -h | --help) usage ;;
   *) mcjax_usage_error "unknown command '$1'" ;;

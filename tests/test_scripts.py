@@ -24,12 +24,13 @@ PROGRAMS = ["mcjax_setup.sh", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / 
 HELP = {
     "mcjax_setup.sh": ("--steps LIST", "--help", "reach it with cluster_port_forward"),
     "cluster/gcsfuse.sh": ("gcsfuse.sh mount", "gcsfuse.sh --help", "Does nothing when MCJAX_BUCKET is empty"),
-    "cluster/ipcluster.sh": ("ipcluster.sh controller start|stop|restart [IP]", "ipcluster.sh --help",
+    "cluster/ipcluster.sh": ("ipcluster.sh controller start|stop|restart|run [IP]", "ipcluster.sh --help",
                              "only those are ever stopped"),
     "cluster/local.sh": ("local.sh start N", "local.sh --help", "dsr1.workbench.cluster.connect()"),
     "cluster/nfs.sh": ("nfs.sh exports IP...", "nfs.sh --help", "never a network range or '*'"),
     "cluster/quickstart.sh": ("cluster/quickstart.sh ", "cluster/quickstart.sh --help",
                               "jupyter lab notebooks/main.ipynb"),
+    "cluster/ssh.sh": ("ssh.sh key", "ssh.sh --help", "never trusts a key on first use"),
     "cluster/venv.sh": ("venv.sh [install]", "venv.sh --help", "venv.sh check"),
 }
 
@@ -93,6 +94,10 @@ def test_an_unknown_argument_is_a_usage_error(script, tmp_path):
     (["--local=x"], "'x'"),
     (["--steps"], "--steps"),
     (["--steps", "push,nope"], "'nope'"),
+    (["--local", "2", "--numbering", "odd"], "'odd'"),
+    (["--numbering", "platform"], "--numbering goes with --local N"),
+    (["--stop", "--provider", "aws"], "'aws'"),
+    (["--local", "2", "--provider", "ssh"], "--provider does not go with --local"),
 ])
 def test_setup_usage_errors_name_the_argument(args, named, tmp_path):
     done = run_script("mcjax_setup.sh", *args, tmp_path=tmp_path)
@@ -105,6 +110,10 @@ def test_setup_usage_errors_name_the_argument(args, named, tmp_path):
     ("cluster/ipcluster.sh", ["wait", "many"], "'many'"),
     ("cluster/local.sh", ["restart", "bogus"], "'bogus'"),
     ("cluster/nfs.sh", ["fstab-line"], "SERVER_IP"),
+    ("cluster/nfs.sh", ["shared-check"], "TOKEN"),
+    ("cluster/ipcluster.sh", ["jupyter", "bogus"], "'bogus'"),
+    ("cluster/ssh.sh", ["authorize", "bogus"], "'bogus'"),
+    ("cluster/venv.sh", ["bogus"], "'bogus'"),
     ("cluster/gcsfuse.sh", [], "no command"),
 ])
 def test_cluster_usage_errors_name_the_argument(script, args, named, tmp_path):

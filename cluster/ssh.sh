@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# cluster/ssh.sh: host 0's ssh access to every host, for what runs on host 0 and needs the others
+# (cluster_restart, the notebook's reset_engines). ssh.sh --help prints the usage: usage() below.
+# shellcheck source-path=SCRIPTDIR source=common.sh
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+usage() {
+  cat <<'EOF'
+ssh.sh: host 0's ssh access to every host, so that cluster_restart and the notebook's
+reset_engines work on host 0 (a TPU VM's workers cannot `gcloud ... ssh` each other).
+
+  ssh.sh key                  on host 0: make ~/.ssh/mcjax_ed25519 unless it exists; print its public key
+  ssh.sh hostkey              print "IP TYPE KEY": this host's internal IP and its ssh host key
+  ssh.sh authorize PUBKEY     add PUBKEY to ~/.ssh/authorized_keys unless it is there
+  ssh.sh known-hosts LINE...  on host 0: write ~/.ssh/mcjax_known_hosts with these "IP TYPE KEY" lines
+  ssh.sh --help               this text
+
+The host keys are read on each host through the provider's own authenticated channel (gcloud or
+ssh from your machine), so host 0 checks them strictly and never trusts a key on first use.
+mcjax.env on the hosts then has MCJAX_TRANSPORT=ssh, the internal IPs and these files in
+MCJAX_SSH_OPTS. Idempotent.
+EOF
+}
+
+KEY="$HOME/.ssh/mcjax_ed25519"
+
+ssh_dir() {
+  mkdir -p "$HOME/.ssh"
+  chmod 700 "$HOME/.ssh"
+}
+
+cmd_key() {
+  ssh_dir
+  if [ ! -f "$KEY" ]; then
+    ssh-keygen -q -t ed25519 -N '' -C "mcjax host 0 ($(id -un)@$(hostname))" -f "$KEY" >/dev/null ||
+      mcjax_die "ssh-keygen failed"
+  fi
+  cut -d ' ' -f 1,2 "$KEY.pub"
+}
+
+cmd_hostkey() {
+  local i ip key
+  i=${MCJAX_HOST_INDEX:-}
+  _mcjax_is_uint "$i" || mcjax_die "MCJAX_HOST_INDEX is not set (run this through cluster_exec)"
+  ip=$(cluster_internal_ips | sed -n "$((i + 1))p")
+  [ -n "$ip" ] || mcjax_die "no internal IP for host $i in MCJAX_INTERNAL_IPS"
+  for key in /etc/ssh/ssh_host_ed25519_key.pub /etc/ssh/ssh_host_ecdsa_key.pub /etc/ssh/ssh_host_rsa_key.pub; do
+    if [ -r "$key" ]; then
+      echo "$ip $(cut -d ' ' -f 1,2 "$key")"
+      return 0
+    fi
+  done
+  mcjax_die "no readable ssh host key in /etc/ssh"
+}
+
+cmd_authorize() {
+  local pub=${1:-} file="$HOME/.ssh/authorized_keys"
+  case "$pub" in
+    ssh-* | ecdsa-*) ;;
+    *) mcjax_usage_error "authorize needs a public key (TYPE KEY), not '$pub'" ;;
+  esac
+  ssh_dir
+  if [ -f "$file" ] && grep -qF -- "$pub" "$file"; then
+    mcjax_log "host 0's key is already authorized"
+    return 0
+  fi
+  (umask 077 && echo "$pub mcjax-host0" >>"$file")
+  chmod 600 "$file"
+  mcjax_log "authorized host 0's key"
+}
+
+cmd_known_hosts() {
+  [ "$#" -ge 1 ] || mcjax_usage_error "known-hosts needs LINEs (IP TYPE KEY)"
+  ssh_dir
+  (umask 077 && printf '%s\n' "$@" >"$HOME/.ssh/mcjax_known_hosts.tmp")
+  mv "$HOME/.ssh/mcjax_known_hosts.tmp" "$HOME/.ssh/mcjax_known_hosts"
+  mcjax_log "host 0 knows the host keys of $# hosts"
+}
+
+case "${1:-}" in
+  key) cmd_key ;;
+  hostkey) cmd_hostkey ;;
+  authorize) cmd_authorize "${2:-}" ;;
+  known-hosts) shift; cmd_known_hosts "$@" ;;
+  -h | --help) usage ;;
+  '') mcjax_usage_error "no command given (key, hostkey, authorize or known-hosts)" ;;
+  *) mcjax_usage_error "unknown command '$1'" ;;
+esac
