@@ -8,12 +8,14 @@ The everyday API::
 
 The package reads as the data flow: `core` (the model as pure functions on a mesh), `weights`
 (checkpoints on disk), `programs` (the jitted entry points), `api` (`Model`, `load`,
-`init_random`), `generation` (tokenizer, sampling, generate), `workbench` (cluster, widgets,
-profiles) and `bench` (benchmarks, `python -m dsr1.bench`).
+`init_random`), `generation` (tokenizer, sampling, generate), `serving` (`dsr1.serving.Engine`:
+continuous batching, prefix cache), `workbench` (cluster, widgets, profiles) and `bench`
+(benchmarks, `python -m dsr1.bench`).
 """
 
 __version__ = "0.1.0"
 
+from . import serving
 from .api import Model, init_random, load
 from .core.cache import KVCache
 from .core.config import Config, ConfigError
@@ -27,5 +29,5 @@ from .weights.safetensors_io import CheckpointError
 __all__ = [
     "CheckpointError", "Completion", "Config", "ConfigError", "ConversionError", "GenerationResult", "KVCache",
     "Model", "Sampling", "Tokenizer", "__version__", "generate", "init_random", "load", "load_tokenizer",
-    "make_mesh",
+    "make_mesh", "serving",
 ]

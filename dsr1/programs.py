@@ -15,6 +15,12 @@ donated: its buffers are reused for the grown cache, so the caller must not use 
   of a `PagedKVCache` (donated) and writes their latents; it compiles once per (B, T, P, K) bucket
   and static setting, whatever the rows' starts, counts and page tables. `paged_cache` creates an
   empty page pool on the mesh.
+- `serve_step`, `slot_state`, `admit_slot`, `copy_pages`, `restore_pages`: the serving engine's
+  programs (`dsr1.serving.engine`). `serve_step` is extend plus per-slot sampling in one program,
+  reading and writing the per-slot `SlotState` (sampling settings, last token, penalty counts) so
+  a decoding row's next input never travels through the host; `admit_slot` resets one slot for a
+  new request; `copy_pages` and `restore_pages` move whole pages out of and back into the pool
+  (the prefix cache's host offload).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from .core import model
-from .core.cache import KVCache, PagedKVCache, empty_paged_cache, quantize_latent
+from .core.cache import KVCache, PagedKVCache, empty_paged_cache, gather_pages, quantize_latent, scatter_pages
 from .core.config import Config
 from .core.params import Params
 from .core.sharding import ShardingRules, keep_replicated
@@ -154,3 +160,103 @@ def paged_cache(*, cfg: Config, mesh: Mesh, num_pages: int, page_size: int, dtyp
     cache = empty_paged_cache(cfg.num_hidden_layers, num_pages, page_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
                               jnp.dtype(dtype), kv_cache_dtype)
     return jax.tree.map(lambda a: keep_replicated(a, mesh), cache)
+
+
+# ---- serving: the engine's programs --------------------------------------------------------------
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SlotState:
+    """What the serving engine keeps on device for each of its S batch slots between steps."""
+
+    sampling: SamplingArrays  # [S] the slot's request's settings and random key (stops are checked on the host)
+    last: jax.Array  # [S] int32 the slot's last sampled token: a decoding row's next input
+    prompt_seen: jax.Array  # [S, V] bool the request's prompt tokens (repetition penalty)
+    counts: jax.Array  # [S, V] int32 the request's output token counts (penalties)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepRows:
+    """The rows of one `serve_step` call, built on the host: B rows of T new tokens, each row one slot's
+    request (a prefill chunk, or one decode token). A row's slot is S (out of range) when it is idle."""
+
+    slots: jax.Array  # [B] int32
+    tokens: jax.Array  # [B, T] int32 new tokens (a decode row's are ignored: see feed_last)
+    starts: jax.Array  # [B] int32 tokens the request has cached (the first new token's position)
+    counts: jax.Array  # [B] int32 real new tokens (0: idle row)
+    feed_last: jax.Array  # [B] bool the row's first new token is its slot's last sampled token (decode)
+    sample: jax.Array  # [B] bool sample a token after the row's last new token (false mid-prompt)
+    sample_index: jax.Array  # [B] int32 tokens the request sampled before: the position in its random stream
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "vocab_size"))
+def slot_state(sampling: SamplingArrays, *, mesh: Mesh, vocab_size: int) -> SlotState:
+    """Fresh state for `sampling.batch_size` slots: the given settings, no tokens seen or counted."""
+    slots = sampling.batch_size
+    state = SlotState(sampling, jnp.zeros(slots, jnp.int32), jnp.zeros((slots, vocab_size), bool),
+                      jnp.zeros((slots, vocab_size), jnp.int32))
+    return jax.tree.map(lambda a: keep_replicated(a, mesh), state)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
+def admit_slot(state: SlotState, slot: jax.Array, sampling: SamplingArrays, prompt: jax.Array, length: jax.Array, *,
+               mesh: Mesh) -> SlotState:
+    """`state` with `slot` given to a new request: its settings (`sampling`, one row), the tokens of its
+    prompt (`prompt [1, L]`, the first `length [1]` real) marked as seen, no output counted yet."""
+    with jax.named_scope("admit_slot"):
+        seen, counts = init_counts(prompt, length, state.prompt_seen.shape[1])
+        # mode="drop": warm-up admits to slot S (out of range) and changes nothing.
+        rows = jax.tree.map(lambda a, row: a.at[slot].set(row[0], mode="drop"),
+                            (state.sampling, state.prompt_seen, state.counts), (sampling, seen, counts))
+        state = SlotState(rows[0], state.last.at[slot].set(0, mode="drop"), rows[1], rows[2])
+    return jax.tree.map(lambda a: keep_replicated(a, mesh), state)
+
+
+def _slot_rows(state: SlotState, slots: jax.Array) -> tuple[SamplingArrays, jax.Array, jax.Array, jax.Array]:
+    """The rows' slots' sampling settings, last tokens, prompt tokens seen and output counts (idle rows,
+    whose slot is out of range, read the last slot: their outputs are discarded)."""
+    safe = jnp.minimum(slots, state.last.shape[0] - 1)
+    sampling = jax.tree.map(lambda a: a[safe], state.sampling)
+    return sampling, state.last[safe], state.prompt_seen[safe], state.counts[safe]
+
+
+@functools.partial(jax.jit, static_argnames=_MODEL, donate_argnames=("cache", "state"))
+def serve_step(params: Params, cache: PagedKVCache, state: SlotState, rows: StepRows, page_table: jax.Array, *,
+               cfg: Config, mesh: Mesh, rules: ShardingRules) -> tuple[jax.Array, PagedKVCache, SlotState]:
+    """One engine call: `extend` the rows against their slots' pages (`page_table [S, P]`), then sample
+    each sampling row's next token from its last new token, with its slot's settings and penalties
+    and the key `fold_in(key, sample_index)`: a request's tokens depend on its seed and logits only,
+    never on the rows beside it or the step it arrived at.
+
+    Returns the sampled tokens `[B]` (meaningless where `rows.sample` is false or the row is idle),
+    the cache with the new latents written, and the state with each sampling row's slot's last token
+    and output counts updated."""
+    with jax.named_scope("step_inputs"):
+        sampling, last, seen, counts = _slot_rows(state, rows.slots)
+        tokens = rows.tokens.at[:, 0].set(jnp.where(rows.feed_last, last, rows.tokens[:, 0]))
+        table = page_table[jnp.minimum(rows.slots, page_table.shape[0] - 1)]
+        logits_at = jnp.maximum(rows.counts - 1, 0)[:, None]
+    logits, _, cache = model.extend(params, cache, tokens, rows.starts, rows.counts, table, logits_at, cfg=cfg,
+                                    mesh=mesh, rules=rules)
+    with jax.named_scope("sample"):
+        token = sample(logits[:, 0], sampling, seen, counts, rows.sample_index)
+        sampled = rows.sample & (rows.counts > 0)
+        target = jnp.where(sampled, rows.slots, state.last.shape[0])  # out of range: dropped
+        new_last = state.last.at[target].set(token, mode="drop")
+        slot_sampled = jnp.zeros(state.last.shape, bool).at[target].set(True, mode="drop")
+        state = SlotState(state.sampling, new_last, state.prompt_seen,
+                          update_counts(state.counts, new_last, slot_sampled))
+    return keep_replicated(token, mesh), cache, jax.tree.map(lambda a: keep_replicated(a, mesh), state)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh",))
+def copy_pages(cache: PagedKVCache, pages: jax.Array, *, mesh: Mesh) -> PagedKVCache:
+    """The contents of `pages [K]` (every layer) as a K-page pool, for copying to host memory."""
+    return jax.tree.map(lambda a: keep_replicated(a, mesh), gather_pages(cache, pages))
+
+
+@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("cache",))
+def restore_pages(cache: PagedKVCache, pages: jax.Array, contents: PagedKVCache, *, mesh: Mesh) -> PagedKVCache:
+    """The pool with `pages [K]` overwritten by `contents` (a K-page pool, e.g. from `copy_pages`)."""
+    return jax.tree.map(lambda a: keep_replicated(a, mesh), scatter_pages(cache, pages, contents))

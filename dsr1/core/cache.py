@@ -8,7 +8,8 @@ in the model's dtype.
 - `KVCache`: contiguous, one row of `max_len` positions per batch row (`prefill`, `decode`).
 - `PagedKVCache`: a pool of fixed-size pages shared by all sequences, each sequence reading and
   writing its own pages through a page table (`extend`, serving). Rows grow a page at a time and
-  sequences with a common prefix can share its pages.
+  sequences with a common prefix can share its pages. `gather_pages` and `scatter_pages` move
+  whole pages out of and back into the pool (the prefix cache's host offload).
 """
 
 from __future__ import annotations
@@ -171,3 +172,19 @@ def write_tokens(cache: PagedKVCache, c_kv: jax.Array, k_pe: jax.Array, pages: j
         cache.k_pe.at[:, pages, slots].set(k_pe.astype(cache.k_pe.dtype)),
         None if c_scale is None else cache.c_scale.at[:, pages, slots].set(c_scale),
     )
+
+
+def gather_pages(cache: PagedKVCache, pages: jax.Array) -> PagedKVCache:
+    """The contents of `pages [K]` for every layer, as a pool of K pages (`c_kv [L, K, page_size, r]`, ...):
+    what the prefix cache copies to host memory when it evicts pages."""
+    return PagedKVCache(*(None if a is None else a[:, pages] for a in (cache.c_kv, cache.k_pe, cache.c_scale)))
+
+
+def scatter_pages(cache: PagedKVCache, pages: jax.Array, contents: PagedKVCache) -> PagedKVCache:
+    """The pool with `pages [K]` overwritten by `contents` (a pool of K pages, as `gather_pages` returns):
+    what the prefix cache does to bring evicted pages back. Padding entries may name `SCRATCH_PAGE`."""
+    def put(pool: jax.Array | None, new: jax.Array | None) -> jax.Array | None:
+        return None if pool is None else pool.at[:, pages].set(new.astype(pool.dtype))
+
+    return PagedKVCache(put(cache.c_kv, contents.c_kv), put(cache.k_pe, contents.k_pe),
+                        put(cache.c_scale, contents.c_scale))

@@ -1,10 +1,26 @@
-"""Serving: continuous batching over a paged latent cache.
+"""Serving: continuous batching over a paged latent cache, free of HTTP.
 
 The device side is one primitive, `dsr1.programs.extend` (`dsr1.core.model.extend`): T new tokens
 per batch slot against that slot's pages of a `PagedKVCache`, with fixed (bucketed) shapes so
-sequences joining, growing and leaving never compile a new program. The host side decides which
-pages each sequence owns:
+sequences joining, growing and leaving never compile a new program. `dsr1.programs.serve_step`
+runs it with per-request sampling. The host side, one concept per module:
 
 - `pages`: the page allocator (reference-counted, so sequences with a common prefix can share
   pages read-only), page-table arrays, page arithmetic and a check of `extend`'s host inputs.
+- `request`: `Request`, a submitted prompt's thread-safe handle (tokens, text, streaming, cancel).
+- `prefix_cache`: full pages keyed by their token prefix (a trie of page-sized chunks), LRU
+  eviction, offload to host memory and reload on a hit.
+- `page_pool`: the device page pool and page copies to and from host memory.
+- `scheduler`: admissions, chunked prefill interleaved with decode, pages, finishing requests.
+- `engine`: `Engine`, the event loop over asynchronous dispatch (`submit`, `step`, `run`, `stats`).
+
+    engine = dsr1.serving.Engine(model, max_seqs=8, page_size=16, num_pages=512)
+    request = engine.submit("Why is the sky blue?", chat=True, max_new_tokens=64)
+    engine.run()
+    print(request.text)
 """
+
+from .engine import Engine, EngineStats
+from .request import Request
+
+__all__ = ["Engine", "EngineStats", "Request"]

@@ -72,6 +72,10 @@ class PageAllocator:
         self._check_id(page)
         return int(self._counts[page])
 
+    def refcounts(self, pages: Sequence[int]) -> np.ndarray:
+        """How many holders each of `pages` has (no id checks: for bookkeeping loops over many pages)."""
+        return self._counts[np.asarray(pages, np.int64)]
+
     def allocate(self, n: int) -> list[int]:
         """`n` free pages, each now held once. Raises `OutOfPagesError` (taking nothing) if fewer are free."""
         if n < 0:

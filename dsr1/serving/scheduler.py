@@ -1,0 +1,295 @@
+"""Host-side decisions of the serving engine, one step at a time: which requests join the batch,
+which tokens each row runs, which pages it gets, and what the sampled tokens mean.
+
+**Continuous batching.** `max_seqs` batch slots; a waiting request takes a free slot at any step
+(first come, first served: the head of the queue is never overtaken) and leaves it when done.
+
+**Steps.** Each step makes at most two calls of one program (`dsr1.programs.serve_step`), with
+two fixed shapes: a *prefill* call of `prefill_rows` rows of `prefill_chunk` tokens (the next chunk
+of up to that many prompts, in admission order) and a *decode* call of `max_seqs` rows of one
+token (every decoding request). So a long prompt is prefilled a chunk per step while the
+decoding rows keep producing a token every step; the per-step token budget is
+`prefill_rows * prefill_chunk` prompt tokens plus one token per decoding row. Two calls instead
+of one `[max_seqs, prefill_chunk]` call with one real token in each decoding row: decode is
+bound by reading the weights, so the extra call costs about one weight read, while padding every
+decoding row to the chunk would multiply the step's FLOPs by up to `max_seqs` (16 slots, 256-token
+chunks: 4,096 token-rows for ~270 real tokens). A request whose last prompt chunk runs in the
+prefill call samples its first token there and decodes in the same step's decode call.
+
+**Pages: requests wait, never preempted.** A request is admitted only when the pages it may ever
+need (prompt + `max_new_tokens`, less the cached prefix it shares) are available: free, or
+evictable from the prefix cache, after what the running requests have reserved. Pages are still
+allocated lazily, a page at a time as a row grows, so unused reservations keep cached prefixes
+alive. A running request therefore never runs out of pages and nothing is recomputed; the cost is
+admitting fewer requests when budgets are generous. A request that could never fit is refused
+at submission (`Engine.submit`).
+
+**Asynchronous steps.** The engine dispatches step n+1 before it reads step n's tokens, so the
+host plans a step without knowing the previous step's tokens: a decoding row's input is its
+slot's last sampled token, which stays on device. The budget is known at planning time; a stop
+token or string is seen one step late, and the extra token already dispatched for that request is
+discarded (its write lands in the request's own pages, before anyone else can be given them).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections import deque
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..core.cache import SCRATCH_PAGE
+from ..programs import StepRows
+from .pages import PageAllocator, pages_needed
+from .prefix_cache import PrefixCache
+from .request import Request
+
+__all__ = ["Lane", "Running", "Scheduler", "SchedulerConfig", "StepPlan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """The engine's fixed sizes: batch slots, page size and pool size, the prefill call's shape
+    (`prefill_rows` x `prefill_chunk`) and the longest sequence (prompt + output) a slot can hold."""
+
+    max_seqs: int
+    page_size: int
+    num_pages: int
+    prefill_chunk: int
+    prefill_rows: int
+    max_seq_len: int
+
+    def __post_init__(self) -> None:
+        for name in ("max_seqs", "page_size", "prefill_chunk", "prefill_rows", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_pages < 2:
+            raise ValueError(f"num_pages={self.num_pages}: need the scratch page and at least one more")
+        if self.prefill_rows > self.max_seqs:
+            raise ValueError(f"prefill_rows={self.prefill_rows} exceeds max_seqs={self.max_seqs}")
+
+    @property
+    def table_width(self) -> int:
+        """Pages in each slot's page table."""
+        return pages_needed(self.max_seq_len, self.page_size)
+
+
+def reserved_pages(prompt_tokens: int, max_new_tokens: int, page_size: int) -> int:
+    """The pages a request may ever hold: its prompt and every sampled token but the last (which is
+    never fed back)."""
+    return pages_needed(prompt_tokens + max_new_tokens - 1, page_size)
+
+
+@dataclasses.dataclass(eq=False)
+class Running:
+    """A request holding a batch slot: its pages and how far it got. `fed` counts the tokens whose
+    latents are written or being written; `sampled` the tokens sampled by dispatched steps;
+    `tokens` is the prompt followed by every sampled token read back so far."""
+
+    request: Request
+    slot: int
+    pages: list[int]
+    reserved: int
+    fed: int
+    tokens: list[int]
+    sampled: int = 0
+    finished: bool = False
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < self.prompt_len
+
+    @property
+    def decoding(self) -> bool:
+        """Prefilled, and budget left for another token."""
+        return not self.prefilling and self.sampled < self.request.sampling.max_new_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class Lane:
+    """One row of a `serve_step` call: `count` new tokens of `seq` from position `start` (`tokens`
+    for a prompt chunk; a decode row feeds its slot's last sampled token instead)."""
+
+    seq: Running
+    start: int
+    count: int
+    tokens: tuple[int, ...]
+    sample: bool  # a token is sampled after the last new token
+    sample_index: int  # tokens the request sampled before this one
+    feed_last: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """What one step runs: requests newly given slots, the prefill call's lanes, the decode call's lanes,
+    and the page tables of every slot `[max_seqs, table_width]` as they are for this step."""
+
+    admitted: tuple[Running, ...]
+    prefill: tuple[Lane, ...]
+    decode: tuple[Lane, ...]
+    page_table: np.ndarray
+
+    @property
+    def empty(self) -> bool:
+        return not (self.admitted or self.prefill or self.decode)
+
+
+def lane_rows(lanes: Sequence[Lane], rows: int, chunk: int, idle_slot: int) -> StepRows:
+    """The host arrays of one call: `lanes` in the first rows, the rest idle (slot `idle_slot`, count 0)."""
+    out = StepRows(slots=np.full(rows, idle_slot, np.int32), tokens=np.zeros((rows, chunk), np.int32),
+                   starts=np.zeros(rows, np.int32), counts=np.zeros(rows, np.int32),
+                   feed_last=np.zeros(rows, bool), sample=np.zeros(rows, bool), sample_index=np.zeros(rows, np.int32))
+    for i, lane in enumerate(lanes):
+        out.slots[i], out.starts[i], out.counts[i] = lane.seq.slot, lane.start, lane.count
+        out.tokens[i, :len(lane.tokens)] = lane.tokens
+        out.feed_last[i], out.sample[i], out.sample_index[i] = lane.feed_last, lane.sample, lane.sample_index
+    return out
+
+
+class Scheduler:
+    """Waiting and running requests, slots and pages; plans each step and interprets its tokens.
+    Single-threaded: the engine calls it from its loop only."""
+
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, prefix_cache: PrefixCache):
+        self.config = config
+        self.allocator = allocator
+        self.prefix_cache = prefix_cache
+        self._waiting: deque[Request] = deque()
+        self._running: list[Running] = []  # in admission order
+        self._free_slots = list(range(config.max_seqs))
+        self._page_table = np.full((config.max_seqs, config.table_width), SCRATCH_PAGE, np.int32)
+        self.prompt_tokens = self.generated_tokens = self.finished = 0
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def add(self, request: Request) -> None:
+        """Queue a request (checked by the engine: it fits in a slot and in the pool)."""
+        self._waiting.append(request)
+
+    def holders(self) -> list[list[int]]:
+        """Every list of pages that should hold a reference now (for `PageAllocator.check`)."""
+        return [seq.pages for seq in self._running] + [self.prefix_cache.held_pages()]
+
+    # ---- planning ------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        """Drop cancelled requests, admit what fits, and plan this step's prefill and decode lanes
+        (allocating their pages; counted as dispatched from here on)."""
+        self._drop_cancelled()
+        admitted = self._admit()
+        prefill = self._plan_prefill()
+        decode = self._plan_decode()
+        return StepPlan(tuple(admitted), tuple(prefill), tuple(decode), self._page_table.copy())
+
+    def _drop_cancelled(self) -> None:
+        for request in [r for r in self._waiting if r.cancel_requested]:
+            self._waiting.remove(request)
+            self.finished += 1
+            request.finish("cancelled")
+        for seq in [s for s in self._running if s.request.cancel_requested]:
+            self._finish(seq, "cancelled")
+
+    def _outstanding(self) -> int:
+        """Pages reserved by running requests and not allocated yet."""
+        return sum(seq.reserved - len(seq.pages) for seq in self._running)
+
+    def _admit(self) -> list[Running]:
+        admitted = []
+        while self._waiting and self._free_slots:
+            request = self._waiting[0]
+            prompt = request.prompt
+            match = self.prefix_cache.match(prompt, len(prompt) - 1)  # the last prompt token always runs
+            reserved = reserved_pages(len(prompt), request.sampling.max_new_tokens, self.config.page_size)
+            need = reserved - (len(match.nodes) - match.offloaded)
+            available = (self.allocator.free_count + self.prefix_cache.unreferenced_count()
+                         - self.prefix_cache.unreferenced_in(match) - self._outstanding())
+            if need > available:
+                break  # wait: first come, first served
+            self._waiting.popleft()
+            pages = self.prefix_cache.acquire(match)
+            request.cached_tokens = match.tokens
+            seq = Running(request, self._free_slots.pop(0), pages, reserved, fed=match.tokens, tokens=list(prompt))
+            self._page_table[seq.slot, :len(pages)] = pages
+            self._running.append(seq)
+            self.prompt_tokens += len(prompt)
+            admitted.append(seq)
+        return admitted
+
+    def _grow(self, seq: Running, tokens: int) -> None:
+        """Give `seq` pages for its first `tokens` tokens (its reservation guarantees they exist)."""
+        missing = pages_needed(tokens, self.config.page_size) - len(seq.pages)
+        if missing <= 0:
+            return
+        self.prefix_cache.make_room(missing)
+        pages = self.allocator.allocate(missing)
+        self._page_table[seq.slot, len(seq.pages):len(seq.pages) + missing] = pages
+        seq.pages += pages
+
+    def _plan_prefill(self) -> list[Lane]:
+        lanes = []
+        for seq in self._running:
+            if len(lanes) == self.config.prefill_rows:
+                break
+            if not seq.prefilling:
+                continue
+            start, count = seq.fed, min(self.config.prefill_chunk, seq.prompt_len - seq.fed)
+            self._grow(seq, start + count)
+            last = start + count == seq.prompt_len
+            lanes.append(Lane(seq, start, count, tuple(seq.tokens[start:start + count]), sample=last, sample_index=0,
+                              feed_last=False))
+            seq.fed += count
+            seq.sampled += last
+            # Its full prompt pages are written by the call being planned: later requests may share them.
+            self.prefix_cache.insert(seq.tokens[:seq.fed], seq.pages)
+        return lanes
+
+    def _plan_decode(self) -> list[Lane]:
+        lanes = []
+        for seq in self._running:
+            if not seq.decoding:
+                continue
+            self._grow(seq, seq.fed + 1)
+            lanes.append(Lane(seq, seq.fed, 1, (), sample=True, sample_index=seq.sampled, feed_last=True))
+            seq.fed += 1
+            seq.sampled += 1
+        return lanes
+
+    # ---- results -------------------------------------------------------------------------------
+    def complete(self, lanes: Sequence[Lane], tokens: np.ndarray) -> None:
+        """Hand a call's sampled tokens (`[rows]`, in lane order) to their requests, and finish the
+        requests that hit a stop token or string or their budget. Lanes of requests finished since
+        they were planned are ignored."""
+        for lane, token in zip(lanes, tokens):
+            if lane.sample and not lane.seq.finished:
+                self._deliver(lane.seq, int(token))
+
+    def _deliver(self, seq: Running, token: int) -> None:
+        seq.tokens.append(token)
+        self.generated_tokens += 1
+        if seq.request.add_tokens([token]):
+            self._finish(seq, "stop")
+        elif len(seq.tokens) - seq.prompt_len >= seq.request.sampling.max_new_tokens:
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Running, reason: str) -> None:
+        """Release a request: its written full pages join the prefix cache, its pages and slot are freed."""
+        seq.finished = True
+        written = min(seq.fed, len(seq.tokens))  # tokens both known here and written by a dispatched step
+        self.prefix_cache.insert(seq.tokens[:written], seq.pages)
+        self.allocator.free(seq.pages)
+        self._page_table[seq.slot] = SCRATCH_PAGE
+        bisect.insort(self._free_slots, seq.slot)
+        self._running.remove(seq)
+        self.finished += 1
+        seq.request.finish(reason)

@@ -1,0 +1,268 @@
+"""The serving engine (`dsr1.serving.Engine`) against `dsr1.generate`, on the tiny random model in
+float32: greedy outputs equal generate's for every request whatever joins, leaves, shares prefixes
+or gets its cached pages evicted to host memory and reloaded; a seeded request samples the same
+tokens in any company and at any arrival; nothing compiles after warm-up; requests wait for pages
+and all complete; cancel frees pages; stop strings and streaming; stats.
+
+Every engine here has the same shapes (slots, page size, pool, chunk), so its programs compile
+once for the whole module; the page allocator is checked against every holder after each test.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+import dsr1
+from dsr1.generation.sampling import Sampling
+from dsr1.serving import Engine, Request
+
+from .test_paged import counting_compilations
+
+SHAPES = dict(max_seqs=4, page_size=4, num_pages=40, prefill_chunk=8, prefill_rows=2)  # 39 usable pages
+REFERENCE_BUDGET = 12  # generate's budget for the references; requests take the first max_new_tokens
+HOST_CACHE = 1 << 24
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return dsr1.init_random(dsr1.Config.preset("tiny"), seed=0, dtype="float32")
+
+
+@pytest.fixture
+def make_engine(tiny):
+    """Engines of the module's shapes; after the test each must pass the allocator check with its
+    holders (running requests and the prefix cache), and an idle one must hold only cached pages."""
+    engines: list[Engine] = []
+
+    def make(**options) -> Engine:
+        engines.append(Engine(tiny, **{**SHAPES, **options}))
+        return engines[-1]
+
+    yield make
+    for engine in engines:
+        engine.check()
+        if not engine.has_work:
+            assert engine.allocator.used_count == engine.stats().pages_cached
+
+
+Arrival = tuple[int, Any, dict]  # (step, prompt, submit options)
+
+
+def run_arrivals(engine: Engine, arrivals: Sequence[Arrival], stats: list | None = None) -> list[Request]:
+    """Submit each prompt when the engine reaches its step; step until everything is done (appending
+    `engine.stats()` after every step to `stats`)."""
+    requests: list[Request | None] = [None] * len(arrivals)
+    step = 0
+    while step <= max(a[0] for a in arrivals) or engine.has_work:
+        for i, (at, prompt, options) in enumerate(arrivals):
+            if at == step:
+                requests[i] = engine.submit(prompt, **options)
+        engine.step()
+        if stats is not None:
+            stats.append(engine.stats())
+        step += 1
+    return requests
+
+
+def shared_prefix_workload(rng: np.random.Generator, n: int, vocab: int) -> list[list[int]]:
+    """`n` prompts of 17..32 tokens (one `generate` bucket): most extend one of four shared prefixes
+    (13 to 20 tokens: 3 to 5 pages of 4), some share nothing."""
+    prefixes = [rng.integers(2, vocab, size).tolist() for size in (13, 16, 18, 20)]
+    prompts = []
+    for i in range(n):
+        if i % 6 == 5:
+            prompts.append(rng.integers(2, vocab, int(rng.integers(17, 33))).tolist())
+        else:
+            prefix = prefixes[i % 4]
+            suffix = int(rng.integers(max(1, 17 - len(prefix)), 33 - len(prefix)))
+            prompts.append(prefix + rng.integers(2, vocab, suffix).tolist())
+    return prompts
+
+
+def greedy_reference(model, prompt: list[int]) -> list[int]:
+    return dsr1.generate(model, [prompt], max_new_tokens=REFERENCE_BUDGET).completions[0].tokens
+
+
+def test_greedy_equals_generate_alone_with_shared_prefixes_and_offload(tiny, make_engine):
+    rng = np.random.default_rng(0)
+    prompts = shared_prefix_workload(rng, 36, 5000)
+    budgets = rng.integers(2, REFERENCE_BUDGET + 1, len(prompts)).tolist()
+    steps = np.sort(rng.integers(0, 70, len(prompts))).tolist()
+    engine = make_engine(host_cache_bytes=HOST_CACHE)
+    snapshots: list = []
+    requests = run_arrivals(engine, [(at, p, dict(max_new_tokens=b)) for at, p, b in zip(steps, prompts, budgets)],
+                            snapshots)
+    stats = engine.stats()
+    print(f"\n[engine] {len(prompts)} requests in {stats.steps} steps: {stats}")
+    for request, prompt, budget in zip(requests, prompts, budgets):
+        expected = greedy_reference(tiny, prompt)[:budget]
+        assert request.tokens == expected, f"request {request.id} differs from generate alone"
+        assert request.finish_reason == ("length" if len(expected) == budget else "stop")
+    assert stats.prefix_hit_tokens > 0 and stats.offloaded_pages > 0 and stats.reloaded_pages > 0
+    assert max(s.running for s in snapshots) == SHAPES["max_seqs"] and max(s.waiting for s in snapshots) > 0
+    # Stats of the finished run.
+    capacity = SHAPES["num_pages"] - 1
+    assert (stats.running, stats.waiting, stats.finished) == (0, 0, len(prompts))
+    assert stats.pages_used + stats.pages_free == capacity and stats.pages_used == stats.pages_cached
+    assert stats.prompt_tokens == sum(map(len, prompts)) and stats.generated_tokens == sum(budgets)
+    cfg = tiny.cfg
+    page_bytes = cfg.num_hidden_layers * SHAPES["page_size"] * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+    assert stats.host_pages > 0 and stats.host_bytes == stats.host_pages * page_bytes
+    assert stats.tokens_per_second > 0 and stats.host_ms_per_step > 0 and stats.device_ms_per_step > 0
+    assert all(r.time_to_first_token > 0 for r in requests)
+
+
+def test_seeded_request_samples_the_same_in_any_company(tiny, make_engine):
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(2, 5000, 23).tolist()
+    seeded = Sampling(temperature=0.8, top_k=40, repetition_penalty=1.2, presence_penalty=0.5, seed=1234)
+    alone = run_arrivals(make_engine(), [(0, prompt, dict(sampling=seeded, max_new_tokens=REFERENCE_BUDGET))])[0]
+    busy = [(0, prompt, dict(max_new_tokens=3))]  # the same prompt first: the seeded one reuses its pages
+    busy += [(at, p, dict(sampling=Sampling(temperature=1.0, top_p=0.9), max_new_tokens=9))
+             for at, p in enumerate(shared_prefix_workload(rng, 6, 5000))]
+    busy += [(12, prompt, dict(sampling=seeded, max_new_tokens=REFERENCE_BUDGET)),
+             (12, prompt, dict(sampling=Sampling(temperature=0.8, seed=99), max_new_tokens=REFERENCE_BUDGET))]
+    late = run_arrivals(make_engine(host_cache_bytes=HOST_CACHE), busy)
+    generated = dsr1.generate(tiny, [prompt], sampling=seeded, max_new_tokens=REFERENCE_BUDGET).completions[0].tokens
+    assert (alone.cached_tokens, late[-2].cached_tokens) == (0, 20)
+    assert late[-2].tokens == alone.tokens == generated
+    assert late[-1].tokens != alone.tokens, "another seed samples other tokens"
+
+
+def test_no_compilation_after_warm_up_during_200_steps(make_engine):
+    """Requests of random lengths, budgets and settings join, share prefixes, get cancelled, wait for
+    pages, get their prefixes offloaded and reloaded: the programs compiled at warm-up serve it all."""
+    rng = np.random.default_rng(2)
+    prompts = shared_prefix_workload(rng, 80, 5000)
+    engine = make_engine(host_cache_bytes=HOST_CACHE)
+    engine.warm_up()
+    requests: list[Request] = []
+    with counting_compilations() as compiled:
+        step = 0
+        while engine.has_work or (prompts and engine.stats().steps < 200):
+            if step % 3 == 0 and prompts:
+                sampling = Sampling(temperature=float(rng.choice([0.0, 0.7])), top_p=float(rng.choice([1.0, 0.8])),
+                                    seed=int(rng.integers(1 << 20)))
+                requests.append(engine.submit(prompts.pop(), sampling=sampling,
+                                              max_new_tokens=int(rng.integers(1, 17))))
+            if step % 17 == 0 and requests:
+                requests[int(rng.integers(len(requests)))].cancel()
+            engine.step()
+            step += 1
+    stats = engine.stats()
+    print(f"\n[engine] {len(requests)} requests, {stats.steps} steps, {len(compiled)} compilations: {stats}")
+    assert compiled == [], f"compiled after warm-up: {compiled}"
+    assert stats.steps >= 200 and stats.offloaded_pages > 0 and stats.reloaded_pages > 0
+    assert all(r.done for r in requests) and any(r.finish_reason == "cancelled" for r in requests)
+
+
+def test_out_of_pages_requests_wait_and_all_complete(make_engine):
+    """Each request may need 15 of the 39 pages: two run at a time, the rest wait their turn."""
+    rng = np.random.default_rng(3)
+    engine = make_engine()
+    requests = [engine.submit(rng.integers(2, 5000, 30).tolist(), max_new_tokens=30) for _ in range(5)]
+    engine.step()
+    assert (engine.stats().running, engine.stats().waiting) == (2, 3)
+    most = 0
+    while engine.step():
+        most = max(most, engine.stats().running)
+        engine.check()
+    assert most == 2
+    assert [len(r.tokens) for r in requests] == [30] * 5 and {r.finish_reason for r in requests} == {"length"}
+
+
+def test_cancel_frees_pages_and_slots(make_engine):
+    rng = np.random.default_rng(4)
+    engine = make_engine(prefix_caching=False)
+    requests = [engine.submit(rng.integers(2, 5000, 20).tolist(), max_new_tokens=16) for _ in range(5)]
+    for _ in range(8):
+        engine.step()
+    running, waiting = requests[0], requests[4]
+    assert engine.stats().running == 4 and engine.stats().waiting == 1
+    used = engine.allocator.used_count
+    running.cancel()
+    waiting.cancel()
+    engine.step()
+    assert running.finish_reason == waiting.finish_reason == "cancelled"
+    assert 0 < len(running.tokens) < 16 and waiting.tokens == []
+    assert engine.allocator.used_count < used, "the cancelled request's pages are free again"
+    engine.check()
+    engine.run()
+    assert [r.finish_reason for r in requests[1:4]] == ["length"] * 3
+
+
+def test_stop_strings_cut_exactly_and_streams_join_to_the_text(make_engine):
+    tokenizer = dsr1.load_tokenizer()
+    engine = make_engine(tokenizer=tokenizer)
+    free = engine.submit("The quick brown fox", max_new_tokens=40)
+    engine.run()
+    assert len(free.text) > 30
+    stop = free.text[20:24]
+    pieces: list[str] = []
+    cut = engine.submit("The quick brown fox", max_new_tokens=40, on_text=pieces.append,
+                        sampling=Sampling(stop_strings=("zzzz-never", stop)))
+    streamed: list[str] = []
+    reader = threading.Thread(target=lambda: streamed.extend(cut.stream(timeout=60)))
+    reader.start()
+    engine.run()
+    reader.join(timeout=60)
+    assert cut.text == free.text[:free.text.index(stop)] and cut.finish_reason == "stop"
+    assert "".join(pieces) == "".join(streamed) == "".join(cut) == cut.text
+    assert len(pieces) > 1, "text is streamed as it comes, not all at the end"
+    chat = engine.submit([{"role": "user", "content": "Why is the sky blue?"}], max_new_tokens=6)
+    engine.run()
+    completion = chat.completion()
+    assert completion.reasoning == completion.text.strip("\n") and completion.answer == ""
+
+
+def test_submit_refuses_what_can_never_run(make_engine):
+    engine = make_engine()
+    with pytest.raises(ValueError, match="exceeds the engine's max_seq_len=156"):
+        engine.submit([5] * 150, max_new_tokens=10)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.submit([5, -1])
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.submit([])
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        engine.submit([5, 6], sampling=Sampling(stop_strings="x"))
+    with pytest.raises(ValueError, match="prefill_rows=5 exceeds max_seqs=4"):
+        make_engine(prefill_rows=5)
+
+
+def test_decoding_rows_keep_streaming_while_a_long_prompt_is_prefilled(make_engine):
+    rng = np.random.default_rng(5)
+    engine = make_engine()
+    short = engine.submit(rng.integers(2, 5000, 10).tolist(), max_new_tokens=20)
+    while not short.tokens:
+        engine.step()
+    long = engine.submit(rng.integers(2, 5000, 100).tolist(), max_new_tokens=2)  # 13 chunks of 8
+    produced = []
+    for _ in range(10):
+        engine.step()
+        produced.append(len(short.tokens))
+    assert long.tokens == [] and engine.stats().running == 2
+    assert np.diff(produced).tolist() == [1] * 9, "one token every step while the prompt is prefilled"
+    engine.run()
+    assert len(short.tokens) == 20 and len(long.tokens) == 2
+
+
+def test_request_handle_is_usable_from_other_threads():
+    """The handle alone (no engine, no tokenizer): a stop token ends it, waiters and iterators wake."""
+    request = Request(7, [3, 4], Sampling(stop_token_ids=(9,), seed=0), None)
+    assert not request.wait(timeout=0.01) and request.finish_reason is None
+    with pytest.raises(RuntimeError, match="still running"):
+        request.completion()
+    finished = threading.Event()
+    threading.Thread(target=lambda: request.wait() and finished.set()).start()
+    assert request.add_tokens([5, 6]) is False
+    assert request.add_tokens([9, 8]) is True, "the stop token ends the output; what follows is dropped"
+    request.finish("stop")
+    assert finished.wait(timeout=10) and request.tokens == [5, 6] and list(request.stream()) == []
+    assert request.completion().finish_reason == "stop" and request.time_to_first_token > 0
+    with pytest.raises(ValueError, match="finish reason 'oops'"):
+        request.finish("oops")
