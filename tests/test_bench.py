@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import dsr1
-from dsr1.bench import accounting, bandwidth, cli, compare_hf, timing
+from dsr1.bench import accounting, bandwidth, cli, compare_hf, serve, timing
 
 # The tiny preset with a small vocabulary: every test here stays fast.
 CFG = dataclasses.replace(dsr1.Config.preset("tiny"), vocab_size=512)
@@ -162,3 +162,49 @@ def test_cli_compare_hf(tmp_path, config_file, capsys):
         # The same weights: the prefill's greedy token agrees (a different checkpoint would agree
         # with probability ~1/512 per row).
         assert row["same_first_token"] >= 0.5
+
+
+def test_serve_workload_is_seeded_and_mixed():
+    spec = serve.WorkloadSpec(requests=200, rate=10.0, prompt_len=(8, 64), output_len=(2, 100), shared_prefix=6,
+                              shared_fraction=0.5, seed=4)
+    a, b = serve.make_workload(spec, 512), serve.make_workload(spec, 512)
+    assert a == b, "the same seed draws the same workload"
+    assert a.arrivals[0] == 0 and np.all(np.diff(a.arrivals) >= 0)
+    assert 7 < len(a) / a.arrivals[-1] < 14, "Poisson arrivals at about the asked rate (10/s)"
+    assert all(8 <= len(p) <= 64 for p in a.prompts) and all(2 <= n <= 100 for n in a.max_new_tokens)
+    with_prefix = [p for p, s in zip(a.prompts, a.shared) if s]
+    assert 60 < len(with_prefix) < 140 and len({p[:6] for p in with_prefix}) == 1
+    assert np.median(a.max_new_tokens) < np.mean(a.max_new_tokens), "exponential: many short, a few long"
+    uniform = serve.make_workload(dataclasses.replace(spec, output_dist="uniform"), 512)
+    assert uniform.prompts == a.prompts and uniform.max_new_tokens != a.max_new_tokens
+
+
+def test_cli_serve_compares_continuous_and_static(tmp_path, config_file, capsys):
+    out = tmp_path / "serve.json"
+    assert cli.main(["serve", "--config", str(config_file), "--dtype", "float32", "--requests", "6", "--rate", "inf",
+                     "--prompt-len", "8,40", "--output-len", "2,12", "--shared-prefix", "16", "--max-seqs", "4",
+                     "--page-size", "4", "--num-pages", "64", "--prefill-chunk", "16", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "continuous / static throughput" in printed and "TTFT p99 ms" in printed and "static (generate" in printed
+    result = json.loads(out.read_text())
+    continuous, static = result["rows"]
+    # Greedy, the same requests: both generate the same number of tokens (their tokens are compared
+    # against generate in test_serving).
+    assert continuous["tokens"] == static["tokens"] > 0 and continuous["requests"] == static["requests"] == 6
+    assert result["throughput_ratio"] == pytest.approx(continuous["tok_s"] / static["tok_s"])
+    for row in (continuous, static):
+        assert row["tok_s"] > 0 and 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
+        assert 0 < row["itl_p50_ms"] <= row["itl_p99_ms"]
+    assert continuous["prefix_hit_rate"] > 0 and continuous["host_ms_per_step"] > 0
+    assert continuous["device_ms_per_step"] > 0 and result["engine_stats"]["finished"] == 6
+
+
+def test_shared_prefix_of_2000_tokens_cuts_the_second_time_to_first_token_5x():
+    """The first request prefills 2,008 tokens in 32 chunks; the second finds 2,000 of them cached and
+    prefills 8: its time to first token is a couple of steps instead of 32 (float32 on CPU)."""
+    model = dsr1.init_random(CFG, seed=0, dtype="float32")
+    shape = serve.EngineShape(max_seqs=2, page_size=16, num_pages=160, prefill_chunk=64, prefill_rows=1)
+    result = serve.prefix_ttft(model, 2000, shape)
+    print(f"\n[serve] 2,000-token shared prefix: {result}")
+    assert result["second_cached_tokens"] == 2000
+    assert result["ratio"] >= 5, f"second request's TTFT only {result['ratio']:.1f}x lower"

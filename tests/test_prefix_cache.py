@@ -24,6 +24,7 @@ class FakeStore:
         self.contents: dict[int, object] = {}
         self.saved: list[int] = []
         self.restored: list[int] = []
+        self.released = 0  # host copies dropped: every copy saved is released once it leaves the host
 
     def save(self, pages: Sequence[int]) -> list[object]:
         self.saved += pages
@@ -33,6 +34,9 @@ class FakeStore:
         self.restored += pages
         for page, (_, value) in zip(pages, copies):
             self.contents[page] = value
+
+    def release(self, copies: Sequence[object]) -> None:
+        self.released += len(copies)
 
 
 class Harness:
@@ -67,6 +71,9 @@ class Harness:
 
     def check(self) -> None:
         self.allocator.check([*self.requests.values(), self.cache.held_pages()])
+        if self.store is not None:
+            held = len(self.store.saved) - self.store.released
+            assert held == self.cache.stats().host_pages, "host copies leaked or released twice"
 
 
 @pytest.fixture

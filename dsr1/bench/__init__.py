@@ -4,6 +4,8 @@
 - `bandwidth`: the device's measured copy bandwidth and its description.
 - `timing`: greedy decode timed in one jitted loop on a cache built at any context.
 - `compare_hf`: the same random checkpoint through HF transformers and dsr1.
+- `serve`: a seeded serving workload through the engine (continuous batching) and through static
+  batches of `generate`; latency and throughput summaries; time to first token with a shared prefix.
 - `report`: Markdown tables and the device and model lines.
-- `cli`: the `decode` and `compare-hf` commands.
+- `cli`: the `decode`, `compare-hf` and `serve` commands.
 """

@@ -3,6 +3,7 @@ transformers.
 
     python -m dsr1.bench decode --batch 1,8,32 --context 32,512,4096 [--quant int8] [--kv-cache-dtype int8]
     python -m dsr1.bench compare-hf [--preset bench] [--batch 1,8] [--new-tokens 32]
+    python -m dsr1.bench serve --preset tiny --dtype float32 [--requests 64] [--rate 20] [--prefix-ttft 2000]
 
 Results go to stdout as Markdown tables (progress to stderr); `--json PATH` also writes them as JSON.
 """
@@ -25,7 +26,17 @@ from ..options import add_model_options, config_from_options, mesh_from_options,
 from .accounting import expert_bytes, fixed_weight_bytes
 from .bandwidth import COPY_BYTES, copy_bandwidth, device_description, with_final_load
 from .compare_hf import compare_row, dsr1_generate, hf_generate, load_hf, write_random_checkpoint
-from .report import COMPARE_NOTES, DECODE_NOTES, compare_table, decode_table, device_line, model_line
+from .report import (
+    COMPARE_NOTES,
+    DECODE_NOTES,
+    SERVE_NOTES,
+    compare_table,
+    decode_table,
+    device_line,
+    model_line,
+    serve_table,
+)
+from .serve import EngineShape, WorkloadSpec, make_workload, prefix_ttft, run_engine, run_static, summarize
 from .timing import DECODE_COLUMNS, bench_decode_point
 
 
@@ -102,6 +113,58 @@ def run_compare_hf(args: argparse.Namespace) -> dict[str, Any]:
             "kv_cache_dtype": args.kv_cache_dtype, "rows": rows}
 
 
+def run_serve(args: argparse.Namespace) -> dict[str, Any]:
+    """The `serve` command: the workload through the engine and through static batches of generate."""
+    dev = device_description()
+    model = model_from_options(args, seed=args.seed)
+    name = args.model or config_from_options(args)[1]
+    spec = WorkloadSpec(requests=args.requests, rate=args.rate, prompt_len=tuple(args.prompt_len),
+                        output_len=tuple(args.output_len), output_dist=args.output_dist, output_mean=args.output_mean,
+                        shared_prefix=args.shared_prefix, shared_fraction=args.shared_fraction, seed=args.seed)
+    shape = EngineShape(max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
+                        prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows,
+                        host_cache_bytes=args.host_cache_mb * 2**20)
+    workload = make_workload(spec, model.cfg.vocab_size)
+    _log(f"{len(workload)} requests, {sum(workload.max_new_tokens)} output tokens at most")
+    continuous, static, stats = None, None, None
+    for i in range(args.repeats):  # alternating, so that both see the same moments of a shared machine
+        _log(f"[{i + 1}/{args.repeats}] continuous batching ...")
+        timings, run_stats = run_engine(model, workload, shape)
+        row = {"name": "continuous", **summarize(timings),
+               "prefix_hit_rate": run_stats["prefix_hit_tokens"] / max(run_stats["prompt_tokens"], 1),
+               "host_ms_per_step": run_stats["host_ms_per_step"], "device_ms_per_step": run_stats["device_ms_per_step"],
+               "wait_ms_per_step": run_stats["wait_ms_per_step"], "steps": run_stats["steps"]}
+        _log(f"    {row['tok_s']:.1f} tok/s; static batches of {shape.max_seqs}"
+             f"{' (compile pass, then timed)' if i == 0 else ''} ...")
+        if continuous is None or row["tok_s"] > continuous["tok_s"]:
+            continuous, stats = row, run_stats
+        row = {"name": f"static (generate, batch {shape.max_seqs})",
+               **summarize(run_static(model, workload, shape.max_seqs, compiled=i > 0))}
+        _log(f"    {row['tok_s']:.1f} tok/s")
+        static = row if static is None or row["tok_s"] > static["tok_s"] else static
+    ratio = continuous["tok_s"] / static["tok_s"]
+    prefix = prefix_ttft(model, args.prefix_ttft, shape, seed=args.seed) if args.prefix_ttft else None
+    dev = with_final_load(dev)
+    print(device_line(dev))
+    print(model_line(model, name))
+    print(f"workload: {spec.requests} requests, Poisson arrivals at {spec.rate:g}/s, prompts {spec.prompt_len[0]}-"
+          f"{spec.prompt_len[1]} tokens ({spec.shared_fraction:.0%} begin with a shared {spec.shared_prefix}-token "
+          f"prefix), outputs {spec.output_len[0]}-{spec.output_len[1]} tokens ({spec.output_dist}"
+          f"{f', mean {spec.output_mean:g}' if spec.output_dist == 'exponential' else ''}), greedy, seed {spec.seed}")
+    print(f"engine: {dataclasses.asdict(shape)}; the faster of {args.repeats} alternating run(s) of each\n")
+    print(serve_table([continuous, static]))
+    print(f"\ncontinuous / static throughput: {ratio:.2f}x\n")
+    if prefix:
+        print(f"shared prefix of {prefix['prefix_len']} tokens ({prefix['prompt_len']}-token prompts): time to first "
+              f"token {prefix['first_ttft_ms']:.0f} ms for the first request, {prefix['second_ttft_ms']:.0f} ms for "
+              f"the second ({prefix['second_cached_tokens']} tokens cached): {prefix['ratio']:.1f}x lower\n")
+    print(SERVE_NOTES)
+    return {"command": "serve", "device": dev, "model": name, "config": dataclasses.asdict(model.cfg),
+            "dtype": args.dtype, "quant": args.quant, "kv_cache_dtype": args.kv_cache_dtype,
+            "workload": dataclasses.asdict(spec), "engine": dataclasses.asdict(shape), "engine_stats": stats,
+            "repeats": args.repeats, "rows": [continuous, static], "throughput_ratio": ratio, "prefix_ttft": prefix}
+
+
 def _ints(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -117,6 +180,42 @@ def _positive(text: str) -> int:
     if len(value) != 1:
         raise argparse.ArgumentTypeError(f"expected one positive integer, got {text!r}")
     return value[0]
+
+
+def _range(text: str) -> list[int]:
+    values = _ints(text)
+    if len(values) != 2 or values[0] > values[1]:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX with MIN <= MAX, got {text!r}")
+    return values
+
+
+def _serve_options(p: argparse.ArgumentParser) -> None:
+    w, e = WorkloadSpec(), EngineShape()
+    p.add_argument("--requests", type=_positive, default=w.requests, help=f"requests (default: {w.requests})")
+    p.add_argument("--rate", type=float, default=w.rate, help="arrivals per second, Poisson; inf: all at once "
+                   f"(default: {w.rate:g})")
+    p.add_argument("--prompt-len", type=_range, default=list(w.prompt_len), metavar="MIN,MAX",
+                   help="prompt tokens, uniform (default: %(default)s)")
+    p.add_argument("--output-len", type=_range, default=list(w.output_len), metavar="MIN,MAX",
+                   help="output tokens (default: %(default)s)")
+    p.add_argument("--output-dist", choices=["exponential", "uniform"], default=w.output_dist,
+                   help="output lengths: exponential (clipped to --output-len) or uniform (default: %(default)s)")
+    p.add_argument("--output-mean", type=float, default=w.output_mean,
+                   help="mean of the exponential output lengths before clipping (default: %(default)s)")
+    p.add_argument("--shared-prefix", type=int, default=w.shared_prefix,
+                   help="tokens of the prefix some prompts share (default: %(default)s)")
+    p.add_argument("--shared-fraction", type=float, default=w.shared_fraction,
+                   help="share of the prompts that begin with it (default: %(default)s)")
+    p.add_argument("--max-seqs", type=_positive, default=e.max_seqs,
+                   help="engine slots, and the static batch size (default: %(default)s)")
+    p.add_argument("--page-size", type=_positive, default=e.page_size, help="(default: %(default)s)")
+    p.add_argument("--num-pages", type=_positive, default=e.num_pages, help="(default: %(default)s)")
+    p.add_argument("--prefill-chunk", type=_positive, default=e.prefill_chunk, help="(default: %(default)s)")
+    p.add_argument("--prefill-rows", type=_positive, default=e.prefill_rows, help="(default: %(default)s)")
+    p.add_argument("--host-cache-mb", type=int, default=0, help="host memory for offloaded prefix pages, MiB "
+                   "(default: 0)")
+    p.add_argument("--prefix-ttft", type=int, default=0, metavar="N", help="also measure the time to first token of "
+                   "two requests sharing an N-token prefix (default: 0, off)")
 
 
 def _run_options(p: argparse.ArgumentParser) -> None:
@@ -154,6 +253,19 @@ def parser() -> argparse.ArgumentParser:
     cmp.add_argument("--prompt-len", type=_positive, default=32, help="prompt tokens per row (default: 32)")
     add_model_options(cmp, default_preset="bench", checkpoints=False)
     _run_options(cmp)
+    srv = sub.add_parser("serve", help="continuous batching (dsr1.serving.Engine) against static batches of "
+                                       "dsr1.generate on one workload",
+                         description="Runs a seeded workload (Poisson arrivals, mixed prompt and output lengths, "
+                                     "a share with a common prefix) through the serving engine and through static "
+                                     "batches of generate, and reports throughput, time to first token, "
+                                     "inter-token latency, prefix hit rate and the engine's host vs device time "
+                                     "per step. On CPU use --dtype float32 (see docs/performance.md).")
+    _serve_options(srv)
+    add_model_options(srv, default_preset="tiny")
+    srv.add_argument("--seed", type=int, default=0, help="seed of the weights and the workload (default: 0)")
+    srv.add_argument("--repeats", type=_positive, default=1, help="runs of each, alternating; the fastest of each is "
+                     "reported (default: 1)")
+    srv.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     return ap
 
 
@@ -162,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command == "compare-hf" and args.new_tokens < 2:
         raise SystemExit("--new-tokens must be at least 2 (the first token comes from the prefill)")
-    result = run_decode(args) if args.command == "decode" else run_compare_hf(args)
+    commands = {"decode": run_decode, "compare-hf": run_compare_hf, "serve": run_serve}
+    result = commands[args.command](args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))
         _log(f"wrote {args.json}")

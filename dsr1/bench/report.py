@@ -54,6 +54,30 @@ def compare_table(rows: Sequence[dict[str, Any]]) -> str:
     return markdown_table(headers, cells)
 
 
+SERVE_NOTES = """\
+continuous: dsr1.serving.Engine; static: dsr1.generate on the requests in arrival order, in batches of max_seqs, each
+  batch starting when its last request has arrived and the previous batch is done (programs compiled beforehand).
+tok/s = generated tokens / (last token - first arrival). TTFT = first token on the host - arrival. ITL = per request,
+  (last token - first token) / (tokens - 1); static rows count their tokens at the batch's decode step time, as if
+  streamed. prefix hits = prompt tokens served from the prefix cache / prompt tokens. host / device ms per step: the
+  engine loop's own work per step (planning, dispatch, reading tokens) and the device's time per step."""
+
+
+def serve_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The `serve` command's table, one line per way of serving the workload."""
+    headers = ("serving", "requests", "tokens", "seconds", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
+               "ITL p99 ms", "prefix hits", "host ms/step", "device ms/step")
+
+    def maybe(row: dict[str, Any], key: str, fmt: str) -> str:
+        return format(row[key], fmt) if key in row else "-"
+
+    cells = [(r["name"], str(r["requests"]), str(r["tokens"]), f"{r['seconds']:.2f}", f"{r['tok_s']:.1f}",
+              f"{r['ttft_p50_ms']:.0f}", f"{r['ttft_p99_ms']:.0f}", f"{r['itl_p50_ms']:.1f}", f"{r['itl_p99_ms']:.1f}",
+              maybe(r, "prefix_hit_rate", ".1%"), maybe(r, "host_ms_per_step", ".1f"),
+              maybe(r, "device_ms_per_step", ".1f")) for r in rows]
+    return markdown_table(headers, cells)
+
+
 def model_line(model: Model, name: str) -> str:
     """The model's shape and precision in one line."""
     cfg = model.cfg

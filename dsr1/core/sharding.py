@@ -118,12 +118,16 @@ def put_replicated(tree: Any, mesh: Mesh) -> Any:
     """Host values (numpy, Python numbers, single-device arrays, PRNG keys) as arrays replicated over
     the mesh. Across processes `device_put` takes host data only, so arrays go through numpy and
     PRNG keys through their key data."""
-    def put(x: Any) -> jax.Array:
-        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            data = jax.device_put(np.asarray(jax.random.key_data(x)), replicated_sharding(mesh))
-            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
-        return jax.device_put(np.asarray(x), replicated_sharding(mesh))
-    return jax.tree.map(put, tree)
+    def is_key(x: Any) -> bool:
+        return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+    leaves, treedef = jax.tree.flatten(tree)
+    host = [np.asarray(jax.random.key_data(x)) if is_key(x) else np.asarray(x) for x in leaves]
+    # One device_put for every leaf: a serving step sends a dozen small arrays, each put has a fixed cost.
+    placed = jax.device_put(host, replicated_sharding(mesh))
+    placed = [jax.random.wrap_key_data(p, impl=jax.random.key_impl(x)) if is_key(x) else p
+              for x, p in zip(leaves, placed)]
+    return jax.tree.unflatten(treedef, placed)
 
 
 def to_host(x: jax.Array) -> np.ndarray:

@@ -36,6 +36,7 @@ import numpy as np
 # the low 32 bits when x64 is off, which would make seeds 2**32 apart collide.
 _SEED_LIMIT = 2**64
 _PENALTY_LIMIT = 2.0  # OpenAI's documented range for presence/frequency penalties
+KEY_IMPL = "threefry2x32"  # the PRNG of every row's key
 
 
 def _check_real(name: str, value: object) -> float:
@@ -140,10 +141,10 @@ class SamplingArrays:
         return self.temperature.shape[0]
 
 
-def _seed_keys(seeds: Sequence[int]) -> jax.Array:
-    """Typed threefry keys from 64-bit seeds; equal to `jax.random.key(seed)` for seeds < 2**32."""
-    words = np.array([[seed >> 32, seed & 0xFFFFFFFF] for seed in seeds], dtype=np.uint32)
-    return jax.random.wrap_key_data(words, impl="threefry2x32")
+def _seed_words(seeds: Sequence[int]) -> np.ndarray:
+    """Threefry key data `[B, 2]` uint32 from 64-bit seeds; as keys, equal to `jax.random.key(seed)` for
+    seeds < 2**32."""
+    return np.array([[seed >> 32, seed & 0xFFFFFFFF] for seed in seeds], dtype=np.uint32).reshape(-1, 2)
 
 
 def _stop_token_matrix(settings: Sequence[Sampling], stop_width: int | None) -> np.ndarray:
@@ -163,13 +164,9 @@ def _stop_token_matrix(settings: Sequence[Sampling], stop_width: int | None) -> 
     return table
 
 
-def batch_sampling(settings: Sequence[Sampling], stop_width: int | None = None) -> SamplingArrays:
-    """Stack one `Sampling` per row into device arrays; rows with seed None get a random seed.
-
-    `stop_width` fixes the number of columns of `stop_tokens` (None: the longest row's count,
-    at least 1). Array shapes are part of a jitted function's cache key, so a loop that serves
-    batches with varying stop-id counts should pass a fixed width to avoid recompiling.
-    """
+def host_sampling_arrays(settings: Sequence[Sampling], stop_width: int | None = None) -> SamplingArrays:
+    """`batch_sampling` as numpy arrays, with each row's key as its uint32 key data `[B, 2]` (no device
+    work: for hosts that prepare many rows, or send them to other processes)."""
     settings = list(settings)
     if not settings:
         raise ValueError("batch_sampling needs at least one Sampling, got an empty sequence")
@@ -177,8 +174,8 @@ def batch_sampling(settings: Sequence[Sampling], stop_width: int | None = None) 
         if not isinstance(s, Sampling):
             raise ValueError(f"batch_sampling: row {row} is {type(s).__name__}, expected Sampling")
 
-    def column(name: str, dtype) -> jax.Array:
-        return jnp.asarray(np.array([getattr(s, name) for s in settings], dtype=dtype))
+    def column(name: str, dtype) -> np.ndarray:
+        return np.array([getattr(s, name) for s in settings], dtype=dtype)
 
     seeds = [secrets.randbits(64) if s.seed is None else s.seed for s in settings]
     return SamplingArrays(
@@ -189,10 +186,22 @@ def batch_sampling(settings: Sequence[Sampling], stop_width: int | None = None) 
         repetition_penalty=column("repetition_penalty", np.float32),
         presence_penalty=column("presence_penalty", np.float32),
         frequency_penalty=column("frequency_penalty", np.float32),
-        keys=_seed_keys(seeds),
-        stop_tokens=jnp.asarray(_stop_token_matrix(settings, stop_width)),
+        keys=_seed_words(seeds),
+        stop_tokens=_stop_token_matrix(settings, stop_width),
         max_new_tokens=column("max_new_tokens", np.int32),
     )
+
+
+def batch_sampling(settings: Sequence[Sampling], stop_width: int | None = None) -> SamplingArrays:
+    """Stack one `Sampling` per row into device arrays; rows with seed None get a random seed.
+
+    `stop_width` fixes the number of columns of `stop_tokens` (None: the longest row's count,
+    at least 1). Array shapes are part of a jitted function's cache key, so a loop that serves
+    batches with varying stop-id counts should pass a fixed width to avoid recompiling.
+    """
+    host = host_sampling_arrays(settings, stop_width)
+    arrays = jax.tree.map(jnp.asarray, dataclasses.replace(host, keys=np.zeros(0)))
+    return dataclasses.replace(arrays, keys=jax.random.wrap_key_data(host.keys, impl=KEY_IMPL))
 
 
 def init_counts(
@@ -309,13 +318,26 @@ def sample(
     `step` is a scalar or a [B] array (rows at different steps); it must differ between the
     draws of one row, e.g. the number of tokens generated so far.
     """
-    penalized = apply_penalties(logits, sampling, prompt_seen, output_counts)
+    # Penalties read and write every vocabulary entry of every row: skip them when no row has any.
+    penalized = jax.lax.cond(
+        jnp.any((sampling.repetition_penalty != 1) | (sampling.presence_penalty != 0)
+                | (sampling.frequency_penalty != 0)),
+        lambda x: apply_penalties(x, sampling, prompt_seen, output_counts),
+        lambda x: x.astype(jnp.float32),
+        logits,
+    )
     greedy_tokens = jnp.argmax(penalized, axis=-1).astype(jnp.int32)
-    filtered = apply_filters(penalized, sampling)
     steps = jnp.broadcast_to(jnp.asarray(step, jnp.uint32), sampling.keys.shape)
-    step_keys = jax.vmap(jax.random.fold_in)(sampling.keys, steps)
-    # One draw per row from that row's own key: rows never share random bits.
-    drawn = jax.vmap(jax.random.categorical)(step_keys, filtered).astype(jnp.int32)
+
+    def draw(penalized: jax.Array) -> jax.Array:
+        filtered = apply_filters(penalized, sampling)
+        step_keys = jax.vmap(jax.random.fold_in)(sampling.keys, steps)
+        # One draw per row from that row's own key: rows never share random bits.
+        return jax.vmap(jax.random.categorical)(step_keys, filtered).astype(jnp.int32)
+
+    # The draw (random bits for every vocabulary entry of every row) costs ~10x the argmax on CPU
+    # at R1's vocabulary: skip it when every row is greedy.
+    drawn = jax.lax.cond(jnp.any(sampling.temperature > 0), draw, lambda _: greedy_tokens, penalized)
     return jnp.where(sampling.temperature > 0, drawn, greedy_tokens)
 
 

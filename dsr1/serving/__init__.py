@@ -10,9 +10,13 @@ runs it with per-request sampling. The host side, one concept per module:
 - `request`: `Request`, a submitted prompt's thread-safe handle (tokens, text, streaming, cancel).
 - `prefix_cache`: full pages keyed by their token prefix (a trie of page-sized chunks), LRU
   eviction, offload to host memory and reload on a hit.
-- `page_pool`: the device page pool and page copies to and from host memory.
+- `page_pool`: the device page pool and page copies to and from host memory (recorded by a
+  `PageLog` on process 0, run by every process's `PagePool`).
 - `scheduler`: admissions, chunked prefill interleaved with decode, pages, finishing requests.
-- `engine`: `Engine`, the event loop over asynchronous dispatch (`submit`, `step`, `run`, `stats`).
+- `work`: a step's device work as host arrays (`StepWork`) and the `DeviceRunner` that dispatches it.
+- `broadcast`: process 0's `StepWork` to the other JAX processes (`multihost_utils`).
+- `engine`: `Engine`, the event loop over asynchronous dispatch (`submit`, `step`, `run`, `stats`;
+  `follow` and `close` across processes).
 
     engine = dsr1.serving.Engine(model, max_seqs=8, page_size=16, num_pages=512)
     request = engine.submit("Why is the sky blue?", chat=True, max_new_tokens=64)

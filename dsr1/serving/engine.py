@@ -5,9 +5,11 @@ Each `step()`:
 
 1. takes the requests submitted since the last step (from any thread);
 2. plans the step on the host (`Scheduler.schedule`: cancellations, admissions, prefix-cache hits
-   and reloads, prompt chunks, decode rows, pages);
-3. dispatches it: `admit_slot` for new requests, then `serve_step` for the prefill lanes and for
-   the decode rows. Dispatch returns at once; the device queues the work behind the previous step;
+   and reloads, prompt chunks, decode rows, pages) and turns the plan into a `StepWork`: the
+   host arrays of everything the device must run, in order (page copies the prefix cache
+   recorded, slot admissions, the prefill and decode `serve_step` calls);
+3. dispatches it (`DeviceRunner.run`). Dispatch returns at once; the device queues the work behind
+   the previous step;
 4. reads the *previous* step's sampled tokens — the only place the host waits, while the device
    already runs this step — and hands them to their requests (streaming, stop strings, budgets).
 
@@ -16,9 +18,23 @@ A decoding row's next input is its slot's last sampled token, kept on device, so
 token from the step still running. `stats()` reports the host's time per step (planning,
 dispatch, reading tokens) next to the device's.
 
-Not here yet (later issues): several JAX processes (process 0 decides each step and broadcasts the
-plan's host arrays — the `lane_rows` and page table a step passes to `serve_step` are exactly what
-must be broadcast), the HTTP server and the `dsr1.bench serve` workload.
+**Several JAX processes.** Every process builds the same `Engine` (same model and arguments) and
+every process runs the same programs; process 0 decides. Process 0 submits, steps and runs as
+above, and broadcasts each step's `StepWork` before dispatching it (`dsr1.serving.broadcast`,
+over `jax.experimental.multihost_utils`); the other processes call `follow()`, which receives each
+step's work and dispatches it, until process 0 calls `close()`. Followers keep no requests,
+scheduler or prefix-cache state: only the device state the programs carry (page pool, slot
+state) and their own host copies of offloaded pages, named by process 0's ids. The cost: the
+broadcast is a collective, so process 0 dispatches step n+1 only once step n's programs have run
+on every process (planning still overlaps the device).
+
+    engine = Engine(model, ...)         # on every process
+    if jax.process_index() == 0:
+        request = engine.submit(prompt)
+        engine.run()
+        engine.close()                  # releases the followers
+    else:
+        engine.follow()
 """
 
 from __future__ import annotations
@@ -28,23 +44,23 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
 
 import jax
 import numpy as np
 
 from .. import programs
 from ..api import Model
-from ..core.sharding import put_replicated, to_host
+from ..core.sharding import to_host
 from ..generation.output import Prompt, encode_prompt, needs_tokenizer, opens_thinking, request_sampling
-from ..generation.sampling import Sampling, SamplingArrays, batch_sampling
+from ..generation.sampling import Sampling
 from ..generation.tokenizer import Tokenizer, load_tokenizer
-from ..programs import StepRows
-from .page_pool import PagePool
+from .broadcast import StepChannel
+from .page_pool import PageLog, PagePool, warm_up_ops
 from .pages import PageAllocator
 from .prefix_cache import PrefixCache
 from .request import Request, TextCallback
 from .scheduler import Lane, Scheduler, SchedulerConfig, StepPlan, lane_rows, reserved_pages
+from .work import Admission, DeviceRunner, StepWork, host_sampling
 
 __all__ = ["Engine", "EngineStats"]
 
@@ -122,14 +138,16 @@ class Engine:
         self.model = model
         self.config = SchedulerConfig(max_seqs, page_size, num_pages, prefill_chunk, prefill_rows, max_seq_len)
         self.tokenizer = tokenizer
-        self._pool = PagePool(programs.paged_cache(cfg=model.cfg, mesh=model.mesh, num_pages=num_pages,
-                                                   page_size=page_size, dtype=model.dtype,
-                                                   kv_cache_dtype=model.kv_cache_dtype), model.mesh)
-        idle = _device_sampling([Sampling(seed=0)] * max_seqs)
-        self._state = programs.slot_state(put_replicated(idle, model.mesh), mesh=model.mesh,
-                                          vocab_size=model.cfg.vocab_size)
+        pool = PagePool(programs.paged_cache(cfg=model.cfg, mesh=model.mesh, num_pages=num_pages, page_size=page_size,
+                                             dtype=model.dtype, kv_cache_dtype=model.kv_cache_dtype), model.mesh)
+        self._runner = DeviceRunner(model, pool, max_seqs=max_seqs, max_seq_len=max_seq_len)
+        # Several processes: process 0 decides and broadcasts each step's work; the others follow.
+        self._channel = StepChannel() if jax.process_count() > 1 else None
+        self.is_leader = jax.process_index() == 0
+        self._closed = False
+        self._log = PageLog(pool.page_bytes)
         self.allocator = PageAllocator(num_pages)
-        self.prefix_cache = PrefixCache(self.allocator, page_size, store=self._pool, host_bytes=host_cache_bytes,
+        self.prefix_cache = PrefixCache(self.allocator, page_size, store=self._log, host_bytes=host_cache_bytes,
                                         enabled=prefix_caching)
         self.scheduler = Scheduler(self.config, self.allocator, self.prefix_cache)
         self._submitted: deque[Request] = deque()
@@ -147,6 +165,7 @@ class Engine:
         always stops; a request without a seed gets a random one now. `on_text(piece)` receives the
         output text as it streams, on the engine's thread. Raises ValueError for a prompt that could
         never run (bad token, longer than `max_seq_len`, more pages than the pool holds)."""
+        self._require_leader("submit")
         tokenizer = self._tokenizer_for(prompt, sampling)
         tokens = encode_prompt(prompt, tokenizer, chat)
         eos = tokenizer.eos_id if tokenizer else self.model.cfg.eos_token_id
@@ -192,21 +211,26 @@ class Engine:
     def step(self) -> bool:
         """Plan and dispatch one step, then read the previous step's tokens. Returns `has_work`.
         Call from one thread at a time (submit and cancel may come from any thread)."""
+        self._require_leader("step")
         with self._step_lock:
             start = time.perf_counter()
             with self._submit_lock:
                 while self._submitted:
                     self.scheduler.add(self._submitted.popleft())
-            self._pool.begin_step()
             plan = self.scheduler.schedule()
-            if not plan.empty:
-                self._in_flight.append(self._dispatch(plan))
+            # Page operations recorded outside planning (host copies released while reading tokens)
+            # go out with the next step that runs anything.
+            work = self._work(plan) if not plan.empty else StepWork()
+            if not work.empty:
+                tokens = self._launch(work)
+                if tokens:
+                    self._in_flight.append(_InFlight(tuple(zip(_lane_groups(plan), tokens)), time.perf_counter()))
             waited = 0.0
             # Read the step before this one (the device is busy with this one meanwhile); with nothing
             # new dispatched, read everything.
             while len(self._in_flight) > (0 if plan.empty else 1):
                 waited += self._read(self._in_flight.popleft())
-            self._pool.settle(everything=not self._in_flight)
+            self._runner.pool.settle(everything=not self._in_flight)
             self._record(time.perf_counter() - start, waited, counted=not plan.empty or waited > 0)
             return self.has_work
 
@@ -215,33 +239,51 @@ class Engine:
         while self.step():
             pass
 
-    def _dispatch(self, plan: StepPlan) -> _InFlight:
-        """Queue a step's programs on the device (returns at once): slot admissions, then the prefill
-        call and the decode call, each starting its tokens' copy to the host."""
+    def follow(self) -> None:
+        """(Processes other than 0) Dispatch the steps process 0 decides, until it calls `close()`."""
+        if self.is_leader:
+            raise RuntimeError("process 0 decides the steps: call step() or run(), not follow()")
+        while (work := self._channel.receive()) is not None:
+            self._runner.pool.begin_step()
+            self._runner.run(work)
+            self._runner.pool.settle()
+        self._runner.pool.settle(everything=True)
+
+    def close(self) -> None:
+        """(Process 0) Release the processes in `follow()`; the engine cannot step afterwards. A no-op in
+        a single process."""
+        self._require_leader("close")
+        with self._step_lock:
+            if self._channel is not None and not self._closed:
+                self._channel.send(None)
+            self._closed = True
+
+    def _require_leader(self, action: str) -> None:
+        if not self.is_leader:
+            raise RuntimeError(f"{action}() runs on process 0 only; process {jax.process_index()} calls follow()")
+        if self._closed and self._channel is not None:
+            raise RuntimeError(f"{action}() after close(): the other processes no longer follow")
+
+    def _work(self, plan: StepPlan) -> StepWork:
+        """The plan's device work: the page copies recorded while planning, the admissions, then
+        the prefill call and the decode call (idle rows padding each to its fixed shape)."""
         cfg = self.config
-        for seq in plan.admitted:
-            self._admit_slot(seq.slot, seq.request.prompt, seq.request.sampling)
-        calls = []
-        table = put_replicated(plan.page_table, self.model.mesh) if plan.prefill or plan.decode else None
-        for lanes, rows, chunk in ((plan.prefill, cfg.prefill_rows, cfg.prefill_chunk), (plan.decode, cfg.max_seqs, 1)):
-            if lanes:
-                calls.append((lanes, self._serve(lane_rows(lanes, rows, chunk, cfg.max_seqs), table)))
-        return _InFlight(tuple(calls), time.perf_counter())
+        admissions = tuple(Admission(seq.slot, host_sampling([seq.request.sampling]),
+                                     np.asarray(seq.request.prompt, np.int32)) for seq in plan.admitted)
+        calls = tuple(lane_rows(lanes, rows, chunk, cfg.max_seqs) for lanes, rows, chunk in
+                      ((plan.prefill, cfg.prefill_rows, cfg.prefill_chunk), (plan.decode, cfg.max_seqs, 1)) if lanes)
+        return StepWork(self._log.take(), admissions, calls, plan.page_table if calls else None)
 
-    def _serve(self, rows: StepRows, table: jax.Array) -> jax.Array:
-        tokens, self._pool.cache, self._state = programs.serve_step(
-            self.model.params, self._pool.cache, self._state, put_replicated(rows, self.model.mesh), table,
-            **self.model.program_kwargs)
-        tokens.copy_to_host_async()
+    def _launch(self, work: StepWork) -> tuple[jax.Array, ...]:
+        """Send the work to the other processes (if any), then dispatch it here; each call's tokens
+        start their copy to the host."""
+        if self._channel is not None:
+            self._channel.send(work)
+        self._runner.pool.begin_step()
+        tokens = self._runner.run(work)
+        for out in tokens:
+            out.copy_to_host_async()
         return tokens
-
-    def _admit_slot(self, slot: int, prompt: Sequence[int], sampling: Sampling) -> None:
-        """Give `slot` to a request on device: its sampling settings and prompt (for penalties)."""
-        padded = np.zeros((1, self.config.max_seq_len), np.int32)
-        padded[0, :len(prompt)] = prompt
-        args = put_replicated((np.int32(slot), _device_sampling([sampling]), padded, np.array([len(prompt)], np.int32)),
-                              self.model.mesh)
-        self._state = programs.admit_slot(self._state, *args, mesh=self.model.mesh)
 
     def _read(self, step: _InFlight) -> float:
         """Wait for a dispatched step's tokens and hand them out; returns the seconds waited."""
@@ -265,14 +307,18 @@ class Engine:
     # ---- warm-up, checks, stats ----------------------------------------------------------------
     def warm_up(self) -> None:
         """Compile every program the loop runs (idle rows and out-of-range slots: nothing changes), so
-        that serving never compiles."""
+        that serving never compiles. With several processes, the others must be in `follow()`."""
+        self._require_leader("warm_up")
         cfg = self.config
         with self._step_lock:
-            self._admit_slot(cfg.max_seqs, [0], Sampling(seed=0))  # slot out of range: dropped
-            table = put_replicated(np.zeros((cfg.max_seqs, cfg.table_width), np.int32), self.model.mesh)
-            for rows, chunk in ((cfg.prefill_rows, cfg.prefill_chunk), (cfg.max_seqs, 1)):
-                to_host(self._serve(lane_rows((), rows, chunk, cfg.max_seqs), table))
-            self._pool.warm_up()
+            warm_up_ops(self._log)
+            admit = Admission(cfg.max_seqs, host_sampling([Sampling(seed=0)]), np.zeros(1, np.int32))  # dropped
+            calls = tuple(lane_rows((), rows, chunk, cfg.max_seqs)
+                          for rows, chunk in ((cfg.prefill_rows, cfg.prefill_chunk), (cfg.max_seqs, 1)))
+            table = np.zeros((cfg.max_seqs, cfg.table_width), np.int32)
+            for out in self._launch(StepWork(self._log.take(), (admit,), calls, table)):
+                to_host(out)
+            self._runner.pool.settle(everything=True)
 
     def check(self) -> None:
         """Verify the page allocator against every holder (running requests, the prefix cache);
@@ -295,7 +341,6 @@ class Engine:
                 device_ms_per_step=t.device * per_step)
 
 
-def _device_sampling(settings: Sequence[Sampling]) -> SamplingArrays:
-    """Sampling rows for the slot state. Stops are checked on the host, so none go to the device
-    (one fixed column: the arrays' shapes never change)."""
-    return batch_sampling([dataclasses.replace(s, stop_token_ids=()) for s in settings], stop_width=1)
+def _lane_groups(plan: StepPlan) -> tuple[tuple[Lane, ...], ...]:
+    """The lanes of each call `Engine._work` makes, in call order."""
+    return tuple(lanes for lanes in (plan.prefill, plan.decode) if lanes)

@@ -1,10 +1,21 @@
 """The device page pool and copies of its pages in host memory (the prefix cache's offload).
 
-`PagePool` owns the current `PagedKVCache` (every program that writes it returns a new one, which
-replaces it) and is the prefix cache's `PageStore`: `save` dispatches a copy of whole pages (every
-layer's `c_kv`, `c_scale`, `k_pe`) and starts its transfer to the host without waiting; `restore`
-writes host copies back into fresh pages. Both go through fixed-size programs (`COPY_BATCH`
-pages per call, padded with the scratch page) so they never compile after warm-up.
+Two halves, so that every JAX process can run the copies process 0's prefix cache decides:
+
+- `PageLog` is the prefix cache's `PageStore` on process 0: `save`, `restore` and `release` only
+  *record* `PageOp`s (host copies are named by integer ids it hands out) and return at once. The
+  engine takes the recorded ops into the step's `StepWork`, which every process runs in order.
+- `PagePool` owns the current `PagedKVCache` (every program that writes it returns a new one,
+  which replaces it) and *runs* the ops: a save dispatches a copy of whole pages (every layer's
+  `c_kv`, `c_scale`, `k_pe`) and starts its transfer to host memory without waiting; a restore
+  writes host copies back into fresh pages; a release drops host copies. Copies go through
+  fixed-size programs (`COPY_BATCH` pages per call, padded with the scratch page) so they never
+  compile after warm-up.
+
+Across processes each process keeps its own host copies, under the ids process 0 gave them: the
+pool is replicated over the mesh (`dsr1.programs.paged_cache`), so a process's local replica of a
+page is the whole page; each process copies it from its own devices to its own host memory and
+writes it back to its own devices, and no page crosses processes.
 
 Ordering needs no locks: every program that touches the pool takes the previous pool as input,
 so the device runs them in dispatch order. A page saved and then handed to another request is
@@ -14,6 +25,7 @@ that reads it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -24,9 +36,52 @@ from .. import programs
 from ..core.cache import SCRATCH_PAGE, PagedKVCache
 from ..core.sharding import put_replicated, to_host
 
-__all__ = ["COPY_BATCH", "HostPage", "PagePool"]
+__all__ = ["COPY_BATCH", "PAGE_OP_KINDS", "HostPage", "PageLog", "PageOp", "PagePool", "warm_up_ops"]
 
 COPY_BATCH = 8  # pages per copy program: one shape, few calls per eviction
+PAGE_OP_KINDS = ("save", "restore", "release")
+
+
+@dataclasses.dataclass(frozen=True)
+class PageOp:
+    """One recorded page operation: `save` copies `pages` to host copies `ids`; `restore` writes
+    copies `ids` into `pages`; `release` drops copies `ids` (`pages` empty). Save and restore carry
+    at most `COPY_BATCH` pages."""
+
+    kind: str
+    pages: np.ndarray  # int32
+    ids: np.ndarray  # int32, one per page (release: the copies to drop)
+
+
+class PageLog:
+    """The prefix cache's `PageStore` on the deciding process: records page operations for the
+    step being planned (see the module docstring); host copies are integer ids."""
+
+    def __init__(self, page_bytes: int):
+        self.page_bytes = page_bytes
+        self._ops: list[PageOp] = []
+        self._next_id = 0
+
+    def save(self, pages: Sequence[int]) -> list[int]:
+        ids = list(range(self._next_id, self._next_id + len(pages)))
+        self._next_id += len(pages)
+        self._ops += [PageOp("save", _int32(p), _int32(i)) for p, i in zip(_batches(pages), _batches(ids))]
+        return ids
+
+    def restore(self, pages: Sequence[int], copies: Sequence[int]) -> None:
+        self._ops += [PageOp("restore", _int32(p), _int32(c)) for p, c in zip(_batches(pages), _batches(copies))]
+
+    def release(self, copies: Sequence[int]) -> None:
+        if not copies:
+            return
+        if self._ops and self._ops[-1].kind == "release":  # one op for a run of releases
+            copies = [*self._ops.pop().ids.tolist(), *copies]
+        self._ops.append(PageOp("release", _int32([]), _int32(copies)))
+
+    def take(self) -> tuple[PageOp, ...]:
+        """The operations recorded since the last call, in order."""
+        ops, self._ops = tuple(self._ops), []
+        return ops
 
 
 class _Copied:
@@ -70,41 +125,51 @@ class HostPage:
 
 
 class PagePool:
-    """The device page pool (`cache`) and page copies to and from host memory (a `PageStore`)."""
+    """The device page pool (`cache`) and this process's host copies of its pages, by id; runs
+    `PageOp`s (see the module docstring)."""
 
     def __init__(self, cache: PagedKVCache, mesh: Mesh):
         self.cache = cache
         self.mesh = mesh
         self.page_bytes = cache.nbytes() // cache.c_kv.shape[1]
-        self._this_step: list[HostPage] = []  # copies dispatched while planning the current step
+        self.copies: dict[int, HostPage] = {}
+        self._this_step: list[HostPage] = []  # copies dispatched for the current step
         self._earlier: list[HostPage] = []  # copies dispatched before it: done once its previous step is read
 
-    def save(self, pages: Sequence[int]) -> list[HostPage]:
-        """Dispatch copies of `pages` to host memory; returns one `HostPage` per page, at once."""
-        saved = []
-        for batch in _batches(pages):
-            contents = programs.copy_pages(self.cache, put_replicated(_padded(batch), self.mesh), mesh=self.mesh)
-            copied = _Copied(contents)
-            saved += [HostPage(copied, i) for i in range(len(batch))]
-        self._this_step += saved
-        return saved
+    def apply(self, op: PageOp) -> None:
+        """Run one page operation: dispatch a copy or a write (returns at once), or drop copies."""
+        with jax.named_scope(f"page_{op.kind}"):
+            if op.kind == "save":
+                self._save(op.pages, op.ids)
+            elif op.kind == "restore":
+                self._restore(op.pages, [self.copies[i] for i in op.ids.tolist()])
+            elif op.kind == "release":
+                for i in op.ids.tolist():
+                    del self.copies[i]
+            else:
+                raise ValueError(f"unknown page operation {op.kind!r}; expected one of {PAGE_OP_KINDS}")
 
-    def restore(self, pages: Sequence[int], copies: Sequence[HostPage]) -> None:
-        """Dispatch writes of host copies into `pages` (the pool is replaced)."""
-        for batch, batch_copies in zip(_batches(pages), _batches(copies)):
-            contents = _stacked([c.arrays() for c in batch_copies])
-            self.cache = programs.restore_pages(self.cache, put_replicated(_padded(batch), self.mesh),
-                                                put_replicated(contents, self.mesh), mesh=self.mesh)
+    def _save(self, pages: np.ndarray, ids: np.ndarray) -> None:
+        contents = programs.copy_pages(self.cache, put_replicated(_padded(pages), self.mesh), mesh=self.mesh)
+        copied = _Copied(contents)
+        for index, copy_id in enumerate(ids.tolist()):
+            self.copies[copy_id] = HostPage(copied, index)
+            self._this_step.append(self.copies[copy_id])
+
+    def _restore(self, pages: np.ndarray, copies: Sequence[HostPage]) -> None:
+        contents = _stacked([c.arrays() for c in copies])
+        self.cache = programs.restore_pages(self.cache, put_replicated(_padded(pages), self.mesh),
+                                            put_replicated(contents, self.mesh), mesh=self.mesh)
 
     def begin_step(self) -> None:
-        """A new step is being planned: copies dispatched so far precede the previous step's programs."""
+        """A new step is being dispatched: copies dispatched so far precede the previous step's programs."""
         self._earlier += self._this_step
         self._this_step = []
 
     def settle(self, everything: bool = False) -> None:
         """Move finished copies into their pages' own host arrays, freeing their device buffers: those
-        dispatched before the current step's plan (done, once the previous step's tokens were read),
-        or all of them (`everything`, when nothing runs on the device any more)."""
+        dispatched before the current step (done, once the previous step's tokens were read), or
+        all of them (`everything`, when nothing runs on the device any more)."""
         pages = self._earlier + (self._this_step if everything else [])
         for page in pages:
             page.settle()
@@ -112,17 +177,24 @@ class PagePool:
         if everything:
             self._this_step = []
 
-    def warm_up(self) -> None:
-        """Compile the copy programs (on the scratch page: nothing changes)."""
-        self.restore([SCRATCH_PAGE], self.save([SCRATCH_PAGE]))
-        self.settle(everything=True)
+
+def warm_up_ops(log: PageLog) -> None:
+    """Record the copy programs' warm-up into `log`: the scratch page out and back in, then drop
+    the copy (nothing changes)."""
+    copies = log.save([SCRATCH_PAGE])
+    log.restore([SCRATCH_PAGE], copies)
+    log.release(copies)
 
 
 def _batches(items: Sequence) -> list[list]:
     return [list(items[i:i + COPY_BATCH]) for i in range(0, len(items), COPY_BATCH)]
 
 
-def _padded(batch: Sequence[int]) -> np.ndarray:
+def _int32(values: Sequence[int]) -> np.ndarray:
+    return np.asarray(values, np.int32).reshape(-1)
+
+
+def _padded(batch: np.ndarray) -> np.ndarray:
     """Page ids padded to `COPY_BATCH` with the scratch page (padding copies are never used)."""
     out = np.full(COPY_BATCH, SCRATCH_PAGE, np.int32)
     out[:len(batch)] = batch

@@ -30,7 +30,8 @@ __all__ = ["PageStore", "PrefixCache", "PrefixCacheStats", "PrefixMatch"]
 
 
 class PageStore(Protocol):
-    """Copies of whole pages between the device pool and host memory (the engine's `PagePool`)."""
+    """Copies of whole pages between the device pool and host memory (the engine's `PageLog`, whose
+    operations every process's `PagePool` runs)."""
 
     page_bytes: int
 
@@ -39,6 +40,9 @@ class PageStore(Protocol):
 
     def restore(self, pages: Sequence[int], copies: Sequence[Any]) -> None:
         """Write `copies` (from `save`) into `pages`, before anything that reads them later."""
+
+    def release(self, copies: Sequence[Any]) -> None:
+        """`copies` are no longer needed (restored, superseded or pruned): free their host memory."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -182,6 +186,8 @@ class PrefixCache:
 
     def _to_device(self, node: _Node, page: int) -> None:
         """The node's page is now `page` (held once by the cache); a host copy is dropped."""
+        if node.host is not None:
+            self._store.release([node.host])
         node.page, node.host = page, None
         self._host.pop(node, None)
         self._device[node] = None
@@ -230,5 +236,6 @@ class PrefixCache:
                 self.allocator.free([node.page])
                 del self._device[node]
             else:
+                self._store.release([node.host])
                 del self._host[node]
             self._pruned += 1

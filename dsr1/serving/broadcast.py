@@ -1,0 +1,133 @@
+"""Process 0's step decisions to the other JAX processes.
+
+With several processes every process must run the same programs in the same order (their
+collectives meet across processes), but only process 0 has requests, a scheduler and a prefix
+cache. So process 0 sends each step's `StepWork` (host arrays only: page copies, admissions, the
+`serve_step` calls' rows and page table) to the others before anyone dispatches it, and every
+process then runs it (`DeviceRunner.run`). Process 0 broadcasts before it dispatches: a
+broadcast is itself a program with a cross-process collective, and a process that dispatched
+the step first would queue its collectives in another order than the others.
+
+Wire format: the work is flattened into a list of numpy arrays (`work_arrays`), packed into
+one uint8 buffer with a small int32 header (dtype, rank and shape of each array), and sent with
+`jax.experimental.multihost_utils.broadcast_one_to_all` in two broadcasts: a fixed `[2]` header
+(stop flag, payload bytes), then the payload zero-padded to a power of two (at least
+`MIN_PAYLOAD`). So the broadcast programs see a handful of shapes and compile once each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from ..generation.sampling import SamplingArrays
+from ..programs import StepRows
+from .page_pool import PAGE_OP_KINDS, PageOp
+from .work import Admission, StepWork
+
+__all__ = ["MIN_PAYLOAD", "StepChannel", "decode_work", "encode_work"]
+
+MIN_PAYLOAD = 1 << 12  # bytes: the smallest payload bucket
+_DTYPES = ("int32", "uint32", "float32", "bool")
+
+
+def _treedef(cls: type) -> jax.tree_util.PyTreeDef:
+    """The pytree structure of a registered dataclass whose fields are all arrays."""
+    return jax.tree.structure(cls(*range(len(dataclasses.fields(cls)))))
+
+
+def work_arrays(work: StepWork) -> list[np.ndarray]:
+    """`work` as a flat list of arrays: a counts header `[ops, admissions, calls, op kinds...]`,
+    then each op's pages and ids, each admission's slot, prompt and sampling leaves, each call's
+    rows, and the page table when there are calls."""
+    head = [len(work.page_ops), len(work.admissions), len(work.calls)]
+    head += [PAGE_OP_KINDS.index(op.kind) for op in work.page_ops]
+    arrays = [np.array(head, np.int32)]
+    for op in work.page_ops:
+        arrays += [op.pages, op.ids]
+    for admission in work.admissions:
+        arrays += [np.array([admission.slot], np.int32), admission.prompt, *jax.tree.leaves(admission.sampling)]
+    for rows in work.calls:
+        arrays += jax.tree.leaves(rows)
+    if work.calls:
+        arrays.append(work.page_table)
+    return [np.asarray(a) for a in arrays]
+
+
+def work_from_arrays(arrays: Sequence[np.ndarray]) -> StepWork:
+    """The inverse of `work_arrays`."""
+    it: Iterator[np.ndarray] = iter(arrays)
+    head = next(it).tolist()
+    n_ops, n_admissions, n_calls, kinds = head[0], head[1], head[2], head[3:]
+    sampling, rows = _treedef(SamplingArrays), _treedef(StepRows)
+    ops = tuple(PageOp(PAGE_OP_KINDS[kind], next(it), next(it)) for kind in kinds[:n_ops])
+
+    def admission() -> Admission:
+        slot, prompt = int(next(it)[0]), next(it)
+        return Admission(slot, jax.tree.unflatten(sampling, [next(it) for _ in range(sampling.num_leaves)]), prompt)
+
+    admissions = tuple(admission() for _ in range(n_admissions))
+    calls = tuple(jax.tree.unflatten(rows, [next(it) for _ in range(rows.num_leaves)]) for _ in range(n_calls))
+    return StepWork(ops, admissions, calls, next(it) if calls else None)
+
+
+def pack(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """Arrays as one uint8 buffer: `[header length] [header: count, (dtype, rank, *shape) each] [data]`."""
+    head = [len(arrays)]
+    for a in arrays:
+        head += [_DTYPES.index(a.dtype.name), a.ndim, *a.shape]
+    parts = [np.array([len(head)], np.int32), np.array(head, np.int32), *arrays]
+    return np.concatenate([np.ascontiguousarray(p).reshape(-1).view(np.uint8) for p in parts])
+
+
+def unpack(data: np.ndarray) -> list[np.ndarray]:
+    """The inverse of `pack`."""
+    n_head = int(data[:4].view(np.int32)[0])
+    head = iter(data[4:4 + 4 * n_head].view(np.int32).tolist())
+    pos, out = 4 + 4 * n_head, []
+    for _ in range(next(head)):
+        dtype = np.dtype(_DTYPES[next(head)])
+        shape = tuple(next(head) for _ in range(next(head)))
+        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        out.append(data[pos:pos + size].view(dtype).reshape(shape).copy())
+        pos += size
+    return out
+
+
+def encode_work(work: StepWork) -> np.ndarray:
+    return pack(work_arrays(work))
+
+
+def decode_work(data: np.ndarray) -> StepWork:
+    return work_from_arrays(unpack(data))
+
+
+def payload_bucket(size: int) -> int:
+    """The padded payload size: a power of two, at least `MIN_PAYLOAD` bytes."""
+    return max(MIN_PAYLOAD, 1 << (size - 1).bit_length())
+
+
+class StepChannel:
+    """Process 0 sends each step's `StepWork` (or a stop) to every other process, which receives it.
+    Every process must make the matching call: `send` on process 0, `receive` on the others."""
+
+    def send(self, work: StepWork | None) -> None:
+        """(Process 0) Broadcast `work`, or None to end the followers' loop."""
+        payload = np.zeros(0, np.uint8) if work is None else encode_work(work)
+        multihost_utils.broadcast_one_to_all(np.array([work is None, payload.size], np.int32))
+        if work is not None:
+            padded = np.zeros(payload_bucket(payload.size), np.uint8)
+            padded[:payload.size] = payload
+            multihost_utils.broadcast_one_to_all(padded)
+
+    def receive(self) -> StepWork | None:
+        """(Other processes) The next step's work, or None when process 0 stopped."""
+        stop, size = (int(v) for v in multihost_utils.broadcast_one_to_all(np.zeros(2, np.int32)))
+        if stop:
+            return None
+        data = multihost_utils.broadcast_one_to_all(np.zeros(payload_bucket(size), np.uint8))
+        return decode_work(np.asarray(data)[:size])

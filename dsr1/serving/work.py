@@ -1,0 +1,104 @@
+"""One engine step's device work as data, and the runner that dispatches it.
+
+`StepWork` is everything a step asks of the device, as host arrays, in the order it runs: the
+prefix cache's page copies (`PageOp`s recorded by the `PageLog`), slot admissions (a request's
+slot, sampling row and prompt) and the `serve_step` calls (their `StepRows` and the slots' page
+table). Process 0's scheduler decides it; with several JAX processes it is broadcast
+(`dsr1.serving.broadcast`) and every process hands the same `StepWork` to its `DeviceRunner`, so
+all of them dispatch the same programs with the same inputs in the same order.
+
+The runner owns what the programs carry from step to step on device: the page pool (`PagePool`,
+with this process's host copies of offloaded pages) and the per-slot `SlotState`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from .. import programs
+from ..api import Model
+from ..core.sharding import put_replicated
+from ..generation.sampling import KEY_IMPL, Sampling, SamplingArrays, host_sampling_arrays
+from ..programs import StepRows
+from .page_pool import PageOp, PagePool
+
+__all__ = ["Admission", "DeviceRunner", "StepWork", "device_sampling", "host_sampling"]
+
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """A slot given to a new request: its sampling row (`host_sampling`, one row) and its prompt."""
+
+    slot: int
+    sampling: SamplingArrays
+    prompt: np.ndarray  # int32 [n]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepWork:
+    """One step's device work in dispatch order: page copies, admissions, then `serve_step` calls
+    (host `StepRows`) against `page_table` `[max_seqs, table_width]` (None when there are no calls)."""
+
+    page_ops: tuple[PageOp, ...] = ()
+    admissions: tuple[Admission, ...] = ()
+    calls: tuple[StepRows, ...] = ()
+    page_table: np.ndarray | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not (self.page_ops or self.admissions or self.calls)
+
+
+def host_sampling(settings: Sequence[Sampling]) -> SamplingArrays:
+    """Sampling rows for the slot state as numpy arrays (keys as their uint32 key data, so they can
+    be broadcast). Stops are checked on the host, so none go to the device (one fixed column: the
+    arrays' shapes never change)."""
+    return host_sampling_arrays([dataclasses.replace(s, stop_token_ids=()) for s in settings], stop_width=1)
+
+
+def device_sampling(host: SamplingArrays, mesh: jax.sharding.Mesh) -> SamplingArrays:
+    """`host_sampling` rows replicated over the mesh, with typed keys again."""
+    arrays = put_replicated(host, mesh)
+    return dataclasses.replace(arrays, keys=jax.random.wrap_key_data(arrays.keys, impl=KEY_IMPL))
+
+
+class DeviceRunner:
+    """Dispatches `StepWork` on this process's devices; holds the page pool and the slot state."""
+
+    def __init__(self, model: Model, pool: PagePool, *, max_seqs: int, max_seq_len: int):
+        self.model = model
+        self.pool = pool
+        self.max_seq_len = max_seq_len
+        idle = device_sampling(host_sampling([Sampling(seed=0)] * max_seqs), model.mesh)
+        self.state = programs.slot_state(idle, mesh=model.mesh, vocab_size=model.cfg.vocab_size)
+
+    def run(self, work: StepWork) -> tuple[jax.Array, ...]:
+        """Dispatch the step (returns at once); the sampled tokens `[rows]` of each call, on device."""
+        for op in work.page_ops:
+            self.pool.apply(op)
+        for admission in work.admissions:
+            self._admit(admission)
+        if not work.calls:
+            return ()
+        table = put_replicated(work.page_table, self.model.mesh)
+        return tuple(self._serve(rows, table) for rows in work.calls)
+
+    def _admit(self, admission: Admission) -> None:
+        """Give a slot to a request on device: its sampling settings and prompt (for penalties)."""
+        with jax.named_scope("admit"):
+            padded = np.zeros((1, self.max_seq_len), np.int32)
+            padded[0, :len(admission.prompt)] = admission.prompt
+            slot, prompt, length = put_replicated(
+                (np.int32(admission.slot), padded, np.array([len(admission.prompt)], np.int32)), self.model.mesh)
+            self.state = programs.admit_slot(self.state, slot, device_sampling(admission.sampling, self.model.mesh),
+                                             prompt, length, mesh=self.model.mesh)
+
+    def _serve(self, rows: StepRows, table: jax.Array) -> jax.Array:
+        with jax.named_scope("serve"):
+            tokens, self.pool.cache, self.state = programs.serve_step(
+                self.model.params, self.pool.cache, self.state, put_replicated(rows, self.model.mesh), table,
+                **self.model.program_kwargs)
+        return tokens
