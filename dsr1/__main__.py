@@ -1,9 +1,10 @@
-"""Command line: `generate` streams a completion, `chat` is a multi-turn REPL, `convert` writes
-dsr1's orbax format (or `--check`s a release checkpoint).
+"""Command line: `generate` streams a completion, `chat` is a multi-turn REPL, `serve` runs an
+OpenAI-compatible HTTP server, `convert` writes dsr1's orbax format (or `--check`s a release checkpoint).
 
     python -m dsr1 generate --prompt "Why is the sky blue?" --chat --temperature 0.6
     python -m dsr1 generate --model /ckpt/DeepSeek-R1 --quant int8 --prompt "..."
     python -m dsr1 chat --model /ckpt/r1-int8
+    python -m dsr1 serve --model /ckpt/r1-int8 --max-seqs 16 --port 8000
     python -m dsr1 convert --hf /ckpt/DeepSeek-R1 --out /ckpt/r1-int8 --quant int8
 
 Without --model, a random-weight `tiny` model with R1's tokenizer runs (its text is noise).
@@ -18,6 +19,7 @@ from typing import Any
 import jax
 
 from .options import add_model_options, model_from_options
+from .server.options import add_serve_arguments
 from .weights import convert
 
 
@@ -51,6 +53,10 @@ def _parser() -> argparse.ArgumentParser:
     add_model_options(chat, default_preset="tiny")
     chat.add_argument("--system", help="system prompt")
     _sampling_args(chat)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)",
+                           description="Serve the model over HTTP with OpenAI's API, on the serving engine.")
+    add_model_options(serve, default_preset="tiny")
+    add_serve_arguments(serve)
     conv = sub.add_parser("convert", help="convert a HF release checkpoint to dsr1's orbax format, or --check one",
                           description=convert.__doc__.split("\n\n")[0])
     convert.add_arguments(conv)
@@ -136,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "convert":
         return convert.run(ap, args)
     try:
+        if args.command == "serve":
+            from .server.cli import run as run_serve  # FastAPI and uvicorn load only to serve
+
+            return run_serve(args)
         return run_generate(args) if args.command == "generate" else run_chat(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,0 +1,118 @@
+"""The FastAPI app of an OpenAI-compatible server over one `dsr1.serving.Engine`.
+
+`create_app(engine, config)` closes over everything it serves (the runner thread, the metrics
+registry, the tokenizer), so several apps can live in one process. Its lifespan starts the
+engine's thread and stops it (cancelling whatever is left). Routes:
+
+- `POST /v1/chat/completions`, `POST /v1/completions`: `completions.CompletionService`.
+- `GET /v1/models`, `GET /v1/models/{id}`: the one model served.
+- `GET /health`: 200 while serving; 503 while draining or after an engine failure (no key needed,
+  for load balancers).
+- `GET /metrics`: Prometheus text (`metrics.Metrics`).
+
+With `ServerConfig.api_key` set, every route but `/health` needs `Authorization: Bearer <key>`.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from ..generation.tokenizer import load_tokenizer
+from ..serving import Engine
+from .completions import CompletionService
+from .errors import APIError, install_error_handlers
+from .metrics import HTTPMetricsMiddleware, Metrics
+from .options import ServerConfig
+from .prepare import Limits
+from .protocol import ModelCard, ModelList
+from .runner import EngineRunner
+
+__all__ = ["create_app"]
+
+
+def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
+    """The server's app for `engine` (its tokenizer is loaded now if it has none yet). The engine
+    must not be stepped by anyone else while the app runs. `app.state.runner` is the engine's
+    thread (`drain`, `cancel_all`), `app.state.metrics` the metrics."""
+    if engine.tokenizer is None:
+        engine.tokenizer = load_tokenizer()
+    runner = EngineRunner(engine, capacity=engine.config.max_seqs + config.max_waiting)
+    metrics = Metrics(lambda: runner.stats, lambda: runner.in_flight)
+    # A request can hold at most max_seq_len tokens, and no more than the page pool (less its scratch page).
+    pool_tokens = (engine.config.num_pages - 1) * engine.config.page_size
+    limits = Limits(config.model_name, min(engine.config.max_seq_len, pool_tokens), engine.model.cfg.vocab_size,
+                    config.default_max_tokens)
+    service = CompletionService(runner, engine.tokenizer, limits, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        runner.start()
+        try:
+            yield
+        finally:
+            runner.stop()
+
+    app = FastAPI(title="dsr1", description="OpenAI-compatible DeepSeek-V3/R1 server", lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.runner, app.state.metrics, app.state.engine = runner, metrics, engine
+    install_error_handlers(app)
+    guarded = [Depends(_bearer_check(config.api_key))]
+    card = ModelCard(id=config.model_name, created=int(time.time()), max_model_len=limits.context)
+
+    @app.post("/v1/chat/completions", dependencies=guarded)
+    async def chat_completions(request: HTTPRequest) -> Response:
+        return await service.chat(request)
+
+    @app.post("/v1/completions", dependencies=guarded)
+    async def completions(request: HTTPRequest) -> Response:
+        return await service.complete(request)
+
+    @app.get("/v1/models", dependencies=guarded)
+    async def models() -> JSONResponse:
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/v1/models/{model_id:path}", dependencies=guarded)
+    async def model(model_id: str) -> JSONResponse:
+        if model_id != card.id:
+            raise APIError(404, f"the model '{model_id}' does not exist", param="model", code="model_not_found")
+        return JSONResponse(card.model_dump())
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        stats = runner.stats
+        if runner.error is not None:
+            return JSONResponse({"status": "failed", "error": repr(runner.error)}, status_code=503)
+        status = "draining" if runner.draining else "ok"
+        return JSONResponse({"status": status, "running": stats.running, "waiting": stats.waiting,
+                             "in_flight": runner.in_flight}, status_code=503 if runner.draining else 200)
+
+    @app.get("/metrics", dependencies=guarded)
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    routes = {route.path for route in app.routes}
+    app.add_middleware(HTTPMetricsMiddleware, metrics=metrics, endpoints=lambda: routes)
+    return app
+
+
+def _bearer_check(api_key: str | None):
+    """A dependency that requires `Authorization: Bearer <api_key>` (nothing when the key is None)."""
+
+    async def check(request: HTTPRequest) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # compare_digest: the comparison's time does not tell how much of a guess was right.
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    return check

@@ -1,0 +1,67 @@
+"""`python -m dsr1 serve`: load the model, build the engine, warm it up and serve the app until
+SIGTERM (see `lifecycle` for the graceful shutdown).
+
+    python -m dsr1 serve --model /ckpt/DeepSeek-R1 --quant int8 --max-seqs 16 --port 8000
+    python -m dsr1 serve --preset tiny --dtype float32            # random weights: the text is noise
+    DSR1_API_KEY=secret python -m dsr1 serve --host 0.0.0.0 ...   # any non-loopback address needs a key
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from ..generation.tokenizer import load_tokenizer
+from ..options import model_from_options
+from ..serving import Engine
+from .app import create_app
+from .lifecycle import serve
+from .options import ServerConfig, bind_refusal
+
+__all__ = ["run"]
+
+EXIT_REFUSED = 2  # as argparse's usage errors: the command line asks for something unsafe
+
+
+def model_name(args: argparse.Namespace) -> str:
+    """The id clients use: `--served-model-name`, else the checkpoint folder's name, the config
+    file's stem or the preset."""
+    if args.served_model_name:
+        return args.served_model_name
+    if getattr(args, "model", None):
+        return Path(args.model).resolve().name
+    return Path(args.config).stem if args.config else args.preset
+
+
+def build_engine(args: argparse.Namespace) -> Engine:
+    """The model (`--model`, `--preset` or `--config`) and an engine of the requested sizes, warmed up
+    unless `--no-warmup` (so that no request waits for a compilation)."""
+    model = model_from_options(args)
+    engine = Engine(model, max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
+                    prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows,
+                    host_cache_bytes=args.host_cache_bytes, max_seq_len=args.max_seq_len,
+                    prefix_caching=not args.no_prefix_caching, tokenizer=load_tokenizer(getattr(args, "model", None)))
+    if not args.no_warmup:
+        print("compiling the engine's programs...", file=sys.stderr, flush=True)
+        engine.warm_up()
+    return engine
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM or SIGINT; 0 after a graceful stop, 2 when the bind address is refused."""
+    refusal = bind_refusal(args.host, args.api_key)
+    if refusal:
+        print(f"error: {refusal}", file=sys.stderr)
+        return EXIT_REFUSED
+    config = ServerConfig(model_name=model_name(args), api_key=args.api_key or None, max_waiting=args.max_waiting,
+                          default_max_tokens=args.default_max_tokens, shutdown_timeout=args.shutdown_timeout)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    engine = build_engine(args)
+    app = create_app(engine, config)
+    print(f"serving '{config.model_name}' on http://{args.host}:{args.port}/v1 "
+          f"({'API key required' if config.api_key else 'no API key'})", file=sys.stderr, flush=True)
+    serve(app, host=args.host, port=args.port, shutdown_timeout=config.shutdown_timeout, log_level=args.log_level)
+    print("server stopped", file=sys.stderr)
+    return 0

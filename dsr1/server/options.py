@@ -1,0 +1,95 @@
+"""`python -m dsr1 serve`'s options and the server's settings (`ServerConfig`), without importing the
+HTTP stack: `dsr1.__main__` builds its parser from here and imports the server only to run it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import ipaddress
+import os
+
+__all__ = ["API_KEY_ENV", "ServerConfig", "add_serve_arguments", "bind_refusal", "is_loopback"]
+
+API_KEY_ENV = "DSR1_API_KEY"
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """What the HTTP layer needs besides the engine.
+
+    Args:
+      model_name: the id clients pass as `model` (and `GET /v1/models` lists).
+      api_key: required as `Authorization: Bearer <key>` on every route but `/health` (None: open).
+      max_waiting: requests queued beyond the engine's batch slots; more are answered 429.
+      default_max_tokens: a chat request's budget when it sets none (capped by the context left);
+        `/v1/completions` defaults to 16, as OpenAI's does.
+      shutdown_timeout: seconds in-flight requests get to finish after SIGTERM before they are cancelled.
+    """
+
+    model_name: str
+    api_key: str | None = None
+    max_waiting: int = 256
+    default_max_tokens: int = 4096
+    shutdown_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """The HTTP options, the engine's sizes and the server's limits (the model options are
+    `dsr1.options.add_model_options`')."""
+    http = p.add_argument_group("HTTP")
+    http.add_argument("--host", default="127.0.0.1",
+                      help="address to bind (default: 127.0.0.1; any other address needs an API key)")
+    http.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    http.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                      help=f"require `Authorization: Bearer KEY` (default: ${API_KEY_ENV})")
+    http.add_argument("--served-model-name", metavar="NAME",
+                      help="the model id clients use (default: the checkpoint folder's name or the preset)")
+    http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    engine = p.add_argument_group("engine")
+    engine.add_argument("--max-seqs", type=int, default=8, help="requests running at once (default: 8)")
+    engine.add_argument("--page-size", type=int, default=16, help="tokens per cache page (default: 16)")
+    engine.add_argument("--num-pages", type=int, default=512, help="pages in the device pool (default: 512)")
+    engine.add_argument("--prefill-chunk", type=int, default=64,
+                        help="prompt tokens per request per step (default: 64)")
+    engine.add_argument("--prefill-rows", type=int, default=2, help="requests prefilling per step (default: 2)")
+    engine.add_argument("--host-cache-bytes", type=int, default=0,
+                        help="host memory for evicted prefix-cache pages (default: 0, no offload)")
+    engine.add_argument("--max-seq-len", type=int,
+                        help="longest prompt + output (default: the model's limit or the pool's size)")
+    engine.add_argument("--no-prefix-caching", action="store_true", help="prefill every prompt in full")
+    engine.add_argument("--no-warmup", action="store_true", help="compile on the first requests instead of at start")
+    limits = p.add_argument_group("limits")
+    limits.add_argument("--max-waiting", type=int, default=256,
+                        help="requests queued beyond --max-seqs; more are answered 429 (default: 256)")
+    limits.add_argument("--default-max-tokens", type=int, default=4096,
+                        help="a chat request's token budget when it sets none (default: 4096); a request "
+                             "reserves pages for its prompt and its whole budget, so size --num-pages to match")
+    limits.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds in-flight requests get to finish after SIGTERM (default: 30)")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is only reachable from this machine (`localhost`, 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve to anything
+
+
+def bind_refusal(host: str, api_key: str | None) -> str | None:
+    """Why binding `host` without a key is refused (None when it is allowed)."""
+    if is_loopback(host) or api_key:
+        return None
+    return (f"refusing to serve on {host!r} without an API key: anyone who can reach it could use the model. "
+            f"Pass --api-key KEY (or set ${API_KEY_ENV}), or bind 127.0.0.1.")
