@@ -16,12 +16,14 @@
 # %% [markdown]
 # # Cluster check
 #
-# Hosts, devices and versions of every process, and an all-reduce across all of them, timed. Start
-# the cluster first (`./mcjax_setup.sh`, or `./mcjax_setup.sh --local 4`).
+# Hosts, devices and versions of every process, clock skew between hosts, the shared folder (mounted?
+# free space?), and an all-reduce across all of them, timed. Start the cluster first
+# (`./mcjax_setup.sh`, or `./mcjax_setup.sh --local 4`).
 
 # %%
-# Host 0's kernel is the last JAX process. On a simulated cluster it needs the same fake CPU devices
-# as the engines, set before JAX starts its backend.
+# The platform numbers the processes (cluster.json's "numbering"): kernel-last (the kernel is the last
+# process) or platform (TPU pods, Slurm: JAX numbers them itself, the kernel is process 0). On a
+# simulated cluster the kernel needs the engines' fake CPU devices, set before JAX starts its backend.
 import os
 
 from dsr1.workbench import cluster as mcjax
@@ -33,13 +35,15 @@ if info.get("provider") == "local":
 cluster = mcjax.connect()                     # the ipyparallel client, cluster.json and the process layout
 engines = mcjax.wait_for_engines(cluster, info.get("engines") or len(cluster.client.ids))
 layout = mcjax.assign_process_ids(cluster)    # PROCESS_ID, NUM_PROCESSES, COORDINATOR everywhere
-cluster.client.activate()                     # %px / %%px on all engines
-print(layout.describe(engines[0]), "...", f"{NUM_PROCESSES} processes, the kernel is process {PROCESS_ID}")
-assert NUM_PROCESSES == len(engines) + 1 and PROCESS_ID == NUM_PROCESSES - 1
+mcjax.activate(cluster)                       # %px / %%px on all engines, and %%everywhere
+print(f"{NUM_PROCESSES} processes, {layout.numbering} numbering: the kernel is process {PROCESS_ID}; "
+      + "; ".join(e.describe() for e in layout.engines))
+assert NUM_PROCESSES == len(engines) + 1 and PROCESS_ID == layout.kernel_process_id
+assert sorted([PROCESS_ID, *(e.process_id for e in layout.engines)]) == list(range(NUM_PROCESSES))
 
 # %%
-# %%px --local
-# Runs on every engine (submitted without blocking) and then here: initialize waits for all N.
+# %%everywhere
+# Runs on every engine (submitted without blocking) and here: initialize waits for all N processes.
 import jax
 
 from dsr1.workbench import cluster as mcjax
@@ -50,9 +54,41 @@ print(f"process {jax.process_index()} of {jax.process_count()}: {jax.local_devic
       f"{jax.device_count()} in all")
 
 # %%
-report = mcjax.health_check(cluster)
+# Same Python, jax, jaxlib and dsr1 everywhere? (a mismatch is listed under "problems" and fails the cell)
+report = mcjax.health_check(cluster, raise_on_problem=False)
 print(report)
+versions = {key: sorted({str(p[key]) for p in report.processes}) for key in ("python", "jax", "jaxlib", "dsr1")}
+print("versions:", ", ".join(f"{k} {' / '.join(v)}" for k, v in versions.items()))
 assert report.ok and len(report.processes) == NUM_PROCESSES
+assert all(len(v) == 1 for v in versions.values()), f"version mismatch: {versions}"
+
+# %% [markdown]
+# ## Clocks and the shared folder
+# Clock skew of each engine's host against host 0 (logs and profiles are compared across hosts), and
+# how every process sees the shared folders: the mount (on a real cluster hosts 1..N-1 see `nfs`, and
+# a bucket `fuse.gcsfuse`) and the free space.
+
+# %%
+skews = mcjax.clock_skew(cluster)
+for who, (skew, uncertainty) in skews.items():
+    print(f"{who}: clock {skew * 1e3:+.1f} ms (+/- {uncertainty * 1e3:.1f} ms) against host 0")
+assert len(skews) == len(engines)
+worst = max(abs(s) - u for s, u in skews.values())
+print(f"largest skew beyond the measurement's uncertainty: {max(worst, 0) * 1e3:.1f} ms")
+if info.get("provider") == "local":
+    assert worst < 0.5  # one machine, one clock
+
+storage = mcjax.storage_everywhere(cluster)
+for who, entries in storage.items():
+    for e in entries:
+        free = f"{e['free_bytes'] / 2**30:.1f} GiB free" if e["exists"] else "MISSING"
+        print(f"{who}: {e['path']} on {e['mount']} ({e['fstype']} from {e['source']}), {free}")
+assert all(e["exists"] and e["free_bytes"] > 0 for entries in storage.values() for e in entries)
+LOCAL_FILESYSTEMS = ("ext4", "xfs", "btrfs", "overlay", "tmpfs")  # not shared between hosts
+if info.get("provider") not in ("local", None):  # the engines' hosts must see host 0's folders over the network
+    unshared = [f"{who}: {e['path']} ({e['fstype']})" for who, entries in storage.items() if who != "kernel"
+                for e in entries if e["fstype"] in LOCAL_FILESYSTEMS]
+    print("not on a shared mount:", "; ".join(unshared) or "none")
 
 # %% [markdown]
 # ## All-reduce across every process
@@ -60,7 +96,7 @@ assert report.ok and len(report.processes) == NUM_PROCESSES
 # must see all of them.
 
 # %%
-# %%px --local
+# %%everywhere
 import time
 
 import jax.numpy as jnp

@@ -1,9 +1,12 @@
 """`pytest --nbval-lax notebooks/` runs each notebook against a fresh simulated cluster.
 
-Before a notebook's first cell, `./mcjax_setup.sh --local N` starts a controller and N-1 engines
-(the nbval kernel is process N-1); after its last cell, and in any case when pytest ends, the
-cluster is stopped. A fresh cluster per notebook because a JAX process cannot join a second
-`jax.distributed` group: engines initialized with one kernel cannot serve the next.
+Before a notebook's first cell, `./mcjax_setup.sh --local N --numbering NUMBERING` starts a
+controller and N-1 engines; after its last cell, and in any case when pytest ends, the cluster is
+stopped. NUMBERING is `$MCJAX_TEST_NUMBERING`: `kernel-last` (default; the nbval kernel is process
+N-1, with explicit ids) or `platform` (Slurm-style variables, the kernel is process 0 and JAX
+numbers the processes itself, as on TPU pods). tests/test_notebooks.py runs the notebooks again
+under the other numbering. A fresh cluster per notebook because a JAX process cannot join a
+second `jax.distributed` group: engines initialized with one kernel cannot serve the next.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import pytest
 
 ROOT = Path(__file__).parents[1]
 PROCESSES = int(os.environ.get("MCJAX_TEST_PROCESSES", "4"))
+NUMBERING = os.environ.get("MCJAX_TEST_NUMBERING", "kernel-last")
 _running: dict[str, Path] = {}
 
 
@@ -46,7 +50,7 @@ def _start(notebook: Path) -> None:
     os.environ["MCJAX_COORDINATOR_PORT"] = str(_free_port())
     os.environ["MCJAX_PYTHON"] = sys.executable  # engines run this environment's Python, as the kernel does
     _running["notebook"] = notebook  # before starting: a failed start is stopped too
-    _setup("--local", str(PROCESSES))
+    _setup("--local", str(PROCESSES), "--numbering", NUMBERING)
 
 
 @pytest.hookimpl(tryfirst=True)  # before nbval starts the notebook's kernel, which inherits the environment

@@ -8,7 +8,7 @@
 #       format_version: '1.3'
 #       jupytext_version: 1.19.6
 #   kernelspec:
-#     display_name: Python 3
+#     display_name: Python 3 (ipykernel)
 #     language: python
 #     name: python3
 # ---
@@ -17,8 +17,9 @@
 # # dsr1 workbench
 #
 # DeepSeek-V3/R1 in JAX across the hosts of a cluster. The notebook kernel runs on host 0; every
-# `%%px --local` cell runs the same code on the engines (hosts 1..N-1) **and** here, so all JAX
-# processes execute the same programs.
+# `%%everywhere` cell runs the same code on the engines (hosts 1..N-1) **and** here, so all JAX
+# processes execute the same programs (`%%px --local` with a watchdog: an engine that dies during
+# the cell ends it with an error naming the engine; see "Recovery" below).
 #
 # Start the cluster first: `./mcjax_setup.sh` on a real cluster (see `cluster/README.md`), or a
 # simulated one on this machine with `./mcjax_setup.sh --local 4` (a controller, 3 engines and this
@@ -28,8 +29,9 @@
 # unset, a random-weight `tiny` model runs (its text is noise).
 
 # %%
-# Host 0's kernel is the last JAX process. On a simulated cluster it needs the same fake CPU devices
-# as the engines, set before JAX starts its backend.
+# The platform numbers the processes (cluster.json's "numbering"): kernel-last (the kernel is the last
+# process) or platform (TPU pods, Slurm: JAX numbers them itself, the kernel is process 0). On a
+# simulated cluster the kernel needs the engines' fake CPU devices, set before JAX starts its backend.
 import os
 
 from dsr1.workbench import cluster as mcjax
@@ -41,9 +43,11 @@ if info.get("provider") == "local":
 cluster = mcjax.connect()                     # the ipyparallel client, cluster.json and the process layout
 engines = mcjax.wait_for_engines(cluster, info.get("engines") or len(cluster.client.ids))
 layout = mcjax.assign_process_ids(cluster)    # PROCESS_ID, NUM_PROCESSES, COORDINATOR everywhere
-cluster.client.activate()                     # %px / %%px on all engines
-print(layout.describe(engines[0]), "...", f"{NUM_PROCESSES} processes, the kernel is process {PROCESS_ID}")
-assert NUM_PROCESSES == len(engines) + 1 and PROCESS_ID == NUM_PROCESSES - 1
+mcjax.activate(cluster)                       # %px / %%px on all engines, and %%everywhere
+print(f"{NUM_PROCESSES} processes, {layout.numbering} numbering: the kernel is process {PROCESS_ID}; "
+      + "; ".join(e.describe() for e in layout.engines))
+assert NUM_PROCESSES == len(engines) + 1 and PROCESS_ID == layout.kernel_process_id
+assert sorted([PROCESS_ID, *(e.process_id for e in layout.engines)]) == list(range(NUM_PROCESSES))
 
 # %%
 CHECKPOINT = os.environ.get("DSR1_CHECKPOINT")   # None: the tiny random model
@@ -54,8 +58,8 @@ print("checkpoint:", CHECKPOINT or "none (random tiny model)")
 # ## Initialize `jax.distributed` in every process
 
 # %%
-# %%px --local
-# Runs on every engine (submitted without blocking) and then here: initialize waits for all N.
+# %%everywhere
+# Runs on every engine (submitted without blocking) and here: initialize waits for all N processes.
 import jax
 
 from dsr1.workbench import cluster as mcjax
@@ -70,12 +74,12 @@ print(f"process {jax.process_index()} of {jax.process_count()}: {jax.local_devic
 # One mesh over every device of every process; weights are created (or read) directly into their shards.
 
 # %%
-# %%px --local
+# %%everywhere
 import dsr1
 
 mesh = dsr1.make_mesh()
 if CHECKPOINT:
-    model = dsr1.load(CHECKPOINT, mesh=mesh, progress=PROCESS_ID == NUM_PROCESSES - 1)
+    model = dsr1.load(CHECKPOINT, mesh=mesh, progress=PROCESS_ID == KERNEL_PROCESS_ID)
 else:
     model = dsr1.init_random(dsr1.Config.preset("tiny"), mesh=mesh)
 tokenizer = dsr1.load_tokenizer(CHECKPOINT)
@@ -90,7 +94,7 @@ assert gate.addressable_shards[0].data.shape[1] == model.cfg.n_routed_experts //
 # The same float32 random model on the whole mesh, and on this kernel's own devices alone.
 
 # %%
-# %%px --local
+# %%everywhere
 import numpy as np
 
 from dsr1.core.sharding import to_host
@@ -134,29 +138,47 @@ assert 0 < len(completion.tokens) <= 48
 # model is sharded); the kernel plots.
 
 # %%
-# %%px --local
+# %%everywhere
 from dsr1.workbench import profiling
 
 profile = profiling.profile_decode(model, batch=4, batches=(1, 2, 4, 8), context=64, steps=8,
                                    copy_bytes=64 * 2**20)
 
 # %%
-print(profile.summary())
+print(profile.summary())   # device time by block is per device (this kernel's devices' mean), next to the step time
 figure = profiling.plot_profile(profile)
 assert set(profile.tokens_per_second) == {1, 2, 4, 8} and min(profile.tokens_per_second.values()) > 0
 assert profile.block_ms["attention"] > 0 and profile.block_ms["routed experts"] > 0
 assert 0 < profile.achieved_gbs
+assert sum(profile.block_ms.values()) < 2 * np.median(profile.step_ms)  # per device: no sum over devices
 
 # %% [markdown]
-# ## Troubleshooting
+# ## Recovery and troubleshooting
 #
+# **An engine died** (killed, out of memory, a crash): the `%%everywhere` cell running at the time
+# ends within seconds with a ClusterError naming the engine (process, host, pid); so does the next
+# one. The other processes cannot go on with `jax.distributed` without it. To recover, without
+# restarting this kernel or touching the controller:
+#
+# 1. Run `mcjax.reset_engines(cluster)` (set `RESET_ENGINES = True` in the last cell, or type it in
+#    a new cell). It asks the scripts whether a restart can succeed (`cluster_restart check`; if not,
+#    nothing is stopped and the error says which host is the problem), resets this kernel's JAX
+#    state (it leaves `jax.distributed` and drops its devices and compiled programs), restarts every
+#    engine (`cluster_restart engines` on host 0), re-reads `cluster.json` and numbers the processes
+#    again with a new coordinator port.
+# 2. Re-run the cells from "Initialize" down: `initialize`, the mesh and model, the generation.
+#
+# If the engine that died was **process 0** under kernel-last numbering, it ran the coordinator and
+# JAX ends every process with it, this kernel included: restart the kernel, then
+# `mcjax.reset_engines(mcjax.connect())` and run the notebook from the top. (Under platform numbering
+# the kernel is process 0 and runs the coordinator.)
+#
+# Other problems:
 # - **A cell hangs or was interrupted**: `mcjax.abort_stale(cluster)` aborts what is still queued on
 #   the engines (`interrupt=True` also sends SIGINT).
-# - **An engine died** (the next `%%px` raises a ClusterError naming it): run `cluster_restart` from
-#   `mcjax_defs.sh` on host 0 (or `mcjax.reset_engines(cluster)` below), then re-run the cells from
-#   "Initialize".
-# - **Engines hold memory from an earlier run**: `mcjax.reset_engines(cluster)`.
-# - **`initialize` timed out**: `mcjax.clear_hung_initialize(cluster)`, then initialize again.
+# - **Engines hold memory from an earlier run**: `mcjax.reset_engines(cluster)`, then re-run from "Initialize".
+# - **`initialize` timed out**: `mcjax.clear_hung_initialize(cluster)`, then
+#   `mcjax.assign_process_ids(cluster, port=<a new port>)` and initialize again.
 
 # %%
 report = mcjax.health_check(cluster)   # same Python, dsr1 and jax everywhere; devices per process
@@ -165,7 +187,8 @@ assert report.ok
 print("stale tasks aborted:", mcjax.abort_stale(cluster))
 
 # %%
-# Restarting the engines frees their memory; they then need assign_process_ids and initialize again.
+# Recovery (see above): restarts the engines, resets this kernel's JAX state, numbers the processes
+# again; then re-run the cells from "Initialize".
 RESET_ENGINES = False
 if RESET_ENGINES:
     mcjax.reset_engines(cluster)

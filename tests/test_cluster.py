@@ -127,12 +127,64 @@ def test_process_numbering_follows_host_index():
     infos = {7: dict(host_index="3", hostname="h3", pid=30, address="10.0.0.3"),
              2: dict(host_index="1", hostname="h1", pid=10, address="10.0.0.1"),
              5: dict(host_index="2", hostname="h2", pid=20, address="10.0.0.2")}
-    gpu = _layout(list(infos), list(infos.values()), 9999, tpu=False)
+    gpu = _layout(list(infos), list(infos.values()), 9999, "kernel-last")
     assert [(e.engine_id, e.process_id) for e in gpu.engines] == [(2, 0), (5, 1), (7, 2)]
     assert (gpu.num_processes, gpu.kernel_process_id, gpu.coordinator) == (4, 3, "10.0.0.1:9999")
-    tpu = _layout(list(infos), list(infos.values()), 9999, tpu=True)  # JAX numbers TPU workers itself
+    tpu = _layout(list(infos), list(infos.values()), 9999, "platform")  # JAX numbers TPU workers itself
     assert [(e.host_index, e.process_id) for e in tpu.engines] == [(1, 1), (2, 2), (3, 3)]
-    assert (tpu.kernel_process_id, tpu.coordinator) == (0, None)
+    assert (tpu.kernel_process_id, tpu.coordinator, tpu.port) == (0, None, 9999)
+
+
+def test_platform_numbering_gives_the_kernel_the_platform_variables_and_a_bind_address():
+    from dsr1.workbench.cluster import Cluster, _layout, _process_env
+
+    info = {"numbering": "platform", "kernel_env": {"SLURM_PROCID": "0", "SLURM_NTASKS": "2",
+                                                    "JAX_COORDINATOR_PORT": "1234"}}
+    cluster = Cluster(client=None, info=info, controller_ip="10.0.0.5")
+    layout = _layout([3], [dict(host_index="1", hostname="h1", pid=1, address="10.0.0.6")], 4321, "platform")
+    kernel = _process_env(cluster, layout, kernel=True)
+    assert kernel == {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "JAX_COORDINATOR_PORT": "4321",
+                      "JAX_COORDINATOR_BIND_ADDRESS": "10.0.0.5:4321"}  # a new port wins over kernel_env's
+    assert _process_env(cluster, layout, kernel=False) == {"JAX_COORDINATOR_PORT": "4321"}
+    kernel_last = _layout([3], [dict(host_index="1", hostname="h1", pid=1, address="10.0.0.6")], 4321, "kernel-last")
+    assert _process_env(cluster, kernel_last, kernel=True) == {}
+
+
+def test_watchdog_ends_a_stuck_call_when_an_engine_is_dead():
+    import threading
+
+    from dsr1.workbench.watchdog import run_watched
+
+    stuck, dead = threading.Event(), []
+    threading.Timer(0.3, lambda: dead.append(7)).start()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="engine 7 is gone"):
+        run_watched(stuck.wait, lambda: list(dead), lambda d: RuntimeError(f"engine {d[0]} is gone"), poll=0.05)
+    assert time.monotonic() - start < 2
+    stuck.set()
+    assert run_watched(lambda: 42, list, lambda d: RuntimeError("no")) == 42
+    with pytest.raises(ZeroDivisionError):
+        run_watched(lambda: 1 / 0, list, lambda d: RuntimeError("no"))
+
+
+def test_gloo_connection_lines_are_dropped_from_native_stdout():
+    code = ("import os, sys\nfrom dsr1.workbench.native_output import drop_native_stdout_lines\n"
+            "drop_native_stdout_lines()\n"
+            "os.write(1, b'kept 1\\n[Gloo] Rank 0 is connected to 1 peer ranks. Expected number\\nkept 2\\n')\n"
+            "os.write(1, b'[Gloo] Rank 1 is conn')\nos.write(1, b'ected to 1 peer ranks\\npart')\n"
+            "os.write(1, b'ial line\\n')\nprint('printed at the end', flush=True)\n")
+    done = run([sys.executable, "-c", code], env=clean_env())
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "kept 1\nkept 2\npartial line\nprinted at the end\n"  # nothing lost at exit
+
+
+def test_storage_reports_the_mount_and_free_space(tmp_path):
+    from dsr1.workbench.process import storage
+
+    here, gone = storage([str(tmp_path), str(tmp_path / "missing")])
+    assert here["exists"] and here["free_bytes"] > 0 and here["fstype"] not in ("", "?")
+    assert str(tmp_path).startswith(here["mount"])
+    assert not gone["exists"] and gone["free_bytes"] is None
 
 
 def test_health_check_flags_mismatches():
@@ -433,8 +485,8 @@ def test_hung_initialize_is_cleared_then_initialize_everywhere_works(local_clust
     cluster = mcjax.connect(state=local_cluster.state, timeout=30)
     try:
         before = local_cluster.pids()
-        new = mcjax.reset_engines(cluster, timeout=120)  # fresh engines: JAX not started in them yet
-        assert cluster.layout is None
+        new = mcjax.reset_engines(cluster, timeout=120, namespace={})  # fresh engines: JAX not started yet
+        assert sorted(cluster.layout.engine_ids) == sorted(new)  # numbered again, with a new port
         assert len(new) == N - 1
         after = local_cluster.pids()
         assert all(alive(after[f"engine-{i}"]) and after[f"engine-{i}"] != before[f"engine-{i}"] for i in (1, 2))

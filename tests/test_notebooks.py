@@ -8,6 +8,10 @@ Outputs and metadata do not matter here; cell types and sources do.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,3 +50,22 @@ def test_notebook_matches_its_jupytext_source(source: Path):
         f"{notebook.name} differs from its source {source.name} ({len(committed)} cells vs {len(expected)}; first "
         f"differing cell: {(stale or [min(len(committed), len(expected))])[0]}): run "
         f"`jupytext --sync notebooks/{source.name}` and commit both files")
+
+
+def test_notebooks_pass_under_platform_numbering():
+    """`pytest --nbval-lax notebooks` runs them with kernel-last numbering (notebooks/conftest.py);
+    here they run again, in a pytest of their own, with the platform's numbering (the kernel is
+    process 0, JAX numbers the processes from Slurm-style variables, as on TPU pods)."""
+    pytest.importorskip("nbval")
+    pytest.importorskip("ipyparallel")
+    if os.environ.get("MCJAX_TEST_NUMBERING") == "platform":
+        pytest.skip("this pytest already runs the notebooks with platform numbering")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MCJAX_") and k != "XLA_FLAGS"}
+    env["MCJAX_TEST_NUMBERING"] = "platform"
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax",
+                           str(NOTEBOOKS)], cwd=NOTEBOOKS.parent, env=env, capture_output=True, text=True,
+                          timeout=1500)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout and "failed" not in done.stdout, done.stdout[-3000:]
+    print(f"notebooks under platform numbering: {time.monotonic() - start:.0f} s; {done.stdout.splitlines()[-1]}")

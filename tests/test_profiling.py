@@ -47,3 +47,34 @@ def test_generation_widget_streams_into_its_output(tiny):
     assert w.result is not None and w.output.value == w.result.completions[0].text
     assert w.status.value.startswith(("length", "stop")) and "tok/s" in w.status.value
     np.testing.assert_equal(len(w.result.completions[0].tokens) <= 8, True)
+
+
+def test_widget_reports_prefill_without_compilation(tiny):
+    """A first call compiles: its prefill figure leaves the compilation out and shows it apart."""
+    from dsr1.generation.tokenizer import load_tokenizer
+    from dsr1.workbench.widgets import GenerationWidget
+
+    w = GenerationWidget(tiny, load_tokenizer(), max_new_tokens=4)
+    w.prompt.value = "A prompt of another length, so that prefill compiles again here"
+    w.button.click()
+    assert "compilation" in w.status.value and "(not counted)" in w.status.value, w.status.value
+    prefill = float(w.status.value.split("prefill ")[1].split(" tok/s")[0].replace(",", ""))
+    assert prefill > w.result.prefill_tokens_per_second  # the compile time is out of the prefill figure
+
+
+def test_status_line_and_compile_times():
+    from types import SimpleNamespace
+
+    from dsr1.workbench.widgets import CompileTimes, status_line
+
+    r = SimpleNamespace(completions=[SimpleNamespace(finish_reason="length")], prefill_seconds=2.0,
+                        prefill_tokens=100, decode_tokens=10, decode_tokens_per_second=10.0)
+    line = status_line(r, prefill_compile_seconds=1.5, compile_seconds=1.8)
+    assert "prefill 200 tok/s" in line and "decode 10.0 tok/s" in line and "compilation 1.8 s" in line
+    assert "compilation" not in status_line(r, 0.0, 0.0) and "prefill 50 tok/s" in status_line(r, 0.0, 0.0)
+    import jax
+    import jax.numpy as jnp
+
+    with CompileTimes() as compiles:
+        jax.jit(lambda x: jnp.sin(x) * 3.25)(jnp.arange(7.0)).block_until_ready()
+    assert compiles.total > 0 and compiles.within(0, float("inf")) == compiles.total

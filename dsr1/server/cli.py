@@ -37,20 +37,24 @@ def model_name(args: argparse.Namespace) -> str:
 
 def build_engine(args: argparse.Namespace) -> Engine:
     """The model (`--model`, `--preset` or `--config`) and an engine of the requested sizes, warmed up
-    unless `--no-warmup` (so that no request waits for a compilation)."""
+    unless `--no-warmup` (so that no request waits for a compilation). On a cluster every process
+    builds it; only process 0 warms it up (the others join in `follow()`)."""
     model = model_from_options(args)
     engine = Engine(model, max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
                     prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows,
                     host_cache_bytes=args.host_cache_bytes, max_seq_len=args.max_seq_len,
                     prefix_caching=not args.no_prefix_caching, tokenizer=load_tokenizer(getattr(args, "model", None)))
-    if not args.no_warmup:
+    if engine.is_leader and not args.no_warmup:
         print("compiling the engine's programs...", file=sys.stderr, flush=True)
         engine.warm_up()
     return engine
 
 
 def run(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM or SIGINT; 0 after a graceful stop, 2 when the bind address is refused."""
+    """Serve until SIGTERM or SIGINT; 0 after a graceful stop, 2 when the bind address is refused.
+
+    On a cluster (`jax.distributed` initialized) process 0 serves HTTP and decides each step; the
+    other processes run the same programs on process 0's schedule until it stops."""
     refusal = bind_refusal(args.host, args.api_key)
     if refusal:
         print(f"error: {refusal}", file=sys.stderr)
@@ -59,9 +63,16 @@ def run(args: argparse.Namespace) -> int:
                           default_max_tokens=args.default_max_tokens, shutdown_timeout=args.shutdown_timeout)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine = build_engine(args)
+    if not engine.is_leader:
+        engine.follow()
+        return 0
     app = create_app(engine, config)
     print(f"serving '{config.model_name}' on http://{args.host}:{args.port}/v1 "
           f"({'API key required' if config.api_key else 'no API key'})", file=sys.stderr, flush=True)
-    serve(app, host=args.host, port=args.port, shutdown_timeout=config.shutdown_timeout, log_level=args.log_level)
+    try:
+        serve(app, host=args.host, port=args.port, shutdown_timeout=config.shutdown_timeout,
+              log_level=args.log_level)
+    finally:
+        engine.close()  # release the other processes' follow()
     print("server stopped", file=sys.stderr)
     return 0

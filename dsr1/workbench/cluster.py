@@ -2,11 +2,12 @@
 ``mcjax_setup.sh`` started, number the JAX processes, initialize ``jax.distributed`` in all of
 them, check they match, and recover from stale tasks, dead engines and a hung initialize.
 
-Process layout: the engines on hosts 1..N-1 are JAX processes 0..N-2 (ordered by host index);
-the notebook kernel on host 0 is process N-1. On TPU VMs JAX numbers the processes itself, by
-TPU worker: there the kernel is process 0 and host i is process i. With
-``./mcjax_setup.sh --local N`` the layout runs on this machine, each process with
-``MCJAX_LOCAL_DEVICES`` fake CPU devices.
+Process layout (``numbering`` in cluster.json): *kernel-last*, the engines on hosts 1..N-1 are
+JAX processes 0..N-2 (ordered by host index) and the notebook kernel on host 0 is process N-1,
+with explicit ids; *platform* (TPU pods, Slurm), JAX numbers the processes itself: the kernel is
+process 0 and host i is process i, and every process calls ``jax.distributed.initialize()``
+without ids. With ``./mcjax_setup.sh --local N [--numbering platform]`` either layout runs on
+this machine, each process with ``MCJAX_LOCAL_DEVICES`` fake CPU devices.
 
 The pattern, in a notebook on host 0::
 
@@ -14,17 +15,24 @@ The pattern, in a notebook on host 0::
     cluster = mcjax.connect()                     # a Cluster; reads $MCJAX_STATE/cluster.json
     mcjax.wait_for_engines(cluster, N - 1)
     mcjax.assign_process_ids(cluster)             # PROCESS_ID, NUM_PROCESSES, COORDINATOR everywhere
-    cluster.client.activate()                     # the %px / %%px magics, on a blocking view
+    mcjax.activate(cluster)                       # %px / %%px, and %%everywhere (below)
 
-    %%px --local
+    %%everywhere
     from dsr1.workbench import cluster as mcjax
     mcjax.initialize(PROCESS_ID, NUM_PROCESSES, COORDINATOR)
 
-``%%px --local`` is safe for ``initialize``, which blocks until all N processes have joined:
+``%%everywhere`` is ``%%px --local`` with a watchdog: the kernel's part runs in a worker thread
+while the kernel watches the engines, so an engine that dies in the middle of a collective ends
+the cell within a second or two with a ClusterError naming it (``%%px --local`` would wait
+forever: the kernel's own part is stuck in the collective). Recovery: :func:`reset_engines`, then
+re-run the cells from "Initialize".
+
+``%%px --local`` is safe for ``initialize`` too, which blocks until all N processes have joined:
 ipyparallel's magic (8.x, 9.x) submits the cell to the engines *without blocking*, then runs it
 in the kernel, then (on the blocking view of ``client.activate()``) waits for the engines and
-shows their output. tests/test_cluster.py runs exactly this cell in an IPython shell acting as
-process N-1. Never run the engines' part blocking first (``%px`` / ``%%px`` without
+shows their output; tests/test_cluster.py runs it in an IPython shell acting as process N-1, and
+tests/test_recovery.py kills an engine during a ``%%everywhere`` cell in a Jupyter kernel.
+Never run the engines' part blocking first (``%px`` / ``%%px`` without
 ``--local``, ``view.execute(..., block=True)``) and the kernel's afterwards: the engines would
 wait for the kernel and the kernel for them (``initialize`` then times out with a ClusterError).
 From Python, :func:`initialize_everywhere` does the same as the cell, and :func:`px` with
@@ -35,7 +43,8 @@ engines through ipyparallel's ``apply``, here directly.
 
 Troubleshooting: :func:`abort_stale` (queued or running tasks left behind),
 :func:`clear_hung_initialize` (an initialize timed out: reset ``jax.distributed`` everywhere so
-it can run again), :func:`reset_engines` (restart the engines, e.g. to free their memory),
+it can run again), :func:`reset_engines` (after an engine died, or to free the engines' memory:
+restart them and reset the kernel's JAX state),
 :func:`health_check` (same Python, versions and devices everywhere?).
 """
 
@@ -54,28 +63,32 @@ from typing import TYPE_CHECKING, Any
 
 from .process import (
     ClusterError,
-    define_process_names,
+    clock,
     detect_platform,
     initialize,
+    prepare_process,
     probe,
     reset_here,
     shutdown_here,
+    storage,
     user_namespace,
 )
+from .watchdog import compile_cell, run_watched
 
 if TYPE_CHECKING:
     import ipyparallel
 
 __all__ = [
     "DEFAULT_COORDINATOR_PORT", "Cluster", "ClusterError", "EngineInfo", "HealthReport", "Layout", "abort_stale",
-    "assign_process_ids", "clear_hung_initialize", "cluster_info", "connect", "connection_file", "detect_platform",
-    "health_check", "initialize", "initialize_everywhere", "probe", "px", "reset_engines", "shutdown_everywhere",
-    "state_dir", "wait_for_engines",
+    "activate", "assign_process_ids", "clear_hung_initialize", "clock_skew", "cluster_info", "connect",
+    "connection_file", "detect_platform", "health_check", "initialize", "initialize_everywhere", "probe", "px",
+    "reset_engines", "shared_paths", "shutdown_everywhere", "state_dir", "storage_everywhere", "wait_for_engines",
 ]
 
 DEFAULT_COORDINATOR_PORT = 8476
-_RESTART_HINT = ("restart the engines: `source mcjax_defs.sh && cluster_restart` (or "
-                 "dsr1.workbench.cluster.reset_engines(cluster)), then assign_process_ids and initialize again")
+_RESTART_HINT = ("recover with dsr1.workbench.cluster.reset_engines(cluster) (it restarts the engines through "
+                 "the scripts' cluster_restart and resets this kernel's JAX state), then re-run the cells from "
+                 "\"Initialize\"")
 
 
 # ----------------------------------------------------------------------------- connecting
@@ -209,12 +222,16 @@ class EngineInfo:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """The JAX processes: engines 0..N-2, the kernel N-1, and process 0's coordinator address
-    (on TPU: the kernel 0, engines 1..N-1, coordinator None, as JAX numbers them there)."""
+    """The JAX processes. ``numbering`` ``kernel-last``: engines 0..N-2, the kernel N-1, and
+    ``coordinator`` process 0's address; ``platform`` (as JAX numbers them on TPU pods and Slurm):
+    the kernel 0, the engine of host i process i, ``coordinator`` None (JAX finds it; the kernel
+    runs it). ``port``: the coordinator's port."""
     num_processes: int
     kernel_process_id: int
     coordinator: str | None
     engines: tuple[EngineInfo, ...]
+    numbering: str = "kernel-last"
+    port: int | None = None
 
     @property
     def engine_ids(self) -> list[int]:
@@ -236,49 +253,97 @@ def _probe_everywhere(cluster: Cluster, engine_ids: list[int], devices: bool, ti
     return [engines[e] for e in engine_ids], mine
 
 
-def _layout(engine_ids: list[int], infos: list[dict], port: int, tpu: bool) -> Layout:
+NUMBERINGS = ("kernel-last", "platform")
+
+
+def _layout(engine_ids: list[int], infos: list[dict], port: int, numbering: str) -> Layout:
     """Number the processes from the engines' probes: engines by host index (then engine id)."""
+    if numbering not in NUMBERINGS:
+        raise ClusterError(f"unknown numbering {numbering!r} (cluster.json): want one of {', '.join(NUMBERINGS)}")
+
     def order(pair: tuple[int, dict]) -> tuple:
         index = pair[1]["host_index"]
         return (index is None, int(index) if index is not None else 0, pair[0])
 
     ranked = sorted(zip(engine_ids, infos), key=order)
     n = len(ranked) + 1
-    # TPU: JAX numbers the processes itself, by TPU worker (= host index): the kernel is 0.
-    first = 1 if tpu else 0
-    coordinator = None if tpu else f"{ranked[0][1]['address']}:{port}"
+    # platform: JAX numbers the processes itself, by TPU worker or Slurm task (= host index): the kernel is 0.
+    platform = numbering == "platform"
+    first = 1 if platform else 0
+    coordinator = None if platform else f"{ranked[0][1]['address']}:{port}"
     engines = tuple(
         EngineInfo(engine_id=eid, process_id=first + rank, hostname=info["hostname"], pid=int(info["pid"]),
                    host_index=None if info["host_index"] is None else int(info["host_index"]),
                    address=info["address"])
         for rank, (eid, info) in enumerate(ranked))
-    return Layout(num_processes=n, kernel_process_id=0 if tpu else n - 1, coordinator=coordinator, engines=engines)
+    return Layout(num_processes=n, kernel_process_id=0 if platform else n - 1, coordinator=coordinator,
+                  engines=engines, numbering=numbering, port=port)
+
+
+def _numbering(cluster: Cluster, kernel: dict, engines: list[dict]) -> str:
+    """cluster.json's numbering; without one, platform on TPU (JAX numbers TPU workers itself)."""
+    recorded = cluster.info.get("numbering")
+    if recorded:
+        return str(recorded)
+    tpu = kernel["accelerator"] == "tpu" and all(i["accelerator"] == "tpu" for i in engines)
+    return "platform" if tpu else "kernel-last"
+
+
+def _coordinator_port(cluster: Cluster, port: int | None) -> int:
+    """``port``, else cluster.json's, else ``$MCJAX_COORDINATOR_PORT`` / ``$JAX_COORDINATOR_PORT``, else 8476."""
+    for candidate in (port, cluster.info.get("coordinator_port"), os.environ.get("MCJAX_COORDINATOR_PORT"),
+                      os.environ.get("JAX_COORDINATOR_PORT")):
+        if candidate:
+            return int(candidate)
+    return DEFAULT_COORDINATOR_PORT
+
+
+def _process_env(cluster: Cluster, layout: Layout, kernel: bool) -> dict[str, str]:
+    """The environment a process needs before initialize. Platform numbering: every process gets
+    ``JAX_COORDINATOR_PORT`` (so a new port reaches engines started with another one), and the
+    kernel, process 0, cluster.json's ``kernel_env`` (the platform's variables) and
+    ``JAX_COORDINATOR_BIND_ADDRESS``: its coordinator listens on host 0's internal address only."""
+    if layout.numbering != "platform":
+        return {}
+    env = {"JAX_COORDINATOR_PORT": str(layout.port)}
+    if kernel:
+        env = {**{k: str(v) for k, v in (cluster.info.get("kernel_env") or {}).items()}, **env,
+               "JAX_COORDINATOR_BIND_ADDRESS": f"{cluster.controller_ip}:{layout.port}"}
+    return env
 
 
 def assign_process_ids(cluster: Cluster, *, port: int | None = None, timeout: float = 60.0,
                        namespace: dict | None = None) -> Layout:
-    """Give every engine a JAX process id 0..N-2 (in host index order) and the kernel N-1.
+    """Number the JAX processes as cluster.json's ``numbering`` says and prepare every process
+    for ``initialize``.
 
-    Sets ``PROCESS_ID``, ``NUM_PROCESSES`` and ``COORDINATOR`` (process 0's address and ``port``,
-    default ``$MCJAX_COORDINATOR_PORT`` or 8476) in each engine's namespace and in the kernel's
-    (``namespace``, else IPython's user namespace), so one ``%%px --local`` cell reads the right
-    values everywhere, and keeps the layout in ``cluster.layout``. Run it again after engines
-    were restarted.
+    kernel-last: the engines get 0..N-2 (in host index order), the kernel N-1, and
+    ``COORDINATOR`` is process 0's address with ``port`` (default: cluster.json's
+    ``coordinator_port``, ``$MCJAX_COORDINATOR_PORT``, or 8476). platform (TPU pods, Slurm): JAX
+    numbers the processes itself, the kernel (host 0) is process 0 and host i process i, and
+    ``COORDINATOR`` is None; the kernel takes cluster.json's ``kernel_env`` into its environment,
+    and every process the coordinator's port as ``JAX_COORDINATOR_PORT``.
 
-    On TPU VMs JAX assigns the process ids itself, by TPU worker: there the kernel (host 0) is
-    process 0, engine hosts 1..N-1 are processes 1..N-1 and ``COORDINATOR`` is None (automatic).
+    Sets ``PROCESS_ID``, ``NUM_PROCESSES`` and ``COORDINATOR`` in each engine's namespace and in the
+    kernel's (``namespace``, else IPython's user namespace), so one ``%%everywhere`` cell reads the
+    right values everywhere; turns on JAX's compilation cache in cluster.json's ``jax_cache_dir``
+    everywhere; keeps the layout in ``cluster.layout``. Run it again after engines were restarted
+    (:func:`reset_engines` does).
     """
     ids = sorted(cluster.client.ids)
     if not ids:
         raise ClusterError(f"no engines are registered with the controller: {_RESTART_HINT}")
     infos, mine = _probe_everywhere(cluster, ids, devices=False, timeout=timeout, namespace=namespace)
-    tpu = mine["accelerator"] == "tpu" and all(i["accelerator"] == "tpu" for i in infos)
-    layout = _layout(ids, infos, port or int(os.environ.get("MCJAX_COORDINATOR_PORT", DEFAULT_COORDINATOR_PORT)), tpu)
-    n, coordinator = layout.num_processes, layout.coordinator
+    layout = _layout(ids, infos, _coordinator_port(cluster, port), _numbering(cluster, mine, infos))
+    n, coordinator, cache = layout.num_processes, layout.coordinator, cluster.info.get("jax_cache_dir")
+    engine_env = _process_env(cluster, layout, kernel=False)
     _call_everywhere(
-        cluster, {e.engine_id: functools.partial(define_process_names, e.process_id, n, coordinator)
+        cluster, {e.engine_id: functools.partial(prepare_process, e.process_id, n, coordinator, env=engine_env,
+                                                 cache_dir=cache, kernel_process_id=layout.kernel_process_id)
                   for e in layout.engines}, timeout,
-        local=functools.partial(define_process_names, layout.kernel_process_id, n, coordinator, namespace))
+        local=functools.partial(prepare_process, layout.kernel_process_id, n, coordinator,
+                                env=_process_env(cluster, layout, kernel=True), cache_dir=cache,
+                                kernel_process_id=layout.kernel_process_id, namespace=namespace))
     cluster.layout = layout
     return layout
 
@@ -407,20 +472,27 @@ def _targets(cluster: Cluster, targets: list[int] | None) -> list[int]:
 
 def px(cluster: Cluster, code: str, *, local: bool = False, namespace: dict | None = None,
        targets: list[int] | None = None, timeout: float | None = None) -> Any:
-    """``%%px [--local]`` from Python: run the cell ``code`` on the engines (all those numbered by
-    :func:`assign_process_ids`, or ``targets``) and, with ``local=True``, in this process too (in
-    ``namespace``, else IPython's user namespace).
+    """``%%px [--local]`` from Python, with a watchdog: run the cell ``code`` on the engines (all
+    those numbered by :func:`assign_process_ids`, or ``targets``) and, with ``local=True``, in this
+    process too (in ``namespace``, else IPython's user namespace). ``%%everywhere`` (see
+    :func:`activate`) is ``px(cluster, cell, local=True)``.
 
     The engines' execution is submitted without blocking, then the local one runs, then the
     engines are awaited (``timeout`` seconds at most): the order collective code such as
-    ``jax.distributed.initialize`` needs. A dead engine or a timeout raises ClusterError naming
-    the engine and the way out; an error in ``code`` itself is raised as such. Returns the
-    engines' AsyncResult (``.display_outputs()`` shows their output).
+    ``jax.distributed.initialize`` needs. The local part runs in a worker thread while this thread
+    watches the engines: an engine that dies meanwhile (killed, out of memory) ends the call within
+    about a second with a ClusterError naming it, even when the local part is stuck for good in a
+    collective with it. A timeout raises ClusterError too; an error in ``code`` itself is raised as
+    such. Returns the engines' AsyncResult (``.display_outputs()`` shows their output).
     """
     ids = _targets(cluster, targets)
     ar = cluster.client[ids].execute(code, silent=False, block=False)
     if local:
-        exec(compile(code, "<px --local>", "exec"), user_namespace(namespace))  # the user's cell, as %%px runs it
+        shell = _ipython()
+        cell = compile_cell(code, "everywhere", shell if namespace is None else None)
+        scope = user_namespace(namespace)
+        run_watched(lambda: exec(cell, scope), lambda: _dead_engines(cluster, ids),  # the user's cell, as %%px runs it
+                    lambda dead: _dead_error(cluster, dead))
     aborted = _aborted(ids, _wait(cluster, ar, ids, timeout))
     if aborted:
         raise ClusterError(
@@ -429,11 +501,38 @@ def px(cluster: Cluster, code: str, *, local: bool = False, namespace: dict | No
     return ar
 
 
+def _ipython() -> Any:
+    """IPython's running shell, or None outside IPython."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    return get_ipython()
+
+
+def activate(cluster: Cluster) -> None:
+    """The notebook's magics: ipyparallel's ``%px`` / ``%%px`` on a blocking view of every engine,
+    and ``%%everywhere [--timeout S]``: the cell on every numbered engine and in this kernel, as
+    ``%%px --local`` does, with the watchdog of :func:`px` (an engine dying during the cell ends it
+    with an error naming the engine). Use ``%%everywhere`` for every cell that runs collectives."""
+    cluster.client.activate()
+    shell = _ipython()
+    if shell is None:
+        raise ClusterError("activate needs IPython (a notebook kernel): from Python, use px(cluster, code, local=True)")
+
+    def everywhere(line: str, cell: str) -> None:
+        words = line.split()
+        timeout = float(words[words.index("--timeout") + 1]) if "--timeout" in words else None
+        px(cluster, cell, local=True, timeout=timeout).display_outputs()
+
+    shell.register_magic_function(everywhere, magic_kind="cell", magic_name="everywhere")
+
+
 # ----------------------------------------------------------------------------- jax.distributed
 
 def initialize_everywhere(cluster: Cluster, *, port: int | None = None, timeout: float = 300.0,
                           namespace: dict | None = None) -> Layout:
-    """Initialize ``jax.distributed`` on every engine and in this process (process N-1).
+    """Initialize ``jax.distributed`` on every engine and in this process (the kernel).
 
     Numbers the processes first (:func:`assign_process_ids`) unless that was done (or ``port`` is
     given), submits :func:`initialize` to the engines without blocking, runs it here, then waits for
@@ -451,13 +550,25 @@ def initialize_everywhere(cluster: Cluster, *, port: int | None = None, timeout:
 
 
 def shutdown_everywhere(cluster: Cluster, *, timeout: float = 120.0) -> None:
-    """Leave ``jax.distributed`` cleanly in every process (all must call it: it is a barrier).
+    """Leave ``jax.distributed`` cleanly in every process (all must call it).
 
     Do this before stopping the cluster or the kernel; otherwise the survivors see a missing
-    heartbeat and JAX ends them. JAX cannot be initialized again in a process that computed.
+    heartbeat and JAX ends them. Process 0, which runs the coordinator, leaves last: with
+    ``jax_enable_recoverability`` nobody waits for the others at shutdown, and a process whose
+    coordinator is gone before it left is ended by JAX. JAX cannot be initialized again in a
+    process that computed (without :func:`reset_engines`).
     """
     ids = _targets(cluster, None)
-    _call_everywhere(cluster, {e: shutdown_here for e in ids}, timeout, local=shutdown_here)
+    layout = cluster.layout
+    if layout is None:
+        _call_everywhere(cluster, {e: shutdown_here for e in ids}, timeout, local=shutdown_here)
+        return
+    first = [e.engine_id for e in layout.engines if e.process_id != 0 and e.engine_id in ids]
+    last = [e.engine_id for e in layout.engines if e.process_id == 0 and e.engine_id in ids]
+    kernel_first = layout.kernel_process_id != 0
+    _call_everywhere(cluster, {e: shutdown_here for e in first}, timeout, local=shutdown_here if kernel_first else None)
+    _call_everywhere(cluster, {e: shutdown_here for e in last}, timeout,
+                     local=None if kernel_first else shutdown_here)
 
 
 def clear_hung_initialize(cluster: Cluster | None = None, *, timeout: float = 60.0) -> dict[str, str]:
@@ -490,7 +601,8 @@ class HealthReport:
         return not self.problems
 
     def __str__(self) -> str:
-        cols = ("role", "PROCESS_ID", "hostname", "pid", "jax", "dsr1", "platform", "local_devices", "executable")
+        cols = ("role", "PROCESS_ID", "hostname", "pid", "python", "jax", "jaxlib", "dsr1", "platform", "local_devices",
+                "executable")
         rows = [[str(p.get(c, "")) for c in cols] for p in self.processes]
         widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
@@ -556,6 +668,39 @@ def health_check(cluster: Cluster, *, timeout: float = 60.0, namespace: dict | N
     return report
 
 
+def clock_skew(cluster: Cluster, *, timeout: float = 30.0) -> dict[str, tuple[float, float]]:
+    """Each engine's wall clock minus this host's, in seconds, with its uncertainty (half the
+    round trip): ``{"engine 3 (process 1, host h, pid p)": (skew, uncertainty)}``. One engine at a
+    time, so each round trip is short."""
+    skews = {}
+    for eid in _targets(cluster, None):
+        sent = time.time()
+        theirs = _wait(cluster, cluster.client[eid].apply_async(clock), [eid], timeout)
+        received = time.time()
+        skews[cluster.describe(eid)] = (theirs - (sent + received) / 2, (received - sent) / 2)
+    return skews
+
+
+def shared_paths(info: dict[str, Any]) -> list[str]:
+    """The folders every host must see, from cluster.json: the compilation cache and the
+    ipyparallel profile (both on the shared folder of a real cluster) and dsr1's source."""
+    import dsr1
+
+    paths = [info.get("jax_cache_dir"), info.get("profile_dir"), str(Path(dsr1.__file__).parents[1])]
+    return [p for p in dict.fromkeys(paths) if p]
+
+
+def storage_everywhere(cluster: Cluster, paths: list[str] | None = None, *,
+                       timeout: float = 30.0) -> dict[str, list[dict[str, Any]]]:
+    """:func:`~dsr1.workbench.process.storage` of ``paths`` (default :func:`shared_paths`) in every
+    process: exists, mount point, file system type (``nfs4``, ``fuse.gcsfuse``, ...), free bytes."""
+    paths = paths or shared_paths(cluster.info)
+    ids = _targets(cluster, None)
+    engines, mine = _call_everywhere(cluster, {e: functools.partial(storage, paths) for e in ids}, timeout,
+                                     local=functools.partial(storage, paths))
+    return {"kernel": mine} | {cluster.describe(e): engines[e] for e in ids}
+
+
 # ----------------------------------------------------------------------------- troubleshooting
 
 def abort_stale(cluster: Cluster, *, interrupt: bool = False, timeout: float = 10.0) -> int:
@@ -581,43 +726,41 @@ def abort_stale(cluster: Cluster, *, interrupt: bool = False, timeout: float = 1
 
 
 def reset_engines(cluster: Cluster, *, n: int | None = None, timeout: float = 180.0,
-                  command: list[str] | None = None) -> list[int]:
-    """Restart every engine (e.g. to free the memory they hold, or after one died): abort stale
-    tasks, ask the engines to exit, run the scripts' ``cluster_restart engines`` (``command``
-    overrides it), then wait for ``n`` new engines (default: as many as before). Returns their
-    ids; run :func:`assign_process_ids` / :func:`initialize_everywhere` again afterwards.
+                  command: list[str] | None = None, port: int | None = None,
+                  namespace: dict | None = None) -> list[int]:
+    """Recover the cluster (after an engine died, a cell hung, or to free the engines' memory):
 
-    For a real cluster the restart runs on this host (host 0), which must reach the others
-    with the provider's tools (gcloud or ssh); otherwise run ``cluster_restart`` yourself.
+    1. ask the scripts whether a restart can succeed (``cluster_restart check``): if not, nothing
+       is stopped and the error says why;
+    2. reset this kernel's JAX state (:func:`~dsr1.workbench.process.reset_here`: leave
+       ``jax.distributed``, drop JAX's backends and compiled programs; a collective stuck in a
+       thread stays there, harmless), before the engines go: the kernel must not wait on a
+       coordinator that vanishes;
+    3. abort stale tasks and restart every engine (``cluster_restart engines``, run here on host 0;
+       ``command`` overrides it), wait for ``n`` new ones (default: as many as before);
+    4. re-read cluster.json and number the processes again (:func:`assign_process_ids`) with a new
+       coordinator ``port`` (default: a free one on a local cluster, else the previous one + 1).
+
+    Then re-run the notebook from "Initialize". Returns the new engines' ids.
     """
     client, info, layout = cluster.client, cluster.info or cluster_info(), cluster.layout
     old = set(client.ids)
     n = n or (len(layout.engines) if layout else 0) or int(info.get("engines") or 0) or len(old)
     if not n:
         raise ClusterError("reset_engines: how many engines? (pass n=)")
+    if command is None:
+        _run_scripts(info, "check", timeout)
+    reset_here()
     abort_stale(cluster, interrupt=True, timeout=5)
     if old:
         client.shutdown(targets=sorted(old), hub=False, block=False)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 3  # engines stuck in a collective do not exit: the scripts stop them
         while set(client.ids) & old and time.monotonic() < deadline:
             time.sleep(0.2)
     if command is None:
-        root = info.get("root") or os.environ.get("MCJAX_ROOT")
-        if not root:
-            raise ClusterError("reset_engines: no cluster.json naming the scripts' folder: "
-                               "run cluster_restart yourself")
-        command = ["bash", "-c", '[ ! -f "$1/mcjax.env" ] || . "$1/mcjax.env"; . "$1/mcjax_defs.sh" && '
-                   'cluster_restart engines', "mcjax-reset-engines", str(root)]
-    env = dict(os.environ)
-    for key, name in (("provider", "MCJAX_PROVIDER"), ("state", "MCJAX_STATE"), ("cluster_id", "MCJAX_CLUSTER_ID"),
-                      ("profile_dir", "MCJAX_PROFILE_DIR"), ("python", "MCJAX_PYTHON"),
-                      ("local_devices", "MCJAX_LOCAL_DEVICES")):
-        if info.get(key):
-            env[name] = str(info[key])
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-    if done.returncode != 0:
-        raise ClusterError(f"restarting the engines failed (exit status {done.returncode}):\n"
-                           f"{(done.stdout + done.stderr)[-3000:]}")
+        _run_scripts(info, "engines", timeout)
+    else:
+        _run(command, _scripts_env(info), timeout, "restarting the engines")
     deadline = time.monotonic() + timeout
     while len(set(client.ids) - old) < n or set(client.ids) & old:
         if time.monotonic() > deadline:
@@ -625,5 +768,46 @@ def reset_engines(cluster: Cluster, *, n: int | None = None, timeout: float = 18
                                f"{sorted(set(client.ids) & old)} of the old ones are still registered: see "
                                f"cluster_status and the engine logs")
         time.sleep(0.2)
-    cluster.layout = None  # the new engines have no process ids yet
+    cluster.info = cluster_info(info.get("state")) or info
+    cluster.layout = None  # the old engines' numbering
+    assign_process_ids(cluster, port=port or _next_port(cluster.info, layout), namespace=namespace)
     return sorted(set(client.ids) - old)
+
+
+def _next_port(info: dict[str, Any], layout: Layout | None) -> int:
+    """A coordinator port for the next initialize: a free one on a local cluster (everything runs
+    here), else the previous one + 1 (a port the old coordinator may still hold is avoided)."""
+    if info.get("provider") == "local":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    previous = (layout.port if layout else None) or info.get("coordinator_port") or DEFAULT_COORDINATOR_PORT
+    return int(previous) + 1
+
+
+def _scripts_env(info: dict[str, Any]) -> dict[str, str]:
+    """This environment plus the cluster's settings from cluster.json, for the scripts."""
+    env = dict(os.environ)
+    for key, name in (("provider", "MCJAX_PROVIDER"), ("state", "MCJAX_STATE"), ("cluster_id", "MCJAX_CLUSTER_ID"),
+                      ("profile_dir", "MCJAX_PROFILE_DIR"), ("python", "MCJAX_PYTHON"),
+                      ("local_devices", "MCJAX_LOCAL_DEVICES")):
+        if info.get(key):
+            env[name] = str(info[key])
+    return env
+
+
+def _run_scripts(info: dict[str, Any], what: str, timeout: float) -> None:
+    """``cluster_restart WHAT`` of the scripts in cluster.json's ``root`` (with its mcjax.env on a host)."""
+    root = info.get("root") or os.environ.get("MCJAX_ROOT")
+    if not root:
+        raise ClusterError("reset_engines: no cluster.json naming the scripts' folder: run cluster_restart yourself")
+    script = '[ ! -f "$1/mcjax.env" ] || . "$1/mcjax.env"; . "$1/mcjax_defs.sh" && cluster_restart "$2"'
+    failure = "a restart of the engines cannot succeed (nothing was stopped)" if what == "check" else \
+        "restarting the engines"
+    _run(["bash", "-c", script, "mcjax-reset-engines", str(root), what], _scripts_env(info), timeout, failure)
+
+
+def _run(command: list[str], env: dict[str, str], timeout: float, what: str) -> None:
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise ClusterError(f"{what} (exit status {done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")

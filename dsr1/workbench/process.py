@@ -3,9 +3,9 @@ through ipyparallel's ``apply``, the notebook kernel calls them directly.
 
 - :func:`probe`: who and what this process is (host, environment, versions, devices);
 - :func:`initialize`: ``jax.distributed.initialize`` with a timeout that raises instead of hanging;
-- :func:`define_process_names`, :func:`shutdown_here`, :func:`reset_here`: the per-process steps of
-  ``assign_process_ids``, ``shutdown_everywhere`` and ``clear_hung_initialize`` in
-  :mod:`dsr1.workbench.cluster`.
+- :func:`prepare_process`, :func:`shutdown_here`, :func:`reset_here`: the per-process steps of
+  ``assign_process_ids``, ``shutdown_everywhere``, ``clear_hung_initialize`` and ``reset_engines``
+  in :mod:`dsr1.workbench.cluster`.
 """
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ import dataclasses
 import importlib
 import importlib.util
 import os
+import shutil
 import socket
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 # jax's own initialization timeout ends the *process* (a fatal error, not an exception), so jax
@@ -48,10 +50,43 @@ def user_namespace(namespace: dict | None = None) -> dict:
 
 
 def define_process_names(process_id: int, num_processes: int, coordinator: str | None,
-                          namespace: dict | None = None) -> None:
-    """``PROCESS_ID``, ``NUM_PROCESSES`` and ``COORDINATOR`` in this process's user namespace, for
-    the ``%%px --local`` cells."""
-    user_namespace(namespace).update(PROCESS_ID=process_id, NUM_PROCESSES=num_processes, COORDINATOR=coordinator)
+                          namespace: dict | None = None, *, kernel_process_id: int | None = None) -> None:
+    """``PROCESS_ID``, ``NUM_PROCESSES``, ``COORDINATOR`` and ``KERNEL_PROCESS_ID`` (the notebook
+    kernel's id, e.g. to show progress there only) in this process's user namespace, for the
+    ``%%everywhere`` / ``%%px --local`` cells."""
+    user_namespace(namespace).update(PROCESS_ID=process_id, NUM_PROCESSES=num_processes, COORDINATOR=coordinator,
+                                     KERNEL_PROCESS_ID=kernel_process_id)
+
+
+def prepare_process(process_id: int, num_processes: int, coordinator: str | None, *,
+                    env: dict[str, str] | None = None, cache_dir: str | None = None,
+                    kernel_process_id: int | None = None, namespace: dict | None = None) -> None:
+    """This process's part of ``assign_process_ids``, before ``initialize``: the names of
+    :func:`define_process_names`, the environment variables ``env`` (the platform's variables
+    from which JAX numbers the processes itself, ``JAX_COORDINATOR_PORT``,
+    ``JAX_COORDINATOR_BIND_ADDRESS``) and, with ``cache_dir``, JAX's persistent compilation cache.
+    """
+    os.environ.update(env or {})
+    if cache_dir:
+        use_compilation_cache(cache_dir)
+    define_process_names(process_id, num_processes, coordinator, namespace, kernel_process_id=kernel_process_id)
+
+
+def use_compilation_cache(path: str) -> None:
+    """JAX's persistent compilation cache in ``path`` (the cluster's shared folder), for every
+    program however fast it compiled (``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``, default 0 as
+    the cluster scripts set it). Must come before this process compiles its first program: JAX
+    decides once, at its first compilation, whether it uses a cache, so a process that already
+    computed is left as it is."""
+    import jax
+
+    from . import jax_internals
+
+    if jax_internals.backends_are_initialized():
+        return
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")))
 
 
 # ----------------------------------------------------------------------------- probe
@@ -122,6 +157,43 @@ def _devices_if_started() -> dict[str, Any]:
     return info
 
 
+def clock() -> float:
+    """This host's wall clock (``time.time()``), for the clock skew between hosts."""
+    return time.time()
+
+
+def storage(paths: list[str]) -> list[dict[str, Any]]:
+    """For each of ``paths`` as this host sees it: whether it exists, the mount it is on (mount
+    point, file system type such as ``nfs4`` or ``fuse.gcsfuse``, source) and the free space."""
+    mounts = _mounts()
+    out = []
+    for path in paths:
+        real = os.path.realpath(path)
+        point = max((m for m in mounts if real == m or real.startswith(m.rstrip("/") + "/")), key=len, default="/")
+        fstype, source = mounts.get(point, ("?", "?"))
+        entry: dict[str, Any] = {"path": path, "exists": os.path.exists(path), "mount": point, "fstype": fstype,
+                                 "source": source, "free_bytes": None}
+        if entry["exists"]:
+            entry["free_bytes"] = shutil.disk_usage(path).free
+        out.append(entry)
+    return out
+
+
+def _mounts() -> dict[str, tuple[str, str]]:
+    """Mount point -> (file system type, source), from /proc/mounts (the last mount on a point wins)."""
+    try:
+        lines = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return {}
+    mounts = {}
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 3:
+            point = fields[1].replace("\\040", " ")
+            mounts[point] = (fields[2], fields[0])
+    return mounts
+
+
 # ----------------------------------------------------------------------------- jax.distributed
 
 @dataclasses.dataclass
@@ -144,10 +216,17 @@ def initialize(process_id: int, num_processes: int, coordinator: str | None = No
                timeout: float = 300.0, platform: str | None = None) -> None:
     """``jax.distributed.initialize`` for this process, with a timeout that raises instead of hanging.
 
-    On TPU (without ``coordinator``) JAX finds the processes itself. On GPU and CPU the
-    coordinator ``host:port`` (process 0's address) is required; on CPU the gloo collectives
-    are selected. Must run before anything starts JAX's backend (``jax.devices()``, a
-    computation) in this process. Calling it again with the same arguments is a no-op (re-running
+    Without ``coordinator`` (platform numbering: TPU pods, Slurm, ``--local N --numbering
+    platform``) ``jax.distributed.initialize()`` gets no ids: JAX finds them from the platform
+    (``JAX_COORDINATOR_PORT`` sets the port, ``JAX_COORDINATOR_BIND_ADDRESS`` process 0's bind
+    address; ``assign_process_ids`` sets both), and the id it gives must be ``process_id`` (the
+    layout's expectation). With ``coordinator`` (kernel-last numbering) the ids are explicit and
+    process 0's coordinator binds to its own address only. On CPU the gloo collectives are
+    selected and their ``[Gloo] Rank ...`` lines are kept out of the output. Every process runs
+    with ``jax_enable_recoverability``: when one process dies the others stay alive (JAX would end
+    them) so the notebook can report it and recover. If the process hosting the coordinator (process
+    0) dies, JAX still ends the others. Must run before anything starts JAX's backend
+    (``jax.devices()``, a computation) in this process. Calling it again with the same arguments is a no-op (re-running
     the ``%%px --local`` cell is harmless); after a timeout, fix the cause and call it again with
     the same arguments (the first attempt may still complete), or call ``clear_hung_initialize``
     and start over with a new port.
@@ -168,6 +247,19 @@ def initialize(process_id: int, num_processes: int, coordinator: str | None = No
     if init.error is not None:
         raise ClusterError(f"jax.distributed.initialize failed in {where}: {init.error}; call "
                            f"clear_hung_initialize before trying again") from init.error
+    _check_numbering(process_id, num_processes)
+
+
+def _check_numbering(process_id: int, num_processes: int) -> None:
+    """The ids JAX gave (the platform's numbering) are those of the layout."""
+    import jax
+
+    got = (jax.process_index(), jax.process_count())
+    if got != (process_id, num_processes):
+        raise ClusterError(
+            f"JAX numbered this process {got[0]} of {got[1]}, the layout expected {process_id} of "
+            f"{num_processes}: the platform's variables (cluster.json's kernel_env, the engines' SLURM_* / "
+            f"TPU worker ids) disagree with the host order; run assign_process_ids again after reset_engines")
 
 
 def _start_initialize(args: tuple, platform: str, where: str) -> _Init:
@@ -193,9 +285,15 @@ def _start_initialize(args: tuple, platform: str, where: str) -> _Init:
                 "JAX has already started its devices in this process (jax.devices(), a computation, "
                 "or a health check before initialize): jax.distributed.initialize must come first. "
                 "Restart this process (reset_engines for engines, restart the kernel) and initialize first.")
-        kwargs = _initialize_arguments(*args, platform=platform)
+        kwargs = _initialize_arguments(*args)
         if platform == "cpu":
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
+            from .native_output import drop_native_stdout_lines
+
+            drop_native_stdout_lines()
+        # Survivors of a dead process stay alive (JAX would end them), so the notebook can say which
+        # one died and recover; see reset_here.
+        jax.config.update("jax_enable_recoverability", True)
 
         def run(init: _Init) -> None:
             try:
@@ -212,14 +310,11 @@ def _start_initialize(args: tuple, platform: str, where: str) -> _Init:
         return init
 
 
-def _initialize_arguments(process_id: int, num_processes: int, coordinator: str | None, *,
-                          platform: str) -> dict[str, Any]:
-    """jax.distributed.initialize's arguments: none on TPU without a coordinator (JAX finds them)."""
-    if platform == "tpu" and coordinator is None:
-        return {}
+def _initialize_arguments(process_id: int, num_processes: int, coordinator: str | None) -> dict[str, Any]:
+    """jax.distributed.initialize's arguments: none without a coordinator (JAX finds them from the
+    platform, as on TPU pods and Slurm), else the explicit ids."""
     if coordinator is None:
-        raise ClusterError(f"initialize on {platform} needs the coordinator 'host:port' of process 0 "
-                           f"(assign_process_ids sets COORDINATOR)")
+        return {}
     # Process 0's coordinator listens on its own address only (JAX's default is [::]).
     return dict(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
                 coordinator_bind_address=coordinator)
@@ -236,26 +331,59 @@ def shutdown_here() -> None:
 
 def reset_here() -> str:
     """Forget this process's jax.distributed state so initialize can run again: a finished
-    initialize is shut down (a barrier, so every process must do it), a pending one is abandoned
-    (its thread stays blocked on a coordinator that is closed) and the coordinator service of
-    process 0 is stopped. Returns what was done."""
+    initialize is shut down (a barrier with the processes still alive, so every live process must
+    do it; a dead one does not hold it up under ``jax_enable_recoverability``), a pending one is
+    abandoned (its thread stays blocked on a coordinator that is closed) and the coordinator
+    service of process 0 is stopped. JAX's backends, which were started for the old group of
+    processes, are cleared too: arrays and compiled programs made before are invalid, re-create
+    them (re-run the notebook from "Initialize"). Returns what was done."""
     global _INIT
+    init = _INIT
+    what = _reset_distributed(init)
+    if init is not None or what != "nothing to reset":
+        _clear_backends()
+    _INIT = None
+    return what
+
+
+def _clear_backends() -> None:
+    """Drop JAX's started backends and compiled programs (a computation stuck in a thread keeps its
+    own), so that the next initialize is not refused as coming after computations."""
+    import jax
+    from jax.extend import backend
+
+    from . import jax_internals
+
+    if jax_internals.backends_are_initialized():
+        backend.clear_backends()
+        jax.clear_caches()
+
+
+def _reset_distributed(init: _Init | None) -> str:
+    """The jax.distributed part of :func:`reset_here`."""
     import jax
 
     from . import jax_internals
 
-    init = _INIT
     if init is not None and init.done.is_set() and init.error is None:
         # A barrier with the other processes: bounded, in case one of them is gone.
-        done = threading.Event()
-        threading.Thread(target=lambda: (jax.distributed.shutdown(), done.set()), daemon=True).start()
-        what = "shut down" if done.wait(30) else "reset (the shutdown barrier timed out)"
-        if not done.is_set():
-            jax_internals.abandon_distributed_state(stop_service=False)
+        done, failed = threading.Event(), []
+
+        def shutdown() -> None:
+            try:
+                jax.distributed.shutdown()
+            except Exception as e:  # noqa: BLE001 - e.g. the coordinator is gone: forget the state below
+                failed.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=shutdown, name="mcjax-shutdown", daemon=True).start()
+        what = "shut down" if done.wait(30) and not failed else "reset (the shutdown barrier failed or timed out)"
+        if failed or not done.is_set():
+            jax_internals.abandon_distributed_state(stop_service=bool(failed))
     elif init is None and not jax_internals.has_distributed_state():
         what = "nothing to reset"
     else:
         jax_internals.abandon_distributed_state(stop_service=True)
         what = "reset a pending initialize" if init is not None and not init.done.is_set() else "reset"
-    _INIT = None
     return what

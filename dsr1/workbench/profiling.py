@@ -43,7 +43,7 @@ class DecodeProfile:
     context: int
     step_ms: np.ndarray  # latency of each decode step at `batch`, in order
     tokens_per_second: dict[int, float]  # aggregate decode throughput by batch size
-    block_ms: dict[str, float]  # device time per step by model block
+    block_ms: dict[str, float]  # device time per step by model block, per device (the mean over this process's)
     bytes_per_step: int  # what a step at `batch` really reads (see dsr1.bench)
     achieved_gbs: float
     peak_gbs: float  # measured copy bandwidth (bytes read + written)
@@ -53,7 +53,7 @@ class DecodeProfile:
         rates = ", ".join(f"batch {b}: {r:,.1f}" for b, r in self.tokens_per_second.items())
         return (f"decode at batch {self.batch}, context {self.context}: median step {np.median(self.step_ms):.2f} ms\n"
                 f"tok/s by batch: {rates}\n"
-                f"device time per step by block: {blocks}\n"
+                f"device time per step by block, per device: {blocks}\n"
                 f"bandwidth: {self.bytes_per_step / 1e6:.1f} MB/step -> {self.achieved_gbs:.1f} GB/s achieved, "
                 f"{self.achieved_gbs / self.peak_gbs:.0%} of the measured {self.peak_gbs:.1f} GB/s copy bandwidth")
 
@@ -92,7 +92,9 @@ def _scope_of_ops(hlo_text: str) -> dict[str, str]:
 
 
 def time_by_block(model: Model, batch: int, context: int, steps: int, logdir: str | Path | None = None) -> dict:
-    """Device time per decode step by model block, from a `jax.profiler` trace of `steps` steps."""
+    """Device time per decode step by model block, per device, from a `jax.profiler` trace of `steps`
+    steps: the ops' time of every device of this process (the trace has them all), divided by
+    their number, so that it compares with the step's wall time."""
     cache = random_cache(model, batch, context, context + steps + 2)
     tokens = put_replicated(np.ones(batch, np.int32), model.mesh)
     hlo = programs.decode.lower(model.params, cache, tokens, **model.program_kwargs).compile().as_text()
@@ -113,7 +115,13 @@ def time_by_block(model: Model, batch: int, context: int, steps: int, logdir: st
         if e.get("ph") == "X" and op:
             label = blocks.get(op, blocks.get(op.removeprefix("wrapped_"), OTHER))
             totals[label] = totals.get(label, 0.0) + e.get("dur", 0.0) / 1e3 / steps
-    return totals
+    devices = _local_devices(model)
+    return {label: ms / devices for label, ms in totals.items()}
+
+
+def _local_devices(model: Model) -> int:
+    """How many of the model's mesh devices this process drives (those its trace records)."""
+    return sum(1 for d in model.mesh.devices.flat if d.process_index == jax.process_index())
 
 
 def profile_decode(model: Model, *, batch: int = 4, batches: tuple[int, ...] = (1, 2, 4, 8), context: int = 64,
@@ -141,7 +149,7 @@ def plot_profile(profile: DecodeProfile):
     ax[0, 1].set(title="decode throughput", xlabel="batch size", ylabel="tokens / s")
     blocks = sorted(profile.block_ms.items(), key=lambda kv: kv[1])
     ax[1, 0].barh([k for k, _ in blocks], [v for _, v in blocks])
-    ax[1, 0].set(title="device time per step by block (trace)", xlabel="ms")
+    ax[1, 0].set(title="device time per step by block, per device (trace)", xlabel="ms")
     ax[1, 1].bar(["achieved", "measured peak"], [profile.achieved_gbs, profile.peak_gbs], color=["C0", "C7"])
     ax[1, 1].set(title=f"bandwidth ({profile.bytes_per_step / 1e6:.1f} MB/step)", ylabel="GB/s")
     fig.tight_layout()

@@ -11,6 +11,7 @@ by name in each engine's namespace (`ipyparallel.Reference`).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from ..api import Model
@@ -64,15 +65,59 @@ class GenerationWidget:
             pending = self.engines.apply_async(_generate_on_engine, model, prompts, tokenizer, kwargs)
         self.output.value, self.status.value = "", "generating..."
         try:
-            self.result = generate(self.model, prompts, tokenizer=self.tokenizer, stream=self._append, **kwargs)
+            with CompileTimes() as compiles:
+                started = time.perf_counter()
+                self.result = generate(self.model, prompts, tokenizer=self.tokenizer, stream=self._append, **kwargs)
         finally:
             if pending is not None:
                 pending.get()  # surfaces an engine's error (e.g. a dead engine) in the notebook
-        r = self.result
-        self.status.value = (f"{r.completions[0].finish_reason}: {r.decode_tokens} tokens, prefill "
-                             f"{r.prefill_tokens_per_second:,.0f} tok/s, "
-                             f"decode {r.decode_tokens_per_second:,.1f} tok/s")
-        return r
+        self.status.value = status_line(self.result, compiles.within(started, started + self.result.prefill_seconds),
+                                        compiles.total)
+        return self.result
+
+
+def status_line(r: GenerationResult, prefill_compile_seconds: float, compile_seconds: float) -> str:
+    """The widget's status: prefill throughput without the compilation it included (a first call
+    compiles), decode throughput, and the compilation time on its own."""
+    prefill = r.prefill_tokens / max(r.prefill_seconds - prefill_compile_seconds, 1e-9)
+    compiled = f", compilation {compile_seconds:.1f} s (not counted)" if compile_seconds else ""
+    return (f"{r.completions[0].finish_reason}: {r.decode_tokens} tokens, prefill {prefill:,.0f} tok/s, "
+            f"decode {r.decode_tokens_per_second:,.1f} tok/s{compiled}")
+
+
+class CompileTimes:
+    """The JAX compilations (tracing, lowering, XLA compilation) of this process while in the
+    ``with`` block, from ``jax.monitoring``'s duration events: ``total`` seconds, and
+    :meth:`within` a time window."""
+
+    EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+              "/jax/core/compile/backend_compile_duration")
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[float, float]] = []  # (end on time.perf_counter, duration)
+
+    def _record(self, event: str, duration: float, **_: Any) -> None:
+        if event in self.EVENTS:
+            self.spans.append((time.perf_counter(), duration))
+
+    def __enter__(self) -> CompileTimes:
+        import jax.monitoring
+
+        jax.monitoring.register_event_duration_secs_listener(self._record)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import jax.monitoring
+
+        jax.monitoring.unregister_event_duration_listener(self._record)
+
+    @property
+    def total(self) -> float:
+        return sum(d for _, d in self.spans)
+
+    def within(self, start: float, end: float) -> float:
+        """Seconds of compilation that ended between ``start`` and ``end`` (``time.perf_counter``)."""
+        return sum(d for t, d in self.spans if start <= t <= end)
 
 
 def _generate_on_engine(model: Model, prompts: list[str], tokenizer: Tokenizer, kwargs: dict[str, Any]) -> None:
