@@ -31,6 +31,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from .core import model
@@ -38,7 +39,7 @@ from .core.cache import KVCache, PagedKVCache, empty_paged_cache, gather_pages, 
 from .core.config import Config
 from .core.params import Params
 from .core.sharding import ShardingRules, keep_replicated
-from .generation.sampling import SamplingArrays, init_counts, is_stop_token, sample, update_counts
+from .generation.sampling import KEY_IMPL, SamplingArrays, init_counts, is_stop_token, sample, update_counts
 
 _MODEL = ("cfg", "mesh", "rules")  # the static arguments every program shares
 
@@ -189,6 +190,21 @@ class StepRows:
     sample: jax.Array  # [B] bool sample a token after the row's last new token (false mid-prompt)
     sample_index: jax.Array  # [B] int32 tokens the request sampled before: the position in its random stream
 
+    _COLUMNS = ("slots", "starts", "counts", "feed_last", "sample", "sample_index")  # then the T tokens
+
+    def pack(self) -> np.ndarray:
+        """(Host) the rows as one int32 array `[B, 6 + T]`: each `device_put` leaf has a fixed cost of a
+        fraction of a millisecond, which a serving step would otherwise pay seven times per call."""
+        columns = [np.asarray(getattr(self, name), np.int32)[:, None] for name in self._COLUMNS]
+        return np.concatenate([*columns, np.asarray(self.tokens, np.int32)], axis=1)
+
+    @classmethod
+    def unpack(cls, packed: jax.Array) -> StepRows:
+        """(In a program) the rows of `pack`."""
+        fields = {name: packed[:, i] for i, name in enumerate(cls._COLUMNS)}
+        fields["feed_last"], fields["sample"] = fields["feed_last"] != 0, fields["sample"] != 0
+        return cls(tokens=packed[:, len(cls._COLUMNS):], **fields)
+
 
 @functools.partial(jax.jit, static_argnames=("mesh", "vocab_size"))
 def slot_state(sampling: SamplingArrays, *, mesh: Mesh, vocab_size: int) -> SlotState:
@@ -199,11 +215,43 @@ def slot_state(sampling: SamplingArrays, *, mesh: Mesh, vocab_size: int) -> Slot
     return jax.tree.map(lambda a: keep_replicated(a, mesh), state)
 
 
+def pack_admission(slot: int, sampling: SamplingArrays, prompt: np.ndarray, width: int) -> np.ndarray:
+    """(Host) one admission as one int32 array (one transfer instead of a dozen): the slot, the prompt's
+    length, each field of the one-row `sampling` (numpy, keys as their uint32 key data; float and
+    uint32 fields by their bit patterns), then the prompt padded to `width` tokens."""
+    words = [np.array([slot, len(prompt)], np.int32)]
+    words += [np.ascontiguousarray(np.asarray(leaf)[0]).reshape(-1).view(np.int32)
+              for leaf in jax.tree.leaves(sampling)]
+    padded = np.zeros(width, np.int32)
+    padded[:len(prompt)] = prompt
+    return np.concatenate([*words, padded])
+
+
+def _unpack_admission(packed: jax.Array, like: SamplingArrays) -> tuple[jax.Array, SamplingArrays, jax.Array,
+                                                                      jax.Array]:
+    """(In a program) `pack_admission`'s slot, sampling row (fields shaped and typed as `like`'s
+    rows), prompt `[1, width]` and length `[1]`."""
+    fields, at = {}, 2
+    for field in dataclasses.fields(SamplingArrays):
+        template = getattr(like, field.name)
+        if field.name == "keys":
+            data = jax.random.key_data(template)
+            words = jax.lax.bitcast_convert_type(packed[at:at + data.shape[1]], data.dtype)
+            fields["keys"], at = jax.random.wrap_key_data(words[None], impl=KEY_IMPL), at + data.shape[1]
+            continue
+        size = int(np.prod(template.shape[1:]))
+        words = packed[at:at + size]
+        if template.dtype != jnp.int32:
+            words = jax.lax.bitcast_convert_type(words, template.dtype)
+        fields[field.name], at = words.reshape((1, *template.shape[1:])), at + size
+    return packed[0], SamplingArrays(**fields), packed[None, at:], packed[1:2]
+
+
 @functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
-def admit_slot(state: SlotState, slot: jax.Array, sampling: SamplingArrays, prompt: jax.Array, length: jax.Array, *,
-               mesh: Mesh) -> SlotState:
-    """`state` with `slot` given to a new request: its settings (`sampling`, one row), the tokens of its
-    prompt (`prompt [1, L]`, the first `length [1]` real) marked as seen, no output counted yet."""
+def admit_slot(state: SlotState, packed: jax.Array, *, mesh: Mesh) -> SlotState:
+    """`state` with a slot given to a new request (`packed`: `pack_admission`): its settings (one row),
+    the tokens of its prompt marked as seen, no output counted yet."""
+    slot, sampling, prompt, length = _unpack_admission(packed, state.sampling)
     with jax.named_scope("admit_slot"):
         seen, counts = init_counts(prompt, length, state.prompt_seen.shape[1])
         # mode="drop": warm-up admits to slot S (out of range) and changes nothing.
@@ -213,18 +261,20 @@ def admit_slot(state: SlotState, slot: jax.Array, sampling: SamplingArrays, prom
     return jax.tree.map(lambda a: keep_replicated(a, mesh), state)
 
 
-def _slot_rows(state: SlotState, slots: jax.Array) -> tuple[SamplingArrays, jax.Array, jax.Array, jax.Array]:
-    """The rows' slots' sampling settings, last tokens, prompt tokens seen and output counts (idle rows,
-    whose slot is out of range, read the last slot: their outputs are discarded)."""
+def _slot_rows(state: SlotState, slots: jax.Array) -> tuple[jax.Array, SamplingArrays, jax.Array]:
+    """The rows' slots (idle rows, whose slot is out of range, read the last slot: their outputs are
+    discarded), their sampling settings and last tokens. Their `[V]` rows of prompt tokens seen and
+    output counts are gathered by `sample`, only when some row has penalties."""
     safe = jnp.minimum(slots, state.last.shape[0] - 1)
     sampling = jax.tree.map(lambda a: a[safe], state.sampling)
-    return sampling, state.last[safe], state.prompt_seen[safe], state.counts[safe]
+    return safe, sampling, state.last[safe]
 
 
 @functools.partial(jax.jit, static_argnames=_MODEL, donate_argnames=("cache", "state"))
-def serve_step(params: Params, cache: PagedKVCache, state: SlotState, rows: StepRows, page_table: jax.Array, *,
-               cfg: Config, mesh: Mesh, rules: ShardingRules) -> tuple[jax.Array, PagedKVCache, SlotState]:
-    """One engine call: `extend` the rows against their slots' pages (`page_table [S, P]`), then sample
+def serve_step(params: Params, cache: PagedKVCache, state: SlotState, packed_rows: jax.Array, page_table: jax.Array,
+               *, cfg: Config, mesh: Mesh, rules: ShardingRules) -> tuple[jax.Array, PagedKVCache, SlotState]:
+    """One engine call on `StepRows` (`packed_rows`: `StepRows.pack()`, one transfer):
+    `extend` the rows against their slots' pages (`page_table [S, P]`), then sample
     each sampling row's next token from its last new token, with its slot's settings and penalties
     and the key `fold_in(key, sample_index)`: a request's tokens depend on its seed and logits only,
     never on the rows beside it or the step it arrived at.
@@ -232,15 +282,16 @@ def serve_step(params: Params, cache: PagedKVCache, state: SlotState, rows: Step
     Returns the sampled tokens `[B]` (meaningless where `rows.sample` is false or the row is idle),
     the cache with the new latents written, and the state with each sampling row's slot's last token
     and output counts updated."""
+    rows = StepRows.unpack(packed_rows)
     with jax.named_scope("step_inputs"):
-        sampling, last, seen, counts = _slot_rows(state, rows.slots)
+        safe, sampling, last = _slot_rows(state, rows.slots)
         tokens = rows.tokens.at[:, 0].set(jnp.where(rows.feed_last, last, rows.tokens[:, 0]))
         table = page_table[jnp.minimum(rows.slots, page_table.shape[0] - 1)]
         logits_at = jnp.maximum(rows.counts - 1, 0)[:, None]
     logits, _, cache = model.extend(params, cache, tokens, rows.starts, rows.counts, table, logits_at, cfg=cfg,
                                     mesh=mesh, rules=rules)
     with jax.named_scope("sample"):
-        token = sample(logits[:, 0], sampling, seen, counts, rows.sample_index)
+        token = sample(logits[:, 0], sampling, state.prompt_seen, state.counts, rows.sample_index, rows=safe)
         sampled = rows.sample & (rows.counts > 0)
         target = jnp.where(sampled, rows.slots, state.last.shape[0])  # out of range: dropped
         new_last = state.last.at[target].set(token, mode="drop")

@@ -266,3 +266,56 @@ def test_request_handle_is_usable_from_other_threads():
     assert request.completion().finish_reason == "stop" and request.time_to_first_token > 0
     with pytest.raises(ValueError, match="finish reason 'oops'"):
         request.finish("oops")
+
+
+def test_prefill_call_takes_the_smallest_shape_that_holds_its_rows():
+    from dsr1.serving.scheduler import SchedulerConfig
+
+    config = SchedulerConfig(max_seqs=8, page_size=16, num_pages=64, prefill_chunk=64, prefill_rows=2, max_seq_len=512)
+    assert config.prefill_shapes == ((1, 16), (1, 64), (2, 16), (2, 64))
+
+    def lanes(*counts):
+        return [type("Lane", (), {"count": c})() for c in counts]
+
+    assert config.prefill_shape(lanes(64, 1)) == (2, 64)
+    assert config.prefill_shape(lanes(16, 3)) == (2, 16)
+    assert config.prefill_shape(lanes(17)) == (1, 64)
+    assert config.prefill_shape(lanes(5)) == (1, 16)
+    small = SchedulerConfig(max_seqs=4, page_size=4, num_pages=40, prefill_chunk=8, prefill_rows=2, max_seq_len=64)
+    assert small.prefill_shapes == ((1, 8), (2, 8))
+
+
+def test_step_rows_pack_round_trip():
+    import jax
+
+    from dsr1.programs import StepRows
+
+    rng = np.random.default_rng(0)
+    rows = StepRows(slots=np.array([2, 4, 0], np.int32), tokens=rng.integers(0, 1000, (3, 5), dtype=np.int32),
+                    starts=np.array([7, 0, 3], np.int32), counts=np.array([5, 0, 1], np.int32),
+                    feed_last=np.array([False, False, True]), sample=np.array([True, False, True]),
+                    sample_index=np.array([0, 0, 9], np.int32))
+    back = jax.jit(StepRows.unpack)(rows.pack())
+    for name in ("slots", "tokens", "starts", "counts", "feed_last", "sample", "sample_index"):
+        want, got = getattr(rows, name), np.asarray(getattr(back, name))
+        assert got.dtype == want.dtype and np.array_equal(got, want), name
+
+
+@pytest.mark.parametrize("vocab", [5, 128, 300, 1024])
+def test_blocked_argmax_equals_jnp_argmax(vocab):
+    """`sampling.argmax` (the serving and generate samplers' greedy pick) gives jnp.argmax's index:
+    the first maximum, ties, -inf rows, the first NaN."""
+    import jax.numpy as jnp
+
+    from dsr1.generation.sampling import argmax
+
+    rng = np.random.default_rng(vocab)
+    x = rng.normal(size=(6, vocab)).astype(np.float32)
+    x[1] = np.round(x[1])  # many ties
+    x[1, [vocab // 2, vocab - 1]] = 10.0  # the first of two maxima
+    x[2] = -np.inf
+    x[3, [vocab - 1, vocab // 3]] = np.nan
+    x[4, -1] = np.inf
+    want = np.asarray(jnp.argmax(jnp.asarray(x), axis=-1))
+    got = np.asarray(argmax(jnp.asarray(x)))
+    assert got.dtype == np.int32 and np.array_equal(got, want)

@@ -191,6 +191,7 @@ def extend(params: Params, cache: PagedKVCache, tokens: jax.Array, starts: jax.A
     wanted = logits_at < counts[:, None]
     hidden = jnp.take_along_axis(x, jnp.clip(logits_at, 0, chunk - 1)[..., None], axis=1)
     hidden = jnp.where(wanted[..., None], hidden, 0.0)
-    logits = jnp.where(wanted[..., None], _logits(params, hidden, cfg), 0.0)
+    # Zero hidden gives zero logits (rms_norm(0) = 0, no bias): no second [B, K, V] select.
+    logits = _logits(params, hidden, cfg)
     return (keep_replicated(logits, mesh), keep_replicated(hidden, mesh),
             jax.tree.map(lambda a: keep_replicated(a, mesh), cache))

@@ -119,8 +119,8 @@ class Engine:
       page_size: tokens per page of the latent cache.
       num_pages: pages in the device pool (page 0 is scratch); with `page_size`, the cache's size.
       prefill_chunk: prompt tokens a request prefills per step at most.
-      prefill_rows: requests prefilling in one step at most (the prefill call is
-        `prefill_rows x prefill_chunk` tokens).
+      prefill_rows: requests prefilling in one step at most (the prefill call is at most
+        `prefill_rows x prefill_chunk` tokens; see `SchedulerConfig.prefill_shapes`).
       host_cache_bytes: host memory for prefix-cache pages evicted from the device (0: no offload).
       max_seq_len: the longest prompt + output (default: the model's limit, or the pool's size).
       prefix_caching: reuse cached prefixes (False: every prompt is prefilled in full).
@@ -266,12 +266,14 @@ class Engine:
 
     def _work(self, plan: StepPlan) -> StepWork:
         """The plan's device work: the page copies recorded while planning, the admissions, then
-        the prefill call and the decode call (idle rows padding each to its fixed shape)."""
+        the prefill call (the smallest shape that holds it) and the decode call, idle rows padding
+        each to its shape."""
         cfg = self.config
         admissions = tuple(Admission(seq.slot, host_sampling([seq.request.sampling]),
                                      np.asarray(seq.request.prompt, np.int32)) for seq in plan.admitted)
-        calls = tuple(lane_rows(lanes, rows, chunk, cfg.max_seqs) for lanes, rows, chunk in
-                      ((plan.prefill, cfg.prefill_rows, cfg.prefill_chunk), (plan.decode, cfg.max_seqs, 1)) if lanes)
+        calls = tuple(lane_rows(lanes, *shape, cfg.max_seqs) for lanes, shape in
+                      ((plan.prefill, cfg.prefill_shape(plan.prefill) if plan.prefill else None),
+                       (plan.decode, (cfg.max_seqs, 1))) if lanes)
         return StepWork(self._log.take(), admissions, calls, plan.page_table if calls else None)
 
     def _launch(self, work: StepWork) -> tuple[jax.Array, ...]:
@@ -314,7 +316,7 @@ class Engine:
             warm_up_ops(self._log)
             admit = Admission(cfg.max_seqs, host_sampling([Sampling(seed=0)]), np.zeros(1, np.int32))  # dropped
             calls = tuple(lane_rows((), rows, chunk, cfg.max_seqs)
-                          for rows, chunk in ((cfg.prefill_rows, cfg.prefill_chunk), (cfg.max_seqs, 1)))
+                          for rows, chunk in (*cfg.prefill_shapes, (cfg.max_seqs, 1)))
             table = np.zeros((cfg.max_seqs, cfg.table_width), np.int32)
             for out in self._launch(StepWork(self._log.take(), (admit,), calls, table)):
                 to_host(out)

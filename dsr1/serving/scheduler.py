@@ -5,9 +5,12 @@ which tokens each row runs, which pages it gets, and what the sampled tokens mea
 (first come, first served: the head of the queue is never overtaken) and leaves it when done.
 
 **Steps.** Each step makes at most two calls of one program (`dsr1.programs.serve_step`), with
-two fixed shapes: a *prefill* call of `prefill_rows` rows of `prefill_chunk` tokens (the next chunk
+fixed shapes: a *prefill* call of `prefill_rows` rows of `prefill_chunk` tokens (the next chunk
 of up to that many prompts, in admission order) and a *decode* call of `max_seqs` rows of one
-token (every decoding request). So a long prompt is prefilled a chunk per step while the
+token (every decoding request). The prefill call takes the smallest of a few shapes that holds
+its rows (`SchedulerConfig.prefill_shapes`: one row or `prefill_rows`, the full chunk or a
+quarter of it), since a lone prompt or a short last chunk is common and the call's cost grows
+with its rows x chunk. So a long prompt is prefilled a chunk per step while the
 decoding rows keep producing a token every step; the per-step token budget is
 `prefill_rows * prefill_chunk` prompt tokens plus one token per decoding row. Two calls instead
 of one `[max_seqs, prefill_chunk]` call with one real token in each decoding row: decode is
@@ -69,6 +72,19 @@ class SchedulerConfig:
             raise ValueError(f"num_pages={self.num_pages}: need the scratch page and at least one more")
         if self.prefill_rows > self.max_seqs:
             raise ValueError(f"prefill_rows={self.prefill_rows} exceeds max_seqs={self.max_seqs}")
+
+    @property
+    def prefill_shapes(self) -> tuple[tuple[int, int], ...]:
+        """The prefill call's shapes `(rows, chunk)`, all compiled at warm-up: one row or
+        `prefill_rows`, and chunks of `prefill_chunk` or a quarter of it (from 16 tokens up)."""
+        rows = sorted({1, self.prefill_rows})
+        chunks = sorted({self.prefill_chunk} | ({self.prefill_chunk // 4} if self.prefill_chunk >= 64 else set()))
+        return tuple((r, c) for r in rows for c in chunks)
+
+    def prefill_shape(self, lanes: Sequence[Lane]) -> tuple[int, int]:
+        """The smallest prefill shape that holds `lanes` (a lone row or a short last chunk costs less)."""
+        longest = max(lane.count for lane in lanes)
+        return min((r * c, r, c) for r, c in self.prefill_shapes if r >= len(lanes) and c >= longest)[1:]
 
     @property
     def table_width(self) -> int:
