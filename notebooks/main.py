@@ -132,6 +132,38 @@ assert widget.output.value == completion.text and completion.tokens
 assert 0 < len(completion.tokens) <= 48
 
 # %% [markdown]
+# ## Serve many requests
+# `dsr1.serving.Engine` batches requests continuously over a paged latent cache with a prefix
+# cache: requests join and leave at any step, and a shared prefix is prefilled once. Every process
+# builds the engine; process 0 decides each step and sends it to the others, which run the same
+# programs in `engine.follow()` until process 0 calls `engine.close()`.
+
+# %%
+# %%everywhere
+from dsr1.serving import Engine
+
+engine = Engine(model, max_seqs=4, page_size=16, num_pages=64, prefill_chunk=32, tokenizer=tokenizer)
+if engine.is_leader:
+    engine.warm_up()
+    shared = "You are a helpful assistant who answers in one short sentence. " * 3
+    questions = ["What is a latent cache?", "Why route tokens to experts?", "What does YaRN scale?",
+                 "Name a prime number.", "What is a mesh axis?", "Why page a cache?"]
+    served = [engine.submit(shared + q, sampling=dsr1.Sampling(temperature=0.0), max_new_tokens=12)
+              for q in questions]
+    engine.run()
+    engine.close()
+    stats = engine.stats()
+    for request in served:
+        print(f"{request.finish_reason:>6} {len(request.tokens):2d} tokens, {request.cached_tokens:3d} cached: "
+              f"{request.text!r}")
+    print(f"{stats.steps} steps, {stats.generated_tokens} tokens, {stats.prefix_hit_tokens} prompt tokens from the "
+          f"prefix cache; host {stats.host_ms_per_step:.1f} ms vs device {stats.device_ms_per_step:.1f} ms per step")
+    assert all(r.done for r in served) and stats.prefix_hit_tokens > 0
+    engine.check()  # no page leaked
+else:
+    engine.follow()
+
+# %% [markdown]
 # ## Profile decode
 # Step latency, throughput by batch size, device time by block from a `jax.profiler` trace, and
 # achieved bandwidth against this machine's measured copy bandwidth. Every process runs it (the
