@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -89,3 +92,35 @@ def subprocess_env(devices: int) -> dict[str, str]:
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
     return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_processes(module: str, args: list[str], count: int = 2, devices: int = 2) -> list[subprocess.Popen]:
+    """`python -m module *args --process-id=i` for i < count, each with `devices` fake CPU devices."""
+    return [subprocess.Popen([sys.executable, "-m", module, *args, f"--process-id={i}"], env=subprocess_env(devices),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(count)]
+
+
+def wait_processes(procs: list[subprocess.Popen], timeout: float = 600) -> None:
+    """Wait for every process (killing them all on the way out) and fail with the stderr of one that failed."""
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+
+
+def join_processes(num_processes: int, process_id: int, port: int) -> None:
+    """In a worker: join the `jax.distributed` group of `num_processes` on loopback over gloo (no-op for 1)."""
+    import jax
+
+    if num_processes > 1:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=num_processes, process_id=process_id)

@@ -11,6 +11,8 @@ import argparse
 import jax
 import numpy as np
 
+from tests.harness import join_processes
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -24,10 +26,7 @@ def main() -> None:
     ap.add_argument("--port", type=int)
     args = ap.parse_args()
 
-    if args.num_processes > 1:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.num_processes,
-                                   process_id=args.process_id)
+    join_processes(args.num_processes, args.process_id, args.port)
 
     import dsr1
     from dsr1.core.sharding import to_host

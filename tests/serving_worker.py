@@ -13,6 +13,8 @@ import json
 import jax
 import numpy as np
 
+from tests.harness import join_processes
+
 # Small pool and host cache: requests wait for pages, cached prefixes are offloaded and reloaded.
 SHAPES = dict(max_seqs=3, page_size=4, num_pages=20, prefill_chunk=8, prefill_rows=2, host_cache_bytes=1 << 24)
 
@@ -63,10 +65,7 @@ def main() -> None:
     ap.add_argument("--port", type=int)
     args = ap.parse_args()
 
-    if args.num_processes > 1:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.num_processes,
-                                   process_id=args.process_id)
+    join_processes(args.num_processes, args.process_id, args.port)
 
     import dsr1
     from dsr1.serving import Engine

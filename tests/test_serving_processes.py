@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -23,8 +21,7 @@ from dsr1.serving.scheduler import lane_rows
 from dsr1.serving.work import Admission, StepWork, host_sampling
 
 from . import serving_worker
-from .harness import subprocess_env
-from .test_sharding import _free_port
+from .harness import free_port, start_processes, wait_processes
 
 
 def assert_same_work(got: StepWork, want: StepWork) -> None:
@@ -59,23 +56,20 @@ def test_step_work_survives_the_wire():
 
 @pytest.mark.slow
 def test_two_processes_two_devices_each_serve_like_one(tmp_path):
-    out, port = tmp_path / "two.json", _free_port()
+    out, port = tmp_path / "two.json", free_port()
     common = ["--out", str(out), "--expert=2", "--tensor=2", "--num-processes=2", f"--port={port}"]
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.serving_worker", *common, f"--process-id={i}"],
-                              env=subprocess_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
+    procs = start_processes("tests.serving_worker", common)
     try:
         # The reference, in this process (1 device) while the two processes run.
         model = dsr1.init_random(dsr1.Config.preset("tiny"), seed=0, dtype="float32")
         engine = Engine(model, **serving_worker.SHAPES)
         engine.warm_up()
         one = serving_worker.serve(engine)
-        outputs = [p.communicate(timeout=600) for p in procs]
-    finally:
+    except BaseException:
         for p in procs:
             p.kill()
-    for p, (_, err) in zip(procs, outputs):
-        assert p.returncode == 0, err[-3000:]
+        raise
+    wait_processes(procs)
     leader, follower = (json.loads((tmp_path / f"two.json.{i}").read_text()) for i in range(2))
     print(f"\n[serving] 1 process: {one}\n[serving] 2 processes, process 0: {leader}; process 1: {follower}")
     assert (leader["processes"], leader["devices"]) == (2, 4)

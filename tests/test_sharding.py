@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,16 @@ import dsr1
 from dsr1.core.sharding import DEFAULT_RULES, ShardingRules, to_host
 from dsr1.weights.convert import convert
 
-from .harness import DECODE_PREFIX, TOLERANCE, decode_logits, relative_error, subprocess_env
+from .harness import (
+    DECODE_PREFIX,
+    TOLERANCE,
+    decode_logits,
+    free_port,
+    relative_error,
+    start_processes,
+    subprocess_env,
+    wait_processes,
+)
 
 WORKER = ("-m", "tests.mesh_worker")
 SAME = 1e-5  # sharded vs single-device: only the order of float32 sums differs
@@ -44,12 +52,6 @@ def _compare(result: dict, single_device, label: str) -> None:
     assert fwd_err <= SAME and dec_err <= SAME and ref_err <= TOLERANCE
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(args: list[str], devices: int, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *WORKER, *args], env=subprocess_env(devices), capture_output=True,
                           text=True, timeout=timeout)
@@ -74,16 +76,8 @@ def test_eight_fake_devices(single_device, tmp_path, expert, tensor):
 
 def _two_processes(folder: Path, inputs: Path, out: Path) -> dict:
     common = ["--folder", str(folder), "--inputs", str(inputs), "--out", str(out), "--expert=2", "--tensor=2",
-              "--num-processes=2", f"--port={_free_port()}"]
-    procs = [subprocess.Popen([sys.executable, *WORKER, *common, f"--process-id={i}"], env=subprocess_env(2),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    try:
-        outputs = [p.communicate(timeout=600) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, (_, err) in zip(procs, outputs):
-        assert p.returncode == 0, err[-3000:]
+              "--num-processes=2", f"--port={free_port()}"]
+    wait_processes(start_processes(WORKER[1], common))
     result = dict(np.load(out))
     assert int(result["processes"]) == 2 and int(result["devices"]) == 4
     return result
