@@ -39,7 +39,16 @@ from .core.cache import KVCache, PagedKVCache, empty_paged_cache, gather_pages, 
 from .core.config import Config
 from .core.params import Params
 from .core.sharding import ShardingRules, keep_replicated
-from .generation.sampling import KEY_IMPL, SamplingArrays, init_counts, is_stop_token, sample, update_counts
+from .generation.output import TokenLogprob
+from .generation.sampling import (
+    KEY_IMPL,
+    SamplingArrays,
+    init_counts,
+    is_stop_token,
+    sample,
+    token_logprobs,
+    update_counts,
+)
 
 _MODEL = ("cfg", "mesh", "rules")  # the static arguments every program shares
 
@@ -189,12 +198,14 @@ class StepRows:
     feed_last: jax.Array  # [B] bool the row's first new token is its slot's last sampled token (decode)
     sample: jax.Array  # [B] bool sample a token after the row's last new token (false mid-prompt)
     sample_index: jax.Array  # [B] int32 tokens the request sampled before: the position in its random stream
+    logprobs: jax.Array  # [B] bool the request wants its sampled token's log-probability and the top ones
 
-    _COLUMNS = ("slots", "starts", "counts", "feed_last", "sample", "sample_index")  # then the T tokens
+    _COLUMNS = ("slots", "starts", "counts", "feed_last", "sample", "sample_index", "logprobs")  # then the tokens
+    _FLAGS = ("feed_last", "sample", "logprobs")
 
     def pack(self) -> np.ndarray:
-        """(Host) the rows as one int32 array `[B, 6 + T]`: each `device_put` leaf has a fixed cost of a
-        fraction of a millisecond, which a serving step would otherwise pay seven times per call."""
+        """(Host) the rows as one int32 array `[B, 7 + T]`: each `device_put` leaf has a fixed cost of a
+        fraction of a millisecond, which a serving step would otherwise pay eight times per call."""
         columns = [np.asarray(getattr(self, name), np.int32)[:, None] for name in self._COLUMNS]
         return np.concatenate([*columns, np.asarray(self.tokens, np.int32)], axis=1)
 
@@ -202,8 +213,44 @@ class StepRows:
     def unpack(cls, packed: jax.Array) -> StepRows:
         """(In a program) the rows of `pack`."""
         fields = {name: packed[:, i] for i, name in enumerate(cls._COLUMNS)}
-        fields["feed_last"], fields["sample"] = fields["feed_last"] != 0, fields["sample"] != 0
+        fields |= {name: fields[name] != 0 for name in cls._FLAGS}
         return cls(tokens=packed[:, len(cls._COLUMNS):], **fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampled:
+    """What one `serve_step` call sampled, on the host: each row's token and, for rows that asked
+    (`StepRows.logprobs`), the token's log-probability and the `TOP_LOGPROBS` most likely tokens with
+    theirs, from the log-softmax of the model's raw logits (before penalties and temperature, as
+    OpenAI and vLLM report them). Rows that did not ask read 0."""
+
+    tokens: np.ndarray  # [B] int32
+    logprobs: np.ndarray  # [B] float32
+    top_ids: np.ndarray  # [B, TOP_LOGPROBS] int32, most likely first
+    top_logprobs: np.ndarray  # [B, TOP_LOGPROBS] float32
+
+    @staticmethod
+    def pack(tokens: jax.Array, logprobs: jax.Array, top_ids: jax.Array, top_logprobs: jax.Array) -> jax.Array:
+        """(In a program) one int32 array `[B, 2 + 2 * TOP_LOGPROBS]` (floats by their bit patterns), so
+        a call's results reach the host in one transfer."""
+        as_int = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
+        return jnp.concatenate([tokens[:, None], as_int(logprobs)[:, None], top_ids, as_int(top_logprobs)], axis=1)
+
+    def logprob(self, row: int, top: int | None) -> TokenLogprob | None:
+        """Row `row`'s token with its log-probability and `top` alternatives (None when `top` is None)."""
+        if top is None:
+            return None
+        alternatives = zip(self.top_ids[row, :top].tolist(), self.top_logprobs[row, :top].tolist())
+        return TokenLogprob(int(self.tokens[row]), float(self.logprobs[row]),
+                            tuple((token, logprob) for token, logprob in alternatives if token >= 0))
+
+    @classmethod
+    def unpack(cls, packed: np.ndarray) -> Sampled:
+        """(Host) the arrays of `pack`."""
+        packed = np.asarray(packed, np.int32)
+        top = (packed.shape[1] - 2) // 2
+        return cls(packed[:, 0], packed[:, 1].view(np.float32), packed[:, 2:2 + top],
+                   packed[:, 2 + top:].view(np.float32))
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "vocab_size"))
@@ -279,9 +326,10 @@ def serve_step(params: Params, cache: PagedKVCache, state: SlotState, packed_row
     and the key `fold_in(key, sample_index)`: a request's tokens depend on its seed and logits only,
     never on the rows beside it or the step it arrived at.
 
-    Returns the sampled tokens `[B]` (meaningless where `rows.sample` is false or the row is idle),
-    the cache with the new latents written, and the state with each sampling row's slot's last token
-    and output counts updated."""
+    Returns what was sampled (`Sampled.pack`: the tokens `[B]`, meaningless where `rows.sample` is
+    false or the row is idle, and the log-probabilities of the rows that asked for them), the cache
+    with the new latents written, and the state with each sampling row's slot's last token and output
+    counts updated."""
     rows = StepRows.unpack(packed_rows)
     with jax.named_scope("step_inputs"):
         safe, sampling, last = _slot_rows(state, rows.slots)
@@ -298,7 +346,9 @@ def serve_step(params: Params, cache: PagedKVCache, state: SlotState, packed_row
         slot_sampled = jnp.zeros(state.last.shape, bool).at[target].set(True, mode="drop")
         state = SlotState(state.sampling, new_last, state.prompt_seen,
                           update_counts(state.counts, new_last, slot_sampled))
-    return keep_replicated(token, mesh), cache, jax.tree.map(lambda a: keep_replicated(a, mesh), state)
+    with jax.named_scope("logprobs"):
+        out = Sampled.pack(token, *token_logprobs(logits[:, 0], token, rows.logprobs & sampled))
+    return keep_replicated(out, mesh), cache, jax.tree.map(lambda a: keep_replicated(a, mesh), state)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",))

@@ -46,7 +46,6 @@ SHAPES = dict(max_seqs=16, page_size=16, num_pages=256, prefill_chunk=32, prefil
 MODEL = "tiny"
 REF_BUDGET = 12  # tokens of every reference; requests ask for at most this many
 LONG_BUDGET = 200  # for requests meant to be cancelled before they finish
-LOGPROBS_XFAIL = pytest.mark.xfail(strict=True, reason="logprobs are not supported yet")
 
 CHATS = [
     [{"role": "user", "content": "Why is the sky blue?"}],
@@ -449,7 +448,8 @@ BAD_REQUESTS: list[tuple[str, str, str, Any, int, str | None]] = [
     ("tools", "POST", CHAT, with_(OK_CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     ("json response format", "POST", CHAT, with_(OK_CHAT, response_format={"type": "json_object"}), 400,
      "response_format"),
-    ("logprobs (not supported yet)", "POST", CHAT, with_(OK_CHAT, logprobs=True), 400, "logprobs"),
+    ("top_logprobs without logprobs", "POST", CHAT, with_(OK_CHAT, top_logprobs=2), 400, "top_logprobs"),
+    ("top_logprobs over 20", "POST", CHAT, with_(OK_CHAT, logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     ("completions: missing prompt", "POST", TEXT, {"model": MODEL}, 400, "prompt"),
     ("completions: empty token list", "POST", TEXT, with_(OK_TEXT, prompt=[]), 400, "prompt"),
     ("completions: token id outside the vocabulary", "POST", TEXT, with_(OK_TEXT, prompt=[1, 10**7]), 400,
@@ -460,6 +460,7 @@ BAD_REQUESTS: list[tuple[str, str, str, Any, int, str | None]] = [
     ("completions: prompt + max_tokens over the context", "POST", TEXT, with_(OK_TEXT, max_tokens=255), 400,
      "max_tokens"),
     ("completions: echo", "POST", TEXT, with_(OK_TEXT, echo=True), 400, "echo"),
+    ("completions: logprobs over 20", "POST", TEXT, with_(OK_TEXT, logprobs=21), 400, "logprobs"),
     ("completions: unknown model", "POST", TEXT, with_(OK_TEXT, model="davinci"), 404, "model"),
     ("unknown path", "POST", "/v1/embeddings", OK_TEXT, 404, None),
     ("wrong method", "GET", CHAT, None, 405, None),
@@ -490,8 +491,8 @@ def test_error_messages_name_the_numbers(served):
     response = httpx.post(served.url + TEXT, json=with_(OK_TEXT, max_tokens=255))
     assert response.json()["error"]["code"] == "context_length_exceeded"
     assert all(str(n) in response.json()["error"]["message"] for n in (256, 255, 257))
-    error = httpx.post(served.url + CHAT, json=with_(OK_CHAT, logprobs=True)).json()["error"]
-    assert error["message"] == "logprobs are not supported yet"
+    error = httpx.post(served.url + CHAT, json=with_(OK_CHAT, logprobs=True, top_logprobs=21)).json()["error"]
+    assert "20" in error["message"] and "21" in error["message"]
     with pytest.raises(openai.NotFoundError):
         openai.OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0).chat.completions.create(
             **with_(OK_CHAT, model="gpt-4"))
@@ -701,29 +702,66 @@ def test_reasoning_splitter_streams_exactly_the_whole_split():
         assert (reasoning + r, content + c) == split_reply(text, thinking), text
 
 
-# ---- logprobs (the engine does not return them yet) ------------------------------------------------
-@LOGPROBS_XFAIL
-def test_chat_logprobs_equal_forward_log_softmax(client, tiny, tokenizer):
+# ---- logprobs ------------------------------------------------------------------------------------
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits.astype(np.float64) - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def test_chat_logprobs_equal_forward_log_softmax(client, tiny, tokenizer, refs):
     messages = CHATS[0]
     reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
                                            logprobs=True, top_logprobs=3)
     content = reply.choices[0].logprobs.content
     prompt = tokenizer.apply_chat_template(template_messages(messages))
-    tokens = prompt + [tokenizer.backend.token_to_id(c.token) for c in content]
-    logits = np.asarray(tiny.forward(np.array([tokens], np.int32)))[0]
-    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(
-        -1, keepdims=True)
-    for k, entry in enumerate(content):
+    generated = refs.chat[0].tokens[:6]
+    assert len(content) == len(generated) == reply.usage.completion_tokens
+    logp = log_softmax(np.asarray(tiny.forward(np.array([prompt + generated], np.int32)))[0])
+    for k, (entry, token) in enumerate(zip(content, generated)):
         position = len(prompt) - 1 + k
-        assert abs(entry.logprob - logp[position, tokens[position + 1]]) < 1e-4
-        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].logprob == pytest.approx(
-            logp[position].max(), abs=1e-4)
+        assert bytes(entry.bytes) == tokenizer.token_bytes(token)
+        assert abs(entry.logprob - logp[position, token]) < 1e-4
+        assert len(entry.top_logprobs) == 3
+        best = np.argsort(-logp[position])[:3]
+        for alternative, want in zip(entry.top_logprobs, best):
+            assert bytes(alternative.bytes) == tokenizer.token_bytes(int(want))
+            assert abs(alternative.logprob - logp[position, want]) < 1e-4
+    assert b"".join(bytes(e.bytes) for e in content).decode(errors="replace") == tokenizer.decode(generated)
 
 
-@LOGPROBS_XFAIL
-def test_completions_logprobs_stream(client):
+def test_chat_logprobs_stream_equal_whole(client):
+    whole = client.chat.completions.create(model=MODEL, messages=CHATS[2], max_tokens=8, temperature=0,
+                                           logprobs=True, top_logprobs=2)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHATS[2], max_tokens=8, temperature=0,
+                                                 logprobs=True, top_logprobs=2, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.bytes, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in streamed] == [
+        (e.token, e.bytes, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs])
+        for e in whole.choices[0].logprobs.content]
+    assert len(streamed) == whole.usage.completion_tokens
+
+
+def test_chat_without_logprobs_has_none(client):
+    reply = client.chat.completions.create(model=MODEL, messages=CHATS[5], max_tokens=2, temperature=0)
+    assert reply.choices[0].logprobs is None
+
+
+def test_completions_logprobs_whole_and_stream(client, tiny, tokenizer, refs):
+    whole = client.completions.create(model=MODEL, prompt=TEXTS[0], max_tokens=4, temperature=0, logprobs=2)
+    logprobs = whole.choices[0].logprobs
+    generated = refs.text[0].tokens[:4]
+    prompt = tokenizer.encode(TEXTS[0], add_bos=True)
+    logp = log_softmax(np.asarray(tiny.forward(np.array([prompt + generated], np.int32)))[0])
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 4
+    for k, token in enumerate(generated):
+        assert abs(logprobs.token_logprobs[k] - logp[len(prompt) - 1 + k, token]) < 1e-4
+        assert len(logprobs.top_logprobs[k]) <= 2 and max(logprobs.top_logprobs[k].values()) == pytest.approx(
+            logp[len(prompt) - 1 + k].max(), abs=1e-4)
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:k]) for k in range(4)]
     chunks = list(client.completions.create(model=MODEL, prompt=TEXTS[0], max_tokens=4, temperature=0, logprobs=2,
                                             stream=True))
-    logprobs = [lp for c in chunks if c.choices and c.choices[0].logprobs
-                for lp in c.choices[0].logprobs.token_logprobs]
-    assert len(logprobs) == 4 and all(lp <= 0 for lp in logprobs)
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [lp for s in streamed for lp in s.token_logprobs] == logprobs.token_logprobs
+    assert [o for s in streamed for o in s.text_offset] == logprobs.text_offset
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+

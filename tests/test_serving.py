@@ -294,11 +294,75 @@ def test_step_rows_pack_round_trip():
     rows = StepRows(slots=np.array([2, 4, 0], np.int32), tokens=rng.integers(0, 1000, (3, 5), dtype=np.int32),
                     starts=np.array([7, 0, 3], np.int32), counts=np.array([5, 0, 1], np.int32),
                     feed_last=np.array([False, False, True]), sample=np.array([True, False, True]),
-                    sample_index=np.array([0, 0, 9], np.int32))
+                    sample_index=np.array([0, 0, 9], np.int32), logprobs=np.array([True, False, False]))
     back = jax.jit(StepRows.unpack)(rows.pack())
-    for name in ("slots", "tokens", "starts", "counts", "feed_last", "sample", "sample_index"):
+    for name in ("slots", "tokens", "starts", "counts", "feed_last", "sample", "sample_index", "logprobs"):
         want, got = getattr(rows, name), np.asarray(getattr(back, name))
         assert got.dtype == want.dtype and np.array_equal(got, want), name
+
+
+def test_sampled_pack_round_trip():
+    import jax
+
+    from dsr1.programs import Sampled
+
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 1000, 3).astype(np.int32)
+    logprobs = -rng.random(3).astype(np.float32)
+    top_ids = rng.integers(0, 1000, (3, 20)).astype(np.int32)
+    top_logprobs = np.sort(-rng.random((3, 20)).astype(np.float32))[:, ::-1]
+    top_logprobs[2, 5:] = -np.inf
+    back = Sampled.unpack(np.asarray(jax.jit(Sampled.pack)(tokens, logprobs, top_ids, top_logprobs)))
+    for want, got in zip((tokens, logprobs, top_ids, top_logprobs), (back.tokens, back.logprobs, back.top_ids,
+                                                                      back.top_logprobs)):
+        assert got.dtype == want.dtype and np.array_equal(got, want)
+    assert back.logprob(0, None) is None
+    entry = back.logprob(2, 2)
+    assert entry.token == tokens[2] and entry.logprob == logprobs[2] and len(entry.top) == 2
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits.astype(np.float64) - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def test_logprobs_are_the_raw_log_softmax_whatever_the_sampling(tiny, make_engine):
+    """Each output token's log-probability and the top alternatives equal the log-softmax of
+    `Model.forward`'s logits at its position: before penalties and temperature, for greedy and
+    sampled requests running side by side with one that asks for none."""
+    engine = make_engine()
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(2, tiny.cfg.vocab_size, n).tolist() for n in (11, 19, 6)]
+    settings = [Sampling(), Sampling(temperature=1.3, top_k=50, presence_penalty=1.5, seed=7), Sampling()]
+    requests = [engine.submit(p, sampling=s, max_new_tokens=7, logprobs=k)
+                for p, s, k in zip(prompts, settings, (5, 0, None))]
+    engine.run()
+    assert requests[2].logprobs is None
+    for prompt, request, top in zip(prompts, requests, (5, 0)):
+        logp = log_softmax(np.asarray(tiny.forward(np.array([prompt + request.tokens], np.int32)))[0])
+        assert [e.token for e in request.logprobs] == request.tokens and len(request.tokens) == 7
+        for k, entry in enumerate(request.logprobs):
+            position = len(prompt) - 1 + k
+            assert abs(entry.logprob - logp[position, entry.token]) < 1e-4
+            assert [t for t, _ in entry.top] == np.argsort(-logp[position], kind="stable")[:top].tolist()
+            assert np.allclose([lp for _, lp in entry.top], np.sort(logp[position])[::-1][:top], atol=1e-4)
+
+
+def test_logprobs_stop_with_the_tokens(tiny, make_engine):
+    """A stop token is not an output token, so it has no log-probability; a bad `logprobs` is refused."""
+    engine = make_engine()
+    prompt = list(range(5, 20))
+    free = engine.submit(prompt, max_new_tokens=6, logprobs=1)
+    engine.run()
+    stop = free.tokens[3]
+    stopped = engine.submit(prompt, sampling=Sampling(stop_token_ids=stop), max_new_tokens=6, logprobs=1)
+    engine.run()
+    assert stopped.tokens == free.tokens[:3] and [e.token for e in stopped.logprobs] == stopped.tokens
+    # (the second run reads the prompt from the prefix cache: the same values up to float32 rounding)
+    assert np.allclose([e.logprob for e in stopped.logprobs], [e.logprob for e in free.logprobs[:3]], atol=1e-5)
+    for bad in (-1, 21, 2.0, True):
+        with pytest.raises(ValueError, match="logprobs"):
+            engine.submit(prompt, logprobs=bad)
 
 
 @pytest.mark.parametrize("vocab", [5, 128, 300, 1024])

@@ -306,3 +306,13 @@ def test_data_copy_matches_shared_reference():
     if not SHARED_CONFIG.is_file():
         pytest.skip("../shared reference not present")
     assert json.loads(CONFIG.read_text(encoding="utf-8")) == json.loads(SHARED_CONFIG.read_text(encoding="utf-8"))
+
+
+def test_token_bytes_join_to_the_decoded_text(tok):
+    tokenizer = tok
+    ids = tokenizer.encode("Hello 超声波 world 🤖 <think> x", add_bos=True)
+    assert b"".join(tokenizer.token_bytes(i) for i in ids).decode() == tokenizer.decode(ids)
+    assert tokenizer.token_bytes(tokenizer.eos_id) == EOS.encode()
+    assert tokenizer.token_bytes(tokenizer.vocab_size + 5) == b""  # the model's padded embedding rows
+    with pytest.raises(ValueError, match="negative"):
+        tokenizer.token_bytes(-1)

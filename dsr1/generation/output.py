@@ -6,6 +6,7 @@ the serving engine (`dsr1.serving`, continuous batching).
 - `RowOutput`: a row's tokens and text as they arrive: incremental detokenization, stop tokens and
   strings (cut exactly, nothing after them kept), and the text that can safely be streamed.
 - `Completion` and `split_reasoning`: the finished output, R1's reasoning separated from the answer.
+- `TokenLogprob`: an output token's log-probability and the most likely alternatives.
 """
 
 from __future__ import annotations
@@ -18,6 +19,17 @@ from .sampling import Sampling, find_stop_string
 from .tokenizer import THINK_END, THINK_START, StreamDecoder, Tokenizer
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """An output token's log-probability under the model's raw logits (before penalties, temperature
+    and filters) and the `top` most likely tokens at that position as `(token id, log-probability)`,
+    most likely first (as many as the request asked for)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -371,6 +371,35 @@ def sample(
     return jnp.where(sampling.temperature > 0, drawn, greedy_tokens)
 
 
+TOP_LOGPROBS = 20  # the most alternatives per token OpenAI's API returns (`top_logprobs` <= 20)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, wanted: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Log-probabilities of the sampled `tokens [B]` under the raw `logits [B, V]` (log-softmax in float32:
+    before penalties, temperature and filters, as OpenAI and vLLM report them), and each row's
+    `TOP_LOGPROBS` most likely tokens: `(logprobs [B], top_ids [B, TOP], top_logprobs [B, TOP])`,
+    most likely first (a vocabulary smaller than TOP pads with id -1 and -inf).
+
+    Computed only when some row is `wanted [B]` (a pass over the vocabulary and a top-k that a
+    serving step does not pay otherwise); every value is 0 when none is."""
+    batch, vocab = logits.shape
+    top = min(TOP_LOGPROBS, vocab)
+
+    def compute(logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+        top_logprobs, top_ids = jax.lax.top_k(logp, top)
+        pad = ((0, 0), (0, TOP_LOGPROBS - top))
+        return (chosen, jnp.pad(top_ids.astype(jnp.int32), pad, constant_values=-1),
+                jnp.pad(top_logprobs, pad, constant_values=-jnp.inf))
+
+    def skip(logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return (jnp.zeros(batch, jnp.float32), jnp.zeros((batch, TOP_LOGPROBS), jnp.int32),
+                jnp.zeros((batch, TOP_LOGPROBS), jnp.float32))
+
+    return jax.lax.cond(jnp.any(wanted), compute, skip, logits)
+
+
 def find_stop_string(text: str, stop_strings: Sequence[str], start: int = 0) -> int | None:
     """Host-side helper for streaming: index where the earliest stop string begins in text, or None.
 

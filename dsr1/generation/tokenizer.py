@@ -8,6 +8,7 @@ included, because the model was trained on exactly that text.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -98,6 +99,20 @@ class Tokenizer:
         """Text of `ids` (any iterable of ints, numpy/jax arrays included); invalid UTF-8 decodes to U+FFFD."""
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level piece may hold part of a UTF-8 character); an
+        added token's (e.g. `<｜end▁of▁sentence｜>`) are its text's UTF-8 bytes. An id past the
+        vocabulary (R1's embedding is padded to 129280 rows) stands for nothing, as `decode` reads it."""
+        if token_id < 0:
+            raise ValueError(f"token id {token_id} is negative")
+        piece = self.backend.id_to_token(int(token_id))
+        if piece is None:
+            return b""
+        table = _byte_level_decoder()
+        if all(char in table for char in piece):
+            return bytes(table[char] for char in piece)
+        return piece.encode()
+
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
         """The prompt text the official R1 chat template renders for `messages`."""
         return render_chat(messages, add_generation_prompt)
@@ -107,6 +122,15 @@ class Tokenizer:
     ) -> list[int]:
         """Token ids of `render_chat(messages)`; the BOS comes from the template text, so none is added."""
         return self.encode(render_chat(messages, add_generation_prompt))
+
+
+@functools.cache
+def _byte_level_decoder() -> dict[str, int]:
+    """Byte-level BPE's character -> byte table (GPT-2's `bytes_to_unicode`, inverted): printable bytes
+    stand for themselves, the other 68 for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
 
 
 def _check_messages(messages: Sequence[Mapping[str, Any]]) -> None:

@@ -5,6 +5,7 @@
 - `protocol`: the OpenAI wire format (pydantic), strict parsing with errors naming the field.
 - `errors`: OpenAI-style errors `{"error": {"message", "type", "param", "code"}}`.
 - `prepare`: a parsed request checked against the model and limits, encoded into prompts and samplings.
+- `logprobs`: the engine's token log-probabilities in OpenAI's chat and completions forms.
 - `reasoning`: R1's `<think>` text split into `reasoning_content` and `content`, streamed or not.
 - `runner`: the engine's background thread, the queue cap and draining.
 - `completions`: the two completion endpoints, whole or streamed (server-sent events).

@@ -2,6 +2,9 @@
 (`protocol`, `prepare`), submit one engine request per choice through the runner, then answer
 with the whole result or stream it as server-sent events ending with `data: [DONE]`.
 
+Log-probabilities, when asked for, are the engine's (`Request.logprobs`) in OpenAI's forms
+(`logprobs`), whole or a step's new tokens per chunk.
+
 Updates come from the engine's thread (`runner.Update`, once per step per changed request) and
 are handed to the event loop through an asyncio queue, so no coroutine ever waits on the engine.
 
@@ -26,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ..generation.tokenizer import Tokenizer
 from ..serving import Request
 from .errors import APIError
+from .logprobs import LogprobCursor, chat_logprobs, completion_logprobs
 from .metrics import Metrics, RequestClock
 from .prepare import Limits, Plan, plan_chat, plan_completion
 from .protocol import (
@@ -161,7 +165,8 @@ class CompletionService:
         """Submit every choice of `plan` (all or none), or raise the fitting `APIError`."""
         submission = Submission(endpoint, self.metrics, asyncio.get_running_loop())
         try:
-            submission.requests = self.runner.submit(plan.choice_prompts(), plan.samplings, submission.listener)
+            submission.requests = self.runner.submit(plan.choice_prompts(), plan.samplings, submission.listener,
+                                                     logprobs=plan.top_logprobs)
         except QueueFull as e:
             self.metrics.rejected.labels("queue_full").inc()
             raise APIError(429, f"the server is busy ({e}); retry later", code="queue_full",
@@ -187,34 +192,40 @@ class CompletionService:
             reasoning, content = split_reply(request.text, request.thinking)
             message = AssistantMessage(content=content,
                                        reasoning_content=reasoning if request.thinking or reasoning else None)
-            choices.append(ChatChoice(index=i, message=message, finish_reason=request.finish_reason))
+            logprobs = None if request.logprobs is None else chat_logprobs(self.tokenizer, request.logprobs)
+            choices.append(ChatChoice(index=i, message=message, logprobs=logprobs, finish_reason=request.finish_reason))
         return ChatCompletion(id=reply.id, created=reply.created, model=reply.model, choices=choices,
                               usage=_usage(submission, plan))
 
     def _text_result(self, submission: Submission, plan: Plan, reply: _Reply) -> TextCompletion:
-        choices = [TextChoice(index=i, text=r.text, finish_reason=r.finish_reason)
+        choices = [TextChoice(index=i, text=r.text, finish_reason=r.finish_reason,
+                              logprobs=None if r.logprobs is None else completion_logprobs(self.tokenizer, r.logprobs))
                    for i, r in enumerate(submission.requests)]
         return TextCompletion(id=reply.id, created=reply.created, model=reply.model, choices=choices,
                               usage=_usage(submission, plan))
 
     # ---- streams -------------------------------------------------------------------------------
     async def _chat_events(self, submission: Submission, plan: Plan, reply: _Reply) -> AsyncIterator[str]:
-        """The chat stream: a role chunk per choice, reasoning and content deltas as they come, a
-        finish chunk per choice, the usage chunk when asked for, then [DONE]."""
+        """The chat stream: a role chunk per choice, reasoning and content deltas as they come (the
+        new tokens' log-probabilities on the step's last delta, if asked for), a finish chunk per
+        choice, the usage chunk when asked for, then [DONE]."""
         try:
             for i in range(len(submission.requests)):
                 yield reply.chat_chunk(plan, i, {"role": "assistant", "content": ""})
             splitters = [ReasoningSplitter(r.thinking) for r in submission.requests]
+            cursors = [LogprobCursor(self.tokenizer, chat=True) for _ in submission.requests]
             async for update in submission.updates():
                 i = submission.index(update.request)
                 reasoning, content = splitters[i].push(update.text)
                 if update.done:
                     rest = splitters[i].finish()
                     reasoning, content = reasoning + rest[0], content + rest[1]
-                if reasoning:
-                    yield reply.chat_chunk(plan, i, {"reasoning_content": reasoning})
-                if content:
-                    yield reply.chat_chunk(plan, i, {"content": content})
+                logprobs = cursors[i].take(update.request.logprobs, update.tokens)
+                deltas = [{"reasoning_content": reasoning}] if reasoning else []
+                if content or (logprobs and not deltas):  # tokens whose text is held back still send theirs
+                    deltas.append({"content": content})
+                for k, delta in enumerate(deltas):
+                    yield reply.chat_chunk(plan, i, delta, logprobs=logprobs if k == len(deltas) - 1 else None)
                 if update.done:
                     yield reply.chat_chunk(plan, i, {}, update.request.finish_reason)
             if plan.include_usage:
@@ -224,12 +235,15 @@ class CompletionService:
             submission.cancel()  # the client went away (or the stream failed): free its requests now
 
     async def _text_events(self, submission: Submission, plan: Plan, reply: _Reply) -> AsyncIterator[str]:
-        """The completions stream: text deltas, a finish chunk per choice, usage when asked for, [DONE]."""
+        """The completions stream: text deltas (with the new tokens' log-probabilities, if asked for), a
+        finish chunk per choice, usage when asked for, [DONE]."""
         try:
+            cursors = [LogprobCursor(self.tokenizer, chat=False) for _ in submission.requests]
             async for update in submission.updates():
                 i = submission.index(update.request)
-                if update.text:
-                    yield reply.text_chunk(plan, i, update.text)
+                logprobs = cursors[i].take(update.request.logprobs, update.tokens)
+                if update.text or logprobs:
+                    yield reply.text_chunk(plan, i, update.text, logprobs=logprobs)
                 if update.done:
                     yield reply.text_chunk(plan, i, "", update.request.finish_reason)
             if plan.include_usage:
@@ -254,12 +268,14 @@ class _Reply:
             chunk["usage"] = None  # OpenAI's stream: null on every chunk but the last
         return _sse(json.dumps(chunk, ensure_ascii=False))
 
-    def chat_chunk(self, plan: Plan, index: int, delta: dict[str, str], finish_reason: str | None = None) -> str:
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    def chat_chunk(self, plan: Plan, index: int, delta: dict[str, str], finish_reason: str | None = None, *,
+                   logprobs: dict[str, Any] | None = None) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._chunk("chat.completion.chunk", plan, [choice])
 
-    def text_chunk(self, plan: Plan, index: int, text: str, finish_reason: str | None = None) -> str:
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def text_chunk(self, plan: Plan, index: int, text: str, finish_reason: str | None = None, *,
+                   logprobs: dict[str, Any] | None = None) -> str:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._chunk("text_completion", plan, [choice])
 
     def usage_chunk(self, kind: str, usage: Usage) -> str:

@@ -1,6 +1,7 @@
 """From a parsed request to what the engine runs: prompt token ids and one `Sampling` per choice,
 after every check that needs the tokenizer, the model or the server's limits (unknown model,
-unsupported features, empty or malformed messages, token ids outside the vocabulary, a prompt or a
+unsupported features, empty or malformed messages,
+log-probabilities asked for wrongly, token ids outside the vocabulary, a prompt or a
 budget that does not fit the context). Each failure is an `APIError` naming the field.
 
 Defaults follow OpenAI's API: temperature 1 and top_p 1; `/v1/completions` generates 16 tokens
@@ -21,7 +22,6 @@ from .protocol import MAX_STOP_STRINGS, ChatCompletionRequest, ChatMessage, Comp
 __all__ = ["COMPLETIONS_DEFAULT_MAX_TOKENS", "Limits", "Plan", "plan_chat", "plan_completion"]
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-LOGPROBS_UNSUPPORTED = "logprobs are not supported yet"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +45,7 @@ class Plan:
     n: int
     stream: bool
     include_usage: bool
+    top_logprobs: int | None = None  # None: no log-probabilities; else alternatives per output token
 
     def choice_prompts(self) -> list[list[int]]:
         """The prompt of every choice."""
@@ -54,10 +55,8 @@ class Plan:
 def plan_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits) -> Plan:
     """Check a chat request and encode its messages with R1's chat template."""
     _check_common(body, limits)
-    if body.logprobs or body.top_logprobs is not None:
-        if not body.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
-        raise APIError(400, LOGPROBS_UNSUPPORTED, param="logprobs", code="unsupported_parameter")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
     if body.tools:
         raise APIError(400, "tools (function calling) are not supported", param="tools", code="unsupported_parameter")
     if body.response_format is not None and body.response_format.get("type", "text") != "text":
@@ -71,14 +70,13 @@ def plan_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits)
         raise APIError(400, f"messages cannot be rendered: {e}", param="messages", code="invalid_value") from None
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     budget = _budget(len(prompt), body.token_budget, limits.default_max_tokens, limits.context, "messages", param)
-    return Plan([prompt], _samplings(body, [budget]), body.n, body.stream, body.include_usage)
+    top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return Plan([prompt], _samplings(body, [budget]), body.n, body.stream, body.include_usage, top_logprobs)
 
 
 def plan_completion(body: CompletionRequest, tokenizer: Tokenizer, limits: Limits) -> Plan:
     """Check a completions request and encode its prompt(s) (text with BOS, or token ids as given)."""
     _check_common(body, limits)
-    if body.logprobs is not None:
-        raise APIError(400, LOGPROBS_UNSUPPORTED, param="logprobs", code="unsupported_parameter")
     if body.echo:
         raise APIError(400, "echo is not supported", param="echo", code="unsupported_parameter")
     if body.suffix:
@@ -88,7 +86,7 @@ def plan_completion(body: CompletionRequest, tokenizer: Tokenizer, limits: Limit
     prompts = [_encode(p, tokenizer, limits) for p in _prompt_list(body.prompt)]
     budgets = [_budget(len(p), body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, limits.context, "prompt", "max_tokens")
                for p in prompts]
-    return Plan(prompts, _samplings(body, budgets), body.n, body.stream, body.include_usage)
+    return Plan(prompts, _samplings(body, budgets), body.n, body.stream, body.include_usage, body.logprobs)
 
 
 # ---- checks ----------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..generation.sampling import TOP_LOGPROBS
 from .errors import APIError
 
 __all__ = [
@@ -25,7 +26,7 @@ __all__ = [
 
 MAX_STOP_STRINGS = 16
 MAX_N = 64
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = TOP_LOGPROBS  # alternatives per token the engine records at most
 SEED_RANGE = (-(2**63), 2**64)  # OpenAI documents int64 seeds; dsr1 takes [0, 2**64) (negatives wrap)
 
 
@@ -113,7 +114,7 @@ class CompletionRequest(_SamplingFields):
     two kinds may be mixed)."""
 
     prompt: str | list[int] | list[str | list[int]]
-    logprobs: int | None = Field(None, ge=0, le=5)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # OpenAI stops at 5; vLLM, like us, at 20
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)

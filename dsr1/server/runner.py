@@ -112,10 +112,11 @@ class EngineRunner:
         """The engine's statistics as of the latest snapshot (at most `STATS_INTERVAL` old while busy)."""
         return self._stats
 
-    def submit(self, prompts: Sequence[list[int]], samplings: Sequence[Sampling], listener: Listener) -> list[Request]:
-        """Submit one request per (prompt, sampling), all or none; `listener` receives their updates.
-        Raises `Draining`, `EngineFailed`, `QueueFull`, or the engine's ValueError for a request that
-        can never run."""
+    def submit(self, prompts: Sequence[list[int]], samplings: Sequence[Sampling], listener: Listener, *,
+               logprobs: int | None = None) -> list[Request]:
+        """Submit one request per (prompt, sampling), all or none, each recording `logprobs` alternatives
+        per token if not None; `listener` receives their updates. Raises `Draining`, `EngineFailed`,
+        `QueueFull`, or the engine's ValueError for a request that can never run."""
         with self._lock:
             if self._error is not None:
                 raise EngineFailed(f"the engine stopped: {self._error!r}")
@@ -127,7 +128,8 @@ class EngineRunner:
             try:
                 for prompt, sampling in zip(prompts, samplings, strict=True):
                     tracked = _Tracked(listener)
-                    tracked.request = self.engine.submit(prompt, sampling=sampling, on_text=tracked.pieces.append)
+                    tracked.request = self.engine.submit(prompt, sampling=sampling, on_text=tracked.pieces.append,
+                                                         logprobs=logprobs)
                     self._tracked.append(tracked)
                     requests.append(tracked.request)
             except BaseException:

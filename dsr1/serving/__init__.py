@@ -7,7 +7,8 @@ runs it with per-request sampling. The host side, one concept per module:
 
 - `pages`: the page allocator (reference-counted, so sequences with a common prefix can share
   pages read-only), page-table arrays, page arithmetic and a check of `extend`'s host inputs.
-- `request`: `Request`, a submitted prompt's thread-safe handle (tokens, text, streaming, cancel).
+- `request`: `Request`, a submitted prompt's thread-safe handle (tokens, log-probabilities, text,
+  streaming, cancel).
 - `prefix_cache`: full pages keyed by their token prefix (a trie of page-sized chunks), LRU
   eviction, offload to host memory and reload on a hit.
 - `page_pool`: the device page pool and page copies to and from host memory (recorded by a
@@ -24,7 +25,8 @@ runs it with per-request sampling. The host side, one concept per module:
     print(request.text)
 """
 
+from ..generation.output import TokenLogprob
 from .engine import Engine, EngineStats
 from .request import Request
 
-__all__ = ["Engine", "EngineStats", "Request"]
+__all__ = ["Engine", "EngineStats", "Request", "TokenLogprob"]

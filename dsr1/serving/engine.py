@@ -52,8 +52,9 @@ from .. import programs
 from ..api import Model
 from ..core.sharding import to_host
 from ..generation.output import Prompt, encode_prompt, needs_tokenizer, opens_thinking, request_sampling
-from ..generation.sampling import Sampling
+from ..generation.sampling import TOP_LOGPROBS, Sampling
 from ..generation.tokenizer import Tokenizer, load_tokenizer
+from ..programs import Sampled
 from .broadcast import StepChannel
 from .page_pool import PageLog, PagePool, warm_up_ops
 from .pages import PageAllocator
@@ -159,13 +160,18 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, prompt: Prompt, *, sampling: Sampling | None = None, max_new_tokens: int | None = None,
-               chat: bool = False, on_text: TextCallback | None = None) -> Request:
+               chat: bool = False, on_text: TextCallback | None = None, logprobs: int | None = None) -> Request:
         """Queue a prompt (token ids, text, or chat messages, as `dsr1.generate` takes them) and return its
         `Request`. Thread-safe. `max_new_tokens` overrides `sampling.max_new_tokens`; the model's EOS
         always stops; a request without a seed gets a random one now. `on_text(piece)` receives the
-        output text as it streams, on the engine's thread. Raises ValueError for a prompt that could
-        never run (bad token, longer than `max_seq_len`, more pages than the pool holds)."""
+        output text as it streams, on the engine's thread. `logprobs=k` (0 to `TOP_LOGPROBS`) records
+        each output token's log-probability and the k most likely tokens (`Request.logprobs`).
+        Raises ValueError for a prompt that could never run (bad token, longer than `max_seq_len`,
+        more pages than the pool holds) or a bad `logprobs`."""
         self._require_leader("submit")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs <= TOP_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {TOP_LOGPROBS}], got {logprobs!r}")
         tokenizer = self._tokenizer_for(prompt, sampling)
         tokens = encode_prompt(prompt, tokenizer, chat)
         eos = tokenizer.eos_id if tokenizer else self.model.cfg.eos_token_id
@@ -175,7 +181,7 @@ class Engine:
         self._check_fits(tokens, settings.max_new_tokens)
         with self._submit_lock:
             request = Request(self._next_id, tokens, settings, tokenizer, thinking=opens_thinking(tokens, tokenizer),
-                              on_text=on_text)
+                              on_text=on_text, top_logprobs=logprobs)
             self._next_id += 1
             self._submitted.append(request)
         return request
@@ -290,11 +296,11 @@ class Engine:
     def _read(self, step: _InFlight) -> float:
         """Wait for a dispatched step's tokens and hand them out; returns the seconds waited."""
         start = time.perf_counter()
-        tokens = [to_host(out) for _, out in step.calls]
+        results = [Sampled.unpack(to_host(out)) for _, out in step.calls]
         ready = time.perf_counter()
         self._timing.device += ready - max(step.dispatched_at, self._timing.last_ready)
         self._timing.last_ready = ready
-        for (lanes, _), sampled in zip(step.calls, tokens):
+        for (lanes, _), sampled in zip(step.calls, results):
             self.scheduler.complete(lanes, sampled)
         return ready - start
 

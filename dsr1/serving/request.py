@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from ..generation.output import Completion, RowOutput
+from ..generation.output import Completion, RowOutput, TokenLogprob
 from ..generation.sampling import Sampling
 from ..generation.tokenizer import Tokenizer
 
@@ -33,16 +33,18 @@ class Request:
     """
 
     def __init__(self, request_id: int, prompt: Sequence[int], sampling: Sampling, tokenizer: Tokenizer | None, *,
-                 thinking: bool = False, on_text: TextCallback | None = None):
+                 thinking: bool = False, on_text: TextCallback | None = None, top_logprobs: int | None = None):
         self.id = request_id
         self.prompt = list(prompt)
         self.sampling = sampling  # with its seed resolved and the EOS among its stop tokens
+        self.top_logprobs = top_logprobs  # None: no log-probabilities; else alternatives per token (0..20)
         self.thinking = thinking  # the prompt opened R1's <think> block
         self.submitted_at = time.perf_counter()
         self.cached_tokens = 0  # prompt tokens served from the prefix cache (set at admission)
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
         self._output = RowOutput(tokenizer, sampling)
+        self._logprobs: list[TokenLogprob] = []
         self._on_text = on_text
         self._changed = threading.Condition()
         self._streamed = ""  # every piece handed out so far, joined
@@ -59,6 +61,15 @@ class Request:
         """Output token ids so far (a stop token is not included)."""
         with self._changed:
             return list(self._output.tokens)
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """One `TokenLogprob` per output token so far (aligned with `tokens`), or None when the request
+        did not ask for log-probabilities (`Engine.submit(..., logprobs=...)`)."""
+        if self.top_logprobs is None:
+            return None
+        with self._changed:
+            return list(self._logprobs)
 
     @property
     def text(self) -> str:
@@ -119,13 +130,17 @@ class Request:
             return self._output.completion(self._finish_reason, len(self.prompt), self.thinking)
 
     # ---- the engine's side ---------------------------------------------------------------------
-    def add_tokens(self, tokens: Sequence[int]) -> bool:
-        """(Engine) Sampled tokens arrived, in order. Returns True when a stop token or stop string
-        ended the output (the engine then finishes the request as "stop")."""
+    def add_tokens(self, tokens: Sequence[int], logprobs: Sequence[TokenLogprob] | None = None) -> bool:
+        """(Engine) Sampled tokens arrived, in order, with their log-probabilities if the request asked
+        for them. Returns True when a stop token or stop string ended the output (the engine then
+        finishes the request as "stop")."""
         with self._changed:
             if self.first_token_at is None and tokens:
                 self.first_token_at = time.perf_counter()
+            before = len(self._output.tokens)
             self._output.add(tokens)
+            if logprobs is not None:  # the tokens kept (not a stop token, nothing after a stop)
+                self._logprobs += logprobs[:len(self._output.tokens) - before]
             piece = self._publish(final=False)
             stopped = self._output.stopped
         self._notify(piece)

@@ -44,7 +44,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..core.cache import SCRATCH_PAGE
-from ..programs import StepRows
+from ..generation.output import TokenLogprob
+from ..programs import Sampled, StepRows
 from .pages import PageAllocator, pages_needed
 from .prefix_cache import PrefixCache
 from .request import Request
@@ -160,11 +161,13 @@ def lane_rows(lanes: Sequence[Lane], rows: int, chunk: int, idle_slot: int) -> S
     """The host arrays of one call: `lanes` in the first rows, the rest idle (slot `idle_slot`, count 0)."""
     out = StepRows(slots=np.full(rows, idle_slot, np.int32), tokens=np.zeros((rows, chunk), np.int32),
                    starts=np.zeros(rows, np.int32), counts=np.zeros(rows, np.int32),
-                   feed_last=np.zeros(rows, bool), sample=np.zeros(rows, bool), sample_index=np.zeros(rows, np.int32))
+                   feed_last=np.zeros(rows, bool), sample=np.zeros(rows, bool), sample_index=np.zeros(rows, np.int32),
+                   logprobs=np.zeros(rows, bool))
     for i, lane in enumerate(lanes):
         out.slots[i], out.starts[i], out.counts[i] = lane.seq.slot, lane.start, lane.count
         out.tokens[i, :len(lane.tokens)] = lane.tokens
         out.feed_last[i], out.sample[i], out.sample_index[i] = lane.feed_last, lane.sample, lane.sample_index
+        out.logprobs[i] = lane.sample and lane.seq.request.top_logprobs is not None
     return out
 
 
@@ -282,18 +285,18 @@ class Scheduler:
         return lanes
 
     # ---- results -------------------------------------------------------------------------------
-    def complete(self, lanes: Sequence[Lane], tokens: np.ndarray) -> None:
-        """Hand a call's sampled tokens (`[rows]`, in lane order) to their requests, and finish the
-        requests that hit a stop token or string or their budget. Lanes of requests finished since
-        they were planned are ignored."""
-        for lane, token in zip(lanes, tokens):
+    def complete(self, lanes: Sequence[Lane], sampled: Sampled) -> None:
+        """Hand a call's sampled tokens (rows in lane order) to their requests, with their
+        log-probabilities where asked for, and finish the requests that hit a stop token or string or
+        their budget. Lanes of requests finished since they were planned are ignored."""
+        for row, lane in enumerate(lanes):
             if lane.sample and not lane.seq.finished:
-                self._deliver(lane.seq, int(token))
+                self._deliver(lane.seq, int(sampled.tokens[row]), sampled.logprob(row, lane.seq.request.top_logprobs))
 
-    def _deliver(self, seq: Running, token: int) -> None:
+    def _deliver(self, seq: Running, token: int, logprob: TokenLogprob | None) -> None:
         seq.tokens.append(token)
         self.generated_tokens += 1
-        if seq.request.add_tokens([token]):
+        if seq.request.add_tokens([token], None if logprob is None else [logprob]):
             self._finish(seq, "stop")
         elif len(seq.tokens) - seq.prompt_len >= seq.request.sampling.max_new_tokens:
             self._finish(seq, "length")
