@@ -610,9 +610,9 @@ def test_a_failing_engine_ends_its_requests_and_refuses_new_ones():
         def stats(self) -> EngineStats:
             return EngineStats(**{f.name: 0 for f in dataclasses.fields(EngineStats)})
 
-        def submit(self, prompt, *, sampling, on_text) -> Request:
+        def submit(self, prompt, *, sampling, on_text, logprobs) -> Request:
             self.has_work = True
-            return Request(0, prompt, sampling, None, on_text=on_text)
+            return Request(0, prompt, sampling, None, on_text=on_text, top_logprobs=logprobs)
 
         def step(self) -> None:
             raise RuntimeError("the device is on fire")
