@@ -6,6 +6,8 @@
 - `compare_hf`: the same random checkpoint through HF transformers and dsr1.
 - `serve`: a seeded serving workload through the engine (continuous batching) and through static
   batches of `generate`; latency and throughput summaries; time to first token with a shared prefix.
+- `plan`: a capacity plan: decode and prefill compiled from abstract sharded weights on a fake CPU
+  mesh; weight bytes per device, cache bytes per token, the batch x context that fits.
 - `report`: Markdown tables and the device and model lines.
-- `cli`: the `decode`, `compare-hf` and `serve` commands.
+- `cli`: the `decode`, `compare-hf`, `serve` and `plan` commands.
 """

@@ -4,6 +4,9 @@ transformers.
     python -m dsr1.bench decode --batch 1,8,32 --context 32,512,4096 [--quant int8] [--kv-cache-dtype int8]
     python -m dsr1.bench compare-hf [--preset bench] [--batch 1,8] [--new-tokens 32]
     python -m dsr1.bench serve --preset tiny --dtype float32 [--requests 64] [--rate 20] [--prefix-ttft 2000]
+    python -m dsr1.bench plan --preset deepseek-r1 --quant int8 [--target 8xH100|8xH200|v5e-64|v5p-64]
+        [--mesh expert=8,tensor=8] [--hbm GIB]
+    python -m dsr1.bench load [--preset bench | --model PATH] [--quant int8] [--cache cold|warm] [--repeats 3]
 
 Results go to stdout as Markdown tables (progress to stderr); `--json PATH` also writes them as JSON.
 """
@@ -26,6 +29,8 @@ from ..options import add_model_options, config_from_options, mesh_from_options,
 from .accounting import expert_bytes, fixed_weight_bytes
 from .bandwidth import COPY_BYTES, copy_bandwidth, device_description, with_final_load
 from .compare_hf import compare_row, dsr1_generate, hf_generate, load_hf, write_random_checkpoint
+from .loading import add_load_options, run_load
+from .plan import add_plan_options, run_plan
 from .report import (
     COMPARE_NOTES,
     DECODE_NOTES,
@@ -266,6 +271,19 @@ def parser() -> argparse.ArgumentParser:
     srv.add_argument("--repeats", type=_positive, default=1, help="runs of each, alternating; the fastest of each is "
                      "reported (default: 1)")
     srv.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    pln = sub.add_parser("plan", help="capacity plan: compile decode and prefill for a full-size model on a fake "
+                                      "CPU mesh; weight and cache bytes per device, the batch x context that fits",
+                         description="Lowers and compiles the real decode step and prefill from abstract sharded "
+                                     "weights (no memory) on a mesh of fake CPU devices, and reports weight bytes "
+                                     "per device, cache bytes per token, XLA's memory analysis, compile times and "
+                                     "the largest batch x context that fits --hbm. Fails when a weight that should "
+                                     "be split over the mesh would be replicated.")
+    add_plan_options(pln)
+    lod = sub.add_parser("load", help="dsr1.load GB/s against the raw read bandwidth of the same files",
+                         description="Writes a random checkpoint in the release layout and precision (FP8 blocks "
+                                     "with scales; or takes --model), then alternates a raw sequential read of its "
+                                     "files and a dsr1.load of it, and reports both in GB/s and their ratio.")
+    add_load_options(lod)
     return ap
 
 
@@ -274,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command == "compare-hf" and args.new_tokens < 2:
         raise SystemExit("--new-tokens must be at least 2 (the first token comes from the prefill)")
-    commands = {"decode": run_decode, "compare-hf": run_compare_hf, "serve": run_serve}
+    commands = {"decode": run_decode, "compare-hf": run_compare_hf, "serve": run_serve, "plan": run_plan,
+                "load": run_load}
     result = commands[args.command](args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))

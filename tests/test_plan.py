@@ -1,0 +1,148 @@
+"""`python -m dsr1.bench plan`: weight and cache bytes against hand-computed sums, the replication
+check, and a scaled-down plan compiled on 8 fake CPU devices (in a subprocess: the device count is
+fixed when JAX starts)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AbstractMesh
+
+from dsr1.bench.cli import parser
+from dsr1.bench.plan import (
+    TARGETS,
+    PlanError,
+    abstract_cache,
+    abstract_weights,
+    cache_bytes_per_token,
+    device_bytes,
+    parse_mesh,
+    spec_from_options,
+    split_problems,
+)
+from dsr1.core.config import Config
+from dsr1.core.params import param_specs
+from dsr1.core.sharding import DEFAULT_RULES, MESH_AXES, ShardingRules
+
+from .harness import subprocess_env
+
+TINY = Config.preset("tiny")
+
+
+def _mesh(expert: int, tensor: int) -> AbstractMesh:
+    return AbstractMesh((expert, tensor), MESH_AXES)
+
+
+def bf16_bytes_per_device(c: Config, expert: int, tensor: int) -> int:
+    """A q_lora config's bf16 weights on one device, summed by hand from the layout DEFAULT_RULES gives:
+    vocab, heads, ffw and expert ffw split over `tensor`, experts over `expert`, the rest whole."""
+    d, h, r, q, v = c.hidden_size, c.num_attention_heads, c.kv_lora_rank, c.q_lora_rank, c.v_head_dim
+    qk, rope = c.qk_nope_head_dim + c.qk_rope_head_dim, c.qk_rope_head_dim
+    e, f = c.n_routed_experts, c.moe_intermediate_size
+    attention = 2 * (2 * d + d * (r + rope) + r + d * q + q  # norms, kv_a, kv_a_norm, q_a, q_a_norm
+                     + (q * h * qk + 2 * h * c.qk_nope_head_dim * r + h * v * d) // tensor)  # q_b, wk_b, wv_b, o
+    dense_mlp = 2 * 3 * d * c.intermediate_size // tensor
+    moe = (4 * (d * e + e)  # float32 router and bias
+           + 2 * 3 * e * d * f // (expert * tensor)  # routed experts
+           + 2 * 3 * d * f * c.n_shared_experts // tensor)  # shared expert
+    globals_ = 2 * (2 * c.vocab_size * d // tensor + d)  # embed, lm_head, final_norm
+    return globals_ + c.num_dense_layers * (attention + dense_mlp) + c.num_moe_layers * (attention + moe)
+
+
+@pytest.mark.parametrize("expert,tensor", [(4, 2), (1, 4), (2, 1)])
+def test_weight_bytes_per_device_are_the_hand_computed_sum(expert, tensor):
+    weights = abstract_weights(TINY, _mesh(expert, tensor), DEFAULT_RULES, jnp.bfloat16, None)
+    assert device_bytes(weights) == bf16_bytes_per_device(TINY, expert, tensor)
+
+
+def test_int8_weights_are_smaller_and_r1_int8_on_64_devices_is_about_an_eighth_of_its_total():
+    mesh = _mesh(4, 2)
+    bf16 = device_bytes(abstract_weights(TINY, mesh, DEFAULT_RULES, jnp.bfloat16, None))
+    int8 = device_bytes(abstract_weights(TINY, mesh, DEFAULT_RULES, jnp.bfloat16, "int8"))
+    assert int8 < bf16
+    r1 = Config.preset("deepseek-r1")
+    weights = abstract_weights(r1, _mesh(8, 8), DEFAULT_RULES, jnp.bfloat16, "int8")
+    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(weights))
+    # ~680 GB of int8 + bf16: experts split 64 ways, attention 8 ways (replicated over the expert axis).
+    assert 650e9 < total < 720e9 and total / 64 < device_bytes(weights) < total / 32
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [None, "int8"])
+def test_cache_bytes_per_token_follow_the_formula_and_the_abstract_cache(kv_cache_dtype):
+    r1 = Config.preset("deepseek-r1")
+    latent = 512 + 4 if kv_cache_dtype else 512 * 2  # int8 + a float32 scale, or bf16
+    assert cache_bytes_per_token(r1, jnp.bfloat16, kv_cache_dtype) == 61 * (latent + 64 * 2)
+    cache = abstract_cache(TINY, _mesh(4, 2), 3, 10, jnp.bfloat16, kv_cache_dtype)
+    per_token = cache_bytes_per_token(TINY, jnp.bfloat16, kv_cache_dtype)
+    assert device_bytes(cache) == 3 * 10 * per_token + 3 * 4  # replicated: all of it on each device, + lengths
+
+
+def test_replication_check_names_the_tensor_and_the_axis():
+    assert split_problems(param_specs(TINY), _mesh(4, 2), DEFAULT_RULES) == []
+    dropped = ShardingRules(experts=None)  # the routed experts would sit whole on every device
+    with pytest.raises(PlanError, match=r"\['moe_layers'\]\['moe'\]\['gate'\].*'experts'.*'expert' \(size 4\)"):
+        abstract_weights(TINY, _mesh(4, 2), dropped, jnp.bfloat16, None)
+    with pytest.raises(PlanError, match=r"\['q_b'\].q .*\('heads'\) of size 4 does not split over mesh axis 'tensor'"):
+        abstract_weights(TINY, _mesh(1, 8), DEFAULT_RULES, jnp.bfloat16, "int8")
+    # A size-1 axis splits nothing: nothing to complain about.
+    assert split_problems(param_specs(TINY), _mesh(8, 1), ShardingRules(heads=None)) == []
+
+
+def test_mesh_option_syntax():
+    assert parse_mesh("expert=8,tensor=4") == {"expert": 8, "tensor": 4}
+    for bad in ("8x8", "expert=8", "expert=8,tensor=0", "expert=8,expert=8", "tensor=2,model=4"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expert=8,tensor=8"):
+            parse_mesh(bad)
+
+
+def _plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dsr1.bench", "plan", *args], env=subprocess_env(1),
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_scaled_down_plan_compiles_on_eight_fake_devices(tmp_path):
+    """R1's structure (q_lora, grouped routing, a dense then a MoE layer) at toy size, from a config.json."""
+    small = dataclasses.replace(TINY, vocab_size=1024, num_hidden_layers=2)
+    (tmp_path / "config.json").write_text(json.dumps(small.to_hf_dict()))
+    out = tmp_path / "plan.json"
+    batch, context = 2, 64
+    proc = _plan("--config", str(tmp_path), "--mesh", "expert=4,tensor=2", "--hbm", "0.5", "--kv-cache-dtype", "int8",
+                 "--batch", str(batch), "--context", str(context), "--prefill-len", "32", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = json.loads(out.read_text())
+    assert plan["devices"] == 8 and plan["device"]["device_count"] == 8
+    assert plan["weight_bytes_per_device"] == bf16_bytes_per_device(small, 4, 2)
+    assert plan["cache_bytes_per_token"] == cache_bytes_per_token(small, jnp.bfloat16, "int8")
+    decode = plan["compiled"][0]["memory"]
+    # XLA's per-device arguments: the weight shards, the whole (replicated) cache and lengths, the tokens.
+    cache = batch * context * plan["cache_bytes_per_token"] + 4 * batch
+    assert decode["argument_size_in_bytes"] == plan["weight_bytes_per_device"] + cache + 4 * batch
+    assert decode["alias_size_in_bytes"] >= batch * context * plan["cache_bytes_per_token"]  # the donated cache
+    assert plan["weights_fit"] and plan["max_tokens"] > 0 and plan["fit"][0]["max_batch"] >= 1
+    assert "largest batch x context" in proc.stdout and "| decode | batch 2, cache 64 |" in proc.stdout
+
+
+def test_plan_fails_before_compiling_when_a_weight_would_be_replicated():
+    proc = _plan("--preset", "tiny", "--mesh", "expert=1,tensor=8")  # tiny has 4 heads: they do not split 8 ways
+    assert proc.returncode != 0
+    assert "['dense_layers']['q_b']" in proc.stderr and "('heads') of size 4" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_target_sets_devices_memory_and_mesh_and_options_override_it():
+    spec = spec_from_options(parser().parse_args(["plan", "--target", "v5p-64", "--quant", "int8"]))
+    assert (spec.devices, spec.hbm_gib, spec.quant, spec.cfg.num_hidden_layers) == (32, 95, "int8", 61)
+    assert {t: (TARGETS[t].devices, TARGETS[t].hbm_gib) for t in TARGETS} == {
+        "8xH100": (8, 80), "8xH200": (8, 141), "v5e-64": (64, 16), "v5p-64": (32, 95)}
+    spec = spec_from_options(parser().parse_args(["plan", "--target", "8xH100", "--mesh", "expert=2,tensor=4",
+                                                  "--hbm", "40", "--preset", "tiny"]))
+    assert (spec.mesh, spec.hbm_gib, spec.context, spec.prefill_len) == ({"expert": 2, "tensor": 4}, 40, 1024, 2048)
+    with pytest.raises(PlanError, match="max_position_embeddings=2048"):
+        spec_from_options(parser().parse_args(["plan", "--preset", "tiny", "--context", "2048"]))
