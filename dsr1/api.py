@@ -7,6 +7,7 @@ their inputs on the host (clear errors instead of silent garbage) and call `dsr1
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +19,13 @@ from jax.sharding import Mesh
 from . import programs
 from .core.cache import KVCache, check_kv_cache_dtype
 from .core.config import Config
-from .core.params import Params, init_params
+from .core.params import Params, compute_view, init_params
 from .core.quant import Int8Weight, check_quant
 from .core.sharding import DEFAULT_RULES, ShardingRules, make_mesh, put_replicated, to_host
 from .weights.loading import load_params
 
 DEFAULT_DECODE_ROOM = 256
+log = logging.getLogger("dsr1.weights")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +132,8 @@ def init_random(cfg: Config, *, seed: int = 0, mesh: Mesh | None = None, dtype: 
     """A model with random weights (std 1/sqrt(fan_in)), created directly in their shardings.
     The values depend on `seed` only, not on the mesh. `quant="int8"` quantizes the matmul weights."""
     mesh, dtype = _resolve(mesh, dtype)
-    return Model(cfg, init_params(cfg, mesh, rules, seed=seed, dtype=dtype, quant=quant), mesh, kv_cache_dtype, rules)
+    params = compute_view(init_params(cfg, mesh, rules, seed=seed, dtype=dtype, quant=quant), cfg)
+    return Model(cfg, params, mesh, kv_cache_dtype, rules)
 
 
 def load(path: str | Path, *, mesh: Mesh | None = None, dtype: Any = "bfloat16", quant: str | None = None,
@@ -142,8 +145,15 @@ def load(path: str | Path, *, mesh: Mesh | None = None, dtype: Any = "bfloat16",
     `quant="int8"` holds the matmul weights as int8 with per-output-channel scales (embeddings,
     norms, router and lm_head stay in `dtype`); a converted int8 checkpoint is int8 already.
     `mtp=True` also loads the multi-token-prediction module as `params["mtp"]`.
+
+    Throughput: the progress bar shows bytes read and GB/s as it goes; at the end the logger
+    `dsr1.weights` logs (INFO) a `dsr1.weights.throughput.Throughput` as the record's `throughput`
+    attribute: `.bytes` read from disk (the tensors' bytes in a release folder's shards, FP8 scales
+    included; the files of a converted folder's units), `.seconds` until every weight is on its
+    devices, and `.gbps`.
     """
     mesh, dtype = _resolve(mesh, dtype)
     cfg = Config.from_hf(path)
-    params = load_params(path, cfg, mesh, rules, dtype, quant=check_quant(quant), mtp=mtp, progress=progress)
-    return Model(cfg, params, mesh, kv_cache_dtype, rules)
+    params, read = load_params(path, cfg, mesh, rules, dtype, quant=check_quant(quant), mtp=mtp, progress=progress)
+    log.info("loaded %s: read %s", path, read, extra={"throughput": read})
+    return Model(cfg, compute_view(params, cfg), mesh, kv_cache_dtype, rules)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 
@@ -143,3 +144,18 @@ def test_wrong_dtype_names_tensor_and_dtype(tmp_path, tensors):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match=rf"tensor '{name}' in int.safetensors has dtype I32, expected one of"):
         dsr1.load(tmp_path, progress=False)
+
+
+def test_load_reports_the_bytes_it_read(tmp_path, tensors, caplog):
+    """`dsr1.load` logs a Throughput whose bytes are the tensors' bytes in the shards: every byte of
+    the files but their headers, when the model reads every tensor."""
+    write_checkpoint(tmp_path, SMALL, tensors)
+    with caplog.at_level(logging.INFO, logger="dsr1.weights"):
+        dsr1.load(tmp_path, progress=False)
+    (read,) = [r.throughput for r in caplog.records if hasattr(r, "throughput")]
+    shards = sorted(tmp_path.glob("*.safetensors"))
+    headers = sum(8 + int.from_bytes(f.read_bytes()[:8], "little") for f in shards)
+    assert read.bytes == sum(f.stat().st_size for f in shards) - headers
+    assert read.bytes == sum(info.end - info.begin for info in CheckpointIndex.open(tmp_path).tensors.values())
+    assert read.seconds > 0 and read.gbps == read.bytes / read.seconds / 1e9
+    assert f"({read.gbps:.2f} GB/s)" in caplog.text

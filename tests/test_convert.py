@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import gzip
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ import dsr1
 from dsr1.weights import convert as dsr1_convert
 from dsr1.weights import store
 from dsr1.weights.release import CheckpointIndex
+from dsr1.weights.throughput import folder_bytes
 
 from .harness import DECODE_PREFIX, TOLERANCE, decode_logits, prompt_batch, relative_error, subprocess_env
 from .reference import hf_config, reference_logits, release_tensors, write_checkpoint
@@ -278,3 +280,20 @@ def test_quant_flag_is_none_or_int8(fp8, tmp_path, capsys):
     assert dsr1_convert.main(["--hf", str(folder), "--out", str(tmp_path / "out"), "--dtype", "float32"]) == 0
     model = dsr1.load(tmp_path / "out", dtype="float32", progress=False)
     assert model.quant is None and model.params["moe_layers"]["moe"]["gate"].dtype == np.float32
+
+
+def test_conversion_and_its_load_report_bytes_and_gbps(fp8, tmp_path, caplog):
+    """The converter reads every tensor of the release folder (scales included) and reports the
+    bytes of the unit folders it wrote; loading the result reports reading those same files."""
+    folder, *_ = fp8
+    out, stats = dsr1_convert.convert_with_stats(folder, tmp_path / "out", progress=False)
+    index = CheckpointIndex.open(folder)
+    assert stats.read.bytes == sum(info.end - info.begin for info in index.tensors.values())
+    units = [out / u for u in store.read_manifest(out)["units"]]
+    assert stats.written.bytes == folder_bytes(units) > 0
+    assert stats.read.gbps > 0 and stats.written.gbps > 0 and stats.read.seconds == stats.written.seconds
+    with caplog.at_level(logging.INFO, logger="dsr1.weights"):
+        dsr1.load(out, mtp=True, progress=False)
+    (read,) = [r.throughput for r in caplog.records if hasattr(r, "throughput")]
+    assert read.bytes == stats.written.bytes and read.gbps > 0
+    assert dsr1_convert.main(["--hf", str(folder), "--out", str(tmp_path / "again")]) == 0

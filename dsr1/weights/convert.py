@@ -16,9 +16,12 @@ from __future__ import annotations
 import argparse
 import ctypes
 import ctypes.util
+import dataclasses
+import logging
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +34,29 @@ from ..core.config import Config
 from ..core.params import ArrayInfo, is_spec, loading_units, param_specs, resolved_dtype, unit_specs
 from ..core.quant import Int8Weight, check_quant, quantize
 from . import store
-from .release import CheckpointIndex, check_tensors, read_region, unit_sources, validate
+from .release import CheckpointIndex, check_tensors, read_region, tensor_bytes, unit_sources, unit_tensors, validate
 from .safetensors_io import CheckpointError
+from .throughput import Throughput, folder_bytes, rate
 
 SETTINGS = "convert.json"  # in OUT.partial: the arguments a resumed run must share
+log = logging.getLogger("dsr1.weights")
 
 
 class ConversionError(RuntimeError):
     """Conversion failed; the message names the unit, its tensors and the path at fault."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ConversionStats:
+    """What one run of the converter moved: `read` (the release tensors' bytes, FP8 scales included)
+    and `written` (the files of the orbax units), both over the run's wall seconds. Units finished by
+    an earlier, interrupted run are neither read nor written again, so they do not count."""
+
+    read: Throughput
+    written: Throughput
+
+    def __str__(self) -> str:
+        return f"read {self.read}, wrote {self.written}"
 
 
 def _is_weight(x: Any) -> bool:
@@ -73,14 +91,6 @@ def _unit_tree(index: CheckpointIndex, cfg: Config, unit: str, layer: int | None
     weights = [_host_weight(index, spec, t, src, 0 if layer is None else layer, dtype)
                for (spec, src), t in zip(unit_sources(cfg, unit, mtp=True), targets)]
     return jax.tree.unflatten(jax.tree.structure(target, is_leaf=_is_weight), weights)
-
-
-def _unit_tensors(index: CheckpointIndex, cfg: Config, unit: str, layer: int | None) -> list[str]:
-    names = []
-    for _, src in unit_sources(cfg, unit, mtp=True):
-        experts = range(cfg.n_routed_experts) if src.per_expert else range(1)
-        names += [src.name.format(layer=layer, expert=e) for e in experts]
-    return names + [n + "_scale_inv" for n in names if n + "_scale_inv" in index.tensors]
 
 
 def _release_memory() -> None:
@@ -122,7 +132,18 @@ def convert(hf: str | Path, out: str | Path, *, quant: str | None = None, dtype:
             mtp: bool = True, progress: bool = True) -> Path:
     """Convert the HF checkpoint folder `hf` to `out` (orbax, our layout). `quant="int8"` stores the
     matmul weights as int8 with per-output-channel scales; every other weight (all of them with
-    `quant=None`) is stored in `dtype`."""
+    `quant=None`) is stored in `dtype`.
+
+    Throughput: the progress bar shows the bytes read and GB/s read and written as it goes; at the
+    end the logger `dsr1.weights` logs (INFO) a `ConversionStats` as the record's `conversion`
+    attribute (see `convert_with_stats` to get it returned)."""
+    return convert_with_stats(hf, out, quant=quant, dtype=dtype, mtp=mtp, progress=progress)[0]
+
+
+def convert_with_stats(hf: str | Path, out: str | Path, *, quant: str | None = None, dtype: str = "bfloat16",
+                       mtp: bool = True, progress: bool = True) -> tuple[Path, ConversionStats]:
+    """`convert`, returning the output folder and the bytes read and written per second."""
+    start = time.perf_counter()
     hf, out = Path(hf), Path(out)
     quant = check_quant(quant)
     cfg = Config.from_hf(hf)
@@ -136,22 +157,28 @@ def convert(hf: str | Path, out: str | Path, *, quant: str | None = None, dtype:
     _prepare_partial(partial, settings)
 
     units = loading_units(cfg, param_specs(cfg, mtp=mtp))
-    sizes = [sum(index.tensors[n].end - index.tensors[n].begin for n in _unit_tensors(index, cfg, *u)) for u in units]
+    sizes = [tensor_bytes(index, unit_tensors(index, cfg, *u)) for u in units]
+    read = written = 0
     with (tqdm(total=sum(sizes), unit="B", unit_scale=True, desc=f"converting {hf.name}", disable=not progress) as bar,
           ocp.StandardCheckpointer() as checkpointer):
         for i, ((unit, layer), size) in enumerate(zip(units, sizes)):
-            bar.set_postfix_str(f"unit {i + 1}/{len(units)} {store.unit_dir(unit, layer)}")
             dest = partial / store.unit_dir(unit, layer)
+            seconds = time.perf_counter() - start
+            bar.set_postfix_str(f"unit {i + 1}/{len(units)} {store.unit_dir(unit, layer)}, read {rate(read, seconds)}, "
+                                f"write {rate(written, seconds)}")
             if not dest.exists():  # finished by an earlier, interrupted run
+                if i + 1 < len(units):  # the disk reads the next unit while this one is converted
+                    index.prefetch(unit_tensors(index, cfg, *units[i + 1]))
                 tree = _unit_tree(index, cfg, unit, layer, quant, dtype)
                 try:
                     store.save_unit(dest, tree, checkpointer)
                 except OSError as e:
-                    tensors = _unit_tensors(index, cfg, unit, layer)
+                    tensors = unit_tensors(index, cfg, unit, layer)
                     raise ConversionError(f"writing {dest} ({len(tensors)} tensors, e.g. {tensors[0]!r}) failed: {e}; "
                                           f"run again with the same arguments to resume") from e
                 del tree
                 _release_memory()
+                read, written = read + size, written + folder_bytes([dest])
             bar.update(size)
     try:
         shutil.copyfile(hf / "config.json", partial / "config.json")
@@ -162,7 +189,10 @@ def convert(hf: str | Path, out: str | Path, *, quant: str | None = None, dtype:
         _replace(out, partial)
     except OSError as e:
         raise ConversionError(f"finishing {out} failed: {e}; run again with the same arguments to resume") from e
-    return out
+    seconds = time.perf_counter() - start
+    stats = ConversionStats(Throughput(read, seconds), Throughput(written, seconds))
+    log.info("converted %s to %s: %s", hf, out, stats, extra={"conversion": stats})
+    return out, stats
 
 
 def check(path: str | Path, config: str | Path | None = None) -> list[str]:
@@ -212,9 +242,9 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             return 1 if problems else 0
         if not args.out:
             ap.error("--out is required unless --check")
-        out = convert(args.hf, args.out, quant=None if args.quant == "none" else args.quant, dtype=args.dtype,
-                      mtp=not args.no_mtp)
-        print(f"wrote {out}")
+        out, stats = convert_with_stats(args.hf, args.out, quant=None if args.quant == "none" else args.quant,
+                                        dtype=args.dtype, mtp=not args.no_mtp)
+        print(f"wrote {out}: {stats}")
         return 0
     except (CheckpointError, ConversionError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -80,12 +80,51 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
     return tensors
 
 
-def read_tensor(info: TensorInfo) -> np.ndarray:
-    """The tensor as a read-only memory-mapped numpy array (no bytes are read until used)."""
+def map_file(file: Path) -> np.ndarray:
+    """A whole shard as a read-only memory-mapped byte array, for `read_tensor(info, data)`."""
+    return np.memmap(file, dtype=np.uint8, mode="r")
+
+
+def read_tensor(info: TensorInfo, data: np.ndarray | None = None) -> np.ndarray:
+    """The tensor as a read-only memory-mapped numpy array (no bytes are read until used): a view
+    into `data` (its file from `map_file`, mapped once for all its tensors) or a map of its own."""
     dtype = DTYPES[info.dtype]
     if info.end == info.begin:
         return np.zeros(info.shape, dtype)
-    return np.memmap(info.file, dtype=dtype, mode="r", offset=info.begin, shape=info.shape)
+    if data is None:
+        return np.memmap(info.file, dtype=dtype, mode="r", offset=info.begin, shape=info.shape)
+    return data[info.begin:info.end].view(dtype).reshape(info.shape)
+
+
+def prefetch(infos: list[TensorInfo]) -> None:
+    """Ask the kernel to start reading these tensors' bytes now, in the background, so that reading
+    them later finds them in the page cache; ranges of one file are merged."""
+    if not hasattr(os, "posix_fadvise"):  # not Linux: no hint to give
+        return
+    by_file: dict[Path, list[tuple[int, int]]] = {}
+    for info in infos:
+        if info.end > info.begin:
+            by_file.setdefault(info.file, []).append((info.begin, info.end))
+    for file, ranges in by_file.items():
+        try:
+            fd = os.open(file, os.O_RDONLY)
+        except OSError:
+            continue  # a hint only: reading the tensor reports the problem
+        try:
+            for begin, end in _merged(sorted(ranges)):
+                os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out = [ranges[0]]
+    for begin, end in ranges[1:]:
+        if begin <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((begin, end))
+    return out
 
 
 def safetensors_dtype(dtype: np.dtype) -> str:
