@@ -1,0 +1,415 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # dsr1 OpenAI-compatible server on the cluster
+#
+# The server of `python -m dsr1 serve` (`dsr1.server`), started from this notebook on every JAX
+# process: **process 0 serves HTTP** and decides each step of the serving engine; every other process
+# runs the same programs on process 0's schedule (`engine.follow()`). Both run in **background
+# threads**, so every cell returns and the notebook stays usable while the server runs: requests go
+# out with the official `openai` client from a cell here, a live view polls the server's metrics, and
+# a last cell stops it all cleanly.
+#
+# Start the cluster first, as for `main.ipynb`: `./mcjax_setup.sh` on a real cluster, or
+# `./mcjax_setup.sh --local 4` for a simulated one on this machine. `DSR1_CHECKPOINT` picks the model
+# as there (unset: the random-weight `tiny` model, whose text is noise).
+
+# %%
+# The platform numbers the processes (cluster.json's "numbering"): kernel-last (the kernel is the last
+# process) or platform (TPU pods, Slurm: JAX numbers them itself, the kernel is process 0). On a
+# simulated cluster the kernel needs the engines' fake CPU devices, set before JAX starts its backend.
+import os
+
+from dsr1.workbench import cluster as mcjax
+
+info = mcjax.cluster_info()
+if info.get("provider") == "local":
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={info['local_devices']}"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+cluster = mcjax.connect()                     # the ipyparallel client, cluster.json and the process layout
+engines = mcjax.wait_for_engines(cluster, info.get("engines") or len(cluster.client.ids))
+layout = mcjax.assign_process_ids(cluster)    # PROCESS_ID, NUM_PROCESSES, COORDINATOR everywhere
+mcjax.activate(cluster)                       # %px / %%px on all engines, and %%everywhere
+print(f"{NUM_PROCESSES} processes, {layout.numbering} numbering: the kernel is process {PROCESS_ID}; "
+      + "; ".join(e.describe() for e in layout.engines))
+assert NUM_PROCESSES == len(engines) + 1 and PROCESS_ID == layout.kernel_process_id
+
+# %% [markdown]
+# ## Where the server listens
+# Process 0 serves: this kernel under platform numbering, the engine of host 1 under kernel-last.
+# It binds the address on which the kernel's host reaches it: loopback when it is this kernel, else
+# its host's internal address (on the simulated cluster both are 127.0.0.1), never all interfaces.
+# A bind other than loopback needs an API key (`dsr1.server.options.bind_refusal`), so the notebook
+# always sets one: `$DSR1_API_KEY`, else a random key for this session. `SERVE_PORT = 0` takes any
+# free port; pick a fixed one (e.g. 8000) to reach the server through an ssh port-forward (see the end).
+
+# %%
+import secrets
+from pathlib import Path
+
+from dsr1.server.options import bind_refusal
+
+CHECKPOINT = os.environ.get("DSR1_CHECKPOINT")   # None: the tiny random model
+MODEL_NAME = Path(CHECKPOINT).resolve().name if CHECKPOINT else "tiny"
+leader_engine = next((e for e in layout.engines if e.process_id == 0), None)
+SERVE_HOST = leader_engine.address if leader_engine else "127.0.0.1"
+SERVE_PORT = 0
+API_KEY = os.environ.get("DSR1_API_KEY") or secrets.token_urlsafe(16)
+if refusal := bind_refusal(SERVE_HOST, API_KEY):   # as `python -m dsr1 serve` refuses it
+    raise ValueError(refusal)
+settings = dict(CHECKPOINT=CHECKPOINT, MODEL_NAME=MODEL_NAME, SERVE_HOST=SERVE_HOST, SERVE_PORT=SERVE_PORT,
+                API_KEY=API_KEY)
+cluster.client[:].push(settings, block=True)
+print(f"model {MODEL_NAME!r} ({CHECKPOINT or 'random weights'}); process 0 "
+      f"({leader_engine.describe() if leader_engine else 'this kernel'}) will serve on {SERVE_HOST}")
+
+# %% [markdown]
+# ## Initialize `jax.distributed` in every process
+
+# %%
+# %%everywhere
+# Runs on every engine (submitted without blocking) and here: initialize waits for all N processes.
+import jax
+
+from dsr1.workbench import cluster as mcjax
+
+mcjax.initialize(PROCESS_ID, NUM_PROCESSES, COORDINATOR)
+assert jax.process_count() == NUM_PROCESSES and jax.process_index() == PROCESS_ID
+print(f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} local devices, "
+      f"{jax.device_count()} in all")
+
+# %% [markdown]
+# ## Mesh and model
+# One mesh over every device of every process; weights are created (or read) directly into their shards.
+
+# %%
+# %%everywhere
+import dsr1
+
+mesh = dsr1.make_mesh()
+if CHECKPOINT:
+    model = dsr1.load(CHECKPOINT, mesh=mesh, progress=PROCESS_ID == KERNEL_PROCESS_ID)
+else:
+    model = dsr1.init_random(dsr1.Config.preset("tiny"), mesh=mesh)
+tokenizer = dsr1.load_tokenizer(CHECKPOINT)
+print(f"mesh {dict(mesh.shape)}")
+
+# %% [markdown]
+# ## Start serving in background threads
+# Every process builds the same `dsr1.serving.Engine`. The others start `engine.follow()` on a daemon
+# thread: it receives each step process 0 decides and runs its programs, until process 0 calls
+# `engine.close()`. Process 0 compiles every program first (`warm_up`, which the followers run with
+# it), then starts the HTTP server (`BackgroundServer`: uvicorn on a thread of its own, the engine's
+# loop on another). The cell returns everywhere while the threads serve.
+#
+# While the server runs, the processes' devices belong to it: do not run other `%%everywhere` cells
+# with JAX work until it is stopped (their collectives would interleave with the engine's).
+
+# %%
+# %%everywhere
+import threading
+from concurrent.futures import Future
+
+from dsr1.serving import Engine
+
+
+def in_background(work, name: str) -> Future:
+    """Run `work()` on a daemon thread (one stuck in a collective never holds up the process's exit);
+    the Future gets its result or its exception."""
+    done = Future()
+
+    def run() -> None:
+        try:
+            done.set_result(work())
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the Future
+            done.set_exception(e)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return done
+
+
+engine = Engine(model, max_seqs=4, page_size=16, num_pages=64, prefill_chunk=32, tokenizer=tokenizer)
+SERVER_URL = None
+if engine.is_leader:
+    from dsr1.server import BackgroundServer, ServerConfig, create_app
+
+    engine.warm_up()
+    app = create_app(engine, ServerConfig(model_name=MODEL_NAME, api_key=API_KEY, default_max_tokens=64))
+    server = BackgroundServer(app, host=SERVE_HOST, port=SERVE_PORT, shutdown_timeout=30.0).start()
+    SERVER_URL = server.url
+    print(f"process {PROCESS_ID} serves '{MODEL_NAME}' on {SERVER_URL}/v1")
+else:
+    follower = in_background(engine.follow, "dsr1-follow")
+
+# %% [markdown]
+# The address is known to process 0 only: here, or pulled from the engines.
+
+# %%
+import httpx
+import openai
+
+URL = SERVER_URL or next(url for url in cluster.client[:].pull("SERVER_URL", block=True) if url)
+client = openai.OpenAI(base_url=URL + "/v1", api_key=API_KEY, max_retries=0, timeout=300.0)
+health = httpx.get(URL + "/health", timeout=10).json()
+print(URL, health, [m.id for m in client.models.list()])
+assert health["status"] == "ok"
+
+# %% [markdown]
+# ## A live view of the server
+# A thread of this kernel polls `GET /metrics` (Prometheus text) every half second and updates the
+# widget below: requests running and waiting, generated tokens per second and the mean time to first
+# token of the requests that got theirs (both over the last two seconds), and the prompt tokens
+# served from the prefix cache so far. Keep it in view while the next cell sends requests.
+
+# %%
+import io
+import math
+import time
+from collections import deque
+
+import ipywidgets as w
+from IPython.display import display
+from matplotlib.figure import Figure
+from prometheus_client.parser import text_string_to_metric_families
+
+SERIES = {"running": "requests running", "waiting": "requests waiting", "tokens/s": "generated tokens / s",
+          "ttft": "time to first token (s)", "prefix hits": "prompt tokens from the prefix cache"}
+
+
+def scrape(url: str, api_key: str) -> dict[str, float]:
+    """The server's Prometheus samples (`GET /metrics`) by name, summed over their labels (e.g. the
+    finished requests of every endpoint and finish reason)."""
+    response = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {api_key}"}, timeout=10)
+    response.raise_for_status()
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(response.text):
+        for s in family.samples:
+            totals[s.name] = totals.get(s.name, 0.0) + s.value
+    return totals
+
+
+def point(t: float, now: dict[str, float], before: dict[str, float], seconds: float) -> dict[str, float]:
+    """One sample of the view from two scrapes `seconds` apart (`now` at time `t`)."""
+
+    def delta(name: str) -> float:
+        return now[name] - before[name]
+
+    first_tokens = delta("dsr1_time_to_first_token_seconds_count")
+    return {"t": t, "running": now["dsr1_requests_running"], "waiting": now["dsr1_requests_waiting"],
+            "tokens/s": delta("dsr1_engine_generated_tokens_total") / seconds,
+            "ttft": delta("dsr1_time_to_first_token_seconds_sum") / first_tokens if first_tokens else math.nan,
+            "prefix hits": now["dsr1_prefix_hit_tokens_total"]}
+
+
+def plot_history(fig: Figure, history: list[dict[str, float]]) -> Figure:
+    """The view's history on `fig`: four panels against time."""
+    t = [p["t"] for p in history]
+    panels = (("running", "waiting"), ("tokens/s",), ("ttft",), ("prefix hits",))
+    for ax, names in zip(fig.subplots(1, len(panels)), panels):
+        for name in names:
+            ax.plot(t, [p[name] for p in history], marker="." if name == "ttft" else None, label=SERIES[name])
+        ax.set(xlabel="s", title=" / ".join(SERIES[n] for n in names) if len(names) == 1 else "requests")
+        if len(names) > 1:
+            ax.legend(fontsize="small")
+    fig.tight_layout()
+    return fig
+
+
+class LiveMetrics:
+    """Polls the server's metrics every `interval` seconds on a daemon thread and shows the latest
+    values in a widget updated from that thread, with a plot of their history redrawn every `redraw`
+    seconds (drawing costs the CPU the processes serve with). Rates and the time to first token are
+    taken over the last `window` seconds (a step can take longer than `interval`). `stop()` takes a
+    last sample."""
+
+    def __init__(self, url: str, api_key: str, interval: float = 0.5, redraw: float = 2.0, window: float = 2.0):
+        self.url, self.api_key, self.interval, self.redraw = url, api_key, interval, redraw
+        self.history: list[dict[str, float]] = []
+        self.error: BaseException | None = None
+        self.label, self.image = w.HTML(), w.Image(format="png")
+        self._start = self._drawn_at = time.monotonic()
+        self._recent = deque([(self._start, scrape(url, api_key))], maxlen=round(window / interval) + 1)
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="live-metrics", daemon=True)
+
+    def _ipython_display_(self) -> None:
+        display(w.VBox([self.label, self.image]))
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        self.sample()
+        self.draw()
+
+    def _poll(self) -> None:
+        while not self._stopping.wait(self.interval):
+            try:
+                self.sample()
+                if time.monotonic() - self._drawn_at >= self.redraw:
+                    self.draw()
+            except Exception as e:  # noqa: BLE001 - stop() raises it in the notebook
+                self.error = e
+                return
+
+    def sample(self) -> None:
+        """Scrape the server, add a point to the history and show it."""
+        at, now = time.monotonic(), scrape(self.url, self.api_key)
+        then, before = self._recent[0]
+        p = point(at - self._start, now, before, at - then)
+        self.history.append(p)
+        self._recent.append((at, now))
+        ttft = "" if math.isnan(p["ttft"]) else f", time to first token {p['ttft']:.2f} s"
+        self.label.value = (f"<b>{p['t']:5.1f} s</b>: {p['running']:.0f} running, {p['waiting']:.0f} waiting, "
+                            f"{p['tokens/s']:.1f} tokens/s{ttft}, {p['prefix hits']:.0f} prefix-hit tokens")
+
+    def draw(self) -> None:
+        """Redraw the history plot."""
+        png = io.BytesIO()
+        plot_history(Figure(figsize=(12, 2.6), dpi=72), self.history).savefig(png, format="png")
+        self.image.value = png.getvalue()
+        self._drawn_at = time.monotonic()
+
+
+live = LiveMetrics(URL, API_KEY)
+display(live)
+live.start()
+
+# %% [markdown]
+# ## Send requests with the `openai` client
+# Eight at once, from threads, more than the engine's four batch slots (so some wait): chat and plain
+# completions, streamed and whole. Six share a long system prompt or text prefix: once one of them
+# has prefilled it, the others find its pages in the prefix cache (`cached_tokens` in `usage`).
+
+# %%
+from concurrent.futures import ThreadPoolExecutor
+
+SHARED = "You answer questions about serving DeepSeek-R1 with JAX on a cluster of accelerators. " * 4
+QUESTIONS = ["What is a latent cache?", "Why route tokens to experts?", "What does YaRN scale?"]
+
+
+Reply = tuple[str, str, int, int]  # text, finish reason, completion tokens, prompt tokens from the prefix cache
+USAGE = {"include_usage": True}    # a stream's last chunk carries the usage
+
+
+def counts(usage) -> tuple[int, int]:
+    return usage.completion_tokens, usage.prompt_tokens_details.cached_tokens
+
+
+def chat_text(message) -> str:
+    """A chat message's (or delta's) text: R1's reasoning (`reasoning_content`, an extra field) and answer."""
+    return (getattr(message, "reasoning_content", None) or "") + (message.content or "")
+
+
+def collect(chunks, text_of) -> Reply:
+    """A stream's reply; `text_of(choice)` is the new text of a chunk's choice."""
+    pieces, finish, usage = [], None, None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            pieces.append(text_of(choice))
+            finish = choice.finish_reason or finish
+        usage = chunk.usage or usage
+    return "".join(pieces), finish, *counts(usage)
+
+
+def chat(messages: list[dict], stream: bool) -> Reply:
+    args = dict(model=MODEL_NAME, messages=messages, max_tokens=16, temperature=0.0)
+    if stream:
+        chunks = client.chat.completions.create(**args, stream=True, stream_options=USAGE)
+        return collect(chunks, lambda choice: chat_text(choice.delta))
+    r = client.chat.completions.create(**args)
+    return chat_text(r.choices[0].message), r.choices[0].finish_reason, *counts(r.usage)
+
+
+def complete(prompt: str, stream: bool) -> Reply:
+    args = dict(model=MODEL_NAME, prompt=prompt, max_tokens=16, temperature=0.0)
+    if stream:
+        return collect(client.completions.create(**args, stream=True, stream_options=USAGE), lambda c: c.text)
+    r = client.completions.create(**args)
+    return r.choices[0].text, r.choices[0].finish_reason, *counts(r.usage)
+
+
+def with_system(question: str) -> list[dict]:
+    return [{"role": "system", "content": SHARED}, {"role": "user", "content": question}]
+
+
+streams = (True, False, True)
+calls = [(f"chat, shared prefix, stream={s}", chat, with_system(q), s) for q, s in zip(QUESTIONS, streams)]
+calls += [(f"text, shared prefix, stream={not s}", complete, SHARED + q, not s) for q, s in zip(QUESTIONS, streams)]
+calls += [("chat, alone, stream=True", chat, [{"role": "user", "content": "Name a prime number."}], True),
+          ("text, alone, stream=False", complete, "The capital of France is", False)]
+with ThreadPoolExecutor(len(calls)) as pool:
+    replies = list(pool.map(lambda call: call[1](*call[2:]), calls))
+for (label, *_), (text, finish, tokens, cached) in zip(calls, replies):
+    print(f"{label:32} {finish:>6} {tokens:2d} tokens, {cached:3d} cached: {text[:40]!r}")
+assert all(finish in ("stop", "length") and 0 < tokens <= 16 for _, finish, tokens, _ in replies)
+assert sum(cached for *_, cached in replies) > 0
+
+# %% [markdown]
+# ## What the server saw
+# The live view's last sample, and its whole history as a figure (it stays in the saved notebook).
+
+# %%
+import matplotlib.pyplot as plt
+
+live.stop()
+last = scrape(URL, API_KEY)
+plot_history(plt.figure(figsize=(12, 2.6)), live.history)
+print(f"{len(live.history)} samples; {last['dsr1_requests_finished_total']:.0f} requests finished, "
+      f"{last['dsr1_engine_generated_tokens_total']:.0f} tokens generated, "
+      f"{last['dsr1_prefix_hit_tokens_total']:.0f} prompt tokens from the prefix cache, "
+      f"{last['dsr1_engine_steps_total']:.0f} engine steps")
+assert len(live.history) >= 2 and last["dsr1_requests_running"] == last["dsr1_requests_waiting"] == 0
+assert last["dsr1_engine_generated_tokens_total"] == sum(tokens for _, _, tokens, _ in replies)
+assert last["dsr1_prefix_hit_tokens_total"] > 0 and last["dsr1_requests_finished_total"] == len(calls)
+
+# %% [markdown]
+# ## Stop cleanly
+# Process 0 stops the HTTP server gracefully (no new connections; requests still in flight get
+# `shutdown_timeout` seconds, then are cancelled; the engine's loop ends), then calls `engine.close()`,
+# which releases the followers from `follow()`; they wait for their thread to end. Every request has
+# finished and no page of the cache leaked (`engine.check()`). Afterwards the processes' devices are
+# free for other `%%everywhere` cells again.
+
+# %%
+# %%everywhere
+if engine.is_leader:
+    server.stop()
+    engine.close()
+    engine.check()
+    stats = engine.stats()
+    print(f"server stopped: {stats.finished} requests finished, {stats.running} running, {stats.waiting} waiting")
+    assert stats.running == stats.waiting == 0 and stats.finished > 0 and not engine.has_work
+else:
+    follower.result(timeout=120)   # follow() returned (or its error is raised here)
+
+# %% [markdown]
+# ## On a real cluster
+# - **Who serves**: process 0. Under kernel-last numbering that is the engine of host 1, bound to
+#   host 1's internal address; under platform numbering it is this kernel on host 0, bound to
+#   127.0.0.1. The API key guards every route but `/health`.
+# - **From a laptop**: set `SERVE_PORT` to a fixed port (say 8000), then forward it through host 0,
+#   as `cluster_port_forward` does for Jupyter: `ssh -N -L 127.0.0.1:8000:<address>:8000 <host 0>`,
+#   where `<address>` is the one printed above (127.0.0.1 when the kernel serves). The laptop then
+#   uses `openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=...)` with the notebook's
+#   `API_KEY` (set `$DSR1_API_KEY` before starting Jupyter to choose it; else it is random).
+# - **As a service** rather than from the notebook: `python -m dsr1 serve` on every process does the
+#   same (process 0 serves, the others follow), with `--host`, `--port` and `--api-key` (or
+#   `$DSR1_API_KEY`); any address other than loopback is refused without a key.
