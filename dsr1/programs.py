@@ -335,7 +335,8 @@ def serve_step(params: Params, cache: PagedKVCache, state: SlotState, packed_row
         safe, sampling, last = _slot_rows(state, rows.slots)
         tokens = rows.tokens.at[:, 0].set(jnp.where(rows.feed_last, last, rows.tokens[:, 0]))
         table = page_table[jnp.minimum(rows.slots, page_table.shape[0] - 1)]
-        logits_at = jnp.maximum(rows.counts - 1, 0)[:, None]
+        # Logits only where a token is sampled (past the chunk elsewhere: none computed there).
+        logits_at = jnp.where(rows.sample, jnp.maximum(rows.counts - 1, 0), rows.tokens.shape[1])[:, None]
     logits, _, cache = model.extend(params, cache, tokens, rows.starts, rows.counts, table, logits_at, cfg=cfg,
                                     mesh=mesh, rules=rules)
     with jax.named_scope("sample"):
