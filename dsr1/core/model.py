@@ -23,7 +23,8 @@ from .cache import KVCache, PagedKVCache, append_token, cache_from_prefill, toke
 from .config import Config
 from .layers import mlp, rms_norm
 from .moe import moe
-from .params import STACKS, Params, stack_layers
+from .params import STACKS, Params, compute_view, stack_layers
+from .quant import einsum, widen
 from .sharding import ShardingRules, keep_replicated
 
 # Low-latency layout: activations are replicated (`keep_replicated`); only weights are split.
@@ -34,38 +35,55 @@ Attend = Callable[[dict, jax.Array, jax.Array], tuple[jax.Array, tuple[jax.Array
 DEFAULT_BLOCK_TOKENS = 512  # tokens of context per step of extend's page loop (rounded to whole pages)
 
 
-def _feed_forward(p: dict, x: jax.Array, cfg: Config, mesh: Mesh,
-                  rules: ShardingRules) -> tuple[jax.Array, jax.Array | None]:
-    """The layer's MLP or MoE output (float32), and the routed expert ids (None for a dense layer)."""
+def _feed_forward(p: dict, x: jax.Array, cfg: Config, mesh: Mesh, rules: ShardingRules,
+                  layer: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
+    """The layer's MLP or MoE output (float32), and the routed expert ids (None for a dense layer).
+    `layer`: the index into the routed-expert stacks (see `_run_layers`)."""
     if "moe" in p:
         with jax.named_scope("moe"):
-            return moe(p["moe"], x, cfg, mesh, rules)
+            return moe(p["moe"], x, cfg, mesh, rules, layer)
     with jax.named_scope("mlp"):
         return mlp(p["mlp"], x).astype(jnp.float32), None
 
 
-def _block(p: dict, x: jax.Array, attend, cfg: Config, mesh: Mesh, rules: ShardingRules):
+def _block(p: dict, x: jax.Array, attend, cfg: Config, mesh: Mesh, rules: ShardingRules,
+           layer: jax.Array | None = None):
     """One pre-norm transformer layer; `attend(p, normed_x)` returns (out, new latents).
     Returns the new residual stream and (new latents, routed expert ids or None)."""
     h, new_kv = attend(p, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps))
     x = keep_replicated(x + h.astype(jnp.float32), mesh)
-    ffn, experts = _feed_forward(p, rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), cfg, mesh, rules)
+    ffn, experts = _feed_forward(p, rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), cfg, mesh, rules, layer)
     return keep_replicated(x + ffn, mesh), (new_kv, experts)
 
 
 def _embed(params: Params, tokens: jax.Array) -> jax.Array:
-    return params["embed"][tokens].astype(jnp.float32)
+    return widen(jax.tree.map(lambda a: a[tokens], params["embed"]))
 
 
 def _logits(params: Params, x: jax.Array, cfg: Config) -> jax.Array:
     with jax.named_scope("lm_head"):
         x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-        return jnp.matmul(x, params["lm_head"], preferred_element_type=jnp.float32)
+        return einsum("...d,dv->...v", x, params["lm_head"], preferred_element_type=jnp.float32)
+
+
+ROUTED_EXPERTS = ("gate", "up", "down")  # a MoE layer's routed-expert weights, read in place
+
+
+def _split_routed_experts(stack: dict) -> tuple[dict, dict | None]:
+    """A layer stack's weights as (what the layer scan slices, the routed-expert stacks `[L, E, ...]`
+    that it does not). The expert kernels slice one expert of one layer in place; scanned, a layer's
+    whole expert stack would be sliced out first (on CPU a copy of it, every layer, every step)."""
+    if "moe" not in stack:
+        return stack, None
+    moe_p = stack["moe"]
+    scanned = {**stack, "moe": {k: v for k, v in moe_p.items() if k not in ROUTED_EXPERTS}}
+    return scanned, {k: moe_p[k] for k in ROUTED_EXPERTS}
 
 
 def _run_layers(params: Params, x: jax.Array, attend: Attend, cfg: Config, mesh: Mesh, rules: ShardingRules):
     """Every layer stack under `lax.scan`. `attend(p, normed_x, layer)` gets the model-wide layer
-    index (a scan input, so a cache is read in place by index, never sliced into a copy).
+    index (a scan input, so a cache is read in place by index, never sliced into a copy); the routed
+    experts are read in place the same way, by their index in the stack.
 
     Returns the final hidden states, every layer's new latents `([L, ...r], [L, ...rope])` and the
     routed expert ids of the MoE layers `[L_moe, ..., K]` (None without MoE layers)."""
@@ -74,13 +92,17 @@ def _run_layers(params: Params, x: jax.Array, attend: Attend, cfg: Config, mesh:
         if stack not in params:
             continue
         layers = stack_layers(cfg, stack)
+        scanned, routed = _split_routed_experts(params[stack])
 
-        def layer(x, inputs):
-            p, i = inputs
-            return _block(p, x, lambda p, h: attend(p, h, i), cfg, mesh, rules)
+        def layer(x, inputs, routed=routed):
+            p, i, in_stack = inputs
+            if routed is not None:
+                p = {**p, "moe": {**p["moe"], **routed}}
+            return _block(p, x, lambda p, h: attend(p, h, i), cfg, mesh, rules, in_stack)
 
         with jax.named_scope(stack):
-            x, (kv, experts) = jax.lax.scan(layer, x, (params[stack], jnp.arange(layers.start, layers.stop)))
+            x, (kv, experts) = jax.lax.scan(
+                layer, x, (scanned, jnp.arange(layers.start, layers.stop), jnp.arange(len(layers))))
         new_latents.append(kv)
         routing = experts if experts is not None else routing
     c_kv = jnp.concatenate([c for c, _ in new_latents])
@@ -99,6 +121,7 @@ def _prefill_hidden(params: Params, tokens: jax.Array, cfg: Config, mesh: Mesh, 
 def forward(params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg: Config, mesh: Mesh,
             rules: ShardingRules) -> jax.Array:
     """Logits `[B, T, V]` (float32) for right-padded `tokens [B, T]`; positions >= lengths are zero."""
+    params = compute_view(params, cfg)
     x, _ = _prefill_hidden(params, tokens, cfg, mesh, rules)
     logits = _logits(params, x, cfg)
     valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
@@ -108,6 +131,7 @@ def forward(params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg: Confi
 def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg: Config, mesh: Mesh,
             rules: ShardingRules, max_len: int, kv_cache_dtype: str | None = None) -> tuple[jax.Array, KVCache]:
     """Logits `[B, V]` at each row's last prompt token, and a cache of `max_len` positions."""
+    params = compute_view(params, cfg)
     x, (c_kv, k_pe) = _prefill_hidden(params, tokens, cfg, mesh, rules)
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]
     logits = keep_replicated(_logits(params, last, cfg), mesh)
@@ -121,6 +145,7 @@ def decode(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config, me
     the routed expert ids of every MoE layer `[L_moe, B, K]` (None without MoE layers): what the
     step read, for benchmarks and profiles (an unused output costs nothing under jit)."""
     positions = cache.lengths
+    params = compute_view(params, cfg)
     x = keep_replicated(_embed(params, tokens), mesh)
 
     def attend(p, h, i):
@@ -179,6 +204,7 @@ def extend(params: Params, cache: PagedKVCache, tokens: jax.Array, starts: jax.A
     cached = jnp.where(in_use, starts, 0)  # idle slots read nothing and do not lengthen the page loop
     context = PagedContext(cache, page_table, cached, block_pages)
     positions = cached[:, None] + jnp.arange(chunk)
+    params = compute_view(params, cfg)
     x = keep_replicated(_embed(params, tokens), mesh)
 
     def attend(p, h, i):

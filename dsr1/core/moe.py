@@ -8,13 +8,15 @@ are kept and the top `num_experts_per_tok` experts taken among them. The weights
 
 Experts run under `shard_map`: each device sorts the token-expert pairs routed to its local experts,
 runs `ragged_dot` for gate/up and down on its slice of the expert ffw, and the partial outputs are
-summed over the expert and tensor mesh axes. On CPU, decode-sized batches instead gather the few
-hit experts (see `use_gather`).
+summed over the expert and tensor mesh axes. On CPU, where `ragged_dot` is a dense product over
+every expert, a loop over blocks of the sorted pairs slices each hit expert in place instead
+(`use_gather`, `_loop_experts`).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -24,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from .config import Config
 from .layers import mlp
-from .quant import Int8Weight, ragged_dot
+from .quant import Int8Weight, ragged_dot, widen, widens_on_use
 from .sharding import ShardingRules
 
 
@@ -56,86 +58,144 @@ def _local_pairs(experts: jax.Array, n_local: int, rules: ShardingRules) -> tupl
     return local, (local >= 0) & (local < n_local)
 
 
-def _gathered(w: Any, index: jax.Array) -> Any:
-    return jax.tree.map(lambda a: a[index], w)
-
-
-def _per_pair(x: jax.Array, w: Any) -> jax.Array:
-    """`x [P, in]` times each pair's own `[P, in, out]` weight (float32 out)."""
-    if isinstance(w, Int8Weight):
-        return jnp.einsum("pi,pio->po", x, w.q.astype(x.dtype), preferred_element_type=jnp.float32) * w.scale
-    return jnp.einsum("pi,pio->po", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
-
-
-def _gather_experts(x, weights, experts, gate, up, down, rules: ShardingRules):
-    """Few pairs: gather just the hit experts' weights, one copy per token-expert pair."""
-    local, is_local = _local_pairs(experts, gate.shape[0], rules)
-    index = jnp.clip(local, 0, gate.shape[0] - 1)
-    token = jnp.arange(local.shape[0]) // experts.shape[1]
-    xs = x[token]
-    h = jax.nn.silu(_per_pair(xs, _gathered(gate, index))) * _per_pair(xs, _gathered(up, index))
-    y = _per_pair(h.astype(x.dtype), _gathered(down, index))
-    w = jnp.where(is_local, weights.reshape(-1), 0.0)
-    return jnp.zeros((x.shape[0], y.shape[-1]), jnp.float32).at[token].add(y * w[:, None])
-
-
-def _ragged_experts(x, weights, experts, gate, up, down, rules: ShardingRules):
-    """Many pairs: sort them by expert and run grouped matmuls (`ragged_dot`)."""
-    n_local = gate.shape[0]
+def _sorted_pairs(experts: jax.Array, n_local: int, rules: ShardingRules):
+    """The token-expert pairs sorted by local expert (other devices' pairs last, as expert `n_local`):
+    each sorted pair's token, local expert and whether it is local; the order; and how many pairs
+    each local expert holds."""
     local, is_local = _local_pairs(experts, n_local, rules)
     local = jnp.where(is_local, local, n_local)  # other devices' pairs sort last and are dropped
     order = jnp.argsort(local)
-    token, expert = order // experts.shape[1], local[order]
     group_sizes = jnp.bincount(local, length=n_local + 1)[:n_local].astype(jnp.int32)
+    return order // experts.shape[1], local[order], is_local[order], order, group_sizes
+
+
+def _combine(n_tokens: int, token: jax.Array, y: jax.Array, weight: jax.Array) -> jax.Array:
+    """Sum each sorted pair's expert output, times its routing weight, into its token's row."""
+    return jnp.zeros((n_tokens, y.shape[-1]), jnp.float32).at[token].add(y * weight[:, None])
+
+
+def _ragged_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRules):
+    """Sort the pairs by expert and run grouped matmuls (`ragged_dot`) on the layer's experts."""
+    gate, up, down = (jax.tree.map(lambda a: a[layer], w) for w in (gate, up, down))
+    token, expert, is_local, order, group_sizes = _sorted_pairs(experts, gate.shape[0], rules)
     xs = x[token]
     h = jax.nn.silu(ragged_dot(xs, gate, group_sizes, expert)) * ragged_dot(xs, up, group_sizes, expert)
     y = ragged_dot(h.astype(x.dtype), down, group_sizes, expert)
-    w = jnp.where(is_local[order], weights.reshape(-1)[order], 0.0)
-    return jnp.zeros((x.shape[0], y.shape[-1]), jnp.float32).at[token].add(y * w[:, None])
+    return _combine(x.shape[0], token, y, jnp.where(is_local, weights.reshape(-1)[order], 0.0))
+
+
+DECODE_TOKENS = 8  # up to this many tokens, the expert loop takes one step per hit expert
+
+
+def loop_block_rows(n_tokens: int, n_pairs: int, n_local: int) -> int:
+    """Rows per step of the expert loop. Every block holds one expert's rows, so a step reads one
+    expert and a hit expert with n rows takes ceil(n / block) steps. Decode-sized batches (at most
+    `DECODE_TOKENS` tokens) use one step per hit expert (block = all tokens: an expert holds at most
+    one pair per token); larger ones the average rows per expert, rounded up to a power of two, so
+    the padded rows stay below twice the pairs plus one block per expert."""
+    if n_tokens <= DECODE_TOKENS:
+        return n_tokens
+    return min(n_tokens, max(DECODE_TOKENS, 1 << max(0, math.ceil(math.log2(-(-n_pairs // n_local))))))
+
+
+def _expert_slice(w: Any, layer: jax.Array, expert: jax.Array) -> Any:
+    """One expert of one layer of a stacked `[L, E, ...]` weight, sliced in place (no stack copy)."""
+    return jax.tree.map(lambda a: a[layer, expert], w)
+
+
+def _expert_matmul(x: jax.Array, w: Any) -> jax.Array:
+    """float32 `x @ w` for one expert's plain or int8 `[in, out]` weight, widened where it is used.
+    HIGHEST: XLA:CPU runs a few-row float32 dot 2-3x faster at that precision than at DEFAULT."""
+    highest = jax.lax.Precision.HIGHEST
+    if isinstance(w, Int8Weight):
+        return jnp.dot(x, widen(w.q), precision=highest) * w.scale
+    return jnp.dot(x, widen(w), precision=highest)  # plain float32 or `Bf16Bits`
+
+
+def _loop_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRules):
+    """The CPU kernel: sort the pairs by expert, then a loop over blocks of sorted rows, each block
+    one expert's, which slices that expert of `layer` from the stacks in place and runs its rows.
+    Reads each hit expert once per block and computes only its (padded) rows: its cost follows the
+    pairs and the hit experts, not the expert count (XLA:CPU's `ragged_dot` computes every expert)."""
+    n_local, n_tokens = gate.shape[1], x.shape[0]
+    token, _, is_local, order, group_sizes = _sorted_pairs(experts, n_local, rules)
+    block = loop_block_rows(n_tokens, experts.size, n_local)
+    blocks = -(-group_sizes // block)
+    block_ends = jnp.cumsum(blocks)
+    pair_starts = jnp.cumsum(group_sizes) - group_sizes
+    xs = jnp.pad(x.astype(jnp.float32)[token], ((0, block), (0, 0)))
+
+    def step(j, ys):
+        expert = jnp.searchsorted(block_ends, j, side="right")
+        first_row = (j - (block_ends[expert] - blocks[expert])) * block
+        start = pair_starts[expert] + first_row
+        rows = jax.lax.dynamic_slice_in_dim(xs, start, block)
+        w_gate, w_up, w_down = (_expert_slice(w, layer, expert) for w in (gate, up, down))
+        y = _expert_matmul(jax.nn.silu(_expert_matmul(rows, w_gate)) * _expert_matmul(rows, w_up), w_down)
+        # A block's trailing rows belong to the next expert: keep what is there (written later).
+        mine = (jnp.arange(block) < group_sizes[expert] - first_row)[:, None]
+        old = jax.lax.dynamic_slice_in_dim(ys, start, block)
+        return jax.lax.dynamic_update_slice_in_dim(ys, jnp.where(mine, y, old), start, axis=0)
+
+    # The outputs differ per device (its experts, its ffw slice): the loop carry says so from the start.
+    ys = jax.lax.pcast(jnp.zeros((xs.shape[0], down.shape[-1]), jnp.float32), rules.moe_reduce_axes(), to="varying")
+    ys = jax.lax.fori_loop(0, block_ends[-1], step, ys)
+    return _combine(n_tokens, token, ys[:token.shape[0]], jnp.where(is_local, weights.reshape(-1)[order], 0.0))
 
 
 def use_gather(n_pairs: int, n_local: int) -> bool:
-    """Whether to gather hit experts instead of `ragged_dot`. XLA:CPU lowers `ragged_dot` to a dense
-    masked product over *every* local expert (experts x the FLOPs, all weights read), so on CPU a
-    decode-sized batch is far faster gathering its few experts (one weight copy per pair: worth it
-    while there are no more pairs than experts; measured on the bench preset, 1 token: 21 ms vs
-    169 ms per layer). GPU and TPU have grouped-matmul kernels that skip empty groups, so they
-    always use `ragged_dot`."""
-    return jax.default_backend() == "cpu" and n_pairs <= n_local
+    """Whether the routed experts run as the expert loop (`_loop_experts`: gathers each hit expert
+    in place, one block of its rows at a time) rather than `ragged_dot`. XLA:CPU lowers `ragged_dot`
+    to a dense masked product over *every* local expert (experts x the FLOPs, every expert read), so
+    on CPU the loop wins at every size, decode and prefill. GPU and TPU have grouped-matmul kernels
+    that skip empty groups: they keep `ragged_dot`."""
+    del n_pairs, n_local  # the choice is the platform's at any size
+    return widens_on_use()
 
 
-def _local_experts(x, weights, experts, gate, up, down, *, rules: ShardingRules):
+def _local_experts(x, weights, experts, gate, up, down, layer, *, rules: ShardingRules):
     """Per-device body: this device's experts (and ffw slice) applied to every token routed to them."""
-    body = _gather_experts if use_gather(experts.size, gate.shape[0]) else _ragged_experts
-    return jax.lax.psum(body(x, weights, experts, gate, up, down, rules), rules.moe_reduce_axes())
+    body = _loop_experts if use_gather(experts.size, gate.shape[1]) else _ragged_experts
+    return jax.lax.psum(body(x, weights, experts, gate, up, down, layer, rules), rules.moe_reduce_axes())
 
 
 def _partition_spec(w: Any, axes: tuple[str, ...], rules: ShardingRules) -> Any:
-    """The shard_map spec of an expert weight (and of its int8 scales, which drop the input axis)."""
+    """The shard_map spec of a stacked `[L, E, ...]` expert weight (and of its int8 scales, which drop
+    the input axis; `input_axes` count within one layer)."""
+    axes = ("layers", *axes)
     if not isinstance(w, Int8Weight):
         return rules.spec(axes)
-    scale_axes = tuple(a for i, a in enumerate(axes) if i not in w.input_axes)
+    scale_axes = tuple(a for i, a in enumerate(axes) if i - 1 not in w.input_axes)
     return Int8Weight(rules.spec(axes), rules.spec(scale_axes), w.input_axes)
 
 
 def routed_experts(p: dict, x: jax.Array, weights: jax.Array, experts: jax.Array, mesh: Mesh,
-                   rules: ShardingRules) -> jax.Array:
-    """Dropless routed-expert output `[N, D]` (float32), experts split over the expert mesh axis."""
+                   rules: ShardingRules, layer: jax.Array | None = None) -> jax.Array:
+    """Dropless routed-expert output `[N, D]` (float32), experts split over the expert mesh axis.
+
+    `layer`: None when `p` holds one layer's experts `[E, ...]`; else `p`'s experts are the stacks
+    `[L, E, ...]` of every layer and `layer` picks one, so that kernels slice an expert in place."""
+    gate, up, down = p["gate"], p["up"], p["down"]
+    if layer is None:
+        gate, up, down = (jax.tree.map(lambda a: a[None], w) for w in (gate, up, down))
+        layer = jnp.zeros((), jnp.int32)
     with jax.named_scope("routed_experts"):
-        w_in = _partition_spec(p["gate"], ("experts", "embed", "expert_ffw"), rules)
-        w_out = _partition_spec(p["down"], ("experts", "expert_ffw", "embed"), rules)
+        w_in = _partition_spec(gate, ("experts", "embed", "expert_ffw"), rules)
+        w_out = _partition_spec(down, ("experts", "expert_ffw", "embed"), rules)
         body = jax.shard_map(functools.partial(_local_experts, rules=rules), mesh=mesh,
-                             in_specs=(P(), P(), P(), w_in, w_in, w_out), out_specs=P())
-        return body(x, weights, experts, p["gate"], p["up"], p["down"])
+                             in_specs=(P(), P(), P(), w_in, w_in, w_out, P()), out_specs=P())
+        return body(x, weights, experts, gate, up, down, jnp.asarray(layer, jnp.int32))
 
 
-def moe(p: dict, x: jax.Array, cfg: Config, mesh: Mesh, rules: ShardingRules) -> tuple[jax.Array, jax.Array]:
+def moe(p: dict, x: jax.Array, cfg: Config, mesh: Mesh, rules: ShardingRules,
+        layer: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The DeepSeekMoE block on `x [..., D]`: routed plus shared experts, and the routed expert ids
-    `[N, K]` (for accounting what a step reads; unused outputs cost nothing under jit)."""
+    `[N, K]` (for accounting what a step reads; unused outputs cost nothing under jit). `layer`: see
+    `routed_experts` (the routed experts of every layer, read in place)."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     weights, experts = route(x, p["router"], p["router_bias"], cfg)
-    out = routed_experts(p, x, weights, experts, mesh, rules)
+    out = routed_experts(p, x, weights, experts, mesh, rules, layer)
     if "shared" in p:
         with jax.named_scope("shared_experts"):
             out = out + mlp(p["shared"], x).astype(jnp.float32)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from .config import Config
-from .quant import Int8Weight, check_quant, quantize
+from .quant import Bf16Bits, Int8Weight, as_bits, check_quant, quantize, widens_on_use
 from .sharding import LogicalAxes, ShardingRules
 
 Params = dict[str, Any]  # nested dicts of jax.Array / Int8Weight, same structure as param_specs()
@@ -242,3 +242,20 @@ def init_params(cfg: Config, mesh: Mesh, rules: ShardingRules, *, seed: int, dty
     """Random weights created directly in their shardings (one jitted program, no host copy)."""
     return _random_params(jax.random.key(seed), cfg=cfg, mesh=mesh, rules=rules, dtype=jnp.dtype(dtype),
                           quant=check_quant(quant))
+
+
+def compute_view(params: Params, cfg: Config) -> Params:
+    """The weights as programs compute them: on CPU every bf16 matrix (not the norms) becomes
+    `Bf16Bits`, which `quant.widen` turns into float32 where a slice is used, so the weights stay
+    bf16 in memory and are read as bf16; elsewhere the weights unchanged. `api.load` and
+    `init_random` hold the weights this way: XLA:CPU copies a bf16 -> uint16 bitcast of a whole
+    stack rather than treating it as free, so a program must receive the bits. Idempotent."""
+    if not widens_on_use():
+        return params
+    specs = float_specs(cfg, mtp="mtp" in params)
+
+    def one(spec: ArrayInfo, w: Any) -> Any:
+        is_matrix = spec.init == "normal" and not isinstance(w, (Int8Weight, Bf16Bits))
+        return as_bits(w) if is_matrix and w.dtype == jnp.bfloat16 else w
+
+    return jax.tree.map(one, specs, params, is_leaf=is_spec)

@@ -4,7 +4,12 @@ A quantized weight is an `Int8Weight(q, scale)`: `q` int8 with the weight's shap
 with the weight's *output* axes only (the contracted input axes are reduced away), so
 `W = q * scale` broadcast over the input axes. Matmuls never build a dequantized copy of a
 weight stack: `einsum` scales the output (or, when an output channel is itself contracted, as in
-absorbed decode, the input), and experts go through a mixed bf16 x int8 `ragged_dot`.
+absorbed decode, the input), and experts go through a mixed bf16 x int8 `ragged_dot` (or, on CPU,
+`dsr1.core.moe`'s expert loop, which widens one expert's slice at a time).
+
+On CPU, bf16 weights are widened to float32 where they are used (`Bf16Bits`, `widen`), by moving
+their bits: XLA:CPU has no bf16 matrix-vector dot, and the `convert` it inserts instead is hoisted
+out of the layer scan, converting every weight stack of the model on every call.
 """
 
 from __future__ import annotations
@@ -53,8 +58,60 @@ def quantize(w: Any, input_axes: tuple[int, ...]) -> Int8Weight:
     return Int8Weight(q, xp.squeeze(scale, axis=input_axes).astype(xp.float32), tuple(input_axes))
 
 
+def widens_on_use() -> bool:
+    """Whether weights are widened to float32 where they are used: on CPU (see the module doc).
+    GPU and TPU compute bf16 and int8 operands directly."""
+    return jax.default_backend() == "cpu"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Bf16Bits:
+    """A bf16 weight seen as its uint16 bits (a free bitcast), so that XLA:CPU treats it as integers:
+    it normalizes bf16 slices and loop operands to float32 and hoists that `convert` of the whole
+    stack out of the loops, on every call. `widen` turns the bits of the slice in use into float32."""
+
+    bits: Any  # uint16, the weight's shape
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.bits.shape
+
+    @property
+    def dtype(self):
+        return jnp.dtype(jnp.bfloat16)
+
+    @property
+    def sharding(self):
+        return self.bits.sharding
+
+    @property
+    def nbytes(self) -> int:
+        return self.bits.nbytes
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        """The bf16 values on the host (numpy), as for a bf16 `jax.Array`."""
+        values = np.asarray(self.bits).view(jnp.bfloat16)
+        return values if dtype is None else values.astype(dtype)
+
+
+def as_bits(w: jax.Array) -> Bf16Bits:
+    return Bf16Bits(jax.lax.bitcast_convert_type(w, jnp.uint16))
+
+
+def widen(w: Any) -> jax.Array:
+    """A weight (or int8 values) as float32. bf16 bits are widened exactly (they become the high half
+    of a float32) with integer ops, which XLA:CPU keeps next to their use."""
+    if isinstance(w, Bf16Bits):
+        return jax.lax.bitcast_convert_type(w.bits.astype(jnp.uint32) << 16, jnp.float32)
+    return w.astype(jnp.float32)
+
+
 def einsum(spec: str, x: jax.Array, w: Any, **kwargs) -> jax.Array:
-    """`jnp.einsum(spec, x, w)` for a plain or an `Int8Weight` weight (the second operand)."""
+    """`jnp.einsum(spec, x, w)` for a plain, `Bf16Bits` or `Int8Weight` weight (the second operand)."""
+    if isinstance(w, Bf16Bits):
+        out = jnp.einsum(spec, x.astype(jnp.float32), widen(w), **kwargs)
+        return out.astype(kwargs.get("preferred_element_type") or w.dtype)
     if not isinstance(w, Int8Weight):
         return jnp.einsum(spec, x.astype(w.dtype), w, **kwargs)
     inputs, out_sub = spec.replace(" ", "").split("->")
@@ -62,12 +119,16 @@ def einsum(spec: str, x: jax.Array, w: Any, **kwargs) -> jax.Array:
     if "..." in w_sub or len(w_sub) != w.q.ndim:
         raise ValueError(f"einsum {spec!r}: the weight needs one subscript per axis")
     scale_sub = "".join(c for i, c in enumerate(w_sub) if i not in w.input_axes)
+    dtype = kwargs.get("preferred_element_type") or x.dtype
+    if widens_on_use():
+        x = x.astype(jnp.float32)
+    q = widen(w.q) if widens_on_use() else w.q.astype(x.dtype)
     if all(c in out_sub for c in scale_sub):
-        y = jnp.einsum(spec, x, w.q.astype(x.dtype), **kwargs)
-        return jnp.einsum(f"{out_sub},{scale_sub}->{out_sub}", y, w.scale.astype(y.dtype))
+        y = jnp.einsum(spec, x, q, **kwargs)
+        return jnp.einsum(f"{out_sub},{scale_sub}->{out_sub}", y, w.scale.astype(y.dtype)).astype(dtype)
     # An output channel of the weight is contracted here (absorbed decode): scale the input instead.
     x = jnp.einsum(f"{x_sub},{scale_sub}->{x_sub}", x, w.scale.astype(x.dtype))
-    return jnp.einsum(spec, x, w.q.astype(x.dtype), **kwargs)
+    return jnp.einsum(spec, x, q, **kwargs).astype(dtype)
 
 
 def matmul(x: jax.Array, w: Any) -> jax.Array:
