@@ -42,6 +42,7 @@ from .core.sharding import ShardingRules, keep_replicated
 from .generation.output import TokenLogprob
 from .generation.sampling import (
     KEY_IMPL,
+    TOP_LOGPROBS,
     SamplingArrays,
     init_counts,
     is_stop_token,
@@ -199,13 +200,14 @@ class StepRows:
     sample: jax.Array  # [B] bool sample a token after the row's last new token (false mid-prompt)
     sample_index: jax.Array  # [B] int32 tokens the request sampled before: the position in its random stream
     logprobs: jax.Array  # [B] bool the request wants its sampled token's log-probability and the top ones
+    steps: jax.Array  # [B] int32 decode steps the row runs in a multi-step call (`serve_step(steps=k)`), <= k
 
-    _COLUMNS = ("slots", "starts", "counts", "feed_last", "sample", "sample_index", "logprobs")  # then the tokens
+    _COLUMNS = ("slots", "starts", "counts", "feed_last", "sample", "sample_index", "logprobs", "steps")  # then tokens
     _FLAGS = ("feed_last", "sample", "logprobs")
 
     def pack(self) -> np.ndarray:
-        """(Host) the rows as one int32 array `[B, 7 + T]`: each `device_put` leaf has a fixed cost of a
-        fraction of a millisecond, which a serving step would otherwise pay eight times per call."""
+        """(Host) the rows as one int32 array `[B, 8 + T]`: each `device_put` leaf has a fixed cost of a
+        fraction of a millisecond, which a serving step would otherwise pay nine times per call."""
         columns = [np.asarray(getattr(self, name), np.int32)[:, None] for name in self._COLUMNS]
         return np.concatenate([*columns, np.asarray(self.tokens, np.int32)], axis=1)
 
@@ -219,7 +221,7 @@ class StepRows:
 
 @dataclasses.dataclass(frozen=True)
 class Sampled:
-    """What one `serve_step` call sampled, on the host: each row's token and, for rows that asked
+    """What one step of a `serve_step` call sampled, on the host: each row's token and, for rows that asked
     (`StepRows.logprobs`), the token's log-probability and the `TOP_LOGPROBS` most likely tokens with
     theirs, from the log-softmax of the model's raw logits (before penalties and temperature, as
     OpenAI and vLLM report them). Rows that did not ask read 0."""
@@ -317,20 +319,46 @@ def _slot_rows(state: SlotState, slots: jax.Array) -> tuple[jax.Array, SamplingA
     return safe, sampling, state.last[safe]
 
 
-@functools.partial(jax.jit, static_argnames=_MODEL, donate_argnames=("cache", "state"))
+@functools.partial(jax.jit, static_argnames=(*_MODEL, "steps"), donate_argnames=("cache", "state"))
 def serve_step(params: Params, cache: PagedKVCache, state: SlotState, packed_rows: jax.Array, page_table: jax.Array,
-               *, cfg: Config, mesh: Mesh, rules: ShardingRules) -> tuple[jax.Array, PagedKVCache, SlotState]:
+               *, cfg: Config, mesh: Mesh, rules: ShardingRules, steps: int = 1
+               ) -> tuple[jax.Array, PagedKVCache, SlotState]:
     """One engine call on `StepRows` (`packed_rows`: `StepRows.pack()`, one transfer):
     `extend` the rows against their slots' pages (`page_table [S, P]`), then sample
     each sampling row's next token from its last new token, with its slot's settings and penalties
     and the key `fold_in(key, sample_index)`: a request's tokens depend on its seed and logits only,
     never on the rows beside it or the step it arrived at.
 
-    Returns what was sampled (`Sampled.pack`: the tokens `[B]`, meaningless where `rows.sample` is
-    false or the row is idle, and the log-probabilities of the rows that asked for them), the cache
-    with the new latents written, and the state with each sampling row's slot's last token and output
-    counts updated."""
+    `steps > 1` (decode rows only): that many decode steps in one call, each feeding every row's
+    token of the step before; row b runs its first `rows.steps[b]` of them (its budget may end
+    sooner) and is idle in the rest. One dispatch, transfer and read-back for `steps` tokens per row.
+
+    Returns what was sampled, `[steps, B, W]` (`Sampled.pack` per step: the tokens, meaningless where
+    `rows.sample` is false or the row is idle, and the log-probabilities of the rows that asked for
+    them), the cache with the new latents written, and the state with each sampling row's slot's last
+    token and output counts updated."""
     rows = StepRows.unpack(packed_rows)
+    if steps == 1:
+        out, cache, state = _serve_rows(params, cache, state, rows, page_table, cfg, mesh, rules)
+        return keep_replicated(out[None], mesh), cache, state
+
+    def step(i, carry):
+        cache, state, outs = carry
+        active = i < rows.steps
+        moved = dataclasses.replace(rows, starts=rows.starts + i, counts=jnp.where(active, rows.counts, 0),
+                                    sample=rows.sample & active, sample_index=rows.sample_index + i)
+        out, cache, state = _serve_rows(params, cache, state, moved, page_table, cfg, mesh, rules)
+        return cache, state, outs.at[i].set(out)
+
+    width = 2 + 2 * TOP_LOGPROBS
+    outs = jnp.zeros((steps, rows.slots.shape[0], width), jnp.int32)
+    cache, state, outs = jax.lax.fori_loop(0, steps, step, (cache, state, outs))
+    return keep_replicated(outs, mesh), cache, state
+
+
+def _serve_rows(params: Params, cache: PagedKVCache, state: SlotState, rows: StepRows, page_table: jax.Array,
+                cfg: Config, mesh: Mesh, rules: ShardingRules) -> tuple[jax.Array, PagedKVCache, SlotState]:
+    """`serve_step`'s one step on unpacked rows: extend, sample, update the slots."""
     with jax.named_scope("step_inputs"):
         safe, sampling, last = _slot_rows(state, rows.slots)
         tokens = rows.tokens.at[:, 0].set(jnp.where(rows.feed_last, last, rows.tokens[:, 0]))
@@ -349,7 +377,7 @@ def serve_step(params: Params, cache: PagedKVCache, state: SlotState, packed_row
                           update_counts(state.counts, new_last, slot_sampled))
     with jax.named_scope("logprobs"):
         out = Sampled.pack(token, *token_logprobs(logits[:, 0], token, rows.logprobs & sampled))
-    return keep_replicated(out, mesh), cache, jax.tree.map(lambda a: keep_replicated(a, mesh), state)
+    return out, cache, jax.tree.map(lambda a: keep_replicated(a, mesh), state)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",))

@@ -294,9 +294,10 @@ def test_step_rows_pack_round_trip():
     rows = StepRows(slots=np.array([2, 4, 0], np.int32), tokens=rng.integers(0, 1000, (3, 5), dtype=np.int32),
                     starts=np.array([7, 0, 3], np.int32), counts=np.array([5, 0, 1], np.int32),
                     feed_last=np.array([False, False, True]), sample=np.array([True, False, True]),
-                    sample_index=np.array([0, 0, 9], np.int32), logprobs=np.array([True, False, False]))
+                    sample_index=np.array([0, 0, 9], np.int32), logprobs=np.array([True, False, False]),
+                    steps=np.array([1, 4, 2], np.int32))
     back = jax.jit(StepRows.unpack)(rows.pack())
-    for name in ("slots", "tokens", "starts", "counts", "feed_last", "sample", "sample_index", "logprobs"):
+    for name in ("slots", "tokens", "starts", "counts", "feed_last", "sample", "sample_index", "logprobs", "steps"):
         want, got = getattr(rows, name), np.asarray(getattr(back, name))
         assert got.dtype == want.dtype and np.array_equal(got, want), name
 
@@ -346,6 +347,21 @@ def test_logprobs_are_the_raw_log_softmax_whatever_the_sampling(tiny, make_engin
             assert abs(entry.logprob - logp[position, entry.token]) < 1e-4
             assert [t for t, _ in entry.top] == np.argsort(-logp[position], kind="stable")[:top].tolist()
             assert np.allclose([lp for _, lp in entry.top], np.sort(logp[position])[::-1][:top], atol=1e-4)
+
+
+def test_multi_step_decode_equals_one_step_at_a_time(tiny, make_engine):
+    """Decode calls of 4 steps (rows with less budget left run fewer) give the tokens of one step per
+    call, in fewer engine steps; a request arriving mid-way waits for the call and then joins."""
+    rng = np.random.default_rng(5)
+    arrivals = [(at, rng.integers(2, tiny.cfg.vocab_size, int(n)).tolist(), {"max_new_tokens": int(m)})
+                for at, n, m in zip((0, 0, 3, 9, 9), rng.integers(5, 20, 5), rng.integers(2, 12, 5))]
+    runs = {}
+    for steps in (1, 4):
+        stats: list = []
+        requests = run_arrivals(make_engine(decode_steps=steps), arrivals, stats)
+        runs[steps] = ([r.tokens for r in requests], stats[-1].steps)
+    assert runs[4][0] == runs[1][0] and [len(t) for t in runs[4][0]] == [a[2]["max_new_tokens"] for a in arrivals]
+    assert runs[4][1] < runs[1][1]
 
 
 def test_logprobs_stop_with_the_tokens(tiny, make_engine):

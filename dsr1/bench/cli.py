@@ -128,7 +128,7 @@ def run_serve(args: argparse.Namespace) -> dict[str, Any]:
                         shared_prefix=args.shared_prefix, shared_fraction=args.shared_fraction, seed=args.seed)
     shape = EngineShape(max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
                         prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows,
-                        host_cache_bytes=args.host_cache_mb * 2**20)
+                        host_cache_bytes=args.host_cache_mb * 2**20, decode_steps=args.decode_steps)
     workload = make_workload(spec, model.cfg.vocab_size)
     _log(f"{len(workload)} requests, {sum(workload.max_new_tokens)} output tokens at most")
     continuous, static, stats = None, None, None
@@ -217,6 +217,8 @@ def _serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-pages", type=_positive, default=e.num_pages, help="(default: %(default)s)")
     p.add_argument("--prefill-chunk", type=_positive, default=e.prefill_chunk, help="(default: %(default)s)")
     p.add_argument("--prefill-rows", type=_positive, default=e.prefill_rows, help="(default: %(default)s)")
+    p.add_argument("--decode-steps", type=_positive, default=e.decode_steps,
+                   help="decode steps per engine call while nothing is prefilled (default: %(default)s)")
     p.add_argument("--host-cache-mb", type=int, default=0, help="host memory for offloaded prefix pages, MiB "
                    "(default: 0)")
     p.add_argument("--prefix-ttft", type=int, default=0, metavar="N", help="also measure the time to first token of "

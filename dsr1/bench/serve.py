@@ -117,6 +117,7 @@ class EngineShape:
     prefill_chunk: int = 64
     prefill_rows: int = 2
     host_cache_bytes: int = 0
+    decode_steps: int = 4
 
     def engine(self, model: Model, max_seq_len: int) -> Engine:
         return Engine(model, **dataclasses.asdict(self), max_seq_len=max_seq_len)

@@ -42,7 +42,8 @@ def build_engine(args: argparse.Namespace) -> Engine:
     model = model_from_options(args)
     engine = Engine(model, max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
                     prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows,
-                    host_cache_bytes=args.host_cache_bytes, max_seq_len=args.max_seq_len,
+                    decode_steps=args.decode_steps, host_cache_bytes=args.host_cache_bytes,
+                    max_seq_len=args.max_seq_len,
                     prefix_caching=not args.no_prefix_caching, tokenizer=load_tokenizer(getattr(args, "model", None)))
     if engine.is_leader and not args.no_warmup:
         print("compiling the engine's programs...", file=sys.stderr, flush=True)

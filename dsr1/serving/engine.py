@@ -123,13 +123,15 @@ class Engine:
       prefill_rows: requests prefilling in one step at most (the prefill call is at most
         `prefill_rows x prefill_chunk` tokens; see `SchedulerConfig.prefill_shapes`).
       host_cache_bytes: host memory for prefix-cache pages evicted from the device (0: no offload).
+      decode_steps: decode steps per call while no prompt is being prefilled (see the scheduler's
+        "Multi-step decode"): fewer dispatches and read-backs, coarser streaming and admission.
       max_seq_len: the longest prompt + output (default: the model's limit, or the pool's size).
       prefix_caching: reuse cached prefixes (False: every prompt is prefilled in full).
       tokenizer: for text and chat prompts and output text (default: loaded on the first text prompt).
     """
 
     def __init__(self, model: Model, *, max_seqs: int = 8, page_size: int = 16, num_pages: int = 512,
-                 prefill_chunk: int = 64, prefill_rows: int = 2, host_cache_bytes: int = 0,
+                 prefill_chunk: int = 64, prefill_rows: int = 2, host_cache_bytes: int = 0, decode_steps: int = 4,
                  max_seq_len: int | None = None, prefix_caching: bool = True, tokenizer: Tokenizer | None = None):
         if max_seq_len is None:
             max_seq_len = min(model.cfg.max_position_embeddings, (num_pages - 1) * page_size)
@@ -137,11 +139,13 @@ class Engine:
             raise ValueError(f"max_seq_len={max_seq_len} exceeds max_position_embeddings="
                              f"{model.cfg.max_position_embeddings}")
         self.model = model
-        self.config = SchedulerConfig(max_seqs, page_size, num_pages, prefill_chunk, prefill_rows, max_seq_len)
+        self.config = SchedulerConfig(max_seqs, page_size, num_pages, prefill_chunk, prefill_rows, max_seq_len,
+                                      decode_steps)
         self.tokenizer = tokenizer
         pool = PagePool(programs.paged_cache(cfg=model.cfg, mesh=model.mesh, num_pages=num_pages, page_size=page_size,
                                              dtype=model.dtype, kv_cache_dtype=model.kv_cache_dtype), model.mesh)
-        self._runner = DeviceRunner(model, pool, max_seqs=max_seqs, max_seq_len=max_seq_len)
+        self._runner = DeviceRunner(model, pool, max_seqs=max_seqs, max_seq_len=max_seq_len,
+                                    decode_steps=decode_steps)
         # Several processes: process 0 decides and broadcasts each step's work; the others follow.
         self._channel = StepChannel() if jax.process_count() > 1 else None
         self.is_leader = jax.process_index() == 0
@@ -296,12 +300,12 @@ class Engine:
     def _read(self, step: _InFlight) -> float:
         """Wait for a dispatched step's tokens and hand them out; returns the seconds waited."""
         start = time.perf_counter()
-        results = [Sampled.unpack(to_host(out)) for _, out in step.calls]
+        results = [[Sampled.unpack(s) for s in to_host(out)] for _, out in step.calls]
         ready = time.perf_counter()
         self._timing.device += ready - max(step.dispatched_at, self._timing.last_ready)
         self._timing.last_ready = ready
-        for (lanes, _), sampled in zip(step.calls, results):
-            self.scheduler.complete(lanes, sampled)
+        for (lanes, _), steps in zip(step.calls, results):
+            self.scheduler.complete(lanes, steps)
         return ready - start
 
     def _record(self, elapsed: float, waited: float, counted: bool) -> None:
@@ -321,10 +325,13 @@ class Engine:
         with self._step_lock:
             warm_up_ops(self._log)
             admit = Admission(cfg.max_seqs, host_sampling([Sampling(seed=0)]), np.zeros(1, np.int32))  # dropped
-            calls = tuple(lane_rows((), rows, chunk, cfg.max_seqs)
-                          for rows, chunk in (*cfg.prefill_shapes, (cfg.max_seqs, 1)))
+            shapes = (*cfg.prefill_shapes, (cfg.max_seqs, 1))
+            calls = [lane_rows((), rows, chunk, cfg.max_seqs) for rows, chunk in shapes]
+            if cfg.decode_steps > 1:  # the multi-step decode call, idle rows asking for every step
+                calls.append(lane_rows((), cfg.max_seqs, 1, cfg.max_seqs))
+                calls[-1].steps[:] = cfg.decode_steps
             table = np.zeros((cfg.max_seqs, cfg.table_width), np.int32)
-            for out in self._launch(StepWork(self._log.take(), (admit,), calls, table)):
+            for out in self._launch(StepWork(self._log.take(), (admit,), tuple(calls), table)):
                 to_host(out)
             self._runner.pool.settle(everything=True)
 

@@ -32,6 +32,12 @@ host plans a step without knowing the previous step's tokens: a decoding row's i
 slot's last sampled token, which stays on device. The budget is known at planning time; a stop
 token or string is seen one step late, and the extra token already dispatched for that request is
 discarded (its write lands in the request's own pages, before anyone else can be given them).
+
+**Multi-step decode.** When no prompt is being prefilled, the decode call runs `decode_steps`
+steps (each row at most its remaining budget), so the dispatch, the transfers and the read-back
+are paid once per `decode_steps` tokens per row, as `dsr1.generate` pays them once per chunk. The
+price: a request that arrives, or a slot freed by a stop, waits until the call ends, and a stop is
+seen up to `2 * decode_steps - 1` tokens late (those tokens are discarded, as above).
 """
 
 from __future__ import annotations
@@ -64,9 +70,10 @@ class SchedulerConfig:
     prefill_chunk: int
     prefill_rows: int
     max_seq_len: int
+    decode_steps: int = 1  # decode steps per call when no prompt is being prefilled
 
     def __post_init__(self) -> None:
-        for name in ("max_seqs", "page_size", "prefill_chunk", "prefill_rows", "max_seq_len"):
+        for name in ("max_seqs", "page_size", "prefill_chunk", "prefill_rows", "max_seq_len", "decode_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_pages < 2:
@@ -140,6 +147,7 @@ class Lane:
     sample: bool  # a token is sampled after the last new token
     sample_index: int  # tokens the request sampled before this one
     feed_last: bool
+    steps: int = 1  # decode steps of a multi-step call (a token sampled after each)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,12 +170,13 @@ def lane_rows(lanes: Sequence[Lane], rows: int, chunk: int, idle_slot: int) -> S
     out = StepRows(slots=np.full(rows, idle_slot, np.int32), tokens=np.zeros((rows, chunk), np.int32),
                    starts=np.zeros(rows, np.int32), counts=np.zeros(rows, np.int32),
                    feed_last=np.zeros(rows, bool), sample=np.zeros(rows, bool), sample_index=np.zeros(rows, np.int32),
-                   logprobs=np.zeros(rows, bool))
+                   logprobs=np.zeros(rows, bool), steps=np.ones(rows, np.int32))
     for i, lane in enumerate(lanes):
         out.slots[i], out.starts[i], out.counts[i] = lane.seq.slot, lane.start, lane.count
         out.tokens[i, :len(lane.tokens)] = lane.tokens
         out.feed_last[i], out.sample[i], out.sample_index[i] = lane.feed_last, lane.sample, lane.sample_index
         out.logprobs[i] = lane.sample and lane.seq.request.top_logprobs is not None
+        out.steps[i] = lane.steps
     return out
 
 
@@ -208,7 +217,9 @@ class Scheduler:
         self._drop_cancelled()
         admitted = self._admit()
         prefill = self._plan_prefill()
-        decode = self._plan_decode()
+        # Nothing to prefill: decode several steps in one call (what frees a slot in the meantime, a
+        # budget or a stop, waits for the call to end: at most decode_steps - 1 steps).
+        decode = self._plan_decode(1 if prefill else self.config.decode_steps)
         return StepPlan(tuple(admitted), tuple(prefill), tuple(decode), self._page_table.copy())
 
     def _drop_cancelled(self) -> None:
@@ -273,25 +284,29 @@ class Scheduler:
             self.prefix_cache.insert(seq.tokens[:seq.fed], seq.pages)
         return lanes
 
-    def _plan_decode(self) -> list[Lane]:
+    def _plan_decode(self, steps: int) -> list[Lane]:
         lanes = []
         for seq in self._running:
             if not seq.decoding:
                 continue
-            self._grow(seq, seq.fed + 1)
-            lanes.append(Lane(seq, seq.fed, 1, (), sample=True, sample_index=seq.sampled, feed_last=True))
-            seq.fed += 1
-            seq.sampled += 1
+            runs = min(steps, seq.request.sampling.max_new_tokens - seq.sampled)
+            self._grow(seq, seq.fed + runs)
+            lanes.append(Lane(seq, seq.fed, 1, (), sample=True, sample_index=seq.sampled, feed_last=True, steps=runs))
+            seq.fed += runs
+            seq.sampled += runs
         return lanes
 
     # ---- results -------------------------------------------------------------------------------
-    def complete(self, lanes: Sequence[Lane], sampled: Sampled) -> None:
-        """Hand a call's sampled tokens (rows in lane order) to their requests, with their
-        log-probabilities where asked for, and finish the requests that hit a stop token or string or
-        their budget. Lanes of requests finished since they were planned are ignored."""
-        for row, lane in enumerate(lanes):
-            if lane.sample and not lane.seq.finished:
-                self._deliver(lane.seq, int(sampled.tokens[row]), sampled.logprob(row, lane.seq.request.top_logprobs))
+    def complete(self, lanes: Sequence[Lane], steps: Sequence[Sampled]) -> None:
+        """Hand a call's sampled tokens (each of its steps' rows in lane order) to their requests, with
+        their log-probabilities where asked for, and finish the requests that hit a stop token or
+        string or their budget. Lanes of requests finished since they were planned, or during the
+        call, are ignored."""
+        for i, sampled in enumerate(steps):
+            for row, lane in enumerate(lanes):
+                if lane.sample and i < lane.steps and not lane.seq.finished:
+                    self._deliver(lane.seq, int(sampled.tokens[row]),
+                                  sampled.logprob(row, lane.seq.request.top_logprobs))
 
     def _deliver(self, seq: Running, token: int, logprob: TokenLogprob | None) -> None:
         seq.tokens.append(token)

@@ -68,10 +68,11 @@ def device_sampling(host: SamplingArrays, mesh: jax.sharding.Mesh) -> SamplingAr
 class DeviceRunner:
     """Dispatches `StepWork` on this process's devices; holds the page pool and the slot state."""
 
-    def __init__(self, model: Model, pool: PagePool, *, max_seqs: int, max_seq_len: int):
+    def __init__(self, model: Model, pool: PagePool, *, max_seqs: int, max_seq_len: int, decode_steps: int = 1):
         self.model = model
         self.pool = pool
         self.max_seq_len = max_seq_len
+        self.decode_steps = decode_steps
         idle = device_sampling(host_sampling([Sampling(seed=0)] * max_seqs), model.mesh)
         self.state = programs.slot_state(idle, mesh=model.mesh, vocab_size=model.cfg.vocab_size)
 
@@ -90,10 +91,16 @@ class DeviceRunner:
         if not work.calls:
             return ()
         table, *rows = placed[len(admissions):]
-        return tuple(self._serve(packed, table) for packed in rows)
+        return tuple(self._serve(packed, table, self.call_steps(call)) for packed, call in zip(rows, work.calls))
 
-    def _serve(self, packed_rows: jax.Array, table: jax.Array) -> jax.Array:
+    def call_steps(self, rows: StepRows) -> int:
+        """The call's decode steps: `decode_steps` for a multi-step call (some row runs more than one;
+        every process derives the same from the same rows), else 1."""
+        return self.decode_steps if int(np.max(rows.steps)) > 1 else 1
+
+    def _serve(self, packed_rows: jax.Array, table: jax.Array, steps: int) -> jax.Array:
         with jax.named_scope("serve"):
             tokens, self.pool.cache, self.state = programs.serve_step(
-                self.model.params, self.pool.cache, self.state, packed_rows, table, **self.model.program_kwargs)
+                self.model.params, self.pool.cache, self.state, packed_rows, table, steps=steps,
+                **self.model.program_kwargs)
         return tokens
