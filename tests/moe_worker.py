@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -17,23 +18,34 @@ import dsr1.core.moe as moe_module
 from dsr1.core.moe import routed_experts
 
 
-def compare(expert: int, tensor: int, quant: str | None, tokens: int) -> float:
-    """Routed experts of layer 1 (stacked weights, in place) by both kernels on an expert x tensor mesh."""
-    cfg = dsr1.Config.preset("tiny")
-    mesh = dsr1.make_mesh(expert=expert, tensor=tensor)
-    model = dsr1.init_random(cfg, seed=3, dtype="float32", quant=quant, mesh=mesh)
+def kernel_outputs(model: dsr1.Model, tokens: int, use_loop: Callable[[bool], None]) -> dict[bool, np.ndarray]:
+    """Layer 1's routed experts (stacked weights, in place) on `tokens` random rows by the CPU expert
+    loop (True) and by `ragged_dot` (False); `use_loop(flag)` selects the kernel."""
+    cfg = model.cfg
     p = model.params["moe_layers"]["moe"]
     rng = np.random.default_rng(tokens)
     x = rng.standard_normal((tokens, cfg.hidden_size)).astype(np.float32)
     experts = np.stack([rng.choice(cfg.n_routed_experts, cfg.num_experts_per_tok, replace=False)
                         for _ in range(tokens)]).astype(np.int32)
     weights = rng.uniform(0.1, 1.0, experts.shape).astype(np.float32)
-    outputs = []
+    outputs = {}
     for loop in (True, False):
-        moe_module.use_gather = lambda n_pairs, n_local, loop=loop: loop
-        run = jax.jit(lambda p, x, w, e: routed_experts(p, x, w, e, mesh, model.rules, layer=1))
-        outputs.append(np.asarray(run(p, x, weights, experts)))
-    return float(np.abs(outputs[0] - outputs[1]).max() / np.abs(outputs[1]).max())
+        use_loop(loop)
+        run = jax.jit(lambda p, x, w, e: routed_experts(p, x, w, e, model.mesh, model.rules, layer=1))
+        outputs[loop] = np.asarray(run(p, x, weights, experts))
+    return outputs
+
+
+def compare(expert: int, tensor: int, quant: str | None, tokens: int) -> float:
+    """The worst relative difference of the two kernels on an expert x tensor mesh."""
+    mesh = dsr1.make_mesh(expert=expert, tensor=tensor)
+    model = dsr1.init_random(dsr1.Config.preset("tiny"), seed=3, dtype="float32", quant=quant, mesh=mesh)
+
+    def use_loop(flag: bool) -> None:
+        moe_module.use_gather = lambda n_pairs, n_local: flag
+
+    outputs = kernel_outputs(model, tokens, use_loop)
+    return float(np.abs(outputs[True] - outputs[False]).max() / np.abs(outputs[False]).max())
 
 
 def main() -> None:

@@ -132,22 +132,18 @@ def test_expert_loop_matches_ragged_dot_in_place(tokens, quant, monkeypatch):
     100 tokens give blocks of several rows and experts spanning several blocks) equals `ragged_dot`
     on the same stacked weights, float32 and int8."""
     import dsr1.core.moe as moe_module
-    from dsr1.core.moe import loop_block_rows, routed_experts
+    from dsr1.core.moe import loop_block_rows
+
+    from .moe_worker import kernel_outputs
 
     cfg = TINY
     model = dsr1.init_random(cfg, seed=5, dtype="float32", quant=quant)
-    p = model.params["moe_layers"]["moe"]
-    rng = np.random.default_rng(tokens)
-    x = rng.standard_normal((tokens, cfg.hidden_size)).astype(np.float32)
-    experts = np.stack([rng.choice(cfg.n_routed_experts, cfg.num_experts_per_tok, replace=False)
-                        for _ in range(tokens)]).astype(np.int32)
-    weights = rng.uniform(0.1, 1.0, experts.shape).astype(np.float32)
-    outputs = {}
-    for loop in (True, False):
-        monkeypatch.setattr(moe_module, "use_gather", lambda n_pairs, n_local, g=loop: g)
-        run = jax.jit(lambda p, x, w, e: routed_experts(p, x, w, e, model.mesh, model.rules, layer=1))
-        outputs[loop] = np.asarray(run(p, x, weights, experts))
-    assert loop_block_rows(tokens, experts.size, cfg.n_routed_experts) <= tokens
+
+    def use_loop(flag: bool) -> None:
+        monkeypatch.setattr(moe_module, "use_gather", lambda n_pairs, n_local: flag)
+
+    outputs = kernel_outputs(model, tokens, use_loop)
+    assert loop_block_rows(tokens, tokens * cfg.num_experts_per_tok, cfg.n_routed_experts) <= tokens
     np.testing.assert_allclose(outputs[True], outputs[False], rtol=2e-5, atol=2e-5 * np.abs(outputs[False]).max())
 
 
