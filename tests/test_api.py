@@ -90,3 +90,13 @@ def test_mesh_must_match_devices():
         dsr1.make_mesh(expert=3)
     with pytest.raises(ValueError, match="mesh expert=1 x tensor=1 does not match the 2 devices"):
         dsr1.make_mesh(expert=1, tensor=1, devices=jax.devices() * 2)
+
+
+def test_bf16_weights_read_like_arrays():
+    """On CPU a bf16 model holds its matrices as `Bf16Bits` (see `dsr1.core.quant`); what a user reads
+    of a weight (shape, dtype, size, sharding, this process's shards, its values) is the bf16 array's."""
+    model = dsr1.init_random(dsr1.Config.preset("tiny"), seed=0)
+    gate = model.params["moe_layers"]["moe"]["gate"]
+    assert gate.dtype == jnp.bfloat16 and gate.ndim == len(gate.shape) and gate.size == np.prod(gate.shape)
+    assert gate.addressable_shards[0].data.shape == gate.sharding.shard_shape(gate.shape)
+    assert np.asarray(gate).dtype == jnp.bfloat16 and np.asarray(gate).shape == gate.shape

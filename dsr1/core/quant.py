@@ -89,6 +89,19 @@ class Bf16Bits:
     def nbytes(self) -> int:
         return self.bits.nbytes
 
+    @property
+    def ndim(self) -> int:
+        return self.bits.ndim
+
+    @property
+    def size(self) -> int:
+        return self.bits.size
+
+    @property
+    def addressable_shards(self) -> list:
+        """This process's shards (of the bits: same shapes and devices as the bf16 weight's)."""
+        return self.bits.addressable_shards
+
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         """The bf16 values on the host (numpy), as for a bf16 `jax.Array`."""
         values = np.asarray(self.bits).view(jnp.bfloat16)
