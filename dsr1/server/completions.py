@@ -220,7 +220,7 @@ class CompletionService:
                 if update.done:
                     rest = splitters[i].finish()
                     reasoning, content = reasoning + rest[0], content + rest[1]
-                logprobs = cursors[i].take(update.request.logprobs, update.tokens)
+                logprobs = cursors[i].take(update.request, update.tokens)
                 deltas = [{"reasoning_content": reasoning}] if reasoning else []
                 if content or (logprobs and not deltas):  # tokens whose text is held back still send theirs
                     deltas.append({"content": content})
@@ -241,7 +241,7 @@ class CompletionService:
             cursors = [LogprobCursor(self.tokenizer, chat=False) for _ in submission.requests]
             async for update in submission.updates():
                 i = submission.index(update.request)
-                logprobs = cursors[i].take(update.request.logprobs, update.tokens)
+                logprobs = cursors[i].take(update.request, update.tokens)
                 if update.text or logprobs:
                     yield reply.text_chunk(plan, i, update.text, logprobs=logprobs)
                 if update.done:

@@ -15,6 +15,7 @@ from typing import Any
 
 from ..generation.output import TokenLogprob
 from ..generation.tokenizer import Tokenizer
+from ..serving.request import Request
 
 __all__ = ["LogprobCursor", "chat_logprobs", "completion_logprobs"]
 
@@ -57,7 +58,8 @@ def completion_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprob], o
 
 class LogprobCursor:
     """What a stream has sent of one choice's log-probabilities: `take` returns the entries new since
-    the last call (up to the update's token count), in the endpoint's form, or None when there are none."""
+    the last call (up to the update's token count) of `request`, in the endpoint's form, or None when
+    there are none."""
 
     def __init__(self, tokenizer: Tokenizer, chat: bool):
         self.tokenizer = tokenizer
@@ -65,8 +67,8 @@ class LogprobCursor:
         self.sent = 0
         self.offset = 0  # characters of the completion's token texts sent so far (completions' text_offset)
 
-    def take(self, all_entries: Sequence[TokenLogprob] | None, upto: int) -> dict[str, Any] | None:
-        new = list(all_entries or ())[self.sent:upto]
+    def take(self, request: Request, upto: int) -> dict[str, Any] | None:
+        new = request.logprobs_between(self.sent, upto) if request.top_logprobs is not None else []
         if not new:
             return None
         self.sent += len(new)

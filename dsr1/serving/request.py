@@ -71,6 +71,11 @@ class Request:
         with self._changed:
             return list(self._logprobs)
 
+    def logprobs_between(self, start: int, stop: int) -> list[TokenLogprob]:
+        """`logprobs[start:stop]` without copying the rest (a stream takes each step's new entries)."""
+        with self._changed:
+            return self._logprobs[start:stop]
+
     @property
     def text(self) -> str:
         """Output text so far (empty without a tokenizer); once done, it ends before any stop string."""
