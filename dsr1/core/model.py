@@ -218,8 +218,12 @@ def extend(params: Params, cache: PagedKVCache, tokens: jax.Array, starts: jax.A
     hidden = jnp.take_along_axis(x, jnp.clip(logits_at, 0, chunk - 1)[..., None], axis=1)
     hidden = jnp.where(wanted[..., None], hidden, 0.0)
     # Zero hidden gives zero logits (rms_norm(0) = 0, no bias): no second [B, K, V] select. A call
-    # wanting no logits at all (prompt chunks that sample nothing) skips the lm_head's weight read.
-    logits = jax.lax.cond(jnp.any(wanted), lambda h: _logits(params, h, cfg),
-                          lambda h: jnp.zeros((*h.shape[:-1], cfg.vocab_size), jnp.float32), hidden)
+    # wanting no logits at all (prompt chunks that sample nothing) skips the lm_head's weight read;
+    # a one-token call (decode: every row samples) has no branch, whose output XLA would copy.
+    if chunk == 1:
+        logits = _logits(params, hidden, cfg)
+    else:
+        logits = jax.lax.cond(jnp.any(wanted), lambda h: _logits(params, h, cfg),
+                              lambda h: jnp.zeros((*h.shape[:-1], cfg.vocab_size), jnp.float32), hidden)
     return (keep_replicated(logits, mesh), keep_replicated(hidden, mesh),
             jax.tree.map(lambda a: keep_replicated(a, mesh), cache))

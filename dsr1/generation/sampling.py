@@ -348,15 +348,6 @@ def sample(
         seen, counts = (prompt_seen, output_counts) if rows is None else (prompt_seen[rows], output_counts[rows])
         return apply_penalties(x, sampling, seen, counts)
 
-    # Penalties read and write every vocabulary entry of every row: skip them when no row has any.
-    penalized = jax.lax.cond(
-        jnp.any((sampling.repetition_penalty != 1) | (sampling.presence_penalty != 0)
-                | (sampling.frequency_penalty != 0)),
-        penalize,
-        lambda x: x.astype(jnp.float32),
-        logits,
-    )
-    greedy_tokens = argmax(penalized)
     steps = jnp.broadcast_to(jnp.asarray(step, jnp.uint32), sampling.keys.shape)
 
     def draw(penalized: jax.Array) -> jax.Array:
@@ -365,10 +356,22 @@ def sample(
         # One draw per row from that row's own key: rows never share random bits.
         return jax.vmap(jax.random.categorical)(step_keys, filtered).astype(jnp.int32)
 
-    # The draw (random bits for every vocabulary entry of every row) costs ~10x the argmax on CPU
-    # at R1's vocabulary: skip it when every row is greedy.
-    drawn = jax.lax.cond(jnp.any(sampling.temperature > 0), draw, lambda _: greedy_tokens, penalized)
-    return jnp.where(sampling.temperature > 0, drawn, greedy_tokens)
+    def choose(penalized: jax.Array) -> jax.Array:
+        greedy_tokens = argmax(penalized)
+        # The draw (random bits for every vocabulary entry of every row) costs ~10x the argmax on CPU
+        # at R1's vocabulary: skip it when every row is greedy.
+        drawn = jax.lax.cond(jnp.any(sampling.temperature > 0), draw, lambda _: greedy_tokens, penalized)
+        return jnp.where(sampling.temperature > 0, drawn, greedy_tokens)
+
+    # Penalties read and write every vocabulary entry of every row: skip them when no row has any.
+    # Each branch returns tokens only: a `[B, V]` branch output would be copied out of the cond.
+    return jax.lax.cond(
+        jnp.any((sampling.repetition_penalty != 1) | (sampling.presence_penalty != 0)
+                | (sampling.frequency_penalty != 0)),
+        lambda x: choose(penalize(x)),
+        lambda x: choose(x.astype(jnp.float32)),
+        logits,
+    )
 
 
 TOP_LOGPROBS = 20  # the most alternatives per token OpenAI's API returns (`top_logprobs` <= 20)
