@@ -154,11 +154,17 @@ def test_cli_compare_hf(tmp_path, config_file, capsys):
     assert cli.main(["compare-hf", "--config", str(config_file), "--batch", "2", "--new-tokens", "4",
                        "--prompt-len", "6", "--repeats", "1", "--json", str(out)]) == 0
     assert "dsr1 / HF" in capsys.readouterr().out
-    rows = json.loads(out.read_text())["rows"]
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert report["matmul_peak_flop_s"] > 0
     assert [r["batch"] for r in rows] == [2]
     for row in rows:
         assert row["dsr1_tok_s"] > 0 and row["hf_tok_s"] > 0
         assert row["ratio"] == pytest.approx(row["dsr1_tok_s"] / row["hf_tok_s"])
+        flop = compare_hf.prefill_flops(CFG, 2, 6)
+        assert row["prefill_gflop_s"] == pytest.approx(flop / row["dsr1_prefill_s"] / 1e9)
+        assert row["prefill_pct_of_peak"] == pytest.approx(100 * flop / row["dsr1_prefill_s"]
+                                                           / report["matmul_peak_flop_s"])
         # The same weights: the prefill's greedy token agrees (a different checkpoint would agree
         # with probability ~1/512 per row).
         assert row["same_first_token"] >= 0.5

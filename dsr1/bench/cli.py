@@ -28,7 +28,15 @@ from ..api import load
 from ..options import add_model_options, config_from_options, mesh_from_options, model_from_options
 from .accounting import expert_bytes, fixed_weight_bytes
 from .bandwidth import COPY_BYTES, copy_bandwidth, device_description, with_final_load
-from .compare_hf import compare_row, dsr1_generate, hf_generate, load_hf, write_random_checkpoint
+from .compare_hf import (
+    compare_row,
+    dsr1_generate,
+    hf_generate,
+    load_hf,
+    matmul_peak_flops,
+    prefill_flops,
+    write_random_checkpoint,
+)
 from .loading import add_load_options, run_load
 from .plan import add_plan_options, run_plan
 from .report import (
@@ -97,6 +105,8 @@ def run_compare_hf(args: argparse.Namespace) -> dict[str, Any]:
                      kv_cache_dtype=args.kv_cache_dtype, progress=False)
         _log("loading it into HF transformers (bf16) ...")
         hf_model = load_hf(folder)
+        _log("measuring the float32 matmul peak ...")
+        peak = matmul_peak_flops()
         rng = np.random.default_rng(args.seed)
         for batch in args.batch:
             prompts = rng.integers(2, cfg.vocab_size, (batch, args.prompt_len)).astype(np.int32)
@@ -104,18 +114,19 @@ def run_compare_hf(args: argparse.Namespace) -> dict[str, Any]:
             ours = dsr1_generate(model, prompts, args.new_tokens, args.repeats)
             _log(f"batch {batch}: HF transformers ...")
             hf = hf_generate(hf_model, prompts, args.new_tokens, args.repeats)
-            rows.append(compare_row(batch, ours, hf))
+            rows.append(compare_row(batch, ours, hf, prefill_flops(cfg, batch, args.prompt_len), peak))
     dev = with_final_load(dev)
     print(device_line(dev))
     print(f"{model_line(model, name)}; random weights, one bf16 checkpoint read by both (HF in bfloat16); "
-          f"prompts of {args.prompt_len} tokens, {args.new_tokens} greedy tokens; torch threads {os.cpu_count()}\n")
+          f"prompts of {args.prompt_len} tokens, {args.new_tokens} greedy tokens; torch threads {os.cpu_count()}; "
+          f"float32 matmul peak {peak / 1e9:.1f} GFLOP/s (2048^3, measured in this run)\n")
     print(compare_table(rows))
     print()
     print(COMPARE_NOTES)
     return {"command": "compare-hf", "device": dev, "model": name, "config": dataclasses.asdict(cfg),
             "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "torch_threads": os.cpu_count(),
             "hf_dtype": "bfloat16", "dsr1_dtype": args.dtype, "quant": args.quant,
-            "kv_cache_dtype": args.kv_cache_dtype, "rows": rows}
+            "kv_cache_dtype": args.kv_cache_dtype, "matmul_peak_flop_s": peak, "rows": rows}
 
 
 def run_serve(args: argparse.Namespace) -> dict[str, Any]:

@@ -149,12 +149,16 @@ def matmul_peak_flops(size: int = 2048, repeats: int = 5) -> float:
     return 2 * size ** 3 / best
 
 
-def compare_row(batch: int, ours: GenerateTiming, hf: GenerateTiming) -> dict[str, Any]:
-    """One line of the comparison: decode tok/s of both and their ratio, prefill times, agreement."""
+def compare_row(batch: int, ours: GenerateTiming, hf: GenerateTiming, prefill_flop: float,
+                peak_flop_s: float) -> dict[str, Any]:
+    """One line of the comparison: decode tok/s of both and their ratio, prefill times, dsr1's prefill
+    FLOP/s (`prefill_flop` / its time) against `peak_flop_s` (`matmul_peak_flops`), agreement."""
+    flop_s = prefill_flop / ours.prefill_s
     return {
         "batch": batch, "dsr1_tok_s": ours.decode_tok_s(batch), "hf_tok_s": hf.decode_tok_s(batch),
         "ratio": ours.decode_tok_s(batch) / hf.decode_tok_s(batch),
         "dsr1_prefill_s": ours.prefill_s, "hf_prefill_s": hf.prefill_s, "prefill_ratio": hf.prefill_s / ours.prefill_s,
+        "prefill_gflop_s": flop_s / 1e9, "prefill_pct_of_peak": 100 * flop_s / peak_flop_s,
         "dsr1_decode_s": ours.decode_s, "hf_decode_s": hf.decode_s,
         "same_first_token": float(np.mean(ours.tokens[:, 0] == hf.tokens[:, 0])),
         "same_tokens": float(np.mean(ours.tokens == hf.tokens)),

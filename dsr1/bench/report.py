@@ -47,9 +47,10 @@ def decode_table(rows: Sequence[dict[str, Any]]) -> str:
 def compare_table(rows: Sequence[dict[str, Any]]) -> str:
     """The `compare-hf` command's table, one line per batch size."""
     headers = ("batch", "dsr1 decode tok/s", "HF decode tok/s", "dsr1 / HF", "dsr1 prefill ms", "HF prefill ms",
-               "same first token", "same tokens")
+               "HF / dsr1 prefill", "dsr1 prefill GFLOP/s", "% of matmul peak", "same first token", "same tokens")
     cells = [(str(r["batch"]), f"{r['dsr1_tok_s']:.1f}", f"{r['hf_tok_s']:.1f}", f"{r['ratio']:.2f}x",
-              f"{1e3 * r['dsr1_prefill_s']:.0f}", f"{1e3 * r['hf_prefill_s']:.0f}",
+              f"{1e3 * r['dsr1_prefill_s']:.0f}", f"{1e3 * r['hf_prefill_s']:.0f}", f"{r['prefill_ratio']:.2f}x",
+              f"{r['prefill_gflop_s']:.1f}", f"{r['prefill_pct_of_peak']:.1f}%",
               f"{100 * r['same_first_token']:.0f}%", f"{100 * r['same_tokens']:.0f}%") for r in rows]
     return markdown_table(headers, cells)
 
