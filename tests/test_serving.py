@@ -285,6 +285,41 @@ def test_prefill_call_takes_the_smallest_shape_that_holds_its_rows():
     assert small.prefill_shapes == ((1, 8), (2, 8))
 
 
+def test_decode_call_takes_the_fewest_rows_that_hold_its_lanes():
+    from dsr1.serving.scheduler import SchedulerConfig
+
+    def config(max_seqs):
+        return SchedulerConfig(max_seqs=max_seqs, page_size=4, num_pages=40, prefill_chunk=8, prefill_rows=2,
+                               max_seq_len=64)
+
+    assert [config(n).decode_shapes for n in (4, 8, 12, 16, 64)] == [(4,), (8,), (12,), (8, 16), (8, 16, 32, 64)]
+    wide = config(64)
+    assert [wide.decode_shape([None] * n) for n in (1, 8, 9, 17, 33, 64)] == [8, 8, 16, 32, 64, 64]
+
+
+def test_sixteen_slots_decode_in_narrower_calls_without_compiling(tiny, make_engine):
+    """16 slots: decode calls of 8 rows while at most 8 decode, of 16 beyond; every call shape compiled
+    at warm-up; greedy and seeded rows give the tokens they give alone."""
+    rng = np.random.default_rng(5)
+    prompts = shared_prefix_workload(rng, 14, 5000)
+    seeded = Sampling(temperature=0.9, top_k=20, seed=77)
+    engine = make_engine(max_seqs=16, num_pages=80)
+    engine.warm_up()
+    arrivals = [(0, prompts[0], dict(sampling=seeded, max_new_tokens=REFERENCE_BUDGET))]
+    arrivals += [(1 + i // 4, p, dict(max_new_tokens=int(rng.integers(3, REFERENCE_BUDGET + 1))))
+                 for i, p in enumerate(prompts[1:])]
+    snapshots: list = []
+    with counting_compilations() as compiled:
+        requests = run_arrivals(engine, arrivals, snapshots)
+    assert compiled == [], f"compiled after warm-up: {compiled}"
+    assert max(s.running for s in snapshots) > 8, "some steps decode more than 8 rows"
+    alone = dsr1.generate(tiny, [prompts[0]], sampling=seeded, max_new_tokens=REFERENCE_BUDGET).completions[0]
+    assert requests[0].tokens == alone.tokens
+    for request, prompt in zip(requests[1:], prompts[1:]):
+        assert request.tokens == greedy_reference(tiny, prompt)[:len(request.tokens)]
+        assert request.finish_reason == "length" or len(request.tokens) < REFERENCE_BUDGET
+
+
 def test_step_rows_pack_round_trip():
     import jax
 

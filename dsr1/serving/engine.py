@@ -283,7 +283,7 @@ class Engine:
                                      np.asarray(seq.request.prompt, np.int32)) for seq in plan.admitted)
         calls = tuple(lane_rows(lanes, *shape, cfg.max_seqs) for lanes, shape in
                       ((plan.prefill, cfg.prefill_shape(plan.prefill) if plan.prefill else None),
-                       (plan.decode, (cfg.max_seqs, 1))) if lanes)
+                       (plan.decode, (cfg.decode_shape(plan.decode), 1) if plan.decode else None)) if lanes)
         return StepWork(self._log.take(), admissions, calls, plan.page_table if calls else None)
 
     def _launch(self, work: StepWork) -> tuple[jax.Array, ...]:
@@ -325,10 +325,10 @@ class Engine:
         with self._step_lock:
             warm_up_ops(self._log)
             admit = Admission(cfg.max_seqs, host_sampling([Sampling(seed=0)]), np.zeros(1, np.int32))  # dropped
-            shapes = (*cfg.prefill_shapes, (cfg.max_seqs, 1))
+            shapes = (*cfg.prefill_shapes, *((rows, 1) for rows in cfg.decode_shapes))
             calls = [lane_rows((), rows, chunk, cfg.max_seqs) for rows, chunk in shapes]
-            if cfg.decode_steps > 1:  # the multi-step decode call, idle rows asking for every step
-                calls.append(lane_rows((), cfg.max_seqs, 1, cfg.max_seqs))
+            for rows in cfg.decode_shapes if cfg.decode_steps > 1 else ():
+                calls.append(lane_rows((), rows, 1, cfg.max_seqs))  # multi-step: idle rows ask for every step
                 calls[-1].steps[:] = cfg.decode_steps
             table = np.zeros((cfg.max_seqs, cfg.table_width), np.int32)
             for out in self._launch(StepWork(self._log.take(), (admit,), tuple(calls), table)):

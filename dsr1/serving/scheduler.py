@@ -6,8 +6,9 @@ which tokens each row runs, which pages it gets, and what the sampled tokens mea
 
 **Steps.** Each step makes at most two calls of one program (`dsr1.programs.serve_step`), with
 fixed shapes: a *prefill* call of `prefill_rows` rows of `prefill_chunk` tokens (the next chunk
-of up to that many prompts, in admission order) and a *decode* call of `max_seqs` rows of one
-token (every decoding request). The prefill call takes the smallest of a few shapes that holds
+of up to that many prompts, in admission order) and a *decode* call of one token per decoding
+request (`max_seqs` rows, or a halving of it down to 8 when fewer decode:
+`SchedulerConfig.decode_shapes`). The prefill call takes the smallest of a few shapes that holds
 its rows (`SchedulerConfig.prefill_shapes`: one row or `prefill_rows`, the full chunk or a
 quarter of it), since a lone prompt or a short last chunk is common and the call's cost grows
 with its rows x chunk. So a long prompt is prefilled a chunk per step while the
@@ -93,6 +94,20 @@ class SchedulerConfig:
         """The smallest prefill shape that holds `lanes` (a lone row or a short last chunk costs less)."""
         longest = max(lane.count for lane in lanes)
         return min((r * c, r, c) for r, c in self.prefill_shapes if r >= len(lanes) and c >= longest)[1:]
+
+    @property
+    def decode_shapes(self) -> tuple[int, ...]:
+        """The decode call's row counts, all compiled at warm-up: `max_seqs` and its halvings down to
+        8 rows (a call reads every weight whatever its rows, but the lm_head's product, the sampling
+        and the attention grow with them: 16 rows cost ~13 ms, 8 rows ~9 ms on the tiny preset)."""
+        rows = {self.max_seqs}
+        while (half := min(rows) // 2) >= 8:
+            rows.add(half)
+        return tuple(sorted(rows))
+
+    def decode_shape(self, lanes: Sequence[Lane]) -> int:
+        """The fewest decode rows that hold `lanes`."""
+        return min(r for r in self.decode_shapes if r >= len(lanes))
 
     @property
     def table_width(self) -> int:
