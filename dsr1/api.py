@@ -128,11 +128,15 @@ def _resolve(mesh: Mesh | None, dtype: Any) -> tuple[Mesh, jnp.dtype]:
 
 def init_random(cfg: Config, *, seed: int = 0, mesh: Mesh | None = None, dtype: Any = "bfloat16",
                 quant: str | None = None, kv_cache_dtype: str | None = None,
-                rules: ShardingRules = DEFAULT_RULES) -> Model:
+                rules: ShardingRules = DEFAULT_RULES, mtp: bool = False) -> Model:
     """A model with random weights (std 1/sqrt(fan_in)), created directly in their shardings.
-    The values depend on `seed` only, not on the mesh. `quant="int8"` quantizes the matmul weights."""
+    The values depend on `seed` only, not on the mesh. `quant="int8"` quantizes the matmul weights.
+    `mtp=True` also creates the multi-token-prediction module(s) as `params["mtp"]` (the config
+    must have `num_nextn_predict_layers > 0`)."""
     mesh, dtype = _resolve(mesh, dtype)
-    params = compute_view(init_params(cfg, mesh, rules, seed=seed, dtype=dtype, quant=quant), cfg)
+    if mtp and not cfg.num_nextn_predict_layers:
+        raise ValueError("init_random(mtp=True) needs a config with num_nextn_predict_layers > 0")
+    params = compute_view(init_params(cfg, mesh, rules, seed=seed, dtype=dtype, quant=quant, mtp=mtp), cfg)
     return Model(cfg, params, mesh, kv_cache_dtype, rules)
 
 

@@ -162,23 +162,35 @@ def attend_decode(p: dict, x: jax.Array, positions: jax.Array, c_cache: jax.Arra
                   pe_cache: jax.Array, lengths: jax.Array, cfg: Config):
     """One new token per row, `x [B, D]` at `positions [B]`, against `lengths[b]` cached positions
     of a contiguous cache (`c_cache [B, S, r]`, `c_scale [B, S]` or None, `pe_cache [B, S, rope]`).
+    `attend_cached` with T = 1; returns `(out [B, D], (c_kv [B, r], k_pe [B, rope]))`."""
+    out, (c_new, pe_new) = attend_cached(p, x[:, None], positions[:, None], c_cache, c_scale, pe_cache, lengths, cfg)
+    return out[:, 0], (c_new[:, 0], pe_new[:, 0])
 
-    Absorbed form. The new token's own latent joins the softmax directly, so the cache is only read
-    here; the caller writes the returned `(c_kv [B, r], k_pe [B, rope])` once for all layers.
+
+def attend_cached(p: dict, x: jax.Array, positions: jax.Array, c_cache: jax.Array, c_scale: jax.Array | None,
+                  pe_cache: jax.Array, lengths: jax.Array, cfg: Config):
+    """T new tokens per row, `x [B, T, D]` at `positions [B, T]` (`lengths[b] + t`), against
+    `lengths[b]` cached positions of a contiguous cache and causally to each other (decode, and the
+    multi-token verification of speculative decoding).
+
+    Absorbed form. The new tokens' latents join the softmax directly, so the cache is only read
+    here; the caller writes the returned `(c_kv [B, T, r], k_pe [B, T, rope])` once for all layers.
     """
     with jax.named_scope("mla_decode"):
-        q_nope, q_pe = queries(p, x[:, None], positions[:, None], cfg)
-        c_new, pe_new = latents(p, x[:, None], positions[:, None], cfg)
+        q_nope, q_pe = queries(p, x, positions, cfg)
+        c_new, pe_new = latents(p, x, positions, cfg)
         dt = q_nope.dtype
         q = make_query(p, q_nope, q_pe, absorbed=True)
         cached = make_keys(p, c_cache, c_scale, pe_cache, absorbed=True, dtype=dt)
         own = make_keys(p, c_new, None, pe_new, absorbed=True, dtype=dt)
-        valid = jnp.arange(c_cache.shape[1])[None, :] < lengths[:, None]
-        mask = jnp.concatenate([valid, jnp.ones_like(valid[:, :1])], axis=-1)[:, None, None, :]
+        b, t, s = x.shape[0], x.shape[1], c_cache.shape[1]
+        valid = jnp.arange(s)[None, :] < lengths[:, None]
+        mask = jnp.concatenate([jnp.broadcast_to(valid[:, None, None, :], (b, 1, t, s)),
+                                jnp.broadcast_to(_causal(t)[None, None], (b, 1, t, t))], axis=-1)
         probs = _softmax(jnp.concatenate([scores(q, cached, cfg), scores(q, own, cfg)], axis=-1), mask)
-        ctx = weighted_values(probs[..., :-1], cached) + weighted_values(probs[..., -1:], own)
+        ctx = weighted_values(probs[..., :s], cached) + weighted_values(probs[..., s:], own)
         out = attention_output(p, ctx, absorbed=True, dtype=dt)
-    return out[:, 0], (c_new[:, 0], pe_new[:, 0])
+    return out, (c_new, pe_new)
 
 
 # ---- extend: T new tokens per row against paged context ------------------------------------------

@@ -81,13 +81,22 @@ def cache_from_prefill(c_kv: jax.Array, k_pe: jax.Array, lengths: jax.Array, max
 
 def append_token(cache: KVCache, c_kv: jax.Array, k_pe: jax.Array) -> KVCache:
     """Write one new position per row (`c_kv [layers, batch, r]`) at each row's own length."""
-    rows = jnp.arange(cache.batch_size)
+    return append_tokens(cache, c_kv[:, :, None], k_pe[:, :, None])
+
+
+def append_tokens(cache: KVCache, c_kv: jax.Array, k_pe: jax.Array) -> KVCache:
+    """Write T new positions per row (`c_kv [layers, batch, T, r]`) at `lengths[b] + t`; lengths grow by
+    T. Positions past `max_len` are dropped. Rolling back (speculative decoding) is setting `lengths`
+    lower: positions at or past a row's length are never read."""
+    t = c_kv.shape[2]
+    rows = jnp.arange(cache.batch_size)[:, None]
+    positions = cache.lengths[:, None] + jnp.arange(t)
     c_kv, c_scale = _stored(c_kv, "int8" if cache.c_scale is not None else None)
     return KVCache(
-        cache.c_kv.at[:, rows, cache.lengths].set(c_kv.astype(cache.c_kv.dtype)),
-        cache.k_pe.at[:, rows, cache.lengths].set(k_pe.astype(cache.k_pe.dtype)),
-        None if c_scale is None else cache.c_scale.at[:, rows, cache.lengths].set(c_scale),
-        cache.lengths + 1,
+        cache.c_kv.at[:, rows, positions].set(c_kv.astype(cache.c_kv.dtype), mode="drop"),
+        cache.k_pe.at[:, rows, positions].set(k_pe.astype(cache.k_pe.dtype), mode="drop"),
+        None if c_scale is None else cache.c_scale.at[:, rows, positions].set(c_scale, mode="drop"),
+        cache.lengths + t,
     )
 
 

@@ -160,7 +160,7 @@ class Config:
     @classmethod
     def preset(cls, name: str) -> Config:
         """A named configuration: `deepseek-r1` (the release config), `tiny` (a CPU demo model with R1's
-        vocabulary) or `bench` (memory-bound on CPU, for benchmarks)."""
+        vocabulary), `bench` (memory-bound on CPU, for benchmarks) or `demo` (the trained demo model's shape)."""
         if name not in PRESETS:
             raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
         return PRESETS[name]
@@ -271,4 +271,18 @@ def _bench() -> Config:
     )
 
 
-PRESETS: dict[str, Config] = {"deepseek-r1": _r1(), "tiny": _tiny(), "bench": _bench()}
+def _demo() -> Config:
+    """The embedded demo model that `python -m dsr1.train` trains: R1's structure (a dense first layer,
+    then MoE with a shared expert and 2-of-4 group routing, MLA with q_lora, YaRN, one MTP module) at
+    a size whose bf16 weights, MTP module included, stay under 25 MB, with a 4096-token BPE vocabulary."""
+    return dataclasses.replace(
+        _r1(), vocab_size=4096, hidden_size=256, intermediate_size=768, moe_intermediate_size=96,
+        num_hidden_layers=4, num_attention_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32,
+        qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+        first_k_dense_replace=1, routed_scaling_factor=2.5,
+        rope_scaling=dataclasses.replace(_r1().rope_scaling, factor=4.0, original_max_position_embeddings=512),
+        max_position_embeddings=2048, num_nextn_predict_layers=1,
+    )
+
+
+PRESETS: dict[str, Config] = {"deepseek-r1": _r1(), "tiny": _tiny(), "bench": _bench(), "demo": _demo()}

@@ -18,11 +18,19 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from .attention import PagedContext, attend_decode, attend_extend, attend_prefill, use_absorbed
-from .cache import KVCache, PagedKVCache, append_token, cache_from_prefill, token_slots, write_tokens
+from .attention import PagedContext, attend_cached, attend_decode, attend_extend, attend_prefill, use_absorbed
+from .cache import (
+    KVCache,
+    PagedKVCache,
+    append_token,
+    append_tokens,
+    cache_from_prefill,
+    token_slots,
+    write_tokens,
+)
 from .config import Config
 from .layers import mlp, rms_norm
-from .moe import moe
+from .moe import RouterStats, moe, router_stats
 from .params import STACKS, Params, compute_view, stack_layers
 from .quant import einsum, widen
 from .sharding import ShardingRules, keep_replicated
@@ -36,23 +44,25 @@ DEFAULT_BLOCK_TOKENS = 512  # tokens of context per step of extend's page loop (
 
 
 def _feed_forward(p: dict, x: jax.Array, cfg: Config, mesh: Mesh, rules: ShardingRules,
-                  layer: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
+                  layer: jax.Array | None, train: bool = False) -> tuple[jax.Array, jax.Array | RouterStats | None]:
     """The layer's MLP or MoE output (float32), and the routed expert ids (None for a dense layer).
-    `layer`: the index into the routed-expert stacks (see `_run_layers`)."""
+    `layer`: the index into the routed-expert stacks (see `_run_layers`). `train`: differentiable
+    experts, and `RouterStats` of `x [B, T, D]` in place of the expert ids."""
     if "moe" in p:
         with jax.named_scope("moe"):
-            return moe(p["moe"], x, cfg, mesh, rules, layer)
+            out, experts = moe(p["moe"], x, cfg, mesh, rules, layer, differentiable=train)
+            return out, (router_stats(p["moe"], x, experts, cfg) if train else experts)
     with jax.named_scope("mlp"):
         return mlp(p["mlp"], x).astype(jnp.float32), None
 
 
 def _block(p: dict, x: jax.Array, attend, cfg: Config, mesh: Mesh, rules: ShardingRules,
-           layer: jax.Array | None = None):
+           layer: jax.Array | None = None, train: bool = False):
     """One pre-norm transformer layer; `attend(p, normed_x)` returns (out, new latents).
     Returns the new residual stream and (new latents, routed expert ids or None)."""
     h, new_kv = attend(p, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps))
     x = keep_replicated(x + h.astype(jnp.float32), mesh)
-    ffn, experts = _feed_forward(p, rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), cfg, mesh, rules, layer)
+    ffn, experts = _feed_forward(p, rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), cfg, mesh, rules, layer, train)
     return keep_replicated(x + ffn, mesh), (new_kv, experts)
 
 
@@ -80,13 +90,15 @@ def _split_routed_experts(stack: dict) -> tuple[dict, dict | None]:
     return scanned, {k: moe_p[k] for k in ROUTED_EXPERTS}
 
 
-def _run_layers(params: Params, x: jax.Array, attend: Attend, cfg: Config, mesh: Mesh, rules: ShardingRules):
+def _run_layers(params: Params, x: jax.Array, attend: Attend, cfg: Config, mesh: Mesh, rules: ShardingRules,
+                train: bool = False):
     """Every layer stack under `lax.scan`. `attend(p, normed_x, layer)` gets the model-wide layer
     index (a scan input, so a cache is read in place by index, never sliced into a copy); the routed
     experts are read in place the same way, by their index in the stack.
 
     Returns the final hidden states, every layer's new latents `([L, ...r], [L, ...rope])` and the
-    routed expert ids of the MoE layers `[L_moe, ..., K]` (None without MoE layers)."""
+    routed expert ids of the MoE layers `[L_moe, ..., K]` (None without MoE layers); with `train`
+    (differentiable experts, for `dsr1.train`) their `RouterStats` stacked `[L_moe, ...]` instead."""
     new_latents, routing = [], None
     for stack in STACKS:
         if stack not in params:
@@ -98,7 +110,7 @@ def _run_layers(params: Params, x: jax.Array, attend: Attend, cfg: Config, mesh:
             p, i, in_stack = inputs
             if routed is not None:
                 p = {**p, "moe": {**p["moe"], **routed}}
-            return _block(p, x, lambda p, h: attend(p, h, i), cfg, mesh, rules, in_stack)
+            return _block(p, x, lambda p, h: attend(p, h, i), cfg, mesh, rules, in_stack, train)
 
         with jax.named_scope(stack):
             x, (kv, experts) = jax.lax.scan(
@@ -121,22 +133,52 @@ def _prefill_hidden(params: Params, tokens: jax.Array, cfg: Config, mesh: Mesh, 
 def forward(params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg: Config, mesh: Mesh,
             rules: ShardingRules) -> jax.Array:
     """Logits `[B, T, V]` (float32) for right-padded `tokens [B, T]`; positions >= lengths are zero."""
+    return forward_hidden(params, tokens, lengths, cfg=cfg, mesh=mesh, rules=rules)[0]
+
+
+def forward_hidden(params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg: Config, mesh: Mesh,
+                   rules: ShardingRules) -> tuple[jax.Array, jax.Array]:
+    """`forward`'s logits `[B, T, V]` and the residual stream entering the final norm `[B, T, D]`
+    (float32; the MTP module's input, `dsr1.core.mtp`); both zero at positions >= lengths."""
     params = compute_view(params, cfg)
     x, _ = _prefill_hidden(params, tokens, cfg, mesh, rules)
-    logits = _logits(params, x, cfg)
-    valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
-    return keep_replicated(jnp.where(valid[..., None], logits, 0.0), mesh)
+    valid = (jnp.arange(tokens.shape[1])[None, :] < lengths[:, None])[..., None]
+    logits = jnp.where(valid, _logits(params, x, cfg), 0.0)
+    return keep_replicated(logits, mesh), keep_replicated(jnp.where(valid, x, 0.0), mesh)
+
+
+def forward_train(params: Params, tokens: jax.Array, *, cfg: Config, mesh: Mesh,
+                  rules: ShardingRules) -> tuple[jax.Array, jax.Array, RouterStats | None]:
+    """The differentiable full-sequence forward that `dsr1.train` trains: logits `[B, T, V]` (float32)
+    of full-length `tokens [B, T]`, the residual stream entering the final norm `[B, T, D]` (the MTP
+    module's input), and the MoE layers' `RouterStats` stacked `[L_moe, ...]` (None without MoE).
+    The weights are used as given (no `compute_view`): pass float32 or bf16 arrays."""
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    x = _embed(params, tokens)
+    x, _, stats = _run_layers(params, x, lambda p, h, _: attend_prefill(p, h, positions, cfg), cfg, mesh, rules,
+                              train=True)
+    return _logits(params, x, cfg), x, stats
 
 
 def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg: Config, mesh: Mesh,
             rules: ShardingRules, max_len: int, kv_cache_dtype: str | None = None) -> tuple[jax.Array, KVCache]:
     """Logits `[B, V]` at each row's last prompt token, and a cache of `max_len` positions."""
+    logits, cache, _ = prefill_hidden(params, tokens, lengths, cfg=cfg, mesh=mesh, rules=rules, max_len=max_len,
+                                      kv_cache_dtype=kv_cache_dtype)
+    return logits, cache
+
+
+def prefill_hidden(params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg: Config, mesh: Mesh,
+                   rules: ShardingRules, max_len: int,
+                   kv_cache_dtype: str | None = None) -> tuple[jax.Array, KVCache, jax.Array]:
+    """`prefill`, and the residual stream entering the final norm at every position `[B, T, D]`
+    (float32; what the MTP module reads, `dsr1.generation.speculative`)."""
     params = compute_view(params, cfg)
     x, (c_kv, k_pe) = _prefill_hidden(params, tokens, cfg, mesh, rules)
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]
     logits = keep_replicated(_logits(params, last, cfg), mesh)
     cache = cache_from_prefill(c_kv, k_pe, lengths, max_len, kv_cache_dtype)
-    return logits, jax.tree.map(lambda a: keep_replicated(a, mesh), cache)
+    return logits, jax.tree.map(lambda a: keep_replicated(a, mesh), cache), keep_replicated(x, mesh)
 
 
 def decode(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config, mesh: Mesh,
@@ -155,6 +197,27 @@ def decode(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config, me
     x, (c_new, pe_new), routing = _run_layers(params, x, attend, cfg, mesh, rules)
     logits = keep_replicated(_logits(params, x, cfg), mesh)
     return logits, jax.tree.map(lambda a: keep_replicated(a, mesh), append_token(cache, c_new, pe_new)), routing
+
+
+def verify(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config, mesh: Mesh,
+           rules: ShardingRules) -> tuple[jax.Array, jax.Array, KVCache]:
+    """T new tokens per row at positions `cache.lengths + t` against a contiguous cache, causal among
+    themselves (absorbed attention; `decode` for T tokens): the verification step of speculative
+    decoding. Returns logits `[B, T, V]` (float32), the residual stream entering the final norm
+    `[B, T, D]` (the MTP module's input) and the cache with all T written and `lengths + T`; keep
+    fewer by setting `lengths` back (rejected drafts are then never read, and later overwritten)."""
+    positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])
+    params = compute_view(params, cfg)
+    x = keep_replicated(_embed(params, tokens), mesh)
+
+    def attend(p, h, i):
+        c_scale = None if cache.c_scale is None else cache.c_scale[i]
+        return attend_cached(p, h, positions, cache.c_kv[i], c_scale, cache.k_pe[i], cache.lengths, cfg)
+
+    x, (c_new, pe_new), _ = _run_layers(params, x, attend, cfg, mesh, rules)
+    logits = keep_replicated(_logits(params, x, cfg), mesh)
+    cache = append_tokens(cache, c_new, pe_new)
+    return logits, keep_replicated(x, mesh), jax.tree.map(lambda a: keep_replicated(a, mesh), cache)
 
 
 def default_block_pages(page_size: int, table_width: int) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -153,9 +153,11 @@ def use_gather(n_pairs: int, n_local: int) -> bool:
     return widens_on_use()
 
 
-def _local_experts(x, weights, experts, gate, up, down, layer, *, rules: ShardingRules):
-    """Per-device body: this device's experts (and ffw slice) applied to every token routed to them."""
-    body = _loop_experts if use_gather(experts.size, gate.shape[1]) else _ragged_experts
+def _local_experts(x, weights, experts, gate, up, down, layer, *, rules: ShardingRules, differentiable: bool = False):
+    """Per-device body: this device's experts (and ffw slice) applied to every token routed to them.
+    `differentiable`: always `ragged_dot` (the expert loop's dynamic trip count has no reverse mode)."""
+    loop = not differentiable and use_gather(experts.size, gate.shape[1])
+    body = _loop_experts if loop else _ragged_experts
     return jax.lax.psum(body(x, weights, experts, gate, up, down, layer, rules), rules.moe_reduce_axes())
 
 
@@ -170,11 +172,12 @@ def _partition_spec(w: Any, axes: tuple[str, ...], rules: ShardingRules) -> Any:
 
 
 def routed_experts(p: dict, x: jax.Array, weights: jax.Array, experts: jax.Array, mesh: Mesh,
-                   rules: ShardingRules, layer: jax.Array | None = None) -> jax.Array:
+                   rules: ShardingRules, layer: jax.Array | None = None, *, differentiable: bool = False) -> jax.Array:
     """Dropless routed-expert output `[N, D]` (float32), experts split over the expert mesh axis.
 
     `layer`: None when `p` holds one layer's experts `[E, ...]`; else `p`'s experts are the stacks
-    `[L, E, ...]` of every layer and `layer` picks one, so that kernels slice an expert in place."""
+    `[L, E, ...]` of every layer and `layer` picks one, so that kernels slice an expert in place.
+    `differentiable`: run `ragged_dot` on every platform, so that reverse mode works (training)."""
     gate, up, down = p["gate"], p["up"], p["down"]
     if layer is None:
         gate, up, down = (jax.tree.map(lambda a: a[None], w) for w in (gate, up, down))
@@ -182,21 +185,40 @@ def routed_experts(p: dict, x: jax.Array, weights: jax.Array, experts: jax.Array
     with jax.named_scope("routed_experts"):
         w_in = _partition_spec(gate, ("experts", "embed", "expert_ffw"), rules)
         w_out = _partition_spec(down, ("experts", "expert_ffw", "embed"), rules)
-        body = jax.shard_map(functools.partial(_local_experts, rules=rules), mesh=mesh,
+        body = jax.shard_map(functools.partial(_local_experts, rules=rules, differentiable=differentiable), mesh=mesh,
                              in_specs=(P(), P(), P(), w_in, w_in, w_out, P()), out_specs=P())
         return body(x, weights, experts, gate, up, down, jnp.asarray(layer, jnp.int32))
 
 
 def moe(p: dict, x: jax.Array, cfg: Config, mesh: Mesh, rules: ShardingRules,
-        layer: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        layer: jax.Array | None = None, *, differentiable: bool = False) -> tuple[jax.Array, jax.Array]:
     """The DeepSeekMoE block on `x [..., D]`: routed plus shared experts, and the routed expert ids
     `[N, K]` (for accounting what a step reads; unused outputs cost nothing under jit). `layer`: see
-    `routed_experts` (the routed experts of every layer, read in place)."""
+    `routed_experts` (the routed experts of every layer, read in place); `differentiable`: see there."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
-    weights, experts = route(x, p["router"], p["router_bias"], cfg)
-    out = routed_experts(p, x, weights, experts, mesh, rules, layer)
+    weights, experts = route(x, p["router"], jax.lax.stop_gradient(p["router_bias"]), cfg)
+    out = routed_experts(p, x, weights, experts, mesh, rules, layer, differentiable=differentiable)
     if "shared" in p:
         with jax.named_scope("shared_experts"):
             out = out + mlp(p["shared"], x).astype(jnp.float32)
     return out.reshape(shape), experts
+
+
+class RouterStats(NamedTuple):
+    """What training needs from one MoE layer's routing of a batch `[B, T]`."""
+
+    load: jax.Array  # [E] float32: token-expert pairs routed to each expert (the bias update's input)
+    balance: jax.Array  # [] float32: the sequence-wise balance loss `sum_e f_e P_e`, averaged over rows
+
+
+def router_stats(p: dict, x: jax.Array, experts: jax.Array, cfg: Config) -> RouterStats:
+    """Router statistics of `x [B, T, D]` routed to `experts [B*T, K]` (DeepSeek-V3, eq. 17-20):
+    `f_e = E / (K T) * #{t: e chosen}` and `P_e = mean_t s'_{t,e}` (scores normalized per token), per row."""
+    b, t, _ = x.shape
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    scores = jax.nn.sigmoid(jnp.matmul(x.astype(jnp.float32), p["router"], precision=jax.lax.Precision.HIGHEST))
+    probs = (scores / scores.sum(-1, keepdims=True)).mean(axis=1)  # [B, E]
+    chosen = jax.nn.one_hot(experts.reshape(b, t * k), e, dtype=jnp.float32).sum(axis=1)  # [B, E]
+    f = jax.lax.stop_gradient(chosen) * (e / (k * t))
+    return RouterStats(load=chosen.sum(0), balance=(f * probs).sum(-1).mean())

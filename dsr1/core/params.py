@@ -227,21 +227,22 @@ def _init_leaf(path, spec: ArrayInfo, key: jax.Array, dtype: Any) -> jax.Array:
     return (std * jax.random.normal(key, spec.shape, jnp.float32)).astype(dt)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "rules", "dtype", "quant"))
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "rules", "dtype", "quant", "mtp"))
 def _random_params(key: jax.Array, *, cfg: Config, mesh: Mesh, rules: ShardingRules, dtype: jnp.dtype,
-                   quant: str | None) -> Params:
-    params = jax.tree_util.tree_map_with_path(lambda p, s: _init_leaf(p, s, key, dtype), float_specs(cfg),
+                   quant: str | None, mtp: bool = False) -> Params:
+    params = jax.tree_util.tree_map_with_path(lambda p, s: _init_leaf(p, s, key, dtype), float_specs(cfg, mtp=mtp),
                                               is_leaf=is_spec)
-    specs = param_specs(cfg, quant)
+    specs = param_specs(cfg, quant, mtp=mtp)
     params = quantize_like(specs, params)
     return jax.tree.map(jax.lax.with_sharding_constraint, params, spec_shardings(specs, mesh, rules))
 
 
 def init_params(cfg: Config, mesh: Mesh, rules: ShardingRules, *, seed: int, dtype: Any,
-                quant: str | None = None) -> Params:
-    """Random weights created directly in their shardings (one jitted program, no host copy)."""
+                quant: str | None = None, mtp: bool = False) -> Params:
+    """Random weights created directly in their shardings (one jitted program, no host copy);
+    `mtp=True` adds the MTP modules (`params["mtp"]`) when `cfg.num_nextn_predict_layers > 0`."""
     return _random_params(jax.random.key(seed), cfg=cfg, mesh=mesh, rules=rules, dtype=jnp.dtype(dtype),
-                          quant=check_quant(quant))
+                          quant=check_quant(quant), mtp=mtp)
 
 
 def compute_view(params: Params, cfg: Config) -> Params:
