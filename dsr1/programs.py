@@ -39,6 +39,7 @@ from .core.cache import KVCache, PagedKVCache, empty_paged_cache, gather_pages, 
 from .core.config import Config
 from .core.params import Params
 from .core.sharding import ShardingRules, keep_replicated
+from .generation import speculative
 from .generation.output import TokenLogprob
 from .generation.sampling import (
     KEY_IMPL,
@@ -57,6 +58,12 @@ forward = jax.jit(model.forward, static_argnames=_MODEL)
 prefill = jax.jit(model.prefill, static_argnames=(*_MODEL, "max_len", "kv_cache_dtype"))
 decode = jax.jit(model.decode, static_argnames=_MODEL, donate_argnames=("cache",))
 extend = jax.jit(model.extend, static_argnames=(*_MODEL, "absorbed", "block_pages"), donate_argnames=("cache",))
+# MTP speculative decoding (`dsr1.generation.speculative`): prefill + first token, then chunks of
+# draft-verify-accept iterations in one `lax.while_loop`.
+speculative_start = jax.jit(speculative.speculative_start,
+                            static_argnames=(*_MODEL, "max_len", "kv_cache_dtype", "draft_tokens"))
+speculative_chunk = jax.jit(speculative.speculative_chunk, static_argnames=(*_MODEL, "steps", "draft_tokens"),
+                            donate_argnames=("state",))
 
 
 # ---- generation: sampling on device --------------------------------------------------------------

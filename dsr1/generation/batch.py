@@ -48,6 +48,7 @@ class GenerationResult:
     decode_tokens: int
     steady_decode_seconds: float  # decode time after the first chunk (which compiles on a first call)
     steady_decode_tokens: int
+    draft_acceptance: float | None = None  # with draft_tokens > 0: the share of MTP drafts accepted
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -77,7 +78,8 @@ def _pad(prompts: list[list[int]], limit: int) -> tuple[np.ndarray, np.ndarray]:
 
 def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | None = None,
              sampling: Sampling | Sequence[Sampling] | None = None, tokenizer: Tokenizer | None = None,
-             chat: bool = False, stream: StreamCallback | None = None, chunk_size: int = 16) -> GenerationResult:
+             chat: bool = False, stream: StreamCallback | None = None, chunk_size: int = 16,
+             draft_tokens: int = 0) -> GenerationResult:
     """Generate for a batch of prompts of different lengths.
 
     `prompts`: strings (encoded with BOS, or as one user turn of the chat template with `chat=True`),
@@ -85,10 +87,21 @@ def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | N
     (default greedy); the model's EOS is always a stop token. `max_new_tokens` overrides every
     row's `Sampling.max_new_tokens`. `stream(row, text)` receives each row's new text after every
     chunk of `chunk_size` decode steps (the only host round trips of the loop).
+
+    `draft_tokens=k > 0`: MTP speculative decoding (`dsr1.generation.speculative`; the model needs
+    its MTP module: `dsr1.load(..., mtp=True)`). The MTP module drafts k tokens, the model verifies
+    them in one step; greedy output is the same token for token, sampled output has the same
+    distribution. A chunk is then `chunk_size // (k + 1)` (at least 1) draft-verify steps, and
+    `GenerationResult.draft_acceptance` is the share of drafts accepted.
     """
     n = len(prompts)
     if n == 0:
         raise ValueError("generate needs at least one prompt")
+    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 0:
+        raise ValueError(f"draft_tokens must be an integer >= 0 (0 = off), got {draft_tokens!r}")
+    if draft_tokens and "mtp" not in model.params:
+        raise ValueError("draft_tokens > 0 needs the model's MTP module: load it with dsr1.load(..., mtp=True) "
+                         "(or dsr1.init_random(..., mtp=True))")
     if tokenizer is None and any(needs_tokenizer(p) for p in prompts):
         tokenizer = load_tokenizer()
     settings = list(sampling) if isinstance(sampling, Sequence) else [sampling or Sampling()] * n
@@ -111,8 +124,14 @@ def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | N
     thinking = [opens_thinking(p, tokenizer) for p in encoded]
 
     start = time.perf_counter()
-    state, first = programs.generate_start(model.params, tokens, lengths, arrays, **model.program_kwargs,
-                                           max_len=max_len, kv_cache_dtype=model.kv_cache_dtype)
+    if draft_tokens:
+        # Room for a verification step's k + 1 positions past the last token that may be emitted.
+        state, first = programs.speculative_start(model.params, tokens, lengths, arrays, **model.program_kwargs,
+                                                  max_len=max_len + draft_tokens + 1,
+                                                  kv_cache_dtype=model.kv_cache_dtype, draft_tokens=draft_tokens)
+    else:
+        state, first = programs.generate_start(model.params, tokens, lengths, arrays, **model.program_kwargs,
+                                               max_len=max_len, kv_cache_dtype=model.kv_cache_dtype)
     chunk = to_host(first)[:, None]
     prefill_seconds = time.perf_counter() - start
     chunks, steady_start, steady_from = 0, time.perf_counter(), 0
@@ -123,7 +142,13 @@ def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | N
             state = dataclasses.replace(state, done=state.done | put_replicated(stopped, model.mesh))
         if to_host(state.done).all():
             break
-        state, out = programs.generate_chunk(model.params, state, arrays, **model.program_kwargs, steps=chunk_size)
+        if draft_tokens:
+            state, out = programs.speculative_chunk(model.params, state, arrays, **model.program_kwargs,
+                                                    steps=max(1, chunk_size // (draft_tokens + 1)),
+                                                    draft_tokens=draft_tokens)
+        else:
+            state, out = programs.generate_chunk(model.params, state, arrays, **model.program_kwargs,
+                                                 steps=chunk_size)
         chunk = to_host(out)
         chunks += 1
         if chunks == 1:
@@ -141,8 +166,11 @@ def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | N
         reason = "stop" if row.stopped_by_string or len(row.tokens) < generated[i] else "length"
         completions.append(row.completion(reason, len(encoded[i]), thinking[i]))
     steady = decode_tokens - steady_from if chunks > 1 else 0
+    acceptance = None
+    if draft_tokens:
+        acceptance = int(to_host(state.accepted)) / max(int(to_host(state.drafted)), 1)
     return GenerationResult(completions, prefill_seconds, decode_seconds, int(sum(len(p) for p in encoded)),
-                            decode_tokens, end - steady_start if steady else 0.0, steady)
+                            decode_tokens, end - steady_start if steady else 0.0, steady, acceptance)
 
 
 def _consume(rows: list[RowOutput], chunk: np.ndarray, stream: StreamCallback | None, final: bool) -> None:

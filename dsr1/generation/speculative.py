@@ -1,0 +1,240 @@
+"""MTP speculative decoding on device: the MTP module drafts k tokens, the model verifies them in one step.
+
+One iteration (`speculative_step`), per row, with the main cache holding positions `< L` and the
+row's last token `t_L` not yet fed:
+
+1. *Catch up* the MTP module's own latent cache (`SpecState.mtp_cache`, one layer) with the
+   positions the model verified last time: MTP position i reads the model's hidden `h_i` and the
+   token `t_{i+1}`, so its last position `L - 1` gives the logits `q_0` of token `L + 1`.
+2. *Draft* `d_1 ~ q_0`, then apply the module recursively: at position `L + j - 1` its own output
+   replaces `h`, with the draft `d_j` as the next token, giving `q_j` and `d_{j+1}` (k > 1). These
+   recursive latents are provisional: the MTP cache's length is set back, and step 1 overwrites them.
+3. *Verify* `[t_L, d_1, ..., d_k]` at positions `L..L+k` in one multi-token step against the main
+   cache (`dsr1.core.model.verify`): `p_j` predicts the same token as `q_j`.
+4. *Accept*: greedy rows keep `d_{j+1}` while it equals `argmax p_j` and then emit that argmax;
+   sampled rows run standard speculative rejection sampling (keep `d` with probability
+   `min(1, p(d) / q(d))`, else draw from `norm(max(p - q, 0))`; after k acceptances draw from
+   `p_k`), so the output distribution is exactly the model's. `p` and `q` are the same sampling
+   transforms (penalties with the counts of the tokens before, temperature, top-k/top-p/min-p) of
+   the model's and the module's logits. Every step emits 1..k+1 tokens; a stop token or the budget
+   ends the row at once. The main cache's length becomes `L + emitted` (rejected drafts rolled back).
+
+Randomness: token index `s` of a row (tokens generated before it) uses `fold_in(key, s)` and three
+streams of it (draft, acceptance, correction), so no draw is reused by a decision that was seen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from ..core import model
+from ..core.attention import attend_cached, attend_prefill
+from ..core.cache import KVCache, append_tokens, cache_from_prefill
+from ..core.config import Config
+from ..core.mtp import mtp_step
+from ..core.params import Params
+from ..core.sharding import ShardingRules, keep_replicated
+from .sampling import (
+    SamplingArrays,
+    apply_filters,
+    apply_penalties,
+    argmax,
+    init_counts,
+    is_stop_token,
+    sample,
+    update_counts,
+)
+
+MTP_MODULE = 0  # the module that drafts (DeepSeek-V3 has one; k > 1 applies it recursively)
+_DRAFT, _ACCEPT, _CORRECT = 0, 1, 2  # random streams of one token index
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpecState:
+    """What the speculative loop carries (see the module doc for the positions)."""
+
+    cache: KVCache  # the model's latents, positions < lengths
+    mtp_cache: KVCache  # the MTP module's latents (one layer), positions < lengths - pending_count
+    last: jax.Array  # [B] the token to feed next (t_L)
+    pending_hidden: jax.Array  # [B, k+1, D] the model's hidden at the positions the MTP cache lacks
+    pending_tokens: jax.Array  # [B, k+1] the token after each of those positions
+    pending_count: jax.Array  # [B] how many of them are real
+    done: jax.Array  # [B] bool
+    generated: jax.Array  # [B] tokens produced so far
+    prompt_seen: jax.Array  # [B, V] bool
+    counts: jax.Array  # [B, V] int32 output token counts
+    drafted: jax.Array  # [] int32 drafts made for active rows
+    accepted: jax.Array  # [] int32 drafts accepted (and emitted)
+
+
+def _key(sampling: SamplingArrays, index: jax.Array, stream: int) -> jax.Array:
+    """Each row's key for token index `index [B]` and one of its random streams."""
+    keys = jax.vmap(jax.random.fold_in)(sampling.keys, index.astype(jnp.uint32))
+    return jax.vmap(lambda k: jax.random.fold_in(k, stream))(keys)
+
+
+def _transformed(logits: jax.Array, sampling: SamplingArrays, seen: jax.Array,
+                 counts: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The penalized logits (greedy rows' argmax) and the sampling distribution `[B, V]` of `sample`."""
+    penalized = apply_penalties(logits, sampling, seen, counts)
+    return penalized, jax.nn.softmax(apply_filters(penalized, sampling), axis=-1)
+
+
+def _categorical(keys: jax.Array, probs: jax.Array) -> jax.Array:
+    return jax.vmap(jax.random.categorical)(keys, jnp.log(probs)).astype(jnp.int32)
+
+
+def draft_token(q_logits: jax.Array, sampling: SamplingArrays, seen: jax.Array, counts: jax.Array,
+                index: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A draft `[B]` from the MTP module's logits (argmax for greedy rows, else a draw) and `q [B, V]`."""
+    penalized, q = _transformed(q_logits, sampling, seen, counts)
+    drawn = _categorical(_key(sampling, index, _DRAFT), q)
+    return jnp.where(sampling.temperature > 0, drawn, argmax(penalized)), q
+
+
+def verify_token(p_logits: jax.Array, draft: jax.Array | None, q: jax.Array | None, sampling: SamplingArrays,
+                 seen: jax.Array, counts: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The token emitted at one verified position and whether it is the draft (`[B]`, `[B]` bool).
+    `draft` None: the bonus position after k acceptances (a plain draw from `p`)."""
+    penalized, p = _transformed(p_logits, sampling, seen, counts)
+    greedy = argmax(penalized)
+    if draft is None:
+        drawn = _categorical(_key(sampling, index, _CORRECT), p)
+        return jnp.where(sampling.temperature > 0, drawn, greedy), jnp.zeros(p.shape[0], bool)
+    p_d = jnp.take_along_axis(p, draft[:, None], axis=-1)[:, 0]
+    q_d = jnp.take_along_axis(q, draft[:, None], axis=-1)[:, 0]
+    u = jax.vmap(jax.random.uniform)(_key(sampling, index, _ACCEPT))
+    keep_sampled = u * q_d < p_d
+    residual = jnp.maximum(p - q, 0.0)
+    total = residual.sum(axis=-1, keepdims=True)
+    residual = jnp.where(total > 0, residual / jnp.where(total > 0, total, 1.0), p)
+    corrected = _categorical(_key(sampling, index, _CORRECT), residual)
+    sampled = sampling.temperature > 0
+    accepted = jnp.where(sampled, keep_sampled, draft == greedy)
+    token = jnp.where(accepted, draft, jnp.where(sampled, corrected, greedy))
+    return token, accepted
+
+
+def _mtp_attend(cache: KVCache, positions: jax.Array, cfg: Config):
+    def attend(p: dict, h: jax.Array):
+        c_scale = None if cache.c_scale is None else cache.c_scale[MTP_MODULE]
+        return attend_cached(p, h, positions, cache.c_kv[MTP_MODULE], c_scale, cache.k_pe[MTP_MODULE],
+                             cache.lengths, cfg)
+    return attend
+
+
+def run_mtp(params: Params, cache: KVCache, hidden: jax.Array, next_tokens: jax.Array, *, cfg: Config,
+            mesh: Mesh, rules: ShardingRules) -> tuple[jax.Array, jax.Array, KVCache]:
+    """The MTP module on T positions per row at `cache.lengths + t` (`hidden [B, T, D]`, `next_tokens
+    [B, T]`) against its own cache: logits `[B, T, V]`, its output `[B, T, D]`, and the cache with
+    the T positions appended (the caller sets `lengths` to what is real)."""
+    positions = cache.lengths[:, None] + jnp.arange(hidden.shape[1])
+    logits, x, (c_kv, k_pe) = mtp_step(params, hidden, next_tokens, _mtp_attend(cache, positions, cfg), cfg=cfg,
+                                       mesh=mesh, rules=rules, index=MTP_MODULE)
+    cache = append_tokens(cache, c_kv[None], k_pe[None])
+    return logits, x, jax.tree.map(lambda a: keep_replicated(a, mesh), cache)
+
+
+def speculative_start(params: Params, tokens: jax.Array, lengths: jax.Array, sampling: SamplingArrays, *,
+                      cfg: Config, mesh: Mesh, rules: ShardingRules, max_len: int, kv_cache_dtype: str | None,
+                      draft_tokens: int) -> tuple[SpecState, jax.Array]:
+    """Prefill the model and the MTP module, and sample every row's first token (as `generate_start`).
+    The MTP cache gets positions `< n - 1` (position `n - 1` needs the first token: pending)."""
+    logits, cache, hidden = model.prefill_hidden(params, tokens, lengths, cfg=cfg, mesh=mesh, rules=rules,
+                                                 max_len=max_len, kv_cache_dtype=kv_cache_dtype)
+    b, width = tokens.shape
+    seen, counts = init_counts(tokens, lengths, cfg.vocab_size)
+    first = sample(logits, sampling, seen, counts, 0)  # as without drafts
+    # The MTP prefill over the prompt: position i reads h_i and token i + 1 (padding past n - 2).
+    next_tokens = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
+    positions = jnp.broadcast_to(jnp.arange(width), tokens.shape)
+    _, _, (c_kv, k_pe) = mtp_step(params, hidden, next_tokens, lambda p, h: attend_prefill(p, h, positions, cfg),
+                                  cfg=cfg, mesh=mesh, rules=rules, index=MTP_MODULE)
+    mtp_cache = cache_from_prefill(c_kv[None], k_pe[None], lengths - 1, max_len, kv_cache_dtype)
+    last_hidden = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)  # [B, 1, D]
+    k1 = draft_tokens + 1
+    pending_hidden = jnp.pad(last_hidden, [(0, 0), (0, k1 - 1), (0, 0)])
+    pending_tokens = jnp.pad(first[:, None], [(0, 0), (0, k1 - 1)])
+    generated = jnp.ones(b, jnp.int32)
+    done = is_stop_token(first, sampling) | (generated >= sampling.max_new_tokens)
+    state = SpecState(cache, mtp_cache, first, pending_hidden, pending_tokens, jnp.ones(b, jnp.int32), done,
+                      generated, seen, update_counts(counts, first), jnp.zeros((), jnp.int32),
+                      jnp.zeros((), jnp.int32))
+    return jax.tree.map(lambda a: keep_replicated(a, mesh), state), first
+
+
+def speculative_step(params: Params, state: SpecState, sampling: SamplingArrays, *, cfg: Config, mesh: Mesh,
+                     rules: ShardingRules, draft_tokens: int) -> tuple[SpecState, jax.Array]:
+    """One draft-verify-accept iteration (module doc). Returns the new state and the tokens emitted
+    `[B, k+1]` (-1 after a row's last emitted token, and for rows that were done)."""
+    k = draft_tokens
+    active = ~state.done
+    with jax.named_scope("mtp_catch_up"):
+        q_all, h_all, mtp_cache = run_mtp(params, state.mtp_cache, state.pending_hidden, state.pending_tokens,
+                                          cfg=cfg, mesh=mesh, rules=rules)
+        caught_up = state.mtp_cache.lengths + state.pending_count
+        last = jnp.maximum(state.pending_count - 1, 0)[:, None]
+        q_logits = jnp.take_along_axis(q_all, last[..., None], axis=1)[:, 0]
+        h = jnp.take_along_axis(h_all, last[..., None], axis=1)[:, 0]
+        mtp_cache = dataclasses.replace(mtp_cache, lengths=caught_up)
+    drafts, qs, counts = [], [], state.counts
+    with jax.named_scope("draft"):
+        for j in range(k):
+            if j:
+                q_step, h_step, mtp_cache = run_mtp(params, mtp_cache, h[:, None], drafts[-1][:, None], cfg=cfg,
+                                                    mesh=mesh, rules=rules)
+                q_logits, h = q_step[:, 0], h_step[:, 0]
+            d, q = draft_token(q_logits, sampling, state.prompt_seen, counts, state.generated + j)
+            counts = update_counts(counts, d)
+            drafts.append(d)
+            qs.append(q)
+        mtp_cache = dataclasses.replace(mtp_cache, lengths=caught_up)  # the recursive latents are provisional
+    fed = jnp.stack([state.last, *drafts], axis=1)
+    logits, hidden, cache = model.verify(params, state.cache, fed, cfg=cfg, mesh=mesh, rules=rules)
+    with jax.named_scope("accept"):
+        counts, generated, done, alive = state.counts, state.generated, state.done, active
+        out, emitted, accepted = [], jnp.zeros_like(generated), jnp.zeros((), jnp.int32)
+        for j in range(k + 1):
+            draft, q = (drafts[j], qs[j]) if j < k else (None, None)
+            token, ok = verify_token(logits[:, j], draft, q, sampling, state.prompt_seen, counts, generated)
+            out.append(jnp.where(alive, token, -1))
+            counts = update_counts(counts, token, alive)
+            generated = generated + alive
+            emitted = emitted + alive
+            stop = alive & (is_stop_token(token, sampling) | (generated >= sampling.max_new_tokens))
+            done = done | stop
+            accepted = accepted + jnp.sum(alive & ok)
+            alive = alive & ok & ~stop
+        out = jnp.stack(out, axis=1)
+        new_last = jnp.take_along_axis(out, jnp.maximum(emitted - 1, 0)[:, None], axis=1)[:, 0]
+        cache = dataclasses.replace(cache, lengths=state.cache.lengths + emitted)
+    new = SpecState(cache, mtp_cache, jnp.where(emitted > 0, new_last, state.last), hidden, jnp.maximum(out, 0),
+                    emitted, done, generated, state.prompt_seen, counts,
+                    state.drafted + k * jnp.sum(active), state.accepted + accepted)
+    return jax.tree.map(lambda a: keep_replicated(a, mesh), new), out
+
+
+def speculative_chunk(params: Params, state: SpecState, sampling: SamplingArrays, *, cfg: Config, mesh: Mesh,
+                      rules: ShardingRules, steps: int, draft_tokens: int) -> tuple[SpecState, jax.Array]:
+    """Up to `steps` iterations on device, leaving early when every row is done: the new state and the
+    tokens `[B, steps * (k+1)]` (-1 where nothing was emitted)."""
+    width = draft_tokens + 1
+    out = jnp.full((state.last.shape[0], steps * width), -1, jnp.int32)
+
+    def step(carry):
+        i, state, out = carry
+        state, tokens = speculative_step(params, state, sampling, cfg=cfg, mesh=mesh, rules=rules,
+                                         draft_tokens=draft_tokens)
+        return i + 1, state, jax.lax.dynamic_update_slice_in_dim(out, tokens, i * width, axis=1)
+
+    def running(carry):
+        i, state, _ = carry
+        return (i < steps) & ~jnp.all(state.done)
+
+    _, state, out = jax.lax.while_loop(running, step, (0, state, out))
+    return state, out
