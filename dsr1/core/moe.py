@@ -84,6 +84,24 @@ def _ragged_experts(x, weights, experts, gate, up, down, layer, rules: ShardingR
     return _combine(x.shape[0], token, y, jnp.where(is_local, weights.reshape(-1)[order], 0.0))
 
 
+
+def _dense_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRules):
+    """Every local expert on every token, each output scaled by the token's routing weight for that
+    expert (zero where it was not chosen): plain batched matmuls, differentiable, experts/K times the
+    routed FLOPs. Training on CPU runs it: there `ragged_dot` computes every expert for every *pair*,
+    K times more again, and the expert loop has no reverse mode."""
+    gate, up, down = (jax.tree.map(lambda a: a[layer], w) for w in (gate, up, down))
+    n_local = gate.shape[0]
+    local, is_local = _local_pairs(experts, n_local, rules)
+    chosen = jax.nn.one_hot(jnp.where(is_local, local, n_local), n_local, dtype=jnp.float32)  # [N*K, E]
+    mix = (chosen * weights.reshape(-1, 1)).reshape(*experts.shape, n_local).sum(1)  # [N, E]
+    f32 = jnp.float32
+    h = (jax.nn.silu(jnp.einsum("nd,edf->enf", x, gate, preferred_element_type=f32))
+         * jnp.einsum("nd,edf->enf", x, up, preferred_element_type=f32))
+    h = (h * mix.T[:, :, None]).astype(x.dtype)
+    return jnp.einsum("enf,efd->nd", h, down, preferred_element_type=f32)
+
+
 DECODE_TOKENS = 8  # up to this many tokens, the expert loop takes one step per hit expert
 
 
@@ -155,9 +173,12 @@ def use_gather(n_pairs: int, n_local: int) -> bool:
 
 def _local_experts(x, weights, experts, gate, up, down, layer, *, rules: ShardingRules, differentiable: bool = False):
     """Per-device body: this device's experts (and ffw slice) applied to every token routed to them.
-    `differentiable`: always `ragged_dot` (the expert loop's dynamic trip count has no reverse mode)."""
-    loop = not differentiable and use_gather(experts.size, gate.shape[1])
-    body = _loop_experts if loop else _ragged_experts
+    `differentiable`: no expert loop (its dynamic trip count has no reverse mode): `ragged_dot`, or
+    on CPU every expert on every token (`_dense_experts`)."""
+    if differentiable:
+        body = _dense_experts if widens_on_use() else _ragged_experts
+    else:
+        body = _loop_experts if use_gather(experts.size, gate.shape[1]) else _ragged_experts
     return jax.lax.psum(body(x, weights, experts, gate, up, down, layer, rules), rules.moe_reduce_axes())
 
 
@@ -177,7 +198,7 @@ def routed_experts(p: dict, x: jax.Array, weights: jax.Array, experts: jax.Array
 
     `layer`: None when `p` holds one layer's experts `[E, ...]`; else `p`'s experts are the stacks
     `[L, E, ...]` of every layer and `layer` picks one, so that kernels slice an expert in place.
-    `differentiable`: run `ragged_dot` on every platform, so that reverse mode works (training)."""
+    `differentiable`: a path with reverse mode (training; see `_local_experts`)."""
     gate, up, down = p["gate"], p["up"], p["down"]
     if layer is None:
         gate, up, down = (jax.tree.map(lambda a: a[None], w) for w in (gate, up, down))
