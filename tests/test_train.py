@@ -199,6 +199,8 @@ def test_resume_equals_an_uninterrupted_run(trained, tmp_path, texts):
     resumed, rest = train(_opts(out, texts, steps=8, total=8), resume=True)
     assert len(rest) == 4 and int(resumed.step) == 8
     assert [h["loss"] for h in rest] == [h["loss"] for h in history[4:]]
+    logged = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == list(range(1, 9)) and logged[-1]["loss"] == history[-1]["loss"]
     for a, b in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(state.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

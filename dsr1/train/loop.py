@@ -28,6 +28,7 @@ from .step import TrainSettings, TrainState, init_state, make_eval_step, make_tr
 TOKENIZER = "tokenizer"  # OUT/tokenizer/{tokenizer.json, tokenizer_config.json}
 DATA = "data.npz"  # OUT/data.npz: the token streams
 CHECKPOINT = "checkpoint"
+LOG = "log.jsonl"  # OUT/log.jsonl: one JSON line of metrics per step (and per held-out evaluation)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,10 +114,18 @@ def held_out_bpb(params: dict, data: Data, opts: RunOptions, mesh: Mesh, rules: 
     return bits / max(nbytes, 1.0)
 
 
+def _open_log(path: Path, start: int):
+    """OUT/log.jsonl for appending, without the lines of steps after `start` (a resumed run redoes them)."""
+    kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= start] \
+        if path.is_file() else []
+    path.write_text("".join(line + "\n" for line in kept))
+    return path.open("a")
+
+
 def train(opts: RunOptions, *, resume: bool = False, mesh: Mesh | None = None,
           rules: ShardingRules = DEFAULT_RULES) -> tuple[TrainState, list[dict]]:
     """Train to `opts.steps` steps (from OUT/checkpoint with `resume`); returns the state and the
-    per-step metrics (host floats) of the steps this call ran."""
+    per-step metrics (host floats) of the steps this call ran, also written to OUT/log.jsonl."""
     mesh = mesh or one_device_mesh()
     opts.out.mkdir(parents=True, exist_ok=True)
     data = prepare_data(opts)
@@ -131,6 +140,7 @@ def train(opts: RunOptions, *, resume: bool = False, mesh: Mesh | None = None,
     history: list[dict] = []
     tokens_per_step = opts.batch * opts.seq_len
     bar = tqdm(total=opts.steps, initial=start, disable=not opts.progress, desc="train", unit="step")
+    log = _open_log(opts.out / LOG, start)
     t0 = time.perf_counter()
     for step in range(start, opts.steps):
         batch = replicate(jnp.asarray(batch_at(data.train, step, opts.batch, opts.seq_len, opts.seed)), mesh)
@@ -145,11 +155,16 @@ def train(opts: RunOptions, *, resume: bool = False, mesh: Mesh | None = None,
         rate = tokens_per_step * (done - start - 1) / max(time.perf_counter() - t0, 1e-9)
         bar.update(1)
         bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{rate:,.0f}")
+        log.write(json.dumps({"step": done, **record, "tokens_per_second": rate}) + "\n")
         if opts.eval_every and done % opts.eval_every == 0:
-            bar.write(f"step {done}: held-out {held_out_bpb(state.params, data, opts, mesh, rules, evaluate):.3f} bpb")
+            bpb = held_out_bpb(state.params, data, opts, mesh, rules, evaluate)
+            bar.write(f"step {done}: held-out {bpb:.3f} bpb")
+            log.write(json.dumps({"step": done, "held_out_bpb": bpb}) + "\n")
+        log.flush()
         if done % opts.checkpoint_every == 0 or done == opts.steps:
             checkpoint.save(ckpt, state, _meta(opts, done))
     bar.close()
+    log.close()
     return state, history
 
 
