@@ -3,7 +3,7 @@
 The everyday API::
 
     import dsr1
-    model = dsr1.load("/ckpt/DeepSeek-R1", mesh=dsr1.make_mesh())   # or dsr1.init_random(dsr1.Config.preset("tiny"))
+    model = dsr1.load(dsr1.demo_checkpoint())   # the embedded demo model; or a release folder, e.g. /ckpt/DeepSeek-R1
     out = dsr1.generate(model, ["Why is the sky blue?"], chat=True, sampling=dsr1.Sampling(temperature=0.6))
 
 The package reads as the data flow: `core` (the model as pure functions on a mesh), `weights`
@@ -24,10 +24,11 @@ from .generation.batch import Completion, GenerationResult, generate
 from .generation.sampling import Sampling
 from .generation.tokenizer import Tokenizer, load_tokenizer
 from .weights.convert import ConversionError
+from .weights.demo import demo_checkpoint
 from .weights.safetensors_io import CheckpointError
 
 __all__ = [
     "CheckpointError", "Completion", "Config", "ConfigError", "ConversionError", "GenerationResult", "KVCache",
-    "Model", "Sampling", "Tokenizer", "__version__", "generate", "init_random", "load", "load_tokenizer",
-    "make_mesh", "serving",
+    "Model", "Sampling", "Tokenizer", "__version__", "demo_checkpoint", "generate", "init_random", "load",
+    "load_tokenizer", "make_mesh", "serving",
 ]

@@ -3,13 +3,17 @@
 import importlib
 import importlib.metadata
 import pkgutil
+import shutil
+import subprocess
+import sys
 import types
+import zipfile
 from pathlib import Path
 
 import dsr1
 
 EVERYDAY = ("load", "init_random", "Config", "make_mesh", "Model", "KVCache", "generate", "Sampling",
-            "load_tokenizer", "ConfigError", "CheckpointError", "ConversionError")
+            "load_tokenizer", "ConfigError", "CheckpointError", "ConversionError", "demo_checkpoint")
 
 
 def test_everyday_api_is_at_the_top():
@@ -45,3 +49,18 @@ def test_one_version():
 def test_license_is_shipped():
     text = (Path(__file__).parents[1] / "LICENSE").read_text()
     assert "Apache License" in text and "Version 2.0" in text
+
+
+def test_the_wheel_ships_the_demo_model(tmp_path):
+    """The demo model is package data: a wheel built from this tree holds its whole folder."""
+    root, src = Path(__file__).parents[1], tmp_path / "src"  # a copy: the build leaves build/ behind
+    shutil.copytree(root / "dsr1", src / "dsr1", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(root / name, src / name)
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(src)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (wheel,) = tmp_path.glob("dsr1-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    shipped = {f"dsr1/demo_model/{f.name}" for f in dsr1.demo_checkpoint().iterdir()}
+    assert shipped and shipped <= names, shipped - names
