@@ -90,7 +90,7 @@ for cell in nb.cells:
         continue
     text = "".join(o.get("text", "") for o in cell.get("outputs", []) if o.get("output_type") == "stream")
     if "widget.button.click()" in cell.source:
-        print("\n=== generated text (random tiny model unless DSR1_CHECKPOINT is set) ===\n" + text)
+        print("\n=== generated text (the embedded demo model unless DSR1_CHECKPOINT is set) ===\n" + text)
     if "profile.summary()" in cell.source:
         print("=== decode profile ===\n" + text)
 PY

@@ -7,7 +7,8 @@ OpenAI-compatible HTTP server, `convert` writes dsr1's orbax format (or `--check
     python -m dsr1 serve --model /ckpt/r1-int8 --max-seqs 16 --port 8000
     python -m dsr1 convert --hf /ckpt/DeepSeek-R1 --out /ckpt/r1-int8 --quant int8
 
-Without --model, a random-weight `tiny` model with R1's tokenizer runs (its text is noise).
+Without --model, the embedded demo model runs (`dsr1.demo_checkpoint()`: a small DeepSeek-V3 trained on
+Shakespeare, with its own tokenizer); `--preset tiny` runs random weights with R1's tokenizer (noise).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 import jax
 
-from .options import add_model_options, model_from_options
+from .options import add_model_options, checkpoint_from_options, model_from_options
 from .server.options import add_serve_arguments
 from .weights import convert
 
@@ -42,20 +43,22 @@ def _parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="stream a completion for one or more prompts, then report speed",
                          description="Generate for the prompts (one batch) and stream the first row's text.")
-    add_model_options(gen, default_preset="tiny")
+    add_model_options(gen, default_preset=None)
     gen.add_argument("--prompt", action="append", metavar="TEXT",
                      help="prompt text (repeat for a batch; default: a short question)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in R1's chat template")
+    gen.add_argument("--draft-tokens", type=int, default=0, metavar="K",
+                     help="MTP speculative decoding: draft K tokens per step with the model's MTP module (0 = off)")
     gen.add_argument("--no-warmup", action="store_true",
                      help="skip the warm-up run (then the speed figures include compilation)")
     _sampling_args(gen)
     chat = sub.add_parser("chat", help="interactive multi-turn chat (/reset clears, /exit or Ctrl-D quits)")
-    add_model_options(chat, default_preset="tiny")
+    add_model_options(chat, default_preset=None)
     chat.add_argument("--system", help="system prompt")
     _sampling_args(chat)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)",
                            description="Serve the model over HTTP with OpenAI's API, on the serving engine.")
-    add_model_options(serve, default_preset="tiny")
+    add_model_options(serve, default_preset=None)
     add_serve_arguments(serve)
     conv = sub.add_parser("convert", help="convert a HF release checkpoint to dsr1's orbax format, or --check one",
                           description=convert.__doc__.split("\n\n")[0])
@@ -66,8 +69,8 @@ def _parser() -> argparse.ArgumentParser:
 def _load(args: argparse.Namespace):
     from dsr1.generation.tokenizer import load_tokenizer
 
-    model = model_from_options(args)
-    return model, load_tokenizer(args.model)
+    model = model_from_options(args, mtp=getattr(args, "draft_tokens", 0) > 0)
+    return model, load_tokenizer(checkpoint_from_options(args))
 
 
 def _sampling(args: argparse.Namespace):
@@ -96,7 +99,7 @@ def run_generate(args: argparse.Namespace) -> int:
     model, tokenizer = _load(args)
     prompts = args.prompt or ["Why is the sky blue?"]
     sampling = _sampling(args)
-    kwargs = dict(sampling=sampling, tokenizer=tokenizer, chat=args.chat)
+    kwargs = dict(sampling=sampling, tokenizer=tokenizer, chat=args.chat, draft_tokens=args.draft_tokens)
     if not args.no_warmup:
         generate(model, prompts, **kwargs)  # compiles the programs this run uses
     result = generate(model, prompts, stream=_echo, **kwargs)
@@ -106,8 +109,9 @@ def run_generate(args: argparse.Namespace) -> int:
     first = result.completions[0]
     if args.chat:
         print(f"[reasoning: {len(first.reasoning)} chars, answer: {len(first.answer)} chars]", file=sys.stderr)
-    print(f"[{first.finish_reason}] {_speed(result)} on {jax.device_count()} {jax.devices()[0].platform} device(s)",
-          file=sys.stderr)
+    drafts = f" | drafts accepted: {result.draft_acceptance:.0%}" if args.draft_tokens else ""
+    print(f"[{first.finish_reason}] {_speed(result)}{drafts} on {jax.device_count()} {jax.devices()[0].platform} "
+          "device(s)", file=sys.stderr)
     return 0
 
 

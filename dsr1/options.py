@@ -1,6 +1,6 @@
 """Command-line options shared by `python -m dsr1` and `python -m dsr1.bench`: where the model
-comes from (a checkpoint, a preset or a config.json with random weights), its precision, and the
-mesh. One definition, so every command spells and defaults them the same way.
+comes from (a checkpoint, the embedded demo model, a preset or a config.json with random weights),
+its precision, and the mesh. One definition, so every command spells and defaults them the same way.
 """
 
 from __future__ import annotations
@@ -13,16 +13,21 @@ from jax.sharding import Mesh
 from .api import Model, init_random, load
 from .core.config import Config
 from .core.sharding import make_mesh
+from .weights.demo import demo_checkpoint
 
 
-def add_model_options(p: argparse.ArgumentParser, *, default_preset: str, checkpoints: bool = True) -> None:
+def add_model_options(p: argparse.ArgumentParser, *, default_preset: str | None, checkpoints: bool = True) -> None:
     """`--model PATH` (when `checkpoints`) | `--preset NAME` | `--config PATH`, then dtype, int8
-    weights and cache, and the mesh sizes."""
+    weights and cache, and the mesh sizes. `default_preset=None`: without any of the three, the
+    command runs the embedded demo model (`dsr1.demo_checkpoint()`)."""
     src = p.add_mutually_exclusive_group()
     if checkpoints:
-        src.add_argument("--model", metavar="PATH", help="HF release checkpoint folder or a converted one")
+        src.add_argument("--model", metavar="PATH",
+                         help="HF release checkpoint folder or a converted one"
+                         + (" (default: the embedded demo model)" if default_preset is None else ""))
+    default = default_preset or "none: the embedded demo model"
     src.add_argument("--preset", default=default_preset,
-                     help=f"random weights for a named config: deepseek-r1, tiny or bench (default: {default_preset})")
+                     help=f"random weights for a named config: deepseek-r1, tiny, bench or demo (default: {default})")
     src.add_argument("--config", metavar="PATH", help="random weights for a HF config.json")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="dtype of the weights that are not int8 (default: bfloat16)")
@@ -44,15 +49,28 @@ def mesh_from_options(args: argparse.Namespace) -> Mesh:
     return make_mesh(expert=args.expert, tensor=args.tensor)
 
 
-def model_from_options(args: argparse.Namespace, *, seed: int = 0) -> Model:
-    """Load `--model`, or build random weights (from `seed`) for `--config` / `--preset`; says on
-    stderr which, since random weights write noise."""
-    mesh = mesh_from_options(args)
+def checkpoint_from_options(args: argparse.Namespace) -> str | None:
+    """The checkpoint folder the options name: `--model`, the embedded demo model when the command
+    defaults to it and no `--preset` or `--config` is given, else None (random weights)."""
     if getattr(args, "model", None):
-        model = load(args.model, mesh=mesh, dtype=args.dtype, quant=args.quant, kv_cache_dtype=args.kv_cache_dtype)
-        print(f"model: {args.model} ({model.weight_bytes() / 2**30:.2f} GiB of weights)", file=sys.stderr)
+        return args.model
+    if args.preset is None and args.config is None:
+        return str(demo_checkpoint())
+    return None
+
+
+def model_from_options(args: argparse.Namespace, *, seed: int = 0, mtp: bool = False) -> Model:
+    """Load the checkpoint (`--model` or the demo model; `mtp`: with its MTP module), or build random
+    weights (from `seed`) for `--config` / `--preset`; says on stderr which, since random weights
+    write noise."""
+    mesh = mesh_from_options(args)
+    path = checkpoint_from_options(args)
+    if path is not None:
+        model = load(path, mesh=mesh, dtype=args.dtype, quant=args.quant, kv_cache_dtype=args.kv_cache_dtype,
+                     mtp=mtp)
+        print(f"model: {path} ({model.weight_bytes() / 2**30:.3f} GiB of weights)", file=sys.stderr)
         return model
     cfg, name = config_from_options(args)
     print(f"model: {name} with RANDOM weights (no checkpoint): the text is noise", file=sys.stderr)
     return init_random(cfg, seed=seed, mesh=mesh, dtype=args.dtype, quant=args.quant,
-                       kv_cache_dtype=args.kv_cache_dtype)
+                       kv_cache_dtype=args.kv_cache_dtype, mtp=mtp and cfg.num_nextn_predict_layers > 0)

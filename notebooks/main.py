@@ -26,7 +26,8 @@
 # kernel, each process with fake CPU devices). Stop it with `./mcjax_setup.sh --stop`.
 #
 # Parameters: set `DSR1_CHECKPOINT` to a release or converted checkpoint folder on the shared disk;
-# unset, a random-weight `tiny` model runs (its text is noise).
+# unset, the embedded demo model runs (`dsr1.demo_checkpoint()`: a small DeepSeek-V3 with an MTP
+# module, trained on Shakespeare by `python -m dsr1.train`, shipped inside the package).
 
 # %%
 # The platform numbers the processes (cluster.json's "numbering"): kernel-last (the kernel is the last
@@ -50,9 +51,9 @@ assert NUM_PROCESSES == len(engines) + 1 and PROCESS_ID == layout.kernel_process
 assert sorted([PROCESS_ID, *(e.process_id for e in layout.engines)]) == list(range(NUM_PROCESSES))
 
 # %%
-CHECKPOINT = os.environ.get("DSR1_CHECKPOINT")   # None: the tiny random model
+CHECKPOINT = os.environ.get("DSR1_CHECKPOINT")   # None: the embedded demo model
 cluster.client[:].push({"CHECKPOINT": CHECKPOINT}, block=True)
-print("checkpoint:", CHECKPOINT or "none (random tiny model)")
+print("checkpoint:", CHECKPOINT or "none: the embedded demo model")
 
 # %% [markdown]
 # ## Initialize `jax.distributed` in every process
@@ -78,11 +79,9 @@ print(f"process {jax.process_index()} of {jax.process_count()}: {jax.local_devic
 import dsr1
 
 mesh = dsr1.make_mesh()
-if CHECKPOINT:
-    model = dsr1.load(CHECKPOINT, mesh=mesh, progress=PROCESS_ID == KERNEL_PROCESS_ID)
-else:
-    model = dsr1.init_random(dsr1.Config.preset("tiny"), mesh=mesh)
-tokenizer = dsr1.load_tokenizer(CHECKPOINT)
+path = CHECKPOINT or dsr1.demo_checkpoint()      # the package ships the demo model on every host
+model = dsr1.load(path, mesh=mesh, mtp=True, progress=PROCESS_ID == KERNEL_PROCESS_ID)
+tokenizer = dsr1.load_tokenizer(path)
 gate = model.params["moe_layers"]["moe"]["gate"]
 print(f"mesh {dict(mesh.shape)}; this process holds {len(gate.addressable_shards)} expert shards of shape "
       f"{gate.addressable_shards[0].data.shape}")
@@ -123,13 +122,47 @@ from dsr1.workbench.widgets import GenerationWidget
 
 widget = GenerationWidget(model, tokenizer, engines=cluster.client[:], max_new_tokens=48)
 display(widget)
-widget.prompt.value = "Explain multi-head latent attention in one paragraph."
+widget.prompt.value = "Good morrow, my lord. What news from the court?"   # the demo model speaks Shakespeare
 widget.button.click()
 completion = widget.result.completions[0]
 print(widget.output.value)
 print(widget.status.value)
 assert widget.output.value == completion.text and completion.tokens
 assert 0 < len(completion.tokens) <= 48
+
+# %% [markdown]
+# ## MTP speculative decoding
+# The model's multi-token-prediction module drafts k tokens per step (k > 1 applies it recursively)
+# and the model verifies them in one multi-token step against its cache: greedy output is the same
+# token for token, and every accepted draft is a token that cost no decode step of its own.
+# `python -m dsr1.bench quality` measures the same on one process (docs/performance.md).
+
+# %%
+# %%everywhere
+spec_prompts = ["Now is the winter of our discontent"]
+spec_runs = {k: dsr1.generate(model, spec_prompts, tokenizer=tokenizer, max_new_tokens=48, draft_tokens=k)
+             for k in ((0, 1, 2) if "mtp" in model.params else (0,))}
+
+# %%
+import matplotlib.pyplot as plt
+
+base = spec_runs[0]
+for k, run in spec_runs.items():
+    assert run.completions[0].tokens == base.completions[0].tokens, k   # drafts never change greedy output
+    accepted = f"{run.draft_acceptance:.0%} of drafts accepted" if k else "no drafts"
+    print(f"k={k}: {run.decode_tokens_per_second:6.1f} tok/s, {accepted}")
+print(base.completions[0].text)
+drafted = [k for k in spec_runs if k]
+if drafted:
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.bar([str(k) for k in drafted], [spec_runs[k].draft_acceptance for k in drafted], color="tab:blue")
+    ax.set(xlabel="draft tokens k", ylabel="share of drafts accepted", ylim=(0, 1),
+           title=f"MTP drafts on {jax.process_count()} processes")
+    ax2 = ax.twinx()
+    ax2.plot([str(k) for k in drafted], [spec_runs[k].decode_tokens_per_second / base.decode_tokens_per_second
+                                          for k in drafted], "o-", color="tab:red")
+    ax2.set_ylabel("decode speed vs k=0", color="tab:red")
+    plt.show()
 
 # %% [markdown]
 # ## Serve many requests
@@ -145,9 +178,9 @@ from dsr1.serving import Engine
 engine = Engine(model, max_seqs=4, page_size=16, num_pages=64, prefill_chunk=32, tokenizer=tokenizer)
 if engine.is_leader:
     engine.warm_up()
-    shared = "You are a helpful assistant who answers in one short sentence. " * 3
-    questions = ["What is a latent cache?", "Why route tokens to experts?", "What does YaRN scale?",
-                 "Name a prime number.", "What is a mesh axis?", "Why page a cache?"]
+    shared = ("Two households, both alike in dignity, in fair Verona, where we lay our scene, from ancient "
+              "grudge break to new mutiny, where civil blood makes civil hands unclean.\n\n")
+    questions = ["ROMEO.", "JULIET.", "MERCUTIO.", "NURSE.", "FRIAR LAURENCE.", "TYBALT."]
     served = [engine.submit(shared + q, sampling=dsr1.Sampling(temperature=0.0), max_new_tokens=12)
               for q in questions]
     engine.run()

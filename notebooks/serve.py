@@ -25,7 +25,7 @@
 #
 # Start the cluster first, as for `main.ipynb`: `./mcjax_setup.sh` on a real cluster, or
 # `./mcjax_setup.sh --local 4` for a simulated one on this machine. `DSR1_CHECKPOINT` picks the model
-# as there (unset: the random-weight `tiny` model, whose text is noise).
+# as there (unset: the embedded demo model, a small DeepSeek-V3 trained on Shakespeare).
 
 # %%
 # The platform numbers the processes (cluster.json's "numbering"): kernel-last (the kernel is the last
@@ -62,8 +62,8 @@ from pathlib import Path
 
 from dsr1.server.options import bind_refusal
 
-CHECKPOINT = os.environ.get("DSR1_CHECKPOINT")   # None: the tiny random model
-MODEL_NAME = Path(CHECKPOINT).resolve().name if CHECKPOINT else "tiny"
+CHECKPOINT = os.environ.get("DSR1_CHECKPOINT")   # None: the embedded demo model
+MODEL_NAME = Path(CHECKPOINT).resolve().name if CHECKPOINT else "dsr1-demo"
 leader_engine = next((e for e in layout.engines if e.process_id == 0), None)
 SERVE_HOST = leader_engine.address if leader_engine else "127.0.0.1"
 SERVE_PORT = 0
@@ -73,7 +73,7 @@ if refusal := bind_refusal(SERVE_HOST, API_KEY):   # as `python -m dsr1 serve` r
 settings = dict(CHECKPOINT=CHECKPOINT, MODEL_NAME=MODEL_NAME, SERVE_HOST=SERVE_HOST, SERVE_PORT=SERVE_PORT,
                 API_KEY=API_KEY)
 cluster.client[:].push(settings, block=True)
-print(f"model {MODEL_NAME!r} ({CHECKPOINT or 'random weights'}); process 0 "
+print(f"model {MODEL_NAME!r} ({CHECKPOINT or 'the embedded demo model'}); process 0 "
       f"({leader_engine.describe() if leader_engine else 'this kernel'}) will serve on {SERVE_HOST}")
 
 # %% [markdown]
@@ -100,11 +100,9 @@ print(f"process {jax.process_index()} of {jax.process_count()}: {jax.local_devic
 import dsr1
 
 mesh = dsr1.make_mesh()
-if CHECKPOINT:
-    model = dsr1.load(CHECKPOINT, mesh=mesh, progress=PROCESS_ID == KERNEL_PROCESS_ID)
-else:
-    model = dsr1.init_random(dsr1.Config.preset("tiny"), mesh=mesh)
-tokenizer = dsr1.load_tokenizer(CHECKPOINT)
+path = CHECKPOINT or dsr1.demo_checkpoint()      # the package ships the demo model on every host
+model = dsr1.load(path, mesh=mesh, progress=PROCESS_ID == KERNEL_PROCESS_ID)
+tokenizer = dsr1.load_tokenizer(path)
 print(f"mesh {dict(mesh.shape)}")
 
 # %% [markdown]
@@ -192,8 +190,9 @@ live.start()
 # %%
 from concurrent.futures import ThreadPoolExecutor
 
-SHARED = "You answer questions about serving DeepSeek-R1 with JAX on a cluster of accelerators. " * 4
-QUESTIONS = ["What is a latent cache?", "Why route tokens to experts?", "What does YaRN scale?"]
+SHARED = ("Now is the winter of our discontent made glorious summer by this sun of York; and all the clouds "
+          "that lour'd upon our house in the deep bosom of the ocean buried.\n\n")
+QUESTIONS = ["What say you, my lord?", "Who comes here?", "Where is the king?"]
 
 
 Reply = tuple[str, str, int, int]  # text, finish reason, completion tokens, prompt tokens from the prefix cache
@@ -244,8 +243,8 @@ def with_system(question: str) -> list[dict]:
 streams = (True, False, True)
 calls = [(f"chat, shared prefix, stream={s}", chat, with_system(q), s) for q, s in zip(QUESTIONS, streams)]
 calls += [(f"text, shared prefix, stream={not s}", complete, SHARED + q, not s) for q, s in zip(QUESTIONS, streams)]
-calls += [("chat, alone, stream=True", chat, [{"role": "user", "content": "Name a prime number."}], True),
-          ("text, alone, stream=False", complete, "The capital of France is", False)]
+calls += [("chat, alone, stream=True", chat, [{"role": "user", "content": "Good morrow, sir."}], True),
+          ("text, alone, stream=False", complete, "To be, or not to be,", False)]
 with ThreadPoolExecutor(len(calls)) as pool:
     replies = list(pool.map(lambda call: call[1](*call[2:]), calls))
 for (label, *_), (text, finish, tokens, cached) in zip(calls, replies):

@@ -1,4 +1,5 @@
-"""`python -m dsr1 generate` and `chat` on the random tiny model, as a user runs them."""
+"""`python -m dsr1 generate` and `chat` as a user runs them: on the embedded demo model (the default) and the
+random tiny model."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from dsr1.__main__ import _parser, main, run_chat
 
 
 def test_generate_streams_text_and_reports_speed(capsys):
-    assert main(["generate", "--prompt", "Hello", "--prompt", "你好", "--max-new-tokens", "6", "--no-warmup",
-                 "--temperature", "0.7", "--seed", "3", "--stop", "\n\n\n"]) == 0
+    assert main(["generate", "--preset", "tiny", "--prompt", "Hello", "--prompt", "你好", "--max-new-tokens", "6",
+                 "--no-warmup", "--temperature", "0.7", "--seed", "3", "--stop", "\n\n\n"]) == 0
     out, err = capsys.readouterr()
     assert "RANDOM weights" in err and "the text is noise" in err
     assert "prefill:" in err and "decode:" in err and "tok/s" in err
@@ -22,6 +23,7 @@ def test_chat_repl_keeps_the_conversation(capsys):
     args = _parser().parse_args(["chat", "--max-new-tokens", "4", "--system", "Be brief."])
     assert run_chat(args, stdin=io.StringIO("Hi there\nAnd now?\n/reset\nFresh start\n/exit\n")) == 0
     err = capsys.readouterr().err
+    assert "demo_model" in err and "RANDOM" not in err
     assert err.count("r1> ") == 3 and err.count("decode:") == 3
 
 

@@ -2,6 +2,7 @@
 SIGTERM (see `lifecycle` for the graceful shutdown).
 
     python -m dsr1 serve --model /ckpt/DeepSeek-R1 --quant int8 --max-seqs 16 --port 8000
+    python -m dsr1 serve                                          # the embedded demo model
     python -m dsr1 serve --preset tiny --dtype float32            # random weights: the text is noise
     DSR1_API_KEY=secret python -m dsr1 serve --host 0.0.0.0 ...   # any non-loopback address needs a key
 """
@@ -14,7 +15,7 @@ import sys
 from pathlib import Path
 
 from ..generation.tokenizer import load_tokenizer
-from ..options import model_from_options
+from ..options import checkpoint_from_options, model_from_options
 from ..serving import Engine
 from .app import create_app
 from .lifecycle import serve
@@ -30,13 +31,14 @@ def model_name(args: argparse.Namespace) -> str:
     file's stem or the preset."""
     if args.served_model_name:
         return args.served_model_name
-    if getattr(args, "model", None):
-        return Path(args.model).resolve().name
+    checkpoint = checkpoint_from_options(args)
+    if checkpoint is not None:
+        return Path(checkpoint).resolve().name
     return Path(args.config).stem if args.config else args.preset
 
 
 def build_engine(args: argparse.Namespace) -> Engine:
-    """The model (`--model`, `--preset` or `--config`) and an engine of the requested sizes, warmed up
+    """The model (`--model`, the demo model, `--preset` or `--config`) and an engine of the requested sizes, warmed up
     unless `--no-warmup` (so that no request waits for a compilation). On a cluster every process
     builds it; only process 0 warms it up (the others join in `follow()`)."""
     model = model_from_options(args)
@@ -44,7 +46,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
                     prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows,
                     decode_steps=args.decode_steps, host_cache_bytes=args.host_cache_bytes,
                     max_seq_len=args.max_seq_len,
-                    prefix_caching=not args.no_prefix_caching, tokenizer=load_tokenizer(getattr(args, "model", None)))
+                    prefix_caching=not args.no_prefix_caching, tokenizer=load_tokenizer(checkpoint_from_options(args)))
     if engine.is_leader and not args.no_warmup:
         print("compiling the engine's programs...", file=sys.stderr, flush=True)
         engine.warm_up()

@@ -35,12 +35,14 @@ class GenerationWidget:
         self.temperature = w.FloatSlider(value=0.6, min=0.0, max=2.0, step=0.05, description="temperature")
         self.top_p = w.FloatSlider(value=0.95, min=0.05, max=1.0, step=0.05, description="top-p")
         self.max_tokens = w.IntSlider(value=max_new_tokens, min=1, max=1024, description="max tokens")
+        # MTP speculative decoding: offered when the model was loaded with its MTP module (mtp=True).
+        self.drafts = w.IntSlider(value=0, min=0, max=3 if "mtp" in model.params else 0, description="MTP drafts")
         self.button = w.Button(description="Generate", button_style="primary")
         self.output = w.Textarea(value="", description="output", layout=w.Layout(width="100%", height="160px"))
         self.status = w.Label(value="")
         self.result: GenerationResult | None = None
         self.button.on_click(lambda _: self.generate())
-        self.box = w.VBox([self.prompt, w.HBox([self.chat, self.temperature, self.top_p, self.max_tokens]),
+        self.box = w.VBox([self.prompt, w.HBox([self.chat, self.temperature, self.top_p, self.max_tokens, self.drafts]),
                            self.button, self.output, self.status])
 
     def _ipython_display_(self) -> None:
@@ -54,7 +56,7 @@ class GenerationWidget:
 
     def generate(self) -> GenerationResult:
         """Run one generation with the current controls (every process when engines are given)."""
-        kwargs = dict(max_new_tokens=self.max_tokens.value, chat=self.chat.value,
+        kwargs = dict(max_new_tokens=self.max_tokens.value, chat=self.chat.value, draft_tokens=self.drafts.value,
                       sampling=Sampling(temperature=self.temperature.value, top_p=self.top_p.value, seed=0))
         prompts = [self.prompt.value]
         pending = None
@@ -78,11 +80,12 @@ class GenerationWidget:
 
 def status_line(r: GenerationResult, prefill_compile_seconds: float, compile_seconds: float) -> str:
     """The widget's status: prefill throughput without the compilation it included (a first call
-    compiles), decode throughput, and the compilation time on its own."""
+    compiles), decode throughput (and the share of MTP drafts accepted), and the compilation time on its own."""
     prefill = r.prefill_tokens / max(r.prefill_seconds - prefill_compile_seconds, 1e-9)
     compiled = f", compilation {compile_seconds:.1f} s (not counted)" if compile_seconds else ""
+    drafts = f", {r.draft_acceptance:.0%} of MTP drafts accepted" if r.draft_acceptance is not None else ""
     return (f"{r.completions[0].finish_reason}: {r.decode_tokens} tokens, prefill {prefill:,.0f} tok/s, "
-            f"decode {r.decode_tokens_per_second:,.1f} tok/s{compiled}")
+            f"decode {r.decode_tokens_per_second:,.1f} tok/s{drafts}{compiled}")
 
 
 class CompileTimes:
