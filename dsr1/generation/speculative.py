@@ -26,6 +26,7 @@ streams of it (draft, acceptance, correction), so no draw is reused by a decisio
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -89,12 +90,20 @@ def _categorical(keys: jax.Array, probs: jax.Array) -> jax.Array:
     return jax.vmap(jax.random.categorical)(keys, jnp.log(probs)).astype(jnp.int32)
 
 
+def _if_sampling(sampling: SamplingArrays, draw, greedy_result, *operands):
+    """`draw(*operands)` when some row samples, else `greedy_result` (the same shapes, `[B]` arrays
+    only, so nothing vocabulary-sized is copied out of the branch): random bits for every vocabulary
+    entry of every row cost more than the rest of an accept step on CPU."""
+    return jax.lax.cond(jnp.any(sampling.temperature > 0), draw, lambda *_: greedy_result, *operands)
+
+
 def draft_token(q_logits: jax.Array, sampling: SamplingArrays, seen: jax.Array, counts: jax.Array,
                 index: jax.Array) -> tuple[jax.Array, jax.Array]:
     """A draft `[B]` from the MTP module's logits (argmax for greedy rows, else a draw) and `q [B, V]`."""
     penalized, q = _transformed(q_logits, sampling, seen, counts)
-    drawn = _categorical(_key(sampling, index, _DRAFT), q)
-    return jnp.where(sampling.temperature > 0, drawn, argmax(penalized)), q
+    greedy = argmax(penalized)
+    drawn = _if_sampling(sampling, lambda q: _categorical(_key(sampling, index, _DRAFT), q), greedy, q)
+    return jnp.where(sampling.temperature > 0, drawn, greedy), q
 
 
 def verify_token(p_logits: jax.Array, draft: jax.Array | None, q: jax.Array | None, sampling: SamplingArrays,
@@ -104,20 +113,82 @@ def verify_token(p_logits: jax.Array, draft: jax.Array | None, q: jax.Array | No
     penalized, p = _transformed(p_logits, sampling, seen, counts)
     greedy = argmax(penalized)
     if draft is None:
-        drawn = _categorical(_key(sampling, index, _CORRECT), p)
+        drawn = _if_sampling(sampling, lambda p: _categorical(_key(sampling, index, _CORRECT), p), greedy, p)
         return jnp.where(sampling.temperature > 0, drawn, greedy), jnp.zeros(p.shape[0], bool)
-    p_d = jnp.take_along_axis(p, draft[:, None], axis=-1)[:, 0]
-    q_d = jnp.take_along_axis(q, draft[:, None], axis=-1)[:, 0]
-    u = jax.vmap(jax.random.uniform)(_key(sampling, index, _ACCEPT))
-    keep_sampled = u * q_d < p_d
-    residual = jnp.maximum(p - q, 0.0)
-    total = residual.sum(axis=-1, keepdims=True)
-    residual = jnp.where(total > 0, residual / jnp.where(total > 0, total, 1.0), p)
-    corrected = _categorical(_key(sampling, index, _CORRECT), residual)
+
+    def rejection_sample(p: jax.Array, q: jax.Array) -> tuple[jax.Array, jax.Array]:
+        p_d = jnp.take_along_axis(p, draft[:, None], axis=-1)[:, 0]
+        q_d = jnp.take_along_axis(q, draft[:, None], axis=-1)[:, 0]
+        u = jax.vmap(jax.random.uniform)(_key(sampling, index, _ACCEPT))
+        residual = jnp.maximum(p - q, 0.0)
+        total = residual.sum(axis=-1, keepdims=True)
+        residual = jnp.where(total > 0, residual / jnp.where(total > 0, total, 1.0), p)
+        return u * q_d < p_d, _categorical(_key(sampling, index, _CORRECT), residual)
+
+    keep_sampled, corrected = _if_sampling(sampling, rejection_sample, (draft == greedy, greedy), p, q)
     sampled = sampling.temperature > 0
     accepted = jnp.where(sampled, keep_sampled, draft == greedy)
     token = jnp.where(accepted, draft, jnp.where(sampled, corrected, greedy))
     return token, accepted
+
+
+def draft_tokens_recursively(q_logits: jax.Array, h: jax.Array,
+                             recurse: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]], k: int,
+                             sampling: SamplingArrays, seen: jax.Array, counts: jax.Array,
+                             generated: jax.Array) -> tuple[list[jax.Array], list[jax.Array]]:
+    """Step 2 of the module doc: `k` drafts `[B]` and the distributions `q [B, V]` they came from, from
+    the module's logits `q_logits [B, V]` and output `h [B, D]` at the row's last caught-up position.
+    `recurse(h, draft)` applies the module once more at the next position (its own output `h` and the
+    draft as the next token) and returns its logits and output there."""
+    drafts, qs = [], []
+    for j in range(k):
+        if j:
+            q_logits, h = recurse(h, drafts[-1])
+        d, q = draft_token(q_logits, sampling, seen, counts, generated + j)
+        counts = update_counts(counts, d)
+        drafts.append(d)
+        qs.append(q)
+    return drafts, qs
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What one verification kept, per row (`accept_drafts`)."""
+
+    tokens: jax.Array  # [B, k+1] int32 the tokens emitted, -1 after a row's last one (and for inactive rows)
+    accepted: jax.Array  # [B, k+1] bool the token emitted at that position is an accepted draft
+    emitted: jax.Array  # [B] int32 tokens emitted (1..k+1 for active rows, 0 otherwise)
+    generated: jax.Array  # [B] int32 tokens produced so far, these included
+    counts: jax.Array  # [B, V] int32 output token counts, these included
+    stopped: jax.Array  # [B] bool a stop token or the budget ended the row
+
+    def last_token(self) -> jax.Array:
+        """Each row's last emitted token `[B]` (-1 where none was)."""
+        return jnp.take_along_axis(self.tokens, jnp.maximum(self.emitted - 1, 0)[:, None], axis=1)[:, 0]
+
+
+def accept_drafts(logits: jax.Array, drafts: list[jax.Array], qs: list[jax.Array], sampling: SamplingArrays,
+                  seen: jax.Array, counts: jax.Array, generated: jax.Array, active: jax.Array) -> Verdict:
+    """Step 4 of the module doc for `active [B]` rows: walk the verified positions (`logits [B, k+1, V]`
+    of `[t_L, d_1..d_k]`), keeping each draft `drafts[j]` (drawn from `qs[j]`) while it is accepted and
+    emitting the correction or bonus token where the walk ends; a stop token or the budget
+    (`sampling.max_new_tokens`, counting `generated`) ends a row at once."""
+    k = len(drafts)
+    done, alive = jnp.zeros_like(active), active
+    out, ok_out, emitted = [], [], jnp.zeros_like(generated)
+    for j in range(k + 1):
+        draft, q = (drafts[j], qs[j]) if j < k else (None, None)
+        token, ok = verify_token(logits[:, j], draft, q, sampling, seen, counts, generated)
+        out.append(jnp.where(alive, token, -1))
+        ok_out.append(alive & ok)
+        counts = update_counts(counts, token, alive)
+        generated = generated + alive
+        emitted = emitted + alive
+        stop = alive & (is_stop_token(token, sampling) | (generated >= sampling.max_new_tokens))
+        done = done | stop
+        alive = alive & ok & ~stop
+    return Verdict(jnp.stack(out, axis=1), jnp.stack(ok_out, axis=1), emitted, generated, counts, done)
 
 
 def _mtp_attend(cache: KVCache, positions: jax.Array, cfg: Config):
@@ -182,37 +253,25 @@ def speculative_step(params: Params, state: SpecState, sampling: SamplingArrays,
         q_logits = jnp.take_along_axis(q_all, last[..., None], axis=1)[:, 0]
         h = jnp.take_along_axis(h_all, last[..., None], axis=1)[:, 0]
         mtp_cache = dataclasses.replace(mtp_cache, lengths=caught_up)
-    drafts, qs, counts = [], [], state.counts
     with jax.named_scope("draft"):
-        for j in range(k):
-            if j:
-                q_step, h_step, mtp_cache = run_mtp(params, mtp_cache, h[:, None], drafts[-1][:, None], cfg=cfg,
-                                                    mesh=mesh, rules=rules)
-                q_logits, h = q_step[:, 0], h_step[:, 0]
-            d, q = draft_token(q_logits, sampling, state.prompt_seen, counts, state.generated + j)
-            counts = update_counts(counts, d)
-            drafts.append(d)
-            qs.append(q)
+        def recurse(h: jax.Array, previous: jax.Array) -> tuple[jax.Array, jax.Array]:
+            nonlocal mtp_cache
+            q_step, h_step, mtp_cache = run_mtp(params, mtp_cache, h[:, None], previous[:, None], cfg=cfg, mesh=mesh,
+                                                rules=rules)
+            return q_step[:, 0], h_step[:, 0]
+
+        drafts, qs = draft_tokens_recursively(q_logits, h, recurse, k, sampling, state.prompt_seen, state.counts,
+                                              state.generated)
         mtp_cache = dataclasses.replace(mtp_cache, lengths=caught_up)  # the recursive latents are provisional
     fed = jnp.stack([state.last, *drafts], axis=1)
     logits, hidden, cache = model.verify(params, state.cache, fed, cfg=cfg, mesh=mesh, rules=rules)
     with jax.named_scope("accept"):
-        counts, generated, done, alive = state.counts, state.generated, state.done, active
-        out, emitted, accepted = [], jnp.zeros_like(generated), jnp.zeros((), jnp.int32)
-        for j in range(k + 1):
-            draft, q = (drafts[j], qs[j]) if j < k else (None, None)
-            token, ok = verify_token(logits[:, j], draft, q, sampling, state.prompt_seen, counts, generated)
-            out.append(jnp.where(alive, token, -1))
-            counts = update_counts(counts, token, alive)
-            generated = generated + alive
-            emitted = emitted + alive
-            stop = alive & (is_stop_token(token, sampling) | (generated >= sampling.max_new_tokens))
-            done = done | stop
-            accepted = accepted + jnp.sum(alive & ok)
-            alive = alive & ok & ~stop
-        out = jnp.stack(out, axis=1)
-        new_last = jnp.take_along_axis(out, jnp.maximum(emitted - 1, 0)[:, None], axis=1)[:, 0]
-        cache = dataclasses.replace(cache, lengths=state.cache.lengths + emitted)
+        verdict = accept_drafts(logits, drafts, qs, sampling, state.prompt_seen, state.counts, state.generated,
+                                active)
+        new_last = verdict.last_token()
+        cache = dataclasses.replace(cache, lengths=state.cache.lengths + verdict.emitted)
+        out, emitted, generated, counts = verdict.tokens, verdict.emitted, verdict.generated, verdict.counts
+        done, accepted = state.done | verdict.stopped, jnp.sum(verdict.accepted)
     new = SpecState(cache, mtp_cache, jnp.where(emitted > 0, new_last, state.last), hidden, jnp.maximum(out, 0),
                     emitted, done, generated, state.prompt_seen, counts,
                     state.drafted + k * jnp.sum(active), state.accepted + accepted)
