@@ -7,6 +7,7 @@ transformers.
     python -m dsr1.bench plan --preset deepseek-r1 --quant int8 [--target 8xH100|8xH200|v5e-64|v5p-64]
         [--mesh expert=8,tensor=8] [--hbm GIB]
     python -m dsr1.bench load [--preset bench | --model PATH] [--quant int8] [--cache cold|warm] [--repeats 3]
+    python -m dsr1.bench quality [--model PATH] [--text FILE] [--draft-tokens 1,2,3] [--plot PNG]
 
 Results go to stdout as Markdown tables (progress to stderr); `--json PATH` also writes them as JSON.
 """
@@ -39,6 +40,8 @@ from .compare_hf import (
 )
 from .loading import add_load_options, run_load
 from .plan import add_plan_options, run_plan
+from .quality import __doc__ as QUALITY_DOC
+from .quality import add_quality_options, run_quality
 from .report import (
     COMPARE_NOTES,
     DECODE_NOTES,
@@ -297,6 +300,10 @@ def parser() -> argparse.ArgumentParser:
                                      "with scales; or takes --model), then alternates a raw sequential read of its "
                                      "files and a dsr1.load of it, and reports both in GB/s and their ratio.")
     add_load_options(lod)
+    qua = sub.add_parser("quality", help="held-out bits per byte by precision, and MTP speculative decoding "
+                                         "(acceptance, speedup) of a trained model (default: the demo model)",
+                         description=QUALITY_DOC.split("\n\n")[0])
+    add_quality_options(qua)
     return ap
 
 
@@ -306,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "compare-hf" and args.new_tokens < 2:
         raise SystemExit("--new-tokens must be at least 2 (the first token comes from the prefill)")
     commands = {"decode": run_decode, "compare-hf": run_compare_hf, "serve": run_serve, "plan": run_plan,
-                "load": run_load}
+                "load": run_load, "quality": run_quality}
     result = commands[args.command](args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))
