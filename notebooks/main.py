@@ -140,7 +140,9 @@ assert 0 < len(completion.tokens) <= 48
 # %%
 # %%everywhere
 spec_prompts = ["Now is the winter of our discontent"]
-spec_runs = {k: dsr1.generate(model, spec_prompts, tokenizer=tokenizer, max_new_tokens=48, draft_tokens=k)
+greedy = dsr1.Sampling(temperature=0.0, seed=0)   # every process passes the same arrays (a seed, not a random one)
+spec_runs = {k: dsr1.generate(model, spec_prompts, tokenizer=tokenizer, sampling=greedy, max_new_tokens=48,
+                              draft_tokens=k)
              for k in ((0, 1, 2) if "mtp" in model.params else (0,))}
 
 # %%
