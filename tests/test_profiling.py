@@ -70,9 +70,13 @@ def test_status_line_and_compile_times():
     from dsr1.workbench.widgets import CompileTimes, status_line
 
     r = SimpleNamespace(completions=[SimpleNamespace(finish_reason="length")], prefill_seconds=2.0,
-                        prefill_tokens=100, decode_tokens=10, decode_tokens_per_second=10.0)
+                        prefill_tokens=100, decode_tokens=10, decode_tokens_per_second=10.0, draft_acceptance=None)
     line = status_line(r, prefill_compile_seconds=1.5, compile_seconds=1.8)
     assert "prefill 200 tok/s" in line and "decode 10.0 tok/s" in line and "compilation 1.8 s" in line
+    assert "drafts" not in line
+    r.draft_acceptance = 0.75
+    assert "75% of MTP drafts accepted" in status_line(r, 0.0, 0.0)
+    r.draft_acceptance = None
     assert "compilation" not in status_line(r, 0.0, 0.0) and "prefill 50 tok/s" in status_line(r, 0.0, 0.0)
     import jax
     import jax.numpy as jnp

@@ -164,22 +164,29 @@ def _greedy_main_and_draft(params, tokens, *, cfg, mesh, rules):
     return logits.argmax(-1), drafts.argmax(-1)
 
 
-def teacher_forced_acceptance(model: Model, tokens: Any, batch: int = 16) -> float:
-    """The MTP module's first-draft acceptance on `tokens [T]` (or `[B, T]`) under greedy decoding,
-    teacher-forced: the share of positions t (0 <= t <= T - 2) where the module's argmax for token
-    t+2 (from h_t and the true token t+1) equals the model's argmax at t+1. Needs a model loaded with
-    `mtp=True`."""
+def draft_agreement(model: Model, tokens: Any, batch: int = 16) -> np.ndarray:
+    """Teacher-forced agreement `[B, T - 1]` (bool) of `tokens [T]` or `[B, T]`: at t, whether the MTP
+    module's argmax for token t+2 (from h_t and the true token t+1) equals the model's argmax at t+1,
+    i.e. whether greedy speculative decoding would accept the first draft. Needs `mtp=True`."""
     if "mtp" not in model.params:
-        raise ValueError("teacher_forced_acceptance needs the MTP module: load the model with mtp=True")
+        raise ValueError("teacher-forced acceptance needs the MTP module: load the model with mtp=True")
     tokens = np.atleast_2d(np.asarray(tokens, np.int32))
     if tokens.shape[1] < 2:
-        raise ValueError(f"teacher_forced_acceptance needs at least 2 tokens per row, got {tokens.shape[1]}")
+        raise ValueError(f"teacher-forced acceptance needs at least 2 tokens per row, got {tokens.shape[1]}")
     agree = []
     for i in range(0, len(tokens), batch):  # [batch, T, V] logits at a time
         main, draft = (np.asarray(a) for a in _greedy_main_and_draft(model.params, jnp.asarray(tokens[i:i + batch]),
                                                                       **model.program_kwargs))
         agree.append(draft[:, :-1] == main[:, 1:])  # the draft at T-1 has no true next token
-    return float(np.concatenate(agree).mean())
+    return np.concatenate(agree)
+
+
+def teacher_forced_acceptance(model: Model, tokens: Any, batch: int = 16) -> float:
+    """The MTP module's first-draft acceptance on `tokens [T]` (or `[B, T]`) under greedy decoding,
+    teacher-forced: the share of positions t (0 <= t <= T - 2) where the module's argmax for token
+    t+2 (from h_t and the true token t+1) equals the model's argmax at t+1 (`draft_agreement`).
+    Needs a model loaded with `mtp=True`."""
+    return float(draft_agreement(model, tokens, batch).mean())
 
 
 def draft_rows(model: Model, tok: Tokenizer, prompts: list[list[int]], new_tokens: int, ks: list[int],
@@ -266,7 +273,8 @@ def bpb_rows(folder: Path, rows: np.ndarray, nbytes: np.ndarray, decode_windows:
     for variant, cache_dtype in (("bf16 weights, bf16 cache", None), ("bf16 weights, int8 cache", "int8")):
         t = time.perf_counter()
         model = load(folder, dtype="bfloat16", kv_cache_dtype=cache_dtype, progress=False)
-        add(variant, f"decode, {len(cached)} windows", model, bits_per_byte_decoded, cached, t)
+        add(variant, f"decode, {len(cached)} window{'s' * (len(cached) > 1)}", model, bits_per_byte_decoded,
+            cached, t)
     return out
 
 
@@ -296,7 +304,9 @@ def print_tables(result: dict[str, Any]) -> None:
               f"| {r['speedup']:.2f}x | {r['same_tokens']} |")
     print("\nshare of drafts accepted: `GenerationResult.draft_acceptance`, accepted / drafted tokens (mean over "
           "prompts); it is the first-draft acceptance only at k=1 (generate does not expose per-position counts). "
-          "decode tok/s: decode tokens / decode seconds over all prompts, best pass after a compiling warm-up.")
+          "decode tok/s: decode tokens / decode seconds over all prompts, best pass after a compiling warm-up. "
+          "same tokens: every prompt's greedy tokens equal k=0's (in bfloat16 a near tie may round differently in "
+          "the multi-token verify step than in the one-token decode step).")
 
 
 def run_quality(args: argparse.Namespace) -> dict[str, Any]:
@@ -363,8 +373,9 @@ def add_quality_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=_positive, default=64, help="greedy tokens per prompt (default: 64)")
     p.add_argument("--draft-tokens", type=_positive_list, default=[1, 2, 3],
                    help="comma-separated k to run besides k=0 (default: 1,2,3)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
-                   help="weights of the drafting runs (default: bfloat16)")
+    p.add_argument("--dtype", default="float32", choices=("bfloat16", "float32"),
+                   help="weights of the drafting runs (default: float32; in bfloat16 the multi-token verify step and "
+                        "the one-token decode step round differently, so a near tie can change a greedy token)")
     p.add_argument("--repeats", type=_positive, default=2, help="timed passes over the prompts per k; the fastest "
                    "is reported (default: 2)")
     p.add_argument("--plot", metavar="PNG", help="write the two-panel figure (matplotlib) here")
