@@ -14,6 +14,20 @@ Each `step()`:
    already runs this step — and hands them to their requests (streaming, stop strings, budgets).
 
 So the host's planning of step n+1 overlaps the device's step n, with no threads for the model.
+
+**MTP speculative decoding** (`draft_tokens=k`, a model loaded with its MTP module): each decode
+iteration drafts k tokens with the MTP module, verifies `[last token, d_1..d_k]` in one `extend`
+against the row's pages and keeps 1..k+1 of them (`dsr1.generation.speculative`'s acceptance:
+greedy rows give exactly the tokens they give without drafts, sampled rows follow the model's
+distribution). The MTP module's latents live in a one-layer pool under the same page ids, filled
+by every prefill chunk and every iteration as far as the model's (`dsr1.programs`, "serving with
+MTP drafts"). Prefix-cache pages carry them: a request served from the cache reads the MTP
+latents of the request that wrote the pages, nothing is recomputed. One caveat: the MTP latent
+at a page's last position read the token after the page in the writer's sequence; a request that
+diverges from it exactly there reads that one latent as the writer computed it. This can only
+change which drafts are proposed (acceptance), never the output: greedy tokens are the model's,
+and sampled ones follow its distribution whatever the drafter proposes. `stats().draft_acceptance`
+and `Request.draft_acceptance` report the share of drafts accepted.
 A decoding row's next input is its slot's last sampled token, kept on device, so planning needs no
 token from the step still running. `stats()` reports the host's time per step (planning,
 dispatch, reading tokens) next to the device's.
@@ -92,6 +106,9 @@ class EngineStats:
     host_ms_per_step: float
     wait_ms_per_step: float
     device_ms_per_step: float
+    drafted_tokens: int = 0  # MTP drafts verified (draft_tokens > 0)
+    accepted_drafts: int = 0  # ... and accepted
+    draft_acceptance: float | None = None  # accepted / drafted (None without drafts or before any)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,11 +145,15 @@ class Engine:
       max_seq_len: the longest prompt + output (default: the model's limit, or the pool's size).
       prefix_caching: reuse cached prefixes (False: every prompt is prefilled in full).
       tokenizer: for text and chat prompts and output text (default: loaded on the first text prompt).
+      draft_tokens: MTP speculative decoding with k drafts per decode iteration (0: off); the model
+        needs its MTP module (`dsr1.load(..., mtp=True)`, `dsr1.init_random(..., mtp=True)`).
     """
 
     def __init__(self, model: Model, *, max_seqs: int = 8, page_size: int = 16, num_pages: int = 512,
                  prefill_chunk: int = 64, prefill_rows: int = 2, host_cache_bytes: int = 0, decode_steps: int = 4,
-                 max_seq_len: int | None = None, prefix_caching: bool = True, tokenizer: Tokenizer | None = None):
+                 max_seq_len: int | None = None, prefix_caching: bool = True, tokenizer: Tokenizer | None = None,
+                 draft_tokens: int = 0):
+        _check_draft_tokens(model, draft_tokens)
         if max_seq_len is None:
             max_seq_len = min(model.cfg.max_position_embeddings, (num_pages - 1) * page_size)
         if max_seq_len > model.cfg.max_position_embeddings:
@@ -140,12 +161,14 @@ class Engine:
                              f"{model.cfg.max_position_embeddings}")
         self.model = model
         self.config = SchedulerConfig(max_seqs, page_size, num_pages, prefill_chunk, prefill_rows, max_seq_len,
-                                      decode_steps)
+                                      decode_steps, draft_tokens)
         self.tokenizer = tokenizer
-        pool = PagePool(programs.paged_cache(cfg=model.cfg, mesh=model.mesh, num_pages=num_pages, page_size=page_size,
-                                             dtype=model.dtype, kv_cache_dtype=model.kv_cache_dtype), model.mesh)
+        sizes = dict(cfg=model.cfg, mesh=model.mesh, num_pages=num_pages, page_size=page_size, dtype=model.dtype,
+                     kv_cache_dtype=model.kv_cache_dtype)
+        pool = PagePool(programs.paged_cache(**sizes), model.mesh,
+                        mtp_cache=programs.mtp_paged_cache(**sizes) if draft_tokens else None)
         self._runner = DeviceRunner(model, pool, max_seqs=max_seqs, max_seq_len=max_seq_len,
-                                    decode_steps=decode_steps)
+                                    decode_steps=decode_steps, draft_tokens=draft_tokens)
         # Several processes: process 0 decides and broadcasts each step's work; the others follow.
         self._channel = StepChannel() if jax.process_count() > 1 else None
         self.is_leader = jax.process_index() == 0
@@ -282,7 +305,7 @@ class Engine:
         admissions = tuple(Admission(seq.slot, host_sampling([seq.request.sampling]),
                                      np.asarray(seq.request.prompt, np.int32)) for seq in plan.admitted)
         calls = tuple(lane_rows(lanes, *shape, cfg.max_seqs) for lanes, shape in
-                      ((plan.prefill, cfg.prefill_shape(plan.prefill) if plan.prefill else None),
+                      ((plan.prefill, _widened(cfg.prefill_shape(plan.prefill), cfg) if plan.prefill else None),
                        (plan.decode, (cfg.decode_shape(plan.decode), 1) if plan.decode else None)) if lanes)
         return StepWork(self._log.take(), admissions, calls, plan.page_table if calls else None)
 
@@ -300,13 +323,20 @@ class Engine:
     def _read(self, step: _InFlight) -> float:
         """Wait for a dispatched step's tokens and hand them out; returns the seconds waited."""
         start = time.perf_counter()
-        results = [[Sampled.unpack(s) for s in to_host(out)] for _, out in step.calls]
+        results = [[self._unpack(s) for s in to_host(out)] for _, out in step.calls]
         ready = time.perf_counter()
         self._timing.device += ready - max(step.dispatched_at, self._timing.last_ready)
         self._timing.last_ready = ready
         for (lanes, _), steps in zip(step.calls, results):
-            self.scheduler.complete(lanes, steps)
+            sampled, accepted = zip(*steps)
+            self.scheduler.complete(lanes, sampled, accepted if self.config.draft_tokens else None)
         return ready - start
+
+    def _unpack(self, packed: np.ndarray) -> tuple[Sampled, np.ndarray | None]:
+        """One step of a call's output: what was sampled, and (with drafts) which tokens are accepted drafts."""
+        if self.config.draft_tokens:
+            return programs.unpack_verified(packed)
+        return Sampled.unpack(packed), None
 
     def _record(self, elapsed: float, waited: float, counted: bool) -> None:
         if counted:
@@ -325,7 +355,8 @@ class Engine:
         with self._step_lock:
             warm_up_ops(self._log)
             admit = Admission(cfg.max_seqs, host_sampling([Sampling(seed=0)]), np.zeros(1, np.int32))  # dropped
-            shapes = (*cfg.prefill_shapes, *((rows, 1) for rows in cfg.decode_shapes))
+            shapes = (*(_widened(shape, cfg) for shape in cfg.prefill_shapes),
+                      *((rows, 1) for rows in cfg.decode_shapes))
             calls = [lane_rows((), rows, chunk, cfg.max_seqs) for rows, chunk in shapes]
             for rows in cfg.decode_shapes if cfg.decode_steps > 1 else ():
                 calls.append(lane_rows((), rows, 1, cfg.max_seqs))  # multi-step: idle rows ask for every step
@@ -353,7 +384,24 @@ class Engine:
                 host_bytes=cache.host_bytes, generated_tokens=s.generated_tokens, steps=t.steps,
                 tokens_per_second=s.generated_tokens / t.busy if t.busy else 0.0,
                 host_ms_per_step=t.host * per_step, wait_ms_per_step=t.wait * per_step,
-                device_ms_per_step=t.device * per_step)
+                device_ms_per_step=t.device * per_step, drafted_tokens=s.drafted_tokens,
+                accepted_drafts=s.accepted_drafts,
+                draft_acceptance=s.accepted_drafts / s.drafted_tokens if s.drafted_tokens else None)
+
+
+def _check_draft_tokens(model: Model, draft_tokens: int) -> None:
+    """`draft_tokens` is an integer >= 0, and > 0 only for a model with its MTP module."""
+    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 0:
+        raise ValueError(f"draft_tokens must be an integer >= 0 (0 = off), got {draft_tokens!r}")
+    if draft_tokens and "mtp" not in model.params:
+        raise ValueError("draft_tokens > 0 needs the model's MTP module: load it with dsr1.load(..., mtp=True) "
+                         "(or dsr1.init_random(..., mtp=True) with num_nextn_predict_layers >= 1)")
+
+
+def _widened(shape: tuple[int, int], cfg: SchedulerConfig) -> tuple[int, int]:
+    """A prefill call's `(rows, chunk)` as its rows' width: with drafts, one lookahead token more."""
+    rows, chunk = shape
+    return rows, chunk + cfg.prefill_width
 
 
 def _lane_groups(plan: StepPlan) -> tuple[tuple[Lane, ...], ...]:

@@ -6,11 +6,12 @@ Two halves, so that every JAX process can run the copies process 0's prefix cach
   *record* `PageOp`s (host copies are named by integer ids it hands out) and return at once. The
   engine takes the recorded ops into the step's `StepWork`, which every process runs in order.
 - `PagePool` owns the current `PagedKVCache` (every program that writes it returns a new one,
-  which replaces it) and *runs* the ops: a save dispatches a copy of whole pages (every layer's
-  `c_kv`, `c_scale`, `k_pe`) and starts its transfer to host memory without waiting; a restore
-  writes host copies back into fresh pages; a release drops host copies. Copies go through
-  fixed-size programs (`COPY_BATCH` pages per call, padded with the scratch page) so they never
-  compile after warm-up.
+  which replaces it) and, with MTP drafts, the MTP module's one-layer pool under the same page ids
+  (`mtp_cache`), and *runs* the ops: a save dispatches a copy of whole pages (every layer's
+  `c_kv`, `c_scale`, `k_pe`, in both pools) and starts its transfer to host memory without waiting;
+  a restore writes host copies back into fresh pages; a release drops host copies. Copies go
+  through fixed-size programs (`COPY_BATCH` pages per call, padded with the scratch page) so they
+  never compile after warm-up.
 
 Across processes each process keeps its own host copies, under the ids process 0 gave them: the
 pool is replicated over the mesh (`dsr1.programs.paged_cache`), so a process's local replica of a
@@ -84,54 +85,59 @@ class PageLog:
         return ops
 
 
-class _Copied:
-    """One `copy_pages` result (`COPY_BATCH` pages on device, on their way to the host), turned
-    into numpy once, when the first of its pages is needed."""
+Latents = tuple[np.ndarray | None, ...]  # (c_kv, k_pe, c_scale) of one pool, in host memory
 
-    def __init__(self, contents: PagedKVCache):
+
+class _Copied:
+    """The `copy_pages` results of one batch (`COPY_BATCH` pages on device, one result per pool, on
+    their way to the host), turned into numpy once, when the first of its pages is needed."""
+
+    def __init__(self, contents: tuple[PagedKVCache, ...]):
         for leaf in jax.tree.leaves(contents):
             leaf.copy_to_host_async()
-        self._device: PagedKVCache | None = contents
-        self._host: tuple[np.ndarray | None, ...] | None = None
+        self._device: tuple[PagedKVCache, ...] | None = contents
+        self._host: tuple[Latents, ...] | None = None
 
-    def host(self) -> tuple[np.ndarray | None, ...]:
+    def host(self) -> tuple[Latents, ...]:
         if self._host is None:
-            c = self._device
-            self._host = tuple(None if a is None else to_host(a) for a in (c.c_kv, c.k_pe, c.c_scale))
+            self._host = tuple(tuple(None if a is None else to_host(a) for a in (c.c_kv, c.k_pe, c.c_scale))
+                               for c in self._device)
             self._device = None
         return self._host
 
 
 class HostPage:
-    """One page's latents for every layer in host memory: `c_kv [L, page_size, r]`, `k_pe [L, page_size,
-    rope]`, `c_scale [L, page_size]` or None (still in flight until `settle`)."""
+    """One page's latents for every layer in host memory, per pool (the model's, then the MTP module's if
+    any): `c_kv [L, page_size, r]`, `k_pe [L, page_size, rope]`, `c_scale [L, page_size]` or None
+    (still in flight until `settle`)."""
 
     def __init__(self, copied: _Copied, index: int):
         self._copied: _Copied | None = copied
         self._index = index
-        self._arrays: tuple[np.ndarray | None, ...] | None = None
+        self._arrays: tuple[Latents, ...] | None = None
 
-    def arrays(self) -> tuple[np.ndarray | None, ...]:
-        """`(c_kv, k_pe, c_scale)`; waits for the copy if it is still in flight."""
+    def arrays(self) -> tuple[Latents, ...]:
+        """`(c_kv, k_pe, c_scale)` of each pool; waits for the copy if it is still in flight."""
         self.settle()
         return self._arrays
 
     def settle(self) -> None:
         """Take this page's own copy out of its batch (so the batch can be freed)."""
         if self._arrays is None:
-            batch = self._copied.host()
-            self._arrays = tuple(None if a is None else np.array(a[:, self._index]) for a in batch)
+            self._arrays = tuple(tuple(None if a is None else np.array(a[:, self._index]) for a in pool)
+                                 for pool in self._copied.host())
             self._copied = None
 
 
 class PagePool:
-    """The device page pool (`cache`) and this process's host copies of its pages, by id; runs
-    `PageOp`s (see the module docstring)."""
+    """The device page pool (`cache`; with MTP drafts also `mtp_cache`, the same pages of the MTP module)
+    and this process's host copies of its pages, by id; runs `PageOp`s (see the module docstring)."""
 
-    def __init__(self, cache: PagedKVCache, mesh: Mesh):
+    def __init__(self, cache: PagedKVCache, mesh: Mesh, mtp_cache: PagedKVCache | None = None):
         self.cache = cache
+        self.mtp_cache = mtp_cache
         self.mesh = mesh
-        self.page_bytes = cache.nbytes() // cache.c_kv.shape[1]
+        self.page_bytes = sum(pool.nbytes() // pool.c_kv.shape[1] for pool in self.pools)
         self.copies: dict[int, HostPage] = {}
         self._this_step: list[HostPage] = []  # copies dispatched for the current step
         self._earlier: list[HostPage] = []  # copies dispatched before it: done once its previous step is read
@@ -149,17 +155,26 @@ class PagePool:
             else:
                 raise ValueError(f"unknown page operation {op.kind!r}; expected one of {PAGE_OP_KINDS}")
 
+    @property
+    def pools(self) -> tuple[PagedKVCache, ...]:
+        """The model's pool, then the MTP module's if any."""
+        return (self.cache,) if self.mtp_cache is None else (self.cache, self.mtp_cache)
+
     def _save(self, pages: np.ndarray, ids: np.ndarray) -> None:
-        contents = programs.copy_pages(self.cache, put_replicated(_padded(pages), self.mesh), mesh=self.mesh)
-        copied = _Copied(contents)
+        placed = put_replicated(_padded(pages), self.mesh)
+        copied = _Copied(tuple(programs.copy_pages(pool, placed, mesh=self.mesh) for pool in self.pools))
         for index, copy_id in enumerate(ids.tolist()):
             self.copies[copy_id] = HostPage(copied, index)
             self._this_step.append(self.copies[copy_id])
 
     def _restore(self, pages: np.ndarray, copies: Sequence[HostPage]) -> None:
-        contents = _stacked([c.arrays() for c in copies])
-        self.cache = programs.restore_pages(self.cache, put_replicated(_padded(pages), self.mesh),
-                                            put_replicated(contents, self.mesh), mesh=self.mesh)
+        placed = put_replicated(_padded(pages), self.mesh)
+        pools = [programs.restore_pages(pool, placed, put_replicated(_stacked([c.arrays()[i] for c in copies]),
+                                                                     self.mesh), mesh=self.mesh)
+                 for i, pool in enumerate(self.pools)]
+        self.cache = pools[0]
+        if self.mtp_cache is not None:
+            self.mtp_cache = pools[1]
 
     def begin_step(self) -> None:
         """A new step is being dispatched: copies dispatched so far precede the previous step's programs."""
@@ -201,7 +216,7 @@ def _padded(batch: np.ndarray) -> np.ndarray:
     return out
 
 
-def _stacked(arrays: Sequence[tuple[np.ndarray | None, ...]]) -> PagedKVCache:
+def _stacked(arrays: Sequence[Latents]) -> PagedKVCache:
     """Host pages `(c_kv, k_pe, c_scale)` as one `COPY_BATCH`-page pool (zero padding)."""
     def stack(parts: list[np.ndarray | None]) -> np.ndarray | None:
         if parts[0] is None:

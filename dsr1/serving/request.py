@@ -41,6 +41,8 @@ class Request:
         self.thinking = thinking  # the prompt opened R1's <think> block
         self.submitted_at = time.perf_counter()
         self.cached_tokens = 0  # prompt tokens served from the prefix cache (set at admission)
+        self.drafted_tokens = 0  # with MTP drafts: drafts verified for this request
+        self.accepted_drafts = 0  # ... and accepted (each an output token that cost no step of its own)
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
         self._output = RowOutput(tokenizer, sampling)
@@ -150,6 +152,16 @@ class Request:
             stopped = self._output.stopped
         self._notify(piece)
         return stopped
+
+    def count_drafts(self, drafted: int, accepted: int) -> None:
+        """(Engine) One draft-verify iteration verified `drafted` MTP drafts and kept `accepted` of them."""
+        self.drafted_tokens += drafted
+        self.accepted_drafts += accepted
+
+    @property
+    def draft_acceptance(self) -> float | None:
+        """The share of this request's drafts accepted (None before any was verified, or without drafts)."""
+        return self.accepted_drafts / self.drafted_tokens if self.drafted_tokens else None
 
     def finish(self, reason: str) -> None:
         """(Engine) The request is over: flush held-back text, record `reason`, wake waiters."""

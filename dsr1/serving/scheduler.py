@@ -39,6 +39,18 @@ steps (each row at most its remaining budget), so the dispatch, the transfers an
 are paid once per `decode_steps` tokens per row, as `dsr1.generate` pays them once per chunk. The
 price: a request that arrives, or a slot freed by a stop, waits until the call ends, and a stop is
 seen up to `2 * decode_steps - 1` tokens late (those tokens are discarded, as above).
+
+**MTP drafts** (`draft_tokens=k`). A decode call then runs draft-verify-accept iterations
+(`dsr1.programs.serve_draft_step`) and keeps 1..k+1 tokens per row per iteration, decided on
+device: the host plans without knowing how far a row got, so it bounds it. `Running.sampled`
+counts one token per dispatched iteration (a lower bound, corrected when the tokens are read) and
+`Running.fed` the most positions the dispatched iterations may have written (k+1 per iteration,
+never past the request's last position), which is what pages are allocated for; the verified
+positions never go past a request's budget, so its reservation is unchanged. A call's output holds
+k+1 entries per iteration, -1 where nothing was kept. Prompt chunks carry one more token, the
+prompt's token after the chunk (the MTP module's input at the chunk's last position). A finished
+request's pages enter the prefix cache up to its last known token but one: every position before
+it is written in both pools, whatever the in-flight calls do.
 """
 
 from __future__ import annotations
@@ -72,11 +84,14 @@ class SchedulerConfig:
     prefill_rows: int
     max_seq_len: int
     decode_steps: int = 1  # decode steps per call when no prompt is being prefilled
+    draft_tokens: int = 0  # MTP drafts per decode iteration (0: none)
 
     def __post_init__(self) -> None:
         for name in ("max_seqs", "page_size", "prefill_chunk", "prefill_rows", "max_seq_len", "decode_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.draft_tokens < 0:
+            raise ValueError(f"draft_tokens must be >= 0, got {self.draft_tokens}")
         if self.num_pages < 2:
             raise ValueError(f"num_pages={self.num_pages}: need the scratch page and at least one more")
         if self.prefill_rows > self.max_seqs:
@@ -108,6 +123,12 @@ class SchedulerConfig:
     def decode_shape(self, lanes: Sequence[Lane]) -> int:
         """The fewest decode rows that hold `lanes`."""
         return min(r for r in self.decode_shapes if r >= len(lanes))
+
+    @property
+    def prefill_width(self) -> int:
+        """Token columns a prefill row carries beyond its chunk: 1 with drafts (the prompt's token after
+        the chunk, see the module docstring), else 0."""
+        return 1 if self.draft_tokens else 0
 
     @property
     def table_width(self) -> int:
@@ -208,6 +229,7 @@ class Scheduler:
         self._free_slots = list(range(config.max_seqs))
         self._page_table = np.full((config.max_seqs, config.table_width), SCRATCH_PAGE, np.int32)
         self.prompt_tokens = self.generated_tokens = self.finished = 0
+        self.drafted_tokens = self.accepted_drafts = 0  # MTP drafts verified, and accepted (delivered)
 
     @property
     def waiting(self) -> int:
@@ -291,7 +313,8 @@ class Scheduler:
             start, count = seq.fed, min(self.config.prefill_chunk, seq.prompt_len - seq.fed)
             self._grow(seq, start + count)
             last = start + count == seq.prompt_len
-            lanes.append(Lane(seq, start, count, tuple(seq.tokens[start:start + count]), sample=last, sample_index=0,
+            width = count + self.config.prefill_width  # with drafts, the prompt's next token too (if any)
+            lanes.append(Lane(seq, start, count, tuple(seq.tokens[start:start + width]), sample=last, sample_index=0,
                               feed_last=False))
             seq.fed += count
             seq.sampled += last
@@ -305,23 +328,58 @@ class Scheduler:
             if not seq.decoding:
                 continue
             runs = min(steps, seq.request.sampling.max_new_tokens - seq.sampled)
-            self._grow(seq, seq.fed + runs)
+            # With drafts an iteration writes up to k+1 positions, never past the request's last one.
+            fed = min(seq.fed + runs * (self.config.draft_tokens + 1),
+                      seq.prompt_len + seq.request.sampling.max_new_tokens - 1)
+            self._grow(seq, fed)
             lanes.append(Lane(seq, seq.fed, 1, (), sample=True, sample_index=seq.sampled, feed_last=True, steps=runs))
-            seq.fed += runs
+            seq.fed = fed
             seq.sampled += runs
         return lanes
 
     # ---- results -------------------------------------------------------------------------------
-    def complete(self, lanes: Sequence[Lane], steps: Sequence[Sampled]) -> None:
+    def complete(self, lanes: Sequence[Lane], steps: Sequence[Sampled],
+                 accepted: Sequence[np.ndarray] | None = None) -> None:
         """Hand a call's sampled tokens (each of its steps' rows in lane order) to their requests, with
         their log-probabilities where asked for, and finish the requests that hit a stop token or
         string or their budget. Lanes of requests finished since they were planned, or during the
-        call, are ignored."""
-        for i, sampled in enumerate(steps):
-            for row, lane in enumerate(lanes):
-                if lane.sample and i < lane.steps and not lane.seq.finished:
-                    self._deliver(lane.seq, int(sampled.tokens[row]),
-                                  sampled.logprob(row, lane.seq.request.top_logprobs))
+        call, are ignored. With drafts, `accepted` says per step and row whether the token is an
+        accepted draft, and a decode call's steps are its iterations' verified positions (k+1 each,
+        token -1 where nothing was kept)."""
+        k = self.config.draft_tokens
+        for row, lane in enumerate(lanes):
+            if not lane.sample:
+                continue
+            if k and lane.feed_last:
+                self._complete_drafts(lane, row, steps, accepted)
+                continue
+            for sampled in steps[:lane.steps]:
+                if lane.seq.finished:
+                    break
+                self._deliver(lane.seq, int(sampled.tokens[row]), sampled.logprob(row, lane.seq.request.top_logprobs))
+
+    def _complete_drafts(self, lane: Lane, row: int, steps: Sequence[Sampled], accepted: Sequence[np.ndarray]) -> None:
+        """A decode lane's tokens with drafts, iteration by iteration; counts the drafts each iteration
+        could verify (`min(k, budget left)`) and those accepted, and corrects `Running.sampled`."""
+        seq, width = lane.seq, self.config.draft_tokens + 1
+        kept = 0
+        for start in range(0, lane.steps * width, width):
+            tokens = [int(s.tokens[row]) for s in steps[start:start + width]]
+            if seq.finished or tokens[0] < 0:
+                break
+            left = seq.request.sampling.max_new_tokens - (len(seq.tokens) - seq.prompt_len)
+            drafted, taken = min(width - 1, left), 0
+            for j, token in enumerate(tokens):
+                if token < 0 or seq.finished:
+                    break
+                taken += bool(accepted[start + j][row])
+                kept += 1
+                self._deliver(seq, token, steps[start + j].logprob(row, seq.request.top_logprobs))
+            seq.request.count_drafts(drafted, taken)
+            self.drafted_tokens += drafted
+            self.accepted_drafts += taken
+        if not seq.finished:
+            seq.sampled += kept - lane.steps  # the plan counted one token per iteration
 
     def _deliver(self, seq: Running, token: int, logprob: TokenLogprob | None) -> None:
         seq.tokens.append(token)
@@ -334,7 +392,8 @@ class Scheduler:
     def _finish(self, seq: Running, reason: str) -> None:
         """Release a request: its written full pages join the prefix cache, its pages and slot are freed."""
         seq.finished = True
-        written = min(seq.fed, len(seq.tokens))  # tokens both known here and written by a dispatched step
+        # Tokens both known here and written by a dispatched step (with drafts, the last known one may not be).
+        written = min(seq.fed, len(seq.tokens) - (1 if self.config.draft_tokens else 0))
         self.prefix_cache.insert(seq.tokens[:written], seq.pages)
         self.allocator.free(seq.pages)
         self._page_table[seq.slot] = SCRATCH_PAGE

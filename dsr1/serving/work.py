@@ -9,6 +9,12 @@ all of them dispatch the same programs with the same inputs in the same order.
 
 The runner owns what the programs carry from step to step on device: the page pool (`PagePool`,
 with this process's host copies of offloaded pages) and the per-slot `SlotState`.
+
+With MTP drafts (`draft_tokens=k`) the runner carries a `DraftSlotState` and the pool's MTP pages,
+and runs the draft programs instead: a call of one-token rows is a decode call
+(`programs.serve_draft_step`), any wider one a prefill call whose rows carry one lookahead token
+(`programs.serve_draft_prefill`). The call's shape alone decides, so the broadcast `StepWork`
+needs nothing more.
 """
 
 from __future__ import annotations
@@ -68,13 +74,19 @@ def device_sampling(host: SamplingArrays, mesh: jax.sharding.Mesh) -> SamplingAr
 class DeviceRunner:
     """Dispatches `StepWork` on this process's devices; holds the page pool and the slot state."""
 
-    def __init__(self, model: Model, pool: PagePool, *, max_seqs: int, max_seq_len: int, decode_steps: int = 1):
+    def __init__(self, model: Model, pool: PagePool, *, max_seqs: int, max_seq_len: int, decode_steps: int = 1,
+                 draft_tokens: int = 0):
         self.model = model
         self.pool = pool
         self.max_seq_len = max_seq_len
         self.decode_steps = decode_steps
+        self.draft_tokens = draft_tokens
         idle = device_sampling(host_sampling([Sampling(seed=0)] * max_seqs), model.mesh)
-        self.state = programs.slot_state(idle, mesh=model.mesh, vocab_size=model.cfg.vocab_size)
+        if draft_tokens:
+            self.state = programs.draft_slot_state(idle, mesh=model.mesh, vocab_size=model.cfg.vocab_size,
+                                                   hidden_size=model.cfg.hidden_size)
+        else:
+            self.state = programs.slot_state(idle, mesh=model.mesh, vocab_size=model.cfg.vocab_size)
 
     def run(self, work: StepWork) -> tuple[jax.Array, ...]:
         """Dispatch the step (returns at once); the sampled tokens `[rows]` of each call, on device."""
@@ -85,22 +97,40 @@ class DeviceRunner:
         admissions = [programs.pack_admission(a.slot, a.sampling, a.prompt, self.max_seq_len) for a in work.admissions]
         calls = [work.page_table, *(rows.pack() for rows in work.calls)] if work.calls else []
         placed = put_replicated([*admissions, *calls], self.model.mesh) if admissions or calls else []
+        admit = programs.admit_draft_slot if self.draft_tokens else programs.admit_slot
         for packed in placed[:len(admissions)]:
             with jax.named_scope("admit"):  # a slot's sampling settings and prompt (for penalties)
-                self.state = programs.admit_slot(self.state, packed, mesh=self.model.mesh)
+                self.state = admit(self.state, packed, mesh=self.model.mesh)
         if not work.calls:
             return ()
         table, *rows = placed[len(admissions):]
-        return tuple(self._serve(packed, table, self.call_steps(call)) for packed, call in zip(rows, work.calls))
+        return tuple(self._serve(packed, table, self.call_steps(call), decode=call.tokens.shape[1] == 1)
+                     for packed, call in zip(rows, work.calls))
 
     def call_steps(self, rows: StepRows) -> int:
         """The call's decode steps: `decode_steps` for a multi-step call (some row runs more than one;
         every process derives the same from the same rows), else 1."""
         return self.decode_steps if int(np.max(rows.steps)) > 1 else 1
 
-    def _serve(self, packed_rows: jax.Array, table: jax.Array, steps: int) -> jax.Array:
+    def _serve(self, packed_rows: jax.Array, table: jax.Array, steps: int, decode: bool) -> jax.Array:
+        if self.draft_tokens:
+            return self._serve_drafts(packed_rows, table, steps, decode)
         with jax.named_scope("serve"):
             tokens, self.pool.cache, self.state = programs.serve_step(
                 self.model.params, self.pool.cache, self.state, packed_rows, table, steps=steps,
                 **self.model.program_kwargs)
+        return tokens
+
+    def _serve_drafts(self, packed_rows: jax.Array, table: jax.Array, steps: int, decode: bool) -> jax.Array:
+        """A call with drafts on: `decode` (one-token rows) drafts, verifies and accepts; else a prefill."""
+        pool, kwargs = self.pool, self.model.program_kwargs
+        if decode:
+            with jax.named_scope("serve_drafts"):
+                tokens, pool.cache, pool.mtp_cache, self.state = programs.serve_draft_step(
+                    self.model.params, pool.cache, pool.mtp_cache, self.state, packed_rows, table,
+                    draft_tokens=self.draft_tokens, steps=steps, **kwargs)
+            return tokens
+        with jax.named_scope("serve_prefill"):
+            tokens, pool.cache, pool.mtp_cache, self.state = programs.serve_draft_prefill(
+                self.model.params, pool.cache, pool.mtp_cache, self.state, packed_rows, table, **kwargs)
         return tokens
