@@ -49,10 +49,10 @@ def _oracle(monkeypatch, sequences: np.ndarray) -> None:
     table = jnp.asarray(sequences)
     original = speculative.run_mtp
 
-    def oracle(params, cache, hidden, next_tokens, **kw):
-        logits, x, new_cache = original(params, cache, hidden, next_tokens, **kw)
-        positions = jnp.clip(cache.lengths[:, None] + jnp.arange(hidden.shape[1]) + 2, 0, table.shape[1] - 1)
-        wanted = jnp.take_along_axis(table, positions, axis=1)
+    def oracle(params, cache, hidden, next_tokens, last, **kw):
+        logits, x, new_cache = original(params, cache, hidden, next_tokens, last, **kw)
+        positions = jnp.clip(cache.lengths + last + 2, 0, table.shape[1] - 1)
+        wanted = jnp.take_along_axis(table, positions[:, None], axis=1)[:, 0]
         return 50.0 * jax.nn.one_hot(wanted, logits.shape[-1]), x, new_cache
 
     jax.clear_caches()
@@ -126,8 +126,8 @@ def test_sampling_with_drafts_follows_the_model(mtp_model, monkeypatch):
 
     original = speculative.run_mtp
 
-    def drafter(params, cache, hidden, next_tokens, **kw):
-        logits, x, new_cache = original(params, cache, hidden, next_tokens, **kw)
+    def drafter(params, cache, hidden, next_tokens, last, **kw):
+        logits, x, new_cache = original(params, cache, hidden, next_tokens, last, **kw)
         return jnp.broadcast_to(jnp.asarray(crafted), logits.shape), x, new_cache
 
     jax.clear_caches()

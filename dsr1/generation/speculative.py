@@ -36,7 +36,7 @@ from ..core import model
 from ..core.attention import attend_cached, attend_prefill
 from ..core.cache import KVCache, append_tokens, cache_from_prefill
 from ..core.config import Config
-from ..core.mtp import mtp_step
+from ..core.mtp import mtp_logits, mtp_module, mtp_step
 from ..core.params import Params
 from ..core.sharding import ShardingRules, keep_replicated
 from .sampling import (
@@ -79,11 +79,9 @@ def _key(sampling: SamplingArrays, index: jax.Array, stream: int) -> jax.Array:
     return jax.vmap(lambda k: jax.random.fold_in(k, stream))(keys)
 
 
-def _transformed(logits: jax.Array, sampling: SamplingArrays, seen: jax.Array,
-                 counts: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The penalized logits (greedy rows' argmax) and the sampling distribution `[B, V]` of `sample`."""
-    penalized = apply_penalties(logits, sampling, seen, counts)
-    return penalized, jax.nn.softmax(apply_filters(penalized, sampling), axis=-1)
+def _distribution(penalized: jax.Array, sampling: SamplingArrays) -> jax.Array:
+    """The sampling distribution `[B, V]` of `sample` from penalized logits (only sampled rows need it)."""
+    return jax.nn.softmax(apply_filters(penalized, sampling), axis=-1)
 
 
 def _categorical(keys: jax.Array, probs: jax.Array) -> jax.Array:
@@ -99,24 +97,31 @@ def _if_sampling(sampling: SamplingArrays, draw, greedy_result, *operands):
 
 def draft_token(q_logits: jax.Array, sampling: SamplingArrays, seen: jax.Array, counts: jax.Array,
                 index: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """A draft `[B]` from the MTP module's logits (argmax for greedy rows, else a draw) and `q [B, V]`."""
-    penalized, q = _transformed(q_logits, sampling, seen, counts)
+    """A draft `[B]` from the MTP module's logits (argmax for greedy rows, else a draw from `q`) and the
+    penalized logits `[B, V]` that `q` derives from (`_distribution`; derived again where a verification
+    needs it, so that all-greedy steps never compute a distribution)."""
+    penalized = apply_penalties(q_logits, sampling, seen, counts)
     greedy = argmax(penalized)
-    drawn = _if_sampling(sampling, lambda q: _categorical(_key(sampling, index, _DRAFT), q), greedy, q)
-    return jnp.where(sampling.temperature > 0, drawn, greedy), q
+    drawn = _if_sampling(sampling, lambda x: _categorical(_key(sampling, index, _DRAFT), _distribution(x, sampling)),
+                         greedy, penalized)
+    return jnp.where(sampling.temperature > 0, drawn, greedy), penalized
 
 
-def verify_token(p_logits: jax.Array, draft: jax.Array | None, q: jax.Array | None, sampling: SamplingArrays,
-                 seen: jax.Array, counts: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array]:
+def verify_token(p_logits: jax.Array, draft: jax.Array | None, q_penalized: jax.Array | None,
+                 sampling: SamplingArrays, seen: jax.Array, counts: jax.Array,
+                 index: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The token emitted at one verified position and whether it is the draft (`[B]`, `[B]` bool).
-    `draft` None: the bonus position after k acceptances (a plain draw from `p`)."""
-    penalized, p = _transformed(p_logits, sampling, seen, counts)
+    `q_penalized`: what `draft_token` returned with `draft`. `draft` None: the bonus position after
+    k acceptances (a plain draw from `p`)."""
+    penalized = apply_penalties(p_logits, sampling, seen, counts)
     greedy = argmax(penalized)
     if draft is None:
-        drawn = _if_sampling(sampling, lambda p: _categorical(_key(sampling, index, _CORRECT), p), greedy, p)
-        return jnp.where(sampling.temperature > 0, drawn, greedy), jnp.zeros(p.shape[0], bool)
+        drawn = _if_sampling(sampling, lambda x: _categorical(_key(sampling, index, _CORRECT),
+                                                              _distribution(x, sampling)), greedy, penalized)
+        return jnp.where(sampling.temperature > 0, drawn, greedy), jnp.zeros(penalized.shape[0], bool)
 
-    def rejection_sample(p: jax.Array, q: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def rejection_sample(p_penalized: jax.Array, q_penalized: jax.Array) -> tuple[jax.Array, jax.Array]:
+        p, q = _distribution(p_penalized, sampling), _distribution(q_penalized, sampling)
         p_d = jnp.take_along_axis(p, draft[:, None], axis=-1)[:, 0]
         q_d = jnp.take_along_axis(q, draft[:, None], axis=-1)[:, 0]
         u = jax.vmap(jax.random.uniform)(_key(sampling, index, _ACCEPT))
@@ -125,7 +130,8 @@ def verify_token(p_logits: jax.Array, draft: jax.Array | None, q: jax.Array | No
         residual = jnp.where(total > 0, residual / jnp.where(total > 0, total, 1.0), p)
         return u * q_d < p_d, _categorical(_key(sampling, index, _CORRECT), residual)
 
-    keep_sampled, corrected = _if_sampling(sampling, rejection_sample, (draft == greedy, greedy), p, q)
+    keep_sampled, corrected = _if_sampling(sampling, rejection_sample, (draft == greedy, greedy), penalized,
+                                           q_penalized)
     sampled = sampling.temperature > 0
     accepted = jnp.where(sampled, keep_sampled, draft == greedy)
     token = jnp.where(accepted, draft, jnp.where(sampled, corrected, greedy))
@@ -136,8 +142,9 @@ def draft_tokens_recursively(q_logits: jax.Array, h: jax.Array,
                              recurse: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]], k: int,
                              sampling: SamplingArrays, seen: jax.Array, counts: jax.Array,
                              generated: jax.Array) -> tuple[list[jax.Array], list[jax.Array]]:
-    """Step 2 of the module doc: `k` drafts `[B]` and the distributions `q [B, V]` they came from, from
-    the module's logits `q_logits [B, V]` and output `h [B, D]` at the row's last caught-up position.
+    """Step 2 of the module doc: `k` drafts `[B]` and the penalized logits `[B, V]` of the distributions
+    `q` they came from (`draft_token`), from the module's logits `q_logits [B, V]` and output `h [B, D]`
+    at the row's last caught-up position.
     `recurse(h, draft)` applies the module once more at the next position (its own output `h` and the
     draft as the next token) and returns its logits and output there."""
     drafts, qs = [], []
@@ -171,8 +178,9 @@ class Verdict:
 def accept_drafts(logits: jax.Array, drafts: list[jax.Array], qs: list[jax.Array], sampling: SamplingArrays,
                   seen: jax.Array, counts: jax.Array, generated: jax.Array, active: jax.Array) -> Verdict:
     """Step 4 of the module doc for `active [B]` rows: walk the verified positions (`logits [B, k+1, V]`
-    of `[t_L, d_1..d_k]`), keeping each draft `drafts[j]` (drawn from `qs[j]`) while it is accepted and
-    emitting the correction or bonus token where the walk ends; a stop token or the budget
+    of `[t_L, d_1..d_k]`), keeping each draft `drafts[j]` (drawn from the `q` whose penalized logits
+    are `qs[j]`, as `draft_tokens_recursively` returns them) while it is accepted and emitting the
+    correction or bonus token where the walk ends; a stop token or the budget
     (`sampling.max_new_tokens`, counting `generated`) ends a row at once."""
     k = len(drafts)
     done, alive = jnp.zeros_like(active), active
@@ -199,14 +207,17 @@ def _mtp_attend(cache: KVCache, positions: jax.Array, cfg: Config):
     return attend
 
 
-def run_mtp(params: Params, cache: KVCache, hidden: jax.Array, next_tokens: jax.Array, *, cfg: Config,
-            mesh: Mesh, rules: ShardingRules) -> tuple[jax.Array, jax.Array, KVCache]:
+def run_mtp(params: Params, cache: KVCache, hidden: jax.Array, next_tokens: jax.Array, last: jax.Array, *,
+            cfg: Config, mesh: Mesh, rules: ShardingRules) -> tuple[jax.Array, jax.Array, KVCache]:
     """The MTP module on T positions per row at `cache.lengths + t` (`hidden [B, T, D]`, `next_tokens
-    [B, T]`) against its own cache: logits `[B, T, V]`, its output `[B, T, D]`, and the cache with
+    [B, T]`) against its own cache: its logits `[B, V]` and output `[B, D]` at each row's position
+    `last [B]` (0 <= last < T; the head runs there only: a draft needs no other), and the cache with
     the T positions appended (the caller sets `lengths` to what is real)."""
     positions = cache.lengths[:, None] + jnp.arange(hidden.shape[1])
-    logits, x, (c_kv, k_pe) = mtp_step(params, hidden, next_tokens, _mtp_attend(cache, positions, cfg), cfg=cfg,
-                                       mesh=mesh, rules=rules, index=MTP_MODULE)
+    _, x, (c_kv, k_pe) = mtp_step(params, hidden, next_tokens, _mtp_attend(cache, positions, cfg), cfg=cfg,
+                                  mesh=mesh, rules=rules, index=MTP_MODULE)  # its all-position logits: unused
+    x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
+    logits = keep_replicated(mtp_logits(mtp_module(params, MTP_MODULE)[0], x, cfg), mesh)
     cache = append_tokens(cache, c_kv[None], k_pe[None])
     return logits, x, jax.tree.map(lambda a: keep_replicated(a, mesh), cache)
 
@@ -246,19 +257,16 @@ def speculative_step(params: Params, state: SpecState, sampling: SamplingArrays,
     k = draft_tokens
     active = ~state.done
     with jax.named_scope("mtp_catch_up"):
-        q_all, h_all, mtp_cache = run_mtp(params, state.mtp_cache, state.pending_hidden, state.pending_tokens,
-                                          cfg=cfg, mesh=mesh, rules=rules)
+        q_logits, h, mtp_cache = run_mtp(params, state.mtp_cache, state.pending_hidden, state.pending_tokens,
+                                         jnp.maximum(state.pending_count - 1, 0), cfg=cfg, mesh=mesh, rules=rules)
         caught_up = state.mtp_cache.lengths + state.pending_count
-        last = jnp.maximum(state.pending_count - 1, 0)[:, None]
-        q_logits = jnp.take_along_axis(q_all, last[..., None], axis=1)[:, 0]
-        h = jnp.take_along_axis(h_all, last[..., None], axis=1)[:, 0]
         mtp_cache = dataclasses.replace(mtp_cache, lengths=caught_up)
     with jax.named_scope("draft"):
         def recurse(h: jax.Array, previous: jax.Array) -> tuple[jax.Array, jax.Array]:
             nonlocal mtp_cache
-            q_step, h_step, mtp_cache = run_mtp(params, mtp_cache, h[:, None], previous[:, None], cfg=cfg, mesh=mesh,
-                                                rules=rules)
-            return q_step[:, 0], h_step[:, 0]
+            q_step, h_step, mtp_cache = run_mtp(params, mtp_cache, h[:, None], previous[:, None],
+                                                jnp.zeros_like(previous), cfg=cfg, mesh=mesh, rules=rules)
+            return q_step, h_step
 
         drafts, qs = draft_tokens_recursively(q_logits, h, recurse, k, sampling, state.prompt_seen, state.counts,
                                               state.generated)
