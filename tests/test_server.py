@@ -765,3 +765,25 @@ def test_completions_logprobs_whole_and_stream(client, tiny, tokenizer, refs):
     assert [o for s in streamed for o in s.text_offset] == logprobs.text_offset
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
 
+
+
+def test_serve_draft_tokens_runs_the_engine_with_mtp_drafts():
+    """`python -m dsr1 serve --draft-tokens 1` loads the demo model with its MTP module and drafts; the
+    metrics count the drafts verified and accepted."""
+    from dsr1.__main__ import _parser
+    from dsr1.server.cli import build_engine
+    from dsr1.server.metrics import Metrics
+
+    args = _parser().parse_args(["serve", "--draft-tokens", "1", "--dtype", "float32", "--max-seqs", "2",
+                                 "--num-pages", "32", "--max-seq-len", "128", "--no-warmup"])
+    engine = build_engine(args)
+    assert engine.config.draft_tokens == 1 and "mtp" in engine.model.params
+    request = engine.submit("To be, or not to be,", sampling=Sampling(temperature=0.0), max_new_tokens=12)
+    while engine.step():
+        pass
+    stats = engine.stats()
+    assert request.finished_at is not None and stats.drafted_tokens > 0 and stats.accepted_drafts > 0
+    text = Metrics(engine.stats, lambda: 0).render().decode()
+    samples = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    assert samples["dsr1_spec_decode_draft_tokens_total"] == stats.drafted_tokens
+    assert samples["dsr1_spec_decode_accepted_tokens_total"] == stats.accepted_drafts

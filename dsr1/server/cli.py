@@ -3,6 +3,7 @@ SIGTERM (see `lifecycle` for the graceful shutdown).
 
     python -m dsr1 serve --model /ckpt/DeepSeek-R1 --quant int8 --max-seqs 16 --port 8000
     python -m dsr1 serve                                          # the embedded demo model
+    python -m dsr1 serve --draft-tokens 1                         # ... with MTP speculative decoding
     python -m dsr1 serve --preset tiny --dtype float32            # random weights: the text is noise
     DSR1_API_KEY=secret python -m dsr1 serve --host 0.0.0.0 ...   # any non-loopback address needs a key
 """
@@ -41,11 +42,11 @@ def build_engine(args: argparse.Namespace) -> Engine:
     """The model (`--model`, the demo model, `--preset` or `--config`) and an engine of the requested sizes, warmed up
     unless `--no-warmup` (so that no request waits for a compilation). On a cluster every process
     builds it; only process 0 warms it up (the others join in `follow()`)."""
-    model = model_from_options(args)
+    model = model_from_options(args, mtp=args.draft_tokens > 0)
     engine = Engine(model, max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
                     prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows,
                     decode_steps=args.decode_steps, host_cache_bytes=args.host_cache_bytes,
-                    max_seq_len=args.max_seq_len,
+                    max_seq_len=args.max_seq_len, draft_tokens=args.draft_tokens,
                     prefix_caching=not args.no_prefix_caching, tokenizer=load_tokenizer(checkpoint_from_options(args)))
     if engine.is_leader and not args.no_warmup:
         print("compiling the engine's programs...", file=sys.stderr, flush=True)

@@ -58,6 +58,8 @@ class _EngineCollector(Collector):
             "dsr1_offloaded_pages": ("prefix-cache pages copied to host memory", s.offloaded_pages),
             "dsr1_reloaded_pages": ("prefix-cache pages brought back from host memory", s.reloaded_pages),
             "dsr1_engine_steps": ("engine steps", s.steps),
+            "dsr1_spec_decode_draft_tokens": ("MTP draft tokens verified (--draft-tokens)", s.drafted_tokens),
+            "dsr1_spec_decode_accepted_tokens": ("MTP draft tokens accepted", s.accepted_drafts),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)

@@ -63,6 +63,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--prefill-rows", type=int, default=2, help="requests prefilling per step (default: 2)")
     engine.add_argument("--decode-steps", type=int, default=4,
                         help="decode steps per engine call while no prompt is prefilled (default: 4)")
+    engine.add_argument("--draft-tokens", type=int, default=0, metavar="K",
+                        help="MTP speculative decoding: K tokens drafted per decode iteration by the model's MTP "
+                             "module, verified in one step (default: 0, off; the model needs an MTP layer)")
     engine.add_argument("--host-cache-bytes", type=int, default=0,
                         help="host memory for evicted prefix-cache pages (default: 0, no offload)")
     engine.add_argument("--max-seq-len", type=int,
