@@ -23,7 +23,7 @@ from dsr1.train import corpus as corpus_mod
 from dsr1.train.bpe import chat_template, r1_special_tokens
 from dsr1.train.data import batch_at, chat_documents, token_byte_lengths
 from dsr1.train.loop import RunOptions, export_trained, held_out_bpb, one_device_mesh, prepare_data, train
-from dsr1.train.step import TrainSettings, compute_params, has_mtp_module, token_nll, update_router_bias
+from dsr1.train.step import TrainSettings, compute_params, token_nll, update_router_bias
 from dsr1.weights.release import expected_tensors
 
 WORDS = ("love honour night king sword crown blood sweet gentle lord lady heaven death fair speak heart "
@@ -145,10 +145,12 @@ def test_training_reduces_the_loss(trained):
     assert all(np.isfinite(h["loss"]) for h in history)
 
 
-@pytest.mark.skipif(not has_mtp_module(), reason="dsr1.core.mtp is not there yet")
 def test_mtp_loss_is_trained(trained):
-    _, _, history = trained
+    _, state, history = trained
     assert "mtp_ce" in history[0] and history[-1]["mtp_ce"] < history[0]["mtp_ce"]
+    # The MTP block's experts are balanced as the model's: its balance loss and router bias move too.
+    assert history[0]["mtp_balance"] > 0 and history[0]["mtp_max_load_ratio"] >= 1.0
+    assert not np.allclose(np.asarray(state.params["mtp"]["block"]["moe"]["router_bias"]), 0.0)
 
 
 def test_router_bias_update_moves_toward_balance(trained):
@@ -157,6 +159,9 @@ def test_router_bias_update_moves_toward_balance(trained):
     load = jnp.asarray([[10.0, 2.0, 4.0, 0.0]])
     bias = update_router_bias(params, load, 0.5)["moe_layers"]["moe"]["router_bias"]
     assert np.allclose(bias, [[-0.5, 0.5, 0.0, 0.5]])  # mean load 4: busy experts down, idle up
+    params["mtp"] = {"block": {"moe": {"router_bias": jnp.zeros((1, 4))}}}
+    nudged = update_router_bias(params, load, 0.5, mtp_load=load[0][::-1])
+    assert np.allclose(nudged["mtp"]["block"]["moe"]["router_bias"], [[0.5, 0.0, 0.5, -0.5]])
     trained_bias = np.asarray(state.params["moe_layers"]["moe"]["router_bias"])
     assert not np.allclose(trained_bias, 0.0)
     # Balancing: starting from a strongly biased router, the updates bring the load back toward balance.

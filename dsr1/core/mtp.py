@@ -11,7 +11,8 @@ stream `h_i` (before the final norm) and the embedding of the next token `t_{i+1
 `m_i` plays the role of `h_i` for a further step, so applying the module again drafts further
 ahead (speculative decoding with k > 1 drafts).
 
-- `mtp_forward`: full sequences (training, and tests); differentiable.
+- `mtp_forward`: full sequences (tests, benchmarks); differentiable. `mtp_forward_train` adds the
+  module's router statistics (training balances its experts as the model's).
 - `mtp_step`: the same computation with any attention (`dsr1.generation.speculative` runs it
   against the MTP module's own latent cache).
 """
@@ -58,19 +59,40 @@ def mtp_logits(p: dict, x: jax.Array, cfg: Config) -> jax.Array:
                       preferred_element_type=jnp.float32)
 
 
+def _mtp_block(params: Params, hidden: jax.Array, next_tokens: jax.Array, attend, *, cfg: Config, mesh: Mesh,
+               rules: ShardingRules, index: int, train: bool):
+    """Module `index`'s input projection and block: its output `[B, T, D]`, the new latents and the
+    routed expert ids (`RouterStats` with `train`; None for a dense block)."""
+    p, routed = mtp_module(params, index)
+    block = p["block"] if routed is None else {**p["block"], "moe": {**p["block"]["moe"], **routed}}
+    with jax.named_scope("mtp"):
+        x = keep_replicated(mtp_input(p, hidden, next_tokens, cfg), mesh)
+        layer = None if routed is None else jnp.asarray(index, jnp.int32)
+        x, (latents, routing) = _block(block, x, attend, cfg, mesh, rules, layer, train)
+        return p, x, latents, routing
+
+
 def mtp_step(params: Params, hidden: jax.Array, next_tokens: jax.Array, attend, *, cfg: Config, mesh: Mesh,
              rules: ShardingRules, index: int = 0, train: bool = False):
     """MTP module `index` on `hidden [B, T, D]` and `next_tokens [B, T]`, with `attend(block_params,
     normed_x) -> (out, (c_kv, k_pe))` as its attention. Returns `(logits [B, T, V] float32,
     mtp_hidden [B, T, D] float32, (c_kv, k_pe))`: the new latents for the module's own cache.
     `train`: differentiable experts (see `dsr1.core.moe.moe`)."""
-    p, routed = mtp_module(params, index)
-    block = p["block"] if routed is None else {**p["block"], "moe": {**p["block"]["moe"], **routed}}
+    p, x, latents, _ = _mtp_block(params, hidden, next_tokens, attend, cfg=cfg, mesh=mesh, rules=rules, index=index,
+                                  train=train)
     with jax.named_scope("mtp"):
-        x = keep_replicated(mtp_input(p, hidden, next_tokens, cfg), mesh)
-        layer = None if routed is None else jnp.asarray(index, jnp.int32)
-        x, (latents, _) = _block(block, x, attend, cfg, mesh, rules, layer, train)
         return keep_replicated(mtp_logits(p, x, cfg), mesh), x, latents
+
+
+def mtp_forward_train(params: Params, hidden: jax.Array, next_tokens: jax.Array, *, cfg: Config, mesh: Mesh,
+                      rules: ShardingRules, index: int = 0):
+    """`mtp_forward` over full (unpadded) training rows, for `dsr1.train`: the logits `[B, T, V]` and
+    the module's `RouterStats` (its load and sequence-wise balance loss, as the model's MoE layers
+    report theirs; None for a dense block)."""
+    positions = jnp.broadcast_to(jnp.arange(hidden.shape[1]), next_tokens.shape)
+    p, x, _, stats = _mtp_block(params, hidden, next_tokens, lambda p, h: attend_prefill(p, h, positions, cfg),
+                                cfg=cfg, mesh=mesh, rules=rules, index=index, train=True)
+    return keep_replicated(mtp_logits(p, x, cfg), mesh), stats
 
 
 def mtp_forward(params: Params, hidden: jax.Array, next_tokens: jax.Array, lengths: jax.Array, *, cfg: Config,

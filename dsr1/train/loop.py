@@ -145,8 +145,10 @@ def train(opts: RunOptions, *, resume: bool = False, mesh: Mesh | None = None,
     for step in range(start, opts.steps):
         batch = replicate(jnp.asarray(batch_at(data.train, step, opts.batch, opts.seq_len, opts.seed)), mesh)
         state, metrics = step_fn(state, batch)
-        record = {k: float(v) for k, v in metrics.items() if k != "load"}
+        record = {k: float(v) for k, v in metrics.items() if k not in ("load", "mtp_load")}
         record["max_load_ratio"] = float(_max_load_ratio(metrics.get("load")))
+        if "mtp_load" in metrics:
+            record["mtp_max_load_ratio"] = float(_max_load_ratio(metrics["mtp_load"]))
         history.append(record)
         done = step + 1
         if done == start + 1:  # the first step compiles: the rate counts the steps after it

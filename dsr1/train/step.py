@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -22,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..core.config import Config
 from ..core.model import forward_train
+from ..core.mtp import mtp_forward_train
 from ..core.params import _init_leaf, float_specs, is_spec
 from ..core.sharding import ShardingRules
 
@@ -47,11 +47,6 @@ class TrainState(NamedTuple):
     params: Params  # float32 master weights, the MTP module under "mtp"
     opt_state: Any
     step: jax.Array  # int32 scalar
-
-
-def has_mtp_module() -> bool:
-    """Whether `dsr1.core.mtp` (the full-sequence MTP forward) exists in this dsr1."""
-    return importlib.util.find_spec("dsr1.core.mtp") is not None
 
 
 def init_master(cfg: Config, seed: int) -> Params:
@@ -93,16 +88,12 @@ def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 def mtp_logits(params: Params, hidden: jax.Array, next_tokens: jax.Array, *, cfg: Config, mesh: Mesh,
-               rules: ShardingRules) -> jax.Array | None:
-    """The depth-1 MTP module's logits `[B, T, V]` for the token after `next_tokens`, or None when this
-    dsr1 has no `dsr1.core.mtp` (the module's weights are then trained by nothing)."""
-    if "mtp" not in params or not has_mtp_module():
-        return None
-    from ..core import mtp  # the MTP module's full-sequence forward
-
-    lengths = jnp.full((hidden.shape[0],), hidden.shape[1], jnp.int32)
-    logits, _ = mtp.mtp_forward(params, hidden, next_tokens, lengths, cfg=cfg, mesh=mesh, rules=rules)
-    return logits
+               rules: ShardingRules):
+    """The depth-1 MTP module's logits `[B, T, V]` for the token after `next_tokens` and its
+    `RouterStats` (None for a dense block); `(None, None)` without an MTP module."""
+    if "mtp" not in params:
+        return None, None
+    return mtp_forward_train(params, hidden, next_tokens, cfg=cfg, mesh=mesh, rules=rules)
 
 
 def loss_fn(master: Params, batch: jax.Array, *, cfg: Config, mesh: Mesh, rules: ShardingRules,
@@ -118,21 +109,35 @@ def loss_fn(master: Params, batch: jax.Array, *, cfg: Config, mesh: Mesh, rules:
     metrics = {"ce": ce, "balance": balance}
     if stats is not None:
         metrics["load"] = stats.load
-    extra = mtp_logits(params, hidden, targets, cfg=cfg, mesh=mesh, rules=rules)
+    extra, mtp_stats = mtp_logits(params, hidden, targets, cfg=cfg, mesh=mesh, rules=rules)
     if extra is not None:
         metrics["mtp_ce"] = token_nll(extra, after).mean()
         loss = loss + settings.mtp_weight * metrics["mtp_ce"]
+    if mtp_stats is not None:  # the MTP block's experts are balanced as the model's
+        metrics["mtp_load"], metrics["mtp_balance"] = mtp_stats.load, mtp_stats.balance
+        loss = loss + settings.balance_alpha * mtp_stats.balance
     metrics["loss"] = loss
     return loss, metrics
 
 
-def update_router_bias(params: Params, load: jax.Array, gamma: float) -> Params:
-    """Auxiliary-loss-free balancing: each MoE layer's bias `+= gamma * sign(mean load - load)`."""
-    if "moe_layers" not in params:
-        return params
-    moe = params["moe_layers"]["moe"]
-    bias = moe["router_bias"] + gamma * jnp.sign(load.mean(-1, keepdims=True) - load)
-    return {**params, "moe_layers": {**params["moe_layers"], "moe": {**moe, "router_bias": bias}}}
+def _nudged(bias: jax.Array, load: jax.Array, gamma: float) -> jax.Array:
+    """`bias + gamma * sign(mean load - load)` over the last (expert) axis: busy experts down, idle up."""
+    return bias + gamma * jnp.sign(load.mean(-1, keepdims=True) - load)
+
+
+def update_router_bias(params: Params, load: jax.Array, gamma: float, mtp_load: jax.Array | None = None) -> Params:
+    """Auxiliary-loss-free balancing: each MoE layer's bias (`load [L_moe, E]`) and, with `mtp_load [E]`,
+    the drafting MTP module's (module 0) moves by `gamma * sign(mean load - load)`."""
+    if "moe_layers" in params:
+        moe = params["moe_layers"]["moe"]
+        moe = {**moe, "router_bias": _nudged(moe["router_bias"], load, gamma)}
+        params = {**params, "moe_layers": {**params["moe_layers"], "moe": moe}}
+    if mtp_load is not None:
+        block = params["mtp"]["block"]
+        bias = block["moe"]["router_bias"]
+        block = {**block, "moe": {**block["moe"], "router_bias": bias.at[0].set(_nudged(bias[0], mtp_load, gamma))}}
+        params = {**params, "mtp": {**params["mtp"], "block": block}}
+    return params
 
 
 def replicate(tree: Any, mesh: Mesh) -> Any:
@@ -160,7 +165,7 @@ def make_train_step(cfg: Config, mesh: Mesh, rules: ShardingRules,
         updates, opt_state = opt.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         if "load" in metrics:
-            params = update_router_bias(params, metrics["load"], settings.bias_gamma)
+            params = update_router_bias(params, metrics["load"], settings.bias_gamma, metrics.get("mtp_load"))
         metrics["grad_norm"] = optax.tree.norm(grads)
         return TrainState(params, opt_state, state.step + 1), metrics
 
