@@ -167,6 +167,31 @@ def test_watchdog_ends_a_stuck_call_when_an_engine_is_dead():
         run_watched(lambda: 1 / 0, list, lambda d: RuntimeError("no"))
 
 
+def test_engine_calls_skip_an_engine_that_unregisters_meanwhile():
+    """A killed engine leaves `client.ids` when the hub notices, possibly between reading the ids and
+    a call on them (ipyparallel raises KeyError for its id): the call goes to the engines left."""
+    from dsr1.workbench.cluster import _on_live_engines
+
+    class Client:
+        ids = [0, 1, 2]
+
+        def spin(self):
+            pass
+
+    client, calls = Client(), []
+
+    def call(targets):
+        calls.append(targets)
+        if 0 in targets:
+            client.ids = [1, 2]  # engine 0 unregistered just now
+            raise KeyError(0)
+
+    _on_live_engines(client, call, [0, 1, 2])
+    assert calls == [[0, 1, 2], [1, 2]]
+    _on_live_engines(client, call, [0])  # none left: nothing to call
+    assert len(calls) == 2
+
+
 def test_gloo_connection_lines_are_dropped_from_native_stdout():
     code = ("import os, sys\nfrom dsr1.workbench.native_output import drop_native_stdout_lines\n"
             "drop_native_stdout_lines()\n"

@@ -57,7 +57,7 @@ import os
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -703,6 +703,24 @@ def storage_everywhere(cluster: Cluster, paths: list[str] | None = None, *,
 
 # ----------------------------------------------------------------------------- troubleshooting
 
+def _on_live_engines(client: Any, call: Callable[[list[int]], Any], targets: Iterable[int], tries: int = 3) -> None:
+    """`call(ids)` on those of `targets` still registered. A dead engine unregisters when the hub
+    notices its heartbeat stop, which can fall between reading the ids and the call (ipyparallel then
+    raises KeyError for its id): the call is retried on the engines left."""
+    targets = set(targets)
+    for attempt in range(tries):
+        live = sorted(targets & set(client.ids))
+        if not live:
+            return
+        try:
+            call(live)
+            return
+        except KeyError:
+            if attempt == tries - 1:
+                raise
+            client.spin()
+
+
 def abort_stale(cluster: Cluster, *, interrupt: bool = False, timeout: float = 10.0) -> int:
     """Abort the tasks still queued on the engines (e.g. left by an interrupted cell); with
     ``interrupt=True`` also send SIGINT to engines still running one. Returns how many tasks were
@@ -713,11 +731,10 @@ def abort_stale(cluster: Cluster, *, interrupt: bool = False, timeout: float = 1
     outstanding = list(client.outstanding)
     if not outstanding:
         return 0
-    ids = sorted(client.ids)
-    if ids:
-        client.abort(jobs=outstanding, targets=ids, block=False)
-        if interrupt:
-            client.send_signal(signal.SIGINT, targets=ids, block=False)
+    ids = client.ids
+    _on_live_engines(client, lambda targets: client.abort(jobs=outstanding, targets=targets, block=False), ids)
+    if interrupt:
+        _on_live_engines(client, lambda targets: client.send_signal(signal.SIGINT, targets=targets, block=False), ids)
     deadline = time.monotonic() + timeout
     while client.outstanding & set(outstanding) and time.monotonic() < deadline:
         client.spin()
@@ -753,7 +770,7 @@ def reset_engines(cluster: Cluster, *, n: int | None = None, timeout: float = 18
     reset_here()
     abort_stale(cluster, interrupt=True, timeout=5)
     if old:
-        client.shutdown(targets=sorted(old), hub=False, block=False)
+        _on_live_engines(client, lambda targets: client.shutdown(targets=targets, hub=False, block=False), old)
         deadline = time.monotonic() + 3  # engines stuck in a collective do not exit: the scripts stop them
         while set(client.ids) & old and time.monotonic() < deadline:
             time.sleep(0.2)
