@@ -168,25 +168,34 @@ def attend_decode(p: dict, x: jax.Array, positions: jax.Array, c_cache: jax.Arra
 
 
 def attend_cached(p: dict, x: jax.Array, positions: jax.Array, c_cache: jax.Array, c_scale: jax.Array | None,
-                  pe_cache: jax.Array, lengths: jax.Array, cfg: Config):
+                  pe_cache: jax.Array, lengths: jax.Array, cfg: Config, query_at: jax.Array | None = None):
     """T new tokens per row, `x [B, T, D]` at `positions [B, T]` (`lengths[b] + t`), against
     `lengths[b]` cached positions of a contiguous cache and causally to each other (decode, and the
     multi-token verification of speculative decoding).
 
     Absorbed form. The new tokens' latents join the softmax directly, so the cache is only read
     here; the caller writes the returned `(c_kv [B, T, r], k_pe [B, T, rope])` once for all layers.
+    `query_at [B]`: only row b's token `query_at[b]` queries (out `[B, 1, D]`); all T latents are
+    still returned (the MTP catch-up needs the others' latents, not their outputs).
     """
     with jax.named_scope("mla_decode"):
-        q_nope, q_pe = queries(p, x, positions, cfg)
+        b, t, s = x.shape[0], x.shape[1], c_cache.shape[1]
+        if query_at is None:
+            q_nope, q_pe = queries(p, x, positions, cfg)
+            own_mask = jnp.broadcast_to(_causal(t)[None, None], (b, 1, t, t))
+        else:
+            at = query_at[:, None]
+            q_nope, q_pe = queries(p, jnp.take_along_axis(x, at[..., None], axis=1),
+                                   jnp.take_along_axis(positions, at, axis=1), cfg)
+            own_mask = (jnp.arange(t)[None, :] <= at)[:, None, None, :]
         c_new, pe_new = latents(p, x, positions, cfg)
         dt = q_nope.dtype
         q = make_query(p, q_nope, q_pe, absorbed=True)
         cached = make_keys(p, c_cache, c_scale, pe_cache, absorbed=True, dtype=dt)
         own = make_keys(p, c_new, None, pe_new, absorbed=True, dtype=dt)
-        b, t, s = x.shape[0], x.shape[1], c_cache.shape[1]
+        queried = q_nope.shape[1]
         valid = jnp.arange(s)[None, :] < lengths[:, None]
-        mask = jnp.concatenate([jnp.broadcast_to(valid[:, None, None, :], (b, 1, t, s)),
-                                jnp.broadcast_to(_causal(t)[None, None], (b, 1, t, t))], axis=-1)
+        mask = jnp.concatenate([jnp.broadcast_to(valid[:, None, None, :], (b, 1, queried, s)), own_mask], axis=-1)
         probs = _softmax(jnp.concatenate([scores(q, cached, cfg), scores(q, own, cfg)], axis=-1), mask)
         ctx = weighted_values(probs[..., :s], cached) + weighted_values(probs[..., s:], own)
         out = attention_output(p, ctx, absorbed=True, dtype=dt)

@@ -60,26 +60,36 @@ def mtp_logits(p: dict, x: jax.Array, cfg: Config) -> jax.Array:
 
 
 def _mtp_block(params: Params, hidden: jax.Array, next_tokens: jax.Array, attend, *, cfg: Config, mesh: Mesh,
-               rules: ShardingRules, index: int, train: bool):
+               rules: ShardingRules, index: int, train: bool, query_at: jax.Array | None = None):
     """Module `index`'s input projection and block: its output `[B, T, D]`, the new latents and the
-    routed expert ids (`RouterStats` with `train`; None for a dense block)."""
+    routed expert ids (`RouterStats` with `train`; None for a dense block). `query_at [B]`: the block
+    runs row b's position `query_at[b]` only (output `[B, 1, D]`), and `attend(p, normed_x, query_at)`
+    gets every position's normed input (their latents are still all written)."""
     p, routed = mtp_module(params, index)
     block = p["block"] if routed is None else {**p["block"], "moe": {**p["block"]["moe"], **routed}}
     with jax.named_scope("mtp"):
         x = keep_replicated(mtp_input(p, hidden, next_tokens, cfg), mesh)
+        if query_at is not None:
+            every, inner = x, attend
+            x = jnp.take_along_axis(every, query_at[:, None, None], axis=1)
+
+            def attend(bp: dict, _normed_queried: jax.Array):
+                return inner(bp, rms_norm(every, bp["attn_norm"], cfg.rms_norm_eps), query_at)
         layer = None if routed is None else jnp.asarray(index, jnp.int32)
         x, (latents, routing) = _block(block, x, attend, cfg, mesh, rules, layer, train)
         return p, x, latents, routing
 
 
 def mtp_step(params: Params, hidden: jax.Array, next_tokens: jax.Array, attend, *, cfg: Config, mesh: Mesh,
-             rules: ShardingRules, index: int = 0, train: bool = False):
+             rules: ShardingRules, index: int = 0, train: bool = False, query_at: jax.Array | None = None):
     """MTP module `index` on `hidden [B, T, D]` and `next_tokens [B, T]`, with `attend(block_params,
     normed_x) -> (out, (c_kv, k_pe))` as its attention. Returns `(logits [B, T, V] float32,
     mtp_hidden [B, T, D] float32, (c_kv, k_pe))`: the new latents for the module's own cache.
-    `train`: differentiable experts (see `dsr1.core.moe.moe`)."""
+    `train`: differentiable experts (see `dsr1.core.moe.moe`). `query_at [B]`: outputs at row b's
+    position `query_at[b]` only (`T` = 1 in them; every position's latents), with
+    `attend(block_params, normed_x, query_at)` (see `attend_cached`)."""
     p, x, latents, _ = _mtp_block(params, hidden, next_tokens, attend, cfg=cfg, mesh=mesh, rules=rules, index=index,
-                                  train=train)
+                                  train=train, query_at=query_at)
     with jax.named_scope("mtp"):
         return keep_replicated(mtp_logits(p, x, cfg), mesh), x, latents
 

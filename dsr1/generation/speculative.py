@@ -36,7 +36,7 @@ from ..core import model
 from ..core.attention import attend_cached, attend_prefill
 from ..core.cache import KVCache, append_tokens, cache_from_prefill
 from ..core.config import Config
-from ..core.mtp import mtp_logits, mtp_module, mtp_step
+from ..core.mtp import mtp_step
 from ..core.params import Params
 from ..core.sharding import ShardingRules, keep_replicated
 from .sampling import (
@@ -200,10 +200,10 @@ def accept_drafts(logits: jax.Array, drafts: list[jax.Array], qs: list[jax.Array
 
 
 def _mtp_attend(cache: KVCache, positions: jax.Array, cfg: Config):
-    def attend(p: dict, h: jax.Array):
+    def attend(p: dict, h: jax.Array, query_at: jax.Array | None = None):
         c_scale = None if cache.c_scale is None else cache.c_scale[MTP_MODULE]
         return attend_cached(p, h, positions, cache.c_kv[MTP_MODULE], c_scale, cache.k_pe[MTP_MODULE],
-                             cache.lengths, cfg)
+                             cache.lengths, cfg, query_at)
     return attend
 
 
@@ -211,15 +211,14 @@ def run_mtp(params: Params, cache: KVCache, hidden: jax.Array, next_tokens: jax.
             cfg: Config, mesh: Mesh, rules: ShardingRules) -> tuple[jax.Array, jax.Array, KVCache]:
     """The MTP module on T positions per row at `cache.lengths + t` (`hidden [B, T, D]`, `next_tokens
     [B, T]`) against its own cache: its logits `[B, V]` and output `[B, D]` at each row's position
-    `last [B]` (0 <= last < T; the head runs there only: a draft needs no other), and the cache with
-    the T positions appended (the caller sets `lengths` to what is real)."""
+    `last [B]` (0 <= last < T), and the cache with the T positions appended (the caller sets
+    `lengths` to what is real). A draft needs the module's output at `last` only: the block (its
+    attention's queries, MoE, head) runs there; the other positions only add their latents."""
     positions = cache.lengths[:, None] + jnp.arange(hidden.shape[1])
-    _, x, (c_kv, k_pe) = mtp_step(params, hidden, next_tokens, _mtp_attend(cache, positions, cfg), cfg=cfg,
-                                  mesh=mesh, rules=rules, index=MTP_MODULE)  # its all-position logits: unused
-    x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
-    logits = keep_replicated(mtp_logits(mtp_module(params, MTP_MODULE)[0], x, cfg), mesh)
+    logits, x, (c_kv, k_pe) = mtp_step(params, hidden, next_tokens, _mtp_attend(cache, positions, cfg), cfg=cfg,
+                                       mesh=mesh, rules=rules, index=MTP_MODULE, query_at=last)
     cache = append_tokens(cache, c_kv[None], k_pe[None])
-    return logits, x, jax.tree.map(lambda a: keep_replicated(a, mesh), cache)
+    return logits[:, 0], x[:, 0], jax.tree.map(lambda a: keep_replicated(a, mesh), cache)
 
 
 def speculative_start(params: Params, tokens: jax.Array, lengths: jax.Array, sampling: SamplingArrays, *,
