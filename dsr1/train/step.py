@@ -87,7 +87,7 @@ def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]
 
 
-def mtp_logits(params: Params, hidden: jax.Array, next_tokens: jax.Array, *, cfg: Config, mesh: Mesh,
+def mtp_outputs(params: Params, hidden: jax.Array, next_tokens: jax.Array, *, cfg: Config, mesh: Mesh,
                rules: ShardingRules):
     """The depth-1 MTP module's logits `[B, T, V]` for the token after `next_tokens` and its
     `RouterStats` (None for a dense block); `(None, None)` without an MTP module."""
@@ -109,7 +109,7 @@ def loss_fn(master: Params, batch: jax.Array, *, cfg: Config, mesh: Mesh, rules:
     metrics = {"ce": ce, "balance": balance}
     if stats is not None:
         metrics["load"] = stats.load
-    extra, mtp_stats = mtp_logits(params, hidden, targets, cfg=cfg, mesh=mesh, rules=rules)
+    extra, mtp_stats = mtp_outputs(params, hidden, targets, cfg=cfg, mesh=mesh, rules=rules)
     if extra is not None:
         metrics["mtp_ce"] = token_nll(extra, after).mean()
         loss = loss + settings.mtp_weight * metrics["mtp_ce"]
