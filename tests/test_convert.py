@@ -237,9 +237,10 @@ PEAK = ("import sys; from dsr1.weights.convert import convert; convert(sys.argv[
 
 @pytest.mark.slow
 def test_peak_memory_follows_one_layer_not_the_model(tmp_path):
-    """Twice the layers (50 MB each in bf16) must not raise the converter's peak RSS by more than 10%;
-    holding the model would add 200 MB to a ~400 MB process. VmHWM is the process's own peak
-    (ru_maxrss would include the parent's at fork)."""
+    """Twice the layers (50 MiB each in bf16) must raise the converter's peak RSS by less than one layer;
+    holding the model would add 200 MiB to a ~400 MiB process. (Measured: +14 to +38 MiB, allocator
+    and metadata noise; a 10% bound, 36 MiB, was once missed by 2 MiB.) VmHWM is the process's own
+    peak (ru_maxrss would include the parent's at fork)."""
     peaks = {}
     for layers in (4, 8):
         cfg = hf_config({**MEMORY_CONFIG, "num_hidden_layers": layers})
@@ -251,7 +252,7 @@ def test_peak_memory_follows_one_layer_not_the_model(tmp_path):
         peaks[layers] = int(proc.stdout.split()[-1]) / 1024
     print(f"\nconverter peak RSS: 4 layers {peaks[4]:.0f} MiB, 8 layers {peaks[8]:.0f} MiB "
           f"(+{peaks[8] / peaks[4] - 1:.1%}); one layer is 50 MiB in bf16")
-    assert peaks[8] <= 1.10 * peaks[4]
+    assert peaks[8] - peaks[4] < 50
 
 
 @pytest.mark.skipif(not SHARED_INDEX.exists(), reason="../shared reference not present")
