@@ -33,14 +33,14 @@ def tiny():
     return dsr1.init_random(dsr1.Config.preset("tiny"), seed=0, dtype="float32")
 
 
-@pytest.fixture
-def make_engine(tiny):
-    """Engines of the module's shapes; after the test each must pass the allocator check with its
-    holders (running requests and the prefix cache), and an idle one must hold only cached pages."""
+def checked_engines(model: dsr1.Model, shapes: dict):
+    """A `make_engine` fixture's body: yields `make(**options)`, an engine of `shapes`; after the test
+    each must pass the allocator check with its holders (running requests and the prefix cache),
+    and an idle one must hold only cached pages."""
     engines: list[Engine] = []
 
     def make(**options) -> Engine:
-        engines.append(Engine(tiny, **{**SHAPES, **options}))
+        engines.append(Engine(model, **{**shapes, **options}))
         return engines[-1]
 
     yield make
@@ -48,6 +48,12 @@ def make_engine(tiny):
         engine.check()
         if not engine.has_work:
             assert engine.allocator.used_count == engine.stats().pages_cached
+
+
+@pytest.fixture
+def make_engine(tiny):
+    """Engines of the module's shapes, checked after the test (`checked_engines`)."""
+    yield from checked_engines(tiny, SHAPES)
 
 
 Arrival = tuple[int, Any, dict]  # (step, prompt, submit options)

@@ -27,7 +27,7 @@ from dsr1.generation.sampling import Sampling
 from dsr1.serving import Engine
 
 from .test_paged import counting_compilations
-from .test_serving import run_arrivals
+from .test_serving import checked_engines, run_arrivals
 
 SHAPES = dict(max_seqs=4, page_size=4, num_pages=48, prefill_chunk=8, prefill_rows=2, decode_steps=2)
 VOCAB = 256
@@ -46,18 +46,8 @@ def mtp_model(cfg):
 
 @pytest.fixture
 def make_engine(mtp_model):
-    """Engines of the module's shapes; each must pass the allocator check after the test."""
-    engines: list[Engine] = []
-
-    def make(**options) -> Engine:
-        engines.append(Engine(mtp_model, **{**SHAPES, **options}))
-        return engines[-1]
-
-    yield make
-    for engine in engines:
-        engine.check()
-        if not engine.has_work:
-            assert engine.allocator.used_count == engine.stats().pages_cached
+    """Engines of the module's shapes, checked after the test (`checked_engines`)."""
+    yield from checked_engines(mtp_model, SHAPES)
 
 
 def workload(seed: int = 0) -> tuple[list[list[int]], list[int], list[int]]:
