@@ -532,11 +532,12 @@ def serve_draft_prefill(params: Params, cache: PagedKVCache, mtp_cache: PagedKVC
         table = page_table[jnp.minimum(rows.slots, page_table.shape[0] - 1)]
         tokens = rows.tokens[:, :chunk]
         last = jnp.maximum(rows.counts - 1, 0)
-    # Hidden states at every position (the MTP module reads them all); logits only at `last` are used.
-    logits, hidden, cache = model.extend(params, cache, tokens, rows.starts, rows.counts, table,
-                                         jnp.broadcast_to(jnp.arange(chunk), tokens.shape), cfg=cfg, mesh=mesh,
-                                         rules=rules)
-    logits = _at(logits, last)
+    # Hidden states at every position (the MTP module reads them all); logits at `last` of sampling rows only.
+    logits_at = jnp.where(rows.sample, last, chunk)[:, None]
+    logits, hidden, cache = model.extend(params, cache, tokens, rows.starts, rows.counts, table, logits_at,
+                                         cfg=cfg, mesh=mesh, rules=rules,
+                                         hidden_at=jnp.broadcast_to(jnp.arange(chunk), tokens.shape))
+    logits = logits[:, 0]
     out, slots, token = _sample_rows(logits, state.slots, rows, safe, sampling)
     sampled = rows.sample & (rows.counts > 0)
     with jax.named_scope("mtp_prefill"):

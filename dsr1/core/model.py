@@ -228,8 +228,8 @@ def default_block_pages(page_size: int, table_width: int) -> int:
 
 def extend(params: Params, cache: PagedKVCache, tokens: jax.Array, starts: jax.Array, counts: jax.Array,
            page_table: jax.Array, logits_at: jax.Array, *, cfg: Config, mesh: Mesh, rules: ShardingRules,
-           absorbed: bool | None = None,
-           block_pages: int | None = None) -> tuple[jax.Array, jax.Array, PagedKVCache]:
+           absorbed: bool | None = None, block_pages: int | None = None,
+           hidden_at: jax.Array | None = None) -> tuple[jax.Array, jax.Array, PagedKVCache]:
     """Run T new tokens per row against that row's cached pages, and write their latents.
 
     The one serving primitive: chunked prefill, the prefill of a prompt's remainder after a prefix
@@ -248,13 +248,15 @@ def extend(params: Params, cache: PagedKVCache, tokens: jax.Array, starts: jax.A
       absorbed: the attention form (None: the cheaper for T, `use_absorbed`); both give the same
         logits up to float rounding.
       block_pages: pages per step of the page loop (None: `default_block_pages`).
+      hidden_at: `[B, K']` indices into T whose hidden states are wanted (None: `logits_at`), e.g.
+        every position of a prompt chunk for the MTP module while only the last needs logits.
 
     Returns:
-      logits `[B, K, V]` float32 at `logits_at`; hidden `[B, K, D]` float32, the residual stream
-      *entering* the final norm at those positions (the MTP module's input; the lm_head input is
-      `rms_norm(hidden, params["final_norm"])`, so both stay available); both zero where
-      `logits_at[b, k] >= counts[b]`. And the cache with the real new tokens written at positions
-      `starts[b] + t` (padding goes to `SCRATCH_PAGE`).
+      logits `[B, K, V]` float32 at `logits_at`; hidden `[B, K', D]` float32 at `hidden_at`, the
+      residual stream *entering* the final norm (the MTP module's input; the lm_head input is
+      `rms_norm(hidden, params["final_norm"])`); each zero where its index is `>= counts[b]`. And
+      the cache with the real new tokens written at positions `starts[b] + t` (padding goes to
+      `SCRATCH_PAGE`).
 
     Each new token attends to its row's cached positions `< starts[b]` and causally to the new
     tokens. Every shape is static (B, T, P, K), so rows joining, growing and leaving never compile
@@ -277,16 +279,20 @@ def extend(params: Params, cache: PagedKVCache, tokens: jax.Array, starts: jax.A
     with jax.named_scope("write_pages"):
         pages, slots = token_slots(page_table, cached, counts, chunk, cache.page_size)
         cache = write_tokens(cache, c_new, pe_new, pages, slots)
+    def at(indices: jax.Array) -> jax.Array:
+        picked = jnp.take_along_axis(x, jnp.clip(indices, 0, chunk - 1)[..., None], axis=1)
+        return jnp.where((indices < counts[:, None])[..., None], picked, 0.0)
+
     wanted = logits_at < counts[:, None]
-    hidden = jnp.take_along_axis(x, jnp.clip(logits_at, 0, chunk - 1)[..., None], axis=1)
-    hidden = jnp.where(wanted[..., None], hidden, 0.0)
+    head_input = at(logits_at)
+    hidden = head_input if hidden_at is None else at(hidden_at)
     # Zero hidden gives zero logits (rms_norm(0) = 0, no bias): no second [B, K, V] select. A call
     # wanting no logits at all (prompt chunks that sample nothing) skips the lm_head's weight read;
     # a one-token call (decode: every row samples) has no branch, whose output XLA would copy.
     if chunk == 1:
-        logits = _logits(params, hidden, cfg)
+        logits = _logits(params, head_input, cfg)
     else:
         logits = jax.lax.cond(jnp.any(wanted), lambda h: _logits(params, h, cfg),
-                              lambda h: jnp.zeros((*h.shape[:-1], cfg.vocab_size), jnp.float32), hidden)
+                              lambda h: jnp.zeros((*h.shape[:-1], cfg.vocab_size), jnp.float32), head_input)
     return (keep_replicated(logits, mesh), keep_replicated(hidden, mesh),
             jax.tree.map(lambda a: keep_replicated(a, mesh), cache))
