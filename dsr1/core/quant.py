@@ -109,6 +109,10 @@ class Bf16Bits:
 
 
 def as_bits(w: jax.Array) -> Bf16Bits:
+    """A bf16 weight as `Bf16Bits`. An array on one device is reinterpreted through a host view (a
+    copy, no program compiled per shape); a sharded or traced one by a bitcast."""
+    if isinstance(w, jax.Array) and not isinstance(w, jax.core.Tracer) and len(w.sharding.device_set) == 1:
+        return Bf16Bits(jax.device_put(np.asarray(w).view(np.uint16), next(iter(w.sharding.device_set))))
     return Bf16Bits(jax.lax.bitcast_convert_type(w, jnp.uint16))
 
 
