@@ -203,6 +203,18 @@ def test_cli_serve_compares_continuous_and_static(tmp_path, config_file, capsys)
         assert 0 < row["itl_p50_ms"] <= row["itl_p99_ms"]
     assert continuous["prefix_hit_rate"] > 0 and continuous["host_ms_per_step"] > 0
     assert continuous["device_ms_per_step"] > 0 and result["engine_stats"]["finished"] == 6
+    assert result["arrival_bound"] == []  # all at once: nothing waits for arrivals
+
+
+def test_a_run_that_waits_for_arrivals_is_flagged():
+    """A run that ends right after its last request arrived measured the arrival rate, not the server."""
+    def timings(end: float) -> list[serve.RequestTiming]:
+        return [serve.RequestTiming(arrival, arrival + 0.01, min(arrival + 0.05, end), 5)
+                for arrival in np.linspace(0.0, 3.0, 10)] + [serve.RequestTiming(3.0, 3.01, end, 5)]
+
+    waiting, busy = serve.summarize(timings(3.2)), serve.summarize(timings(6.0))
+    assert waiting["after_last_arrival_s"] == pytest.approx(0.2) and serve.arrival_bound(waiting)
+    assert busy["after_last_arrival_s"] == pytest.approx(3.0) and not serve.arrival_bound(busy)
 
 
 def test_shared_prefix_of_2000_tokens_cuts_the_second_time_to_first_token_5x():

@@ -3,7 +3,7 @@ transformers.
 
     python -m dsr1.bench decode --batch 1,8,32 --context 32,512,4096 [--quant int8] [--kv-cache-dtype int8]
     python -m dsr1.bench compare-hf [--preset bench] [--batch 1,8] [--new-tokens 32]
-    python -m dsr1.bench serve --preset tiny --dtype float32 [--requests 64] [--rate 20] [--prefix-ttft 2000]
+    python -m dsr1.bench serve --preset tiny --dtype float32 [--requests 64] [--rate 100] [--prefix-ttft 2000]
     python -m dsr1.bench plan --preset deepseek-r1 --quant int8 [--target 8xH100|8xH200|v5e-64|v5p-64]
         [--mesh expert=8,tensor=8] [--hbm GIB]
     python -m dsr1.bench load [--preset bench | --model PATH] [--quant int8] [--cache cold|warm] [--repeats 3]
@@ -52,7 +52,17 @@ from .report import (
     model_line,
     serve_table,
 )
-from .serve import EngineShape, WorkloadSpec, make_workload, prefix_ttft, run_engine, run_static, summarize
+from .serve import (
+    ARRIVAL_BOUND_TAIL,
+    EngineShape,
+    WorkloadSpec,
+    arrival_bound,
+    make_workload,
+    prefix_ttft,
+    run_engine,
+    run_static,
+    summarize,
+)
 from .timing import DECODE_COLUMNS, bench_decode_point
 
 
@@ -173,6 +183,11 @@ def run_serve(args: argparse.Namespace) -> dict[str, Any]:
     print(f"engine: {dataclasses.asdict(shape)}; the faster of {args.repeats} alternating run(s) of each\n")
     print(serve_table([continuous, static]))
     print(f"\ncontinuous / static throughput: {ratio:.2f}x\n")
+    bound = [row["name"] for row in (continuous, static) if arrival_bound(row)]
+    if bound:
+        print(f"note: {' and '.join(bound)} ended within {ARRIVAL_BOUND_TAIL:.0%} of the run after the last arrival: "
+              f"its throughput is the arrival rate's ({spec.rate:g}/s), not the server's; raise --rate (or inf) to "
+              "compare capacities\n")
     if prefix:
         print(f"shared prefix of {prefix['prefix_len']} tokens ({prefix['prompt_len']}-token prompts): time to first "
               f"token {prefix['first_ttft_ms']:.0f} ms for the first request, {prefix['second_ttft_ms']:.0f} ms for "
@@ -181,7 +196,8 @@ def run_serve(args: argparse.Namespace) -> dict[str, Any]:
     return {"command": "serve", "device": dev, "model": name, "config": dataclasses.asdict(model.cfg),
             "dtype": args.dtype, "quant": args.quant, "kv_cache_dtype": args.kv_cache_dtype,
             "workload": dataclasses.asdict(spec), "engine": dataclasses.asdict(shape), "engine_stats": stats,
-            "repeats": args.repeats, "rows": [continuous, static], "throughput_ratio": ratio, "prefix_ttft": prefix}
+            "repeats": args.repeats, "rows": [continuous, static], "throughput_ratio": ratio,
+            "arrival_bound": bound, "prefix_ttft": prefix}
 
 
 def _ints(text: str) -> list[int]:

@@ -38,8 +38,8 @@ from ..generation.batch import generate
 from ..generation.sampling import Sampling
 from ..serving import Engine
 
-__all__ = ["EngineShape", "RequestTiming", "Workload", "WorkloadSpec", "make_workload", "prefix_ttft", "run_engine",
-           "run_static", "summarize"]
+__all__ = ["EngineShape", "RequestTiming", "Workload", "WorkloadSpec", "arrival_bound", "make_workload", "prefix_ttft",
+           "run_engine", "run_static", "summarize"]
 
 OUTPUT_DISTRIBUTIONS = ("exponential", "uniform")
 
@@ -49,7 +49,7 @@ class WorkloadSpec:
     """What `make_workload` draws: counts, lengths (inclusive ranges) and the shared prefix."""
 
     requests: int = 64
-    rate: float = 20.0  # requests per second (Poisson arrivals); inf: all at once
+    rate: float = 100.0  # requests per second (Poisson arrivals); inf: all at once
     prompt_len: tuple[int, int] = (16, 256)
     output_len: tuple[int, int] = (4, 256)
     output_dist: str = "exponential"
@@ -200,14 +200,28 @@ def _percentiles(values: Sequence[float]) -> tuple[float, float]:
 
 
 def summarize(timings: Sequence[RequestTiming]) -> dict[str, float]:
-    """Throughput, TTFT and ITL percentiles (milliseconds) of one run."""
+    """Throughput, TTFT and ITL percentiles (milliseconds) of one run, and how long it went on after
+    the last arrival (`after_last_arrival_s`; see `arrival_bound`)."""
     tokens = sum(t.tokens for t in timings)
-    seconds = max(t.last_token for t in timings) - min(t.arrival for t in timings)
+    end = max(t.last_token for t in timings)
+    seconds = end - min(t.arrival for t in timings)
     ttft = [1e3 * (t.first_token - t.arrival) for t in timings]
     itl = [1e3 * (t.last_token - t.first_token) / (t.tokens - 1) for t in timings if t.tokens > 1]
     (ttft_p50, ttft_p99), (itl_p50, itl_p99) = _percentiles(ttft), _percentiles(itl)
     return {"requests": len(timings), "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
-            "ttft_p50_ms": ttft_p50, "ttft_p99_ms": ttft_p99, "itl_p50_ms": itl_p50, "itl_p99_ms": itl_p99}
+            "ttft_p50_ms": ttft_p50, "ttft_p99_ms": ttft_p99, "itl_p50_ms": itl_p50, "itl_p99_ms": itl_p99,
+            "after_last_arrival_s": end - max(t.arrival for t in timings)}
+
+
+ARRIVAL_BOUND_TAIL = 0.25  # a run that ends within this share of its length after the last arrival
+
+
+def arrival_bound(row: dict[str, float]) -> bool:
+    """Whether a run (a `summarize` row) spent most of its time waiting for requests: it ended within
+    `ARRIVAL_BOUND_TAIL` of its length after the last one arrived, so its throughput measures the
+    arrival rate rather than the server, and a ratio of two such runs says little. (A faster machine
+    turns a saturating rate into such a run: compare capacities with a higher rate, or inf.)"""
+    return row["after_last_arrival_s"] < ARRIVAL_BOUND_TAIL * row["seconds"]
 
 
 def prefix_ttft(model: Model, prefix_len: int, shape: EngineShape, seed: int = 0, suffix: int = 8,
