@@ -100,3 +100,26 @@ def test_bf16_weights_read_like_arrays():
     assert gate.dtype == jnp.bfloat16 and gate.ndim == len(gate.shape) and gate.size == np.prod(gate.shape)
     assert gate.addressable_shards[0].data.shape == gate.sharding.shard_shape(gate.shape)
     assert np.asarray(gate).dtype == jnp.bfloat16 and np.asarray(gate).shape == gate.shape
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_large_bf16_matmul_widens_in_column_blocks(rows):
+    """A bf16 weight larger than `WIDEN_CHUNK_ELEMENTS` is widened a block of output columns at a
+    time (its float32 copy would go to memory and back); the product equals widening it whole, a
+    partial last block included."""
+    import jax
+
+    from dsr1.core import quant
+
+    rng = np.random.default_rng(rows)
+    cols = 3 * (quant.WIDEN_CHUNK_ELEMENTS // 256) + 200  # three whole blocks of a 256-row weight, and a tail
+    w = jnp.asarray(rng.standard_normal((256, cols)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((2, rows, 256)), jnp.float32)
+    bits = quant.as_bits(w)
+    assert quant._is_matmul("...d,dv->...v") and not quant._is_matmul("bthn,hnr->bthr")
+    product = jax.jit(lambda x, w: quant.einsum("...d,dv->...v", x, w, preferred_element_type=jnp.float32))
+    assert "while" in product.lower(x, bits).as_text()  # the loop over column blocks
+    got = product(x, bits)
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    assert got.shape == (2, rows, cols)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
