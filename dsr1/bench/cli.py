@@ -185,9 +185,9 @@ def run_serve(args: argparse.Namespace) -> dict[str, Any]:
     print(f"\ncontinuous / static throughput: {ratio:.2f}x\n")
     bound = [row["name"] for row in (continuous, static) if arrival_bound(row)]
     if bound:
-        print(f"note: {' and '.join(bound)} ended within {ARRIVAL_BOUND_TAIL:.0%} of the run after the last arrival: "
-              f"its throughput is the arrival rate's ({spec.rate:g}/s), not the server's; raise --rate (or inf) to "
-              "compare capacities\n")
+        print(f"note: arrival-bound ({' and '.join(bound)}): the run ended within {ARRIVAL_BOUND_TAIL:.0%} of its "
+              f"length after the last arrival, so its throughput measures the arrival rate ({spec.rate:g}/s), not the "
+              "server; raise --rate (or inf) to compare capacities\n")
     if prefix:
         print(f"shared prefix of {prefix['prefix_len']} tokens ({prefix['prompt_len']}-token prompts): time to first "
               f"token {prefix['first_ttft_ms']:.0f} ms for the first request, {prefix['second_ttft_ms']:.0f} ms for "
