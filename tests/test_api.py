@@ -104,9 +104,9 @@ def test_bf16_weights_read_like_arrays():
 
 @pytest.mark.parametrize("rows", [1, 3])
 def test_large_bf16_matmul_widens_in_column_blocks(rows):
-    """A bf16 weight larger than `WIDEN_CHUNK_ELEMENTS` is widened a block of output columns at a
-    time (its float32 copy would go to memory and back); the product equals widening it whole, a
-    partial last block included."""
+    """A bf16 weight on one device larger than `WIDEN_CHUNK_ELEMENTS` is widened a block of output
+    columns at a time (its float32 copy would go to memory and back); the product equals widening it
+    whole, a partial last block included."""
     import jax
 
     from dsr1.core import quant
@@ -116,9 +116,11 @@ def test_large_bf16_matmul_widens_in_column_blocks(rows):
     w = jnp.asarray(rng.standard_normal((256, cols)), jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((2, rows, 256)), jnp.float32)
     bits = quant.as_bits(w)
-    assert quant._is_matmul("...d,dv->...v") and not quant._is_matmul("bthn,hnr->bthr")
+    assert bits.one_device and quant._is_matmul("...d,dv->...v") and not quant._is_matmul("bthn,hnr->bthr")
     product = jax.jit(lambda x, w: quant.einsum("...d,dv->...v", x, w, preferred_element_type=jnp.float32))
     assert "while" in product.lower(x, bits).as_text()  # the loop over column blocks
+    # Sharded weights (several devices) are widened whole: a block of a sharded axis would gather them.
+    assert "while" not in product.lower(x, quant.Bf16Bits(bits.bits)).as_text()
     got = product(x, bits)
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     assert got.shape == (2, rows, cols)

@@ -69,9 +69,12 @@ def widens_on_use() -> bool:
 class Bf16Bits:
     """A bf16 weight seen as its uint16 bits (a free bitcast), so that XLA:CPU treats it as integers:
     it normalizes bf16 slices and loop operands to float32 and hoists that `convert` of the whole
-    stack out of the loops, on every call. `widen` turns the bits of the slice in use into float32."""
+    stack out of the loops, on every call. `widen` turns the bits of the slice in use into float32.
+    `one_device`: the weight is whole on one device, so a large product may widen it a block of
+    output columns at a time (`einsum`); a block of a sharded axis would gather the weight."""
 
     bits: Any  # uint16, the weight's shape
+    one_device: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -109,10 +112,11 @@ class Bf16Bits:
 
 
 def as_bits(w: jax.Array) -> Bf16Bits:
-    """A bf16 weight as `Bf16Bits`. An array on one device is reinterpreted through a host view (a
-    copy, no program compiled per shape); a sharded or traced one by a bitcast."""
+    """A bf16 weight as `Bf16Bits`. An array on one device is reinterpreted through a host view (no
+    program compiled per shape); a sharded or traced one by a bitcast."""
     if isinstance(w, jax.Array) and not isinstance(w, jax.core.Tracer) and len(w.sharding.device_set) == 1:
-        return Bf16Bits(jax.device_put(np.asarray(w).view(np.uint16), next(iter(w.sharding.device_set))))
+        device = next(iter(w.sharding.device_set))
+        return Bf16Bits(jax.device_put(np.asarray(w).view(np.uint16), device), one_device=True)
     return Bf16Bits(jax.lax.bitcast_convert_type(w, jnp.uint16))
 
 
@@ -127,7 +131,7 @@ def widen(w: Any) -> jax.Array:
 def einsum(spec: str, x: jax.Array, w: Any, **kwargs) -> jax.Array:
     """`jnp.einsum(spec, x, w)` for a plain, `Bf16Bits` or `Int8Weight` weight (the second operand)."""
     if isinstance(w, Bf16Bits):
-        if _is_matmul(spec) and w.size > WIDEN_CHUNK_ELEMENTS:
+        if w.one_device and _is_matmul(spec) and w.size > WIDEN_CHUNK_ELEMENTS:
             out = _chunked_matmul(x.astype(jnp.float32), w, **kwargs)
         else:
             out = jnp.einsum(spec, x.astype(jnp.float32), widen(w), **kwargs)
@@ -172,7 +176,7 @@ def _chunked_matmul(x: jax.Array, w: Bf16Bits, **kwargs) -> jax.Array:
     full = cols // block
 
     def product(bits: jax.Array) -> jax.Array:
-        return jnp.einsum("...i,io->...o", x, widen(Bf16Bits(bits)), **kwargs)
+        return jnp.einsum("...i,io->...o", x, widen(Bf16Bits(bits, w.one_device)), **kwargs)
 
     out = jax.lax.map(lambda i: product(jax.lax.dynamic_slice_in_dim(w.bits, i * block, block, axis=1)),
                       jnp.arange(full))  # [full, ..., block]
