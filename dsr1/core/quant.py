@@ -169,7 +169,7 @@ def _is_matmul(spec: str) -> bool:
 def _chunked_matmul(x: jax.Array, w: Bf16Bits, **kwargs) -> jax.Array:
     """`x [..., i] @ w [i, o]` for a large bf16 weight, widened a block of output columns at a time:
     widened whole, its float32 copy (twice the weight) goes to memory and back, and for a few rows
-    that costs more than the product (the lm_head: 40% of a prefill of 32 tokens on the bench
+    that costs more than the product (the lm_head: about a third of a 32-token prefill on the bench
     preset). A block stays in cache between its widening and its product."""
     rows, cols = w.shape
     block = max(128, WIDEN_CHUNK_ELEMENTS // rows // 128 * 128)
