@@ -237,12 +237,13 @@ PEAK = ("import sys; from dsr1.weights.convert import convert; convert(sys.argv[
 
 @pytest.mark.slow
 def test_peak_memory_follows_one_layer_not_the_model(tmp_path):
-    """Twice the layers (50 MiB each in bf16) must raise the converter's peak RSS by less than one layer;
-    holding the model would add 200 MiB to a ~400 MiB process. (Measured: +14 to +38 MiB, allocator
-    and metadata noise; a 10% bound, 36 MiB, was once missed by 2 MiB.) VmHWM is the process's own
-    peak (ru_maxrss would include the parent's at fork)."""
+    """Four times the layers (50 MiB each in bf16) must raise the converter's peak RSS by less than two layers;
+    holding the model would add 600 MiB to a ~370 MiB process. The run-to-run noise of the peak alone is
+    +-30 MiB (the same 4-layer conversion measured 344 and 364 MiB, 8 layers 372 and 401, 16 layers 389 and
+    393), so comparing 4 with 8 layers against a one-layer bound failed once at +55 MiB: the gap must be large
+    against that noise. VmHWM is the process's own peak (ru_maxrss would include the parent's at fork)."""
     peaks = {}
-    for layers in (4, 8):
+    for layers in (4, 16):
         cfg = hf_config({**MEMORY_CONFIG, "num_hidden_layers": layers})
         folder = write_checkpoint(tmp_path / f"hf{layers}", cfg, release_tensors(cfg, seed=0), shards=layers,
                                   dtype="bfloat16")
@@ -250,9 +251,9 @@ def test_peak_memory_follows_one_layer_not_the_model(tmp_path):
                               env=subprocess_env(1), capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-2000:]
         peaks[layers] = int(proc.stdout.split()[-1]) / 1024
-    print(f"\nconverter peak RSS: 4 layers {peaks[4]:.0f} MiB, 8 layers {peaks[8]:.0f} MiB "
-          f"(+{peaks[8] / peaks[4] - 1:.1%}); one layer is 50 MiB in bf16")
-    assert peaks[8] - peaks[4] < 50
+    print(f"\nconverter peak RSS: 4 layers {peaks[4]:.0f} MiB, 16 layers {peaks[16]:.0f} MiB "
+          f"(+{peaks[16] - peaks[4]:.0f} MiB); one layer is 50 MiB in bf16")
+    assert peaks[16] - peaks[4] < 100
 
 
 @pytest.mark.skipif(not SHARED_INDEX.exists(), reason="../shared reference not present")
