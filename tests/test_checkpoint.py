@@ -13,7 +13,7 @@ import pytest
 
 import dsr1
 from dsr1 import CheckpointError
-from dsr1.weights.release import CheckpointIndex, dequantize_fp8, expected_tensors
+from dsr1.weights.release import CheckpointIndex, dequantize_fp8, dequantize_fp8_into, expected_tensors
 
 from .reference import hf_config, release_tensors, write_checkpoint
 
@@ -38,6 +38,20 @@ def test_fp8_blocks_with_partial_edges():
     np.testing.assert_array_equal(dequantize_fp8(w, scale), expected)
     with pytest.raises(CheckpointError, match=r"w_scale_inv: shape \[2, 2\], expected \[3, 2\]"):
         dequantize_fp8(w, scale[:2], "w")
+
+
+def test_fp8_region_into_a_transposed_view_is_the_transpose():
+    """The loader writes the release's [out, in] blocks into dsr1's [in, out] through a transposed view,
+    walking that view in memory order: the same bits as dequantizing then transposing, for any region."""
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((300, 200)).astype(ml_dtypes.float8_e4m3fn)
+    scale = rng.uniform(0.5, 2.0, (3, 2)).astype(np.float32)
+    whole = dequantize_fp8(w, scale).astype(ml_dtypes.bfloat16)
+    for region in [(slice(None), slice(None)), (slice(100, 260), slice(60, 200)), (slice(0, 128), slice(0, 5))]:
+        rows, cols = whole[region].shape
+        out = np.zeros((cols, rows), ml_dtypes.bfloat16)
+        dequantize_fp8_into(out.T, w, scale, region)
+        np.testing.assert_array_equal(out.view(np.uint16), whole[region].T.view(np.uint16))
 
 
 def test_fp8_tensor_is_dequantized_on_read(tmp_path, tensors):
