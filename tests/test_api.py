@@ -25,6 +25,50 @@ def test_random_init_depends_on_seed_only(model):
     assert model.dtype == jnp.float32 and dsr1.init_random(CFG).dtype == jnp.bfloat16
 
 
+def test_an_r1_expert_layer_is_drawn_in_slices_along_embed():
+    """One layer of R1's gate experts, 3.8 G values, in 56 slices of 128 rows of the embedding axis (the
+    expert axis is split over devices: a slice of it would leave devices idle)."""
+    from dsr1.core import params
+
+    r1_gate = params.per_layer(params.float_specs(dsr1.Config.preset("deepseek-r1"))["moe_layers"]["moe"]["gate"])
+    assert r1_gate.shape == (256, 7168, 2048) and params._slicing(r1_gate) == (1, 128)
+
+
+@pytest.fixture
+def small_slices(monkeypatch):
+    """Random weights drawn in slices of at most 2048 values (the programs compiled meanwhile are dropped after)."""
+    from dsr1.core import params
+
+    monkeypatch.setattr(params, "RANDOM_CHUNK_ELEMENTS", 2048)
+    jax.clear_caches()
+    yield
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
+def test_large_weights_are_drawn_in_slices_and_int8_stacks_layer_by_layer(small_slices):
+    """XLA's temporaries for one random draw come to ~32 bytes per value, so a weight over
+    RANDOM_CHUNK_ELEMENTS is drawn slice by slice along an axis the default rules never split, and an
+    int8 stack is drawn and quantized one layer at a time: the same int8 values as quantizing the
+    float32 weights of the same seed."""
+    from dsr1.core import params
+
+    gate_spec = params.per_layer(params.float_specs(CFG)["moe_layers"]["moe"]["gate"])
+    assert params._slicing(gate_spec) == (1, 2)  # [16, 128, 64] in 64 slices of 2 rows under the patched size
+
+    f32 = dsr1.init_random(CFG, seed=3, dtype="float32")
+    gate = np.asarray(f32.params["moe_layers"]["moe"]["gate"])  # [L, E, D, F]
+    slices = gate[0].reshape(16, 64, 2, 64).transpose(1, 0, 2, 3).reshape(64, -1)
+    assert len({s.tobytes() for s in slices}) == 64, "every slice is a fresh draw"
+    assert not np.array_equal(gate[0], gate[1]), "every layer is a fresh draw"
+    assert np.std(gate) == pytest.approx(128 ** -0.5, rel=0.03)
+
+    int8 = dsr1.init_random(CFG, seed=3, dtype="float32", quant="int8")
+    expected = params.quantize_like(params.param_specs(CFG, "int8"), f32.params)
+    for got, want in zip(jax.tree.leaves(int8.params), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_numpy_and_jax_tokens_agree(model):
     tokens = np.arange(12, dtype=np.int64).reshape(2, 6) + 5
     a = np.asarray(model.forward(tokens))

@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import zlib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from .config import Config
 from .quant import Bf16Bits, Int8Weight, as_bits, check_quant, quantize, widens_on_use
-from .sharding import LogicalAxes, ShardingRules
+from .sharding import DEFAULT_RULES, LogicalAxes, ShardingRules
 
 Params = dict[str, Any]  # nested dicts of jax.Array / Int8Weight, same structure as param_specs()
 STACKS = ("dense_layers", "moe_layers")  # the first_k_dense_replace dense layers, then the MoE layers
@@ -215,25 +216,79 @@ def quantize_like(specs: Any, weights: Any) -> Any:
     return jax.tree.map(one, specs, weights, is_leaf=lambda x: is_spec(x) or isinstance(x, Int8Weight))
 
 
-def _init_leaf(path, spec: ArrayInfo, key: jax.Array, dtype: Any) -> jax.Array:
-    # Each weight's key depends only on its name, so values do not depend on the mesh.
-    key = jax.random.fold_in(key, zlib.crc32(jax.tree_util.keystr(path).encode()))
+# A larger weight is drawn in slices. XLA's temporaries for one draw come to ~32 bytes per value (random
+# bits, counters, float32): five R1-shaped layers (53 GB of bf16) needed 258 GB of them on one device and
+# 44 GB per device on 8; drawn in slices, and stacks layer by layer, 20 GB (int8: 25) and 4.1 GB.
+RANDOM_CHUNK_ELEMENTS = 1 << 26
+
+
+def _slicing(spec: ArrayInfo) -> tuple[int, int] | None:
+    """(axis, rows): draw `spec` in slices of `rows` along `axis`, the first axis the default rules
+    never split whose slices can hold at most `RANDOM_CHUNK_ELEMENTS`; None: in one piece. It depends
+    on the declaration alone, so the values do not depend on the mesh or the rules."""
+    size = math.prod(spec.shape)
+    if size <= RANDOM_CHUNK_ELEMENTS:
+        return None
+    for axis, (n, name) in enumerate(zip(spec.shape, spec.axes)):
+        per_row = size // n
+        if n > 1 and DEFAULT_RULES.mesh_axis(name) is None and per_row <= RANDOM_CHUNK_ELEMENTS:
+            return axis, max(r for r in range(1, n + 1) if n % r == 0 and r * per_row <= RANDOM_CHUNK_ELEMENTS)
+    return None
+
+
+def _draw(key: jax.Array, spec: ArrayInfo, dtype: Any, sharding: NamedSharding) -> jax.Array:
+    """One weight's initial values as `spec.init` says (drawn in float32, cast to its dtype), placed by
+    `sharding`; a large one drawn slice by slice into its buffer (`_slicing`)."""
     dt = resolved_dtype(spec, dtype)
     if spec.init == "ones":
         return jnp.ones(spec.shape, dt)
-    if spec.init == "bias":
-        return (0.01 * jax.random.normal(key, spec.shape, jnp.float32)).astype(dt)
-    std = spec.fan_in ** -0.5
-    return (std * jax.random.normal(key, spec.shape, jnp.float32)).astype(dt)
+    std = 0.01 if spec.init == "bias" else spec.fan_in ** -0.5
+
+    def normal(k: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+        return (std * jax.random.normal(k, shape, jnp.float32)).astype(dt)
+
+    slicing = _slicing(spec)
+    if slicing is None:
+        return normal(key, spec.shape)
+    axis, rows = slicing
+    piece = (*spec.shape[:axis], rows, *spec.shape[axis + 1:])
+
+    def put(i: jax.Array, w: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_update_slice_in_dim(w, normal(jax.random.fold_in(key, i), piece), i * rows, axis)
+
+    buffer = jax.lax.with_sharding_constraint(jnp.zeros(spec.shape, dt), sharding)
+    return jax.lax.fori_loop(0, spec.shape[axis] // rows, put, buffer)
+
+
+def _init_leaf(path, spec: ArrayInfo, target: Any, key: jax.Array, dtype: Any, mesh: Mesh,
+               rules: ShardingRules) -> Any:
+    """One weight drawn and, where its `target` declaration is int8, quantized. A stack is made one
+    layer at a time, written in place into the stack: an int8 stack never exists in full precision."""
+    # Each weight's key depends only on its name, so values do not depend on the mesh.
+    key = jax.random.fold_in(key, zlib.crc32(jax.tree_util.keystr(path).encode()))
+
+    def make(k: jax.Array, spec: ArrayInfo, target: Any) -> Any:
+        return quantize_like(target, _draw(k, spec, dtype, rules.sharding(mesh, spec.axes)))
+
+    if spec.axes[:1] != ("layers",):
+        return make(key, spec, target)
+    one_layer = per_layer(spec), per_layer(target)
+
+    def put(i: jax.Array, stack: Any) -> Any:
+        layer = make(jax.random.fold_in(key, i), *one_layer)
+        return jax.tree.map(lambda s, w: jax.lax.dynamic_update_index_in_dim(s, w, i, 0), stack, layer)
+
+    zeros = jax.tree.map(lambda a: jax.lax.with_sharding_constraint(jnp.zeros(a.shape, a.dtype), a.sharding),
+                         abstract_params(target, mesh, rules, dtype))
+    return jax.lax.fori_loop(0, spec.shape[0], put, zeros)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "mesh", "rules", "dtype", "quant", "mtp"))
 def _random_params(key: jax.Array, *, cfg: Config, mesh: Mesh, rules: ShardingRules, dtype: jnp.dtype,
                    quant: str | None, mtp: bool = False) -> Params:
-    params = jax.tree_util.tree_map_with_path(lambda p, s: _init_leaf(p, s, key, dtype), float_specs(cfg, mtp=mtp),
-                                              is_leaf=is_spec)
     specs = param_specs(cfg, quant, mtp=mtp)
-    params = quantize_like(specs, params)
+    params = jax.tree_util.tree_map_with_path(lambda p, s, t: _init_leaf(p, s, t, key, dtype, mesh, rules),
+                                              float_specs(cfg, mtp=mtp), specs, is_leaf=is_spec)
     return jax.tree.map(jax.lax.with_sharding_constraint, params, spec_shardings(specs, mesh, rules))
 
 
