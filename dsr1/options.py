@@ -6,6 +6,7 @@ its precision, and the mesh. One definition, so every command spells and default
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from jax.sharding import Mesh
@@ -29,6 +30,9 @@ def add_model_options(p: argparse.ArgumentParser, *, default_preset: str | None,
     src.add_argument("--preset", default=default_preset,
                      help=f"random weights for a named config: deepseek-r1, tiny, bench or demo (default: {default})")
     src.add_argument("--config", metavar="PATH", help="random weights for a HF config.json")
+    p.add_argument("--layers", type=int, metavar="N",
+                   help="random weights with N layers of the preset's or config's shape (its dense layers kept up "
+                        "to N - 1, so at least one is MoE): e.g. R1-shaped layers on one device")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="dtype of the weights that are not int8 (default: bfloat16)")
     p.add_argument("--quant", choices=["int8"], help="int8 matmul weights with per-output-channel scales")
@@ -38,10 +42,20 @@ def add_model_options(p: argparse.ArgumentParser, *, default_preset: str | None,
 
 
 def config_from_options(args: argparse.Namespace) -> tuple[Config, str]:
-    """The config `--config` or `--preset` names, and a name for reports."""
-    if args.config:
-        return Config.from_hf(args.config), args.config
-    return Config.preset(args.preset), args.preset
+    """The config `--config` or `--preset` names (with `--layers` layers if given), and a name for reports."""
+    cfg, name = (Config.from_hf(args.config), args.config) if args.config else (Config.preset(args.preset), args.preset)
+    layers = getattr(args, "layers", None)
+    if layers is None:
+        return cfg, name
+    if layers < 1:
+        raise SystemExit(f"--layers must be at least 1, not {layers}")
+    return with_layers(cfg, layers), f"{name} ({layers} layers)"
+
+
+def with_layers(cfg: Config, layers: int) -> Config:
+    """`cfg`'s shape with `layers` layers: its leading dense layers kept up to `layers - 1`, the rest MoE."""
+    dense = min(cfg.first_k_dense_replace, layers - 1)
+    return dataclasses.replace(cfg, num_hidden_layers=layers, first_k_dense_replace=dense)
 
 
 def mesh_from_options(args: argparse.Namespace) -> Mesh:
@@ -52,11 +66,11 @@ def mesh_from_options(args: argparse.Namespace) -> Mesh:
 def checkpoint_from_options(args: argparse.Namespace) -> str | None:
     """The checkpoint folder the options name: `--model`, the embedded demo model when the command
     defaults to it and no `--preset` or `--config` is given, else None (random weights)."""
-    if getattr(args, "model", None):
-        return args.model
-    if args.preset is None and args.config is None:
-        return str(demo_checkpoint())
-    return None
+    model = getattr(args, "model", None)
+    path = model or (str(demo_checkpoint()) if args.preset is None and args.config is None else None)
+    if path is not None and getattr(args, "layers", None) is not None:
+        raise SystemExit("--layers shapes random weights (--preset or --config), not a checkpoint")
+    return path
 
 
 def model_from_options(args: argparse.Namespace, *, seed: int = 0, mtp: bool = False) -> Model:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import dsr1
-from dsr1.bench import accounting, bandwidth, cli, compare_hf, serve, timing
+from dsr1.bench import accounting, bandwidth, cli, compare_hf, prefill, serve, timing
 
 # The tiny preset with a small vocabulary: every test here stays fast.
 CFG = dataclasses.replace(dsr1.Config.preset("tiny"), vocab_size=512)
@@ -137,6 +137,26 @@ def test_cli_decode_writes_json(tmp_path, config_file, capsys):
         assert row["tok_s"] > 0 and row["mb_per_step"] > 0 and row["achieved_gbs"] > 0
 
 
+def test_cli_prefill_reports_flops_against_the_peak(tmp_path, config_file, capsys):
+    """`--layers 1` keeps the config's shape with one layer, a MoE one (the dense layer is dropped)."""
+    out = tmp_path / "prefill.json"
+    assert cli.main(["prefill", "--config", str(config_file), "--layers", "1", "--batch", "1,2", "--tokens", "5",
+                     "--repeats", "1", "--dtype", "float32", "--json", str(out)]) == 0
+    assert "% of matmul peak" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["config"]["num_hidden_layers"] == 1 and result["config"]["first_k_dense_replace"] == 0
+    one_layer = dataclasses.replace(CFG, num_hidden_layers=1, first_k_dense_replace=0)
+    assert result["compute_dtype"] == "float32" and result["matmul_peak_flop_s"] > 0
+    assert [(r["batch"], r["tokens"]) for r in result["rows"]] == [(1, 5), (2, 5)]
+    for row in result["rows"]:
+        assert set(prefill.PREFILL_COLUMNS) <= set(row)
+        seconds = row["ms"] / 1e3
+        assert row["gflop"] == pytest.approx(prefill.prefill_flops(one_layer, row["batch"], 5) / 1e9)
+        assert row["pct_of_peak"] == pytest.approx(100 * row["gflop"] * 1e9 / seconds / result["matmul_peak_flop_s"])
+    with pytest.raises(SystemExit, match="--layers shapes random weights"):
+        cli.main(["prefill", "--model", str(tmp_path), "--layers", "2"])
+
+
 def test_random_checkpoint_loads_in_dsr1(tmp_path):
     folder = compare_hf.write_random_checkpoint(tmp_path / "ckpt", CFG, seed=3)
     model = dsr1.load(folder, progress=False)
@@ -161,7 +181,7 @@ def test_cli_compare_hf(tmp_path, config_file, capsys):
     for row in rows:
         assert row["dsr1_tok_s"] > 0 and row["hf_tok_s"] > 0
         assert row["ratio"] == pytest.approx(row["dsr1_tok_s"] / row["hf_tok_s"])
-        flop = compare_hf.prefill_flops(CFG, 2, 6)
+        flop = prefill.prefill_flops(CFG, 2, 6)
         assert row["prefill_gflop_s"] == pytest.approx(flop / row["dsr1_prefill_s"] / 1e9)
         assert row["prefill_pct_of_peak"] == pytest.approx(100 * flop / row["dsr1_prefill_s"]
                                                            / report["matmul_peak_flop_s"])

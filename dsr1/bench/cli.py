@@ -2,6 +2,7 @@
 transformers.
 
     python -m dsr1.bench decode --batch 1,8,32 --context 32,512,4096 [--quant int8] [--kv-cache-dtype int8]
+    python -m dsr1.bench prefill --batch 1 --tokens 512,4096 [--preset deepseek-r1 --layers 4]
     python -m dsr1.bench compare-hf [--preset bench] [--batch 1,8] [--new-tokens 32]
     python -m dsr1.bench serve --preset tiny --dtype float32 [--requests 64] [--rate 100] [--prefix-ttft 2000]
     python -m dsr1.bench plan --preset deepseek-r1 --quant int8 [--target 8xH100|8xH200|v5e-64|v5p-64]
@@ -29,27 +30,22 @@ from ..api import load
 from ..options import add_model_options, config_from_options, mesh_from_options, model_from_options
 from .accounting import expert_bytes, fixed_weight_bytes
 from .bandwidth import COPY_BYTES, copy_bandwidth, device_description, with_final_load
-from .compare_hf import (
-    compare_row,
-    dsr1_generate,
-    hf_generate,
-    load_hf,
-    matmul_peak_flops,
-    prefill_flops,
-    write_random_checkpoint,
-)
+from .compare_hf import compare_row, dsr1_generate, hf_generate, load_hf, write_random_checkpoint
 from .loading import add_load_options, run_load
 from .plan import add_plan_options, run_plan
+from .prefill import PREFILL_COLUMNS, compute_dtype, matmul_peak_flops, prefill_flops, prefill_row, time_prefill
 from .quality import __doc__ as QUALITY_DOC
 from .quality import add_quality_options, run_quality
 from .report import (
     COMPARE_NOTES,
     DECODE_NOTES,
+    PREFILL_NOTES,
     SERVE_NOTES,
     compare_table,
     decode_table,
     device_line,
     model_line,
+    prefill_table,
     serve_table,
 )
 from .serve import (
@@ -104,6 +100,34 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
+    """The `prefill` command: time each (batch, tokens) prefill and its FLOP/s against the matmul peak."""
+    dev = device_description()
+    model = model_from_options(args, seed=args.seed)
+    name = args.model or config_from_options(args)[1]
+    dtype = compute_dtype(model)
+    _log(f"measuring the {dtype.name} matmul peak ...")
+    peak = matmul_peak_flops(dtype)
+    rows = []
+    points = [(b, t) for b in args.batch for t in args.tokens]
+    for i, (batch, tokens) in enumerate(points):
+        _log(f"[{i + 1}/{len(points)}] batch {batch}, {tokens} tokens: compile, warm up, time ...")
+        seconds = time_prefill(model, batch, tokens, args.repeats, seed=args.seed)
+        rows.append(prefill_row(model.cfg, batch, tokens, seconds, peak))
+        _log(f"    {rows[-1]['ms']:.1f} ms, {rows[-1]['pct_of_peak']:.1f}% of the matmul peak")
+    dev = with_final_load(dev)
+    print(device_line(dev))
+    print(model_line(model, name))
+    print(f"prefill of random prompts (best of {args.repeats}); {dtype.name} matmul peak {peak / 1e9:.1f} GFLOP/s "
+          f"(measured in this run)\n")
+    print(prefill_table(rows))
+    print()
+    print(PREFILL_NOTES)
+    return {"command": "prefill", "device": dev, "model": name, "config": dataclasses.asdict(model.cfg),
+            "dtype": args.dtype, "quant": args.quant, "compute_dtype": dtype.name, "matmul_peak_flop_s": peak,
+            "repeats": args.repeats, "columns": list(PREFILL_COLUMNS), "rows": rows}
+
+
 def run_compare_hf(args: argparse.Namespace) -> dict[str, Any]:
     """The `compare-hf` command: one random checkpoint through HF transformers and dsr1."""
     cfg, name = config_from_options(args)
@@ -119,7 +143,7 @@ def run_compare_hf(args: argparse.Namespace) -> dict[str, Any]:
         _log("loading it into HF transformers (bf16) ...")
         hf_model = load_hf(folder)
         _log("measuring the float32 matmul peak ...")
-        peak = matmul_peak_flops()
+        peak = matmul_peak_flops()  # float32: what dsr1 computes in on CPU, where HF is compared
         rng = np.random.default_rng(args.seed)
         for batch in args.batch:
             prompts = rng.integers(2, cfg.vocab_size, (batch, args.prompt_len)).astype(np.int32)
@@ -279,6 +303,15 @@ def parser() -> argparse.ArgumentParser:
                      help=f"MiB of the array whose x + 1 measures the copy bandwidth (default: {COPY_BYTES // 2**20})")
     add_model_options(dec, default_preset="bench")
     _run_options(dec)
+    pre = sub.add_parser("prefill", help="prefill time and FLOP/s against the measured matmul peak (MFU)",
+                         description="Times the prefill of random prompts at each (batch, tokens) and reports "
+                                     "its FLOP/s against the matmul peak of the dtype the device computes in, "
+                                     "measured in the same run (model FLOPs utilization).")
+    pre.add_argument("--batch", type=_ints, default=[1], help="comma-separated batch sizes (default: 1)")
+    pre.add_argument("--tokens", type=_ints, default=[512, 4096],
+                     help="comma-separated prompt lengths (default: 512,4096)")
+    add_model_options(pre, default_preset="bench")
+    _run_options(pre)
     cmp = sub.add_parser("compare-hf", help="decode tok/s of HF transformers (torch, bf16) and dsr1 on the same "
                                             "random checkpoint",
                          description="Writes one random release-layout checkpoint (bf16), loads it into HF "
@@ -328,8 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command == "compare-hf" and args.new_tokens < 2:
         raise SystemExit("--new-tokens must be at least 2 (the first token comes from the prefill)")
-    commands = {"decode": run_decode, "compare-hf": run_compare_hf, "serve": run_serve, "plan": run_plan,
-                "load": run_load, "quality": run_quality}
+    commands = {"decode": run_decode, "prefill": run_prefill, "compare-hf": run_compare_hf, "serve": run_serve,
+                "plan": run_plan, "load": run_load, "quality": run_quality}
     result = commands[args.command](args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))

@@ -120,39 +120,10 @@ def dsr1_generate(model: Model, prompts: np.ndarray, new_tokens: int, repeats: i
     return GenerateTiming(prefill, run.seconds, tokens)
 
 
-def prefill_flops(cfg: Config, batch: int, prompt_len: int) -> float:
-    """The matmul FLOPs a prefill of `batch` x `prompt_len` tokens needs (2 per multiply-add): every
-    projection per token, the routed experts it is routed to (not all of them), causal attention
-    scores and values, and `lm_head` at each row's last token."""
-    d, h, r = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank
-    q = d * h * cfg.qk_head_dim if cfg.q_lora_rank is None else cfg.q_lora_rank * (d + h * cfg.qk_head_dim)
-    attention = q + d * (r + cfg.qk_rope_head_dim) + r * h * (cfg.qk_nope_head_dim + cfg.v_head_dim) \
-        + h * cfg.v_head_dim * d + (prompt_len + 1) / 2 * h * (cfg.qk_head_dim + cfg.v_head_dim)
-    moe = d * cfg.n_routed_experts + 3 * d * (cfg.shared_intermediate_size
-                                              + cfg.num_experts_per_tok * cfg.moe_intermediate_size)
-    per_token = cfg.num_hidden_layers * attention + cfg.num_dense_layers * 3 * d * cfg.intermediate_size \
-        + cfg.num_moe_layers * moe
-    return 2 * (batch * prompt_len * per_token + batch * d * cfg.vocab_size)
-
-
-def matmul_peak_flops(size: int = 2048, repeats: int = 5) -> float:
-    """This device's measured float32 matmul rate (FLOP/s): the best of `repeats` jitted
-    `[size, size] @ [size, size]` products, the reference for the prefill's FLOP/s."""
-    a = jnp.ones((size, size), jnp.float32)
-    dot = jax.jit(lambda a: jnp.dot(a, a, precision=jax.lax.Precision.HIGHEST))
-    jax.block_until_ready(dot(a))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(dot(a))
-        best = min(best, time.perf_counter() - start)
-    return 2 * size ** 3 / best
-
-
 def compare_row(batch: int, ours: GenerateTiming, hf: GenerateTiming, prefill_flop: float,
                 peak_flop_s: float) -> dict[str, Any]:
     """One line of the comparison: decode tok/s of both and their ratio, prefill times, dsr1's prefill
-    FLOP/s (`prefill_flop` / its time) against `peak_flop_s` (`matmul_peak_flops`), agreement."""
+    FLOP/s (`prefill_flop` / its time) against `peak_flop_s` (`prefill.matmul_peak_flops`), agreement."""
     flop_s = prefill_flop / ours.prefill_s
     return {
         "batch": batch, "dsr1_tok_s": ours.decode_tok_s(batch), "hf_tok_s": hf.decode_tok_s(batch),

@@ -34,7 +34,7 @@ import numpy as np
 
 from ..api import Model, load
 from ..core.config import Config
-from ..options import add_model_options, config_from_options, mesh_from_options
+from ..options import add_model_options, checkpoint_from_options, config_from_options, mesh_from_options
 from ..weights.release import expected_tensors, fp8_scale_shape, quantize_fp8
 from ..weights.safetensors_io import write_safetensors
 from ..weights.throughput import Throughput
@@ -223,7 +223,7 @@ def run_load(args: argparse.Namespace) -> dict[str, Any]:
     dev = device_description()
     load_kwargs = {"mesh": mesh_from_options(args), "dtype": args.dtype, "quant": args.quant}
     with tempfile.TemporaryDirectory(prefix="dsr1-load-") as tmp:
-        if args.model:
+        if checkpoint_from_options(args):
             folder, name = Path(args.model), args.model
         else:
             cfg, name = config_from_options(args)

@@ -16,6 +16,11 @@ MB read/step: bytes a decode step must read (MB = 1e6 B): attention, dense-MLP a
 achieved GB/s = MB read/step / step time. % of copy BW = achieved GB/s / the measured copy bandwidth
   (a jitted x + 1 over {copy_mb:.0f} MB: bytes read + written per second) = {copy_gbs:.2f} GB/s."""
 
+PREFILL_NOTES = """\
+GFLOP = the matmul FLOPs of the prefill (2 per multiply-add): every projection, the routed experts each token is
+  routed to, causal attention, lm_head at each row's last token (dsr1.bench.prefill.prefill_flops).
+% of peak = GFLOP/s / the matmul peak measured in this run (model FLOPs utilization)."""
+
 COMPARE_NOTES = """\
 decode tok/s = batch x (new tokens - 1) / decode time. HF decode time = generate(N) - generate(1); dsr1: prefill,
 then one jitted loop of N - 1 steps.
@@ -41,6 +46,14 @@ def decode_table(rows: Sequence[dict[str, Any]]) -> str:
     cells = [(str(r["batch"]), str(r["context"]), f"{r['tok_s_per_seq']:.1f}", f"{r['tok_s']:.1f}",
               f"{r['mb_per_step']:.1f}", f"{r['achieved_gbs']:.2f}", f"{r['pct_of_copy_bw']:.1f}%",
               f"{r['step_ms']:.1f}", f"{r['distinct_experts_per_layer']:.1f}") for r in rows]
+    return markdown_table(headers, cells)
+
+
+def prefill_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The `prefill` command's table, one line per (batch, tokens)."""
+    headers = ("batch", "tokens", "ms", "tok/s", "GFLOP", "GFLOP/s", "% of matmul peak")
+    cells = [(str(r["batch"]), str(r["tokens"]), f"{r['ms']:.1f}", f"{r['tok_s']:.0f}", f"{r['gflop']:.1f}",
+              f"{r['gflop_s']:.1f}", f"{r['pct_of_peak']:.1f}%") for r in rows]
     return markdown_table(headers, cells)
 
 
