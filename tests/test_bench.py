@@ -157,6 +157,23 @@ def test_cli_prefill_reports_flops_against_the_peak(tmp_path, config_file, capsy
         cli.main(["prefill", "--model", str(tmp_path), "--layers", "2"])
 
 
+def test_cli_moe_runs_every_kernel_to_the_same_output(tmp_path, config_file, capsys):
+    out = tmp_path / "moe.json"
+    assert cli.main(["moe", "--config", str(config_file), "--tokens", "1,5", "--dtype", "float32", "--repeats", "1",
+                     "--json", str(out)]) == 0
+    assert "rel. diff = max |out - ragged_dot's out|" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    kernels = ("ragged_dot", "loop", "dense")
+    assert [(r["kernel"], r["tokens"]) for r in rows] == [(k, n) for n in (1, 5) for k in kernels]
+    per_expert = 3 * CFG.hidden_size * CFG.moe_intermediate_size * 4  # float32 gate, up, down
+    for row in rows:
+        assert 1 <= row["experts_hit"] <= min(row["tokens"] * CFG.num_experts_per_tok, CFG.n_routed_experts)
+        assert row["mb_hit"] == pytest.approx(row["experts_hit"] * per_expert / 1e6)
+        assert row["max_rel_diff"] < 1e-5 and row["ms"] > 0
+    with pytest.raises(SystemExit):
+        cli.main(["moe", "--kernels", "ragged_dot,gather"])
+
+
 def test_random_checkpoint_loads_in_dsr1(tmp_path):
     folder = compare_hf.write_random_checkpoint(tmp_path / "ckpt", CFG, seed=3)
     model = dsr1.load(folder, progress=False)

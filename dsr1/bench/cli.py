@@ -3,6 +3,7 @@ transformers.
 
     python -m dsr1.bench decode --batch 1,8,32 --context 32,512,4096 [--quant int8] [--kv-cache-dtype int8]
     python -m dsr1.bench prefill --batch 1 --tokens 512,4096 [--preset deepseek-r1 --layers 4]
+    python -m dsr1.bench moe --tokens 1,8,64,512 [--kernels ragged_dot,loop,dense]
     python -m dsr1.bench compare-hf [--preset bench] [--batch 1,8] [--new-tokens 32]
     python -m dsr1.bench serve --preset tiny --dtype float32 [--requests 64] [--rate 100] [--prefix-ttft 2000]
     python -m dsr1.bench plan --preset deepseek-r1 --quant int8 [--target 8xH100|8xH200|v5e-64|v5p-64]
@@ -31,6 +32,7 @@ from ..options import add_model_options, config_from_options, mesh_from_options,
 from .accounting import expert_bytes, fixed_weight_bytes
 from .bandwidth import COPY_BYTES, copy_bandwidth, device_description, with_final_load
 from .compare_hf import compare_row, dsr1_generate, hf_generate, load_hf, write_random_checkpoint
+from .experts import EXPERT_COLUMNS, KERNELS, bench_kernels
 from .loading import add_load_options, run_load
 from .plan import add_plan_options, run_plan
 from .prefill import PREFILL_COLUMNS, compute_dtype, matmul_peak_flops, prefill_flops, prefill_row, time_prefill
@@ -39,11 +41,13 @@ from .quality import add_quality_options, run_quality
 from .report import (
     COMPARE_NOTES,
     DECODE_NOTES,
+    EXPERT_NOTES,
     PREFILL_NOTES,
     SERVE_NOTES,
     compare_table,
     decode_table,
     device_line,
+    expert_table,
     model_line,
     prefill_table,
     serve_table,
@@ -126,6 +130,32 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
     return {"command": "prefill", "device": dev, "model": name, "config": dataclasses.asdict(model.cfg),
             "dtype": args.dtype, "quant": args.quant, "compute_dtype": dtype.name, "matmul_peak_flop_s": peak,
             "repeats": args.repeats, "columns": list(PREFILL_COLUMNS), "rows": rows}
+
+
+def run_moe(args: argparse.Namespace) -> dict[str, Any]:
+    """The `moe` command: the routed-expert kernels on the first MoE layer at each token count."""
+    dev = device_description()
+    model = model_from_options(args, seed=args.seed)
+    name = args.model or config_from_options(args)[1]
+    rows = bench_kernels(model, args.kernels, args.tokens, args.repeats, seed=args.seed, log=_log)
+    dev = with_final_load(dev)
+    print(device_line(dev))
+    print(model_line(model, name))
+    print(f"the first MoE layer's routed experts on random activations (best of {args.repeats})\n")
+    print(expert_table(rows))
+    print()
+    print(EXPERT_NOTES.format(reference=args.kernels[0]))
+    return {"command": "moe", "device": dev, "model": name, "config": dataclasses.asdict(model.cfg),
+            "dtype": args.dtype, "quant": args.quant, "repeats": args.repeats, "columns": list(EXPERT_COLUMNS),
+            "rows": rows}
+
+
+def _kernels(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in KERNELS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"expected comma-separated kernels among {', '.join(KERNELS)}, got {text!r}")
+    return names
 
 
 def run_compare_hf(args: argparse.Namespace) -> dict[str, Any]:
@@ -312,6 +342,18 @@ def parser() -> argparse.ArgumentParser:
                      help="comma-separated prompt lengths (default: 512,4096)")
     add_model_options(pre, default_preset="bench")
     _run_options(pre)
+    kern = sub.add_parser("moe", help="routed-expert kernels side by side: ragged_dot, the expert loop, dense",
+                          description="Runs the first MoE layer's routed experts on random activations with each "
+                                      "kernel (ragged_dot: grouped matmuls, the GPU/TPU default; loop: each hit "
+                                      "expert sliced in place, the CPU default; dense: every expert on every token) "
+                                      "and reports time, the bytes of the experts hit, GB/s, GFLOP/s, and the "
+                                      "difference from the first kernel's output.")
+    kern.add_argument("--tokens", type=_ints, default=[1, 8, 64, 512],
+                      help="comma-separated token counts (default: 1,8,64,512)")
+    kern.add_argument("--kernels", type=_kernels, default=list(KERNELS),
+                      help=f"comma-separated kernels, the first the reference (default: {','.join(KERNELS)})")
+    add_model_options(kern, default_preset="bench")
+    _run_options(kern)
     cmp = sub.add_parser("compare-hf", help="decode tok/s of HF transformers (torch, bf16) and dsr1 on the same "
                                             "random checkpoint",
                          description="Writes one random release-layout checkpoint (bf16), loads it into HF "
@@ -361,8 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command == "compare-hf" and args.new_tokens < 2:
         raise SystemExit("--new-tokens must be at least 2 (the first token comes from the prefill)")
-    commands = {"decode": run_decode, "prefill": run_prefill, "compare-hf": run_compare_hf, "serve": run_serve,
-                "plan": run_plan, "load": run_load, "quality": run_quality}
+    commands = {"decode": run_decode, "prefill": run_prefill, "moe": run_moe, "compare-hf": run_compare_hf,
+                "serve": run_serve, "plan": run_plan, "load": run_load, "quality": run_quality}
     result = commands[args.command](args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))

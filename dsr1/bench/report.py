@@ -21,6 +21,12 @@ GFLOP = the matmul FLOPs of the prefill (2 per multiply-add): every projection, 
   routed to, causal attention, lm_head at each row's last token (dsr1.bench.prefill.prefill_flops).
 % of peak = GFLOP/s / the matmul peak measured in this run (model FLOPs utilization)."""
 
+EXPERT_NOTES = """\
+experts hit: distinct routed experts the tokens chose; MB hit: their gate, up and down bytes (what an ideal kernel
+  reads). GB/s = MB hit / time; GFLOP/s = the routed work (2 x tokens x top-k x 3 x hidden x moe_intermediate) / time
+  (dense computes every expert: experts / top-k times that).
+rel. diff = max |out - {reference}'s out| / max |{reference}'s out|."""
+
 COMPARE_NOTES = """\
 decode tok/s = batch x (new tokens - 1) / decode time. HF decode time = generate(N) - generate(1); dsr1: prefill,
 then one jitted loop of N - 1 steps.
@@ -54,6 +60,14 @@ def prefill_table(rows: Sequence[dict[str, Any]]) -> str:
     headers = ("batch", "tokens", "ms", "tok/s", "GFLOP", "GFLOP/s", "% of matmul peak")
     cells = [(str(r["batch"]), str(r["tokens"]), f"{r['ms']:.1f}", f"{r['tok_s']:.0f}", f"{r['gflop']:.1f}",
               f"{r['gflop_s']:.1f}", f"{r['pct_of_peak']:.1f}%") for r in rows]
+    return markdown_table(headers, cells)
+
+
+def expert_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The `moe` command's table, one line per (token count, kernel)."""
+    headers = ("kernel", "tokens", "ms", "experts hit", "MB hit", "GB/s", "GFLOP/s", "rel. diff")
+    cells = [(r["kernel"], str(r["tokens"]), f"{r['ms']:.2f}", str(r["experts_hit"]), f"{r['mb_hit']:.1f}",
+              f"{r['gb_s']:.2f}", f"{r['gflop_s']:.1f}", f"{r['max_rel_diff']:.1e}") for r in rows]
     return markdown_table(headers, cells)
 
 

@@ -10,13 +10,14 @@ Experts run under `shard_map`: each device sorts the token-expert pairs routed t
 runs `ragged_dot` for gate/up and down on its slice of the expert ffw, and the partial outputs are
 summed over the expert and tensor mesh axes. On CPU, where `ragged_dot` is a dense product over
 every expert, a loop over blocks of the sorted pairs slices each hit expert in place instead
-(`use_gather`, `_loop_experts`).
+(`use_gather`, `loop_experts`).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -26,8 +27,11 @@ from jax.sharding import PartitionSpec as P
 
 from .config import Config
 from .layers import mlp
-from .quant import Int8Weight, ragged_dot, widen, widens_on_use
+from .quant import Int8Weight, einsum, ragged_dot, widen, widens_on_use
 from .sharding import ShardingRules
+
+# A per-device routed-expert computation: (x, weights, experts, gate, up, down, layer, rules) -> [N, D].
+ExpertKernel = Callable[..., jax.Array]
 
 
 def route(x: jax.Array, router: jax.Array, bias: jax.Array, cfg: Config) -> tuple[jax.Array, jax.Array]:
@@ -74,7 +78,7 @@ def _combine(n_tokens: int, token: jax.Array, y: jax.Array, weight: jax.Array) -
     return jnp.zeros((n_tokens, y.shape[-1]), jnp.float32).at[token].add(y * weight[:, None])
 
 
-def _ragged_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRules):
+def ragged_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRules):
     """Sort the pairs by expert and run grouped matmuls (`ragged_dot`) on the layer's experts."""
     gate, up, down = (jax.tree.map(lambda a: a[layer], w) for w in (gate, up, down))
     token, expert, is_local, order, group_sizes = _sorted_pairs(experts, gate.shape[0], rules)
@@ -85,7 +89,7 @@ def _ragged_experts(x, weights, experts, gate, up, down, layer, rules: ShardingR
 
 
 
-def _dense_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRules):
+def dense_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRules):
     """Every local expert on every token, each output scaled by the token's routing weight for that
     expert (zero where it was not chosen): plain batched matmuls, differentiable, experts/K times the
     routed FLOPs. Training on CPU runs it: there `ragged_dot` computes every expert for every *pair*,
@@ -96,10 +100,11 @@ def _dense_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRu
     chosen = jax.nn.one_hot(jnp.where(is_local, local, n_local), n_local, dtype=jnp.float32)  # [N*K, E]
     mix = (chosen * weights.reshape(-1, 1)).reshape(*experts.shape, n_local).sum(1)  # [N, E]
     f32 = jnp.float32
-    h = (jax.nn.silu(jnp.einsum("nd,edf->enf", x, gate, preferred_element_type=f32))
-         * jnp.einsum("nd,edf->enf", x, up, preferred_element_type=f32))
+    h = (jax.nn.silu(einsum("nd,edf->enf", x, gate, preferred_element_type=f32))
+         * einsum("nd,edf->enf", x, up, preferred_element_type=f32))
     h = (h * mix.T[:, :, None]).astype(x.dtype)
-    return jnp.einsum("enf,efd->nd", h, down, preferred_element_type=f32)
+    # Per expert, then summed: an int8 `down` scales its outputs per expert.
+    return einsum("enf,efd->end", h, down, preferred_element_type=f32).sum(0)
 
 
 DECODE_TOKENS = 8  # up to this many tokens, the expert loop takes one step per hit expert
@@ -130,7 +135,7 @@ def _expert_matmul(x: jax.Array, w: Any) -> jax.Array:
     return jnp.dot(x, widen(w), precision=highest)  # plain float32 or `Bf16Bits`
 
 
-def _loop_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRules):
+def loop_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRules):
     """The CPU kernel: sort the pairs by expert, then a loop over blocks of sorted rows, each block
     one expert's, which slices that expert of `layer` from the stacks in place and runs its rows.
     Reads each hit expert once per block and computes only its (padded) rows: its cost follows the
@@ -162,7 +167,7 @@ def _loop_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRul
 
 
 def use_gather(n_pairs: int, n_local: int) -> bool:
-    """Whether the routed experts run as the expert loop (`_loop_experts`: gathers each hit expert
+    """Whether the routed experts run as the expert loop (`loop_experts`: gathers each hit expert
     in place, one block of its rows at a time) rather than `ragged_dot`. XLA:CPU lowers `ragged_dot`
     to a dense masked product over *every* local expert (experts x the FLOPs, every expert read), so
     on CPU the loop wins at every size, decode and prefill. GPU and TPU have grouped-matmul kernels
@@ -171,15 +176,16 @@ def use_gather(n_pairs: int, n_local: int) -> bool:
     return widens_on_use()
 
 
-def _local_experts(x, weights, experts, gate, up, down, layer, *, rules: ShardingRules, differentiable: bool = False):
-    """Per-device body: this device's experts (and ffw slice) applied to every token routed to them.
-    `differentiable`: no expert loop (its dynamic trip count has no reverse mode): `ragged_dot`, or
-    on CPU every expert on every token (`_dense_experts`)."""
-    if differentiable:
-        body = _dense_experts if widens_on_use() else _ragged_experts
-    else:
-        body = _loop_experts if use_gather(experts.size, gate.shape[1]) else _ragged_experts
-    return jax.lax.psum(body(x, weights, experts, gate, up, down, layer, rules), rules.moe_reduce_axes())
+def _local_experts(x, weights, experts, gate, up, down, layer, *, rules: ShardingRules, differentiable: bool = False,
+                   kernel: ExpertKernel | None = None):
+    """Per-device body: this device's experts (and ffw slice) applied to every token routed to them,
+    by `kernel`, or by default the platform's: `differentiable`, no expert loop (its dynamic trip count
+    has no reverse mode): `ragged_dot`, or on CPU every expert on every token (`dense_experts`)."""
+    if kernel is None and differentiable:
+        kernel = dense_experts if widens_on_use() else ragged_experts
+    elif kernel is None:
+        kernel = loop_experts if use_gather(experts.size, gate.shape[1]) else ragged_experts
+    return jax.lax.psum(kernel(x, weights, experts, gate, up, down, layer, rules), rules.moe_reduce_axes())
 
 
 def _partition_spec(w: Any, axes: tuple[str, ...], rules: ShardingRules) -> Any:
@@ -193,12 +199,14 @@ def _partition_spec(w: Any, axes: tuple[str, ...], rules: ShardingRules) -> Any:
 
 
 def routed_experts(p: dict, x: jax.Array, weights: jax.Array, experts: jax.Array, mesh: Mesh,
-                   rules: ShardingRules, layer: jax.Array | None = None, *, differentiable: bool = False) -> jax.Array:
+                   rules: ShardingRules, layer: jax.Array | None = None, *, differentiable: bool = False,
+                   kernel: ExpertKernel | None = None) -> jax.Array:
     """Dropless routed-expert output `[N, D]` (float32), experts split over the expert mesh axis.
 
     `layer`: None when `p` holds one layer's experts `[E, ...]`; else `p`'s experts are the stacks
     `[L, E, ...]` of every layer and `layer` picks one, so that kernels slice an expert in place.
-    `differentiable`: a path with reverse mode (training; see `_local_experts`)."""
+    `differentiable`: a path with reverse mode (training; see `_local_experts`). `kernel`: one of
+    `ragged_experts`, `loop_experts`, `dense_experts` instead of the platform's (benchmarks)."""
     gate, up, down = p["gate"], p["up"], p["down"]
     if layer is None:
         gate, up, down = (jax.tree.map(lambda a: a[None], w) for w in (gate, up, down))
@@ -206,7 +214,8 @@ def routed_experts(p: dict, x: jax.Array, weights: jax.Array, experts: jax.Array
     with jax.named_scope("routed_experts"):
         w_in = _partition_spec(gate, ("experts", "embed", "expert_ffw"), rules)
         w_out = _partition_spec(down, ("experts", "expert_ffw", "embed"), rules)
-        body = jax.shard_map(functools.partial(_local_experts, rules=rules, differentiable=differentiable), mesh=mesh,
+        body = jax.shard_map(functools.partial(_local_experts, rules=rules, differentiable=differentiable,
+                                               kernel=kernel), mesh=mesh,
                              in_specs=(P(), P(), P(), w_in, w_in, w_out, P()), out_specs=P())
         return body(x, weights, experts, gate, up, down, jnp.asarray(layer, jnp.int32))
 

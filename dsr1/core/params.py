@@ -236,9 +236,9 @@ def _slicing(spec: ArrayInfo) -> tuple[int, int] | None:
     return None
 
 
-def _draw(key: jax.Array, spec: ArrayInfo, dtype: Any, sharding: NamedSharding) -> jax.Array:
-    """One weight's initial values as `spec.init` says (drawn in float32, cast to its dtype), placed by
-    `sharding`; a large one drawn slice by slice into its buffer (`_slicing`)."""
+def _draw(key: jax.Array, spec: ArrayInfo, dtype: Any, sharding: NamedSharding | None = None) -> jax.Array:
+    """One weight's initial values as `spec.init` says (drawn in float32, cast to its dtype); a large
+    one drawn slice by slice into its buffer (`_slicing`), placed by `sharding`."""
     dt = resolved_dtype(spec, dtype)
     if spec.init == "ones":
         return jnp.ones(spec.shape, dt)
@@ -256,21 +256,35 @@ def _draw(key: jax.Array, spec: ArrayInfo, dtype: Any, sharding: NamedSharding) 
     def put(i: jax.Array, w: jax.Array) -> jax.Array:
         return jax.lax.dynamic_update_slice_in_dim(w, normal(jax.random.fold_in(key, i), piece), i * rows, axis)
 
-    buffer = jax.lax.with_sharding_constraint(jnp.zeros(spec.shape, dt), sharding)
+    buffer = jnp.zeros(spec.shape, dt)
+    if sharding is not None:
+        buffer = jax.lax.with_sharding_constraint(buffer, sharding)
     return jax.lax.fori_loop(0, spec.shape[axis] // rows, put, buffer)
+
+
+def _weight_key(key: jax.Array, path) -> jax.Array:
+    # Each weight's key depends only on its name, so values do not depend on the mesh.
+    return jax.random.fold_in(key, zlib.crc32(jax.tree_util.keystr(path).encode()))
+
+
+def draw_weight(path, spec: ArrayInfo, key: jax.Array, dtype: Any) -> jax.Array:
+    """One weight's initial values from the model's `key` (the weight's own key from its `path` in the
+    declarations), outside any mesh: the float32 master weights training starts from."""
+    return _draw(_weight_key(key, path), spec, dtype)
 
 
 def _init_leaf(path, spec: ArrayInfo, target: Any, key: jax.Array, dtype: Any, mesh: Mesh,
                rules: ShardingRules) -> Any:
-    """One weight drawn and, where its `target` declaration is int8, quantized. A stack is made one
-    layer at a time, written in place into the stack: an int8 stack never exists in full precision."""
-    # Each weight's key depends only on its name, so values do not depend on the mesh.
-    key = jax.random.fold_in(key, zlib.crc32(jax.tree_util.keystr(path).encode()))
+    """One weight drawn and, where its `target` declaration is int8, quantized. A stack larger than
+    `RANDOM_CHUNK_ELEMENTS` is made one layer at a time, written in place into the stack: an int8 one
+    never exists in full precision. A smaller one is drawn whole, as `draw_weight` draws it: a small
+    model's `init_random` values are its training's master weights."""
+    key = _weight_key(key, path)
 
     def make(k: jax.Array, spec: ArrayInfo, target: Any) -> Any:
         return quantize_like(target, _draw(k, spec, dtype, rules.sharding(mesh, spec.axes)))
 
-    if spec.axes[:1] != ("layers",):
+    if spec.axes[:1] != ("layers",) or math.prod(spec.shape) <= RANDOM_CHUNK_ELEMENTS:
         return make(key, spec, target)
     one_layer = per_layer(spec), per_layer(target)
 

@@ -197,6 +197,8 @@ def ragged_dot(x: jax.Array, w: Any, group_sizes: jax.Array, experts: jax.Array)
     int8 experts enter `ragged_dot` as int8 (mixed bf16 x int8), then each row is scaled by its
     expert's output-channel scales: no dequantized copy of the expert stack is ever built.
     """
+    if isinstance(w, Bf16Bits):  # CPU, where the model runs the expert loop instead (`bench moe` compares)
+        return jax.lax.ragged_dot(x.astype(jnp.float32), widen(w), group_sizes, preferred_element_type=jnp.float32)
     if not isinstance(w, Int8Weight):
         return jax.lax.ragged_dot(x.astype(w.dtype), w, group_sizes, preferred_element_type=jnp.float32)
     y = jax.lax.ragged_dot(x, w.q, group_sizes, preferred_element_type=jnp.float32)

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from ..core.config import Config
 from ..core.model import forward_train
 from ..core.mtp import mtp_forward_train
-from ..core.params import _init_leaf, float_specs, is_spec
+from ..core.params import draw_weight, float_specs, is_spec
 from ..core.sharding import ShardingRules
 
 Params = dict[str, Any]
@@ -50,9 +50,9 @@ class TrainState(NamedTuple):
 
 
 def init_master(cfg: Config, seed: int) -> Params:
-    """float32 random weights of the model and its MTP module, initialized as `dsr1.init_random` does."""
+    """float32 random weights of the model and its MTP module, drawn as `dsr1.init_random` draws them."""
     key = jax.random.key(seed)
-    return jax.tree_util.tree_map_with_path(lambda p, s: _init_leaf(p, s, key, jnp.float32),
+    return jax.tree_util.tree_map_with_path(lambda p, s: draw_weight(p, s, key, jnp.float32),
                                             float_specs(cfg, mtp=True), is_leaf=is_spec)
 
 
