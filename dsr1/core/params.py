@@ -218,7 +218,7 @@ def quantize_like(specs: Any, weights: Any) -> Any:
 
 # A larger weight is drawn in slices. XLA's temporaries for one draw come to ~32 bytes per value (random
 # bits, counters, float32): five R1-shaped layers (53 GB of bf16) needed 258 GB of them on one device and
-# 44 GB per device on 8; drawn in slices, and stacks layer by layer, 20 GB (int8: 25) and 4.1 GB.
+# 44 GB per device on 8; drawn in slices, and stacks layer by layer, 20 GB (int8: 26) and 4.1 GB.
 RANDOM_CHUNK_ELEMENTS = 1 << 26
 
 
