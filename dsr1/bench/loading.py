@@ -223,8 +223,9 @@ def run_load(args: argparse.Namespace) -> dict[str, Any]:
     dev = device_description()
     load_kwargs = {"mesh": mesh_from_options(args), "dtype": args.dtype, "quant": args.quant}
     with tempfile.TemporaryDirectory(prefix="dsr1-load-") as tmp:
-        if checkpoint_from_options(args):
-            folder, name = Path(args.model), args.model
+        path = checkpoint_from_options(args)  # also refuses --layers with --model
+        if path:
+            folder, name = Path(path), path
         else:
             cfg, name = config_from_options(args)
             folder = Path(args.keep or Path(tmp) / "checkpoint")
