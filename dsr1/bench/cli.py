@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ..api import load
+from ..api import Model, load
 from ..options import add_model_options, config_from_options, mesh_from_options, model_from_options
 from .accounting import expert_bytes, fixed_weight_bytes
 from .bandwidth import COPY_BYTES, copy_bandwidth, device_description, with_final_load
@@ -71,6 +71,16 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _print_report(dev: dict[str, Any], model: Model, name: str, heading: str, table: str, notes: str) -> None:
+    """A command's results on stdout: the device and model lines, what was run, the table, its notes."""
+    print(device_line(dev))
+    print(model_line(model, name))
+    print(f"{heading}\n")
+    print(table)
+    print()
+    print(notes)
+
+
 def run_decode(args: argparse.Namespace) -> dict[str, Any]:
     """The `decode` command: time each (batch, context) point and print the table."""
     dev = device_description()
@@ -87,12 +97,9 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
                                        repeats=args.repeats))
         _log(f"    {rows[-1]['step_ms']:.1f} ms/step, {rows[-1]['achieved_gbs']:.2f} GB/s")
     dev = with_final_load(dev)
-    print(device_line(dev))
-    print(model_line(model, name))
-    print(f"{args.steps} greedy decode steps in one jitted loop per point (best of {args.repeats})\n")
-    print(decode_table(rows))
-    print()
-    print(DECODE_NOTES.format(copy_mb=copy_nbytes / 1e6, copy_gbs=copy_gbs))
+    _print_report(dev, model, name, f"{args.steps} greedy decode steps in one jitted loop per point (best of "
+                  f"{args.repeats})", decode_table(rows), DECODE_NOTES.format(copy_mb=copy_nbytes / 1e6,
+                                                                              copy_gbs=copy_gbs))
     return {
         "command": "decode", "device": dev, "model": name, "config": dataclasses.asdict(model.cfg),
         "dtype": args.dtype, "quant": args.quant, "kv_cache_dtype": args.kv_cache_dtype, "steps": args.steps,
@@ -120,13 +127,8 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
         rows.append(prefill_row(model.cfg, batch, tokens, seconds, peak))
         _log(f"    {rows[-1]['ms']:.1f} ms, {rows[-1]['pct_of_peak']:.1f}% of the matmul peak")
     dev = with_final_load(dev)
-    print(device_line(dev))
-    print(model_line(model, name))
-    print(f"prefill of random prompts (best of {args.repeats}); {dtype.name} matmul peak {peak / 1e9:.1f} GFLOP/s "
-          f"(measured in this run)\n")
-    print(prefill_table(rows))
-    print()
-    print(PREFILL_NOTES)
+    _print_report(dev, model, name, f"prefill of random prompts (best of {args.repeats}); {dtype.name} matmul "
+                  f"peak {peak / 1e9:.1f} GFLOP/s (measured in this run)", prefill_table(rows), PREFILL_NOTES)
     return {"command": "prefill", "device": dev, "model": name, "config": dataclasses.asdict(model.cfg),
             "dtype": args.dtype, "quant": args.quant, "compute_dtype": dtype.name, "matmul_peak_flop_s": peak,
             "repeats": args.repeats, "columns": list(PREFILL_COLUMNS), "rows": rows}
@@ -139,12 +141,8 @@ def run_moe(args: argparse.Namespace) -> dict[str, Any]:
     name = args.model or config_from_options(args)[1]
     rows = bench_kernels(model, args.kernels, args.tokens, args.repeats, seed=args.seed, log=_log)
     dev = with_final_load(dev)
-    print(device_line(dev))
-    print(model_line(model, name))
-    print(f"the first MoE layer's routed experts on random activations (best of {args.repeats})\n")
-    print(expert_table(rows))
-    print()
-    print(EXPERT_NOTES.format(reference=args.kernels[0]))
+    _print_report(dev, model, name, f"the first MoE layer's routed experts on random activations (best of "
+                  f"{args.repeats})", expert_table(rows), EXPERT_NOTES.format(reference=args.kernels[0]))
     return {"command": "moe", "device": dev, "model": name, "config": dataclasses.asdict(model.cfg),
             "dtype": args.dtype, "quant": args.quant, "repeats": args.repeats, "columns": list(EXPERT_COLUMNS),
             "rows": rows}

@@ -23,7 +23,7 @@ from ..core.config import Config
 from ..core.sharding import to_host
 from ..weights.release import expected_tensors
 from ..weights.safetensors_io import write_safetensors
-from .timing import time_decode
+from .timing import best_of, time_decode
 
 CHECKPOINT_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
 
@@ -108,12 +108,7 @@ def dsr1_generate(model: Model, prompts: np.ndarray, new_tokens: int, repeats: i
     steps, each timed as the best of `repeats` after a warm-up. The decode runs start from copies of
     the prefilled cache (the loop consumes its cache; a copy is cheaper than another prefill)."""
     max_len = prompts.shape[1] + new_tokens
-    jax.block_until_ready(model.prefill(prompts, max_len=max_len))  # compile
-    prefill = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        logits, cache = jax.block_until_ready(model.prefill(prompts, max_len=max_len))
-        prefill = min(prefill, time.perf_counter() - start)
+    prefill, (logits, cache) = best_of(lambda: model.prefill(prompts, max_len=max_len), repeats)
     first = to_host(logits).argmax(-1).astype(np.int32)
     run = time_decode(model, lambda i: jax.tree.map(jnp.copy, cache), first, new_tokens - 1, repeats)
     tokens = np.concatenate([run.tokens.T, run.last[:, None]], axis=1)  # fed tokens = generated ones, then the last

@@ -6,7 +6,6 @@ FLOP/s of the routed work, and how far the output is from the first kernel's."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import jax
@@ -17,6 +16,7 @@ from ..api import Model
 from ..core import moe
 from ..core.sharding import put_replicated, to_host
 from .accounting import expert_bytes
+from .timing import best_of
 
 KERNELS: dict[str, moe.ExpertKernel] = {"ragged_dot": moe.ragged_experts, "loop": moe.loop_experts,
                                         "dense": moe.dense_experts}
@@ -44,13 +44,8 @@ def time_kernel(model: Model, kernel: moe.ExpertKernel, inputs: tuple[jax.Array,
     def run(layer: dict, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
         return moe.routed_experts(layer, x, weights, experts, model.mesh, model.rules, jnp.int32(0), kernel=kernel)
 
-    out = jax.block_until_ready(run(layer, *inputs))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(run(layer, *inputs))
-        best = min(best, time.perf_counter() - start)
-    return best, to_host(out)
+    seconds, out = best_of(lambda: run(layer, *inputs), repeats)
+    return seconds, to_host(out)
 
 
 def kernel_row(model: Model, name: str, experts: np.ndarray, seconds: float, out: np.ndarray,

@@ -4,7 +4,6 @@ dsr1 widens bf16 and int8 weights where they are used; the weights' dtype (bf16)
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import jax
@@ -14,6 +13,7 @@ import numpy as np
 from ..api import Model
 from ..core.config import Config
 from ..core.quant import widens_on_use
+from .timing import best_of
 
 PREFILL_COLUMNS = ("batch", "tokens", "ms", "tok_s", "gflop", "gflop_s", "pct_of_peak")
 
@@ -51,13 +51,7 @@ def matmul_peak_flops(dtype: Any = jnp.float32, size: int | None = None, repeats
         dot = jax.jit(lambda a: jnp.dot(a, a, precision=jax.lax.Precision.HIGHEST))
     else:
         dot = jax.jit(lambda a: jnp.dot(a, a, preferred_element_type=jnp.float32))
-    jax.block_until_ready(dot(a))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(dot(a))
-        best = min(best, time.perf_counter() - start)
-    return 2 * size ** 3 / best
+    return 2 * size ** 3 / best_of(lambda: dot(a), repeats)[0]
 
 
 def time_prefill(model: Model, batch: int, tokens: int, repeats: int = 2, seed: int = 0) -> float:
@@ -66,13 +60,7 @@ def time_prefill(model: Model, batch: int, tokens: int, repeats: int = 2, seed: 
     if tokens > model.cfg.max_position_embeddings:
         raise ValueError(f"{tokens} tokens exceed max_position_embeddings={model.cfg.max_position_embeddings}")
     prompts = np.random.default_rng(seed).integers(2, model.cfg.vocab_size, (batch, tokens)).astype(np.int32)
-    jax.block_until_ready(model.prefill(prompts, max_len=tokens))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(model.prefill(prompts, max_len=tokens))
-        best = min(best, time.perf_counter() - start)
-    return best
+    return best_of(lambda: model.prefill(prompts, max_len=tokens), repeats)[0]
 
 
 def prefill_row(cfg: Config, batch: int, tokens: int, seconds: float, peak_flop_s: float) -> dict[str, Any]:
