@@ -170,6 +170,10 @@ def test_cli_moe_runs_every_kernel_to_the_same_output(tmp_path, config_file, cap
         assert 1 <= row["experts_hit"] <= min(row["tokens"] * CFG.num_experts_per_tok, CFG.n_routed_experts)
         assert row["mb_hit"] == pytest.approx(row["experts_hit"] * per_expert / 1e6)
         assert row["max_rel_diff"] < 1e-5 and row["ms"] > 0
+    # int8 experts: each kernel applies the per-expert output scales its own way (dense sums over experts after)
+    assert cli.main(["moe", "--config", str(config_file), "--tokens", "5", "--dtype", "float32", "--quant", "int8",
+                     "--repeats", "1", "--json", str(out)]) == 0
+    assert all(r["max_rel_diff"] < 1e-5 for r in json.loads(out.read_text())["rows"])
     with pytest.raises(SystemExit):
         cli.main(["moe", "--kernels", "ragged_dot,gather"])
 

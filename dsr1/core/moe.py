@@ -103,8 +103,7 @@ def dense_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRul
     h = (jax.nn.silu(einsum("nd,edf->enf", x, gate, preferred_element_type=f32))
          * einsum("nd,edf->enf", x, up, preferred_element_type=f32))
     h = (h * mix.T[:, :, None]).astype(x.dtype)
-    # Per expert, then summed: an int8 `down` scales its outputs per expert.
-    return einsum("enf,efd->end", h, down, preferred_element_type=f32).sum(0)
+    return einsum("enf,efd->nd", h, down, preferred_element_type=f32)
 
 
 DECODE_TOKENS = 8  # up to this many tokens, the expert loop takes one step per hit expert

@@ -147,12 +147,15 @@ def einsum(spec: str, x: jax.Array, w: Any, **kwargs) -> jax.Array:
     if widens_on_use():
         x = x.astype(jnp.float32)
     q = widen(w.q) if widens_on_use() else w.q.astype(x.dtype)
-    if all(c in out_sub for c in scale_sub):
-        y = jnp.einsum(spec, x, q, **kwargs)
-        return jnp.einsum(f"{out_sub},{scale_sub}->{out_sub}", y, w.scale.astype(y.dtype)).astype(dtype)
-    # An output channel of the weight is contracted here (absorbed decode): scale the input instead.
-    x = jnp.einsum(f"{x_sub},{scale_sub}->{x_sub}", x, w.scale.astype(x.dtype))
-    return jnp.einsum(spec, x, q, **kwargs).astype(dtype)
+    if all(c in x_sub for c in scale_sub) and not all(c in out_sub for c in scale_sub):
+        # An output channel of the weight is contracted here (absorbed decode): scale the input instead.
+        x = jnp.einsum(f"{x_sub},{scale_sub}->{x_sub}", x, w.scale.astype(x.dtype))
+        return jnp.einsum(spec, x, q, **kwargs).astype(dtype)
+    # Keep the scale's axes that the product contracts (experts summed over), scale, then sum them.
+    wide = out_sub + "".join(c for c in scale_sub if c not in out_sub)
+    y = jnp.einsum(f"{x_sub},{w_sub}->{wide}", x, q, **kwargs)
+    y = jnp.einsum(f"{wide},{scale_sub}->{wide}", y, w.scale.astype(y.dtype))
+    return y.sum(axis=tuple(range(len(out_sub), len(wide)))).astype(dtype)
 
 
 WIDEN_CHUNK_ELEMENTS = 1 << 19  # float32 elements widened at a time (2 MB: a core's cache holds them)
