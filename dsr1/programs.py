@@ -385,7 +385,10 @@ def _serve_rows(params: Params, cache: PagedKVCache, state: SlotState, rows: Ste
         logits_at = jnp.where(rows.sample, jnp.maximum(rows.counts - 1, 0), rows.tokens.shape[1])[:, None]
     logits, _, cache = model.extend(params, cache, tokens, rows.starts, rows.counts, table, logits_at, cfg=cfg,
                                     mesh=mesh, rules=rules)
-    out, state, _ = _sample_rows(logits[:, 0], state, rows, safe, sampling)
+    # The barrier hands the sampling conditional a row-major [B, V] operand: without it XLA:CPU passes
+    # the [B, 1, V] logits in another (equivalent) layout and copies them inside the branch, 0.25 ms
+    # at 8 rows and 0.6 ms at 16 on the tiny preset, a tenth of a decode step.
+    out, state, _ = _sample_rows(jax.lax.optimization_barrier(logits[:, 0]), state, rows, safe, sampling)
     return out, cache, jax.tree.map(lambda a: keep_replicated(a, mesh), state)
 
 

@@ -186,9 +186,9 @@ def test_cancel_frees_pages_and_slots(make_engine):
     rng = np.random.default_rng(4)
     engine = make_engine(prefix_caching=False)
     requests = [engine.submit(rng.integers(2, 5000, 20).tolist(), max_new_tokens=16) for _ in range(5)]
-    for _ in range(8):
-        engine.step()
     running, waiting = requests[0], requests[4]
+    while not running.tokens:  # mid-flight: the first request is decoding, the fifth waits for a slot
+        engine.step()
     assert engine.stats().running == 4 and engine.stats().waiting == 1
     used = engine.allocator.used_count
     running.cancel()
@@ -242,8 +242,8 @@ def test_submit_refuses_what_can_never_run(make_engine):
 
 def test_decoding_rows_keep_streaming_while_a_long_prompt_is_prefilled(make_engine):
     rng = np.random.default_rng(5)
-    engine = make_engine()
-    short = engine.submit(rng.integers(2, 5000, 10).tolist(), max_new_tokens=20)
+    engine = make_engine(decode_steps=2)
+    short = engine.submit(rng.integers(2, 5000, 10).tolist(), max_new_tokens=40)
     while not short.tokens:
         engine.step()
     long = engine.submit(rng.integers(2, 5000, 100).tolist(), max_new_tokens=2)  # 13 chunks of 8
@@ -252,9 +252,10 @@ def test_decoding_rows_keep_streaming_while_a_long_prompt_is_prefilled(make_engi
         engine.step()
         produced.append(len(short.tokens))
     assert long.tokens == [] and engine.stats().running == 2
-    assert np.diff(produced).tolist() == [1] * 9, "one token every step while the prompt is prefilled"
+    steps = engine.config.decode_steps
+    assert np.diff(produced).tolist() == [steps] * 9, "decode_steps tokens every step while the prompt is prefilled"
     engine.run()
-    assert len(short.tokens) == 20 and len(long.tokens) == 2
+    assert len(short.tokens) == 40 and len(long.tokens) == 2
 
 
 def test_request_handle_is_usable_from_other_threads():

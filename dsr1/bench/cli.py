@@ -300,7 +300,7 @@ def _serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=_positive, default=e.prefill_chunk, help="(default: %(default)s)")
     p.add_argument("--prefill-rows", type=_positive, default=e.prefill_rows, help="(default: %(default)s)")
     p.add_argument("--decode-steps", type=_positive, default=e.decode_steps,
-                   help="decode steps per engine call while nothing is prefilled (default: %(default)s)")
+                   help="decode steps per engine decode call (default: %(default)s)")
     p.add_argument("--host-cache-mb", type=int, default=0, help="host memory for offloaded prefix pages, MiB "
                    "(default: 0)")
     p.add_argument("--prefix-ttft", type=int, default=0, metavar="N", help="also measure the time to first token of "

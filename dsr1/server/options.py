@@ -62,7 +62,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         help="prompt tokens per request per step (default: 64)")
     engine.add_argument("--prefill-rows", type=int, default=2, help="requests prefilling per step (default: 2)")
     engine.add_argument("--decode-steps", type=int, default=4,
-                        help="decode steps per engine call while no prompt is prefilled (default: 4)")
+                        help="decode steps per engine decode call (default: 4)")
     engine.add_argument("--draft-tokens", type=int, default=0, metavar="K",
                         help="MTP speculative decoding: K tokens drafted per decode iteration by the model's MTP "
                              "module, verified in one step (default: 0, off; the model needs an MTP layer)")

@@ -140,8 +140,8 @@ class Engine:
       prefill_rows: requests prefilling in one step at most (the prefill call is at most
         `prefill_rows x prefill_chunk` tokens; see `SchedulerConfig.prefill_shapes`).
       host_cache_bytes: host memory for prefix-cache pages evicted from the device (0: no offload).
-      decode_steps: decode steps per call while no prompt is being prefilled (see the scheduler's
-        "Multi-step decode"): fewer dispatches and read-backs, coarser streaming and admission.
+      decode_steps: decode steps per decode call (see the scheduler's "Multi-step decode"): fewer
+        dispatches and read-backs, coarser streaming and admission.
       max_seq_len: the longest prompt + output (default: the model's limit, or the pool's size).
       prefix_caching: reuse cached prefixes (False: every prompt is prefilled in full).
       tokenizer: for text and chat prompts and output text (default: loaded on the first text prompt).

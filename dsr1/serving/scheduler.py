@@ -6,14 +6,14 @@ which tokens each row runs, which pages it gets, and what the sampled tokens mea
 
 **Steps.** Each step makes at most two calls of one program (`dsr1.programs.serve_step`), with
 fixed shapes: a *prefill* call of `prefill_rows` rows of `prefill_chunk` tokens (the next chunk
-of up to that many prompts, in admission order) and a *decode* call of one token per decoding
-request (`max_seqs` rows, or a halving of it down to 8 when fewer decode:
+of up to that many prompts, in admission order) and a *decode* call of `decode_steps` tokens per
+decoding request (see "Multi-step decode"; `max_seqs` rows, or a halving of it down to 8 when fewer decode:
 `SchedulerConfig.decode_shapes`). The prefill call takes the smallest of a few shapes that holds
 its rows (`SchedulerConfig.prefill_shapes`: one row or `prefill_rows`, the full chunk or a
 quarter of it), since a lone prompt or a short last chunk is common and the call's cost grows
 with its rows x chunk. So a long prompt is prefilled a chunk per step while the
-decoding rows keep producing a token every step; the per-step token budget is
-`prefill_rows * prefill_chunk` prompt tokens plus one token per decoding row. Two calls instead
+decoding rows keep producing `decode_steps` tokens every step; the per-step token budget is
+`prefill_rows * prefill_chunk` prompt tokens plus `decode_steps` tokens per decoding row. Two calls instead
 of one `[max_seqs, prefill_chunk]` call with one real token in each decoding row: decode is
 bound by reading the weights, so the extra call costs about one weight read, while padding every
 decoding row to the chunk would multiply the step's FLOPs by up to `max_seqs` (16 slots, 256-token
@@ -34,11 +34,15 @@ slot's last sampled token, which stays on device. The budget is known at plannin
 token or string is seen one step late, and the extra token already dispatched for that request is
 discarded (its write lands in the request's own pages, before anyone else can be given them).
 
-**Multi-step decode.** When no prompt is being prefilled, the decode call runs `decode_steps`
-steps (each row at most its remaining budget), so the dispatch, the transfers and the read-back
-are paid once per `decode_steps` tokens per row, as `dsr1.generate` pays them once per chunk. The
-price: a request that arrives, or a slot freed by a stop, waits until the call ends, and a stop is
-seen up to `2 * decode_steps - 1` tokens late (those tokens are discarded, as above).
+**Multi-step decode.** The decode call runs `decode_steps` steps (each row at most its remaining
+budget), so the dispatch, the transfers and the read-back are paid once per `decode_steps` tokens
+per row, as `dsr1.generate` pays them once per chunk; beside a prefill call too, so that a step
+with prompt work is one prefill call per `decode_steps` decode steps rather than per decode step
+(with one step there, a decoding row's inter-token latency was 1.5-2x static batching's while
+prompts arrived: docs/performance.md, "Serving"). The price: a request that arrives, or a slot
+freed by a stop, waits until the call ends, and a stop is seen up to `2 * decode_steps - 1` tokens
+late (those tokens are discarded, as above); a prompt advances one chunk per `decode_steps`
+decode steps.
 
 **MTP drafts** (`draft_tokens=k`). A decode call then runs draft-verify-accept iterations
 (`dsr1.programs.serve_draft_step`) and keeps 1..k+1 tokens per row per iteration, decided on
@@ -83,7 +87,7 @@ class SchedulerConfig:
     prefill_chunk: int
     prefill_rows: int
     max_seq_len: int
-    decode_steps: int = 1  # decode steps per call when no prompt is being prefilled
+    decode_steps: int = 1  # decode steps per decode call
     draft_tokens: int = 0  # MTP drafts per decode iteration (0: none)
 
     def __post_init__(self) -> None:
@@ -254,9 +258,9 @@ class Scheduler:
         self._drop_cancelled()
         admitted = self._admit()
         prefill = self._plan_prefill()
-        # Nothing to prefill: decode several steps in one call (what frees a slot in the meantime, a
-        # budget or a stop, waits for the call to end: at most decode_steps - 1 steps).
-        decode = self._plan_decode(1 if prefill else self.config.decode_steps)
+        # Decode several steps in one call, beside a prefill call or not (what frees a slot in the
+        # meantime, a budget or a stop, waits for the call to end: at most decode_steps - 1 steps).
+        decode = self._plan_decode(self.config.decode_steps)
         return StepPlan(tuple(admitted), tuple(prefill), tuple(decode), self._page_table.copy())
 
     def _drop_cancelled(self) -> None:
