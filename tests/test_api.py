@@ -169,3 +169,30 @@ def test_large_bf16_matmul_widens_in_column_blocks(rows):
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     assert got.shape == (2, rows, cols)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
+
+
+def test_bf16_products_of_many_rows_compute_in_bf16():
+    """On CPU a product of at least `NATIVE_BF16_ROWS` rows (4x that for a weight widened in blocks) is
+    a bf16 dot with the activations rounded to bf16, as GPU and TPU compute it; fewer rows widen the
+    weight and keep float32 activations. Both equal the float64 product of what they compute."""
+    import jax
+
+    from dsr1.core import moe, quant
+
+    rng = np.random.default_rng(0)
+    small = quant.as_bits(jnp.asarray(rng.standard_normal((64, 96)), jnp.bfloat16))
+    large = quant.as_bits(jnp.asarray(rng.standard_normal((256, quant.WIDEN_CHUNK_ELEMENTS // 256 + 1)), jnp.bfloat16))
+    n = quant.NATIVE_BF16_ROWS
+    assert [quant.native_bf16(small, r) for r in (n - 1, n)] == [False, True]
+    assert [quant.native_bf16(large, r) for r in (4 * n - 1, 4 * n)] == [False, True]
+    assert not quant.native_bf16(jnp.zeros((64, 96), jnp.bfloat16), n)  # GPU/TPU arrays: native already
+    for rows in (n - 1, n):
+        x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
+        for name, product in (("einsum", lambda x, w: quant.einsum("...d,dv->...v", x, w,
+                                                                   preferred_element_type=jnp.float32)),
+                              ("expert block", moe._expert_matmul)):
+            hlo = jax.jit(product).lower(x, small).as_text()
+            assert ("bf16" in hlo.split("dot_general")[1].split("\n")[0]) == (rows >= n), (name, rows)
+            lhs = np.asarray(x.astype(jnp.bfloat16) if rows >= n else x, np.float64)
+            want = lhs @ np.asarray(small, np.float64)
+            np.testing.assert_allclose(np.asarray(jax.jit(product)(x, small)), want, rtol=1e-5, atol=1e-4)

@@ -9,7 +9,9 @@ absorbed decode, the input), and experts go through a mixed bf16 x int8 `ragged_
 
 On CPU, bf16 weights are widened to float32 where they are used (`Bf16Bits`, `widen`), by moving
 their bits: XLA:CPU has no bf16 matrix-vector dot, and the `convert` it inserts instead is hoisted
-out of the layer scan, converting every weight stack of the model on every call.
+out of the layer scan, converting every weight stack of the model on every call. Products of many
+rows (prefill) take XLA:CPU's bf16 matrix-matrix dot instead (`native_bf16`), with the activations
+rounded to bf16 as GPU and TPU compute them.
 """
 
 from __future__ import annotations
@@ -120,6 +122,27 @@ def as_bits(w: jax.Array) -> Bf16Bits:
     return Bf16Bits(jax.lax.bitcast_convert_type(w, jnp.uint16))
 
 
+NATIVE_BF16_ROWS = 16
+
+
+def native_bf16(w: Any, rows: int) -> bool:
+    """Whether `rows x w` (a 2-D `Bf16Bits` weight) runs as a bf16 x bf16 -> float32 dot rather than
+    widened. XLA:CPU hands a bf16 dot of many rows to YNNPACK's GEMM, which computes bf16 directly
+    (AVX-512 BF16 where the CPU has it): a 32-token prefill at batch 8 on the bench preset 139 -> 106 ms,
+    at batch 4 94 -> 77 ms (docs/performance.md). For a few rows (decode) widening is as fast or faster
+    and keeps the activations in float32; a weight large enough to be widened in blocks (the lm_head,
+    dense MLPs) needs 4x the rows (at 16, the lm_head's bf16 dot made a decode step 25% slower)."""
+    if not isinstance(w, Bf16Bits) or w.ndim != 2:
+        return False
+    return rows >= NATIVE_BF16_ROWS * (4 if w.size > WIDEN_CHUNK_ELEMENTS else 1)
+
+
+def bf16_dot(x: jax.Array, w: Bf16Bits) -> jax.Array:
+    """`x [..., i] @ w [i, o]` in bf16 with a float32 result (see `native_bf16`)."""
+    return jnp.dot(x.astype(jnp.bfloat16), jax.lax.bitcast_convert_type(w.bits, jnp.bfloat16),
+                   preferred_element_type=jnp.float32)
+
+
 def widen(w: Any) -> jax.Array:
     """A weight (or int8 values) as float32. bf16 bits are widened exactly (they become the high half
     of a float32) with integer ops, which XLA:CPU keeps next to their use."""
@@ -131,6 +154,8 @@ def widen(w: Any) -> jax.Array:
 def einsum(spec: str, x: jax.Array, w: Any, **kwargs) -> jax.Array:
     """`jnp.einsum(spec, x, w)` for a plain, `Bf16Bits` or `Int8Weight` weight (the second operand)."""
     if isinstance(w, Bf16Bits):
+        if _is_matmul(spec) and native_bf16(w, int(np.prod(x.shape[:-1]))):
+            return bf16_dot(x, w).astype(kwargs.get("preferred_element_type") or w.dtype)
         if w.one_device and _is_matmul(spec) and w.size > WIDEN_CHUNK_ELEMENTS:
             out = _chunked_matmul(x.astype(jnp.float32), w, **kwargs)
         else:
