@@ -137,6 +137,14 @@ def test_cli_decode_writes_json(tmp_path, config_file, capsys):
         assert row["tok_s"] > 0 and row["mb_per_step"] > 0 and row["achieved_gbs"] > 0
 
 
+def test_prefill_peak_is_of_the_dtype_prefill_computes_in():
+    """On CPU bf16 weights compute a prefill's products in bf16 (`quant.native_bf16`), int8 ones in
+    float32 (widened); the peak the prefill is set against is measured in that dtype."""
+    assert prefill.compute_dtype(dsr1.init_random(CFG, dtype="bfloat16")) == jnp.bfloat16
+    assert prefill.compute_dtype(dsr1.init_random(CFG, dtype="float32")) == jnp.float32
+    assert prefill.compute_dtype(dsr1.init_random(CFG, dtype="bfloat16", quant="int8")) == jnp.float32
+
+
 def test_cli_prefill_reports_flops_against_the_peak(tmp_path, config_file, capsys):
     """`--layers 1` keeps the config's shape with one layer, a MoE one (the dense layer is dropped)."""
     out = tmp_path / "prefill.json"

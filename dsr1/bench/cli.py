@@ -170,8 +170,9 @@ def run_compare_hf(args: argparse.Namespace) -> dict[str, Any]:
                      kv_cache_dtype=args.kv_cache_dtype, progress=False)
         _log("loading it into HF transformers (bf16) ...")
         hf_model = load_hf(folder)
-        _log("measuring the float32 matmul peak ...")
-        peak = matmul_peak_flops()  # float32: what dsr1 computes in on CPU, where HF is compared
+        dtype = compute_dtype(model)
+        _log(f"measuring the {dtype.name} matmul peak ...")
+        peak = matmul_peak_flops(dtype)
         rng = np.random.default_rng(args.seed)
         for batch in args.batch:
             prompts = rng.integers(2, cfg.vocab_size, (batch, args.prompt_len)).astype(np.int32)
@@ -184,7 +185,7 @@ def run_compare_hf(args: argparse.Namespace) -> dict[str, Any]:
     print(device_line(dev))
     print(f"{model_line(model, name)}; random weights, one bf16 checkpoint read by both (HF in bfloat16); "
           f"prompts of {args.prompt_len} tokens, {args.new_tokens} greedy tokens; torch threads {os.cpu_count()}; "
-          f"float32 matmul peak {peak / 1e9:.1f} GFLOP/s (2048^3, measured in this run)\n")
+          f"{dtype.name} matmul peak {peak / 1e9:.1f} GFLOP/s (2048^3, measured in this run)\n")
     print(compare_table(rows))
     print()
     print(COMPARE_NOTES)

@@ -1,6 +1,7 @@
 """Timing prefill: milliseconds, tokens/s and FLOP/s against the matmul peak measured in the same run
-(model FLOPs utilization). The peak is of the dtype the device computes in: float32 on CPU, where
-dsr1 widens bf16 and int8 weights where they are used; the weights' dtype (bf16) on GPU and TPU."""
+(model FLOPs utilization). The peak is of the dtype a prefill computes in: the weights' dtype (bf16)
+on GPU and TPU, and on CPU for bf16 weights too (products of many rows run as bf16 dots,
+`quant.native_bf16`); float32 on CPU for int8 weights, which are widened where they are used."""
 
 from __future__ import annotations
 
@@ -34,9 +35,10 @@ def prefill_flops(cfg: Config, batch: int, prompt_len: int) -> float:
 
 
 def compute_dtype(model: Model) -> jnp.dtype:
-    """The dtype the model's matmuls run in on this device: float32 where weights are widened on use
-    (CPU), else the weights' dtype."""
-    return jnp.dtype(jnp.float32) if widens_on_use() else model.dtype
+    """The dtype most of a prefill's matmul FLOPs run in on this device: the weights' dtype, but float32
+    for int8 weights on CPU (widened where they are used). On CPU bf16 weights are widened only in
+    products of few rows (decode), which a prefill's projections and expert blocks are not."""
+    return jnp.dtype(jnp.float32) if widens_on_use() and model.quant else model.dtype
 
 
 def matmul_peak_flops(dtype: Any = jnp.float32, size: int | None = None, repeats: int = 5) -> float:
