@@ -101,12 +101,16 @@ def lab(tmp_path):
 
 
 # Each code cell of the open notebook, from JupyterLab's model (the page only renders the visible
-# cells): its execution count (null before it ran) and the error it raised, if any.
+# cells): its execution count (null before it ran), its first source line, and the error it raised, if
+# any, with the traceback's last lines (the failing line).
 CODE_CELLS = """() => Array.from(window.jupyterapp.shell.currentWidget.content.model.cells)
     .filter(c => c.type === 'code')
     .map(c => ({count: c.executionCount,
+                source: c.sharedModel.getSource().split('\\n')[0],
                 error: c.outputs.toJSON().filter(o => o.output_type === 'error')
-                                         .map(o => o.ename + ': ' + o.evalue)}))"""
+                                         .map(o => o.ename + ': ' + o.evalue + ' | '
+                                                   + (o.traceback || []).slice(-2).join(' ')
+                                                       .replace(/\\u001b\\[[0-9;]*m/g, ''))}))"""
 
 
 def accept_kernel_dialog(page) -> None:
@@ -161,7 +165,8 @@ def test_main_notebook_runs_in_jupyterlab_and_the_widget_streams(lab, tmp_path):
             while True:  # every code cell ran (an error stops "run all": its later cells stay unrun)
                 accept_kernel_dialog(page)
                 cells = page.evaluate(CODE_CELLS)
-                errors = [e for c in cells for e in c["error"]]
+                # Which cell failed, and where: an assert without a message reads "AssertionError: " alone.
+                errors = [(i, c["source"], e) for i, c in enumerate(cells) for e in c["error"]]
                 assert not errors, errors
                 if cells and all(c["count"] for c in cells):
                     break
