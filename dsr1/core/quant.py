@@ -154,9 +154,10 @@ def widen(w: Any) -> jax.Array:
 def einsum(spec: str, x: jax.Array, w: Any, **kwargs) -> jax.Array:
     """`jnp.einsum(spec, x, w)` for a plain, `Bf16Bits` or `Int8Weight` weight (the second operand)."""
     if isinstance(w, Bf16Bits):
-        if _is_matmul(spec) and native_bf16(w, int(np.prod(x.shape[:-1]))):
+        matmul = _is_matmul(spec)
+        if matmul and native_bf16(w, int(np.prod(x.shape[:-1]))):
             return bf16_dot(x, w).astype(kwargs.get("preferred_element_type") or w.dtype)
-        if w.one_device and _is_matmul(spec) and w.size > WIDEN_CHUNK_ELEMENTS:
+        if matmul and w.one_device and w.size > WIDEN_CHUNK_ELEMENTS:
             out = _chunked_matmul(x.astype(jnp.float32), w, **kwargs)
         else:
             out = jnp.einsum(spec, x.astype(jnp.float32), widen(w), **kwargs)
