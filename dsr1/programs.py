@@ -317,14 +317,16 @@ def _unpack_admission(packed: jax.Array, like: SamplingArrays) -> tuple[jax.Arra
 @functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
 def admit_slot(state: SlotState, packed: jax.Array, *, mesh: Mesh) -> SlotState:
     """`state` with a slot given to a new request (`packed`: `pack_admission`): its settings (one row),
-    the tokens of its prompt marked as seen, no output counted yet."""
+    the tokens of its prompt marked as seen, no output counted yet, and its prompt's last token as the
+    slot's last token (the request's first decode input: `dsr1.serving.scheduler`)."""
     slot, sampling, prompt, length = _unpack_admission(packed, state.sampling)
     with jax.named_scope("admit_slot"):
         seen, counts = init_counts(prompt, length, state.prompt_seen.shape[1])
         # mode="drop": warm-up admits to slot S (out of range) and changes nothing.
         rows = jax.tree.map(lambda a, row: a.at[slot].set(row[0], mode="drop"),
                             (state.sampling, state.prompt_seen, state.counts), (sampling, seen, counts))
-        state = SlotState(rows[0], state.last.at[slot].set(0, mode="drop"), rows[1], rows[2])
+        last = prompt[0, jnp.maximum(length[0] - 1, 0)]
+        state = SlotState(rows[0], state.last.at[slot].set(last, mode="drop"), rows[1], rows[2])
     return jax.tree.map(lambda a: keep_replicated(a, mesh), state)
 
 
@@ -492,7 +494,7 @@ def _paged_mtp(params: Params, pool: PagedKVCache, hidden: jax.Array, next_token
     latents of each row's first `counts` positions written (the rest go to the scratch page)."""
     chunk = hidden.shape[1]
     cached = jnp.where(counts > 0, starts, 0)
-    context = PagedContext(pool, table, cached, model.default_block_pages(pool.page_size, table.shape[1]))
+    context = PagedContext(pool, table, cached, model.default_block_pages(pool.page_size, table.shape[1], chunk))
     positions = cached[:, None] + jnp.arange(chunk)
     layer = jnp.zeros((), jnp.int32)
 

@@ -379,9 +379,9 @@ def test_a_non_streaming_client_that_leaves_is_cancelled(served, client):
 
 
 def test_full_queue_answers_429_with_retry_after(guarded, tokenizer):
-    """`guarded` admits max_seqs requests in flight and no more."""
+    """`guarded` admits as many requests in flight as the engine has batch slots, and no more."""
     client = guarded.client(api_key="s3cret")
-    slots = SHAPES["max_seqs"]
+    slots = SHAPES["max_seqs"] + SHAPES["prefill_rows"]
     streams = [client.completions.create(model=MODEL, prompt=TEXTS[0], max_tokens=LONG_BUDGET, stream=True)
                for _ in range(slots)]
     try:

@@ -98,7 +98,7 @@ def test_greedy_equals_generate_alone_with_shared_prefixes_and_offload(tiny, mak
     rng = np.random.default_rng(0)
     prompts = shared_prefix_workload(rng, 36, 5000)
     budgets = rng.integers(2, REFERENCE_BUDGET + 1, len(prompts)).tolist()
-    steps = np.sort(rng.integers(0, 70, len(prompts))).tolist()
+    steps = np.sort(rng.integers(0, 40, len(prompts))).tolist()
     engine = make_engine(host_cache_bytes=HOST_CACHE)
     snapshots: list = []
     requests = run_arrivals(engine, [(at, p, dict(max_new_tokens=b)) for at, p, b in zip(steps, prompts, budgets)],
@@ -110,7 +110,8 @@ def test_greedy_equals_generate_alone_with_shared_prefixes_and_offload(tiny, mak
         assert request.tokens == expected, f"request {request.id} differs from generate alone"
         assert request.finish_reason == ("length" if len(expected) == budget else "stop")
     assert stats.prefix_hit_tokens > 0 and stats.offloaded_pages > 0 and stats.reloaded_pages > 0
-    assert max(s.running for s in snapshots) == SHAPES["max_seqs"] and max(s.waiting for s in snapshots) > 0
+    # Prompts were prefilled ahead of a free decode row (more requests ran than rows), and requests waited.
+    assert max(s.running for s in snapshots) > SHAPES["max_seqs"] and max(s.waiting for s in snapshots) > 0
     # Stats of the finished run.
     capacity = SHAPES["num_pages"] - 1
     assert (stats.running, stats.waiting, stats.finished) == (0, 0, len(prompts))
@@ -299,9 +300,10 @@ def test_decode_call_takes_the_fewest_rows_that_hold_its_lanes():
         return SchedulerConfig(max_seqs=max_seqs, page_size=4, num_pages=40, prefill_chunk=8, prefill_rows=2,
                                max_seq_len=64)
 
-    assert [config(n).decode_shapes for n in (4, 8, 12, 16, 64)] == [(4,), (8,), (12,), (8, 16), (8, 16, 32, 64)]
+    assert [config(n).decode_shapes for n in (4, 8, 12, 16, 64)] == [(1, 4), (1, 8), (1, 12), (1, 8, 16),
+                                                                      (1, 8, 16, 32, 64)]
     wide = config(64)
-    assert [wide.decode_shape([None] * n) for n in (1, 8, 9, 17, 33, 64)] == [8, 8, 16, 32, 64, 64]
+    assert [wide.decode_shape([None] * n) for n in (1, 2, 8, 9, 17, 33, 64)] == [1, 8, 8, 16, 32, 64, 64]
 
 
 def test_sixteen_slots_decode_in_narrower_calls_without_compiling(tiny, make_engine):

@@ -295,11 +295,12 @@ def _serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shared-fraction", type=float, default=w.shared_fraction,
                    help="share of the prompts that begin with it (default: %(default)s)")
     p.add_argument("--max-seqs", type=_positive, default=e.max_seqs,
-                   help="engine slots, and the static batch size (default: %(default)s)")
+                   help="engine decode rows, and the static batch size (default: %(default)s)")
     p.add_argument("--page-size", type=_positive, default=e.page_size, help="(default: %(default)s)")
     p.add_argument("--num-pages", type=_positive, default=e.num_pages, help="(default: %(default)s)")
     p.add_argument("--prefill-chunk", type=_positive, default=e.prefill_chunk, help="(default: %(default)s)")
-    p.add_argument("--prefill-rows", type=_positive, default=e.prefill_rows, help="(default: %(default)s)")
+    p.add_argument("--prefill-rows", type=_positive, default=e.prefill_rows,
+                   help="engine prompts prefilled per step, and slots beyond --max-seqs (default: %(default)s)")
     p.add_argument("--decode-steps", type=_positive, default=e.decode_steps,
                    help="decode steps per engine decode call (default: %(default)s)")
     p.add_argument("--host-cache-mb", type=int, default=0, help="host memory for offloaded prefix pages, MiB "

@@ -115,7 +115,7 @@ class EngineShape:
     page_size: int = 16
     num_pages: int = 1024
     prefill_chunk: int = 64
-    prefill_rows: int = 2
+    prefill_rows: int = 4
     host_cache_bytes: int = 0
     decode_steps: int = 4
 

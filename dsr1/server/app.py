@@ -44,7 +44,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     thread (`drain`, `cancel_all`), `app.state.metrics` the metrics."""
     if engine.tokenizer is None:
         engine.tokenizer = load_tokenizer()
-    runner = EngineRunner(engine, capacity=engine.config.max_seqs + config.max_waiting)
+    runner = EngineRunner(engine, capacity=engine.config.slots + config.max_waiting)
     metrics = Metrics(lambda: runner.stats, lambda: runner.in_flight)
     # A request can hold at most max_seq_len tokens, and no more than the page pool (less its scratch page).
     pool_tokens = (engine.config.num_pages - 1) * engine.config.page_size

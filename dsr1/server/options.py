@@ -55,12 +55,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                       help="the model id clients use (default: the checkpoint folder's name or the preset)")
     http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     engine = p.add_argument_group("engine")
-    engine.add_argument("--max-seqs", type=int, default=8, help="requests running at once (default: 8)")
+    engine.add_argument("--max-seqs", type=int, default=8,
+                        help="decode rows: requests decoding at once; --prefill-rows more are prefilled ahead "
+                             "(default: 8)")
     engine.add_argument("--page-size", type=int, default=16, help="tokens per cache page (default: 16)")
     engine.add_argument("--num-pages", type=int, default=512, help="pages in the device pool (default: 512)")
     engine.add_argument("--prefill-chunk", type=int, default=64,
                         help="prompt tokens per request per step (default: 64)")
-    engine.add_argument("--prefill-rows", type=int, default=2, help="requests prefilling per step (default: 2)")
+    engine.add_argument("--prefill-rows", type=int, default=2,
+                        help="requests prefilling per step, and batch slots beyond --max-seqs (default: 2)")
     engine.add_argument("--decode-steps", type=int, default=4,
                         help="decode steps per engine decode call (default: 4)")
     engine.add_argument("--draft-tokens", type=int, default=0, metavar="K",
@@ -74,7 +77,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--no-warmup", action="store_true", help="compile on the first requests instead of at start")
     limits = p.add_argument_group("limits")
     limits.add_argument("--max-waiting", type=int, default=256,
-                        help="requests queued beyond --max-seqs; more are answered 429 (default: 256)")
+                        help="requests queued beyond the batch slots (--max-seqs + --prefill-rows); more are "
+                             "answered 429 (default: 256)")
     limits.add_argument("--default-max-tokens", type=int, default=4096,
                         help="a chat request's token budget when it sets none (default: 4096); a request "
                              "reserves pages for its prompt and its whole budget, so size --num-pages to match")

@@ -133,12 +133,13 @@ class Engine:
     """Serve many requests at once on `model`; see the module docstring.
 
     Args:
-      max_seqs: batch slots (requests running at once).
+      max_seqs: decode rows (requests decoding at once).
       page_size: tokens per page of the latent cache.
       num_pages: pages in the device pool (page 0 is scratch); with `page_size`, the cache's size.
       prefill_chunk: prompt tokens a request prefills per step at most.
       prefill_rows: requests prefilling in one step at most (the prefill call is at most
-        `prefill_rows x prefill_chunk` tokens; see `SchedulerConfig.prefill_shapes`).
+        `prefill_rows x prefill_chunk` tokens; see `SchedulerConfig.prefill_shapes`); as many more
+        requests than `max_seqs` hold batch slots, prefilled ahead of a free decode row.
       host_cache_bytes: host memory for prefix-cache pages evicted from the device (0: no offload).
       decode_steps: decode steps per decode call (see the scheduler's "Multi-step decode"): fewer
         dispatches and read-backs, coarser streaming and admission.
@@ -167,7 +168,7 @@ class Engine:
                      kv_cache_dtype=model.kv_cache_dtype)
         pool = PagePool(programs.paged_cache(**sizes), model.mesh,
                         mtp_cache=programs.mtp_paged_cache(**sizes) if draft_tokens else None)
-        self._runner = DeviceRunner(model, pool, max_seqs=max_seqs, max_seq_len=max_seq_len,
+        self._runner = DeviceRunner(model, pool, slots=self.config.slots, max_seq_len=max_seq_len,
                                     decode_steps=decode_steps, draft_tokens=draft_tokens)
         # Several processes: process 0 decides and broadcasts each step's work; the others follow.
         self._channel = StepChannel() if jax.process_count() > 1 else None
@@ -304,7 +305,7 @@ class Engine:
         cfg = self.config
         admissions = tuple(Admission(seq.slot, host_sampling([seq.request.sampling]),
                                      np.asarray(seq.request.prompt, np.int32)) for seq in plan.admitted)
-        calls = tuple(lane_rows(lanes, *shape, cfg.max_seqs) for lanes, shape in
+        calls = tuple(lane_rows(lanes, *shape, cfg.slots) for lanes, shape in
                       ((plan.prefill, _widened(cfg.prefill_shape(plan.prefill), cfg) if plan.prefill else None),
                        (plan.decode, (cfg.decode_shape(plan.decode), 1) if plan.decode else None)) if lanes)
         return StepWork(self._log.take(), admissions, calls, plan.page_table if calls else None)
@@ -354,14 +355,14 @@ class Engine:
         cfg = self.config
         with self._step_lock:
             warm_up_ops(self._log)
-            admit = Admission(cfg.max_seqs, host_sampling([Sampling(seed=0)]), np.zeros(1, np.int32))  # dropped
+            admit = Admission(cfg.slots, host_sampling([Sampling(seed=0)]), np.zeros(1, np.int32))  # dropped
             shapes = (*(_widened(shape, cfg) for shape in cfg.prefill_shapes),
                       *((rows, 1) for rows in cfg.decode_shapes))
-            calls = [lane_rows((), rows, chunk, cfg.max_seqs) for rows, chunk in shapes]
+            calls = [lane_rows((), rows, chunk, cfg.slots) for rows, chunk in shapes]
             for rows in cfg.decode_shapes if cfg.decode_steps > 1 else ():
-                calls.append(lane_rows((), rows, 1, cfg.max_seqs))  # multi-step: idle rows ask for every step
+                calls.append(lane_rows((), rows, 1, cfg.slots))  # multi-step: idle rows ask for every step
                 calls[-1].steps[:] = cfg.decode_steps
-            table = np.zeros((cfg.max_seqs, cfg.table_width), np.int32)
+            table = np.zeros((cfg.slots, cfg.table_width), np.int32)
             for out in self._launch(StepWork(self._log.take(), (admit,), tuple(calls), table)):
                 to_host(out)
             self._runner.pool.settle(everything=True)

@@ -1,14 +1,20 @@
 """Host-side decisions of the serving engine, one step at a time: which requests join the batch,
 which tokens each row runs, which pages it gets, and what the sampled tokens mean.
 
-**Continuous batching.** `max_seqs` batch slots; a waiting request takes a free slot at any step
-(first come, first served: the head of the queue is never overtaken) and leaves it when done.
+**Continuous batching.** A waiting request takes a free batch slot at any step (first come, first
+served: the head of the queue is never overtaken) and leaves it when done. There are
+`max_seqs + prefill_rows` slots (`SchedulerConfig.slots`) for `max_seqs` decode rows: up to
+`prefill_rows` requests are prefilled *ahead* of a free decode row, so a prompt being prefilled
+does not hold a row that could decode (with `max_seqs` slots in all, 2 of 8 rows were idle on
+average while the queue was full: docs/performance.md, "Serving"). The oldest requests decode;
+one whose prompt is done while every row decodes waits, its first token sampled, and takes the
+next row that frees.
 
 **Steps.** Each step makes at most two calls of one program (`dsr1.programs.serve_step`), with
 fixed shapes: a *prefill* call of `prefill_rows` rows of `prefill_chunk` tokens (the next chunk
 of up to that many prompts, in admission order) and a *decode* call of `decode_steps` tokens per
-decoding request (see "Multi-step decode"; `max_seqs` rows, or a halving of it down to 8 when fewer decode:
-`SchedulerConfig.decode_shapes`). The prefill call takes the smallest of a few shapes that holds
+decoding request (see "Multi-step decode"; `max_seqs` rows, or the fewest of its halvings that hold the
+decoding requests: `SchedulerConfig.decode_shapes`). The prefill call takes the smallest of a few shapes that holds
 its rows (`SchedulerConfig.prefill_shapes`: one row or `prefill_rows`, the full chunk or a
 quarter of it), since a lone prompt or a short last chunk is common and the call's cost grows
 with its rows x chunk. So a long prompt is prefilled a chunk per step while the
@@ -17,8 +23,15 @@ decoding rows keep producing `decode_steps` tokens every step; the per-step toke
 of one `[max_seqs, prefill_chunk]` call with one real token in each decoding row: decode is
 bound by reading the weights, so the extra call costs about one weight read, while padding every
 decoding row to the chunk would multiply the step's FLOPs by up to `max_seqs` (16 slots, 256-token
-chunks: 4,096 token-rows for ~270 real tokens). A request whose last prompt chunk runs in the
-prefill call samples its first token there and decodes in the same step's decode call.
+chunks: 4,096 token-rows for ~270 real tokens).
+
+**A prompt's last token is its first decode input.** Prefill calls run every prompt token but the
+last, which admission makes the slot's last token: the decode call feeds it and samples the
+request's first token, in the step that prefills the prompt's last chunk when a decode row is free.
+So no prefill call computes logits (it skips the lm_head's product, a quarter of a `[4, 64]` call
+on the tiny preset), and a prompt joins decoding at the cost of one more row in a decode call that
+reads the weights anyway. With MTP drafts the prefill call still samples the first token (the MTP
+module's first draft needs the model's hidden state at the prompt's last position).
 
 **Pages: requests wait, never preempted.** A request is admitted only when the pages it may ever
 need (prompt + `max_new_tokens`, less the cached prefix it shares) are available: free, or
@@ -102,6 +115,12 @@ class SchedulerConfig:
             raise ValueError(f"prefill_rows={self.prefill_rows} exceeds max_seqs={self.max_seqs}")
 
     @property
+    def slots(self) -> int:
+        """Batch slots: `max_seqs` decoding requests, and `prefill_rows` more whose prompts are
+        prefilled ahead of a free decode row (see the module docstring)."""
+        return self.max_seqs + self.prefill_rows
+
+    @property
     def prefill_shapes(self) -> tuple[tuple[int, int], ...]:
         """The prefill call's shapes `(rows, chunk)`, all compiled at warm-up: one row or
         `prefill_rows`, and chunks of `prefill_chunk` or a quarter of it (from 16 tokens up)."""
@@ -117,16 +136,26 @@ class SchedulerConfig:
     @property
     def decode_shapes(self) -> tuple[int, ...]:
         """The decode call's row counts, all compiled at warm-up: `max_seqs` and its halvings down to
-        8 rows (a call reads every weight whatever its rows, but the lm_head's product, the sampling
-        and the attention grow with them: 16 rows cost ~13 ms, 8 rows ~9 ms on the tiny preset)."""
-        rows = {self.max_seqs}
-        while (half := min(rows) // 2) >= 8:
+        8 rows, and one row. A call reads every weight whatever its rows, but the lm_head's product,
+        the sampling and the attention grow with them: on the tiny preset (2-core CPU) a decode step
+        of 8 rows costs 6.9 ms and of 16 rows ~13; one row 2.9 ms, what a lone request (a single user,
+        the last long request of a busy period) runs at. Two and four rows cost as much as eight
+        there (XLA:CPU's lm_head product of a few rows is slow), so they get no shape of their own."""
+        rows, half = {1, self.max_seqs}, self.max_seqs // 2
+        while half >= 8:
             rows.add(half)
+            half //= 2
         return tuple(sorted(rows))
 
     def decode_shape(self, lanes: Sequence[Lane]) -> int:
         """The fewest decode rows that hold `lanes`."""
         return min(r for r in self.decode_shapes if r >= len(lanes))
+
+    @property
+    def last_prompt_token_decodes(self) -> bool:
+        """A prompt's last token runs as its request's first decode input, not in a prefill call
+        (see the module docstring); with MTP drafts the prefill call samples the first token."""
+        return not self.draft_tokens
 
     @property
     def prefill_width(self) -> int:
@@ -158,6 +187,7 @@ class Running:
     reserved: int
     fed: int
     tokens: list[int]
+    prefill_end: int  # the prompt tokens prefill calls run: all of them, or all but the last
     sampled: int = 0
     finished: bool = False
 
@@ -167,7 +197,7 @@ class Running:
 
     @property
     def prefilling(self) -> bool:
-        return self.fed < self.prompt_len
+        return self.fed < self.prefill_end
 
     @property
     def decoding(self) -> bool:
@@ -193,7 +223,7 @@ class Lane:
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
     """What one step runs: requests newly given slots, the prefill call's lanes, the decode call's lanes,
-    and the page tables of every slot `[max_seqs, table_width]` as they are for this step."""
+    and the page tables of every slot `[slots, table_width]` as they are for this step."""
 
     admitted: tuple[Running, ...]
     prefill: tuple[Lane, ...]
@@ -230,8 +260,8 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self._waiting: deque[Request] = deque()
         self._running: list[Running] = []  # in admission order
-        self._free_slots = list(range(config.max_seqs))
-        self._page_table = np.full((config.max_seqs, config.table_width), SCRATCH_PAGE, np.int32)
+        self._free_slots = list(range(config.slots))
+        self._page_table = np.full((config.slots, config.table_width), SCRATCH_PAGE, np.int32)
         self.prompt_tokens = self.generated_tokens = self.finished = 0
         self.drafted_tokens = self.accepted_drafts = 0  # MTP drafts verified, and accepted (delivered)
 
@@ -290,7 +320,9 @@ class Scheduler:
             self._waiting.popleft()
             pages = self.prefix_cache.acquire(match)
             request.cached_tokens = match.tokens
-            seq = Running(request, self._free_slots.pop(0), pages, reserved, fed=match.tokens, tokens=list(prompt))
+            prefill_end = len(prompt) - self.config.last_prompt_token_decodes
+            seq = Running(request, self._free_slots.pop(0), pages, reserved, fed=match.tokens, tokens=list(prompt),
+                          prefill_end=prefill_end)
             self._page_table[seq.slot, :len(pages)] = pages
             self._running.append(seq)
             self.prompt_tokens += len(prompt)
@@ -314,7 +346,7 @@ class Scheduler:
                 break
             if not seq.prefilling:
                 continue
-            start, count = seq.fed, min(self.config.prefill_chunk, seq.prompt_len - seq.fed)
+            start, count = seq.fed, min(self.config.prefill_chunk, seq.prefill_end - seq.fed)
             self._grow(seq, start + count)
             last = start + count == seq.prompt_len
             width = count + self.config.prefill_width  # with drafts, the prompt's next token too (if any)
@@ -329,6 +361,8 @@ class Scheduler:
     def _plan_decode(self, steps: int) -> list[Lane]:
         lanes = []
         for seq in self._running:
+            if len(lanes) == self.config.max_seqs:
+                break  # the oldest decode; the rest wait for a row with their first token sampled
             if not seq.decoding:
                 continue
             runs = min(steps, seq.request.sampling.max_new_tokens - seq.sampled)

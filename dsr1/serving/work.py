@@ -46,7 +46,7 @@ class Admission:
 @dataclasses.dataclass(frozen=True)
 class StepWork:
     """One step's device work in dispatch order: page copies, admissions, then `serve_step` calls
-    (host `StepRows`) against `page_table` `[max_seqs, table_width]` (None when there are no calls)."""
+    (host `StepRows`) against `page_table` `[slots, table_width]` (None when there are no calls)."""
 
     page_ops: tuple[PageOp, ...] = ()
     admissions: tuple[Admission, ...] = ()
@@ -74,14 +74,14 @@ def device_sampling(host: SamplingArrays, mesh: jax.sharding.Mesh) -> SamplingAr
 class DeviceRunner:
     """Dispatches `StepWork` on this process's devices; holds the page pool and the slot state."""
 
-    def __init__(self, model: Model, pool: PagePool, *, max_seqs: int, max_seq_len: int, decode_steps: int = 1,
+    def __init__(self, model: Model, pool: PagePool, *, slots: int, max_seq_len: int, decode_steps: int = 1,
                  draft_tokens: int = 0):
         self.model = model
         self.pool = pool
         self.max_seq_len = max_seq_len
         self.decode_steps = decode_steps
         self.draft_tokens = draft_tokens
-        idle = device_sampling(host_sampling([Sampling(seed=0)] * max_seqs), model.mesh)
+        idle = device_sampling(host_sampling([Sampling(seed=0)] * slots), model.mesh)
         if draft_tokens:
             self.state = programs.draft_slot_state(idle, mesh=model.mesh, vocab_size=model.cfg.vocab_size,
                                                    hidden_size=model.cfg.hidden_size)
