@@ -20,6 +20,7 @@ the pages after it and eviction takes the tails of prefixes first.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
@@ -112,10 +113,6 @@ class PrefixCache:
             nodes.append(node)
         return PrefixMatch(tuple(nodes), len(nodes) * self.page_size)
 
-    def unreferenced_in(self, match: PrefixMatch) -> int:
-        """Pages of the match that are now evictable (on device, held by the cache alone)."""
-        return self._count_unreferenced([node.page for node in match.nodes if node.page is not None])
-
     def acquire(self, match: PrefixMatch) -> list[int]:
         """The match's device pages, each now held once more by the caller; offloaded pages are
         first reloaded into fresh pages (evicting others if needed: call only when
@@ -160,6 +157,14 @@ class PrefixCache:
         """Device pages held by the cache alone: what `make_room` can free."""
         return self._count_unreferenced(self.held_pages())
 
+    def can_evict(self, pages: int, keep: PrefixMatch) -> bool:
+        """Whether eviction could free `pages` device pages without taking any of `keep`'s. Scans in
+        LRU order and stops as soon as it has found them: the least recently used pages are mostly
+        unreferenced, so a full pool costs a few lookups, not one per cached page."""
+        kept = {node.page for node in keep.nodes if node.page is not None}
+        return pages <= 0 or any(
+            found == pages for found, _ in enumerate(self._unreferenced(excluding=kept), start=1))
+
     def make_room(self, pages: int) -> None:
         """Evict unreferenced pages, least recently used first, until `pages` pages are free (or
         nothing more can be evicted)."""
@@ -184,6 +189,10 @@ class PrefixCache:
     def _count_unreferenced(self, pages: list[int]) -> int:
         return int((self.allocator.refcounts(pages) == 1).sum()) if pages else 0
 
+    def _unreferenced(self, excluding: set[int] = frozenset()) -> Iterator[_Node]:
+        """Device nodes held by the cache alone, least recently used first (lazily)."""
+        return (node for node in self._device if node.page not in excluding and self.allocator.refcount(node.page) == 1)
+
     def _to_device(self, node: _Node, page: int) -> None:
         """The node's page is now `page` (held once by the cache); a host copy is dropped."""
         if node.host is not None:
@@ -205,8 +214,7 @@ class PrefixCache:
         short = pages - self.allocator.free_count
         if short <= 0:
             return
-        counts = self.allocator.refcounts(self.held_pages())
-        victims = [node for node, count in zip(self._device, counts) if count == 1][:short]
+        victims = list(itertools.islice(self._unreferenced(), short))
         if not self._offloads():
             for node in victims:
                 if node in self._device:  # not pruned already with an earlier victim's subtree

@@ -313,9 +313,8 @@ class Scheduler:
             match = self.prefix_cache.match(prompt, len(prompt) - 1)  # the last prompt token always runs
             reserved = reserved_pages(len(prompt), request.sampling.max_new_tokens, self.config.page_size)
             need = reserved - (len(match.nodes) - match.offloaded)
-            available = (self.allocator.free_count + self.prefix_cache.unreferenced_count()
-                         - self.prefix_cache.unreferenced_in(match) - self._outstanding())
-            if need > available:
+            # Free pages first; the rest from evicting cached pages other than the match's.
+            if not self.prefix_cache.can_evict(need + self._outstanding() - self.allocator.free_count, match):
                 break  # wait: first come, first served
             self._waiting.popleft()
             pages = self.prefix_cache.acquire(match)
