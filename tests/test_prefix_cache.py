@@ -121,6 +121,20 @@ def test_eviction_takes_least_recently_used_tails_first_and_prunes_without_a_sto
     assert h.cache.stats().pruned == 2
 
 
+def test_can_evict_counts_unreferenced_pages_outside_the_match(harnesses):
+    h = harnesses(9, store=False)  # 8 usable pages
+    h.run("a", tokens(1, 2, 3))
+    h.done("a")
+    h.run("b", tokens(4, 5))  # held: not evictable
+    assert h.cache.unreferenced_count() == 3 and h.allocator.free_count == 3
+    nothing = h.cache.match([], 0)
+    assert h.cache.can_evict(0, nothing) and h.cache.can_evict(3, nothing) and not h.cache.can_evict(4, nothing)
+    ones_twos = h.cache.match(tokens(1, 2, tail=1), 8)
+    assert h.cache.can_evict(1, ones_twos) and not h.cache.can_evict(2, ones_twos), "the match's pages are kept"
+    h.done("b")
+    assert h.cache.can_evict(5, nothing) and not h.cache.can_evict(6, nothing)
+
+
 def test_pages_in_use_are_never_evicted(harnesses):
     h = harnesses(5, store=False)  # 4 usable
     h.run("a", tokens(1, 2, 3))

@@ -293,6 +293,37 @@ def test_prefill_call_takes_the_smallest_shape_that_holds_its_rows():
     assert small.prefill_shapes == ((1, 8), (2, 8))
 
 
+def test_a_prompt_is_prefilled_ahead_while_every_row_decodes(tiny, make_engine):
+    """Slots beyond the decode rows: a prompt arriving while all `max_seqs` rows decode is prefilled at
+    once, waits for a row, and takes the first that frees; no decode call runs more than `max_seqs`
+    rows; prefill calls never sample (a prompt's last token is its first decode input)."""
+    rng = np.random.default_rng(6)
+    engine = make_engine(prefix_caching=False, decode_steps=2)
+    plans: list = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
+    rows = SHAPES["max_seqs"]
+    budgets = [REFERENCE_BUDGET] * (rows - 1) + [6]  # the last to start decoding frees its row first
+    busy = [engine.submit(rng.integers(2, 5000, 12).tolist(), max_new_tokens=b) for b in budgets]
+    while not plans or len(plans[-1].decode) < rows:
+        engine.step()
+    prompt = rng.integers(2, 5000, 9).tolist()  # 8 tokens to prefill: one chunk
+    late = engine.submit(prompt, max_new_tokens=6)
+    engine.run()
+    assert all(len(plan.decode) <= rows for plan in plans)
+    assert not any(lane.sample for plan in plans for lane in plan.prefill)
+    late_lanes = [(i, lane) for i, plan in enumerate(plans) for lane in plan.prefill + plan.decode
+                  if lane.seq.request is late]
+    (prefilled, chunk), (joined, first) = late_lanes[0], late_lanes[1]
+    assert (chunk.start, chunk.count) == (0, len(prompt) - 1)
+    assert (first.start, first.feed_last, first.sample_index) == (len(prompt) - 1, True, 0)
+    assert joined > prefilled + 1, "prefilled ahead: it waited for a row with its prompt done"
+    assert len(plans[joined - 1].decode) == rows, "every row decoded while it waited"
+    assert late.tokens == greedy_reference(tiny, prompt)[:6]
+    for request in busy:
+        assert request.tokens == greedy_reference(tiny, request.prompt)[:request.sampling.max_new_tokens]
+
+
 def test_decode_call_takes_the_fewest_rows_that_hold_its_lanes():
     from dsr1.serving.scheduler import SchedulerConfig
 

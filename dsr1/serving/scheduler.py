@@ -7,14 +7,13 @@ served: the head of the queue is never overtaken) and leaves it when done. There
 `prefill_rows` requests are prefilled *ahead* of a free decode row, so a prompt being prefilled
 does not hold a row that could decode (with `max_seqs` slots in all, 2 of 8 rows were idle on
 average while the queue was full: docs/performance.md, "Serving"). The oldest requests decode;
-one whose prompt is done while every row decodes waits, its first token sampled, and takes the
-next row that frees.
+one whose prompt is prefilled while every row decodes waits for the next row that frees.
 
 **Steps.** Each step makes at most two calls of one program (`dsr1.programs.serve_step`), with
 fixed shapes: a *prefill* call of `prefill_rows` rows of `prefill_chunk` tokens (the next chunk
 of up to that many prompts, in admission order) and a *decode* call of `decode_steps` tokens per
-decoding request (see "Multi-step decode"; `max_seqs` rows, or the fewest of its halvings that hold the
-decoding requests: `SchedulerConfig.decode_shapes`). The prefill call takes the smallest of a few shapes that holds
+decoding request (see "Multi-step decode"; the fewest rows of `SchedulerConfig.decode_shapes`
+that hold the decoding requests). The prefill call takes the smallest of a few shapes that holds
 its rows (`SchedulerConfig.prefill_shapes`: one row or `prefill_rows`, the full chunk or a
 quarter of it), since a lone prompt or a short last chunk is common and the call's cost grows
 with its rows x chunk. So a long prompt is prefilled a chunk per step while the
@@ -138,8 +137,8 @@ class SchedulerConfig:
         """The decode call's row counts, all compiled at warm-up: `max_seqs` and its halvings down to
         8 rows, and one row. A call reads every weight whatever its rows, but the lm_head's product,
         the sampling and the attention grow with them: on the tiny preset (2-core CPU) a decode step
-        of 8 rows costs 6.9 ms and of 16 rows ~13; one row 2.9 ms, what a lone request (a single user,
-        the last long request of a busy period) runs at. Two and four rows cost as much as eight
+        of 8 rows costs 6.9 ms, of one row 2.9 ms, what a lone request (a single user, the last long
+        request of a busy period) runs at. Two and four rows cost as much as eight
         there (XLA:CPU's lm_head product of a few rows is slow), so they get no shape of their own."""
         rows, half = {1, self.max_seqs}, self.max_seqs // 2
         while half >= 8:
@@ -361,7 +360,7 @@ class Scheduler:
         lanes = []
         for seq in self._running:
             if len(lanes) == self.config.max_seqs:
-                break  # the oldest decode; the rest wait for a row with their first token sampled
+                break  # the oldest decode; the rest wait for a row
             if not seq.decoding:
                 continue
             runs = min(steps, seq.request.sampling.max_new_tokens - seq.sampled)
