@@ -237,7 +237,7 @@ def test_serve_workload_is_seeded_and_mixed():
 def test_cli_serve_compares_continuous_and_static(tmp_path, config_file, capsys):
     out = tmp_path / "serve.json"
     assert cli.main(["serve", "--config", str(config_file), "--dtype", "float32", "--requests", "6", "--rate", "inf",
-                     "--prompt-len", "8,40", "--output-len", "2,12", "--shared-prefix", "16", "--max-seqs", "2",
+                     "--prompt-len", "8,40", "--output-len", "2,12", "--shared-prefix", "16", "--max-seqs", "4",
                      "--page-size", "4", "--num-pages", "64", "--prefill-chunk", "16", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "continuous / static throughput" in printed and "TTFT p99 ms" in printed and "static (generate" in printed

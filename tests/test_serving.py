@@ -324,6 +324,25 @@ def test_a_prompt_is_prefilled_ahead_while_every_row_decodes(tiny, make_engine):
         assert request.tokens == greedy_reference(tiny, request.prompt)[:request.sampling.max_new_tokens]
 
 
+def test_requests_arriving_together_prefill_their_shared_prefix_once(tiny, make_engine):
+    """Submitted in one step, requests sharing a 16-token system prompt wait for the first one's pages
+    instead of each computing them: the prefix cache serves it to the other three."""
+    from dsr1.serving.scheduler import common_pages
+
+    assert common_pages([1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 9], 2) == 6
+    assert common_pages([1, 2, 3], [1, 2, 3, 4], 2) == 2 and common_pages([1, 2], [3, 2], 2) == 0
+    rng = np.random.default_rng(7)
+    system = rng.integers(2, 5000, 16).tolist()  # 4 whole pages
+    prompts = [system + rng.integers(2, 5000, 5).tolist() for _ in range(4)]
+    engine = make_engine()
+    requests = [engine.submit(p, max_new_tokens=REFERENCE_BUDGET) for p in prompts]
+    engine.run()
+    assert [r.cached_tokens for r in requests] == [0, 16, 16, 16]
+    assert engine.stats().prefix_hit_tokens == 48
+    for request, prompt in zip(requests, prompts):
+        assert request.tokens == greedy_reference(tiny, prompt)
+
+
 def test_decode_call_takes_the_fewest_rows_that_hold_its_lanes():
     from dsr1.serving.scheduler import SchedulerConfig
 

@@ -28,8 +28,8 @@ experts hit: distinct routed experts the tokens chose; MB hit: their gate, up an
 rel. diff = max |out - {reference}'s out| / max |{reference}'s out|."""
 
 COMPARE_NOTES = """\
-decode tok/s = batch x (new tokens - 1) / decode time. HF decode time = generate(N) - generate(1); dsr1: prefill,
-then one jitted loop of N - 1 steps.
+decode tok/s = batch x (new tokens - 1) / decode time. HF decode time: first to last generated token within
+generate(N), clocked by a streamer; prefill time = generate(1). dsr1: prefill, then one jitted loop of N - 1 steps.
 same first token: rows whose first greedy token (from the prefill) agrees; bf16 rounding differs between the
 two, so later tokens may diverge."""
 

@@ -168,6 +168,14 @@ class SchedulerConfig:
         return pages_needed(self.max_seq_len, self.page_size)
 
 
+def common_pages(a: Sequence[int], b: Sequence[int], page_size: int) -> int:
+    """Tokens in the whole pages that `a` and `b` both begin with."""
+    shared = 0
+    while shared + page_size <= min(len(a), len(b)) and a[shared:shared + page_size] == b[shared:shared + page_size]:
+        shared += page_size
+    return shared
+
+
 def reserved_pages(prompt_tokens: int, max_new_tokens: int, page_size: int) -> int:
     """The pages a request may ever hold: its prompt and every sampled token but the last (which is
     never fed back)."""
@@ -315,6 +323,8 @@ class Scheduler:
             # Free pages first; the rest from evicting cached pages other than the match's.
             if not self.prefix_cache.can_evict(need + self._outstanding() - self.allocator.free_count, match):
                 break  # wait: first come, first served
+            if self._prefix_being_written(prompt, match.tokens):
+                break  # wait for the pages a running prompt is about to write, rather than compute them twice
             self._waiting.popleft()
             pages = self.prefix_cache.acquire(match)
             request.cached_tokens = match.tokens
@@ -326,6 +336,17 @@ class Scheduler:
             self.prompt_tokens += len(prompt)
             admitted.append(seq)
         return admitted
+
+    def _prefix_being_written(self, prompt: Sequence[int], cached: int) -> bool:
+        """Whether a request still prefilling shares more whole pages with `prompt` than the `cached`
+        tokens the prefix cache holds, and has not planned them yet. Requests sharing a system prompt
+        often arrive together; admitted in the same step, each would prefill it. Waiting instead (a
+        step per chunk) lets the pages enter the cache when the running request's chunk is planned."""
+        if not self.prefix_cache.enabled:
+            return False
+        head = prompt[:len(prompt) - 1]  # the last prompt token always runs
+        return any(seq.fed < shared for seq in self._running if seq.prefilling
+                   and (shared := common_pages(head, seq.tokens[:seq.prefill_end], self.config.page_size)) > cached)
 
     def _grow(self, seq: Running, tokens: int) -> None:
         """Give `seq` pages for its first `tokens` tokens (its reservation guarantees they exist)."""
