@@ -7,7 +7,10 @@ served: the head of the queue is never overtaken) and leaves it when done. There
 `prefill_rows` requests are prefilled *ahead* of a free decode row, so a prompt being prefilled
 does not hold a row that could decode (with `max_seqs` slots in all, 2 of 8 rows were idle on
 average while the queue was full: docs/performance.md, "Serving"). The oldest requests decode;
-one whose prompt is prefilled while every row decodes waits for the next row that frees.
+one whose prompt is prefilled while every row decodes waits for the next row that frees. The head
+of the queue also waits while a running prompt is about to write pages of its prefix that the
+prefix cache does not hold yet (requests sharing a system prompt often arrive together), so the
+prefix is computed once.
 
 **Steps.** Each step makes at most two calls of one program (`dsr1.programs.serve_step`), with
 fixed shapes: a *prefill* call of `prefill_rows` rows of `prefill_chunk` tokens (the next chunk
