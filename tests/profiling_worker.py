@@ -1,0 +1,35 @@
+"""Profile the tiny model's decode (`profile_decode`: step latencies, throughput by batch, device
+time by block from a `jax.profiler` trace, bandwidth) and plot it; prints the figures as JSON.
+
+Used by test_profiling.py in a subprocess: in the pytest process, after ~200 earlier tests had
+compiled their programs, XLA:CPU (jax 0.10.2) segfaulted compiling this decode step, twice in a row
+at the same call, while the same test passes in a fresh process. A profile belongs in a process of
+its own anyway, as the workbench runs it: nothing else compiling or running beside the trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import dsr1
+from dsr1.workbench import profiling
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--logdir", required=True)
+    args = parser.parse_args()
+    model = dsr1.init_random(dsr1.Config.preset("tiny"))
+    p = profiling.profile_decode(model, batch=2, batches=(1, 2), context=16, steps=4, copy_bytes=32 * 2**20,
+                                 logdir=args.logdir)
+    fig = profiling.plot_profile(p)
+    print(p.summary())
+    print(json.dumps({"step_ms": p.step_ms.tolist(), "tokens_per_second": p.tokens_per_second,
+                      "block_ms": p.block_ms, "achieved_gbs": p.achieved_gbs, "peak_gbs": p.peak_gbs,
+                      "bytes_per_step": p.bytes_per_step, "lm_head_bytes": model.params["lm_head"].nbytes,
+                      "axes": len(fig.axes)}))
+
+
+if __name__ == "__main__":
+    main()
