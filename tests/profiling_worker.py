@@ -3,8 +3,8 @@ time by block from a `jax.profiler` trace, bandwidth) and plot it; prints the fi
 
 Used by test_profiling.py in a subprocess: in the pytest process, after ~200 earlier tests had
 compiled their programs, XLA:CPU (jax 0.10.2) segfaulted compiling this decode step, twice in a row
-at the same call, while the same test passes in a fresh process. A profile belongs in a process of
-its own anyway, as the workbench runs it: nothing else compiling or running beside the trace.
+at the same call, while the same test passes in a fresh process (not root-caused; see the stop note
+of 2026-11-25). A fresh process also keeps earlier tests' programs out of the trace.
 """
 
 from __future__ import annotations
