@@ -131,7 +131,7 @@ local_recorded() {
 
 case "$mode" in
   local)
-    [ ! -f "$RECORD" ] || mcjax_die "MCJAX_STATE=$STATE records the $(sed -n 's/.*MCJAX_PROVIDER=\([a-z]*\).*/\1/p' "$RECORD" | head -n 1) cluster set up from here: use another MCJAX_STATE for a local cluster (or stop that one first: ./mcjax_setup.sh --stop)"
+    [ ! -f "$RECORD" ] || mcjax_die "MCJAX_STATE=$STATE records the $(sed -n '/MCJAX_PROVIDER=/{s/.*MCJAX_PROVIDER=\([a-z]*\).*/\1/p;q;}' "$RECORD") cluster set up from here: use another MCJAX_STATE for a local cluster (or stop that one first: ./mcjax_setup.sh --stop)"
     [ -z "$numbering" ] || export MCJAX_NUMBERING="$numbering"
     exec bash "$SETUP_DIR/cluster/local.sh" start "$local_n"
     ;;
@@ -187,7 +187,7 @@ fi
 N=$(cluster_host_count) || mcjax_die "cannot tell how many hosts the cluster has"
 IPS=$(cluster_internal_ips) || mcjax_die "cannot get the hosts' internal IPs"
 [ "$(echo "$IPS" | wc -l)" -eq "$N" ] || mcjax_die "$N hosts but $(echo "$IPS" | wc -l) internal IPs: $(echo "$IPS" | tr '\n' ' ')"
-HOST0_IP=$(echo "$IPS" | head -n 1)
+HOST0_IP=${IPS%%$'\n'*}  # not `| head -n 1`: under pipefail, a writer cut off by head fails (SIGPIPE)
 LAST=$((N - 1))
 # Asked once: every cluster_* call below uses these instead of asking the provider again.
 MCJAX_HOSTS=$N

@@ -88,7 +88,7 @@ mcjax_running_pid() {
   pidfile=$(mcjax_pidfile "$1")
   [ -f "$pidfile" ] || return 0
   pid=$(head -n 1 "$pidfile")
-  if mcjax_pid_alive "$pid" && ps -ww -o command= -p "$pid" 2>/dev/null | grep -qF -- "$marker"; then
+  if mcjax_pid_alive "$pid" && ps -ww -o command= -p "$pid" 2>/dev/null | grep -F -- "$marker" >/dev/null; then
     echo "$pid"
   fi
 }
@@ -268,7 +268,7 @@ mcjax_platform_env() {
       ;;
     slurm)
       printf '%s\n' "SLURM_JOB_ID=$MCJAX_SLURM_JOB_ID" \
-        "SLURM_STEP_NODELIST=$(_mcjax_host_lines | head -n "$n" | tr '\n' ',' | sed 's/,$//')" \
+        "SLURM_STEP_NODELIST=$(_mcjax_host_lines | sed -n "1,${n}p" | tr '\n' ',' | sed 's/,$//')" \
         "SLURM_NTASKS=$n" "SLURM_PROCID=$i" SLURM_LOCALID=0 "SLURM_STEP_NUM_NODES=$n"
       ;;
   esac

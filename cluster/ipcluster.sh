@@ -37,6 +37,13 @@ host_index() {
 }
 
 # Block while process NAME (marker MARKER) lives: what "run" does after starting it.
+# Host 0's internal IP. Not `| head -n 1`: under pipefail a writer that head cuts off fails (SIGPIPE).
+first_internal_ip() {
+  local ips
+  ips=$(cluster_internal_ips) || return 1
+  printf '%s\n' "${ips%%$'\n'*}"
+}
+
 block_while_running() {
   local pid
   pid=$(mcjax_running_pid "$@")
@@ -49,7 +56,7 @@ controller() {
   local action=$1 ip=${2:-} pid n i
   case "$action" in
     start | restart | run)
-      if [ -z "$ip" ]; then ip=$(cluster_internal_ips | head -n 1); fi
+      if [ -z "$ip" ]; then ip=$(first_internal_ip); fi
       pid=$(mcjax_running_pid controller)
       if [ "$action" != restart ] && [ -n "$pid" ] && [ -s "$(mcjax_client_json)" ]; then
         mcjax_log "the controller is already running (pid $pid): keeping it"
@@ -218,7 +225,7 @@ case "${1:-}" in
     mcjax_wait_engines "$2"
     # The engines' settings may have changed with them (a new coordinator port): cluster.json anew.
     if [ -s "$MCJAX_STATE/cluster.json" ]; then
-      mcjax_write_cluster_json "$2" "$(cluster_internal_ips | head -n 1)"
+      mcjax_write_cluster_json "$2" "$(first_internal_ip)"
     fi
     ;;
   jupyter) jupyter "${2:-}" ;;

@@ -34,7 +34,7 @@ OWNER_VENV="$MCJAX_VENV/.mcjax-owner"           # the same, in the venv it made
 # PyPI's JSON API, checked against PyPI's sha256.
 ensure_uv() {
   local base=${MCJAX_BASE_PYTHON:-python3} tmp
-  if [ -x "$UV" ] && "$UV" --version 2>/dev/null | grep -qF " $MCJAX_UV_VERSION"; then
+  if [ -x "$UV" ] && "$UV" --version 2>/dev/null | grep -F " $MCJAX_UV_VERSION" >/dev/null; then
     return 0
   fi
   command -v "$base" >/dev/null 2>&1 || mcjax_die "no $base on this host to fetch uv with"
