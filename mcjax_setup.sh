@@ -187,7 +187,7 @@ fi
 N=$(cluster_host_count) || mcjax_die "cannot tell how many hosts the cluster has"
 IPS=$(cluster_internal_ips) || mcjax_die "cannot get the hosts' internal IPs"
 [ "$(echo "$IPS" | wc -l)" -eq "$N" ] || mcjax_die "$N hosts but $(echo "$IPS" | wc -l) internal IPs: $(echo "$IPS" | tr '\n' ' ')"
-HOST0_IP=${IPS%%$'\n'*}  # not `| head -n 1`: under pipefail, a writer cut off by head fails (SIGPIPE)
+HOST0_IP=${IPS%%$'\n'*}  # the first line, without a pipe into head (SIGPIPE under pipefail)
 LAST=$((N - 1))
 # Asked once: every cluster_* call below uses these instead of asking the provider again.
 MCJAX_HOSTS=$N

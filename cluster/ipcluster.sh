@@ -37,7 +37,7 @@ host_index() {
 }
 
 # Block while process NAME (marker MARKER) lives: what "run" does after starting it.
-# Host 0's internal IP. Not `| head -n 1`: under pipefail a writer that head cuts off fails (SIGPIPE).
+# Host 0's internal IP, without a pipe into head (its writer can die of SIGPIPE under pipefail).
 first_internal_ip() {
   local ips
   ips=$(cluster_internal_ips) || return 1

@@ -182,3 +182,17 @@ def test_shellcheck_finds_nothing():
     scripts = ["mcjax_setup.sh", "mcjax_defs.sh", *sorted(f"cluster/{p.name}" for p in (ROOT / "cluster").glob("*.sh"))]
     done = subprocess.run([shellcheck(), "-x", *scripts], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout == "", done.stdout + done.stderr
+
+
+# A reader that stops early (`head`, `grep -q`, `grep -m`) after a pipe: the writer's next write dies
+# of SIGPIPE, and under `set -o pipefail` that is the pipeline's status (141), so `set -e` ends the
+# script without a word, now and then, under load. The scripts read whole outputs instead.
+EARLY_EXIT_READER = re.compile(r"\|\s*(head\b|grep\s+-[A-Za-z]*[qm])")
+
+
+def test_no_pipe_into_a_reader_that_stops_early():
+    scripts = [ROOT / "mcjax_setup.sh", ROOT / "mcjax_defs.sh", *sorted((ROOT / "cluster").glob("*.sh"))]
+    found = [f"{path.relative_to(ROOT)}:{i}: {line.strip()}" for path in scripts
+             for i, line in enumerate(path.read_text().splitlines(), 1)
+             if EARLY_EXIT_READER.search(line) and not line.lstrip().startswith("#")]
+    assert not found, "\n".join(found)
