@@ -4,8 +4,8 @@ Before a notebook's first cell, `./mcjax_setup.sh --local N --numbering NUMBERIN
 controller and N-1 engines; after its last cell, and in any case when pytest ends, the cluster is
 stopped. NUMBERING is `$MCJAX_TEST_NUMBERING`: `kernel-last` (default; the nbval kernel is process
 N-1, with explicit ids) or `platform` (Slurm-style variables, the kernel is process 0 and JAX
-numbers the processes itself, as on TPU pods). tests/test_notebooks.py runs the notebooks again
-under the other numbering. A fresh cluster per notebook because a JAX process cannot join a
+numbers the processes itself, as on TPU pods). tests/test_notebooks.py runs main.ipynb and
+cluster_check.ipynb again under the other numbering. A fresh cluster per notebook because a JAX process cannot join a
 second `jax.distributed` group: engines initialized with one kernel cannot serve the next.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -25,6 +26,19 @@ ROOT = Path(__file__).parents[1]
 PROCESSES = int(os.environ.get("MCJAX_TEST_PROCESSES", "4"))
 NUMBERING = os.environ.get("MCJAX_TEST_NUMBERING", "kernel-last")
 _running: dict[str, Path] = {}
+
+
+def _shared_compilation_cache() -> None:
+    """One JAX compilation cache for every notebook cluster of this pytest, and for the rerun under
+    the other numbering (tests/test_notebooks.py): a later run reads the programs an earlier one
+    compiled (main.ipynb: ~20% of its time here) instead of compiling them again. Removed at exit."""
+    if "MCJAX_JAX_CACHE" not in os.environ:
+        cache = tempfile.mkdtemp(prefix="mcjax-jax-cache-")
+        os.environ["MCJAX_JAX_CACHE"] = cache
+        atexit.register(shutil.rmtree, cache, ignore_errors=True)
+
+
+_shared_compilation_cache()
 
 
 def _setup(*args: str) -> None:
