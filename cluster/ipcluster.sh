@@ -36,7 +36,6 @@ host_index() {
   echo "$MCJAX_HOST_INDEX"
 }
 
-# Block while process NAME (marker MARKER) lives: what "run" does after starting it.
 # Host 0's internal IP, without a pipe into head (its writer can die of SIGPIPE under pipefail).
 first_internal_ip() {
   local ips
@@ -44,6 +43,7 @@ first_internal_ip() {
   printf '%s\n' "${ips%%$'\n'*}"
 }
 
+# Block while process NAME (marker MARKER) lives: what "run" does after starting it.
 block_while_running() {
   local pid
   pid=$(mcjax_running_pid "$@")

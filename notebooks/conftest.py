@@ -5,8 +5,9 @@ controller and N-1 engines; after its last cell, and in any case when pytest end
 stopped. NUMBERING is `$MCJAX_TEST_NUMBERING`: `kernel-last` (default; the nbval kernel is process
 N-1, with explicit ids) or `platform` (Slurm-style variables, the kernel is process 0 and JAX
 numbers the processes itself, as on TPU pods). tests/test_notebooks.py runs main.ipynb and
-cluster_check.ipynb again under the other numbering. A fresh cluster per notebook because a JAX process cannot join a
-second `jax.distributed` group: engines initialized with one kernel cannot serve the next.
+cluster_check.ipynb again under the other numbering. A fresh cluster per notebook because a JAX
+process cannot join a second `jax.distributed` group: engines initialized with one kernel cannot
+serve the next; one compilation cache for all of them.
 """
 
 from __future__ import annotations
@@ -26,19 +27,6 @@ ROOT = Path(__file__).parents[1]
 PROCESSES = int(os.environ.get("MCJAX_TEST_PROCESSES", "4"))
 NUMBERING = os.environ.get("MCJAX_TEST_NUMBERING", "kernel-last")
 _running: dict[str, Path] = {}
-
-
-def _shared_compilation_cache() -> None:
-    """One JAX compilation cache for every notebook cluster of this pytest, and for the rerun under
-    the other numbering (tests/test_notebooks.py): a later run reads the programs an earlier one
-    compiled (main.ipynb: ~20% of its time here) instead of compiling them again. Removed at exit."""
-    if "MCJAX_JAX_CACHE" not in os.environ:
-        cache = tempfile.mkdtemp(prefix="mcjax-jax-cache-")
-        os.environ["MCJAX_JAX_CACHE"] = cache
-        atexit.register(shutil.rmtree, cache, ignore_errors=True)
-
-
-_shared_compilation_cache()
 
 
 def _setup(*args: str) -> None:
@@ -65,6 +53,16 @@ def _start(notebook: Path) -> None:
     os.environ["MCJAX_PYTHON"] = sys.executable  # engines run this environment's Python, as the kernel does
     _running["notebook"] = notebook  # before starting: a failed start is stopped too
     _setup("--local", str(PROCESSES), "--numbering", NUMBERING)
+
+
+def pytest_configure(config) -> None:
+    """One JAX compilation cache for every notebook cluster of this pytest, and for the rerun under
+    the other numbering (tests/test_notebooks.py): a later run reads the programs an earlier one
+    compiled (main.ipynb: ~20% of its time here) instead of compiling them again. Removed at exit."""
+    if "MCJAX_JAX_CACHE" not in os.environ:
+        cache = tempfile.mkdtemp(prefix="mcjax-jax-cache-")
+        os.environ["MCJAX_JAX_CACHE"] = cache
+        atexit.register(shutil.rmtree, cache, ignore_errors=True)
 
 
 @pytest.hookimpl(tryfirst=True)  # before nbval starts the notebook's kernel, which inherits the environment
