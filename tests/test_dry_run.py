@@ -30,10 +30,12 @@ ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "data" / "dry_run"
 HOME = "/home/o'brien"  # never created: a dry run writes nothing
 
+# The call is recorded with one write: tools run in parallel (one ssh per host) append to the
+# same log, and a line written in pieces would interleave with theirs.
 FAKE_TOOL = """#!/bin/sh
-printf '%s' "$(basename "$0")" >>"{log}"
-for a in "$@"; do printf ' [%s]' "$a" >>"{log}"; done
-echo >>"{log}"
+line=$(basename "$0")
+for a in "$@"; do line="$line [$a]"; done
+printf '%s\\n' "$line" >>"{log}"
 {body}
 """
 
