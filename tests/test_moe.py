@@ -147,6 +147,14 @@ def test_expert_loop_matches_ragged_dot_in_place(tokens, quant, monkeypatch):
     np.testing.assert_allclose(outputs[True], outputs[False], rtol=2e-5, atol=2e-5 * np.abs(outputs[False]).max())
 
 
+def test_expert_loop_blocks_follow_the_mean_rows_per_expert():
+    """Blocks hold the mean pairs per expert, rounded up to a power of two, at least 2 rows and at
+    most the tokens: a decode batch of 8 on 64 experts (top-6) runs blocks of 2, not all 8 tokens."""
+    from dsr1.core.moe import loop_block_rows
+
+    assert [loop_block_rows(n, 6 * n, 64) for n in (1, 2, 8, 16, 32, 256)] == [1, 2, 2, 2, 4, 32]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("expert,tensor", [(8, 1), (4, 2)])
 def test_expert_loop_matches_ragged_dot_on_eight_devices(expert, tensor):
