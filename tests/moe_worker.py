@@ -1,5 +1,5 @@
-"""Compare the routed-expert kernels (the CPU expert loop and `ragged_dot`) on a mesh of fake CPU
-devices; prints the worst relative difference per case as JSON.
+"""Compare the routed-expert kernels (the CPU expert loop, the GPU gather and capacity kernels, and
+`ragged_dot`) on a mesh of fake CPU devices; prints the worst relative difference per case as JSON.
 
 Used by test_moe.py in a subprocess, because the device count (XLA_FLAGS) must be set before JAX starts.
 """
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -17,35 +16,36 @@ import dsr1
 import dsr1.core.moe as moe_module
 from dsr1.core.moe import routed_experts
 
+KERNELS = {"ragged_dot": moe_module.ragged_experts, "loop": moe_module.loop_experts,
+           "gather": moe_module.gather_experts, "capacity": moe_module.capacity_experts}
 
-def kernel_outputs(model: dsr1.Model, tokens: int, use_loop: Callable[[bool], None]) -> dict[bool, np.ndarray]:
-    """Layer 1's routed experts (stacked weights, in place) on `tokens` random rows by the CPU expert
-    loop (True) and by `ragged_dot` (False); `use_loop(flag)` selects the kernel."""
+
+def kernel_outputs(model: dsr1.Model, tokens: int, experts: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Layer 1's routed experts (stacked weights, in place) on `tokens` random rows by each kernel of
+    `KERNELS`; `experts [tokens, K]` the routing (default: random distinct experts per token)."""
     cfg = model.cfg
     p = model.params["moe_layers"]["moe"]
     rng = np.random.default_rng(tokens)
     x = rng.standard_normal((tokens, cfg.hidden_size)).astype(np.float32)
-    experts = np.stack([rng.choice(cfg.n_routed_experts, cfg.num_experts_per_tok, replace=False)
-                        for _ in range(tokens)]).astype(np.int32)
+    if experts is None:
+        experts = np.stack([rng.choice(cfg.n_routed_experts, cfg.num_experts_per_tok, replace=False)
+                            for _ in range(tokens)]).astype(np.int32)
     weights = rng.uniform(0.1, 1.0, experts.shape).astype(np.float32)
     outputs = {}
-    for loop in (True, False):
-        use_loop(loop)
-        run = jax.jit(lambda p, x, w, e: routed_experts(p, x, w, e, model.mesh, model.rules, layer=1))
-        outputs[loop] = np.asarray(run(p, x, weights, experts))
+    for name, kernel in KERNELS.items():
+        run = jax.jit(lambda p, x, w, e, kernel=kernel: routed_experts(p, x, w, e, model.mesh, model.rules, layer=1,
+                                                                        kernel=kernel))
+        outputs[name] = np.asarray(run(p, x, weights, experts))
     return outputs
 
 
 def compare(expert: int, tensor: int, quant: str | None, tokens: int) -> float:
-    """The worst relative difference of the two kernels on an expert x tensor mesh."""
+    """The worst relative difference of any kernel from `ragged_dot` on an expert x tensor mesh."""
     mesh = dsr1.make_mesh(expert=expert, tensor=tensor)
     model = dsr1.init_random(dsr1.Config.preset("tiny"), seed=3, dtype="float32", quant=quant, mesh=mesh)
-
-    def use_loop(flag: bool) -> None:
-        moe_module.use_gather = lambda n_pairs, n_local: flag
-
-    outputs = kernel_outputs(model, tokens, use_loop)
-    return float(np.abs(outputs[True] - outputs[False]).max() / np.abs(outputs[False]).max())
+    outputs = kernel_outputs(model, tokens)
+    ref = outputs["ragged_dot"]
+    return max(float(np.abs(out - ref).max() / np.abs(ref).max()) for out in outputs.values())
 
 
 def main() -> None:

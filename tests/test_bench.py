@@ -171,7 +171,7 @@ def test_cli_moe_runs_every_kernel_to_the_same_output(tmp_path, config_file, cap
                      "--json", str(out)]) == 0
     assert "rel. diff = max |out - ragged_dot's out|" in capsys.readouterr().out
     rows = json.loads(out.read_text())["rows"]
-    kernels = ("ragged_dot", "loop", "dense")
+    kernels = ("ragged_dot", "loop", "gather", "capacity", "dense")
     assert [(r["kernel"], r["tokens"]) for r in rows] == [(k, n) for n in (1, 5) for k in kernels]
     per_expert = 3 * CFG.hidden_size * CFG.moe_intermediate_size * 4  # float32 gate, up, down
     for row in rows:
@@ -183,7 +183,7 @@ def test_cli_moe_runs_every_kernel_to_the_same_output(tmp_path, config_file, cap
                      "--repeats", "1", "--json", str(out)]) == 0
     assert all(r["max_rel_diff"] < 1e-5 for r in json.loads(out.read_text())["rows"])
     with pytest.raises(SystemExit):
-        cli.main(["moe", "--kernels", "ragged_dot,gather"])
+        cli.main(["moe", "--kernels", "ragged_dot,grouped"])
 
 
 def test_random_checkpoint_loads_in_dsr1(tmp_path):

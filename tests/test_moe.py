@@ -108,43 +108,55 @@ def test_moe_block_matches_numpy():
     assert err < 1e-5
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 24])
-@pytest.mark.parametrize("quant", [None, "int8"])
-def test_gather_and_ragged_paths_agree(tokens, quant, monkeypatch):
-    """Both expert paths (gathering the hit experts; sorted pairs with ragged_dot) give the same output."""
-    import dsr1.core.moe as moe_module
-
-    cfg = TINY
-    model = dsr1.init_random(cfg, seed=2, dtype="float32", quant=quant)
-    p = jax.tree.map(lambda a: a[0], model.params["moe_layers"]["moe"])
-    x = np.random.default_rng(tokens).standard_normal((tokens, cfg.hidden_size)).astype(np.float32)
-    outputs = {}
-    for gather in (True, False):
-        monkeypatch.setattr(moe_module, "use_gather", lambda n_pairs, n_local, g=gather: g)
-        outputs[gather] = np.asarray(jax.jit(lambda p, x: moe(p, x, cfg, model.mesh, model.rules)[0])(p, x))
-    np.testing.assert_allclose(outputs[True], outputs[False], rtol=2e-5, atol=2e-5 * np.abs(outputs[False]).max())
-
-
 @pytest.mark.parametrize("tokens", [1, 8, 9, 100])
 @pytest.mark.parametrize("quant", [None, "int8"])
-def test_expert_loop_matches_ragged_dot_in_place(tokens, quant, monkeypatch):
+def test_every_kernel_matches_ragged_dot_in_place(tokens, quant):
     """The CPU expert loop (one expert of one layer sliced in place per block of sorted rows; 9 and
-    100 tokens give blocks of several rows and experts spanning several blocks) equals `ragged_dot`
-    on the same stacked weights, float32 and int8."""
-    import dsr1.core.moe as moe_module
+    100 tokens give blocks of several rows and experts spanning several blocks), the GPU kernels
+    (each pair's expert gathered; per-expert buffers) equal `ragged_dot` on the same stacked weights,
+    float32 and int8."""
     from dsr1.core.moe import loop_block_rows
 
     from .moe_worker import kernel_outputs
 
     cfg = TINY
     model = dsr1.init_random(cfg, seed=5, dtype="float32", quant=quant)
-
-    def use_loop(flag: bool) -> None:
-        monkeypatch.setattr(moe_module, "use_gather", lambda n_pairs, n_local: flag)
-
-    outputs = kernel_outputs(model, tokens, use_loop)
+    outputs = kernel_outputs(model, tokens)
     assert loop_block_rows(tokens, tokens * cfg.num_experts_per_tok, cfg.n_routed_experts) <= tokens
-    np.testing.assert_allclose(outputs[True], outputs[False], rtol=2e-5, atol=2e-5 * np.abs(outputs[False]).max())
+    ref = outputs.pop("ragged_dot")
+    for name, out in outputs.items():
+        np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max(), err_msg=name)
+
+
+def test_capacity_kernel_runs_the_rows_past_capacity_in_more_rounds():
+    """Dropless: 40 tokens all routed to the same 4 experts give each 40 rows, 2.5x its buffer's 16
+    (160 pairs on 16 experts), so three rounds run, and every row counts."""
+    from dsr1.core.moe import capacity_rows
+
+    from .moe_worker import kernel_outputs
+
+    cfg = TINY
+    model = dsr1.init_random(cfg, seed=7, dtype="float32")
+    tokens, k = 40, cfg.num_experts_per_tok
+    experts = np.tile(np.arange(k, dtype=np.int32), (tokens, 1))
+    assert capacity_rows(tokens * k, cfg.n_routed_experts) * 2 < tokens  # several rounds
+    outputs = kernel_outputs(model, tokens, experts)
+    ref = outputs["ragged_dot"]
+    np.testing.assert_allclose(outputs["capacity"], ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
+
+
+def test_default_kernel_by_platform_and_size():
+    """CPU: the expert loop at every size. GPU: each pair's expert gathered while the pairs are at
+    most half the experts (R1 decode up to batch 16), per-expert buffers beyond. TPU: `ragged_dot`."""
+    import dsr1.core.moe as moe_module
+
+    assert moe_module.default_kernel(8, 256) is moe_module.loop_experts  # this machine: CPU
+    for backend, small, large in (("cpu", moe_module.loop_experts, moe_module.loop_experts),
+                                  ("gpu", moe_module.gather_experts, moe_module.capacity_experts),
+                                  ("tpu", moe_module.ragged_experts, moe_module.ragged_experts)):
+        kernels = (moe_module.default_kernel(128, 256, backend), moe_module.default_kernel(129, 256, backend))
+        assert kernels == (small, large), backend
+    assert [moe_module.capacity_rows(p, 256) for p in (8, 512, 2048, 32768)] == [8, 8, 16, 192]
 
 
 def test_expert_loop_blocks_follow_the_mean_rows_per_expert():

@@ -3,7 +3,7 @@ transformers.
 
     python -m dsr1.bench decode --batch 1,8,32 --context 32,512,4096 [--quant int8] [--kv-cache-dtype int8]
     python -m dsr1.bench prefill --batch 1 --tokens 512,4096 [--preset deepseek-r1 --layers 4]
-    python -m dsr1.bench moe --tokens 1,8,64,512 [--kernels ragged_dot,loop,dense]
+    python -m dsr1.bench moe --tokens 1,8,64,512 [--kernels ragged_dot,loop,gather,capacity,dense]
     python -m dsr1.bench compare-hf [--preset bench] [--batch 1,8] [--new-tokens 32]
     python -m dsr1.bench serve --preset tiny --dtype float32 [--requests 64] [--rate 100] [--prefix-ttft 2000]
     python -m dsr1.bench plan --preset deepseek-r1 --quant int8 [--target 8xH100|8xH200|v5e-64|v5p-64]
@@ -342,10 +342,13 @@ def parser() -> argparse.ArgumentParser:
                      help="comma-separated prompt lengths (default: 512,4096)")
     add_model_options(pre, default_preset="bench")
     _run_options(pre)
-    kern = sub.add_parser("moe", help="routed-expert kernels side by side: ragged_dot, the expert loop, dense",
+    kern = sub.add_parser("moe", help="routed-expert kernels side by side: ragged_dot, the expert loop, gather, "
+                                      "capacity, dense",
                           description="Runs the first MoE layer's routed experts on random activations with each "
-                                      "kernel (ragged_dot: grouped matmuls, the GPU/TPU default; loop: each hit "
-                                      "expert sliced in place, the CPU default; dense: every expert on every token) "
+                                      "kernel (ragged_dot: grouped matmuls, the TPU default; loop: each hit expert "
+                                      "sliced in place, the CPU default; gather: each pair's expert gathered into one "
+                                      "multiply-reduce, GPU decode; capacity: per-expert buffers and batched "
+                                      "matmuls, GPU beyond decode; dense: every expert on every token) "
                                       "and reports time, the bytes of the experts hit, GB/s, GFLOP/s, and the "
                                       "difference from the first kernel's output.")
     kern.add_argument("--tokens", type=_ints, default=[1, 8, 64, 512],

@@ -19,6 +19,7 @@ from .accounting import expert_bytes
 from .timing import best_of
 
 KERNELS: dict[str, moe.ExpertKernel] = {"ragged_dot": moe.ragged_experts, "loop": moe.loop_experts,
+                                        "gather": moe.gather_experts, "capacity": moe.capacity_experts,
                                         "dense": moe.dense_experts}
 EXPERT_COLUMNS = ("kernel", "tokens", "ms", "experts_hit", "mb_hit", "gb_s", "gflop_s", "max_rel_diff")
 

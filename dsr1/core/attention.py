@@ -24,6 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from . import flash_decode
 from .cache import PagedKVCache
 from .config import Config
 from .layers import rms_norm
@@ -191,8 +192,11 @@ def attend_cached(p: dict, x: jax.Array, positions: jax.Array, c_cache: jax.Arra
         c_new, pe_new = latents(p, x, positions, cfg)
         dt = q_nope.dtype
         q = make_query(p, q_nope, q_pe, absorbed=True)
-        cached = make_keys(p, c_cache, c_scale, pe_cache, absorbed=True, dtype=dt)
         own = make_keys(p, c_new, None, pe_new, absorbed=True, dtype=dt)
+        if flash_decode.applies(q.main.shape[2], q.main.shape[3], q.pe.shape[3], t, c_cache.dtype, c_scale is not None):
+            ctx = _flash_context(q, own, c_cache, pe_cache, lengths, cfg)
+            return attention_output(p, ctx, absorbed=True, dtype=dt), (c_new, pe_new)
+        cached = make_keys(p, c_cache, c_scale, pe_cache, absorbed=True, dtype=dt)
         queried = q_nope.shape[1]
         valid = jnp.arange(s)[None, :] < lengths[:, None]
         mask = jnp.concatenate([jnp.broadcast_to(valid[:, None, None, :], (b, 1, queried, s)), own_mask], axis=-1)
@@ -200,6 +204,16 @@ def attend_cached(p: dict, x: jax.Array, positions: jax.Array, c_cache: jax.Arra
         ctx = weighted_values(probs[..., :s], cached) + weighted_values(probs[..., s:], own)
         out = attention_output(p, ctx, absorbed=True, dtype=dt)
     return out, (c_new, pe_new)
+
+
+def _flash_context(q: Query, own: Keys, c_cache: jax.Array, pe_cache: jax.Array, lengths: jax.Array, cfg: Config,
+                   interpret: bool = False) -> jax.Array:
+    """`attend_cached`'s context `[B, H, 1, r]` for one query per row by the GPU kernel
+    (`flash_decode`): the cache read once, the new token's own key folded in after."""
+    acc, run_max, run_sum = flash_decode.cached_context(q.main[:, 0], q.pe[:, 0], c_cache, pe_cache, lengths,
+                                                        cfg.softmax_scale, interpret=interpret)
+    own_score = scores(q, own, cfg)[:, :, 0, 0]  # [B, H]
+    return flash_decode.combine(acc, run_max, run_sum, own_score, own.values[:, 0])[:, :, None]
 
 
 # ---- extend: T new tokens per row against paged context ------------------------------------------

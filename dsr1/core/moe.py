@@ -8,9 +8,10 @@ are kept and the top `num_experts_per_tok` experts taken among them. The weights
 
 Experts run under `shard_map`: each device sorts the token-expert pairs routed to its local experts,
 runs `ragged_dot` for gate/up and down on its slice of the expert ffw, and the partial outputs are
-summed over the expert and tensor mesh axes. On CPU, where `ragged_dot` is a dense product over
-every expert, a loop over blocks of the sorted pairs slices each hit expert in place instead
-(`use_gather`, `loop_experts`).
+summed over the expert and tensor mesh axes. Where `ragged_dot` is a dense product over every expert
+(XLA:CPU, XLA:GPU), other kernels run instead (`default_kernel`): on CPU a loop over blocks of the
+sorted pairs slices each hit expert in place (`loop_experts`); on GPU decode gathers the pairs'
+experts (`gather_experts`) and larger batches fill per-expert buffers (`capacity_experts`).
 """
 
 from __future__ import annotations
@@ -128,6 +129,10 @@ def _expert_matmul(x: jax.Array, w: Any) -> jax.Array:
     """float32 `x @ w` for one expert's plain or int8 `[in, out]` weight, widened where it is used
     (a bf16 block of many rows: computed in bf16, `quant.native_bf16`). HIGHEST: XLA:CPU runs a
     few-row float32 dot 2-3x faster at that precision than at DEFAULT."""
+    if not widens_on_use():  # GPU, TPU: the weight's own dtype with float32 sums, as `ragged_dot`
+        if isinstance(w, Int8Weight):
+            return jnp.dot(x, w.q.astype(x.dtype), preferred_element_type=jnp.float32) * w.scale
+        return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
     highest = jax.lax.Precision.HIGHEST
     if isinstance(w, Int8Weight):
         return jnp.dot(x, widen(w.q), precision=highest) * w.scale
@@ -147,7 +152,7 @@ def loop_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRule
     blocks = -(-group_sizes // block)
     block_ends = jnp.cumsum(blocks)
     pair_starts = jnp.cumsum(group_sizes) - group_sizes
-    xs = jnp.pad(x.astype(jnp.float32)[token], ((0, block), (0, 0)))
+    xs = jnp.pad((x.astype(jnp.float32) if widens_on_use() else x)[token], ((0, block), (0, 0)))
 
     def step(j, ys):
         expert = jnp.searchsorted(block_ends, j, side="right")
@@ -155,7 +160,8 @@ def loop_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRule
         start = pair_starts[expert] + first_row
         rows = jax.lax.dynamic_slice_in_dim(xs, start, block)
         w_gate, w_up, w_down = (_expert_slice(w, layer, expert) for w in (gate, up, down))
-        y = _expert_matmul(jax.nn.silu(_expert_matmul(rows, w_gate)) * _expert_matmul(rows, w_up), w_down)
+        h = jax.nn.silu(_expert_matmul(rows, w_gate)) * _expert_matmul(rows, w_up)
+        y = _expert_matmul(h.astype(rows.dtype), w_down)
         # A block's trailing rows belong to the next expert: keep what is there (written later).
         mine = (jnp.arange(block) < group_sizes[expert] - first_row)[:, None]
         old = jax.lax.dynamic_slice_in_dim(ys, start, block)
@@ -167,14 +173,82 @@ def loop_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRule
     return _combine(n_tokens, token, ys[:token.shape[0]], jnp.where(is_local, weights.reshape(-1)[order], 0.0))
 
 
-def use_gather(n_pairs: int, n_local: int) -> bool:
-    """Whether the routed experts run as the expert loop (`loop_experts`: gathers each hit expert
-    in place, one block of its rows at a time) rather than `ragged_dot`. XLA:CPU lowers `ragged_dot`
-    to a dense masked product over *every* local expert (experts x the FLOPs, every expert read), so
-    on CPU the loop wins at every size, decode and prefill. GPU and TPU have grouped-matmul kernels
-    that skip empty groups: they keep `ragged_dot`."""
-    del n_pairs, n_local  # the choice is the platform's at any size
-    return widens_on_use()
+def gather_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRules):
+    """GPU decode: each token-expert pair's expert of `layer` gathered from the stacks and contracted
+    by a float32 multiply-reduce, all pairs in one product. A step reads each pair's expert once and
+    spreads the work over the whole chip: the expert loop's one-row matmuls use a few of a GPU's cores
+    (H200: 221 GB/s), and `ragged_dot`, which XLA:GPU expands to a dense product, reads every expert
+    (docs/performance.md, "GPU")."""
+    k = experts.shape[1]
+    local, is_local = _local_pairs(experts, gate.shape[1], rules)
+    pick = jnp.where(is_local, local, 0)
+    rows = x[jnp.arange(experts.size) // k].astype(jnp.float32)
+    w_gate, w_up, w_down = (jax.tree.map(lambda a: a[layer, pick], w) for w in (gate, up, down))
+    h = jax.nn.silu(_pair_matmul(rows, w_gate)) * _pair_matmul(rows, w_up)
+    y = _pair_matmul(h, w_down) * jnp.where(is_local, weights.reshape(-1), 0.0)[:, None]
+    return y.reshape(x.shape[0], k, -1).sum(1)
+
+
+def _pair_matmul(rows: jax.Array, w: Any) -> jax.Array:
+    """`rows [P, i] @ w [P, i, o]` per pair, float32, as a multiply-reduce (which XLA fuses with the
+    gather of `w`; a batched dot would first copy the gathered experts)."""
+    if isinstance(w, Int8Weight):
+        return (rows[:, :, None] * widen(w.q)).sum(1) * w.scale
+    return (rows[:, :, None] * widen(w)).sum(1)
+
+
+CAPACITY_FACTOR = 1.5  # buffer rows per expert over the mean pairs: balanced routing fits in one round
+
+
+def capacity_rows(n_pairs: int, n_local: int) -> int:
+    """Rows of each expert's buffer in `capacity_experts`: 1.5x the mean pairs per expert, a multiple
+    of 8 (at least 8), so that the random spread of a balanced routing fits in one round."""
+    return 8 * max(1, -(-int(CAPACITY_FACTOR * -(-n_pairs // n_local)) // 8))
+
+
+def capacity_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRules):
+    """GPU prefill: the pairs sorted by expert into fixed-size buffers `[E, C, D]`, then batched
+    matmuls over every local expert (computes ~1.5x the routed rows, in large dense products). Dropless:
+    rows past an expert's capacity run in further rounds (a loop that balanced routing skips)."""
+    gate, up, down = (jax.tree.map(lambda a: a[layer], w) for w in (gate, up, down))
+    n_local, n_pairs, dim = gate.shape[0], experts.size, x.shape[-1]
+    token, expert, is_local, order, group_sizes = _sorted_pairs(experts, n_local, rules)
+    capacity = capacity_rows(n_pairs, n_local)
+    rank = jnp.arange(n_pairs) - (jnp.cumsum(group_sizes) - group_sizes)[jnp.minimum(expert, n_local - 1)]
+    rows = x[token]
+    f32 = jnp.float32
+
+    def one_round(r, ys):
+        slot_rank = rank - r * capacity
+        fits = is_local & (slot_rank >= 0) & (slot_rank < capacity)
+        slot = jnp.where(fits, expert * capacity + slot_rank, n_local * capacity)  # the rest: a dropped row
+        buf = jnp.zeros((n_local * capacity + 1, dim), x.dtype).at[slot].set(rows)[:-1]
+        buf = buf.reshape(n_local, capacity, dim)
+        h = (jax.nn.silu(einsum("ecd,edf->ecf", buf, gate, preferred_element_type=f32))
+             * einsum("ecd,edf->ecf", buf, up, preferred_element_type=f32))
+        out = einsum("ecf,efd->ecd", h.astype(x.dtype), down, preferred_element_type=f32).reshape(-1, dim)
+        return jnp.where(fits[:, None], out[jnp.minimum(slot, n_local * capacity - 1)], ys)
+
+    rounds = -(-jnp.max(group_sizes) // capacity)
+    ys = jax.lax.pcast(jnp.zeros((n_pairs, dim), f32), rules.moe_reduce_axes(), to="varying")
+    ys = jax.lax.fori_loop(0, rounds, one_round, ys)
+    return _combine(x.shape[0], token, ys, jnp.where(is_local, weights.reshape(-1)[order], 0.0))
+
+
+def default_kernel(n_pairs: int, n_local: int, backend: str | None = None) -> ExpertKernel:
+    """The routed-expert kernel for `n_pairs` token-expert pairs on `n_local` experts, by platform
+    (measured in docs/performance.md). CPU: the expert loop at every size (XLA:CPU lowers
+    `ragged_dot` to a dense masked product over *every* local expert). GPU: XLA:GPU expands
+    `ragged_dot` the same way, and a one-row matmul per expert uses a few of its cores, so decode
+    gathers the pairs' experts while they are fewer than half of the experts (`gather_experts`), and
+    more pairs run through per-expert buffers (`capacity_experts`). TPU keeps `ragged_dot`.
+    `backend`: JAX's default backend unless given."""
+    backend = backend or jax.default_backend()
+    if backend == "cpu":
+        return loop_experts
+    if backend != "gpu":
+        return ragged_experts
+    return gather_experts if 2 * n_pairs <= n_local else capacity_experts
 
 
 def _local_experts(x, weights, experts, gate, up, down, layer, *, rules: ShardingRules, differentiable: bool = False,
@@ -185,7 +259,7 @@ def _local_experts(x, weights, experts, gate, up, down, layer, *, rules: Shardin
     if kernel is None and differentiable:
         kernel = dense_experts if widens_on_use() else ragged_experts
     elif kernel is None:
-        kernel = loop_experts if use_gather(experts.size, gate.shape[1]) else ragged_experts
+        kernel = default_kernel(experts.size, gate.shape[1])
     return jax.lax.psum(kernel(x, weights, experts, gate, up, down, layer, rules), rules.moe_reduce_axes())
 
 

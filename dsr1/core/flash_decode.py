@@ -1,0 +1,129 @@
+"""Flash decoding of absorbed MLA on GPU: one Pallas (Triton) kernel reads each cached latent once.
+
+In absorbed decode every head attends to the same latents `c_kv [B, S, r]` and `k_pe [B, S, rope]`
+(keys are `[c_kv, k_pe]`, values `c_kv`). Through XLA the step writes the scores `[B, H, S]` in
+float32 and reads them back (softmax, concatenation with the new token's, the values' product):
+~4 bytes per head per cached token against the cache's ~2 per latent, so at long context the
+attention ran at ~10% of the copy bandwidth on an H200 (docs/performance.md, "GPU"). The kernel
+keeps a block of scores in registers: each program takes `BLOCK_HEADS` heads and one split of the
+cached positions, loops over blocks of `BLOCK_KEYS` latents with an online softmax, and writes its
+partial context with its running max and sum; `combine` folds the splits and the new token's own
+key. Each head block reads its split's latents again (8 blocks for R1's 128 heads): a block of all
+heads needs 256 KB of shared memory (an H200 has 227). Measured on an H200 (docs/performance.md,
+"GPU"): 1.0-2.3x the XLA path's speed, at best 22% of the copy bandwidth.
+
+Used where it applies (`applies`: GPU, one query per row, bf16/f16 cache, head count and widths the
+kernel tiles); everywhere else the XLA path runs. `interpret=True` runs the kernel on any backend
+(the tests, on CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+BLOCK_HEADS = 16  # Triton's smallest dot tile; a [16, r] float32 context fits in registers
+BLOCK_KEYS = 64  # cached positions per loop step
+KEYS_PER_SPLIT = 512  # the cached positions of one program, at least, before the splits stop growing
+MAX_SPLITS = 32
+NUM_WARPS = 4  # with 16 heads, 4 warps and 2 stages measured best at 1 and 8 rows (32 heads: at 8 and 32)
+NUM_STAGES = 2
+
+
+def _power_of_two(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+def applies(heads: int, rank: int, rope: int, queries: int, cache_dtype: jnp.dtype, scaled: bool,
+            backend: str | None = None) -> bool:
+    """Whether the kernel runs this decode step: on GPU, one query per row, an unscaled 16-bit cache,
+    heads a multiple of `BLOCK_HEADS`, latent and rope widths powers of two (Triton tiles)."""
+    backend = backend or jax.default_backend()
+    return (backend == "gpu" and queries == 1 and not scaled and jnp.dtype(cache_dtype).itemsize == 2
+            and heads % BLOCK_HEADS == 0 and _power_of_two(rank) and _power_of_two(rope))
+
+
+def split_length(cache_len: int) -> int:
+    """Cached positions per program: a multiple of `BLOCK_KEYS`, at least `KEYS_PER_SPLIT` unless the
+    cache is shorter, and at most `MAX_SPLITS` splits (enough programs to fill a GPU at batch 1)."""
+    blocks = -(-cache_len // BLOCK_KEYS)
+    splits = max(1, min(MAX_SPLITS, blocks * BLOCK_KEYS // KEYS_PER_SPLIT))
+    return BLOCK_KEYS * -(-blocks // splits)
+
+
+def _kernel(length_ref, q_ref, qpe_ref, c_ref, pe_ref, acc_ref, max_ref, sum_ref, *, split_len: int,
+            scale: float):
+    """One program: `BLOCK_HEADS` heads of one row against one split of its cached positions."""
+    f32 = jnp.float32
+    first = pl.program_id(1) * split_len
+    end = jnp.minimum(jnp.minimum(first + split_len, length_ref[()]), c_ref.shape[0])
+    q, qpe = q_ref[...], qpe_ref[...]
+    offsets = jnp.arange(BLOCK_KEYS)
+
+    def block(i, carry):
+        acc, run_max, run_sum = carry
+        start = first + i * BLOCK_KEYS
+        valid = start + offsets < end
+        rows = pl.ds(start, BLOCK_KEYS)
+        c = plgpu.load(c_ref.at[rows, :], mask=valid[:, None], other=0.0)
+        pe = plgpu.load(pe_ref.at[rows, :], mask=valid[:, None], other=0.0)
+        s = (plgpu.dot(q, c, trans_b=True).astype(f32) + plgpu.dot(qpe, pe, trans_b=True).astype(f32)) * scale
+        s = jnp.where(valid[None, :], s, -jnp.inf)  # every block run holds a valid position
+        new_max = jnp.maximum(run_max, s.max(axis=1))
+        rescale = jnp.exp(run_max - new_max)
+        probs = jnp.exp(s - new_max[:, None])
+        acc = acc * rescale[:, None] + plgpu.dot(probs.astype(c.dtype), c).astype(f32)
+        return acc, new_max, run_sum * rescale + probs.sum(axis=1)
+
+    n_blocks = jnp.maximum(end - first, 0) // BLOCK_KEYS + ((jnp.maximum(end - first, 0) % BLOCK_KEYS) > 0)
+    init = (jnp.zeros(acc_ref.shape, f32), jnp.full(max_ref.shape, -jnp.inf, f32), jnp.zeros(sum_ref.shape, f32))
+    acc, run_max, run_sum = jax.lax.fori_loop(0, n_blocks, block, init)
+    acc_ref[...] = acc
+    max_ref[...] = run_max
+    sum_ref[...] = run_sum
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+def cached_context(q: jax.Array, q_pe: jax.Array, c_cache: jax.Array, pe_cache: jax.Array, lengths: jax.Array,
+                   scale: float, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Partial attention of `q [B, H, r]`, `q_pe [B, H, rope]` over the first `lengths[b]` cached
+    latents `c_cache [B, S, r]`, `pe_cache [B, S, rope]`, per split of the positions: the unnormalized
+    context `[B, splits, H, r]`, the running max and the sum of exponentials `[B, splits, H]` (float32)."""
+    b, h, rank = q.shape
+    cache_len, rope = c_cache.shape[1], pe_cache.shape[-1]
+    split_len = split_length(cache_len)
+    splits = -(-cache_len // split_len)
+    heads = BLOCK_HEADS if h % BLOCK_HEADS == 0 else h  # interpret mode takes any head count
+    q, q_pe = q.astype(c_cache.dtype), q_pe.astype(pe_cache.dtype)
+    row = lambda shape: pl.BlockSpec((None, *shape), lambda i, j, k: (k, *(0,) * len(shape)))  # noqa: E731
+    heads_of = lambda width: pl.BlockSpec((None, heads, width), lambda i, j, k: (k, i, 0))  # noqa: E731
+    f32 = jnp.float32
+    return pl.pallas_call(
+        functools.partial(_kernel, split_len=split_len, scale=scale),
+        grid=(h // heads, splits, b),  # head blocks vary fastest: a split's latents are read once from memory
+        in_specs=[pl.BlockSpec((None,), lambda i, j, k: (k,)), heads_of(rank), heads_of(rope),
+                  row((cache_len, rank)), row((cache_len, rope))],
+        out_specs=[pl.BlockSpec((None, None, heads, rank), lambda i, j, k: (k, j, i, 0)),
+                   pl.BlockSpec((None, None, heads), lambda i, j, k: (k, j, i)),
+                   pl.BlockSpec((None, None, heads), lambda i, j, k: (k, j, i))],
+        out_shape=[jax.ShapeDtypeStruct((b, splits, h, rank), f32), jax.ShapeDtypeStruct((b, splits, h), f32),
+                   jax.ShapeDtypeStruct((b, splits, h), f32)],
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        interpret=interpret,
+        name="mla_flash_decode",
+    )(lengths.astype(jnp.int32), q, q_pe, c_cache, pe_cache)
+
+
+def combine(acc: jax.Array, run_max: jax.Array, run_sum: jax.Array, own_score: jax.Array,
+            own_value: jax.Array) -> jax.Array:
+    """The context `[B, H, r]` (float32) from the splits' partials (`cached_context`) and the new
+    token's own score `[B, H]` and latent `[B, r]`, which joins the softmax as one more key."""
+    top = jnp.maximum(run_max.max(axis=1), own_score)  # finite: the own key is always there
+    weight = jnp.exp(run_max - top[:, None])  # [B, splits, H]; empty splits (max -inf) weigh 0
+    own = jnp.exp(own_score - top)
+    num = jnp.einsum("bjh,bjhr->bhr", weight, acc) + own[..., None] * own_value[:, None].astype(jnp.float32)
+    return num / ((weight * run_sum).sum(axis=1) + own)[..., None]
