@@ -79,12 +79,13 @@ def test_decode_with_the_kernel_matches_the_xla_path(monkeypatch):
 
 
 def test_kernel_applies_to_gpu_decode_only():
-    """R1's decode (128 heads, r 512, rope 64, bf16 cache) on GPU; not on CPU or TPU, not for several
-    queries per row (speculative verification), an int8 cache, or widths Triton cannot tile."""
-    r1 = dict(heads=128, rank=512, rope=64, queries=1, cache_dtype=jnp.bfloat16, scaled=False)
+    """R1's decode (128 heads, r 512, rope 64, bf16 cache) on one GPU; not on CPU or TPU, several
+    devices, several queries per row (speculative verification), an int8 cache, or widths Triton
+    cannot tile."""
+    r1 = dict(heads=128, rank=512, rope=64, queries=1, cache_dtype=jnp.bfloat16, scaled=False, devices=1)
     assert flash_decode.applies(**r1, backend="gpu")
     assert not flash_decode.applies(**r1, backend="cpu") and not flash_decode.applies(**r1, backend="tpu")
-    for change in (dict(queries=2), dict(cache_dtype=jnp.int8, scaled=True), dict(cache_dtype=jnp.float32),
-                   dict(heads=8), dict(rank=576)):
+    for change in (dict(devices=8), dict(queries=2), dict(cache_dtype=jnp.int8, scaled=True),
+                   dict(cache_dtype=jnp.float32), dict(heads=8), dict(rank=576)):
         assert not flash_decode.applies(**{**r1, **change}, backend="gpu"), change
     assert [flash_decode.split_length(n) for n in (40, 4113, 32801, 200_000)] == [64, 576, 1088, 6272]

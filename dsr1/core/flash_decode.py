@@ -12,8 +12,8 @@ key. Each head block reads its split's latents again (8 blocks for R1's 128 head
 heads needs 256 KB of shared memory (an H200 has 227). Measured on an H200 (docs/performance.md,
 "GPU"): 1.0-2.3x the XLA path's speed, at best 22% of the copy bandwidth.
 
-Used where it applies (`applies`: GPU, one query per row, bf16/f16 cache, head count and widths the
-kernel tiles); everywhere else the XLA path runs. `interpret=True` runs the kernel on any backend
+Used where it applies (`applies`: one GPU, one query per row, bf16/f16 cache, head count and widths
+the kernel tiles); everywhere else the XLA path runs. `interpret=True` runs the kernel on any backend
 (the tests, on CPU).
 """
 
@@ -39,12 +39,16 @@ def _power_of_two(n: int) -> bool:
 
 
 def applies(heads: int, rank: int, rope: int, queries: int, cache_dtype: jnp.dtype, scaled: bool,
-            backend: str | None = None) -> bool:
-    """Whether the kernel runs this decode step: on GPU, one query per row, an unscaled 16-bit cache,
-    heads a multiple of `BLOCK_HEADS`, latent and rope widths powers of two (Triton tiles)."""
+            backend: str | None = None, devices: int | None = None) -> bool:
+    """Whether the kernel runs this decode step: on one GPU, one query per row, an unscaled 16-bit
+    cache, heads a multiple of `BLOCK_HEADS`, latent and rope widths powers of two (Triton tiles).
+    On several devices the XLA path runs: the kernel is not yet split over the tensor axis's heads
+    (XLA's partitioner would run every head on every device). `backend`, `devices`: JAX's by default."""
     backend = backend or jax.default_backend()
-    return (backend == "gpu" and queries == 1 and not scaled and jnp.dtype(cache_dtype).itemsize == 2
-            and heads % BLOCK_HEADS == 0 and _power_of_two(rank) and _power_of_two(rope))
+    devices = jax.device_count() if devices is None else devices
+    return (backend == "gpu" and devices == 1 and queries == 1 and not scaled
+            and jnp.dtype(cache_dtype).itemsize == 2 and heads % BLOCK_HEADS == 0 and _power_of_two(rank)
+            and _power_of_two(rope))
 
 
 def split_length(cache_len: int) -> int:
