@@ -209,7 +209,7 @@ def attend_cached(p: dict, x: jax.Array, positions: jax.Array, c_cache: jax.Arra
 def _flash_context(q: Query, own: Keys, c_cache: jax.Array, pe_cache: jax.Array, lengths: jax.Array, cfg: Config,
                    interpret: bool = False) -> jax.Array:
     """`attend_cached`'s context `[B, H, 1, r]` for one query per row by the GPU kernel
-    (`flash_decode`): the cache read once, the new token's own key folded in after."""
+    (`flash_decode`): the cache read in blocks, scores kept on chip, the new token's own key folded in after."""
     acc, run_max, run_sum = flash_decode.cached_context(q.main[:, 0], q.pe[:, 0], c_cache, pe_cache, lengths,
                                                         cfg.softmax_scale, interpret=interpret)
     own_score = scores(q, own, cfg)[:, :, 0, 0]  # [B, H]

@@ -1,4 +1,4 @@
-"""Flash decoding of absorbed MLA on GPU: one Pallas (Triton) kernel reads each cached latent once.
+"""Flash decoding of absorbed MLA on GPU: one Pallas (Triton) kernel, the scores kept on chip.
 
 In absorbed decode every head attends to the same latents `c_kv [B, S, r]` and `k_pe [B, S, rope]`
 (keys are `[c_kv, k_pe]`, values `c_kv`). Through XLA the step writes the scores `[B, H, S]` in
