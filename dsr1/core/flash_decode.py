@@ -83,7 +83,7 @@ def _kernel(length_ref, q_ref, qpe_ref, c_ref, pe_ref, acc_ref, max_ref, sum_ref
         acc = acc * rescale[:, None] + plgpu.dot(probs.astype(c.dtype), c).astype(f32)
         return acc, new_max, run_sum * rescale + probs.sum(axis=1)
 
-    n_blocks = jnp.maximum(end - first, 0) // BLOCK_KEYS + ((jnp.maximum(end - first, 0) % BLOCK_KEYS) > 0)
+    n_blocks = (jnp.maximum(end - first, 0) + BLOCK_KEYS - 1) // BLOCK_KEYS
     init = (jnp.zeros(acc_ref.shape, f32), jnp.full(max_ref.shape, -jnp.inf, f32), jnp.zeros(sum_ref.shape, f32))
     acc, run_max, run_sum = jax.lax.fori_loop(0, n_blocks, block, init)
     acc_ref[...] = acc
@@ -108,7 +108,7 @@ def cached_context(q: jax.Array, q_pe: jax.Array, c_cache: jax.Array, pe_cache: 
     f32 = jnp.float32
     return pl.pallas_call(
         functools.partial(_kernel, split_len=split_len, scale=scale),
-        grid=(h // heads, splits, b),  # head blocks vary fastest: a split's latents are read once from memory
+        grid=(h // heads, splits, b),  # head blocks vary fastest, each re-reading its split's latents
         in_specs=[pl.BlockSpec((None,), lambda i, j, k: (k,)), heads_of(rank), heads_of(rope),
                   row((cache_len, rank)), row((cache_len, rope))],
         out_specs=[pl.BlockSpec((None, None, heads, rank), lambda i, j, k: (k, j, i, 0)),
