@@ -24,10 +24,11 @@ def main() -> None:
     p = profiling.profile_decode(model, batch=2, batches=(1, 2), context=16, steps=4, copy_bytes=32 * 2**20,
                                  logdir=args.logdir)
     fig = profiling.plot_profile(p)
+    head = model.params["lm_head"]  # its bf16 bytes (on CPU it also holds a float32 copy for one-row steps)
     print(p.summary())
     print(json.dumps({"step_ms": p.step_ms.tolist(), "tokens_per_second": p.tokens_per_second,
                       "block_ms": p.block_ms, "achieved_gbs": p.achieved_gbs, "peak_gbs": p.peak_gbs,
-                      "bytes_per_step": p.bytes_per_step, "lm_head_bytes": model.params["lm_head"].nbytes,
+                      "bytes_per_step": p.bytes_per_step, "lm_head_bytes": head.size * head.dtype.itemsize,
                       "axes": len(fig.axes)}))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -169,6 +171,30 @@ def test_large_bf16_matmul_widens_in_column_blocks(rows):
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     assert got.shape == (2, rows, cols)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
+
+
+def test_output_heads_keep_a_float32_copy_for_one_row():
+    """On CPU the lm_head (and an MTP head) also holds its values widened once: a one-row product
+    reads that float32 copy (no widening in the program), a product of more rows the bf16 bits, and
+    both give the float32 product of the bf16 values."""
+    from dsr1.core import quant
+
+    cfg = dataclasses.replace(dsr1.Config.preset("tiny"), num_nextn_predict_layers=1)
+    model = dsr1.init_random(cfg, seed=0, mtp=True)
+    head = model.params["lm_head"]
+    assert isinstance(head, quant.Bf16Bits) and head.wide.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(head.wide), np.asarray(head, np.float32))
+    assert model.params["mtp"]["head"].wide is not None
+    assert model.params["moe_layers"]["q_b"].wide is None and model.params["embed"].wide is None
+    assert head.nbytes == head.size * 6 and head.bytes_read(1) == head.size * 4 and head.bytes_read(2) == head.size * 2
+    product = jax.jit(lambda x, w: quant.einsum("...d,dv->...v", x, w, preferred_element_type=jnp.float32))
+    rng = np.random.default_rng(0)
+    for rows in (1, 2):
+        x = jnp.asarray(rng.standard_normal((rows, 1, head.shape[0])), jnp.float32)
+        program = product.lower(x, head).as_text()
+        assert ("shift_left" in program) == (rows > 1)  # bits widened only beyond one row
+        want = np.asarray(x, np.float64) @ np.asarray(head, np.float64)
+        np.testing.assert_allclose(np.asarray(product(x, head)), want, rtol=1e-5, atol=1e-5)
 
 
 def test_bf16_products_of_many_rows_compute_in_bf16():

@@ -12,6 +12,7 @@ import pytest
 
 import dsr1
 from dsr1.bench import accounting, bandwidth, cli, compare_hf, prefill, serve, timing
+from dsr1.core import quant
 
 # The tiny preset with a small vocabulary: every test here stays fast.
 CFG = dataclasses.replace(dsr1.Config.preset("tiny"), vocab_size=512)
@@ -30,9 +31,9 @@ def config_file(tmp_path_factory):
     return path
 
 
-def hand_fixed_bytes(c: dsr1.Config, item: int) -> int:
-    """Every weight a decode step reads whatever its tokens (bf16: `item` bytes per value; the
-    router and its bias are float32), written out from the architecture."""
+def hand_fixed_bytes(c: dsr1.Config, item: int, head_item: int) -> int:
+    """Every weight a decode step reads whatever its tokens (bf16: `item` bytes per value, the
+    lm_head `head_item`; the router and its bias are float32), written out from the architecture."""
     d, h, q, r = c.hidden_size, c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank
     attention = (d * q + q + q * h * (c.qk_nope_head_dim + c.qk_rope_head_dim)  # q_a, q_a_norm, q_b
                  + d * (r + c.qk_rope_head_dim) + r  # kv_a, kv_a_norm
@@ -40,7 +41,7 @@ def hand_fixed_bytes(c: dsr1.Config, item: int) -> int:
                  + h * c.v_head_dim * d + 2 * d) * item  # o, attn_norm, mlp_norm
     dense_mlp = 3 * d * c.intermediate_size * item
     moe_fixed = (d * c.n_routed_experts + c.n_routed_experts) * 4 + 3 * d * c.shared_intermediate_size * item
-    head = (d * c.vocab_size + d) * item  # lm_head, final_norm
+    head = d * c.vocab_size * head_item + d * item  # lm_head, final_norm
     return (c.num_hidden_layers * attention + c.num_dense_layers * dense_mlp + c.num_moe_layers * moe_fixed
             + head)
 
@@ -49,15 +50,20 @@ def test_bf16_bytes_match_hand_computation(models):
     c, params = CFG, models["bf16"].params
     d, f = c.hidden_size, c.moe_intermediate_size
     assert accounting.expert_bytes(params) == 3 * d * f * BF16
-    assert accounting.fixed_weight_bytes(params) == hand_fixed_bytes(c, BF16)
+    # On CPU a one-row product reads the lm_head's float32 copy; more rows read its bf16 bits.
+    one_row_head = 4 if quant.widens_on_use() else BF16
+    assert accounting.fixed_weight_bytes(params, 2) == hand_fixed_bytes(c, BF16, BF16)
+    assert accounting.fixed_weight_bytes(params, 1) == hand_fixed_bytes(c, BF16, one_row_head)
     # One row, 4 distinct experts in the first MoE layer, 2 in the second (ids need not be real routes).
     ids = np.array([[[0, 1, 2, 3]], [[7, 7, 9, 9]]])
     got = accounting.step_bytes(params, c, None, lengths=np.array([10]), tokens=np.array([42]), expert_ids=ids)
     cache = 10 * c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * BF16
-    assert got == accounting.StepBytes(hand_fixed_bytes(c, BF16), 6 * 3 * d * f * BF16, d * BF16, cache, 3.0)
-    assert got.total == hand_fixed_bytes(c, BF16) + 6 * 3 * d * f * BF16 + d * BF16 + cache
-    # The whole model minus the embedding table and the experts not hit.
+    fixed = hand_fixed_bytes(c, BF16, one_row_head)
+    assert got == accounting.StepBytes(fixed, 6 * 3 * d * f * BF16, d * BF16, cache, 3.0)
+    assert got.total == fixed + 6 * 3 * d * f * BF16 + d * BF16 + cache
+    # The whole model minus the embedding table, the experts not hit, and the lm_head's copy not read.
     unread = (c.vocab_size - 1) * d * BF16 + (c.num_moe_layers * c.n_routed_experts - 6) * 3 * d * f * BF16
+    unread += d * c.vocab_size * BF16 if quant.widens_on_use() else 0
     assert got.total - got.cache == models["bf16"].weight_bytes() - unread
 
 

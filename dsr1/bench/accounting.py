@@ -15,13 +15,16 @@ import numpy as np
 from ..core.cache import check_kv_cache_dtype
 from ..core.config import Config
 from ..core.params import Params
+from ..core.quant import Bf16Bits
 
 ROUTED = ("gate", "up", "down")  # the routed-expert stacks under params["moe_layers"]["moe"]
 
 
-def _nbytes(tree: Any) -> int:
-    """Bytes of every array in a pytree (int8 values and their scales both count)."""
-    return sum(int(x.nbytes) for x in jax.tree.leaves(tree))
+def _nbytes(tree: Any, rows: int | None = None) -> int:
+    """Bytes of every array in a pytree (int8 values and their scales both count); with `rows`, the
+    bytes a product of that many rows reads (a `Bf16Bits` head's float32 copy for one row, else its bits)."""
+    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, Bf16Bits))
+    return sum(int(x.bytes_read(rows) if rows and isinstance(x, Bf16Bits) else x.nbytes) for x in leaves)
 
 
 def expert_bytes(params: Params) -> int:
@@ -33,15 +36,15 @@ def expert_bytes(params: Params) -> int:
     return _nbytes([moe[k] for k in ROUTED]) // (layers * experts)
 
 
-def fixed_weight_bytes(params: Params) -> int:
-    """Bytes every decode step reads whatever the tokens: all weights except the embedding table
-    (a step reads only its tokens' rows), the routed experts (only those hit) and the MTP module
-    (decode never runs it)."""
-    total = _nbytes({k: v for k, v in params.items() if k not in ("embed", "moe_layers", "mtp")})
+def fixed_weight_bytes(params: Params, rows: int) -> int:
+    """Bytes every decode step of `rows` rows reads whatever the tokens: all weights except the
+    embedding table (a step reads only its tokens' rows), the routed experts (only those hit) and
+    the MTP module (decode never runs it)."""
+    total = _nbytes({k: v for k, v in params.items() if k not in ("embed", "moe_layers", "mtp")}, rows)
     if "moe_layers" in params:
         stack = params["moe_layers"]
-        total += _nbytes({k: v for k, v in stack.items() if k != "moe"})
-        total += _nbytes({k: v for k, v in stack["moe"].items() if k not in ROUTED})
+        total += _nbytes({k: v for k, v in stack.items() if k != "moe"}, rows)
+        total += _nbytes({k: v for k, v in stack["moe"].items() if k not in ROUTED}, rows)
     return total
 
 
@@ -76,7 +79,7 @@ def step_bytes(params: Params, cfg: Config, kv_cache_dtype: str | None, lengths:
     per_layer = [] if expert_ids is None else [len(np.unique(layer)) for layer in np.asarray(expert_ids)]
     cache = int(np.asarray(lengths, np.int64).sum()) * cfg.num_hidden_layers
     return StepBytes(
-        fixed_weights=fixed_weight_bytes(params),
+        fixed_weights=fixed_weight_bytes(params, len(np.asarray(tokens))),
         experts=sum(per_layer) * expert_bytes(params),
         embed=len(np.unique(np.asarray(tokens))) * embed.shape[1] * embed.dtype.itemsize,
         cache=cache * cache_token_bytes(cfg, embed.dtype, kv_cache_dtype),

@@ -104,7 +104,7 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
         "command": "decode", "device": dev, "model": name, "config": dataclasses.asdict(model.cfg),
         "dtype": args.dtype, "quant": args.quant, "kv_cache_dtype": args.kv_cache_dtype, "steps": args.steps,
         "repeats": args.repeats, "weight_bytes": model.weight_bytes(), "expert_bytes": expert_bytes(model.params),
-        "fixed_weight_bytes": fixed_weight_bytes(model.params), "copy_gbs": copy_gbs,
+        "fixed_weight_bytes": {str(b): fixed_weight_bytes(model.params, b) for b in args.batch}, "copy_gbs": copy_gbs,
         "copy_definition": f"jitted x + 1 over {copy_nbytes} bytes of float32 (donated, in place), "
                            f"(bytes read + bytes written) / best of 5",
         "columns": list(DECODE_COLUMNS), "rows": rows,

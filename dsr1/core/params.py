@@ -113,6 +113,11 @@ def _stack(tree: dict[str, Any], n: int) -> dict[str, Any]:
                         tree, is_leaf=is_spec)
 
 
+def is_output_head(spec: ArrayInfo) -> bool:
+    """Whether the weight maps the hidden state to the vocabulary (the lm_head, an MTP module's head)."""
+    return spec.axes[-2:] == ("embed", "vocab")
+
+
 def float_specs(cfg: Config, *, mtp: bool = False) -> dict[str, Any]:
     """The declaration of every weight in full precision, as a pytree of ArrayInfo."""
     specs: dict[str, Any] = {
@@ -319,13 +324,15 @@ def compute_view(params: Params, cfg: Config) -> Params:
     `Bf16Bits`, which `quant.widen` turns into float32 where a slice is used, so the weights stay
     bf16 in memory and are read as bf16; elsewhere the weights unchanged. `api.load` and
     `init_random` hold the weights this way: XLA:CPU copies a bf16 -> uint16 bitcast of a whole
-    stack rather than treating it as free, so a program must receive the bits. Idempotent."""
+    stack rather than treating it as free, so a program must receive the bits. The output heads
+    (the lm_head, the MTP heads) also keep a float32 copy for one-row products (`quant.as_bits`):
+    the largest weights a decode step reads outside any loop. Idempotent."""
     if not widens_on_use():
         return params
     specs = float_specs(cfg, mtp="mtp" in params)
 
     def one(spec: ArrayInfo, w: Any) -> Any:
         is_matrix = spec.init == "normal" and not isinstance(w, (Int8Weight, Bf16Bits))
-        return as_bits(w) if is_matrix and w.dtype == jnp.bfloat16 else w
+        return as_bits(w, keep_float32=is_output_head(spec)) if is_matrix and w.dtype == jnp.bfloat16 else w
 
     return jax.tree.map(one, specs, params, is_leaf=is_spec)

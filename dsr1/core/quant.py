@@ -76,6 +76,7 @@ class Bf16Bits:
     output columns at a time (`einsum`); a block of a sharded axis would gather the weight."""
 
     bits: Any  # uint16, the weight's shape
+    wide: Any = None  # the same weight in float32 for one-row products, where held (see `as_bits`)
     one_device: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
@@ -92,7 +93,12 @@ class Bf16Bits:
 
     @property
     def nbytes(self) -> int:
-        return self.bits.nbytes
+        """Bytes held: the bits, and the float32 copy where there is one."""
+        return self.bits.nbytes + (0 if self.wide is None else self.wide.nbytes)
+
+    def bytes_read(self, rows: int) -> int:
+        """Bytes a product of `rows` rows reads (`einsum`): the float32 copy for one row, else the bits."""
+        return self.wide.nbytes if self.wide is not None and rows == 1 else self.bits.nbytes
 
     @property
     def ndim(self) -> int:
@@ -113,13 +119,20 @@ class Bf16Bits:
         return values if dtype is None else values.astype(dtype)
 
 
-def as_bits(w: jax.Array) -> Bf16Bits:
+def as_bits(w: jax.Array, *, keep_float32: bool = False) -> Bf16Bits:
     """A bf16 weight as `Bf16Bits`. An array on one device is reinterpreted through a host view (no
-    program compiled per shape); a sharded or traced one by a bitcast."""
+    program compiled per shape); a sharded or traced one by a bitcast.
+
+    `keep_float32` also holds the weight widened once, for one-row products: XLA:CPU reads a float32
+    weight at memory speed in a one-row product, and widening a large weight block by block costs
+    more than that read (the bench lm_head `[1024, 32768]`: 3.5-4.6 ms against 7.2-7.8 per row);
+    from 2 rows the blocked widening is faster again (2 rows 7.6-9.1 against 9.6-11.2 ms, 8 rows
+    11.9-13.5 against 20.0-22.7: docs/performance.md), so the bits stay too."""
+    wide = w.astype(jnp.float32) if keep_float32 else None
     if isinstance(w, jax.Array) and not isinstance(w, jax.core.Tracer) and len(w.sharding.device_set) == 1:
         device = next(iter(w.sharding.device_set))
-        return Bf16Bits(jax.device_put(np.asarray(w).view(np.uint16), device), one_device=True)
-    return Bf16Bits(jax.lax.bitcast_convert_type(w, jnp.uint16))
+        return Bf16Bits(jax.device_put(np.asarray(w).view(np.uint16), device), wide, one_device=True)
+    return Bf16Bits(jax.lax.bitcast_convert_type(w, jnp.uint16), wide)
 
 
 NATIVE_BF16_ROWS = 16
@@ -147,6 +160,8 @@ def widen(w: Any) -> jax.Array:
     """A weight (or int8 values) as float32. bf16 bits are widened exactly (they become the high half
     of a float32) with integer ops, which XLA:CPU keeps next to their use."""
     if isinstance(w, Bf16Bits):
+        if w.wide is not None:
+            return w.wide
         return jax.lax.bitcast_convert_type(w.bits.astype(jnp.uint32) << 16, jnp.float32)
     return w.astype(jnp.float32)
 
@@ -154,10 +169,12 @@ def widen(w: Any) -> jax.Array:
 def einsum(spec: str, x: jax.Array, w: Any, **kwargs) -> jax.Array:
     """`jnp.einsum(spec, x, w)` for a plain, `Bf16Bits` or `Int8Weight` weight (the second operand)."""
     if isinstance(w, Bf16Bits):
-        matmul = _is_matmul(spec)
-        if matmul and native_bf16(w, int(np.prod(x.shape[:-1]))):
+        matmul, rows = _is_matmul(spec), int(np.prod(x.shape[:-1]))
+        if matmul and native_bf16(w, rows):
             return bf16_dot(x, w).astype(kwargs.get("preferred_element_type") or w.dtype)
-        if matmul and w.one_device and w.size > WIDEN_CHUNK_ELEMENTS:
+        if w.wide is not None and rows == 1:
+            out = jnp.einsum(spec, x.astype(jnp.float32), w.wide, **kwargs)
+        elif matmul and w.one_device and w.size > WIDEN_CHUNK_ELEMENTS:
             out = _chunked_matmul(x.astype(jnp.float32), w, **kwargs)
         else:
             out = jnp.einsum(spec, x.astype(jnp.float32), widen(w), **kwargs)
@@ -205,7 +222,7 @@ def _chunked_matmul(x: jax.Array, w: Bf16Bits, **kwargs) -> jax.Array:
     full = cols // block
 
     def product(bits: jax.Array) -> jax.Array:
-        return jnp.einsum("...i,io->...o", x, widen(Bf16Bits(bits, w.one_device)), **kwargs)
+        return jnp.einsum("...i,io->...o", x, widen(Bf16Bits(bits, one_device=w.one_device)), **kwargs)
 
     out = jax.lax.map(lambda i: product(jax.lax.dynamic_slice_in_dim(w.bits, i * block, block, axis=1)),
                       jnp.arange(full))  # [full, ..., block]

@@ -304,20 +304,21 @@ def dequantize_fp8_into(out: np.ndarray, w: np.ndarray, scale_inv: np.ndarray, r
     if (step_r, step_c) != (1, 1) or out.shape != (max(r1 - r0, 0), max(c1 - c0, 0)):
         raise ValueError(f"{name}: region {region} of a {rows}x{cols} weight does not fit an output of {out.shape}")
     codes = w.view(np.uint8)
-    scales = scale_inv.astype(np.float32)
+    i0, i1, j0, j1 = r0 // FP8_BLOCK, -(-r1 // FP8_BLOCK), c0 // FP8_BLOCK, -(-c1 // FP8_BLOCK)
+    # The region's tables in one numpy call, not one per block (4.5 -> 4.1 ns per value).
+    tables = (FP8_VALUES * scale_inv[i0:i1, j0:j1].astype(np.float32)[..., None]).astype(out.dtype)
     # A transposed `out` (the release's [out, in] into dsr1's [in, out]) written row by row strides
     # across memory: 3.0 ns per element against 1.4 walking it in memory order (2-core EPYC).
     column_major = out.ndim == 2 and abs(out.strides[0]) < abs(out.strides[1])
-    for i in range(r0 // FP8_BLOCK, -(-r1 // FP8_BLOCK)):
+    for i in range(i0, i1):
         a, b = max(r0, i * FP8_BLOCK), min(r1, (i + 1) * FP8_BLOCK)
-        for j in range(c0 // FP8_BLOCK, -(-c1 // FP8_BLOCK)):
+        for j in range(j0, j1):
             c, d = max(c0, j * FP8_BLOCK), min(c1, (j + 1) * FP8_BLOCK)
-            table = (FP8_VALUES * scales[i, j]).astype(out.dtype)
             block, dest = codes[a:b, c:d], out[a - r0:b - r0, c - c0:d - c0]
             if column_major:  # np.take writes in its output's index order: walk `out`'s memory in order
                 block, dest = block.T, dest.T
             # mode="wrap" writes straight into a strided `out` (mode="raise" would buffer); codes are < 256.
-            np.take(table, block, out=dest, mode="wrap")
+            np.take(tables[i - i0, j - j0], block, out=dest, mode="wrap")
 
 
 def quantize_fp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
