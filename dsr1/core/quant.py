@@ -96,9 +96,13 @@ class Bf16Bits:
         """Bytes held: the bits, and the float32 copy where there is one."""
         return self.bits.nbytes + (0 if self.wide is None else self.wide.nbytes)
 
+    def reads_wide(self, rows: int) -> bool:
+        """Whether a product of `rows` rows (`einsum`) reads the float32 copy: for one row, where held."""
+        return self.wide is not None and rows == 1
+
     def bytes_read(self, rows: int) -> int:
-        """Bytes a product of `rows` rows reads (`einsum`): the float32 copy for one row, else the bits."""
-        return self.wide.nbytes if self.wide is not None and rows == 1 else self.bits.nbytes
+        """Bytes a product of `rows` rows reads (`einsum`)."""
+        return self.wide.nbytes if self.reads_wide(rows) else self.bits.nbytes
 
     @property
     def ndim(self) -> int:
@@ -160,8 +164,6 @@ def widen(w: Any) -> jax.Array:
     """A weight (or int8 values) as float32. bf16 bits are widened exactly (they become the high half
     of a float32) with integer ops, which XLA:CPU keeps next to their use."""
     if isinstance(w, Bf16Bits):
-        if w.wide is not None:
-            return w.wide
         return jax.lax.bitcast_convert_type(w.bits.astype(jnp.uint32) << 16, jnp.float32)
     return w.astype(jnp.float32)
 
@@ -172,7 +174,7 @@ def einsum(spec: str, x: jax.Array, w: Any, **kwargs) -> jax.Array:
         matmul, rows = _is_matmul(spec), int(np.prod(x.shape[:-1]))
         if matmul and native_bf16(w, rows):
             return bf16_dot(x, w).astype(kwargs.get("preferred_element_type") or w.dtype)
-        if w.wide is not None and rows == 1:
+        if w.reads_wide(rows):
             out = jnp.einsum(spec, x.astype(jnp.float32), w.wide, **kwargs)
         elif matmul and w.one_device and w.size > WIDEN_CHUNK_ELEMENTS:
             out = _chunked_matmul(x.astype(jnp.float32), w, **kwargs)
