@@ -6,11 +6,13 @@ import json
 
 import ml_dtypes
 import numpy as np
+import pytest
 
 import dsr1
 from dsr1.bench.cli import main
 from dsr1.bench.loading import checkpoint_files, read_bandwidth, write_fp8_checkpoint
 from dsr1.weights import convert as dsr1_convert
+from dsr1.weights import store as dsr1_store
 from dsr1.weights.release import dequantize_fp8, quantize_fp8
 
 
@@ -40,3 +42,19 @@ def test_load_command_on_the_tiny_preset(tmp_path, capsys):
     assert row["read_gb"] * 1e9 == sum(f.stat().st_size for f in files)
     assert 0 < row["load_gb"] < row["read_gb"] and row["load_gbs"] > 0 and row["ratio"] > 0
     assert "load / read" in capsys.readouterr().out
+
+
+def test_load_command_also_measures_the_converted_checkpoint(tmp_path, capsys):
+    out = tmp_path / "load.json"
+    keep = tmp_path / "ckpt"
+    assert main(["load", "--preset", "tiny", "--repeats", "1", "--keep", str(keep), "--converted",
+                 "--json", str(out)]) == 0
+    converted = json.loads(out.read_text())["converted"]
+    assert converted["folder"] == str(tmp_path / "ckpt-converted") and dsr1_store.is_converted(converted["folder"])
+    (row,) = converted["rows"]
+    files = checkpoint_files(tmp_path / "ckpt-converted")
+    assert converted["files"] == len(files) and row["read_gb"] * 1e9 == sum(f.stat().st_size for f in files)
+    assert row["load_gbs"] > 0 and converted["best_ratio"] == row["ratio"]
+    assert "converted (" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--converted converts the random checkpoint"):
+        main(["load", "--model", str(keep), "--converted"])

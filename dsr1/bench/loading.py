@@ -35,6 +35,7 @@ import numpy as np
 from ..api import Model, load
 from ..core.config import Config
 from ..options import add_model_options, checkpoint_from_options, config_from_options, mesh_from_options
+from ..weights.convert import convert
 from ..weights.release import expected_tensors, fp8_scale_shape, quantize_fp8
 from ..weights.safetensors_io import write_safetensors
 from ..weights.throughput import Throughput
@@ -210,6 +211,9 @@ def add_load_options(p: argparse.ArgumentParser) -> None:
                    help="cold: drop the files from the page cache before each read and each load; warm: keep them "
                         "cached (default: cold)")
     p.add_argument("--repeats", type=int, default=3, help="read-then-load rounds (default: 3)")
+    p.add_argument("--converted", action="store_true",
+                   help="also convert the checkpoint (`dsr1.convert`, dsr1's orbax layout, same --dtype and --quant; "
+                        "next to --keep's folder, reused when there) and measure its loads the same way")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also profile one more load and print its N most expensive functions (default: 0, off)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
@@ -224,6 +228,9 @@ def run_load(args: argparse.Namespace) -> dict[str, Any]:
     load_kwargs = {"mesh": mesh_from_options(args), "dtype": args.dtype, "quant": args.quant}
     with tempfile.TemporaryDirectory(prefix="dsr1-load-") as tmp:
         path = checkpoint_from_options(args)  # also refuses --layers with --model
+        if path and args.converted:
+            raise SystemExit("--converted converts the random checkpoint this command writes; convert a real folder "
+                             "with `python -m dsr1 convert` and pass the result to --model")
         if path:
             folder, name = Path(path), path
         else:
@@ -235,6 +242,7 @@ def run_load(args: argparse.Namespace) -> dict[str, Any]:
         files = checkpoint_files(folder)
         _log(f"{len(files)} files, {sum(f.stat().st_size for f in files) / 1e9:.3f} GB; {args.cache} page cache")
         rows = bench_load(folder, args.repeats, args.cache, log=_log, **load_kwargs)
+        converted = _converted_rows(folder, args, load_kwargs) if args.converted else None
         profile = profile_load(folder, args.profile, **load_kwargs) if args.profile else None
     dev = with_final_load(dev)
     best = max(rows, key=lambda r: r["ratio"])
@@ -243,7 +251,25 @@ def run_load(args: argparse.Namespace) -> dict[str, Any]:
           f"{args.cache} page cache (see docs/performance.md)\n")
     print(load_table(rows))
     print(f"\nbest: load {best['load_gbs']:.2f} GB/s = {best['ratio']:.2f}x the raw read of the same files")
+    if converted:
+        print(f"\nconverted ({converted['files']} files):\n\n{load_table(converted['rows'])}")
+        print(f"\nbest: load {converted['best']['load_gbs']:.2f} GB/s = {converted['best_ratio']:.2f}x the raw read "
+              "of the same files")
     if profile:
         print("\n" + profile)
     return {"command": "load", "device": dev, "model": name, "dtype": args.dtype, "quant": args.quant,
-            "cache": args.cache, "files": len(files), "rows": rows, "best_ratio": best["ratio"], "profile": profile}
+            "cache": args.cache, "files": len(files), "rows": rows, "best_ratio": best["ratio"],
+            "converted": converted, "profile": profile}
+
+
+def _converted_rows(folder: Path, args: argparse.Namespace, load_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Convert `folder` next to itself (reusing a finished conversion), then measure its loads."""
+    out = folder.with_name(folder.name + "-converted")
+    if not (out / "dsr1.json").exists():
+        _log(f"converting to {out} ...")
+        convert(folder, out, quant=args.quant, dtype=args.dtype, progress=False)
+    files = checkpoint_files(out)
+    _log(f"converted: {len(files)} files, {sum(f.stat().st_size for f in files) / 1e9:.3f} GB")
+    rows = bench_load(out, args.repeats, args.cache, log=_log, **load_kwargs)
+    best = max(rows, key=lambda r: r["ratio"])
+    return {"folder": str(out), "files": len(files), "rows": rows, "best": best, "best_ratio": best["ratio"]}
