@@ -38,6 +38,7 @@ from ..options import add_model_options, checkpoint_from_options, config_from_op
 from ..weights.convert import convert
 from ..weights.release import expected_tensors, fp8_scale_shape, quantize_fp8
 from ..weights.safetensors_io import write_safetensors
+from ..weights.store import is_converted
 from ..weights.throughput import Throughput
 from .bandwidth import device_description, with_final_load
 from .compare_hf import _release_value
@@ -239,37 +240,42 @@ def run_load(args: argparse.Namespace) -> dict[str, Any]:
             if not (folder / "config.json").exists():
                 _log(f"writing a random {name} checkpoint (release layout, FP8 blocks) to {folder} ...")
                 write_fp8_checkpoint(folder, cfg, seed=args.seed)
-        files = checkpoint_files(folder)
-        _log(f"{len(files)} files, {sum(f.stat().st_size for f in files) / 1e9:.3f} GB; {args.cache} page cache")
-        rows = bench_load(folder, args.repeats, args.cache, log=_log, **load_kwargs)
-        converted = _converted_rows(folder, args, load_kwargs) if args.converted else None
+        measured = _measure(folder, args, load_kwargs)
+        converted = _measure(_converted(folder, args), args, load_kwargs) if args.converted else None
         profile = profile_load(folder, args.profile, **load_kwargs) if args.profile else None
     dev = with_final_load(dev)
-    best = max(rows, key=lambda r: r["ratio"])
     print(device_line(dev))
-    print(f"checkpoint: {name}, {len(files)} files; load as {args.dtype}{' int8' if args.quant else ''}; "
+    print(f"checkpoint: {name}, {measured['files']} files; load as {args.dtype}{' int8' if args.quant else ''}; "
           f"{args.cache} page cache (see docs/performance.md)\n")
-    print(load_table(rows))
-    print(f"\nbest: load {best['load_gbs']:.2f} GB/s = {best['ratio']:.2f}x the raw read of the same files")
+    _print_measured(measured)
     if converted:
-        print(f"\nconverted ({converted['files']} files):\n\n{load_table(converted['rows'])}")
-        print(f"\nbest: load {converted['best']['load_gbs']:.2f} GB/s = {converted['best_ratio']:.2f}x the raw read "
-              "of the same files")
+        print(f"\nconverted ({converted['files']} files):\n")
+        _print_measured(converted)
     if profile:
         print("\n" + profile)
     return {"command": "load", "device": dev, "model": name, "dtype": args.dtype, "quant": args.quant,
-            "cache": args.cache, "files": len(files), "rows": rows, "best_ratio": best["ratio"],
-            "converted": converted, "profile": profile}
+            "cache": args.cache, **measured, "converted": converted, "profile": profile}
 
 
-def _converted_rows(folder: Path, args: argparse.Namespace, load_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Convert `folder` next to itself (reusing a finished conversion), then measure its loads."""
+def _measure(folder: Path, args: argparse.Namespace, load_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The read-then-load rounds of one folder: its files, the rows and the best ratio."""
+    files = checkpoint_files(folder)
+    _log(f"{folder}: {len(files)} files, {sum(f.stat().st_size for f in files) / 1e9:.3f} GB; {args.cache} page cache")
+    rows = bench_load(folder, args.repeats, args.cache, log=_log, **load_kwargs)
+    return {"folder": str(folder), "files": len(files), "rows": rows,
+            "best_ratio": max(r["ratio"] for r in rows)}
+
+
+def _print_measured(measured: dict[str, Any]) -> None:
+    best = max(measured["rows"], key=lambda r: r["ratio"])
+    print(load_table(measured["rows"]))
+    print(f"\nbest: load {best['load_gbs']:.2f} GB/s = {best['ratio']:.2f}x the raw read of the same files")
+
+
+def _converted(folder: Path, args: argparse.Namespace) -> Path:
+    """`folder` converted next to itself (`dsr1.convert`, same dtype and quant), reusing a finished conversion."""
     out = folder.with_name(folder.name + "-converted")
-    if not (out / "dsr1.json").exists():
+    if not is_converted(out):
         _log(f"converting to {out} ...")
         convert(folder, out, quant=args.quant, dtype=args.dtype, progress=False)
-    files = checkpoint_files(out)
-    _log(f"converted: {len(files)} files, {sum(f.stat().st_size for f in files) / 1e9:.3f} GB")
-    rows = bench_load(out, args.repeats, args.cache, log=_log, **load_kwargs)
-    best = max(rows, key=lambda r: r["ratio"])
-    return {"folder": str(out), "files": len(files), "rows": rows, "best": best, "best_ratio": best["ratio"]}
+    return out
