@@ -1,5 +1,5 @@
 """Command line: `generate` streams a completion, `chat` is a multi-turn REPL, `serve` runs an
-OpenAI-compatible HTTP server, `convert` writes dsr1's orbax format (or `--check`s a release checkpoint).
+OpenAI-compatible HTTP server, `convert` writes dsr1's checkpoint format (or `--check`s a release checkpoint).
 
     python -m dsr1 generate --prompt "Why is the sky blue?" --chat --temperature 0.6
     python -m dsr1 generate --model /ckpt/DeepSeek-R1 --quant int8 --prompt "..."
@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
                            description="Serve the model over HTTP with OpenAI's API, on the serving engine.")
     add_model_options(serve, default_preset=None)
     add_serve_arguments(serve)
-    conv = sub.add_parser("convert", help="convert a HF release checkpoint to dsr1's orbax format, or --check one",
+    conv = sub.add_parser("convert", help="convert a HF release checkpoint to dsr1's format, or --check one",
                           description=convert.__doc__.split("\n\n")[0])
     convert.add_arguments(conv)
     return ap

@@ -1,4 +1,4 @@
-"""FP8 release checkpoints, `python -m dsr1 convert` (orbax, resumable, atomic) and `--check`."""
+"""FP8 release checkpoints, `python -m dsr1 convert` (safetensors per unit, resumable, atomic) and `--check`."""
 
 from __future__ import annotations
 
@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 
 import dsr1
+from dsr1.core.quant import Bf16Bits
 from dsr1.weights import convert as dsr1_convert
 from dsr1.weights import store
 from dsr1.weights.release import CheckpointIndex
-from dsr1.weights.throughput import folder_bytes
+from dsr1.weights.safetensors_io import read_header, read_tensor, write_safetensors
+from dsr1.weights.throughput import path_bytes
 
 from .harness import DECODE_PREFIX, TOLERANCE, decode_logits, prompt_batch, relative_error, subprocess_env
 from .reference import hf_config, reference_logits, release_tensors, write_checkpoint
@@ -119,7 +121,7 @@ def test_converted_equals_direct_load(fp8, tmp_path, quant, dtype):
     folder, _, tokens, lengths, _ = fp8
     out = dsr1_convert.convert(folder, tmp_path / "out", quant=quant, dtype=dtype, progress=False)
     manifest = store.read_manifest(out)
-    assert manifest["quant"] == quant and manifest["mtp"] and (out / "mtp" / "0002").is_dir()
+    assert manifest["quant"] == quant and manifest["mtp"] and (out / "mtp" / "0002.safetensors").is_file()
     direct = dsr1.load(folder, dtype=dtype, quant=quant, mtp=True, progress=False)
     restored = dsr1.load(out, dtype=dtype, mtp=True, progress=False)
     assert restored.quant == quant
@@ -151,11 +153,11 @@ def _failing_save(monkeypatch, after: int, error: BaseException) -> list[Path]:
     saved: list[Path] = []
     original = store.save_unit
 
-    def save(folder, tree, checkpointer=None):
+    def save(file, tree):
         if len(saved) == after:
             raise error
-        original(folder, tree, checkpointer)
-        saved.append(folder)
+        original(file, tree)
+        saved.append(file)
 
     monkeypatch.setattr(store, "save_unit", save)
     return saved
@@ -167,13 +169,13 @@ def test_interrupted_run_resumes_after_last_finished_layer(fp8, tmp_path, monkey
     saved = _failing_save(monkeypatch, after=2, error=Interrupt())
     with pytest.raises(Interrupt):
         dsr1_convert.convert(folder, out, progress=False)
-    assert [p.name for p in saved] == ["globals", "0000"] and not out.exists()
+    assert [p.stem for p in saved] == ["globals", "0000"] and not out.exists()
     with pytest.raises((dsr1.CheckpointError, dsr1.ConfigError)):  # the partial folder is not a checkpoint
         dsr1.load(out.with_name("out.partial"), progress=False)
     monkeypatch.undo()
     saved = _failing_save(monkeypatch, after=-1, error=Interrupt())
     dsr1_convert.convert(folder, out, progress=True)
-    assert [p.name for p in saved] == ["0001", "0002"], "finished units must not be converted again"
+    assert [p.stem for p in saved] == ["0001", "0002"], "finished units must not be converted again"
     assert "converting release" in capsys.readouterr().err  # the progress bar
     assert not out.with_name("out.partial").exists()
     fresh = dsr1_convert.convert(folder, tmp_path / "fresh", progress=False)
@@ -192,6 +194,53 @@ def test_full_disk_leaves_previous_output_untouched(fp8, tmp_path, monkeypatch, 
     assert "No space left on device" in capsys.readouterr().err
     assert store.read_manifest(out)["quant"] is None
     np.testing.assert_array_equal(np.asarray(dsr1.load(out, progress=False).forward(tokens, lengths)), before)
+
+
+def _as_numpy(w) -> np.ndarray:
+    return np.asarray(w.bits).view(ml_dtypes.bfloat16) if isinstance(w, Bf16Bits) else np.asarray(w)
+
+
+def test_a_bfloat16_conversion_loads_as_float32(fp8, tmp_path):
+    folder, *_ = fp8
+    out = dsr1_convert.convert(folder, tmp_path / "out", progress=False)
+    as_bf16 = dsr1.load(out, progress=False).params
+    as_f32 = dsr1.load(out, dtype="float32", progress=False).params
+    gate = as_f32["moe_layers"]["moe"]["gate"]
+    assert gate.dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(gate), _as_numpy(as_bf16["moe_layers"]["moe"]["gate"]).astype(np.float32))
+
+
+def test_loading_names_the_unit_and_tensor_that_do_not_match(fp8, tmp_path):
+    folder, *_ = fp8
+    out = dsr1_convert.convert(folder, tmp_path / "out", progress=False)
+    dense, moe = out / store.unit_file("dense_layers", 0), out / store.unit_file("moe_layers", 1)
+    header, original = read_header(dense), dense.read_bytes()
+    n = header["attn_norm"].shape[0]
+    write_safetensors(dense, {k: ((n + 1,) if k == "attn_norm" else v.shape, read_tensor(v).dtype)
+                              for k, v in header.items()},
+                      lambda k: np.ones(n + 1, ml_dtypes.bfloat16) if k == "attn_norm" else read_tensor(header[k]))
+    with pytest.raises(dsr1.CheckpointError, match=rf"layers/0000\.safetensors: tensor 'attn_norm' is BF16\[{n + 1}\], "
+                                                   rf"the model needs bfloat16\[{n}\]"):
+        dsr1.load(out, progress=False)
+    dense.write_bytes(moe.read_bytes())  # a MoE layer where the dense layer belongs
+    with pytest.raises(dsr1.CheckpointError, match=r"layers/0000\.safetensors: tensor 'mlp\.\w+' is missing"):
+        dsr1.load(out, progress=False)
+    dense.write_bytes(original)
+    moe.unlink()
+    with pytest.raises(dsr1.CheckpointError, match=r"layers/0001\.safetensors: missing unit of a converted checkpoint "
+                                                   r"\(1 of 4 missing\)"):
+        dsr1.load(out, progress=False)
+
+
+def test_a_checkpoint_of_an_older_format_asks_for_a_new_conversion(fp8, tmp_path):
+    folder, *_ = fp8
+    out = dsr1_convert.convert(folder, tmp_path / "out", progress=False)
+    store.write_json(out / store.MANIFEST, {**store.read_manifest(out), "format": "dsr1-orbax"})
+    with pytest.raises(dsr1.CheckpointError, match=r"dsr1\.json: not a dsr1-safetensors v1 manifest \(found "
+                                                   r"'dsr1-orbax' v1\); convert the release checkpoint again"):
+        dsr1.load(out, progress=False)
+    assert dsr1_convert.main(["--hf", str(folder), "--out", str(out)]) == 0  # replaced by a fresh conversion
+    assert store.read_manifest(out)["format"] == store.FORMAT
 
 
 def test_refuses_to_replace_a_foreign_folder(fp8, tmp_path):
@@ -292,7 +341,7 @@ def test_conversion_and_its_load_report_bytes_and_gbps(fp8, tmp_path, caplog):
     index = CheckpointIndex.open(folder)
     assert stats.read.bytes == sum(info.end - info.begin for info in index.tensors.values())
     units = [out / u for u in store.read_manifest(out)["units"]]
-    assert stats.written.bytes == folder_bytes(units) > 0
+    assert stats.written.bytes == path_bytes(units) > 0
     assert stats.read.gbps > 0 and stats.written.gbps > 0 and stats.read.seconds == stats.written.seconds
     with caplog.at_level(logging.INFO, logger="dsr1.weights"):
         dsr1.load(out, mtp=True, progress=False)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dsr1 import CheckpointError
-from dsr1.weights.safetensors_io import read_header, read_tensor, write_safetensors
+from dsr1.weights.safetensors_io import map_file, read_header, read_into, read_tensor, write_safetensors
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -64,3 +64,31 @@ def test_a_wrong_shape_leaves_no_file(tmp_path):
 def test_an_unknown_dtype_is_named(tmp_path):
     with pytest.raises(CheckpointError, match="complex64 has no safetensors equivalent"):
         write_safetensors(tmp_path / "x.safetensors", {"w": ((1,), np.dtype(np.complex64))}, lambda n: None)
+
+
+@pytest.mark.parametrize("region", [
+    (slice(None), slice(None), slice(None)),  # whole: one read from the file
+    (slice(1, 3), slice(None), slice(None)),  # leading rows: one run
+    (slice(2, 3), slice(1, 3), slice(None)),  # one index, then rows: one run
+    (slice(None), slice(None), slice(2, 5)),  # a column range: strided, from the memory map
+    (slice(0, 2), slice(1, 2), slice(None)),  # rows of a middle axis of two blocks: strided
+    (slice(1, 1), slice(None), slice(None)),  # empty
+])
+def test_read_into_writes_any_region(tmp_path, region):
+    w = np.random.default_rng(1).standard_normal((4, 3, 6)).astype(BF16)
+    file = write_safetensors(tmp_path / "r.safetensors", {"w": (w.shape, w.dtype)}, lambda name: w)
+    info = read_header(file)["w"]
+    for dtype in (BF16, np.float32):  # the stored dtype (read straight in), or cast on the way
+        out = np.full(w[region].shape, 7, dtype)
+        read_into(info, region, out, map_file(file))
+        np.testing.assert_array_equal(out, w[region].astype(dtype))
+
+
+def test_read_into_names_a_truncated_file(tmp_path):
+    w = np.arange(64, dtype=np.float32)
+    file = write_safetensors(tmp_path / "t.safetensors", {"w": (w.shape, w.dtype)}, lambda name: w)
+    info = read_header(file)["w"]
+    with open(file, "r+b") as f:  # cut after the header was read
+        f.truncate(info.end - 16)
+    with pytest.raises(CheckpointError, match=r"t\.safetensors: truncated while reading tensor 'w'"):
+        read_into(info, (slice(None),), np.empty(64, np.float32))

@@ -93,7 +93,7 @@ def write_fp8_checkpoint(folder: Path, cfg: Config, seed: int = 0) -> Path:
 
 
 def checkpoint_files(folder: Path) -> list[Path]:
-    """Every file a load of `folder` may read (shards, or a converted folder's orbax files)."""
+    """Every file a load of `folder` may read (shards, or a converted folder's unit files)."""
     return sorted(p for p in Path(folder).rglob("*") if p.is_file())
 
 
@@ -213,7 +213,7 @@ def add_load_options(p: argparse.ArgumentParser) -> None:
                         "cached (default: cold)")
     p.add_argument("--repeats", type=int, default=3, help="read-then-load rounds (default: 3)")
     p.add_argument("--converted", action="store_true",
-                   help="also convert the checkpoint (`dsr1.convert`, dsr1's orbax layout, same --dtype and --quant; "
+                   help="also convert the checkpoint (`dsr1.convert`, dsr1's layout, same --dtype and --quant; "
                         "next to --keep's folder, reused when there) and measure its loads the same way")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also profile one more load and print its N most expensive functions (default: 0, off)")

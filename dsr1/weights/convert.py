@@ -1,4 +1,4 @@
-"""`python -m dsr1 convert`: a HF release checkpoint to dsr1's orbax format, or `--check` one.
+"""`python -m dsr1 convert`: a HF release checkpoint to dsr1's format, or `--check` one.
 
     python -m dsr1 convert --hf DeepSeek-R1/ --out r1-int8/ --quant int8
     python -m dsr1 convert --hf DeepSeek-R1/ --out r1-bf16/                # no quantization, bfloat16
@@ -27,7 +27,6 @@ from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
 from ..core.config import Config
@@ -36,7 +35,7 @@ from ..core.quant import Int8Weight, check_quant, quantize
 from . import store
 from .release import CheckpointIndex, check_tensors, read_region, tensor_bytes, unit_sources, unit_tensors, validate
 from .safetensors_io import CheckpointError
-from .throughput import Throughput, folder_bytes, rate
+from .throughput import Throughput, path_bytes, rate
 
 SETTINGS = "convert.json"  # in OUT.partial: the arguments a resumed run must share
 log = logging.getLogger("dsr1.weights")
@@ -49,7 +48,7 @@ class ConversionError(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class ConversionStats:
     """What one run of the converter moved: `read` (the release tensors' bytes, FP8 scales included)
-    and `written` (the files of the orbax units), both over the run's wall seconds. Units finished by
+    and `written` (the unit files), both over the run's wall seconds. Units finished by
     an earlier, interrupted run are neither read nor written again, so they do not count."""
 
     read: Throughput
@@ -130,9 +129,9 @@ def _replace(out: Path, partial: Path) -> None:
 
 def convert(hf: str | Path, out: str | Path, *, quant: str | None = None, dtype: str = "bfloat16",
             mtp: bool = True, progress: bool = True) -> Path:
-    """Convert the HF checkpoint folder `hf` to `out` (orbax, our layout). `quant="int8"` stores the
-    matmul weights as int8 with per-output-channel scales; every other weight (all of them with
-    `quant=None`) is stored in `dtype`.
+    """Convert the HF checkpoint folder `hf` to `out` (a safetensors file per unit in our layout, see
+    `store`). `quant="int8"` stores the matmul weights as int8 with per-output-channel scales; every
+    other weight (all of them with `quant=None`) is stored in `dtype`.
 
     Throughput: the progress bar shows the bytes read and GB/s read and written as it goes; at the
     end the logger `dsr1.weights` logs (INFO) a `ConversionStats` as the record's `conversion`
@@ -159,31 +158,30 @@ def convert_with_stats(hf: str | Path, out: str | Path, *, quant: str | None = N
     units = loading_units(cfg, param_specs(cfg, mtp=mtp))
     sizes = [tensor_bytes(index, unit_tensors(index, cfg, *u)) for u in units]
     read = written = 0
-    with (tqdm(total=sum(sizes), unit="B", unit_scale=True, desc=f"converting {hf.name}", disable=not progress) as bar,
-          ocp.StandardCheckpointer() as checkpointer):
+    with tqdm(total=sum(sizes), unit="B", unit_scale=True, desc=f"converting {hf.name}", disable=not progress) as bar:
         for i, ((unit, layer), size) in enumerate(zip(units, sizes)):
-            dest = partial / store.unit_dir(unit, layer)
+            dest = partial / store.unit_file(unit, layer)
             seconds = time.perf_counter() - start
-            bar.set_postfix_str(f"unit {i + 1}/{len(units)} {store.unit_dir(unit, layer)}, read {rate(read, seconds)}, "
-                                f"write {rate(written, seconds)}")
+            bar.set_postfix_str(f"unit {i + 1}/{len(units)} {store.unit_file(unit, layer)}, "
+                                f"read {rate(read, seconds)}, write {rate(written, seconds)}")
             if not dest.exists():  # finished by an earlier, interrupted run
                 if i + 1 < len(units):  # the disk reads the next unit while this one is converted
                     index.prefetch(unit_tensors(index, cfg, *units[i + 1]))
                 tree = _unit_tree(index, cfg, unit, layer, quant, dtype)
                 try:
-                    store.save_unit(dest, tree, checkpointer)
+                    store.save_unit(dest, tree)
                 except OSError as e:
                     tensors = unit_tensors(index, cfg, unit, layer)
                     raise ConversionError(f"writing {dest} ({len(tensors)} tensors, e.g. {tensors[0]!r}) failed: {e}; "
                                           f"run again with the same arguments to resume") from e
                 del tree
                 _release_memory()
-                read, written = read + size, written + folder_bytes([dest])
+                read, written = read + size, written + path_bytes([dest])
             bar.update(size)
     try:
         shutil.copyfile(hf / "config.json", partial / "config.json")
         manifest = {"format": store.FORMAT, "version": store.VERSION, "quant": quant, "dtype": dtype, "mtp": mtp,
-                    "units": [store.unit_dir(*u) for u in units]}
+                    "units": [store.unit_file(*u) for u in units]}
         store.write_json(partial / store.MANIFEST, manifest)
         (partial / SETTINGS).unlink()
         _replace(out, partial)

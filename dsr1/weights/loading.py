@@ -1,14 +1,18 @@
 """Loading weights into their shardings, from a HF release-layout folder or a converted one.
 
-Both formats are read one unit at a time (the global weights, then one layer): each unit arrives
-already sharded, is quantized on device if int8 was asked for, and is written into the stacked
-weights in place. Host memory follows the largest device shard of one layer, never the model.
+Both formats are read one unit at a time (the global weights, then one layer). Each weight is
+built on the host region by region, one buffer per distinct device region, and handed to its
+devices: where the devices are the CPU, without a copy (the buffer becomes the device buffer).
+There, a whole layer stack is filled layer by layer straight into place; on accelerators, or where
+int8 is made on load, each layer arrives on its devices, is quantized there if asked, and is
+written into the stacked weights in place, so host memory follows one weight of one layer.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +32,6 @@ from ..core.params import (
     param_specs,
     per_layer,
     quantize_like,
-    resolved_dtype,
     stack_layers,
     stack_names,
     unit_specs,
@@ -36,64 +39,116 @@ from ..core.params import (
 from ..core.quant import check_quant
 from ..core.sharding import ShardingRules
 from . import store
-from .release import CheckpointIndex, read_region, tensor_bytes, unit_sources, unit_tensors, validate
-from .throughput import Throughput, folder_bytes
+from .release import CheckpointIndex, read_region_into, tensor_bytes, unit_sources, unit_tensors, validate
+from .safetensors_io import prefetch, read_header
+from .throughput import Throughput, path_bytes
+
+Fill = Callable[[tuple[slice, ...], np.ndarray], None]  # writes a region of one weight into a host array
+HostRegions = dict[tuple, tuple[tuple[slice, ...], np.ndarray]]  # a weight's distinct device regions and their buffers
+ALIGNMENT = 64  # XLA:CPU takes a host buffer aligned so as a device buffer without copying it
 
 
 @dataclasses.dataclass(frozen=True)
 class UnitReader:
     """How one checkpoint format is read, one loading unit ("globals", or a stack and a layer) at a time."""
 
-    read: Callable[[str, int | None], Any]  # the unit's pytree of sharded arrays
+    fills: Callable[[str, int | None, Any], list[Fill]]  # one per leaf of the unit's ShapeDtypeStructs, in leaf order
     nbytes: Callable[[str, int | None], int]  # bytes reading it moves from disk
     prefetch: Callable[[str, int | None], None] = lambda unit, layer: None  # start reading it in the background
 
 
-def _hf_reader(folder: Path, cfg: Config, mesh: Mesh, rules: ShardingRules, dtype: Any, quant: str | None,
-               mtp: bool) -> UnitReader:
+def _hf_reader(folder: Path, cfg: Config, mtp: bool) -> UnitReader:
     index = CheckpointIndex.open(folder)
     validate(index, cfg, mtp=mtp)
-    specs = param_specs(cfg, mtp=mtp)
-    layer_dtype = jnp.float32 if quant else dtype  # quantize from full precision
 
-    def read(unit: str, layer: int | None) -> Any:
-        declared = unit_specs(specs, unit)
-        read_dtype = dtype if unit == "globals" else layer_dtype
-        arrays = [_from_callback(index, src, spec, mesh, rules, 0 if layer is None else layer,
-                                 resolved_dtype(spec, read_dtype))
-                  for spec, src in unit_sources(cfg, unit, mtp=mtp)]
-        return jax.tree.unflatten(jax.tree.structure(declared, is_leaf=is_spec), arrays)
+    def fills(unit: str, layer: int | None, abstract: Any) -> list[Fill]:
+        return [functools.partial(read_region_into, index, src, spec.shape, 0 if layer is None else layer)
+                for spec, src in unit_sources(cfg, unit, mtp=mtp)]
 
     def tensors(unit: str, layer: int | None) -> list[str]:
         return unit_tensors(index, cfg, unit, layer)
 
-    return UnitReader(read, lambda unit, layer: tensor_bytes(index, tensors(unit, layer)),
+    return UnitReader(fills, lambda unit, layer: tensor_bytes(index, tensors(unit, layer)),
                       lambda unit, layer: index.prefetch(tensors(unit, layer)))
 
 
-def _from_callback(index: CheckpointIndex, src, spec, mesh: Mesh, rules: ShardingRules, layer: int,
-                   dtype: Any) -> jax.Array:
-    sharding = abstract_params(spec, mesh, rules, dtype).sharding
-    regions: dict[tuple, np.ndarray] = {}  # devices holding the same region share one read
+def _converted_reader(folder: Path, manifest: dict[str, Any]) -> UnitReader:
+    missing = [unit for unit in manifest["units"] if not (folder / unit).is_file()]
+    if missing:  # found before anything is read
+        raise store.CheckpointError(f"{folder / missing[0]}: missing unit of a converted checkpoint "
+                                    f"({len(missing)} of {len(manifest['units'])} missing)")
 
-    def read(region: tuple[slice, ...]) -> np.ndarray:
-        key = tuple((s.start, s.stop, s.step) for s in region)
+    def file(unit: str, layer: int | None) -> Path:
+        return folder / store.unit_file(unit, layer)
+
+    def fills(unit: str, layer: int | None, abstract: Any) -> list[Fill]:
+        return store.open_unit(file(unit, layer), abstract)
+
+    return UnitReader(fills, lambda unit, layer: path_bytes([file(unit, layer)]),
+                      lambda unit, layer: prefetch(list(read_header(file(unit, layer)).values())))
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    size = math.prod(shape) * dtype.itemsize
+    raw = np.empty(size + ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start:start + size].view(dtype).reshape(shape)
+
+
+def _region_key(region: tuple[slice, ...], shape: tuple[int, ...]) -> tuple:
+    return tuple(s.indices(n) for s, n in zip(region, shape))
+
+
+def _host_regions(abstract: jax.ShapeDtypeStruct) -> HostRegions:
+    """An empty host buffer for each distinct region this process's devices hold of `abstract`."""
+    regions = {}
+    for region in abstract.sharding.addressable_devices_indices_map(abstract.shape).values():
+        key = _region_key(region, abstract.shape)
         if key not in regions:
-            regions[key] = read_region(index, src, spec.shape, layer, region, dtype)
-        return regions[key]
+            shape = tuple(len(range(*k)) for k in key)
+            regions[key] = (region, _aligned_empty(shape, abstract.dtype))
+    return regions
 
-    return jax.make_array_from_callback(spec.shape, sharding, read)
+
+def _to_devices(abstract: jax.ShapeDtypeStruct, regions: HostRegions) -> jax.Array:
+    """The filled host buffers as one sharded array. The first device given a buffer may take it over
+    (on CPU it does, without a copy); any other device holding the same region gets its own copy."""
+    shards, taken = [], set()
+    for device, region in abstract.sharding.addressable_devices_indices_map(abstract.shape).items():
+        key = _region_key(region, abstract.shape)
+        shards.append(jax.device_put(regions[key][1], device, may_alias=key not in taken))
+        taken.add(key)
+    return jax.make_array_from_single_device_arrays(abstract.shape, abstract.sharding, shards)
 
 
-def _converted_reader(folder: Path, cfg: Config, mesh: Mesh, rules: ShardingRules, dtype: Any,
-                      stored_quant: str | None, mtp: bool) -> UnitReader:
-    specs = param_specs(cfg, stored_quant, mtp=mtp)
+def _read_unit(fills: list[Fill], abstract: Any) -> Any:
+    """One unit's weights on their devices (`abstract`: its ShapeDtypeStructs), one weight at a time."""
+    def one(fill: Fill, a: jax.ShapeDtypeStruct) -> jax.Array:
+        regions = _host_regions(a)
+        for region, out in regions.values():
+            fill(region, out)
+        return _to_devices(a, regions)
 
-    def read(unit: str, layer: int | None) -> Any:
-        abstract = abstract_params(unit_specs(specs, unit), mesh, rules, dtype)
-        return store.restore_unit(folder / store.unit_dir(unit, layer), abstract)
+    leaves = [one(fill, a) for fill, a in zip(fills, jax.tree.leaves(abstract))]
+    return jax.tree.unflatten(jax.tree.structure(abstract), leaves)
 
-    return UnitReader(read, lambda unit, layer: folder_bytes([folder / store.unit_dir(unit, layer)]))
+
+def _read_stack_in_place(fills: Callable[[str, int | None], list[Fill]], cfg: Config, unit: str, abstract: Any,
+                         advance: Callable[[str, int], None]) -> Any:
+    """A whole layer stack filled on the host layer by layer, each layer's region of every weight read
+    straight into its slot, then handed to the devices (CPU devices: no copy, no program compiled)."""
+    leaves = jax.tree.leaves(abstract)
+    buffers = [_host_regions(a) for a in leaves]
+    layers = stack_layers(cfg, unit)
+    for i, layer in enumerate(layers):
+        for fill, regions in zip(fills(unit, layer), buffers):
+            for region, out in regions.values():
+                held = range(len(layers))[region[0]]  # the stack's positions this buffer holds
+                if i in held:
+                    fill(region[1:], out[held.index(i)])
+        advance(unit, layer)
+    return jax.tree.unflatten(jax.tree.structure(abstract), [_to_devices(a, r) for a, r in zip(leaves, buffers)])
 
 
 def _set_layer(layer_target: Any, stacked: list[jax.Array], layer: Any, i: jax.Array) -> list[jax.Array]:
@@ -124,30 +179,39 @@ def load_params(folder: str | Path, cfg: Config, mesh: Mesh, rules: ShardingRule
                 quant: str | None = None, mtp: bool = False, progress: bool = True) -> tuple[Params, Throughput]:
     """Weights of `dtype` (int8 matmul weights with `quant="int8"`) in their shardings on `mesh`, and
     how fast they came: the bytes read from `folder` (the tensors' bytes in the shards of a release
-    folder, FP8 scales included; the unit folders' files of a converted one) over the wall seconds
-    until every weight is on its devices. The progress bar shows the same rate as it goes."""
+    folder, FP8 scales included; the unit files of a converted one) over the wall seconds until
+    every weight is on its devices. The progress bar shows the same rate as it goes."""
     start = time.perf_counter()
     folder = Path(folder)
+    stored_quant = None
     if store.is_converted(folder):
         manifest = store.read_manifest(folder)
         stored_quant = manifest["quant"]
         if mtp and not manifest["mtp"]:
             raise store.CheckpointError(f"{folder}: converted without the MTP module; cannot load mtp=True")
-        reader = _converted_reader(folder, cfg, mesh, rules, dtype, stored_quant, mtp)
+        reader = _converted_reader(folder, manifest)
     else:
-        stored_quant = None
-        reader = _hf_reader(folder, cfg, mesh, rules, dtype, check_quant(quant), mtp)
+        reader = _hf_reader(folder, cfg, mtp)
     quant = check_quant(quant) or stored_quant
-    target = param_specs(cfg, quant, mtp=mtp)
+    quantize = quant != stored_quant
+    stored, target = param_specs(cfg, stored_quant, mtp=mtp), param_specs(cfg, quant, mtp=mtp)
+    in_place = not quantize and all(d.platform == "cpu" for d in mesh.devices.flat)
     stacks = stack_names(target)
     units = [("globals", None)] + [(k, i) for k in stacks for i in stack_layers(cfg, k)]
     sizes = {u: reader.nbytes(*u) for u in units}
     following = dict(zip(units, units[1:]))
 
-    def read(unit: str, layer: int | None) -> Any:
+    def unit_abstract(unit: str) -> Any:  # a layer to quantize on load is read in full precision
+        read_dtype = jnp.float32 if quantize and unit != "globals" else dtype
+        return abstract_params(unit_specs(stored, unit), mesh, rules, read_dtype)
+
+    def fills(unit: str, layer: int | None) -> list[Fill]:
         if (unit, layer) in following:  # the disk reads the next unit while this one is converted
             reader.prefetch(*following[unit, layer])
-        return reader.read(unit, layer)
+        return reader.fills(unit, layer, unit_abstract(unit))
+
+    def read(unit: str, layer: int | None) -> Any:
+        return _read_unit(fills(unit, layer), unit_abstract(unit))
 
     with tqdm(total=sum(sizes.values()), desc=f"loading {folder.name}", unit="B", unit_scale=True,
               disable=not progress) as bar:
@@ -158,7 +222,10 @@ def load_params(folder: str | Path, cfg: Config, mesh: Mesh, rules: ShardingRule
         params: dict[str, Any] = dict(read("globals", None))
         advance("globals", None)
         for unit in stacks:
-            params[unit] = _assemble_stack(read, cfg, unit, target[unit], mesh, rules, dtype, quant != stored_quant,
-                                           advance)
+            if in_place:
+                abstract = abstract_params(stored[unit], mesh, rules, dtype)
+                params[unit] = _read_stack_in_place(fills, cfg, unit, abstract, advance)
+            else:
+                params[unit] = _assemble_stack(read, cfg, unit, target[unit], mesh, rules, dtype, quantize, advance)
         jax.block_until_ready(params)  # the seconds count until the weights are in place
     return params, Throughput(sum(sizes.values()), time.perf_counter() - start)

@@ -15,9 +15,7 @@ import dataclasses
 import gzip
 import json
 import math
-import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +32,6 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # Every e4m3 byte's value: a table lookup is ~3x faster than ml_dtypes' element-wise cast.
 FP8_VALUES = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
 FP8_VALUES.flags.writeable = False
-READ_THREADS = min(8, os.cpu_count() or 1)  # experts are dequantized in parallel (numpy releases the GIL)
 INDEX_FILE = "model.safetensors.index.json"
 OPEN_MAPS = 2  # shards kept mapped: the loader and converter go layer by layer, a layer in a shard or two
 FLOAT_DTYPES = ("F32", "F16", "BF16")
@@ -380,21 +377,22 @@ def validate(index: CheckpointIndex, cfg: Config, *, mtp: bool = False, strict: 
 
 def read_region(index: CheckpointIndex, src: Source, shape: tuple[int, ...], layer: int,
                 region: tuple[slice, ...], dtype: Any) -> np.ndarray:
-    """The part `region` of one layer's weight in our layout, reading only the experts it covers.
-    Experts are read in parallel threads, each straight into its slot of the result."""
-    if not src.per_expert:
-        out = np.empty(_region_shape(shape, region), dtype)
-        _read_into(out, index, src, src.name.format(layer=layer), shape, region)
-        return out
-    experts = range(shape[0])[region[0]]
-    out = np.empty((len(experts), *_region_shape(shape[1:], region[1:])), dtype)
-
-    def fill(i: int) -> None:
-        _read_into(out[i], index, src, src.name.format(layer=layer, expert=experts[i]), shape[1:], region[1:])
-
-    with ThreadPoolExecutor(READ_THREADS) as pool:
-        list(pool.map(fill, range(len(experts))))  # list(): a worker's error is raised here
+    """The part `region` of one layer's weight in our layout, reading only the experts it covers."""
+    out = np.empty(_region_shape(shape, region), dtype)
+    read_region_into(index, src, shape, layer, region, out)
     return out
+
+
+def read_region_into(index: CheckpointIndex, src: Source, shape: tuple[int, ...], layer: int,
+                     region: tuple[slice, ...], out: np.ndarray) -> None:
+    """Write the part `region` of one layer's weight, in our layout and `out`'s dtype, into `out`,
+    expert by expert, each straight into its slot. (Not in threads: `np.take`, which dequantizes,
+    holds the GIL, and 2 threads made a load 15% slower on 2 cores, docs/performance.md.)"""
+    if not src.per_expert:
+        _read_into(out, index, src, src.name.format(layer=layer), shape, region)
+        return
+    for i, expert in enumerate(range(shape[0])[region[0]]):
+        _read_into(out[i], index, src, src.name.format(layer=layer, expert=expert), shape[1:], region[1:])
 
 
 def _read_into(out: np.ndarray, index: CheckpointIndex, src: Source, name: str, shape: tuple[int, ...],

@@ -28,7 +28,7 @@ def rate(nbytes: int, seconds: float) -> str:
     return f"{nbytes / max(seconds, 1e-9) / 1e9:.2f} GB/s"
 
 
-def folder_bytes(folders: Iterable[Path]) -> int:
-    """Bytes of every file under `folders` (what reading or writing them moves)."""
-    return sum(os.path.getsize(Path(root) / f) for folder in folders for root, _, files in os.walk(folder)
-               for f in files)
+def path_bytes(paths: Iterable[Path]) -> int:
+    """Bytes of every file among or under `paths` (what reading or writing them moves)."""
+    return sum(os.path.getsize(p) if Path(p).is_file() else
+               sum(os.path.getsize(Path(root) / f) for root, _, files in os.walk(p) for f in files) for p in paths)
