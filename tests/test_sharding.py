@@ -92,7 +92,7 @@ def test_two_processes_two_devices_each(single_device, tmp_path):
 
 @pytest.mark.slow
 def test_converted_checkpoint_on_eight_devices_and_two_processes(single_device, tmp_path):
-    """Converted (orbax) then restored into other meshes equals the direct single-device load."""
+    """Converted, then loaded into other meshes, it equals the direct single-device load."""
     fx, inputs, *_ = single_device
     converted = convert(fx.folder, tmp_path / "converted", dtype="float32", progress=False)
     proc = _run(["--folder", str(converted), "--inputs", str(inputs), "--out", str(tmp_path / "8.npz")], devices=8)
