@@ -4,10 +4,10 @@ Before a notebook's first cell, `./mcjax_setup.sh --local N --numbering NUMBERIN
 controller and N-1 engines; after its last cell, and in any case when pytest ends, the cluster is
 stopped. NUMBERING is `$MCJAX_TEST_NUMBERING`: `kernel-last` (default; the nbval kernel is process
 N-1, with explicit ids) or `platform` (Slurm-style variables, the kernel is process 0 and JAX
-numbers the processes itself, as on TPU pods). tests/test_notebooks.py runs main.ipynb and
-cluster_check.ipynb again under the other numbering. A fresh cluster per notebook because a JAX
-process cannot join a second `jax.distributed` group: engines initialized with one kernel cannot
-serve the next; one compilation cache for all of them.
+numbers the processes itself, as on TPU pods). tests/test_notebooks.py runs cluster_check.ipynb
+again under the other numbering, and tests/test_browser.py main.ipynb (in JupyterLab). A fresh
+cluster per notebook because a JAX process cannot join a second `jax.distributed` group: engines
+initialized with one kernel cannot serve the next; one compilation cache for all of them.
 """
 
 from __future__ import annotations
