@@ -17,8 +17,10 @@ import pytest
 
 import dsr1
 from dsr1.core.quant import Bf16Bits
+from dsr1.core.sharding import DEFAULT_RULES
 from dsr1.weights import convert as dsr1_convert
 from dsr1.weights import store
+from dsr1.weights.loading import load_params
 from dsr1.weights.release import CheckpointIndex
 from dsr1.weights.safetensors_io import read_header, read_tensor, write_safetensors
 from dsr1.weights.throughput import path_bytes
@@ -208,6 +210,25 @@ def test_a_bfloat16_conversion_loads_as_float32(fp8, tmp_path):
     gate = as_f32["moe_layers"]["moe"]["gate"]
     assert gate.dtype == np.float32
     np.testing.assert_array_equal(np.asarray(gate), _as_numpy(as_bf16["moe_layers"]["moe"]["gate"]).astype(np.float32))
+
+
+@pytest.mark.parametrize("converted", [False, True], ids=["release", "converted"])
+def test_cpu_loads_compile_no_program_unless_quantizing(fp8, tmp_path, caplog, converted):
+    """On CPU devices a stack is filled in place on the host and handed over as the device buffer:
+    loading compiles nothing. Making int8 on load runs the device path (zeros, then one quantizing
+    update per layer), which compiles."""
+    folder, *_ = fp8
+    path = dsr1_convert.convert(folder, tmp_path / "out", progress=False) if converted else folder
+    cfg, mesh = dsr1.Config.from_hf(folder), dsr1.make_mesh()
+
+    def compilations(quant: str | None) -> list[str]:
+        caplog.clear()
+        with jax.log_compiles(True), caplog.at_level(logging.DEBUG, logger="jax"):
+            load_params(path, cfg, mesh, DEFAULT_RULES, "bfloat16", quant=quant, mtp=True, progress=False)
+        return [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling")]
+
+    assert compilations(None) == []
+    assert compilations("int8")
 
 
 def test_loading_names_the_unit_and_tensor_that_do_not_match(fp8, tmp_path):
