@@ -5,8 +5,9 @@ weights `[out, in]`, float8 e4m3 with a `weight_scale_inv` per 128x128 block (ed
 partial) for every matmul weight but the MTP projection and heads, and the MTP module stored as
 layer `num_hidden_layers`.
 
-`read_region` builds any region of one layer's weight in our layout, reading only the experts
-it covers from memory-mapped shards: the loader asks it for each device shard.
+`read_region_into` writes any region of one layer's weight in our layout into a host buffer,
+reading only the experts it covers from memory-mapped shards: the loader asks it for each device
+region (`read_region` returns a new array: the converter's form).
 """
 
 from __future__ import annotations
