@@ -38,7 +38,7 @@ from ..options import add_model_options, checkpoint_from_options, config_from_op
 from ..weights.convert import convert
 from ..weights.release import expected_tensors, fp8_scale_shape, quantize_fp8
 from ..weights.safetensors_io import write_safetensors
-from ..weights.store import is_converted
+from ..weights.store import CheckpointError, read_manifest
 from ..weights.throughput import Throughput
 from .bandwidth import device_description, with_final_load
 from .compare_hf import _release_value
@@ -275,7 +275,9 @@ def _print_measured(measured: dict[str, Any]) -> None:
 def _converted(folder: Path, args: argparse.Namespace) -> Path:
     """`folder` converted next to itself (`dsr1.convert`, same dtype and quant), reusing a finished conversion."""
     out = folder.with_name(folder.name + "-converted")
-    if not is_converted(out):
+    try:
+        read_manifest(out)  # finished, and of this version's format
+    except CheckpointError:  # absent, unfinished, or an older format: converted (again)
         _log(f"converting to {out} ...")
         convert(folder, out, quant=args.quant, dtype=args.dtype, progress=False)
     return out
