@@ -21,6 +21,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--expert", type=int)
     ap.add_argument("--tensor", type=int)
+    ap.add_argument("--assemble-on-devices", action="store_true",
+                    help="load as onto accelerators: stacks assembled on the devices, FP8 experts dequantized there")
     ap.add_argument("--process-id", type=int)
     ap.add_argument("--num-processes", type=int, default=1)
     ap.add_argument("--port", type=int)
@@ -32,6 +34,9 @@ def main() -> None:
     from dsr1.core.sharding import to_host
     from tests.harness import decode_logits
 
+    if args.assemble_on_devices:
+        from dsr1.weights import loading
+        loading._on_accelerators = lambda mesh: True
     inputs = np.load(args.inputs)
     mesh = dsr1.make_mesh(expert=args.expert, tensor=args.tensor)
     model = dsr1.load(args.folder, mesh=mesh, dtype="float32", progress=False)

@@ -231,6 +231,45 @@ def test_cpu_loads_compile_no_program_unless_quantizing(fp8, tmp_path, caplog, c
     assert compilations("int8")
 
 
+@pytest.mark.parametrize("dtype,quant", [("float32", None), ("bfloat16", None), ("bfloat16", "int8")])
+def test_fp8_experts_dequantized_on_the_devices_equal_the_host_path(fp8, monkeypatch, dtype, quant):
+    """On accelerators (here CPU devices taken for them) the release's FP8 routed experts go to the
+    devices as stored, codes and block scales (`Fp8Experts`, partial edge blocks included), and are
+    dequantized there (then quantized, for int8 on load): the same weights, bit for bit, as the host
+    path."""
+    from dsr1.weights import loading, release
+
+    folder, *_ = fp8
+    host = dsr1.load(folder, dtype=dtype, quant=quant, mtp=True, progress=False)
+    stored = []
+    dequantize = release.dequantize_experts
+    monkeypatch.setattr(loading, "dequantize_experts", lambda w: stored.append(w.codes.shape) or dequantize(w))
+    monkeypatch.setattr(loading, "_on_accelerators", lambda mesh: True)
+    devices = dsr1.load(folder, dtype=dtype, quant=quant, mtp=True, progress=False)
+    cfg = dsr1.Config.from_hf(folder)
+    n, d, f = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    assert set(stored) == {(n, f, d), (n, d, f)}  # gate/up `[E, out=f, in=d]`, down `[E, d, f]`
+    assert _leaves_equal(host.params, devices.params)
+
+
+@pytest.mark.slow
+def test_fp8_experts_dequantized_on_eight_devices(fp8, tmp_path):
+    """The same on 8 fake devices (expert 4 x tensor 2): each device's codes are the transpose of its
+    part of the weight, its scales the whole layer's; the logits equal a single-device load's."""
+    folder, _, tokens, lengths, _ = fp8
+    inputs, out = tmp_path / "inputs.npz", tmp_path / "out.npz"
+    np.savez(inputs, tokens=tokens, lengths=lengths, prefix=DECODE_PREFIX)
+    proc = subprocess.run([sys.executable, "-m", "tests.mesh_worker", "--folder", str(folder), "--inputs", str(inputs),
+                           "--out", str(out), "--expert=4", "--tensor=2", "--assemble-on-devices"],
+                          env=subprocess_env(8), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = dict(np.load(out))
+    assert list(result["mesh_shape"]) == [4, 2] and int(result["devices"]) == 8
+    want = np.asarray(dsr1.load(folder, dtype="float32", progress=False).forward(tokens, lengths))
+    valid = np.arange(want.shape[1])[None, :] < np.asarray(lengths)[:, None]
+    assert relative_error(result["forward"][valid], want[valid]) <= 1e-5
+
+
 def test_loading_names_the_unit_and_tensor_that_do_not_match(fp8, tmp_path):
     folder, *_ = fp8
     out = dsr1_convert.convert(folder, tmp_path / "out", progress=False)

@@ -21,7 +21,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from ..core.config import Config
@@ -39,7 +40,21 @@ from ..core.params import (
 from ..core.quant import check_quant
 from ..core.sharding import ShardingRules
 from . import store
-from .release import CheckpointIndex, read_region_into, tensor_bytes, unit_sources, unit_tensors, validate
+from .release import (
+    FP8_BLOCK,
+    CheckpointIndex,
+    Fp8Experts,
+    dequantize_experts,
+    is_fp8_experts,
+    read_codes_into,
+    read_region_into,
+    read_scales_into,
+    stored_experts,
+    tensor_bytes,
+    unit_sources,
+    unit_tensors,
+    validate,
+)
 from .safetensors_io import prefetch, read_header
 from .throughput import Throughput, path_bytes
 
@@ -55,6 +70,9 @@ class UnitReader:
     fills: Callable[[str, int | None, Any], list[Fill]]  # one per leaf of the unit's ShapeDtypeStructs, in leaf order
     nbytes: Callable[[str, int | None], int]  # bytes reading it moves from disk
     prefetch: Callable[[str, int | None], None] = lambda unit, layer: None  # start reading it in the background
+    # The unit's ShapeDtypeStructs as read for devices that finish the conversion (`_set_layer`): the
+    # release's FP8 experts as `Fp8Experts`. Identity where the format is read as it is held.
+    stored: Callable[[str, int | None, Any], Any] = lambda unit, layer, abstract: abstract
 
 
 def _hf_reader(folder: Path, cfg: Config, mtp: bool) -> UnitReader:
@@ -62,14 +80,43 @@ def _hf_reader(folder: Path, cfg: Config, mtp: bool) -> UnitReader:
     validate(index, cfg, mtp=mtp)
 
     def fills(unit: str, layer: int | None, abstract: Any) -> list[Fill]:
-        return [functools.partial(read_region_into, index, src, spec.shape, 0 if layer is None else layer)
-                for spec, src in unit_sources(cfg, unit, mtp=mtp)]
+        at, out = 0 if layer is None else layer, []
+        slots = jax.tree.leaves(abstract, is_leaf=is_fp8_experts)
+        for slot, (spec, src) in zip(slots, unit_sources(cfg, unit, mtp=mtp)):
+            if is_fp8_experts(slot):  # codes, then scales: `Fp8Experts`' leaf order
+                out += [functools.partial(read_into, index, src, at, spec.shape[0])
+                        for read_into in (read_codes_into, read_scales_into)]
+            else:
+                out.append(functools.partial(read_region_into, index, src, spec.shape, at))
+        return out
+
+    def stored(unit: str, layer: int | None, abstract: Any) -> Any:
+        def one(a: jax.ShapeDtypeStruct, spec: Any, src: Any) -> Any:
+            as_stored = layer is not None and stored_experts(index, src, layer, spec.shape[0])
+            return _fp8_experts_abstract(a) if as_stored else a
+
+        sources = unit_sources(cfg, unit, mtp=mtp)
+        slots = [one(a, spec, src) for a, (spec, src) in zip(jax.tree.leaves(abstract), sources)]
+        return jax.tree.unflatten(jax.tree.structure(abstract), slots)
 
     def tensors(unit: str, layer: int | None) -> list[str]:
         return unit_tensors(index, cfg, unit, layer)
 
     return UnitReader(fills, lambda unit, layer: tensor_bytes(index, tensors(unit, layer)),
-                      lambda unit, layer: index.prefetch(tensors(unit, layer)))
+                      lambda unit, layer: index.prefetch(tensors(unit, layer)), stored)
+
+
+def _fp8_experts_abstract(weight: jax.ShapeDtypeStruct) -> Fp8Experts:
+    """What is read for one layer's `[E, in, out]` routed-expert weight stored in FP8: its codes in the
+    release layout `[E, out, in]`, split over the devices as the weight is (so each device's codes are
+    the transpose of its part of the weight), and the block scales, replicated (1/16,384 of the codes)."""
+    experts, rows, cols = weight.shape
+    mesh, spec = weight.sharding.mesh, tuple(weight.sharding.spec) + (None,) * 3
+    codes = jax.ShapeDtypeStruct((experts, cols, rows), np.uint8,
+                                 sharding=NamedSharding(mesh, P(spec[0], spec[2], spec[1])))
+    scales = jax.ShapeDtypeStruct((experts, -(-cols // FP8_BLOCK), -(-rows // FP8_BLOCK)), np.float32,
+                                  sharding=NamedSharding(mesh, P()))
+    return Fp8Experts(codes, scales)
 
 
 def _converted_reader(folder: Path, manifest: dict[str, Any]) -> UnitReader:
@@ -152,8 +199,10 @@ def _read_stack_in_place(fills: Callable[[str, int | None], list[Fill]], cfg: Co
 
 
 def _set_layer(layer_target: Any, stacked: list[jax.Array], layer: Any, i: jax.Array) -> list[jax.Array]:
-    """Write one layer (quantized first if `layer_target` says so) into every stacked weight in place.
-    One program for all the weights of a stack: one compilation per stack, not one per weight."""
+    """Write one layer (its FP8 experts dequantized, then quantized if `layer_target` says so) into
+    every stacked weight in place. One program for all the weights of a stack: one compilation per
+    stack, not one per weight."""
+    layer = jax.tree.map(lambda w: dequantize_experts(w) if is_fp8_experts(w) else w, layer, is_leaf=is_fp8_experts)
     if layer_target is not None:
         layer = quantize_like(layer_target, layer)
     return [jax.lax.dynamic_update_index_in_dim(s, w.astype(s.dtype), i, 0)
@@ -173,6 +222,13 @@ def _assemble_stack(read: Callable[[str, int | None], Any], cfg: Config, unit: s
         stacked = set_layer(stacked, read(unit, layer), np.int32(i))
         advance(unit, layer)
     return jax.tree.unflatten(jax.tree.structure(target, is_leaf=is_spec), stacked)
+
+
+def _on_accelerators(mesh: Mesh) -> bool:
+    """Whether the mesh's devices are accelerators. There layer stacks are assembled on the devices,
+    and the release's FP8 experts are dequantized there; CPU devices take the host's buffers as they
+    are (no copy), and the host's table lookup dequantizes as fast as XLA:CPU (docs/performance.md)."""
+    return any(d.platform != "cpu" for d in mesh.devices.flat)
 
 
 def load_params(folder: str | Path, cfg: Config, mesh: Mesh, rules: ShardingRules, dtype: Any, *,
@@ -195,7 +251,8 @@ def load_params(folder: str | Path, cfg: Config, mesh: Mesh, rules: ShardingRule
     quant = check_quant(quant) or stored_quant
     quantize = quant != stored_quant
     stored, target = param_specs(cfg, stored_quant, mtp=mtp), param_specs(cfg, quant, mtp=mtp)
-    in_place = not quantize and all(d.platform == "cpu" for d in mesh.devices.flat)
+    accelerators = _on_accelerators(mesh)
+    in_place = not quantize and not accelerators
     stacks = stack_names(target)
     units = [("globals", None)] + [(k, i) for k in stacks for i in stack_layers(cfg, k)]
     sizes = {u: reader.nbytes(*u) for u in units}
@@ -205,13 +262,14 @@ def load_params(folder: str | Path, cfg: Config, mesh: Mesh, rules: ShardingRule
         read_dtype = jnp.float32 if quantize and unit != "globals" else dtype
         return abstract_params(unit_specs(stored, unit), mesh, rules, read_dtype)
 
-    def fills(unit: str, layer: int | None) -> list[Fill]:
+    def fills(unit: str, layer: int | None, abstract: Any = None) -> list[Fill]:
         if (unit, layer) in following:  # the disk reads the next unit while this one is converted
             reader.prefetch(*following[unit, layer])
-        return reader.fills(unit, layer, unit_abstract(unit))
+        return reader.fills(unit, layer, unit_abstract(unit) if abstract is None else abstract)
 
-    def read(unit: str, layer: int | None) -> Any:
-        return _read_unit(fills(unit, layer), unit_abstract(unit))
+    def read(unit: str, layer: int | None) -> Any:  # one unit on its devices (`_assemble_stack`)
+        abstract = reader.stored(unit, layer, unit_abstract(unit)) if accelerators else unit_abstract(unit)
+        return _read_unit(fills(unit, layer, abstract), abstract)
 
     with tqdm(total=sum(sizes.values()), desc=f"loading {folder.name}", unit="B", unit_scale=True,
               disable=not progress) as bar:

@@ -7,7 +7,9 @@ layer `num_hidden_layers`.
 
 `read_region_into` writes any region of one layer's weight in our layout into a host buffer,
 reading only the experts it covers from memory-mapped shards: the loader asks it for each device
-region (`read_region` returns a new array: the converter's form).
+region (`read_region` returns a new array: the converter's form). For accelerators the loader reads
+FP8 routed experts as stored instead (`Fp8Experts`: `read_codes_into`, `read_scales_into`) and the
+devices dequantize them (`dequantize_experts`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -406,6 +409,58 @@ def _read_into(out: np.ndarray, index: CheckpointIndex, src: Source, name: str, 
         dequantize_fp8_into(out.T, index.mapped(info), scale, (region[1], region[0]), f"{info.file.name}: {name}")
         return
     out[...] = src.to_ours(index.read(name)).reshape(shape)[region]
+
+
+# ---- routed experts dequantized on the devices -------------------------------------------------
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8Experts:
+    """One layer's routed-expert weight as the release stores it, to be dequantized on its devices
+    (`dequantize_experts`): e4m3 `codes` `[E, out, in]` (uint8, the release layout) and a float32
+    `scale_inv` per 128x128 block `[E, ceil(out/128), ceil(in/128)]`. On an accelerator this moves
+    1 byte per value to the device instead of 2 and leaves the host only copying bytes: the host's
+    table lookup dequantizes ~0.5-0.7 G values per second on one core (docs/performance.md)."""
+
+    codes: Any
+    scale_inv: Any
+
+
+def is_fp8_experts(x: Any) -> bool:
+    return isinstance(x, Fp8Experts)
+
+
+def dequantize_experts(w: Fp8Experts) -> jax.Array:
+    """`[E, in, out]` float32 values of `w` (dsr1's layout): each e4m3 value times its block's
+    `scale_inv` in float32, the numbers `dequantize_fp8_into` computes on the host."""
+    _, rows, cols = w.codes.shape
+    values = jax.lax.bitcast_convert_type(w.codes, jnp.float8_e4m3fn).astype(jnp.float32)
+    scale = jnp.repeat(jnp.repeat(w.scale_inv, FP8_BLOCK, axis=1), FP8_BLOCK, axis=2)[:, :rows, :cols]
+    return jnp.swapaxes(values * scale, 1, 2)
+
+
+def stored_experts(index: CheckpointIndex, src: Source, layer: int, n_experts: int) -> bool:
+    """Whether `src` (one weight of one layer) is routed experts stored in FP8, all of them: the
+    weights `read_codes_into` and `read_scales_into` read as stored."""
+    return src.per_expert and src.to_ours is _transposed and all(
+        index.info(src.name.format(layer=layer, expert=e)).dtype in FP8_DTYPES for e in range(n_experts))
+
+
+def read_codes_into(index: CheckpointIndex, src: Source, layer: int, n_experts: int, region: tuple[slice, ...],
+                    out: np.ndarray) -> None:
+    """Write `region` of one layer's e4m3 expert codes `[E, out, in]` (the release layout) into `out`
+    (uint8), expert by expert: a copy of bytes, no arithmetic."""
+    for i, expert in enumerate(range(n_experts)[region[0]]):
+        name = src.name.format(layer=layer, expert=expert)
+        out[i] = index.mapped(index.info(name)).view(np.uint8)[region[1], region[2]]
+
+
+def read_scales_into(index: CheckpointIndex, src: Source, layer: int, n_experts: int, region: tuple[slice, ...],
+                     out: np.ndarray) -> None:
+    """Write `region` of one layer's expert block scales `[E, ceil(out/128), ceil(in/128)]` into `out`."""
+    for i, expert in enumerate(range(n_experts)[region[0]]):
+        name = src.name.format(layer=layer, expert=expert) + "_scale_inv"
+        out[i] = index.mapped(index.info(name))[region[1], region[2]]
 
 
 def _region_shape(shape: tuple[int, ...], region: tuple[slice, ...]) -> tuple[int, ...]:
