@@ -46,9 +46,8 @@ from .release import (
     Fp8Experts,
     dequantize_experts,
     is_fp8_experts,
-    read_codes_into,
     read_region_into,
-    read_scales_into,
+    read_stored_into,
     stored_experts,
     tensor_bytes,
     unit_sources,
@@ -84,8 +83,8 @@ def _hf_reader(folder: Path, cfg: Config, mtp: bool) -> UnitReader:
         slots = jax.tree.leaves(abstract, is_leaf=is_fp8_experts)
         for slot, (spec, src) in zip(slots, unit_sources(cfg, unit, mtp=mtp)):
             if is_fp8_experts(slot):  # codes, then scales: `Fp8Experts`' leaf order
-                out += [functools.partial(read_into, index, src, at, spec.shape[0])
-                        for read_into in (read_codes_into, read_scales_into)]
+                out += [functools.partial(read_stored_into, index, src, suffix, at, spec.shape[0])
+                        for suffix in ("", "_scale_inv")]
             else:
                 out.append(functools.partial(read_region_into, index, src, spec.shape, at))
         return out

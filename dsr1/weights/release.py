@@ -8,7 +8,7 @@ layer `num_hidden_layers`.
 `read_region_into` writes any region of one layer's weight in our layout into a host buffer,
 reading only the experts it covers from memory-mapped shards: the loader asks it for each device
 region (`read_region` returns a new array: the converter's form). For accelerators the loader reads
-FP8 routed experts as stored instead (`Fp8Experts`: `read_codes_into`, `read_scales_into`) and the
+FP8 routed experts as stored instead (`Fp8Experts`, `read_stored_into`) and the
 devices dequantize them (`dequantize_experts`).
 """
 
@@ -441,26 +441,19 @@ def dequantize_experts(w: Fp8Experts) -> jax.Array:
 
 def stored_experts(index: CheckpointIndex, src: Source, layer: int, n_experts: int) -> bool:
     """Whether `src` (one weight of one layer) is routed experts stored in FP8, all of them: the
-    weights `read_codes_into` and `read_scales_into` read as stored."""
+    weights `read_stored_into` reads as stored."""
     return src.per_expert and src.to_ours is _transposed and all(
         index.info(src.name.format(layer=layer, expert=e)).dtype in FP8_DTYPES for e in range(n_experts))
 
 
-def read_codes_into(index: CheckpointIndex, src: Source, layer: int, n_experts: int, region: tuple[slice, ...],
-                    out: np.ndarray) -> None:
-    """Write `region` of one layer's e4m3 expert codes `[E, out, in]` (the release layout) into `out`
-    (uint8), expert by expert: a copy of bytes, no arithmetic."""
+def read_stored_into(index: CheckpointIndex, src: Source, suffix: str, layer: int, n_experts: int,
+                     region: tuple[slice, ...], out: np.ndarray) -> None:
+    """Write `region` of one layer's expert tensors as stored into `out`, expert by expert, a copy of
+    bytes: `suffix` "" reads the e4m3 codes `[E, out, in]` (the release layout; `out` uint8),
+    "_scale_inv" their block scales `[E, ceil(out/128), ceil(in/128)]` (float32)."""
     for i, expert in enumerate(range(n_experts)[region[0]]):
-        name = src.name.format(layer=layer, expert=expert)
-        out[i] = index.mapped(index.info(name)).view(np.uint8)[region[1], region[2]]
-
-
-def read_scales_into(index: CheckpointIndex, src: Source, layer: int, n_experts: int, region: tuple[slice, ...],
-                     out: np.ndarray) -> None:
-    """Write `region` of one layer's expert block scales `[E, ceil(out/128), ceil(in/128)]` into `out`."""
-    for i, expert in enumerate(range(n_experts)[region[0]]):
-        name = src.name.format(layer=layer, expert=expert) + "_scale_inv"
-        out[i] = index.mapped(index.info(name))[region[1], region[2]]
+        name = src.name.format(layer=layer, expert=expert) + suffix
+        out[i] = index.mapped(index.info(name)).view(out.dtype)[region[1], region[2]]
 
 
 def _region_shape(shape: tuple[int, ...], region: tuple[slice, ...]) -> tuple[int, ...]:
