@@ -578,7 +578,8 @@ def test_non_loopback_bind_without_a_key_is_refused(monkeypatch, capsys):
 
 
 def test_drain_refuses_new_requests_and_cancels_after_the_timeout(tiny, tokenizer):
-    served = Served(tiny, tokenizer, shutdown_timeout=1.0)
+    # A short timeout: on a fast CPU the tiny model finished LONG_BUDGET tokens within 1 s (a flaky 'length').
+    served = Served(tiny, tokenizer, shutdown_timeout=0.2)
     client = served.client()
     try:
         stream = client.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=LONG_BUDGET, stream=True)
