@@ -659,7 +659,7 @@ def test_sigterm_drains_cancels_and_exits_0(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "DSR1_API_KEY"}
     cmd = [sys.executable, "-m", "dsr1", "serve", "--preset", "tiny", "--dtype", "float32", "--port", str(port),
            "--max-seqs", "4", "--page-size", "16", "--num-pages", "64", "--prefill-chunk", "32",
-           "--max-seq-len", "256", "--shutdown-timeout", "1", "--log-level", "warning"]
+           "--max-seq-len", "256", "--shutdown-timeout", "0.3", "--log-level", "warning"]  # before 200 tokens
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         wait_for_health(url, proc, timeout=180)
