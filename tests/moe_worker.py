@@ -39,10 +39,10 @@ def kernel_outputs(model: dsr1.Model, tokens: int, experts: np.ndarray | None = 
     return outputs
 
 
-def compare(expert: int, tensor: int, quant: str | None, tokens: int) -> float:
+def compare(expert: int, tensor: int, quant: str | None, tokens: int, dtype: str = "float32") -> float:
     """The worst relative difference of any kernel from `ragged_dot` on an expert x tensor mesh."""
     mesh = dsr1.make_mesh(expert=expert, tensor=tensor)
-    model = dsr1.init_random(dsr1.Config.preset("tiny"), seed=3, dtype="float32", quant=quant, mesh=mesh)
+    model = dsr1.init_random(dsr1.Config.preset("tiny"), seed=3, dtype=dtype, quant=quant, mesh=mesh)
     outputs = kernel_outputs(model, tokens)
     ref = outputs["ragged_dot"]
     return max(float(np.abs(out - ref).max() / np.abs(ref).max()) for out in outputs.values())
@@ -53,8 +53,11 @@ def main() -> None:
     ap.add_argument("--expert", type=int, required=True)
     ap.add_argument("--tensor", type=int, required=True)
     args = ap.parse_args()
-    print(json.dumps({f"{quant} x {tokens}": compare(args.expert, args.tensor, quant, tokens)
-                      for quant in (None, "int8") for tokens in (1, 8, 40)}))
+    errors = {f"{quant} x {tokens}": compare(args.expert, args.tensor, quant, tokens)
+              for quant in (None, "int8") for tokens in (1, 8, 40)}
+    # bf16 decode blocks (one or two rows) read the experts' transposed copy (`quant.rowwise_matmul`).
+    errors |= {f"bfloat16 x {tokens}": compare(args.expert, args.tensor, None, tokens, "bfloat16") for tokens in (1, 8)}
+    print(json.dumps(errors))
 
 
 if __name__ == "__main__":

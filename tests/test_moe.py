@@ -128,6 +128,28 @@ def test_every_kernel_matches_ragged_dot_in_place(tokens, quant):
         np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max(), err_msg=name)
 
 
+@pytest.mark.parametrize("tokens", [1, 2, 8])
+def test_expert_loop_reads_bf16_experts_transposed_for_one_and_two_rows(tokens, monkeypatch):
+    """On CPU the bf16 expert stacks also hold their bits transposed, `[L, E, out, in]`, and the
+    loop's blocks of one or two rows (decode) multiply each row against that copy; the result equals
+    `ragged_dot` on the `[in, out]` bits (both widen exactly and sum in float32)."""
+    import dsr1.core.moe as moe_module
+
+    from .moe_worker import kernel_outputs
+
+    model = dsr1.init_random(TINY, seed=5, dtype="bfloat16")
+    gate = model.params["moe_layers"]["moe"]["gate"]
+    np.testing.assert_array_equal(np.asarray(gate.transposed), np.swapaxes(np.asarray(gate.bits), -1, -2))
+    calls = []
+    rowwise = moe_module.rowwise_matmul
+    monkeypatch.setattr(moe_module, "rowwise_matmul", lambda x, w: calls.append(x.shape[0]) or rowwise(x, w))
+    outputs = kernel_outputs(model, tokens)
+    assert calls and set(calls) <= {1, 2}, calls  # the loop's gate, up and down products took the copy
+    ref = outputs.pop("ragged_dot")
+    for name, out in outputs.items():
+        np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max(), err_msg=name)
+
+
 def test_capacity_kernel_runs_the_rows_past_capacity_in_more_rounds():
     """Dropless: 40 tokens all routed to the same 4 experts give each 40 rows, 2.5x its buffer's 16
     (160 pairs on 16 experts), so three rounds run, and every row counts."""
@@ -171,7 +193,8 @@ def test_expert_loop_blocks_follow_the_mean_rows_per_expert():
 @pytest.mark.parametrize("expert,tensor", [(8, 1), (4, 2)])
 def test_expert_loop_matches_ragged_dot_on_eight_devices(expert, tensor):
     """Expert and tensor parallelism: on 8 fake CPU devices, each device's loop over its own experts
-    (and ffw slice), summed over the mesh, equals `ragged_dot`'s, float32 and int8."""
+    (and ffw slice), summed over the mesh, equals `ragged_dot`'s, float32, int8 and bf16 (whose
+    decode blocks read the transposed copy, split over the mesh like the weight)."""
     import json
     import subprocess
     import sys

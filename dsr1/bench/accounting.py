@@ -33,7 +33,8 @@ def expert_bytes(params: Params) -> int:
     if moe is None:
         return 0
     layers, experts = moe["gate"].shape[:2]
-    return _nbytes([moe[k] for k in ROUTED]) // (layers * experts)
+    # What a product reads (`rows`): one copy of each weight, not the CPU's transposed copy as well.
+    return _nbytes([moe[k] for k in ROUTED], rows=1) // (layers * experts)
 
 
 def fixed_weight_bytes(params: Params, rows: int) -> int:

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from .config import Config
 from .layers import mlp
-from .quant import Int8Weight, bf16_dot, einsum, native_bf16, ragged_dot, widen, widens_on_use
+from .quant import Bf16Bits, Int8Weight, bf16_dot, einsum, native_bf16, ragged_dot, rowwise_matmul, widen, widens_on_use
 from .sharding import ShardingRules
 
 # A per-device routed-expert computation: (x, weights, experts, gate, up, down, layer, rules) -> [N, D].
@@ -138,6 +138,8 @@ def _expert_matmul(x: jax.Array, w: Any) -> jax.Array:
         return jnp.dot(x, widen(w.q), precision=highest) * w.scale
     if native_bf16(w, x.shape[0]):
         return bf16_dot(x, w)
+    if isinstance(w, Bf16Bits) and w.reads_transposed(x.shape[0]):
+        return rowwise_matmul(x, w)
     return jnp.dot(x, widen(w), precision=highest)  # plain float32 or `Bf16Bits`
 
 
@@ -267,6 +269,9 @@ def _partition_spec(w: Any, axes: tuple[str, ...], rules: ShardingRules) -> Any:
     """The shard_map spec of a stacked `[L, E, ...]` expert weight (and of its int8 scales, which drop
     the input axis; `input_axes` count within one layer)."""
     axes = ("layers", *axes)
+    if isinstance(w, Bf16Bits) and w.transposed is not None:
+        return Bf16Bits(rules.spec(axes), one_device=w.one_device,
+                        transposed=rules.spec((*axes[:-2], axes[-1], axes[-2])))
     if not isinstance(w, Int8Weight):
         return rules.spec(axes)
     scale_axes = tuple(a for i, a in enumerate(axes) if i - 1 not in w.input_axes)

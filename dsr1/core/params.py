@@ -118,6 +118,11 @@ def is_output_head(spec: ArrayInfo) -> bool:
     return spec.axes[-2:] == ("embed", "vocab")
 
 
+def is_routed_expert(spec: ArrayInfo) -> bool:
+    """Whether the weight is a stack of routed experts (`[L, E, in, out]`)."""
+    return spec.axes[:2] == ("layers", "experts")
+
+
 def float_specs(cfg: Config, *, mtp: bool = False) -> dict[str, Any]:
     """The declaration of every weight in full precision, as a pytree of ArrayInfo."""
     specs: dict[str, Any] = {
@@ -326,13 +331,16 @@ def compute_view(params: Params, cfg: Config) -> Params:
     `init_random` hold the weights this way: XLA:CPU copies a bf16 -> uint16 bitcast of a whole
     stack rather than treating it as free, so a program must receive the bits. The output heads
     (the lm_head, the MTP heads) also keep a float32 copy for one-row products (`quant.as_bits`):
-    the largest weights a decode step reads outside any loop. Idempotent."""
+    the largest weights a decode step reads outside any loop; the routed-expert stacks also keep their
+    bits transposed, `[L, E, out, in]`, for the expert loop's one- and two-row blocks (decode). Idempotent."""
     if not widens_on_use():
         return params
     specs = float_specs(cfg, mtp="mtp" in params)
 
     def one(spec: ArrayInfo, w: Any) -> Any:
         is_matrix = spec.init == "normal" and not isinstance(w, (Int8Weight, Bf16Bits))
-        return as_bits(w, keep_float32=is_output_head(spec)) if is_matrix and w.dtype == jnp.bfloat16 else w
+        if not is_matrix or w.dtype != jnp.bfloat16:
+            return w
+        return as_bits(w, keep_float32=is_output_head(spec), keep_transposed=is_routed_expert(spec))
 
     return jax.tree.map(one, specs, params, is_leaf=is_spec)

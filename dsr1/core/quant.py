@@ -78,6 +78,7 @@ class Bf16Bits:
     bits: Any  # uint16, the weight's shape
     wide: Any = None  # the same weight in float32 for one-row products, where held (see `as_bits`)
     one_device: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    transposed: Any = None  # the bits with the last two axes swapped, for few-row products (`as_bits`)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -93,16 +94,20 @@ class Bf16Bits:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: the bits, and the float32 copy where there is one."""
-        return self.bits.nbytes + (0 if self.wide is None else self.wide.nbytes)
+        """Bytes held: the bits, and the float32 or transposed copies where there are some."""
+        return self.bits.nbytes + sum(0 if c is None else c.nbytes for c in (self.wide, self.transposed))
 
     def reads_wide(self, rows: int) -> bool:
         """Whether a product of `rows` rows (`einsum`) reads the float32 copy: for one row, where held."""
         return self.wide is not None and rows == 1
 
     def bytes_read(self, rows: int) -> int:
-        """Bytes a product of `rows` rows reads (`einsum`)."""
+        """Bytes a product of `rows` rows reads (`einsum`; the transposed copy is the bits' size)."""
         return self.wide.nbytes if self.reads_wide(rows) else self.bits.nbytes
+
+    def reads_transposed(self, rows: int) -> bool:
+        """Whether a product of `rows` rows reads the transposed copy (`rowwise_matmul`), where held."""
+        return self.transposed is not None and rows <= ROWWISE_MAX_ROWS
 
     @property
     def ndim(self) -> int:
@@ -123,7 +128,7 @@ class Bf16Bits:
         return values if dtype is None else values.astype(dtype)
 
 
-def as_bits(w: jax.Array, *, keep_float32: bool = False) -> Bf16Bits:
+def as_bits(w: jax.Array, *, keep_float32: bool = False, keep_transposed: bool = False) -> Bf16Bits:
     """A bf16 weight as `Bf16Bits`. An array on one device is reinterpreted through a host view (no
     program compiled per shape); a sharded or traced one by a bitcast.
 
@@ -131,12 +136,38 @@ def as_bits(w: jax.Array, *, keep_float32: bool = False) -> Bf16Bits:
     weight at memory speed in a one-row product, and widening a large weight block by block costs
     more than that read (the bench lm_head `[1024, 32768]`: 3.5-4.6 ms against 7.2-7.8 per row);
     from 2 rows the blocked widening is faster again (2 rows 7.6-9.1 against 9.6-11.2 ms, 8 rows
-    11.9-13.5 against 20.0-22.7: docs/performance.md), so the bits stay too."""
+    11.9-13.5 against 20.0-22.7: docs/performance.md), so the bits stay too.
+
+    `keep_transposed` also holds the bits with the last two axes swapped (`[..., out, in]`), for the
+    routed experts' products of one or two rows (`rowwise_matmul`): XLA:CPU fuses the widening into a
+    one-row product that contracts the minor axis and reads the weight once, at ~14-15 GB/s on one
+    core, against ~5 GB/s for the widened `[in, out]` slice it first writes out as float32; products of
+    more rows (prefill) run faster on the `[in, out]` bits (`native_bf16`), so both are held."""
     wide = w.astype(jnp.float32) if keep_float32 else None
     if isinstance(w, jax.Array) and not isinstance(w, jax.core.Tracer) and len(w.sharding.device_set) == 1:
         device = next(iter(w.sharding.device_set))
-        return Bf16Bits(jax.device_put(np.asarray(w).view(np.uint16), device), wide, one_device=True)
-    return Bf16Bits(jax.lax.bitcast_convert_type(w, jnp.uint16), wide)
+        bits = jax.device_put(np.asarray(w).view(np.uint16), device)
+        return Bf16Bits(bits, wide, one_device=True, transposed=_swap_last(bits) if keep_transposed else None)
+    bits = jax.lax.bitcast_convert_type(w, jnp.uint16)
+    return Bf16Bits(bits, wide, transposed=_swap_last(bits) if keep_transposed else None)
+
+
+@jax.jit
+def _swap_last(bits: jax.Array) -> jax.Array:
+    """A copy with the last two axes swapped (XLA transposes ~2 GB/s on one core; numpy far slower)."""
+    return jnp.swapaxes(bits, -1, -2)
+
+
+ROWWISE_MAX_ROWS = 2  # from 4 rows the `[in, out]` bits are as fast, and from 16 much faster (bf16 dot)
+
+
+def rowwise_matmul(x: jax.Array, w: Bf16Bits) -> jax.Array:
+    """float32 `x [r, i] @ w [i, o]` for a few rows, one row at a time against `w.transposed`
+    `[o, i]`: each a product XLA:CPU computes as one fused widen-multiply-reduce over the minor axis
+    (see `as_bits`). The weight stays in cache between rows."""
+    wide_t = widen(Bf16Bits(w.transposed))
+    rows = [jnp.dot(x[r:r + 1], wide_t.T, precision=jax.lax.Precision.HIGHEST) for r in range(x.shape[0])]
+    return jnp.concatenate(rows) if len(rows) > 1 else rows[0]
 
 
 NATIVE_BF16_ROWS = 16
