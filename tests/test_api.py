@@ -197,6 +197,41 @@ def test_output_heads_keep_a_float32_copy_for_one_row():
         np.testing.assert_allclose(np.asarray(product(x, head)), want, rtol=1e-5, atol=1e-5)
 
 
+def test_matrices_keep_transposed_bits_for_one_row(monkeypatch):
+    """On CPU the bf16 matrices that products contract over their second-to-last axis (the routed
+    experts, the dense and shared MLPs, `q_a`, `kv_a`) also hold their bits transposed; a one-row
+    product multiplies against that copy (`quant.rowwise_matmul`), more rows against the bits, and
+    both give the float32 product of the bf16 values."""
+    import jax
+
+    from dsr1.core import quant
+
+    params = dsr1.init_random(dsr1.Config.preset("tiny"), seed=0).params
+    layers = params["moe_layers"]
+    kept = {name: w.transposed is not None for name, w in (("kv_a", layers["kv_a"]), ("q_a", layers["q_a"]),
+                                                          ("shared up", layers["moe"]["shared"]["up"]),
+                                                          ("experts", layers["moe"]["down"]),
+                                                          ("dense mlp", params["dense_layers"]["mlp"]["down"]),
+                                                          ("q_b", layers["q_b"]), ("o", layers["o"]),
+                                                          ("wk_b", layers["wk_b"]), ("lm_head", params["lm_head"]),
+                                                          ("embed", params["embed"]))}
+    assert kept == {"kv_a": True, "q_a": True, "shared up": True, "experts": True, "dense mlp": True,
+                    "q_b": False, "o": False, "wk_b": False, "lm_head": False, "embed": False}
+    w = jax.tree.map(lambda a: a[0], layers["moe"]["shared"]["down"])
+    np.testing.assert_array_equal(np.asarray(w.transposed), np.asarray(w.bits).T)
+    assert w.nbytes == 2 * w.bits.nbytes and w.bytes_read(1) == w.bits.nbytes
+    calls = []
+    rowwise = quant.rowwise_matmul
+    monkeypatch.setattr(quant, "rowwise_matmul", lambda x, w: calls.append(x.shape[0]) or rowwise(x, w))
+    rng = np.random.default_rng(0)
+    for rows in (1, 2):
+        x = jnp.asarray(rng.standard_normal((rows, 1, w.shape[0])), jnp.float32)
+        got = jax.jit(lambda x, w: quant.einsum("...d,dv->...v", x, w, preferred_element_type=jnp.float32))(x, w)
+        assert calls == [1], (rows, calls)  # traced once, for the one-row product only
+        want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
 def test_bf16_products_of_many_rows_compute_in_bf16():
     """On CPU a product of at least `NATIVE_BF16_ROWS` rows (4x that for a weight widened in blocks) is
     a bf16 dot with the activations rounded to bf16, as GPU and TPU compute it; fewer rows widen the

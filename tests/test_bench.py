@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -62,9 +63,14 @@ def test_bf16_bytes_match_hand_computation(models):
     assert got == accounting.StepBytes(fixed, 6 * 3 * d * f * BF16, d * BF16, cache, 3.0)
     assert got.total == fixed + 6 * 3 * d * f * BF16 + d * BF16 + cache
     # The whole model minus the embedding table, the experts not hit, and on CPU the lm_head's bits
-    # (a one-row step reads its float32 copy instead).
+    # (a one-row step reads its float32 copy instead) and the matrices' transposed copies (a one-row
+    # product reads those instead of the bits: the same bytes, counted once).
     unread = (c.vocab_size - 1) * d * BF16 + (c.num_moe_layers * c.n_routed_experts - 6) * 3 * d * f * BF16
-    unread += d * c.vocab_size * BF16 if quant.widens_on_use() else 0
+    if quant.widens_on_use():
+        bits = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, quant.Bf16Bits))
+        copies = sum(w.transposed.nbytes for w in bits if isinstance(w, quant.Bf16Bits) and w.transposed is not None)
+        assert copies > 3 * c.num_moe_layers * c.n_routed_experts * d * f * BF16  # the experts' and more
+        unread += d * c.vocab_size * BF16 + copies
     assert got.total - got.cache == models["bf16"].weight_bytes() - unread
 
 

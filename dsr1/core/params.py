@@ -118,9 +118,11 @@ def is_output_head(spec: ArrayInfo) -> bool:
     return spec.axes[-2:] == ("embed", "vocab")
 
 
-def is_routed_expert(spec: ArrayInfo) -> bool:
-    """Whether the weight is a stack of routed experts (`[L, E, in, out]`)."""
-    return spec.axes[:2] == ("layers", "experts")
+def multiplies_last_two_axes(spec: ArrayInfo) -> bool:
+    """Whether products contract the weight's second-to-last axis and keep its last (`x @ W`, per layer
+    or expert): the routed experts, the dense and shared MLPs, `q_a` and `kv_a`."""
+    per_layer = len(spec.shape) - (spec.axes[0] == "layers")
+    return spec.input_axes == (per_layer - 2,)
 
 
 def float_specs(cfg: Config, *, mtp: bool = False) -> dict[str, Any]:
@@ -331,8 +333,9 @@ def compute_view(params: Params, cfg: Config) -> Params:
     `init_random` hold the weights this way: XLA:CPU copies a bf16 -> uint16 bitcast of a whole
     stack rather than treating it as free, so a program must receive the bits. The output heads
     (the lm_head, the MTP heads) also keep a float32 copy for one-row products (`quant.as_bits`):
-    the largest weights a decode step reads outside any loop; the routed-expert stacks also keep their
-    bits transposed, `[L, E, out, in]`, for the expert loop's one- and two-row blocks (decode). Idempotent."""
+    the largest weights a decode step reads outside any loop; the matrices of `x @ W` products (routed
+    experts, MLPs, `q_a`, `kv_a`) also keep their bits transposed, `[..., out, in]`, for products of
+    one row (decode; the expert loop's blocks of two rows too). Idempotent."""
     if not widens_on_use():
         return params
     specs = float_specs(cfg, mtp="mtp" in params)
@@ -341,6 +344,6 @@ def compute_view(params: Params, cfg: Config) -> Params:
         is_matrix = spec.init == "normal" and not isinstance(w, (Int8Weight, Bf16Bits))
         if not is_matrix or w.dtype != jnp.bfloat16:
             return w
-        return as_bits(w, keep_float32=is_output_head(spec), keep_transposed=is_routed_expert(spec))
+        return as_bits(w, keep_float32=is_output_head(spec), keep_transposed=multiplies_last_two_axes(spec))
 
     return jax.tree.map(one, specs, params, is_leaf=is_spec)

@@ -78,7 +78,7 @@ class Bf16Bits:
     bits: Any  # uint16, the weight's shape
     wide: Any = None  # the same weight in float32 for one-row products, where held (see `as_bits`)
     one_device: bool = dataclasses.field(default=False, metadata=dict(static=True))
-    transposed: Any = None  # the bits with the last two axes swapped, for few-row products (`as_bits`)
+    transposed: Any = None  # the bits with the last two axes swapped, for one-row products (`as_bits`)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -138,11 +138,12 @@ def as_bits(w: jax.Array, *, keep_float32: bool = False, keep_transposed: bool =
     from 2 rows the blocked widening is faster again (2 rows 7.6-9.1 against 9.6-11.2 ms, 8 rows
     11.9-13.5 against 20.0-22.7: docs/performance.md), so the bits stay too.
 
-    `keep_transposed` also holds the bits with the last two axes swapped (`[..., out, in]`), for the
-    routed experts' products of one or two rows (`rowwise_matmul`): XLA:CPU fuses the widening into a
-    one-row product that contracts the minor axis and reads the weight once, at ~14-15 GB/s on one
-    core, against ~5 GB/s for the widened `[in, out]` slice it first writes out as float32; products of
-    more rows (prefill) run faster on the `[in, out]` bits (`native_bf16`), so both are held."""
+    `keep_transposed` also holds the bits with the last two axes swapped (`[..., out, in]`), for
+    products of one row (`einsum`) and the expert loop's blocks of one or two rows (`rowwise_matmul`):
+    XLA:CPU fuses the widening into a one-row product that contracts the minor axis and reads the
+    weight once, at ~14-15 GB/s on one core, against ~5 GB/s for the widened `[in, out]` slice it
+    first writes out as float32; products of more rows (prefill) run faster on the `[in, out]` bits
+    (`native_bf16`), so both are held."""
     wide = w.astype(jnp.float32) if keep_float32 else None
     if isinstance(w, jax.Array) and not isinstance(w, jax.core.Tracer) and len(w.sharding.device_set) == 1:
         device = next(iter(w.sharding.device_set))
@@ -205,7 +206,9 @@ def einsum(spec: str, x: jax.Array, w: Any, **kwargs) -> jax.Array:
         matmul, rows = _is_matmul(spec), int(np.prod(x.shape[:-1]))
         if matmul and native_bf16(w, rows):
             return bf16_dot(x, w).astype(kwargs.get("preferred_element_type") or w.dtype)
-        if w.reads_wide(rows):
+        if matmul and w.transposed is not None and rows == 1:
+            out = rowwise_matmul(x.reshape(1, -1).astype(jnp.float32), w).reshape(*x.shape[:-1], -1)
+        elif w.reads_wide(rows):
             out = jnp.einsum(spec, x.astype(jnp.float32), w.wide, **kwargs)
         elif matmul and w.one_device and w.size > WIDEN_CHUNK_ELEMENTS:
             out = _chunked_matmul(x.astype(jnp.float32), w, **kwargs)
