@@ -220,6 +220,9 @@ def test_matrices_keep_transposed_bits_for_one_row(monkeypatch):
     w = jax.tree.map(lambda a: a[0], layers["moe"]["shared"]["down"])
     np.testing.assert_array_equal(np.asarray(w.transposed), np.asarray(w.bits).T)
     assert w.nbytes == 2 * w.bits.nbytes and w.bytes_read(1) == w.bits.nbytes
+    # A program given bf16 arrays would transpose them on every call: no copy there.
+    traced = jax.jit(lambda a: quant.as_bits(a, keep_transposed=True))(jnp.asarray(w, jnp.bfloat16))
+    assert traced.transposed is None
     calls = []
     rowwise = quant.rowwise_matmul
     monkeypatch.setattr(quant, "rowwise_matmul", lambda x, w: calls.append(x.shape[0]) or rowwise(x, w))

@@ -143,14 +143,16 @@ def as_bits(w: jax.Array, *, keep_float32: bool = False, keep_transposed: bool =
     XLA:CPU fuses the widening into a one-row product that contracts the minor axis and reads the
     weight once, at ~14-15 GB/s on one core, against ~5 GB/s for the widened `[in, out]` slice it
     first writes out as float32; products of more rows (prefill) run faster on the `[in, out]` bits
-    (`native_bf16`), so both are held."""
+    (`native_bf16`), so both are held. A traced weight (a program given bf16 arrays) gets no copy:
+    made on every call, it would cost more than it saves."""
     wide = w.astype(jnp.float32) if keep_float32 else None
-    if isinstance(w, jax.Array) and not isinstance(w, jax.core.Tracer) and len(w.sharding.device_set) == 1:
+    traced = isinstance(w, jax.core.Tracer)
+    if isinstance(w, jax.Array) and not traced and len(w.sharding.device_set) == 1:
         device = next(iter(w.sharding.device_set))
         bits = jax.device_put(np.asarray(w).view(np.uint16), device)
         return Bf16Bits(bits, wide, one_device=True, transposed=_swap_last(bits) if keep_transposed else None)
     bits = jax.lax.bitcast_convert_type(w, jnp.uint16)
-    return Bf16Bits(bits, wide, transposed=_swap_last(bits) if keep_transposed else None)
+    return Bf16Bits(bits, wide, transposed=_swap_last(bits) if keep_transposed and not traced else None)
 
 
 @jax.jit
