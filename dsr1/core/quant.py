@@ -105,9 +105,11 @@ class Bf16Bits:
         """Bytes a product of `rows` rows reads (`einsum`; the transposed copy is the bits' size)."""
         return self.wide.nbytes if self.reads_wide(rows) else self.bits.nbytes
 
-    def reads_transposed(self, rows: int) -> bool:
-        """Whether a product of `rows` rows reads the transposed copy (`rowwise_matmul`), where held."""
-        return self.transposed is not None and rows <= ROWWISE_MAX_ROWS
+    def reads_transposed(self, rows: int, max_rows: int = 2) -> bool:
+        """Whether a product of `rows` rows reads the transposed copy (`rowwise_matmul`), where held:
+        up to `max_rows` (2 for an expert, which stays in cache between its rows; from 4 rows the
+        `[in, out]` bits are as fast, and from 16 much faster: the bf16 dot)."""
+        return self.transposed is not None and rows <= max_rows
 
     @property
     def ndim(self) -> int:
@@ -161,9 +163,6 @@ def _swap_last(bits: jax.Array) -> jax.Array:
     return jnp.swapaxes(bits, -1, -2)
 
 
-ROWWISE_MAX_ROWS = 2  # from 4 rows the `[in, out]` bits are as fast, and from 16 much faster (bf16 dot)
-
-
 def rowwise_matmul(x: jax.Array, w: Bf16Bits) -> jax.Array:
     """float32 `x [r, i] @ w [i, o]` for a few rows, one row at a time against `w.transposed`
     `[o, i]`: each a product XLA:CPU computes as one fused widen-multiply-reduce over the minor axis
@@ -208,7 +207,7 @@ def einsum(spec: str, x: jax.Array, w: Any, **kwargs) -> jax.Array:
         matmul, rows = _is_matmul(spec), int(np.prod(x.shape[:-1]))
         if matmul and native_bf16(w, rows):
             return bf16_dot(x, w).astype(kwargs.get("preferred_element_type") or w.dtype)
-        if matmul and w.transposed is not None and rows == 1:
+        if matmul and w.reads_transposed(rows, max_rows=1):  # a larger weight leaves the cache between rows
             out = rowwise_matmul(x.reshape(1, -1).astype(jnp.float32), w).reshape(*x.shape[:-1], -1)
         elif w.reads_wide(rows):
             out = jnp.einsum(spec, x.astype(jnp.float32), w.wide, **kwargs)
