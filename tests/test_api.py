@@ -53,7 +53,7 @@ def test_large_weights_are_drawn_in_slices_and_int8_stacks_layer_by_layer(small_
     RANDOM_CHUNK_ELEMENTS is drawn slice by slice along an axis the default rules never split, and an
     int8 stack is drawn and quantized one layer at a time: the same int8 values as quantizing the
     float32 weights of the same seed."""
-    from dsr1.core import params
+    from dsr1.core import params, quant
 
     gate_spec = params.per_layer(params.float_specs(CFG)["moe_layers"]["moe"]["gate"])
     assert params._slicing(gate_spec) == (1, 2)  # [16, 128, 64] in 64 slices of 2 rows under the patched size
@@ -67,7 +67,17 @@ def test_large_weights_are_drawn_in_slices_and_int8_stacks_layer_by_layer(small_
 
     int8 = dsr1.init_random(CFG, seed=3, dtype="float32", quant="int8")
     expected = params.quantize_like(params.param_specs(CFG, "int8"), f32.params)
-    for got, want in zip(jax.tree.leaves(int8.params), jax.tree.leaves(expected)):
+
+    def is_int8(w):
+        return isinstance(w, quant.Int8Weight)
+
+    held = jax.tree.leaves(int8.params, is_leaf=is_int8)
+    copies = [w for w in held if is_int8(w) and w.transposed is not None]
+    assert copies, "the int8 matrices of x @ W products keep their values transposed on CPU"
+    for w in copies:
+        np.testing.assert_array_equal(np.asarray(w.transposed), np.swapaxes(np.asarray(w.q), -1, -2))
+    stored = [dataclasses.replace(w, transposed=None) if is_int8(w) else w for w in held]
+    for got, want in zip(jax.tree.leaves(stored), jax.tree.leaves(expected)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
@@ -233,6 +243,35 @@ def test_matrices_keep_transposed_bits_for_one_row(monkeypatch):
         assert calls == [1], (rows, calls)  # traced once, for the one-row product only
         want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_matrices_keep_transposed_values_for_one_row(monkeypatch):
+    """The same for int8 weights: the matrices of `x @ W` products also hold their int8 values
+    transposed (`quant.with_transposed`; the other weights not), a one-row product multiplies against
+    that copy and scales its output, and both forms equal the float64 product of `q * scale`."""
+    import jax
+
+    from dsr1.core import quant
+
+    layers = dsr1.init_random(dsr1.Config.preset("tiny"), seed=0, dtype="float32", quant="int8").params["moe_layers"]
+    kept = {name: layers[name].transposed is not None for name in ("q_a", "kv_a", "q_b", "o")}
+    assert kept == {"q_a": True, "kv_a": True, "q_b": False, "o": False}
+    w = jax.tree.map(lambda a: a[0], layers["moe"]["shared"]["down"])
+    np.testing.assert_array_equal(np.asarray(w.transposed), np.asarray(w.q).T)
+    assert w.nbytes == 2 * w.q.nbytes + w.scale.nbytes and w.bytes_read(1) == w.q.nbytes + w.scale.nbytes
+    assert quant.with_transposed(w) is w  # idempotent
+    traced = jax.jit(lambda q, s: quant.with_transposed(quant.Int8Weight(q, s)))(w.q, w.scale)
+    assert traced.transposed is None  # a program given int8 arrays would transpose them on every call
+    calls = []
+    rowwise = quant.rowwise_matmul
+    monkeypatch.setattr(quant, "rowwise_matmul", lambda x, w: calls.append(x.shape[0]) or rowwise(x, w))
+    rng = np.random.default_rng(0)
+    dequantized = np.asarray(w.q, np.float64) * np.asarray(w.scale, np.float64)
+    for rows in (1, 2):
+        x = jnp.asarray(rng.standard_normal((rows, 1, w.shape[0])), jnp.float32)
+        got = jax.jit(lambda x, w: quant.einsum("...d,dv->...v", x, w, preferred_element_type=jnp.float32))(x, w)
+        assert calls == [1], (rows, calls)  # traced once, for the one-row product only
+        np.testing.assert_allclose(np.asarray(got), np.asarray(x, np.float64) @ dequantized, rtol=1e-5, atol=1e-5)
 
 
 def test_bf16_products_of_many_rows_compute_in_bf16():

@@ -129,17 +129,20 @@ def test_every_kernel_matches_ragged_dot_in_place(tokens, quant):
 
 
 @pytest.mark.parametrize("tokens", [1, 2, 8])
-def test_expert_loop_reads_bf16_experts_transposed_for_one_and_two_rows(tokens, monkeypatch):
-    """On CPU the bf16 expert stacks also hold their bits transposed, `[L, E, out, in]`, and the
-    loop's blocks of one or two rows (decode) multiply each row against that copy; the result equals
-    `ragged_dot` on the `[in, out]` bits (both widen exactly and sum in float32)."""
+@pytest.mark.parametrize("dtype,quant", [("bfloat16", None), ("float32", "int8")])
+def test_expert_loop_reads_experts_transposed_for_one_and_two_rows(tokens, dtype, quant, monkeypatch):
+    """On CPU the bf16 and int8 expert stacks also hold their values transposed, `[L, E, out, in]`,
+    and the loop's blocks of one or two rows (decode) multiply each row against that copy (int8: then
+    scale it); the result equals `ragged_dot` on the `[in, out]` values (all widen exactly and sum in
+    float32)."""
     import dsr1.core.moe as moe_module
 
     from .moe_worker import kernel_outputs
 
-    model = dsr1.init_random(TINY, seed=5, dtype="bfloat16")
+    model = dsr1.init_random(TINY, seed=5, dtype=dtype, quant=quant)
     gate = model.params["moe_layers"]["moe"]["gate"]
-    np.testing.assert_array_equal(np.asarray(gate.transposed), np.swapaxes(np.asarray(gate.bits), -1, -2))
+    values = gate.q if quant else gate.bits
+    np.testing.assert_array_equal(np.asarray(gate.transposed), np.swapaxes(np.asarray(values), -1, -2))
     calls = []
     rowwise = moe_module.rowwise_matmul
     monkeypatch.setattr(moe_module, "rowwise_matmul", lambda x, w: calls.append(x.shape[0]) or rowwise(x, w))

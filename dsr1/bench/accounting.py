@@ -15,16 +15,18 @@ import numpy as np
 from ..core.cache import check_kv_cache_dtype
 from ..core.config import Config
 from ..core.params import Params
-from ..core.quant import Bf16Bits
+from ..core.quant import Bf16Bits, Int8Weight
 
 ROUTED = ("gate", "up", "down")  # the routed-expert stacks under params["moe_layers"]["moe"]
 
 
 def _nbytes(tree: Any, rows: int | None = None) -> int:
     """Bytes of every array in a pytree (int8 values and their scales both count); with `rows`, the
-    bytes a product of that many rows reads (a `Bf16Bits` head's float32 copy for one row, else its bits)."""
-    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, Bf16Bits))
-    return sum(int(x.bytes_read(rows) if rows and isinstance(x, Bf16Bits) else x.nbytes) for x in leaves)
+    bytes a product of that many rows reads (a `Bf16Bits` head's float32 copy for one row, else its bits;
+    an int8 weight's values and scales), not the CPU's transposed copies as well."""
+    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, (Bf16Bits, Int8Weight)))
+    return sum(int(x.bytes_read(rows) if rows and isinstance(x, (Bf16Bits, Int8Weight)) else x.nbytes)
+               for x in leaves)
 
 
 def expert_bytes(params: Params) -> int:

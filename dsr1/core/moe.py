@@ -134,12 +134,12 @@ def _expert_matmul(x: jax.Array, w: Any) -> jax.Array:
             return jnp.dot(x, w.q.astype(x.dtype), preferred_element_type=jnp.float32) * w.scale
         return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
     highest = jax.lax.Precision.HIGHEST
+    if isinstance(w, (Bf16Bits, Int8Weight)) and w.reads_transposed(x.shape[0]):
+        return rowwise_matmul(x, w)
     if isinstance(w, Int8Weight):
         return jnp.dot(x, widen(w.q), precision=highest) * w.scale
     if native_bf16(w, x.shape[0]):
         return bf16_dot(x, w)
-    if isinstance(w, Bf16Bits) and w.reads_transposed(x.shape[0]):
-        return rowwise_matmul(x, w)
     return jnp.dot(x, widen(w), precision=highest)  # plain float32 or `Bf16Bits`
 
 
@@ -269,13 +269,14 @@ def _partition_spec(w: Any, axes: tuple[str, ...], rules: ShardingRules) -> Any:
     """The shard_map spec of a stacked `[L, E, ...]` expert weight (and of its int8 scales, which drop
     the input axis; `input_axes` count within one layer)."""
     axes = ("layers", *axes)
-    if isinstance(w, Bf16Bits) and w.transposed is not None:
-        return Bf16Bits(rules.spec(axes), one_device=w.one_device,
-                        transposed=rules.spec((*axes[:-2], axes[-1], axes[-2])))
+    # The CPU's transposed copy is split like the weight: its spec with the last two axes swapped.
+    transposed = None if getattr(w, "transposed", None) is None else rules.spec((*axes[:-2], axes[-1], axes[-2]))
+    if isinstance(w, Bf16Bits) and transposed is not None:
+        return Bf16Bits(rules.spec(axes), one_device=w.one_device, transposed=transposed)
     if not isinstance(w, Int8Weight):
         return rules.spec(axes)
     scale_axes = tuple(a for i, a in enumerate(axes) if i - 1 not in w.input_axes)
-    return Int8Weight(rules.spec(axes), rules.spec(scale_axes), w.input_axes)
+    return Int8Weight(rules.spec(axes), rules.spec(scale_axes), w.input_axes, transposed)
 
 
 def routed_experts(p: dict, x: jax.Array, weights: jax.Array, experts: jax.Array, mesh: Mesh,

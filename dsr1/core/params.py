@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from .config import Config
-from .quant import Bf16Bits, Int8Weight, as_bits, check_quant, quantize, widens_on_use
+from .quant import Bf16Bits, Int8Weight, as_bits, check_quant, quantize, widens_on_use, with_transposed
 from .sharding import DEFAULT_RULES, LogicalAxes, ShardingRules
 
 Params = dict[str, Any]  # nested dicts of jax.Array / Int8Weight, same structure as param_specs()
@@ -335,12 +335,15 @@ def compute_view(params: Params, cfg: Config) -> Params:
     (the lm_head, the MTP heads) also keep a float32 copy for one-row products (`quant.as_bits`):
     the largest weights a decode step reads outside any loop; the matrices of `x @ W` products (routed
     experts, MLPs, `q_a`, `kv_a`) also keep their bits transposed, `[..., out, in]`, for products of
-    one row (decode; the expert loop's blocks of two rows too). Idempotent."""
+    one row (decode; the expert loop's blocks of two rows too), and so do those matrices' int8
+    values (`quant.with_transposed`). Idempotent."""
     if not widens_on_use():
         return params
     specs = float_specs(cfg, mtp="mtp" in params)
 
     def one(spec: ArrayInfo, w: Any) -> Any:
+        if isinstance(w, Int8Weight):
+            return with_transposed(w) if multiplies_last_two_axes(spec) else w
         is_matrix = spec.init == "normal" and not isinstance(w, (Int8Weight, Bf16Bits))
         if not is_matrix or w.dtype != jnp.bfloat16:
             return w

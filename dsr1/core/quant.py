@@ -26,12 +26,26 @@ import numpy as np
 QUANT_MODES = (None, "int8")
 
 
+class _TransposedCopy:
+    """A weight that may also hold its values with the last two axes swapped (`transposed`,
+    `[..., out, in]`; CPU, see `as_bits` and `with_transposed`) for products of one or two rows."""
+
+    transposed: Any
+
+    def reads_transposed(self, rows: int, max_rows: int = 2) -> bool:
+        """Whether a product of `rows` rows reads the transposed copy (`rowwise_matmul`), where held:
+        up to `max_rows` (2 for an expert, which stays in cache between its rows; from 4 rows the
+        `[in, out]` weight is as fast, and from 16 much faster in bf16: the bf16 dot)."""
+        return self.transposed is not None and rows <= max_rows
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Int8Weight:
+class Int8Weight(_TransposedCopy):
     q: Any  # int8, the weight's shape
     scale: Any  # float32, the weight's shape without its input axes
     input_axes: tuple[int, ...] = dataclasses.field(default=(0,), metadata=dict(static=True))
+    transposed: Any = None  # `q` with the last two axes swapped, for one-row products (`with_transposed`)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -40,6 +54,15 @@ class Int8Weight:
     @property
     def dtype(self):
         return self.q.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the values, their scales and the transposed copy where there is one."""
+        return self.bytes_read() + (0 if self.transposed is None else self.transposed.nbytes)
+
+    def bytes_read(self, rows: int = 1) -> int:
+        """Bytes a product reads: the values (or their transposed copy, the same size) and the scales."""
+        return self.q.nbytes + self.scale.nbytes
 
 
 def check_quant(quant: str | None) -> str | None:
@@ -68,7 +91,7 @@ def widens_on_use() -> bool:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Bf16Bits:
+class Bf16Bits(_TransposedCopy):
     """A bf16 weight seen as its uint16 bits (a free bitcast), so that XLA:CPU treats it as integers:
     it normalizes bf16 slices and loop operands to float32 and hoists that `convert` of the whole
     stack out of the loops, on every call. `widen` turns the bits of the slice in use into float32.
@@ -104,12 +127,6 @@ class Bf16Bits:
     def bytes_read(self, rows: int) -> int:
         """Bytes a product of `rows` rows reads (`einsum`; the transposed copy is the bits' size)."""
         return self.wide.nbytes if self.reads_wide(rows) else self.bits.nbytes
-
-    def reads_transposed(self, rows: int, max_rows: int = 2) -> bool:
-        """Whether a product of `rows` rows reads the transposed copy (`rowwise_matmul`), where held:
-        up to `max_rows` (2 for an expert, which stays in cache between its rows; from 4 rows the
-        `[in, out]` bits are as fast, and from 16 much faster: the bf16 dot)."""
-        return self.transposed is not None and rows <= max_rows
 
     @property
     def ndim(self) -> int:
@@ -157,19 +174,32 @@ def as_bits(w: jax.Array, *, keep_float32: bool = False, keep_transposed: bool =
     return Bf16Bits(bits, wide, transposed=_swap_last(bits) if keep_transposed and not traced else None)
 
 
+def with_transposed(w: Int8Weight) -> Int8Weight:
+    """An int8 weight that also holds its values transposed, `[..., out, in]`, for products of one or
+    two rows (`rowwise_matmul`), as `as_bits` does for bf16: XLA:CPU reads int8 `[out, in]` values
+    in a one-row product at ~8 GB/s, ~3.5x faster than the `[in, out]` values it first widens and
+    writes out as float32 (24 random 0.5 MB experts: 1.5 against 5.3 ms; docs/performance.md).
+    Traced values (a program given int8 arrays) get no copy, nor does a weight that has one."""
+    if w.transposed is not None or isinstance(w.q, jax.core.Tracer):
+        return w
+    return dataclasses.replace(w, transposed=_swap_last(w.q))
+
+
 @jax.jit
 def _swap_last(bits: jax.Array) -> jax.Array:
     """A copy with the last two axes swapped (XLA transposes ~2 GB/s on one core; numpy far slower)."""
     return jnp.swapaxes(bits, -1, -2)
 
 
-def rowwise_matmul(x: jax.Array, w: Bf16Bits) -> jax.Array:
+def rowwise_matmul(x: jax.Array, w: Bf16Bits | Int8Weight) -> jax.Array:
     """float32 `x [r, i] @ w [i, o]` for a few rows, one row at a time against `w.transposed`
     `[o, i]`: each a product XLA:CPU computes as one fused widen-multiply-reduce over the minor axis
-    (see `as_bits`). The weight stays in cache between rows."""
-    wide_t = widen(Bf16Bits(w.transposed))
+    (see `as_bits`). The weight stays in cache between rows. An int8 weight's rows are scaled after."""
+    wide_t = widen(Bf16Bits(w.transposed) if isinstance(w, Bf16Bits) else w.transposed)
+    x = x.astype(jnp.float32)
     rows = [jnp.dot(x[r:r + 1], wide_t.T, precision=jax.lax.Precision.HIGHEST) for r in range(x.shape[0])]
-    return jnp.concatenate(rows) if len(rows) > 1 else rows[0]
+    y = jnp.concatenate(rows) if len(rows) > 1 else rows[0]
+    return y * w.scale if isinstance(w, Int8Weight) else y
 
 
 NATIVE_BF16_ROWS = 16
@@ -208,7 +238,7 @@ def einsum(spec: str, x: jax.Array, w: Any, **kwargs) -> jax.Array:
         if matmul and native_bf16(w, rows):
             return bf16_dot(x, w).astype(kwargs.get("preferred_element_type") or w.dtype)
         if matmul and w.reads_transposed(rows, max_rows=1):  # a larger weight leaves the cache between rows
-            out = rowwise_matmul(x.reshape(1, -1).astype(jnp.float32), w).reshape(*x.shape[:-1], -1)
+            out = rowwise_matmul(x.reshape(1, -1), w).reshape(*x.shape[:-1], -1)
         elif w.reads_wide(rows):
             out = jnp.einsum(spec, x.astype(jnp.float32), w.wide, **kwargs)
         elif matmul and w.one_device and w.size > WIDEN_CHUNK_ELEMENTS:
@@ -224,6 +254,9 @@ def einsum(spec: str, x: jax.Array, w: Any, **kwargs) -> jax.Array:
         raise ValueError(f"einsum {spec!r}: the weight needs one subscript per axis")
     scale_sub = "".join(c for i, c in enumerate(w_sub) if i not in w.input_axes)
     dtype = kwargs.get("preferred_element_type") or x.dtype
+    rows = int(np.prod(x.shape[:-1]))
+    if _is_matmul(spec) and w.reads_transposed(rows, max_rows=1):  # CPU only: the copy is made there
+        return rowwise_matmul(x.reshape(1, -1), w).reshape(*x.shape[:-1], -1).astype(dtype)
     if widens_on_use():
         x = x.astype(jnp.float32)
     q = widen(w.q) if widens_on_use() else w.q.astype(x.dtype)
