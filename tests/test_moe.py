@@ -128,13 +128,13 @@ def test_every_kernel_matches_ragged_dot_in_place(tokens, quant):
         np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max(), err_msg=name)
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 8])
+@pytest.mark.parametrize("tokens", [1, 2, 8, 16])
 @pytest.mark.parametrize("dtype,quant", [("bfloat16", None), ("float32", "int8")])
-def test_expert_loop_reads_experts_transposed_for_one_and_two_rows(tokens, dtype, quant, monkeypatch):
+def test_expert_loop_reads_experts_transposed_for_blocks_of_few_rows(tokens, dtype, quant, monkeypatch):
     """On CPU the bf16 and int8 expert stacks also hold their values transposed, `[L, E, out, in]`,
-    and the loop's blocks of one or two rows (decode) multiply each row against that copy (int8: then
-    scale it); the result equals `ragged_dot` on the `[in, out]` values (all widen exactly and sum in
-    float32)."""
+    and the loop's blocks of up to `expert_rows` rows (bf16: 2, decode; int8: 4, a short prefill too)
+    multiply each row against that copy (int8: then scale it); the result equals `ragged_dot` on the
+    `[in, out]` values (all widen exactly and sum in float32). 16 tokens run blocks of 4 here."""
     import dsr1.core.moe as moe_module
 
     from .moe_worker import kernel_outputs
@@ -147,7 +147,12 @@ def test_expert_loop_reads_experts_transposed_for_one_and_two_rows(tokens, dtype
     rowwise = moe_module.rowwise_matmul
     monkeypatch.setattr(moe_module, "rowwise_matmul", lambda x, w: calls.append(x.shape[0]) or rowwise(x, w))
     outputs = kernel_outputs(model, tokens)
-    assert calls and set(calls) <= {1, 2}, calls  # the loop's gate, up and down products took the copy
+    block = moe_module.loop_block_rows(tokens, tokens * TINY.num_experts_per_tok, TINY.n_routed_experts)
+    if block <= gate.expert_rows:  # the loop's gate, up and down products took the copy
+        assert calls and set(calls) <= {block}, calls
+    else:
+        assert not calls, calls
+    assert tokens != 16 or block == 4  # the case where int8 reads the copy and bf16 does not
     ref = outputs.pop("ragged_dot")
     for name, out in outputs.items():
         np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max(), err_msg=name)
