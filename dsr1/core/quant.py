@@ -28,7 +28,7 @@ QUANT_MODES = (None, "int8")
 
 class _TransposedCopy:
     """A weight that may also hold its values with the last two axes swapped (`transposed`,
-    `[..., out, in]`; CPU, see `as_bits` and `with_transposed`) for products of one or two rows."""
+    `[..., out, in]`; CPU, see `as_bits` and `with_transposed`) for products of a few rows."""
 
     transposed: Any
     # The most rows of an expert (which stays in cache between its rows) that read the copy: for bf16
@@ -178,8 +178,8 @@ def as_bits(w: jax.Array, *, keep_float32: bool = False, keep_transposed: bool =
 
 
 def with_transposed(w: Int8Weight) -> Int8Weight:
-    """An int8 weight that also holds its values transposed, `[..., out, in]`, for products of one or
-    two rows (`rowwise_matmul`), as `as_bits` does for bf16: XLA:CPU reads int8 `[out, in]` values
+    """An int8 weight that also holds its values transposed, `[..., out, in]`, for products of a few
+    rows (`rowwise_matmul`), as `as_bits` does for bf16: XLA:CPU reads int8 `[out, in]` values
     in a one-row product at ~8 GB/s, ~3.5x faster than the `[in, out]` values it first widens and
     writes out as float32 (24 random 0.5 MB experts: 1.5 against 5.3 ms; docs/performance.md).
     Traced values (a program given int8 arrays) get no copy, nor does a weight that has one."""
