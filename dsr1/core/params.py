@@ -344,7 +344,7 @@ def compute_view(params: Params, cfg: Config) -> Params:
     def one(spec: ArrayInfo, w: Any) -> Any:
         if isinstance(w, Int8Weight):
             return with_transposed(w) if multiplies_last_two_axes(spec) else w
-        is_matrix = spec.init == "normal" and not isinstance(w, (Int8Weight, Bf16Bits))
+        is_matrix = spec.init == "normal" and not isinstance(w, Bf16Bits)
         if not is_matrix or w.dtype != jnp.bfloat16:
             return w
         return as_bits(w, keep_float32=is_output_head(spec), keep_transposed=multiplies_last_two_axes(spec))

@@ -236,13 +236,15 @@ def widen(w: Any) -> jax.Array:
 
 def einsum(spec: str, x: jax.Array, w: Any, **kwargs) -> jax.Array:
     """`jnp.einsum(spec, x, w)` for a plain, `Bf16Bits` or `Int8Weight` weight (the second operand)."""
+    matmul, rows = _is_matmul(spec), int(np.prod(x.shape[:-1]))
+    if matmul and isinstance(w, _TransposedCopy) and w.reads_transposed(rows, max_rows=1):
+        # One row against the CPU's transposed copy (a larger weight leaves the cache between rows).
+        dtype = kwargs.get("preferred_element_type") or (w.dtype if isinstance(w, Bf16Bits) else x.dtype)
+        return rowwise_matmul(x.reshape(1, -1), w).reshape(*x.shape[:-1], -1).astype(dtype)
     if isinstance(w, Bf16Bits):
-        matmul, rows = _is_matmul(spec), int(np.prod(x.shape[:-1]))
         if matmul and native_bf16(w, rows):
             return bf16_dot(x, w).astype(kwargs.get("preferred_element_type") or w.dtype)
-        if matmul and w.reads_transposed(rows, max_rows=1):  # a larger weight leaves the cache between rows
-            out = rowwise_matmul(x.reshape(1, -1), w).reshape(*x.shape[:-1], -1)
-        elif w.reads_wide(rows):
+        if w.reads_wide(rows):
             out = jnp.einsum(spec, x.astype(jnp.float32), w.wide, **kwargs)
         elif matmul and w.one_device and w.size > WIDEN_CHUNK_ELEMENTS:
             out = _chunked_matmul(x.astype(jnp.float32), w, **kwargs)
@@ -257,9 +259,6 @@ def einsum(spec: str, x: jax.Array, w: Any, **kwargs) -> jax.Array:
         raise ValueError(f"einsum {spec!r}: the weight needs one subscript per axis")
     scale_sub = "".join(c for i, c in enumerate(w_sub) if i not in w.input_axes)
     dtype = kwargs.get("preferred_element_type") or x.dtype
-    rows = int(np.prod(x.shape[:-1]))
-    if _is_matmul(spec) and w.reads_transposed(rows, max_rows=1):  # CPU only: the copy is made there
-        return rowwise_matmul(x.reshape(1, -1), w).reshape(*x.shape[:-1], -1).astype(dtype)
     if widens_on_use():
         x = x.astype(jnp.float32)
     q = widen(w.q) if widens_on_use() else w.q.astype(x.dtype)
