@@ -24,3 +24,15 @@ def fixture(request, all_fixtures) -> Fixture:
 def grouped(all_fixtures) -> Fixture:
     """The R1-like variant: group-limited routing, q_lora, odd head dims, MTP layer in the folder."""
     return all_fixtures["grouped_qlora"]
+
+
+@pytest.fixture(params=[True, False], ids=["kernel", "xla"])
+def cpu_kernel(request, monkeypatch) -> bool:
+    """Run a test with dsr1's CPU decode kernel (skipped where it is not built) and without it
+    (`DSR1_CPU_KERNELS=0`: XLA's own products)."""
+    from dsr1.core import cpu_kernels
+
+    if request.param and not cpu_kernels.available():
+        pytest.skip("dsr1's CPU kernel is not built on this machine (no C++ compiler or no AVX-512)")
+    monkeypatch.setenv("DSR1_CPU_KERNELS", "1" if request.param else "0")
+    return request.param

@@ -183,38 +183,68 @@ def test_large_bf16_matmul_widens_in_column_blocks(rows):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
 
 
-def test_output_heads_keep_a_float32_copy_for_one_row():
-    """On CPU the lm_head (and an MTP head) also holds its values widened once: a one-row product
-    reads that float32 copy (no widening in the program), a product of more rows the bf16 bits, and
-    both give the float32 product of the bf16 values."""
+def _count_products(monkeypatch, module) -> dict[str, list[int]]:
+    """The rows of every `rowwise_matmul` (XLA, one row at a time) and `kernel_matmul` (dsr1's CPU
+    kernel) product that `module` traces from now on."""
+    calls = {"rowwise_matmul": [], "kernel_matmul": []}
+    for name, rows in calls.items():
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name,
+                            lambda x, w, *index, f=original, c=rows: c.append(x.shape[0]) or f(x, w, *index))
+    return calls
+
+
+def _expected_products(kernel: bool, rows_traced: tuple[int, ...], kernel_rows: int) -> dict[str, list[int]]:
+    """Which products read the transposed copy: with the kernel up to `KERNEL_ROWS` rows, else one row."""
+    if kernel:
+        return {"rowwise_matmul": [], "kernel_matmul": [r for r in rows_traced if r <= kernel_rows]}
+    return {"rowwise_matmul": [r for r in rows_traced if r == 1], "kernel_matmul": []}
+
+
+def test_output_heads_keep_a_copy_for_few_rows(cpu_kernel, monkeypatch):
+    """On CPU the lm_head (and an MTP head) also holds its values in a second form for decode: with
+    dsr1's CPU kernel its bits transposed, which products of up to `KERNEL_ROWS` rows read; without it
+    its values widened once, which a one-row product reads (no widening in the program). Products of
+    more rows widen the bf16 bits. All give the float32 product of the bf16 values."""
     from dsr1.core import quant
+    from dsr1.core.cpu_kernels import KERNEL_ROWS
 
     cfg = dataclasses.replace(dsr1.Config.preset("tiny"), num_nextn_predict_layers=1)
     model = dsr1.init_random(cfg, seed=0, mtp=True)
-    head = model.params["lm_head"]
-    assert isinstance(head, quant.Bf16Bits) and head.wide.dtype == jnp.float32
-    np.testing.assert_array_equal(np.asarray(head.wide), np.asarray(head, np.float32))
-    assert model.params["mtp"]["head"].wide is not None
+    head, mtp_head = model.params["lm_head"], model.params["mtp"]["head"]
+    assert isinstance(head, quant.Bf16Bits)
+    if cpu_kernel:
+        assert head.wide is None and mtp_head.wide is None and mtp_head.transposed is not None
+        np.testing.assert_array_equal(np.asarray(head.transposed), np.asarray(head.bits).T)
+        assert head.nbytes == head.size * 4 and head.bytes_read(1) == head.size * 2
+    else:
+        assert head.wide.dtype == jnp.float32 and head.transposed is None and mtp_head.wide is not None
+        np.testing.assert_array_equal(np.asarray(head.wide), np.asarray(head, np.float32))
+        assert head.nbytes == head.size * 6 and head.bytes_read(1) == head.size * 4
     assert model.params["moe_layers"]["q_b"].wide is None and model.params["embed"].wide is None
-    assert head.nbytes == head.size * 6 and head.bytes_read(1) == head.size * 4 and head.bytes_read(2) == head.size * 2
+    assert head.bytes_read(2) == head.size * 2
     product = jax.jit(lambda x, w: quant.einsum("...d,dv->...v", x, w, preferred_element_type=jnp.float32))
     rng = np.random.default_rng(0)
-    for rows in (1, 2):
+    for rows in (1, 2, KERNEL_ROWS, KERNEL_ROWS + 1):
         x = jnp.asarray(rng.standard_normal((rows, 1, head.shape[0])), jnp.float32)
         program = product.lower(x, head).as_text()
-        assert ("shift_left" in program) == (rows > 1)  # bits widened only beyond one row
+        reads_copy = rows <= KERNEL_ROWS if cpu_kernel else rows == 1
+        assert ("shift_left" in program) != reads_copy  # bits widened only where the copy is not read
+        assert ("dsr1_rows_dot_bf16" in program) == (cpu_kernel and reads_copy)
         want = np.asarray(x, np.float64) @ np.asarray(head, np.float64)
         np.testing.assert_allclose(np.asarray(product(x, head)), want, rtol=1e-5, atol=1e-5)
 
 
-def test_matrices_keep_transposed_bits_for_one_row(monkeypatch):
+def test_matrices_keep_transposed_bits_for_few_rows(cpu_kernel, monkeypatch):
     """On CPU the bf16 matrices that products contract over their second-to-last axis (the routed
-    experts, the dense and shared MLPs, `q_a`, `kv_a`) also hold their bits transposed; a one-row
-    product multiplies against that copy (`quant.rowwise_matmul`), more rows against the bits, and
-    both give the float32 product of the bf16 values."""
+    experts, the dense and shared MLPs, `q_a`, `kv_a`; with dsr1's CPU kernel the lm_head too) also hold
+    their bits transposed (with the kernel the attention weights hold a copy too); with the kernel products of up to `KERNEL_ROWS` rows read that copy
+    (`quant.kernel_matmul`), without it one-row products (`quant.rowwise_matmul`); more rows read the
+    bits, and all give the float32 product of the bf16 values."""
     import jax
 
     from dsr1.core import quant
+    from dsr1.core.cpu_kernels import KERNEL_ROWS
 
     params = dsr1.init_random(dsr1.Config.preset("tiny"), seed=0).params
     layers = params["moe_layers"]
@@ -226,52 +256,53 @@ def test_matrices_keep_transposed_bits_for_one_row(monkeypatch):
                                                           ("wk_b", layers["wk_b"]), ("lm_head", params["lm_head"]),
                                                           ("embed", params["embed"]))}
     assert kept == {"kv_a": True, "q_a": True, "shared up": True, "experts": True, "dense mlp": True,
-                    "q_b": False, "o": False, "wk_b": False, "lm_head": False, "embed": False}
+                    "q_b": cpu_kernel, "o": cpu_kernel, "wk_b": cpu_kernel, "lm_head": cpu_kernel, "embed": False}
+    # (the attention weights' copies are laid out for their decode products: tests/test_cpu_kernels.py)
     w = jax.tree.map(lambda a: a[0], layers["moe"]["shared"]["down"])
     np.testing.assert_array_equal(np.asarray(w.transposed), np.asarray(w.bits).T)
     assert w.nbytes == 2 * w.bits.nbytes and w.bytes_read(1) == w.bits.nbytes
     # A program given bf16 arrays would transpose them on every call: no copy there.
     traced = jax.jit(lambda a: quant.as_bits(a, keep_transposed=True))(jnp.asarray(w, jnp.bfloat16))
     assert traced.transposed is None
-    calls = []
-    rowwise = quant.rowwise_matmul
-    monkeypatch.setattr(quant, "rowwise_matmul", lambda x, w: calls.append(x.shape[0]) or rowwise(x, w))
+    calls = _count_products(monkeypatch, quant)
     rng = np.random.default_rng(0)
-    for rows in (1, 2):
+    all_rows = (1, 2, KERNEL_ROWS, KERNEL_ROWS + 1)
+    for rows in all_rows:
         x = jnp.asarray(rng.standard_normal((rows, 1, w.shape[0])), jnp.float32)
         got = jax.jit(lambda x, w: quant.einsum("...d,dv->...v", x, w, preferred_element_type=jnp.float32))(x, w)
-        assert calls == [1], (rows, calls)  # traced once, for the one-row product only
         want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    assert calls == _expected_products(cpu_kernel, all_rows, KERNEL_ROWS)
 
 
-def test_int8_matrices_keep_transposed_values_for_one_row(monkeypatch):
+def test_int8_matrices_keep_transposed_values_for_few_rows(cpu_kernel, monkeypatch):
     """The same for int8 weights: the matrices of `x @ W` products also hold their int8 values
-    transposed (`quant.with_transposed`; the other weights not), a one-row product multiplies against
-    that copy and scales its output, and both forms equal the float64 product of `q * scale`."""
+    transposed (`quant.with_transposed`; the other weights not), products of few rows multiply
+    against that copy and scale their output, and all forms equal the float64 product of `q * scale`."""
     import jax
 
     from dsr1.core import quant
+    from dsr1.core.cpu_kernels import KERNEL_ROWS
 
     layers = dsr1.init_random(dsr1.Config.preset("tiny"), seed=0, dtype="float32", quant="int8").params["moe_layers"]
     kept = {name: layers[name].transposed is not None for name in ("q_a", "kv_a", "q_b", "o")}
     assert kept == {"q_a": True, "kv_a": True, "q_b": False, "o": False}
+    assert layers["q_a"].one_device
     w = jax.tree.map(lambda a: a[0], layers["moe"]["shared"]["down"])
     np.testing.assert_array_equal(np.asarray(w.transposed), np.asarray(w.q).T)
     assert w.nbytes == 2 * w.q.nbytes + w.scale.nbytes and w.bytes_read(1) == w.q.nbytes + w.scale.nbytes
     assert quant.with_transposed(w) is w  # idempotent
     traced = jax.jit(lambda q, s: quant.with_transposed(quant.Int8Weight(q, s)))(w.q, w.scale)
     assert traced.transposed is None  # a program given int8 arrays would transpose them on every call
-    calls = []
-    rowwise = quant.rowwise_matmul
-    monkeypatch.setattr(quant, "rowwise_matmul", lambda x, w: calls.append(x.shape[0]) or rowwise(x, w))
+    calls = _count_products(monkeypatch, quant)
     rng = np.random.default_rng(0)
     dequantized = np.asarray(w.q, np.float64) * np.asarray(w.scale, np.float64)
-    for rows in (1, 2):
+    all_rows = (1, 2, KERNEL_ROWS, KERNEL_ROWS + 1)
+    for rows in all_rows:
         x = jnp.asarray(rng.standard_normal((rows, 1, w.shape[0])), jnp.float32)
         got = jax.jit(lambda x, w: quant.einsum("...d,dv->...v", x, w, preferred_element_type=jnp.float32))(x, w)
-        assert calls == [1], (rows, calls)  # traced once, for the one-row product only
         np.testing.assert_allclose(np.asarray(got), np.asarray(x, np.float64) @ dequantized, rtol=1e-5, atol=1e-5)
+    assert calls == _expected_products(cpu_kernel, all_rows, KERNEL_ROWS)
 
 
 def test_bf16_products_of_many_rows_compute_in_bf16():
@@ -293,7 +324,8 @@ def test_bf16_products_of_many_rows_compute_in_bf16():
         x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
         for name, product in (("einsum", lambda x, w: quant.einsum("...d,dv->...v", x, w,
                                                                    preferred_element_type=jnp.float32)),
-                              ("expert block", moe._expert_matmul)):
+                              ("expert block", lambda x, w: moe._expert_matmul(
+                                  x, jax.tree.map(lambda a: a[None, None], w), jnp.int32(0), jnp.int32(0)))):
             hlo = jax.jit(product).lower(x, small).as_text()
             assert ("bf16" in hlo.split("dot_general")[1].split("\n")[0]) == (rows >= n), (name, rows)
             lhs = np.asarray(x.astype(jnp.bfloat16) if rows >= n else x, np.float64)

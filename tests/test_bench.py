@@ -12,7 +12,7 @@ import pytest
 
 import dsr1
 from dsr1.bench import accounting, bandwidth, cli, compare_hf, prefill, serve, timing
-from dsr1.core import quant
+from dsr1.core import cpu_kernels, quant
 
 # The tiny preset with a small vocabulary: every test here stays fast.
 CFG = dataclasses.replace(dsr1.Config.preset("tiny"), vocab_size=512)
@@ -50,8 +50,10 @@ def test_bf16_bytes_match_hand_computation(models):
     c, params = CFG, models["bf16"].params
     d, f = c.hidden_size, c.moe_intermediate_size
     assert accounting.expert_bytes(params) == 3 * d * f * BF16
-    # On CPU a one-row product reads the lm_head's float32 copy; more rows read its bf16 bits.
-    one_row_head = 4 if quant.widens_on_use() else BF16
+    # On CPU without dsr1's kernel a one-row product reads the lm_head's float32 copy; with it, and for
+    # more rows, the bf16 bits (or their transposed copy: the same bytes).
+    kernel = cpu_kernels.available()
+    one_row_head = 4 if quant.widens_on_use() and not kernel else BF16
     assert accounting.fixed_weight_bytes(params, 2) == hand_fixed_bytes(c, BF16, BF16)
     assert accounting.fixed_weight_bytes(params, 1) == hand_fixed_bytes(c, BF16, one_row_head)
     # One row, 4 distinct experts in the first MoE layer, 2 in the second (ids need not be real routes).
@@ -70,7 +72,12 @@ def test_bf16_bytes_match_hand_computation(models):
         copies = (c.num_hidden_layers * d * (c.q_lora_rank + c.kv_lora_rank + c.qk_rope_head_dim)
                   + c.num_dense_layers * 3 * d * c.intermediate_size
                   + c.num_moe_layers * 3 * d * (c.shared_intermediate_size + c.n_routed_experts * f)) * BF16
-        unread += d * c.vocab_size * BF16 + copies
+        if kernel:  # the attention weights laid out for their decode products
+            h, r = c.num_attention_heads, c.kv_lora_rank
+            per_layer = (c.q_lora_rank * h * c.qk_head_dim + h * (c.qk_nope_head_dim + c.v_head_dim) * r
+                         + h * c.v_head_dim * d)
+            copies += c.num_hidden_layers * per_layer * BF16
+        unread += d * c.vocab_size * BF16 + copies  # the lm_head's float32 copy or transposed bits read instead
     assert got.total - got.cache == models["bf16"].weight_bytes() - unread
 
 

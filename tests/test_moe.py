@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import dsr1
+from dsr1.core.cpu_kernels import KERNEL_ROWS
 from dsr1.core.moe import moe, route
 from dsr1.core.sharding import DEFAULT_RULES
 
@@ -130,29 +131,38 @@ def test_every_kernel_matches_ragged_dot_in_place(tokens, quant):
 
 @pytest.mark.parametrize("tokens", [1, 2, 8, 16])
 @pytest.mark.parametrize("dtype,quant", [("bfloat16", None), ("float32", "int8")])
-def test_expert_loop_reads_experts_transposed_for_blocks_of_few_rows(tokens, dtype, quant, monkeypatch):
-    """On CPU the bf16 and int8 expert stacks also hold their values transposed, `[L, E, out, in]`,
-    and the loop's blocks of up to `expert_rows` rows (bf16: 2, decode; int8: 4, a short prefill too)
-    multiply each row against that copy (int8: then scale it); the result equals `ragged_dot` on the
-    `[in, out]` values (all widen exactly and sum in float32). 16 tokens run blocks of 4 here."""
+def test_expert_loop_reads_experts_transposed_for_blocks_of_few_rows(tokens, dtype, quant, cpu_kernel, monkeypatch):
+    """On CPU the bf16 and int8 expert stacks also hold their values transposed, `[L, E, out, in]`.
+    dsr1's CPU kernel reads that copy in place for the loop's blocks of up to `KERNEL_ROWS` rows;
+    without it (`DSR1_CPU_KERNELS=0`) blocks of up to `expert_rows` rows (bf16: 2, decode; int8: 4, a
+    short prefill too) multiply each row against it in XLA (int8: then scale it). Either way the result
+    equals `ragged_dot` on the `[in, out]` values (all widen exactly and sum in float32). 16 tokens run
+    blocks of 4 here."""
     import dsr1.core.moe as moe_module
 
     from .moe_worker import kernel_outputs
 
+    kernel = cpu_kernel
     model = dsr1.init_random(TINY, seed=5, dtype=dtype, quant=quant)
     gate = model.params["moe_layers"]["moe"]["gate"]
     values = gate.q if quant else gate.bits
     np.testing.assert_array_equal(np.asarray(gate.transposed), np.swapaxes(np.asarray(values), -1, -2))
-    calls = []
-    rowwise = moe_module.rowwise_matmul
-    monkeypatch.setattr(moe_module, "rowwise_matmul", lambda x, w: calls.append(x.shape[0]) or rowwise(x, w))
+    calls = {"rowwise_matmul": [], "kernel_matmul": []}
+    for name, product in calls.items():
+        original = getattr(moe_module, name)
+        monkeypatch.setattr(moe_module, name, lambda x, w, *index, f=original, c=product: c.append(x.shape[0])
+                            or f(x, w, *index))
     outputs = kernel_outputs(model, tokens)
     block = moe_module.loop_block_rows(tokens, tokens * TINY.num_experts_per_tok, TINY.n_routed_experts)
-    if block <= gate.expert_rows:  # the loop's gate, up and down products took the copy
-        assert calls and set(calls) <= {block}, calls
+    limit = KERNEL_ROWS if kernel else gate.expert_rows
+    taken, other = (calls["kernel_matmul"], calls["rowwise_matmul"]) if kernel else (
+        calls["rowwise_matmul"], calls["kernel_matmul"])
+    if block <= limit:  # the loop's gate, up and down products took the copy
+        assert taken and set(taken) <= {block}, calls
     else:
-        assert not calls, calls
-    assert tokens != 16 or block == 4  # the case where int8 reads the copy and bf16 does not
+        assert not taken, calls
+    assert not other, calls
+    assert tokens != 16 or block == 4  # the case where, without the kernel, int8 reads the copy and bf16 does not
     ref = outputs.pop("ragged_dot")
     for name, out in outputs.items():
         np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max(), err_msg=name)

@@ -33,6 +33,10 @@ from .rope import apply_rope
 
 NEG_INF = -1e30  # a large finite negative: fully masked rows stay NaN-free
 
+# The decode products of the attention weights that dsr1's CPU kernel computes from copies laid out
+# for them (`params.compute_view`, `quant.kernel_layout`): q up-projection, absorbed W_UK and W_UV, o.
+DECODE_PRODUCTS = {"q_b": "btq,qhk->bthk", "wk_b": "bthn,hnr->bthr", "wv_b": "bhtr,hvr->bhtv", "o": "bhtv,hvd->btd"}
+
 
 def queries(p: dict, x: jax.Array, positions: jax.Array, cfg: Config) -> tuple[jax.Array, jax.Array]:
     """`x [B, T, D]` -> `q_nope [B, T, H, nope]`, `q_pe [B, T, H, rope]` (rope applied)."""
@@ -40,7 +44,7 @@ def queries(p: dict, x: jax.Array, positions: jax.Array, cfg: Config) -> tuple[j
         q = einsum("btd,dhk->bthk", x, p["q"])
     else:
         c_q = rms_norm(matmul(x, p["q_a"]), p["q_a_norm"], cfg.rms_norm_eps)
-        q = einsum("btq,qhk->bthk", c_q, p["q_b"])
+        q = einsum(DECODE_PRODUCTS["q_b"], c_q, p["q_b"])
     q_nope, q_pe = jnp.split(q, [cfg.qk_nope_head_dim], axis=-1)
     return q_nope, apply_rope(q_pe, positions, cfg)
 
@@ -84,7 +88,7 @@ def make_query(p: dict, q_nope: jax.Array, q_pe: jax.Array, absorbed: bool) -> Q
     """The query in the chosen form; absorbed folds `W_UK` in (`[B, T, H, nope] -> [B, T, H, r]`)."""
     if not absorbed:
         return Query(q_nope, q_pe, absorbed)
-    return Query(einsum("bthn,hnr->bthr", q_nope, p["wk_b"]), q_pe, absorbed)
+    return Query(einsum(DECODE_PRODUCTS["wk_b"], q_nope, p["wk_b"]), q_pe, absorbed)
 
 
 def make_keys(p: dict, c_kv: jax.Array, c_scale: jax.Array | None, k_pe: jax.Array, absorbed: bool,
@@ -124,8 +128,8 @@ def attention_output(p: dict, ctx: jax.Array, absorbed: bool, dtype: jnp.dtype) 
     context is still latent (absorbed), then `o_proj`."""
     ctx = ctx.astype(dtype)
     if absorbed:
-        ctx = einsum("bhtr,hvr->bhtv", ctx, p["wv_b"])
-    return einsum("bhtv,hvd->btd", ctx, p["o"])
+        ctx = einsum(DECODE_PRODUCTS["wv_b"], ctx, p["wv_b"])
+    return einsum(DECODE_PRODUCTS["o"], ctx, p["o"])
 
 
 def _masked(s: jax.Array, mask: jax.Array) -> jax.Array:

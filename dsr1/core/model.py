@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from . import cpu_kernels
 from .attention import PagedContext, attend_cached, attend_decode, attend_extend, attend_prefill, use_absorbed
 from .cache import (
     KVCache,
@@ -32,7 +33,7 @@ from .config import Config
 from .layers import mlp, rms_norm
 from .moe import RouterStats, moe, router_stats
 from .params import STACKS, Params, compute_view, stack_layers
-from .quant import einsum, widen
+from .quant import einsum, in_place_copies, widen, with_layer_copies
 from .sharding import ShardingRules, keep_replicated
 
 # Low-latency layout: activations are replicated (`keep_replicated`); only weights are split.
@@ -106,9 +107,12 @@ def _run_layers(params: Params, x: jax.Array, attend: Attend, cfg: Config, mesh:
             continue
         layers = stack_layers(cfg, stack)
         scanned, routed = _split_routed_experts(params[stack])
+        scanned, copies = in_place_copies(scanned) if cpu_kernels.available() else (scanned, None)
 
-        def layer(x, inputs, routed=routed):
+        def layer(x, inputs, routed=routed, copies=copies):
             p, i, in_stack = inputs
+            if copies is not None:
+                p = with_layer_copies(p, copies, in_stack)
             if routed is not None:
                 p = {**p, "moe": {**p["moe"], **routed}}
             return _block(p, x, lambda p, h: attend(p, h, i), cfg, mesh, rules, in_stack, train)

@@ -27,7 +27,18 @@ from jax.sharding import PartitionSpec as P
 
 from .config import Config
 from .layers import mlp
-from .quant import Bf16Bits, Int8Weight, bf16_dot, einsum, native_bf16, ragged_dot, rowwise_matmul, widen, widens_on_use
+from .quant import (
+    Bf16Bits,
+    Int8Weight,
+    bf16_dot,
+    einsum,
+    kernel_matmul,
+    native_bf16,
+    ragged_dot,
+    rowwise_matmul,
+    widen,
+    widens_on_use,
+)
 from .sharding import ShardingRules
 
 # A per-device routed-expert computation: (x, weights, experts, gate, up, down, layer, rules) -> [N, D].
@@ -125,10 +136,15 @@ def _expert_slice(w: Any, layer: jax.Array, expert: jax.Array) -> Any:
     return jax.tree.map(lambda a: a[layer, expert], w)
 
 
-def _expert_matmul(x: jax.Array, w: Any) -> jax.Array:
-    """float32 `x @ w` for one expert's plain or int8 `[in, out]` weight, widened where it is used
-    (a bf16 block of many rows: computed in bf16, `quant.native_bf16`). HIGHEST: XLA:CPU runs a
-    few-row float32 dot 2-3x faster at that precision than at DEFAULT."""
+def _expert_matmul(x: jax.Array, stack: Any, layer: jax.Array, expert: jax.Array) -> jax.Array:
+    """float32 `x @ w` for expert `expert` of layer `layer` of a stacked `[L, E, in, out]` weight: a few
+    rows by dsr1's CPU kernel on the transposed copy, read in place (`quant.kernel_matmul`); else the
+    expert's plain or int8 weight, sliced in place and widened where it is used (a bf16 block of many
+    rows: computed in bf16, `quant.native_bf16`). HIGHEST: XLA:CPU runs a few-row float32 dot 2-3x
+    faster at that precision than at DEFAULT."""
+    if isinstance(stack, (Bf16Bits, Int8Weight)) and stack.kernel_reads(x.shape[0]):
+        return kernel_matmul(x, stack, layer * stack.shape[1] + expert)
+    w = _expert_slice(stack, layer, expert)
     if not widens_on_use():  # GPU, TPU: the weight's own dtype with float32 sums, as `ragged_dot`
         if isinstance(w, Int8Weight):
             return jnp.dot(x, w.q.astype(x.dtype), preferred_element_type=jnp.float32) * w.scale
@@ -161,9 +177,8 @@ def loop_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRule
         first_row = (j - (block_ends[expert] - blocks[expert])) * block
         start = pair_starts[expert] + first_row
         rows = jax.lax.dynamic_slice_in_dim(xs, start, block)
-        w_gate, w_up, w_down = (_expert_slice(w, layer, expert) for w in (gate, up, down))
-        h = jax.nn.silu(_expert_matmul(rows, w_gate)) * _expert_matmul(rows, w_up)
-        y = _expert_matmul(h.astype(rows.dtype), w_down)
+        h = jax.nn.silu(_expert_matmul(rows, gate, layer, expert)) * _expert_matmul(rows, up, layer, expert)
+        y = _expert_matmul(h.astype(rows.dtype), down, layer, expert)
         # A block's trailing rows belong to the next expert: keep what is there (written later).
         mine = (jnp.arange(block) < group_sizes[expert] - first_row)[:, None]
         old = jax.lax.dynamic_slice_in_dim(ys, start, block)
@@ -276,7 +291,7 @@ def _partition_spec(w: Any, axes: tuple[str, ...], rules: ShardingRules) -> Any:
     if not isinstance(w, Int8Weight):
         return rules.spec(axes)
     scale_axes = tuple(a for i, a in enumerate(axes) if i - 1 not in w.input_axes)
-    return Int8Weight(rules.spec(axes), rules.spec(scale_axes), w.input_axes, transposed)
+    return Int8Weight(rules.spec(axes), rules.spec(scale_axes), w.input_axes, transposed, w.one_device)
 
 
 def routed_experts(p: dict, x: jax.Array, weights: jax.Array, experts: jax.Array, mesh: Mesh,

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
+from . import cpu_kernels
+from .attention import DECODE_PRODUCTS
 from .config import Config
 from .quant import Bf16Bits, Int8Weight, as_bits, check_quant, quantize, widens_on_use, with_transposed
 from .sharding import DEFAULT_RULES, LogicalAxes, ShardingRules
@@ -331,22 +333,30 @@ def compute_view(params: Params, cfg: Config) -> Params:
     `Bf16Bits`, which `quant.widen` turns into float32 where a slice is used, so the weights stay
     bf16 in memory and are read as bf16; elsewhere the weights unchanged. `api.load` and
     `init_random` hold the weights this way: XLA:CPU copies a bf16 -> uint16 bitcast of a whole
-    stack rather than treating it as free, so a program must receive the bits. The output heads
-    (the lm_head, the MTP heads) also keep a float32 copy for one-row products (`quant.as_bits`):
-    the largest weights a decode step reads outside any loop; the matrices of `x @ W` products (routed
-    experts, MLPs, `q_a`, `kv_a`) also keep their bits transposed, `[..., out, in]`, for products of
-    one row (decode; the expert loop's blocks of two rows too), and so do those matrices' int8
-    values (`quant.with_transposed`). Idempotent."""
+    stack rather than treating it as free, so a program must receive the bits.
+    Decode reads some weights in a second form (`quant.as_bits`): the matrices of `x @ W` products
+    (routed experts, MLPs, `q_a`, `kv_a`) also keep their bits transposed, `[..., out, in]`, and so do
+    those matrices' int8 values (`quant.with_transposed`). With dsr1's CPU kernel (`cpu_kernels`) the
+    output heads (the lm_head, the MTP heads) keep transposed bits too, and the attention weights of
+    `attention.DECODE_PRODUCTS` bits laid out for those products; without it the output heads keep a
+    float32 copy for one-row products (the largest weights a decode step reads outside any loop).
+    Idempotent."""
     if not widens_on_use():
         return params
     specs = float_specs(cfg, mtp="mtp" in params)
+    kernel = cpu_kernels.available()
 
-    def one(spec: ArrayInfo, w: Any) -> Any:
+    def one(path: tuple, spec: ArrayInfo, w: Any) -> Any:
         if isinstance(w, Int8Weight):
             return with_transposed(w) if multiplies_last_two_axes(spec) else w
         is_matrix = spec.init == "normal" and not isinstance(w, Bf16Bits)
         if not is_matrix or w.dtype != jnp.bfloat16:
             return w
-        return as_bits(w, keep_float32=is_output_head(spec), keep_transposed=multiplies_last_two_axes(spec))
+        name = getattr(path[-1], "key", None)
+        if kernel and name in DECODE_PRODUCTS:
+            return as_bits(w, kernel_spec=DECODE_PRODUCTS[name], stacked=int(spec.axes[0] == "layers"))
+        head = is_output_head(spec)
+        transposed = multiplies_last_two_axes(spec) or head and kernel
+        return as_bits(w, keep_float32=head and not kernel, keep_transposed=transposed)
 
-    return jax.tree.map(one, specs, params, is_leaf=is_spec)
+    return jax.tree_util.tree_map_with_path(one, specs, params, is_leaf=is_spec)

@@ -17,11 +17,15 @@ rounded to bf16 as GPU and TPU compute them.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from . import cpu_kernels
 
 QUANT_MODES = (None, "int8")
 
@@ -31,6 +35,8 @@ class _TransposedCopy:
     `[..., out, in]`; CPU, see `as_bits` and `with_transposed`) for products of a few rows."""
 
     transposed: Any
+    one_device: bool
+    kernel_spec = None  # `Bf16Bits` only: the einsum a copy is laid out for
     # The most rows of an expert (which stays in cache between its rows) that read the copy: for bf16
     # 2 (from 4 rows the `[in, out]` bits are as fast, from 16 much faster: the bf16 dot), for int8 4.
     expert_rows: ClassVar[int] = 2
@@ -40,6 +46,11 @@ class _TransposedCopy:
         up to `max_rows`, by default `expert_rows`."""
         return self.transposed is not None and rows <= (self.expert_rows if max_rows is None else max_rows)
 
+    def kernel_reads(self, rows: int) -> bool:
+        """Whether a product of `rows` rows reads the transposed copy with dsr1's CPU kernel
+        (`kernel_matmul`): up to `cpu_kernels.KERNEL_ROWS`, where the kernel is built."""
+        return self.transposed is not None and rows <= cpu_kernels.KERNEL_ROWS and cpu_kernels.available()
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +59,7 @@ class Int8Weight(_TransposedCopy):
     scale: Any  # float32, the weight's shape without its input axes
     input_axes: tuple[int, ...] = dataclasses.field(default=(0,), metadata=dict(static=True))
     transposed: Any = None  # `q` with the last two axes swapped, for one-row products (`with_transposed`)
+    one_device: bool = dataclasses.field(default=False, metadata=dict(static=True))  # as `Bf16Bits.one_device`
     expert_rows: ClassVar[int] = 4  # int8 at 4 rows: 3.5 ms one row at a time against 4.9 widened
 
     @property
@@ -66,6 +78,51 @@ class Int8Weight(_TransposedCopy):
     def bytes_read(self, rows: int = 1) -> int:
         """Bytes a product reads: the values (or their transposed copy, the same size) and the scales."""
         return self.q.nbytes + self.scale.nbytes
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StackSlice:
+    """Matrix `index` of a weight copy's stack `[L, ...]`, read in place by the CPU kernel: a layer
+    scan gives the kernel copies of its weights this way (`model.in_place`), not sliced out (a copy)."""
+
+    stack: Any
+    index: Any
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.stack.shape[1:]
+
+
+def in_place_copies(p: Any) -> tuple[Any, Any]:
+    """A layer stack's weights as (without the kernel copies `transposed`, those copies' stacks) for a
+    layer scan: it slices the first, and `with_layer_copies` puts the second back in place."""
+    def strip(w: Any) -> Any:
+        return dataclasses.replace(w, transposed=None) if _has_copy(w) else w
+
+    return (jax.tree.map(strip, p, is_leaf=_has_copy),
+            jax.tree.map(lambda w: w.transposed if _has_copy(w) else None, p, is_leaf=_has_copy))
+
+
+def with_layer_copies(p: Any, copies: Any, layer: jax.Array) -> Any:
+    """One layer's weights (sliced by a layer scan) with their kernel copies read in place from the
+    stacks in `copies` (`in_place_copies`) at `layer`."""
+    def put(w: Any, stack: Any) -> Any:
+        return w if stack is None else dataclasses.replace(w, transposed=StackSlice(stack, layer))
+
+    return jax.tree.map(put, p, copies, is_leaf=lambda w: isinstance(w, _TransposedCopy))
+
+
+def _has_copy(w: Any) -> bool:
+    return isinstance(w, _TransposedCopy) and w.transposed is not None
+
+
+def _kernel_operand(copy: Any, index: jax.Array | int = 0) -> tuple[jax.Array, jax.Array | int]:
+    """The array the CPU kernel reads and the index of the matrix in it: a layer's copy in its stack
+    (`StackSlice`: one matrix per layer), or the copy itself."""
+    if isinstance(copy, StackSlice):
+        return copy.stack, copy.index
+    return copy, index
 
 
 def check_quant(quant: str | None) -> str | None:
@@ -105,6 +162,9 @@ class Bf16Bits(_TransposedCopy):
     wide: Any = None  # the same weight in float32 for one-row products, where held (see `as_bits`)
     one_device: bool = dataclasses.field(default=False, metadata=dict(static=True))
     transposed: Any = None  # the bits with the last two axes swapped, for one-row products (`as_bits`)
+    # The einsum whose decode products the CPU kernel computes on `transposed`, laid out for it (`as_bits`);
+    # None: `transposed` is the `[..., out, in]` copy of an `x @ W` weight.
+    kernel_spec: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -150,7 +210,8 @@ class Bf16Bits(_TransposedCopy):
         return values if dtype is None else values.astype(dtype)
 
 
-def as_bits(w: jax.Array, *, keep_float32: bool = False, keep_transposed: bool = False) -> Bf16Bits:
+def as_bits(w: jax.Array, *, keep_float32: bool = False, keep_transposed: bool = False,
+            kernel_spec: str | None = None, stacked: int = 0) -> Bf16Bits:
     """A bf16 weight as `Bf16Bits`. An array on one device is reinterpreted through a host view (no
     program compiled per shape); a sharded or traced one by a bitcast.
 
@@ -161,20 +222,71 @@ def as_bits(w: jax.Array, *, keep_float32: bool = False, keep_transposed: bool =
     11.9-13.5 against 20.0-22.7: docs/performance.md), so the bits stay too.
 
     `keep_transposed` also holds the bits with the last two axes swapped (`[..., out, in]`), for
-    products of one row (`einsum`) and the expert loop's blocks of one or two rows (`rowwise_matmul`):
-    XLA:CPU fuses the widening into a one-row product that contracts the minor axis and reads the
-    weight once, at ~14-15 GB/s on one core, against ~5 GB/s for the widened `[in, out]` slice it
-    first writes out as float32; products of more rows (prefill) run faster on the `[in, out]` bits
-    (`native_bf16`), so both are held. A traced weight (a program given bf16 arrays) gets no copy:
-    made on every call, it would cost more than it saves."""
+    products of few rows (`einsum`, the expert loop): dsr1's CPU kernel reads that copy for up to 8
+    rows (`kernel_matmul`); without it XLA:CPU fuses the widening into a one-row product that contracts
+    the minor axis and reads the weight once, at ~14-15 GB/s on one core, against ~5 GB/s for the
+    widened `[in, out]` slice it first writes out as float32; products of more rows (prefill) run
+    faster on the `[in, out]` bits (`native_bf16`), so both are held. `kernel_spec` instead holds the
+    bits laid out for the kernel's products of the einsum `kernel_spec` (`kernel_layout`; an array on
+    one device only, the kernel's own), past `stacked` leading axes (layers). A traced weight (a program
+    given bf16 arrays) gets no copy: made on every call, it would cost more than it saves."""
     wide = w.astype(jnp.float32) if keep_float32 else None
     traced = isinstance(w, jax.core.Tracer)
     if isinstance(w, jax.Array) and not traced and len(w.sharding.device_set) == 1:
         device = next(iter(w.sharding.device_set))
         bits = jax.device_put(np.asarray(w).view(np.uint16), device)
+        if kernel_spec is not None:
+            return Bf16Bits(bits, wide, one_device=True, transposed=kernel_layout(bits, kernel_spec, stacked),
+                            kernel_spec=kernel_spec)
         return Bf16Bits(bits, wide, one_device=True, transposed=_swap_last(bits) if keep_transposed else None)
     bits = jax.lax.bitcast_convert_type(w, jnp.uint16)
     return Bf16Bits(bits, wide, transposed=_swap_last(bits) if keep_transposed and not traced else None)
+
+
+def product_axes(spec: str) -> tuple[str, str, str, str] | None:
+    """The weight's batch, output and contracted subscripts in `spec` (`x, w -> out`, explicit
+    subscripts), and x's rows (its other subscripts, kept in the output); None for other einsums."""
+    inputs, out = spec.replace(" ", "").split("->")
+    x_sub, w_sub = inputs.split(",")
+    if "." in spec or len(set(x_sub)) != len(x_sub) or len(set(w_sub)) != len(w_sub):
+        return None
+    batch = "".join(c for c in w_sub if c in x_sub and c in out)
+    outputs = "".join(c for c in w_sub if c not in x_sub and c in out)
+    contracted = "".join(c for c in w_sub if c in x_sub and c not in out)
+    rows = "".join(c for c in x_sub if c not in w_sub)
+    if len(batch + outputs + contracted) != len(w_sub) or not all(c in out for c in rows):
+        return None
+    return batch, outputs, contracted, rows
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def kernel_layout(bits: jax.Array, spec: str, stacked: int = 0) -> jax.Array:
+    """A weight's bits `[stack..., w]` laid out for the CPU kernel's products of the einsum `spec`:
+    `[stack..., (batch,) out, in]`, each its subscripts flattened (batch: heads multiplied each by
+    their own rows; none, no axis)."""
+    batch, outputs, contracted, _ = product_axes(spec)
+    w_sub = spec.replace(" ", "").split("->")[0].split(",")[1]
+    axis = {c: stacked + i for i, c in enumerate(w_sub)}
+    laid = jnp.transpose(bits, (*range(stacked), *(axis[c] for c in batch + outputs + contracted)))
+    size = {c: bits.shape[axis[c]] for c in w_sub}
+    groups = (math.prod(size[c] for c in batch),) if batch else ()
+    return laid.reshape(*bits.shape[:stacked], *groups, math.prod(size[c] for c in outputs),
+                        math.prod(size[c] for c in contracted))
+
+
+def _kernel_einsum(spec: str, x: jax.Array, w: Bf16Bits) -> jax.Array:
+    """float32 `einsum(spec, x, w)` by the CPU kernel on `w.transposed` (laid out by `kernel_layout`):
+    x's rows (and batch) gathered in front of its contracted axes, one kernel call, then the output's
+    order."""
+    batch, outputs, contracted, rows = product_axes(spec)
+    inputs, out_sub = spec.replace(" ", "").split("->")
+    x_sub, w_sub = inputs.split(",")
+    size = {**dict(zip(w_sub, w.shape)), **dict(zip(x_sub, x.shape))}
+    xs = jnp.einsum(f"{x_sub}->{batch}{rows}{contracted}", x)
+    n_rows, n_in = math.prod(size[c] for c in rows), math.prod(size[c] for c in contracted)
+    xs = xs.reshape((math.prod(size[c] for c in batch), n_rows, n_in) if batch else (n_rows, n_in))
+    y = cpu_kernels.rows_dot(xs, *_kernel_operand(w.transposed)).reshape([size[c] for c in batch + rows + outputs])
+    return jnp.einsum(f"{batch}{rows}{outputs}->{out_sub}", y)
 
 
 def with_transposed(w: Int8Weight) -> Int8Weight:
@@ -185,7 +297,8 @@ def with_transposed(w: Int8Weight) -> Int8Weight:
     Traced values (a program given int8 arrays) get no copy, nor does a weight that has one."""
     if w.transposed is not None or isinstance(w.q, jax.core.Tracer):
         return w
-    return dataclasses.replace(w, transposed=_swap_last(w.q))
+    one_device = isinstance(w.q, jax.Array) and len(w.q.sharding.device_set) == 1
+    return dataclasses.replace(w, transposed=_swap_last(w.q), one_device=one_device)
 
 
 @jax.jit
@@ -198,11 +311,22 @@ def rowwise_matmul(x: jax.Array, w: Bf16Bits | Int8Weight) -> jax.Array:
     """float32 `x [r, i] @ w [i, o]` for a few rows, one row at a time against `w.transposed`
     `[o, i]`: each a product XLA:CPU computes as one fused widen-multiply-reduce over the minor axis
     (see `as_bits`). The weight stays in cache between rows. An int8 weight's rows are scaled after."""
-    wide_t = widen(Bf16Bits(w.transposed) if isinstance(w, Bf16Bits) else w.transposed)
+    copy = w.transposed
+    if isinstance(copy, StackSlice):  # a layer's copy in its stack (sharded weights: no kernel)
+        copy = copy.stack[copy.index]
+    wide_t = widen(Bf16Bits(copy) if isinstance(w, Bf16Bits) else copy)
     x = x.astype(jnp.float32)
     rows = [jnp.dot(x[r:r + 1], wide_t.T, precision=jax.lax.Precision.HIGHEST) for r in range(x.shape[0])]
     y = jnp.concatenate(rows) if len(rows) > 1 else rows[0]
     return y * w.scale if isinstance(w, Int8Weight) else y
+
+
+def kernel_matmul(x: jax.Array, w: Bf16Bits | Int8Weight, index: jax.Array | int = 0) -> jax.Array:
+    """float32 `x [r, i] @ w [i, o]` by dsr1's CPU kernel (`cpu_kernels.rows_dot`) on `w.transposed`;
+    of a stack `w [..., i, o]`, matrix `index` of its leading axes flattened, read in place (an expert
+    of a layer). An int8 weight's rows are scaled after."""
+    y = cpu_kernels.rows_dot(x, *_kernel_operand(w.transposed, index))
+    return y * w.scale.reshape(-1, w.shape[-1])[index] if isinstance(w, Int8Weight) else y
 
 
 NATIVE_BF16_ROWS = 16
@@ -237,10 +361,16 @@ def widen(w: Any) -> jax.Array:
 def einsum(spec: str, x: jax.Array, w: Any, **kwargs) -> jax.Array:
     """`jnp.einsum(spec, x, w)` for a plain, `Bf16Bits` or `Int8Weight` weight (the second operand)."""
     matmul, rows = _is_matmul(spec), int(np.prod(x.shape[:-1]))
-    if matmul and isinstance(w, _TransposedCopy) and w.reads_transposed(rows, max_rows=1):
-        # One row against the CPU's transposed copy (a larger weight leaves the cache between rows).
+    if isinstance(w, Bf16Bits) and w.kernel_spec == spec and _kernel_rows(spec, x) <= cpu_kernels.KERNEL_ROWS \
+            and w.kernel_reads(1):  # a decode product with a copy laid out for it (attention)
+        return _kernel_einsum(spec, x, w).astype(kwargs.get("preferred_element_type") or w.dtype)
+    if matmul and isinstance(w, _TransposedCopy) and w.transposed is not None and w.kernel_spec is None:
         dtype = kwargs.get("preferred_element_type") or (w.dtype if isinstance(w, Bf16Bits) else x.dtype)
-        return rowwise_matmul(x.reshape(1, -1), w).reshape(*x.shape[:-1], -1).astype(dtype)
+        # The kernel only for a weight on one device: XLA would gather a sharded operand of it.
+        if w.one_device and w.kernel_reads(rows):
+            return kernel_matmul(x.reshape(rows, -1), w).reshape(*x.shape[:-1], -1).astype(dtype)
+        if w.reads_transposed(rows, max_rows=1):  # (a larger weight leaves the cache between rows)
+            return rowwise_matmul(x.reshape(1, -1), w).reshape(*x.shape[:-1], -1).astype(dtype)
     if isinstance(w, Bf16Bits):
         if matmul and native_bf16(w, rows):
             return bf16_dot(x, w).astype(kwargs.get("preferred_element_type") or w.dtype)
@@ -271,6 +401,12 @@ def einsum(spec: str, x: jax.Array, w: Any, **kwargs) -> jax.Array:
     y = jnp.einsum(f"{x_sub},{w_sub}->{wide}", x, q, **kwargs)
     y = jnp.einsum(f"{wide},{scale_sub}->{wide}", y, w.scale.astype(y.dtype))
     return y.sum(axis=tuple(range(len(out_sub), len(wide)))).astype(dtype)
+
+
+def _kernel_rows(spec: str, x: jax.Array) -> int:
+    """The rows of each of a kernel einsum's products (x's axes that the weight does not have)."""
+    x_sub, w_sub = spec.replace(" ", "").split("->")[0].split(",")
+    return math.prod(n for c, n in zip(x_sub, x.shape) if c not in w_sub)
 
 
 WIDEN_CHUNK_ELEMENTS = 1 << 19  # float32 elements widened at a time (2 MB: a core's cache holds them)

@@ -1,0 +1,113 @@
+"""dsr1's own CPU kernel for decode: `rows_dot`, a few float32 rows against one bf16 or int8 matrix.
+
+XLA:CPU reads a transposed bf16 or int8 weight at memory speed in a one-row product, but from two
+rows on it first writes out a widened float32 copy of the weight and reads that (2 rows at half the
+speed, 8 rows at a sixth: docs/performance.md). `rows_dot` (kernels/rows_dot.cc, an XLA FFI
+handler) reads each weight row once for blocks of up to 8 rows, widening it in registers, splits
+the output over XLA's intra-op threads, and takes the matrix by its index in a stack, so an expert
+of a layer is read in place.
+
+The kernel is compiled on first use with the system's C++ compiler for the CPU it runs on (AVX-512)
+and cached under `$DSR1_KERNEL_CACHE` (default `~/.cache/dsr1/kernels`), keyed by the source, the
+compiler, jaxlib and the CPU. Without a compiler, on another CPU, or with `DSR1_CPU_KERNELS=0`,
+`available()` is False and dsr1 computes these products with XLA's own operations, as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from importlib import resources
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+KERNEL_ROWS = 8  # the kernel's block: more rows re-read the weight per block (prefill takes XLA's bf16 dot)
+_TARGETS = {jnp.dtype(jnp.uint16): "dsr1_rows_dot_bf16", jnp.dtype(jnp.int8): "dsr1_rows_dot_int8"}
+
+
+def available() -> bool:
+    """Whether `rows_dot` runs here: on CPU, unless `DSR1_CPU_KERNELS=0`, once the kernel is built."""
+    if os.environ.get("DSR1_CPU_KERNELS", "1") == "0" or jax.default_backend() != "cpu":
+        return False
+    return _registered()
+
+
+def rows_dot(x: jax.Array, w: jax.Array, index: jax.Array | int = 0) -> jax.Array:
+    """float32 `x [rows, in] @ w[index].T` for `w [..., out, in]` of bf16 bits (uint16) or int8
+    values: matrix `index` of the stack's leading axes flattened, read in place (clamped to the
+    stack). With `x [g, rows, in]`, `g` independent products (heads) against `w [..., g, out, in]`,
+    giving `[g, rows, out]`. Needs `available()`."""
+    if w.dtype not in _TARGETS:
+        raise TypeError(f"rows_dot: weight dtype {w.dtype} is neither bf16 bits (uint16) nor int8")
+    grouped = x.ndim == 3
+    xg = x if grouped else x[None]
+    if xg.ndim != 3 or w.ndim < 2 + grouped or w.shape[-1] != xg.shape[2] or grouped and w.shape[-3] != xg.shape[0]:
+        raise ValueError(f"rows_dot: x {x.shape} is not [(g,) rows, in] against w {w.shape} [..., (g,) out, in]")
+    out = jax.ShapeDtypeStruct((xg.shape[0], xg.shape[1], w.shape[-2]), jnp.float32)
+    call = jax.ffi.ffi_call(_TARGETS[w.dtype], out, vmap_method="sequential")
+    y = call(xg.astype(jnp.float32), w, jnp.asarray(index, jnp.int32))
+    return y if grouped else y[0]
+
+
+@functools.cache
+def _registered() -> bool:
+    """Build (or find) the kernel library and register its handlers with XLA, once per process."""
+    try:
+        library = _build()
+    except (OSError, subprocess.CalledProcessError) as e:  # a broken compiler: say so, compute without
+        warnings.warn(f"dsr1: CPU decode kernel not built ({e}); using XLA's products instead", stacklevel=3)
+        return False
+    if library is None:
+        return False
+    lib = ctypes.cdll.LoadLibrary(str(library))
+    for target in _TARGETS.values():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
+    return True
+
+
+def _build() -> Path | None:
+    """The compiled library for this CPU, built into the cache if not there yet (None: no compiler, or
+    not an x86-64 CPU). Written to a temporary file, then renamed: processes racing build it alike."""
+    compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+    if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    source = resources.files("dsr1.core").joinpath("kernels/rows_dot.cc").read_bytes()
+    flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-isystem", jax.ffi.include_dir()]
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(b"\0".join(s if isinstance(s, bytes) else s.encode() for s in (
+        source, version, " ".join(flags), jax.__version__, _cpu_flags()))).hexdigest()[:16]
+    cache = Path(os.environ.get("DSR1_KERNEL_CACHE", Path.home() / ".cache" / "dsr1" / "kernels"))
+    library = cache / f"rows_dot-{key}.so"
+    if library.exists():
+        return library
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        src, built = Path(tmp) / "rows_dot.cc", Path(tmp) / library.name
+        src.write_bytes(source)
+        result = subprocess.run([compiler, *flags, str(src), "-o", str(built)], capture_output=True, text=True)
+        if result.returncode != 0:
+            if "needs AVX-512" in result.stderr:
+                return None
+            raise OSError(f"{compiler} failed on {src.name}: {result.stderr[-2000:]}")
+        os.replace(built, library)
+    return library
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (Linux), so a cache shared by different machines keeps one build each."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()

@@ -1,0 +1,163 @@
+// dsr1's CPU kernel for decode products: y[g, r, o] = sum_i x[g, r, i] * w[index, g, o, i].
+//
+// A few float32 rows (a decode batch, an expert's block of rows) against one matrix of a stack
+// whose values are bf16 bits (uint16) or int8, stored transposed (`[..., out, in]`); `g` counts
+// independent products (attention heads), 1 for most. Each weight
+// row is read once for all rows and widened to float32 in registers, so the product runs at memory
+// speed where XLA:CPU, from two rows on, writes a widened float32 copy of the weight first (see
+// dsr1/core/cpu_kernels.py). The matrix is picked by `index` inside the stack (an expert of a layer),
+// so no slice of it is copied out first. Built by cpu_kernels.py for the CPU it runs on (AVX-512).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+#if !defined(__AVX512F__)
+#error "dsr1's rows_dot kernel needs AVX-512 (dsr1 falls back to XLA's own products without it)"
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+inline float widen(uint16_t v) {
+  const uint32_t bits = uint32_t(v) << 16;  // bf16 is the high half of a float32
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float widen(int8_t v) { return float(v); }
+
+inline __m512 widen16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 widen16(const int8_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(h));
+}
+
+// Software prefetch distance: the hardware prefetchers alone leave blocks of many rows (more compute
+// per byte) at ~12 GB/s from memory on a 2-core Xeon, 18 with this; one row 21 -> 22 GB/s.
+constexpr int64_t kPrefetchBytes = 2048;
+
+// R rows against the weight rows (output columns) [o0, o1). U blocks of 16 per step keep enough
+// independent multiply-adds in flight for few rows (R * U accumulators).
+template <typename T, int R>
+void rows_block(const float* x, const T* w, float* y, int64_t in, int64_t out, int64_t o0, int64_t o1) {
+  constexpr int U = R >= 4 ? 1 : 4 / R;
+  for (int64_t o = o0; o < o1; ++o) {
+    const T* wo = w + o * in;
+    __m512 acc[R][U];
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 * U <= in; i += 16 * U)
+      for (int u = 0; u < U; ++u) {
+        const T* block = wo + i + 16 * u;
+        if ((i + 16 * u) * int64_t(sizeof(T)) % 64 == 0)  // once per cache line: the line 2 KB ahead
+          _mm_prefetch(reinterpret_cast<const char*>(block) + kPrefetchBytes, _MM_HINT_T0);
+        const __m512 wv = widen16(block);
+        for (int r = 0; r < R; ++r)
+          acc[r][u] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * in + i + 16 * u), wv, acc[r][u]);
+      }
+    for (int r = 0; r < R; ++r) {
+      __m512 a = acc[r][0];
+      for (int u = 1; u < U; ++u) a = _mm512_add_ps(a, acc[r][u]);
+      float s = _mm512_reduce_add_ps(a);
+      for (int64_t k = i; k < in; ++k) s += x[r * in + k] * widen(wo[k]);
+      y[r * out + o] = s;
+    }
+  }
+}
+
+constexpr int kMaxBlockRows = 8;
+
+template <typename T, int R = kMaxBlockRows>
+void rows_tail(const float* x, const T* w, float* y, int64_t rows, int64_t in, int64_t out, int64_t o0,
+               int64_t o1) {
+  if constexpr (R > 0) {
+    if (rows == R) return rows_block<T, R>(x, w, y, in, out, o0, o1);
+    return rows_tail<T, R - 1>(x, w, y, rows, in, out, o0, o1);
+  }
+}
+
+// Blocks of up to 8 rows, each reading the weight rows [o0, o1) once.
+template <typename T>
+void rows_range(const float* x, const T* w, float* y, int64_t rows, int64_t in, int64_t out, int64_t o0,
+                int64_t o1) {
+  for (int64_t r = 0; r < rows; r += kMaxBlockRows)
+    rows_tail<T>(x + r * in, w, y + r * out, std::min<int64_t>(kMaxBlockRows, rows - r), in, out, o0, o1);
+}
+
+// Parts of the output are claimed from a shared counter by the calling thread and by the tasks it
+// schedules on XLA's intra-op pool. The caller waits only for parts already started, so a busy pool
+// cannot stall it, and a task that starts late finds nothing left (the state is shared, not on the
+// caller's stack).
+struct Parts {
+  std::atomic<int64_t> next{0}, done{0};
+  int64_t count = 0;
+  std::function<void(int64_t)> run;
+
+  void work() {
+    for (int64_t p; (p = next.fetch_add(1)) < count;) {
+      run(p);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+constexpr int64_t kPartElements = 1 << 15;  // a part reads at least 64 KB of bf16: less is not worth a task
+
+template <ffi::DataType D, typename T>
+ffi::Error RowsDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<D> w, ffi::Buffer<ffi::S32> index,
+                   ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 3 || wd.size() < 2 || wd[wd.size() - 1] != xd[2] || y->dimensions()[2] != wd[wd.size() - 2])
+    return ffi::Error::InvalidArgument("rows_dot: x [g, rows, in] against w [..., g, out, in] -> [g, rows, out]");
+  const int64_t groups = xd[0], rows = xd[1], in = xd[2], out = wd[wd.size() - 2];
+  const int64_t matrices = w.element_count() / std::max<int64_t>(1, groups * out * in);
+  const int64_t k = std::clamp<int64_t>(index.typed_data()[0], 0, matrices - 1);
+  const T* wk = reinterpret_cast<const T*>(w.typed_data()) + k * groups * out * in;
+  const float* xp = x.typed_data();
+  float* yp = y->typed_data();
+  auto parts = std::make_shared<Parts>();
+  // Parts of one group's output columns: at least one per group, more for a large matrix.
+  const int64_t per_group = std::clamp<int64_t>(out * in / kPartElements, 1, 4 * (pool.num_threads() + 1));
+  parts->count = groups * per_group;
+  const int64_t count = parts->count;
+  parts->run = [=](int64_t p) {
+    const int64_t g = p / per_group, q = p % per_group;
+    rows_range<T>(xp + g * rows * in, wk + g * out * in, yp + g * rows * out, rows, in, out, out * q / per_group,
+                  out * (q + 1) / per_group);
+  };
+  for (int64_t t = 0; t < std::min<int64_t>(pool.num_threads(), count - 1); ++t)
+    pool.Schedule([parts] { parts->work(); });
+  parts->work();
+  while (parts->done.load(std::memory_order_acquire) < count) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_bf16, (RowsDot<ffi::U16, uint16_t>),
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_int8, (RowsDot<ffi::S8, int8_t>),
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,124 @@
+"""dsr1's CPU decode kernel (`dsr1.core.cpu_kernels`): its products against float64, its build and
+cache, and the einsums that read weights laid out for it (`quant.kernel_layout`)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dsr1
+from dsr1.core import cpu_kernels, quant
+from dsr1.core.attention import DECODE_PRODUCTS
+
+needs_kernel = pytest.mark.skipif(not cpu_kernels.available(),
+                                  reason="dsr1's CPU kernel is not built here (no C++ compiler or no AVX-512)")
+
+
+def _weights(dtype: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    if dtype == "int8":
+        return rng.integers(-127, 128, shape, dtype=np.int8)
+    return rng.standard_normal(shape, np.float32).astype(jnp.bfloat16).view(np.uint16)
+
+
+def _values(w: np.ndarray) -> np.ndarray:
+    """The float64 values of int8 values or bf16 bits."""
+    return w.astype(np.float64) if w.dtype == np.int8 else w.view(jnp.bfloat16).astype(np.float64)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 9, 17])
+def test_rows_dot_equals_float64_for_every_block_size(dtype, rows):
+    """Blocks of 1 to 8 rows and a remainder; an input size with a tail past the 16-lane vectors
+    (72 = 4 x 16 + 8); the matrix picked by its index in a `[2, 3, out, in]` stack, in place."""
+    rng = np.random.default_rng(rows)
+    w = _weights(dtype, (2, 3, 37, 72), rng)
+    x = rng.standard_normal((rows, 72)).astype(np.float32)
+    got = np.asarray(jax.jit(cpu_kernels.rows_dot)(jnp.asarray(x), jnp.asarray(w), 4))
+    want = x.astype(np.float64) @ _values(w.reshape(6, 37, 72)[4]).T
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@needs_kernel
+def test_rows_dot_splits_a_large_matrix_over_threads_and_clamps_the_index():
+    """A matrix large enough to be split into parts (pool threads) gives the same product; an index past
+    the stack reads its last matrix (as XLA clamps a dynamic slice)."""
+    rng = np.random.default_rng(0)
+    w = _weights("bf16", (2, 1000, 256), rng)
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    got = np.asarray(jax.jit(cpu_kernels.rows_dot)(jnp.asarray(x), jnp.asarray(w), 7))
+    want = x.astype(np.float64) @ _values(w[1]).T
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@needs_kernel
+def test_rows_dot_groups_multiply_each_by_its_own_rows():
+    """`x [g, rows, in]` against `w [..., g, out, in]`: one product per group (attention heads)."""
+    rng = np.random.default_rng(1)
+    w = _weights("int8", (2, 4, 24, 40), rng)
+    x = rng.standard_normal((4, 3, 40)).astype(np.float32)
+    got = np.asarray(jax.jit(cpu_kernels.rows_dot)(jnp.asarray(x), jnp.asarray(w), 1))
+    want = np.einsum("gri,goi->gro", x.astype(np.float64), _values(w[1]))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_rows_dot_names_what_is_wrong():
+    with pytest.raises(TypeError, match="float32"):
+        cpu_kernels.rows_dot(jnp.zeros((1, 8)), jnp.zeros((4, 8), jnp.float32))
+    with pytest.raises(ValueError, match=r"\(1, 8\).*\(4, 6\)"):
+        cpu_kernels.rows_dot(jnp.zeros((1, 8)), jnp.zeros((4, 6), jnp.int8))
+
+
+def test_switch_off_and_build_cache(tmp_path, monkeypatch):
+    """`DSR1_CPU_KERNELS=0` turns the kernel off; a build lands in `$DSR1_KERNEL_CACHE` under a name
+    keyed by source, compiler, jaxlib and CPU, and is found there the next time; without a compiler
+    there is no build (dsr1 computes with XLA's products)."""
+    monkeypatch.setenv("DSR1_CPU_KERNELS", "0")
+    assert not cpu_kernels.available()
+    monkeypatch.setenv("DSR1_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    monkeypatch.setenv("PATH", str(tmp_path))  # nor g++ / c++
+    assert cpu_kernels._build() is None
+    monkeypatch.undo()
+    if not cpu_kernels.available():
+        pytest.skip("no kernel build here")
+    monkeypatch.setenv("DSR1_KERNEL_CACHE", str(tmp_path))
+    library = cpu_kernels._build()
+    assert library.parent == tmp_path and library.name.startswith("rows_dot-") and library.suffix == ".so"
+    mtime = library.stat().st_mtime_ns
+    assert cpu_kernels._build() == library and library.stat().st_mtime_ns == mtime  # cached, not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [library.name]  # no temporary left behind
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("btq,qhk->bthk", ("", "hk", "q", "bt")),
+    ("bthn,hnr->bthr", ("h", "r", "n", "bt")),
+    ("bhtv,hvd->btd", ("", "d", "hv", "bt")),
+    ("...d,dv->...v", None),  # `x @ W` weights keep their own copy
+    ("bii,ij->bj", None),
+])
+def test_product_axes(spec, expected):
+    assert quant.product_axes(spec) == expected
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", sorted(DECODE_PRODUCTS))
+def test_attention_weights_are_laid_out_for_their_decode_products(name, monkeypatch):
+    """With the kernel the attention weights of `DECODE_PRODUCTS` hold their bits laid out for those
+    products (per layer), which a decode product reads through the kernel and a product of many rows
+    (prefill) does not; both equal the float64 einsum of the bf16 values."""
+    monkeypatch.setenv("DSR1_CPU_KERNELS", "1")
+    w = dsr1.init_random(dsr1.Config.preset("tiny"), seed=0).params["moe_layers"][name]
+    assert w.kernel_spec == DECODE_PRODUCTS[name] and w.transposed.shape[0] == w.shape[0]
+    w = jax.tree.map(lambda a: a[1], w)  # one layer, as the layer scan slices it
+    x_sub = DECODE_PRODUCTS[name].split(",")[0]
+    sizes = {**dict(zip(DECODE_PRODUCTS[name].split(",")[1].split("-")[0], w.shape)), "b": 2}
+    rng = np.random.default_rng(0)
+    for t, kernel in ((1, True), (5, False)):
+        x = jnp.asarray(rng.standard_normal([sizes.get(c, t) for c in x_sub]), jnp.float32)
+        product = jax.jit(lambda x, w: quant.einsum(DECODE_PRODUCTS[name], x, w, preferred_element_type=jnp.float32))
+        assert ("dsr1_rows_dot_bf16" in product.lower(x, w).as_text()) == kernel, t
+        want = np.einsum(DECODE_PRODUCTS[name], np.asarray(x, np.float64), np.asarray(w, np.float64))
+        np.testing.assert_allclose(np.asarray(product(x, w)), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
