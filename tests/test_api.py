@@ -238,9 +238,10 @@ def test_output_heads_keep_a_copy_for_few_rows(cpu_kernel, monkeypatch):
 def test_matrices_keep_transposed_bits_for_few_rows(cpu_kernel, monkeypatch):
     """On CPU the bf16 matrices that products contract over their second-to-last axis (the routed
     experts, the dense and shared MLPs, `q_a`, `kv_a`; with dsr1's CPU kernel the lm_head too) also hold
-    their bits transposed (with the kernel the attention weights hold a copy too); with the kernel products of up to `KERNEL_ROWS` rows read that copy
-    (`quant.kernel_matmul`), without it one-row products (`quant.rowwise_matmul`); more rows read the
-    bits, and all give the float32 product of the bf16 values."""
+    their bits transposed (with the kernel the attention weights hold a copy too); with the kernel
+    products of up to `KERNEL_ROWS` rows read that copy (`quant.kernel_matmul`), without it one-row
+    products (`quant.rowwise_matmul`); more rows read the bits, and all give the float32 product of
+    the bf16 values."""
     import jax
 
     from dsr1.core import quant

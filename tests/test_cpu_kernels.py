@@ -122,3 +122,36 @@ def test_attention_weights_are_laid_out_for_their_decode_products(name, monkeypa
         assert ("dsr1_rows_dot_bf16" in product.lower(x, w).as_text()) == kernel, t
         want = np.einsum(DECODE_PRODUCTS[name], np.asarray(x, np.float64), np.asarray(w, np.float64))
         np.testing.assert_allclose(np.asarray(product(x, w)), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,quant_mode", [("bfloat16", None), ("float32", "int8"), ("bfloat16", "int8")])
+def test_decode_with_the_kernel_equals_decode_without(dtype, quant_mode, monkeypatch):
+    """A whole model (MLA, dense and MoE layers, the lm_head) decodes the same logits with the kernel
+    as with XLA's own products (`DSR1_CPU_KERNELS=0`), at batch 1 and 3, prefill included: every copy
+    the kernel reads (in place from its layer stack, or laid out for an attention product) holds the
+    weight's values. With float32 activations to float32 rounding; with bf16 ones a summation order
+    that differs flips a few roundings of the activations, which the layers carry on (to ~1% here)."""
+    cfg = dsr1.Config.preset("tiny")
+    models = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv("DSR1_CPU_KERNELS", switch)
+        models[switch] = dsr1.init_random(cfg, seed=3, dtype=dtype, quant=quant_mode)
+    rng = np.random.default_rng(0)
+    for batch in (1, 3):
+        prompt = rng.integers(2, cfg.vocab_size, (batch, 5))
+        logits = {}
+        for switch, model in models.items():
+            monkeypatch.setenv("DSR1_CPU_KERNELS", switch)
+            first, cache = model.prefill(prompt, max_len=8)
+            steps = [first]
+            for token in (7, 9):
+                out, cache = model.decode(cache, np.full(batch, token))
+                steps.append(out)
+            logits[switch] = np.stack([np.asarray(s, np.float32).reshape(batch, -1) for s in steps])
+        if dtype == "float32":  # float32 activations: the same products up to float32 summation order
+            np.testing.assert_allclose(logits["1"], logits["0"], rtol=2e-4, atol=2e-4 * np.abs(logits["0"]).max())
+        else:  # bf16 activations: a different summation order flips some roundings (one ulp: 2^-8)
+            scale = np.abs(logits["0"]).max()
+            assert np.abs(logits["1"] - logits["0"]).max() < 2e-2 * scale
+            np.testing.assert_array_equal(logits["1"].argmax(-1), logits["0"].argmax(-1))

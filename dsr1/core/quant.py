@@ -7,11 +7,13 @@ weight stack: `einsum` scales the output (or, when an output channel is itself c
 absorbed decode, the input), and experts go through a mixed bf16 x int8 `ragged_dot` (or, on CPU,
 `dsr1.core.moe`'s expert loop, which widens one expert's slice at a time).
 
-On CPU, bf16 weights are widened to float32 where they are used (`Bf16Bits`, `widen`), by moving
-their bits: XLA:CPU has no bf16 matrix-vector dot, and the `convert` it inserts instead is hoisted
-out of the layer scan, converting every weight stack of the model on every call. Products of many
-rows (prefill) take XLA:CPU's bf16 matrix-matrix dot instead (`native_bf16`), with the activations
-rounded to bf16 as GPU and TPU compute them.
+On CPU, decode's products of few rows read a second copy of their weights laid out `[..., out, in]`
+with dsr1's own kernel (`cpu_kernels`, `kernel_matmul`) where it is built. Otherwise bf16 weights
+are widened to float32 where they are used (`Bf16Bits`, `widen`), by moving their bits: XLA:CPU
+has no bf16 matrix-vector dot, and the `convert` it inserts instead is hoisted out of the layer
+scan, converting every weight stack of the model on every call. Products of many rows (prefill)
+take XLA:CPU's bf16 matrix-matrix dot instead (`native_bf16`), with the activations rounded to bf16
+as GPU and TPU compute them.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ class Int8Weight(_TransposedCopy):
 @dataclasses.dataclass(frozen=True)
 class StackSlice:
     """Matrix `index` of a weight copy's stack `[L, ...]`, read in place by the CPU kernel: a layer
-    scan gives the kernel copies of its weights this way (`model.in_place`), not sliced out (a copy)."""
+    scan gives the kernel copies of its weights this way (`in_place_copies`), not sliced out (a copy)."""
 
     stack: Any
     index: Any
@@ -100,8 +102,10 @@ def in_place_copies(p: Any) -> tuple[Any, Any]:
     def strip(w: Any) -> Any:
         return dataclasses.replace(w, transposed=None) if _has_copy(w) else w
 
-    return (jax.tree.map(strip, p, is_leaf=_has_copy),
-            jax.tree.map(lambda w: w.transposed if _has_copy(w) else None, p, is_leaf=_has_copy))
+    def copy(w: Any) -> Any:
+        return w.transposed if _has_copy(w) else None
+
+    return jax.tree.map(strip, p, is_leaf=_is_weight), jax.tree.map(copy, p, is_leaf=_is_weight)
 
 
 def with_layer_copies(p: Any, copies: Any, layer: jax.Array) -> Any:
@@ -110,17 +114,22 @@ def with_layer_copies(p: Any, copies: Any, layer: jax.Array) -> Any:
     def put(w: Any, stack: Any) -> Any:
         return w if stack is None else dataclasses.replace(w, transposed=StackSlice(stack, layer))
 
-    return jax.tree.map(put, p, copies, is_leaf=lambda w: isinstance(w, _TransposedCopy))
+    return jax.tree.map(put, p, copies, is_leaf=_is_weight)
+
+
+def _is_weight(w: Any) -> bool:
+    return isinstance(w, _TransposedCopy)
 
 
 def _has_copy(w: Any) -> bool:
-    return isinstance(w, _TransposedCopy) and w.transposed is not None
+    return _is_weight(w) and w.transposed is not None
 
 
 def _kernel_operand(copy: Any, index: jax.Array | int = 0) -> tuple[jax.Array, jax.Array | int]:
     """The array the CPU kernel reads and the index of the matrix in it: a layer's copy in its stack
-    (`StackSlice`: one matrix per layer), or the copy itself."""
+    (`StackSlice`: one matrix, or one group of them, per layer), or the copy itself."""
     if isinstance(copy, StackSlice):
+        assert isinstance(index, int) and index == 0, "a layer's copy is one matrix"
         return copy.stack, copy.index
     return copy, index
 
@@ -361,8 +370,8 @@ def widen(w: Any) -> jax.Array:
 def einsum(spec: str, x: jax.Array, w: Any, **kwargs) -> jax.Array:
     """`jnp.einsum(spec, x, w)` for a plain, `Bf16Bits` or `Int8Weight` weight (the second operand)."""
     matmul, rows = _is_matmul(spec), int(np.prod(x.shape[:-1]))
-    if isinstance(w, Bf16Bits) and w.kernel_spec == spec and _kernel_rows(spec, x) <= cpu_kernels.KERNEL_ROWS \
-            and w.kernel_reads(1):  # a decode product with a copy laid out for it (attention)
+    if isinstance(w, Bf16Bits) and w.kernel_spec == spec and w.kernel_reads(_kernel_rows(spec, x)):
+        # A decode product with a copy laid out for it (attention).
         return _kernel_einsum(spec, x, w).astype(kwargs.get("preferred_element_type") or w.dtype)
     if matmul and isinstance(w, _TransposedCopy) and w.transposed is not None and w.kernel_spec is None:
         dtype = kwargs.get("preferred_element_type") or (w.dtype if isinstance(w, Bf16Bits) else x.dtype)
