@@ -33,6 +33,6 @@ def cpu_kernel(request, monkeypatch) -> bool:
     from dsr1.core import cpu_kernels
 
     if request.param and not cpu_kernels.available():
-        pytest.skip("dsr1's CPU kernel is not built on this machine (no C++ compiler or no AVX-512)")
+        pytest.skip("dsr1's CPU kernel is not built on this machine (no C++ compiler, or no AVX2)")
     monkeypatch.setenv("DSR1_CPU_KERNELS", "1" if request.param else "0")
     return request.param

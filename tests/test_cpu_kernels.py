@@ -13,7 +13,7 @@ from dsr1.core import cpu_kernels, quant
 from dsr1.core.attention import DECODE_PRODUCTS
 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.available(),
-                                  reason="dsr1's CPU kernel is not built here (no C++ compiler or no AVX-512)")
+                                  reason="dsr1's CPU kernel is not built here (no C++ compiler, or no AVX2)")
 
 
 def _weights(dtype: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
@@ -155,3 +155,24 @@ def test_decode_with_the_kernel_equals_decode_without(dtype, quant_mode, monkeyp
             scale = np.abs(logits["0"]).max()
             assert np.abs(logits["1"] - logits["0"]).max() < 2e-2 * scale
             np.testing.assert_array_equal(logits["1"].argmax(-1), logits["0"].argmax(-1))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_the_avx2_build_computes_the_same(dtype, tmp_path, monkeypatch):
+    """The kernel's AVX2 variant (8-lane vectors: CPUs without AVX-512, e.g. AMD Zen 3), built here with
+    AVX-512 turned off and registered under its own names, equals float64 for every block size."""
+    import ctypes
+
+    monkeypatch.setenv("DSR1_KERNEL_CACHE", str(tmp_path))
+    library = ctypes.cdll.LoadLibrary(str(cpu_kernels._build(("-mno-avx512f",))))
+    target = f"dsr1_rows_dot_{dtype}"
+    jax.ffi.register_ffi_target(f"{target}_avx2_test", jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
+    rng = np.random.default_rng(2)
+    w = _weights(dtype, (3, 37, 72), rng)
+    for rows in (1, 2, 5, 8, 11):
+        x = rng.standard_normal((1, rows, 72)).astype(np.float32)
+        call = jax.ffi.ffi_call(f"{target}_avx2_test", jax.ShapeDtypeStruct((1, rows, 37), jnp.float32))
+        got = np.asarray(call(jnp.asarray(x), jnp.asarray(w), jnp.int32(2)))[0]
+        want = x[0].astype(np.float64) @ _values(w[2]).T
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=str(rows))

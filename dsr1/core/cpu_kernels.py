@@ -7,10 +7,11 @@ handler) reads each weight row once for blocks of up to 8 rows, widening it in r
 the output over XLA's intra-op threads, and takes the matrix by its index in a stack, so an expert
 of a layer is read in place.
 
-The kernel is compiled on first use with the system's C++ compiler for the CPU it runs on (AVX-512)
-and cached under `$DSR1_KERNEL_CACHE` (default `~/.cache/dsr1/kernels`), keyed by the source, the
-compiler, jaxlib and the CPU. Without a compiler, on another CPU, or with `DSR1_CPU_KERNELS=0`,
-`available()` is False and dsr1 computes these products with XLA's own operations, as before.
+The kernel is compiled on first use with the system's C++ compiler for the CPU it runs on (x86-64
+with AVX-512, or AVX2 and FMA) and cached under `$DSR1_KERNEL_CACHE` (default
+`~/.cache/dsr1/kernels`), keyed by the source, the compiler, jaxlib and the CPU. Without a compiler,
+on another CPU, or with `DSR1_CPU_KERNELS=0`, `available()` is False and dsr1 computes these
+products with XLA's own operations, as before.
 """
 
 from __future__ import annotations
@@ -74,14 +75,15 @@ def _registered() -> bool:
     return True
 
 
-def _build() -> Path | None:
+def _build(extra_flags: tuple[str, ...] = ()) -> Path | None:
     """The compiled library for this CPU, built into the cache if not there yet (None: no compiler, or
-    not an x86-64 CPU). Written to a temporary file, then renamed: processes racing build it alike."""
+    not an x86-64 CPU with AVX2). Written to a temporary file, then renamed: processes racing build it
+    alike. `extra_flags` (tests: `-mno-avx512f` builds the AVX2 variant on an AVX-512 CPU)."""
     compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
     if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
         return None
     source = resources.files("dsr1.core").joinpath("kernels/rows_dot.cc").read_bytes()
-    flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-isystem", jax.ffi.include_dir()]
+    flags = ["-O3", "-march=native", *extra_flags, "-std=c++17", "-shared", "-fPIC", "-isystem", jax.ffi.include_dir()]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(b"\0".join(s if isinstance(s, bytes) else s.encode() for s in (
         source, version, " ".join(flags), jax.__version__, _cpu_flags()))).hexdigest()[:16]
@@ -95,7 +97,7 @@ def _build() -> Path | None:
         src.write_bytes(source)
         result = subprocess.run([compiler, *flags, str(src), "-o", str(built)], capture_output=True, text=True)
         if result.returncode != 0:
-            if "needs AVX-512" in result.stderr:
+            if "rows_dot kernel needs" in result.stderr:  # a CPU without AVX2
                 return None
             raise OSError(f"{compiler} failed on {src.name}: {result.stderr[-2000:]}")
         os.replace(built, library)

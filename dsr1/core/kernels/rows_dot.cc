@@ -6,7 +6,8 @@
 // row is read once for all rows and widened to float32 in registers, so the product runs at memory
 // speed where XLA:CPU, from two rows on, writes a widened float32 copy of the weight first (see
 // dsr1/core/cpu_kernels.py). The matrix is picked by `index` inside the stack (an expert of a layer),
-// so no slice of it is copied out first. Built by cpu_kernels.py for the CPU it runs on (AVX-512).
+// so no slice of it is copied out first. Built by cpu_kernels.py for the CPU it runs on (x86-64 with
+// AVX-512, or AVX2 and FMA).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -19,13 +20,48 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#if !defined(__AVX512F__)
-#error "dsr1's rows_dot kernel needs AVX-512 (dsr1 falls back to XLA's own products without it)"
-#endif
-
 namespace ffi = xla::ffi;
 
 namespace {
+
+// The vectors the CPU has: 16 float32 lanes with AVX-512, else 8 with AVX2 and FMA.
+#if defined(__AVX512F__)
+using Vec = __m512;
+constexpr int kLanes = 16;
+inline Vec zeros() { return _mm512_setzero_ps(); }
+inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline float sum(Vec a) { return _mm512_reduce_add_ps(a); }
+inline Vec widen_lanes(const uint16_t* p) {  // bf16 bits are the high half of a float32
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline Vec widen_lanes(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+using Vec = __m256;
+constexpr int kLanes = 8;
+inline Vec zeros() { return _mm256_setzero_ps(); }
+inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline float sum(Vec a) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+inline Vec widen_lanes(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline Vec widen_lanes(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#else
+#error "dsr1's rows_dot kernel needs AVX2 and FMA, or AVX-512 (dsr1 falls back to XLA's own products)"
+#endif
 
 inline float widen(uint16_t v) {
   const uint32_t bits = uint32_t(v) << 16;  // bf16 is the high half of a float32
@@ -35,43 +71,33 @@ inline float widen(uint16_t v) {
 }
 inline float widen(int8_t v) { return float(v); }
 
-inline __m512 widen16(const uint16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline __m512 widen16(const int8_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(h));
-}
-
 // Software prefetch distance: the hardware prefetchers alone leave blocks of many rows (more compute
 // per byte) at ~12 GB/s from memory on a 2-core Xeon, 18 with this; one row 21 -> 22 GB/s.
 constexpr int64_t kPrefetchBytes = 2048;
 
-// R rows against the weight rows (output columns) [o0, o1). U blocks of 16 per step keep enough
+// R rows against the weight rows (output columns) [o0, o1). U vectors per step keep enough
 // independent multiply-adds in flight for few rows (R * U accumulators).
 template <typename T, int R>
 void rows_block(const float* x, const T* w, float* y, int64_t in, int64_t out, int64_t o0, int64_t o1) {
   constexpr int U = R >= 4 ? 1 : 4 / R;
   for (int64_t o = o0; o < o1; ++o) {
     const T* wo = w + o * in;
-    __m512 acc[R][U];
+    Vec acc[R][U];
     for (int r = 0; r < R; ++r)
-      for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
+      for (int u = 0; u < U; ++u) acc[r][u] = zeros();
     int64_t i = 0;
-    for (; i + 16 * U <= in; i += 16 * U)
+    for (; i + kLanes * U <= in; i += kLanes * U)
       for (int u = 0; u < U; ++u) {
-        const T* block = wo + i + 16 * u;
-        if ((i + 16 * u) * int64_t(sizeof(T)) % 64 == 0)  // once per cache line: the line 2 KB ahead
+        const T* block = wo + i + kLanes * u;
+        if ((i + kLanes * u) * int64_t(sizeof(T)) % 64 == 0)  // once per cache line: the line 2 KB ahead
           _mm_prefetch(reinterpret_cast<const char*>(block) + kPrefetchBytes, _MM_HINT_T0);
-        const __m512 wv = widen16(block);
-        for (int r = 0; r < R; ++r)
-          acc[r][u] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * in + i + 16 * u), wv, acc[r][u]);
+        const Vec wv = widen_lanes(block);
+        for (int r = 0; r < R; ++r) acc[r][u] = fmadd(load(x + r * in + i + kLanes * u), wv, acc[r][u]);
       }
     for (int r = 0; r < R; ++r) {
-      __m512 a = acc[r][0];
-      for (int u = 1; u < U; ++u) a = _mm512_add_ps(a, acc[r][u]);
-      float s = _mm512_reduce_add_ps(a);
+      Vec a = acc[r][0];
+      for (int u = 1; u < U; ++u) a = add(a, acc[r][u]);
+      float s = sum(a);
       for (int64_t k = i; k < in; ++k) s += x[r * in + k] * widen(wo[k]);
       y[r * out + o] = s;
     }
