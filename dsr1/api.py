@@ -60,8 +60,8 @@ class Model:
             self.params, is_leaf=lambda x: isinstance(x, Int8Weight))) else None
 
     def weight_bytes(self) -> int:
-        """Bytes of all weights (int8 values and their scales included)."""
-        return sum(x.nbytes for x in jax.tree.leaves(self.params))
+        """Bytes of all weights (int8 values and their scales included; an array held twice counted once)."""
+        return sum(x.nbytes for x in {id(x): x for x in jax.tree.leaves(self.params)}.values())
 
     def forward(self, tokens: Any, lengths: Any = None) -> jax.Array:
         """Logits `[B, T, V]` (float32) for right-padded `tokens [B, T]`; rows are `lengths` long

@@ -74,7 +74,7 @@ def test_bf16_bytes_match_hand_computation(models):
                   + c.num_moe_layers * 3 * d * (c.shared_intermediate_size + c.n_routed_experts * f)) * BF16
         if kernel:  # the attention weights laid out for their decode products
             h, r = c.num_attention_heads, c.kv_lora_rank
-            per_layer = (c.q_lora_rank * h * c.qk_head_dim + h * (c.qk_nope_head_dim + c.v_head_dim) * r
+            per_layer = (c.q_lora_rank * h * c.qk_head_dim + h * c.qk_nope_head_dim * r  # (W_UV: laid out already)
                          + h * c.v_head_dim * d)
             copies += c.num_hidden_layers * per_layer * BF16
         unread += d * c.vocab_size * BF16 + copies  # the lm_head's float32 copy or transposed bits read instead

@@ -112,6 +112,9 @@ def test_attention_weights_are_laid_out_for_their_decode_products(name, monkeypa
     monkeypatch.setenv("DSR1_CPU_KERNELS", "1")
     w = dsr1.init_random(dsr1.Config.preset("tiny"), seed=0).params["moe_layers"][name]
     assert w.kernel_spec == DECODE_PRODUCTS[name] and w.transposed.shape[0] == w.shape[0]
+    # W_UV `[L, heads, v, r]` is stored as the kernel reads it: the bits themselves, counted once.
+    assert (w.transposed is w.bits) == (name == "wv_b")
+    assert w.nbytes == w.bits.nbytes * (1 if name == "wv_b" else 2)
     w = jax.tree.map(lambda a: a[1], w)  # one layer, as the layer scan slices it
     x_sub = DECODE_PRODUCTS[name].split(",")[0]
     sizes = {**dict(zip(DECODE_PRODUCTS[name].split(",")[1].split("-")[0], w.shape)), "b": 2}

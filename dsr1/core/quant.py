@@ -189,8 +189,10 @@ class Bf16Bits(_TransposedCopy):
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: the bits, and the float32 or transposed copies where there are some."""
-        return self.bits.nbytes + sum(0 if c is None else c.nbytes for c in (self.wide, self.transposed))
+        """Bytes held: the bits, and the float32 or transposed copies where there are some (a weight
+        already laid out for the CPU kernel holds no copy: `transposed` is `bits`)."""
+        copies = (c for c in (self.wide, self.transposed) if c is not None and c is not self.bits)
+        return self.bits.nbytes + sum(c.nbytes for c in copies)
 
     def reads_wide(self, rows: int) -> bool:
         """Whether a product of `rows` rows (`einsum`) reads the float32 copy: for one row, where held."""
@@ -244,9 +246,9 @@ def as_bits(w: jax.Array, *, keep_float32: bool = False, keep_transposed: bool =
     if isinstance(w, jax.Array) and not traced and len(w.sharding.device_set) == 1:
         device = next(iter(w.sharding.device_set))
         bits = jax.device_put(np.asarray(w).view(np.uint16), device)
-        if kernel_spec is not None:
-            return Bf16Bits(bits, wide, one_device=True, transposed=kernel_layout(bits, kernel_spec, stacked),
-                            kernel_spec=kernel_spec)
+        if kernel_spec is not None:  # (laid out as it is, as `W_UV`: the bits themselves, no copy)
+            laid = bits if _laid_out_already(kernel_spec) else kernel_layout(bits, kernel_spec, stacked)
+            return Bf16Bits(bits, wide, one_device=True, transposed=laid, kernel_spec=kernel_spec)
         return Bf16Bits(bits, wide, one_device=True, transposed=_swap_last(bits) if keep_transposed else None)
     bits = jax.lax.bitcast_convert_type(w, jnp.uint16)
     return Bf16Bits(bits, wide, transposed=_swap_last(bits) if keep_transposed and not traced else None)
@@ -266,6 +268,13 @@ def product_axes(spec: str) -> tuple[str, str, str, str] | None:
     if len(batch + outputs + contracted) != len(w_sub) or not all(c in out for c in rows):
         return None
     return batch, outputs, contracted, rows
+
+
+def _laid_out_already(spec: str) -> bool:
+    """Whether a weight of the einsum `spec` is stored as the kernel reads it: `[(batch,) out, in]`."""
+    batch, outputs, contracted, _ = product_axes(spec)
+    w_sub = spec.replace(" ", "").split("->")[0].split(",")[1]
+    return batch + outputs + contracted == w_sub and len(batch) <= 1 and len(outputs) == len(contracted) == 1
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
