@@ -124,3 +124,14 @@ def join_processes(num_processes: int, process_id: int, port: int) -> None:
     if num_processes > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=num_processes, process_id=process_id)
+
+
+def count_products(monkeypatch, module) -> dict[str, list[int]]:
+    """The rows of every `rowwise_matmul` (XLA, one row at a time) and `kernel_matmul` (dsr1's CPU
+    kernel) product that `module` traces from now on."""
+    calls = {"rowwise_matmul": [], "kernel_matmul": []}
+    for name, rows in calls.items():
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name,
+                            lambda x, w, *index, f=original, c=rows: c.append(x.shape[0]) or f(x, w, *index))
+    return calls

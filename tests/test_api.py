@@ -11,6 +11,8 @@ import pytest
 
 import dsr1
 
+from .harness import count_products
+
 CFG = dsr1.Config.preset("tiny")
 
 
@@ -183,17 +185,6 @@ def test_large_bf16_matmul_widens_in_column_blocks(rows):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
 
 
-def _count_products(monkeypatch, module) -> dict[str, list[int]]:
-    """The rows of every `rowwise_matmul` (XLA, one row at a time) and `kernel_matmul` (dsr1's CPU
-    kernel) product that `module` traces from now on."""
-    calls = {"rowwise_matmul": [], "kernel_matmul": []}
-    for name, rows in calls.items():
-        original = getattr(module, name)
-        monkeypatch.setattr(module, name,
-                            lambda x, w, *index, f=original, c=rows: c.append(x.shape[0]) or f(x, w, *index))
-    return calls
-
-
 def _expected_products(kernel: bool, rows_traced: tuple[int, ...], kernel_rows: int) -> dict[str, list[int]]:
     """Which products read the transposed copy: with the kernel up to `KERNEL_ROWS` rows, else one row."""
     if kernel:
@@ -265,7 +256,7 @@ def test_matrices_keep_transposed_bits_for_few_rows(cpu_kernel, monkeypatch):
     # A program given bf16 arrays would transpose them on every call: no copy there.
     traced = jax.jit(lambda a: quant.as_bits(a, keep_transposed=True))(jnp.asarray(w, jnp.bfloat16))
     assert traced.transposed is None
-    calls = _count_products(monkeypatch, quant)
+    calls = count_products(monkeypatch, quant)
     rng = np.random.default_rng(0)
     all_rows = (1, 2, KERNEL_ROWS, KERNEL_ROWS + 1)
     for rows in all_rows:
@@ -295,7 +286,7 @@ def test_int8_matrices_keep_transposed_values_for_few_rows(cpu_kernel, monkeypat
     assert quant.with_transposed(w) is w  # idempotent
     traced = jax.jit(lambda q, s: quant.with_transposed(quant.Int8Weight(q, s)))(w.q, w.scale)
     assert traced.transposed is None  # a program given int8 arrays would transpose them on every call
-    calls = _count_products(monkeypatch, quant)
+    calls = count_products(monkeypatch, quant)
     rng = np.random.default_rng(0)
     dequantized = np.asarray(w.q, np.float64) * np.asarray(w.scale, np.float64)
     all_rows = (1, 2, KERNEL_ROWS, KERNEL_ROWS + 1)

@@ -13,6 +13,8 @@ from dsr1.core.cpu_kernels import KERNEL_ROWS
 from dsr1.core.moe import moe, route
 from dsr1.core.sharding import DEFAULT_RULES
 
+from .harness import count_products
+
 TINY = dsr1.Config.preset("tiny")
 
 
@@ -142,20 +144,15 @@ def test_expert_loop_reads_experts_transposed_for_blocks_of_few_rows(tokens, dty
 
     from .moe_worker import kernel_outputs
 
-    kernel = cpu_kernel
     model = dsr1.init_random(TINY, seed=5, dtype=dtype, quant=quant)
     gate = model.params["moe_layers"]["moe"]["gate"]
     values = gate.q if quant else gate.bits
     np.testing.assert_array_equal(np.asarray(gate.transposed), np.swapaxes(np.asarray(values), -1, -2))
-    calls = {"rowwise_matmul": [], "kernel_matmul": []}
-    for name, product in calls.items():
-        original = getattr(moe_module, name)
-        monkeypatch.setattr(moe_module, name, lambda x, w, *index, f=original, c=product: c.append(x.shape[0])
-                            or f(x, w, *index))
+    calls = count_products(monkeypatch, moe_module)
     outputs = kernel_outputs(model, tokens)
     block = moe_module.loop_block_rows(tokens, tokens * TINY.num_experts_per_tok, TINY.n_routed_experts)
-    limit = KERNEL_ROWS if kernel else gate.expert_rows
-    taken, other = (calls["kernel_matmul"], calls["rowwise_matmul"]) if kernel else (
+    limit = KERNEL_ROWS if cpu_kernel else gate.expert_rows
+    taken, other = (calls["kernel_matmul"], calls["rowwise_matmul"]) if cpu_kernel else (
         calls["rowwise_matmul"], calls["kernel_matmul"])
     if block <= limit:  # the loop's gate, up and down products took the copy
         assert taken and set(taken) <= {block}, calls

@@ -91,10 +91,6 @@ class StackSlice:
     stack: Any
     index: Any
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.stack.shape[1:]
-
 
 def in_place_copies(p: Any) -> tuple[Any, Any]:
     """A layer stack's weights as (without the kernel copies `transposed`, those copies' stacks) for a
@@ -254,11 +250,17 @@ def as_bits(w: jax.Array, *, keep_float32: bool = False, keep_transposed: bool =
     return Bf16Bits(bits, wide, transposed=_swap_last(bits) if keep_transposed and not traced else None)
 
 
+def _subscripts(spec: str) -> tuple[str, str, str]:
+    """`x, w -> out` of a two-operand einsum."""
+    inputs, out = spec.replace(" ", "").split("->")
+    x_sub, w_sub = inputs.split(",")
+    return x_sub, w_sub, out
+
+
 def product_axes(spec: str) -> tuple[str, str, str, str] | None:
     """The weight's batch, output and contracted subscripts in `spec` (`x, w -> out`, explicit
     subscripts), and x's rows (its other subscripts, kept in the output); None for other einsums."""
-    inputs, out = spec.replace(" ", "").split("->")
-    x_sub, w_sub = inputs.split(",")
+    x_sub, w_sub, out = _subscripts(spec)
     if "." in spec or len(set(x_sub)) != len(x_sub) or len(set(w_sub)) != len(w_sub):
         return None
     batch = "".join(c for c in w_sub if c in x_sub and c in out)
@@ -273,8 +275,8 @@ def product_axes(spec: str) -> tuple[str, str, str, str] | None:
 def _laid_out_already(spec: str) -> bool:
     """Whether a weight of the einsum `spec` is stored as the kernel reads it: `[(batch,) out, in]`."""
     batch, outputs, contracted, _ = product_axes(spec)
-    w_sub = spec.replace(" ", "").split("->")[0].split(",")[1]
-    return batch + outputs + contracted == w_sub and len(batch) <= 1 and len(outputs) == len(contracted) == 1
+    in_order = batch + outputs + contracted == _subscripts(spec)[1]
+    return in_order and len(batch) <= 1 and len(outputs) == len(contracted) == 1
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
@@ -283,7 +285,7 @@ def kernel_layout(bits: jax.Array, spec: str, stacked: int = 0) -> jax.Array:
     `[stack..., (batch,) out, in]`, each its subscripts flattened (batch: heads multiplied each by
     their own rows; none, no axis)."""
     batch, outputs, contracted, _ = product_axes(spec)
-    w_sub = spec.replace(" ", "").split("->")[0].split(",")[1]
+    w_sub = _subscripts(spec)[1]
     axis = {c: stacked + i for i, c in enumerate(w_sub)}
     laid = jnp.transpose(bits, (*range(stacked), *(axis[c] for c in batch + outputs + contracted)))
     size = {c: bits.shape[axis[c]] for c in w_sub}
@@ -297,8 +299,7 @@ def _kernel_einsum(spec: str, x: jax.Array, w: Bf16Bits) -> jax.Array:
     x's rows (and batch) gathered in front of its contracted axes, one kernel call, then the output's
     order."""
     batch, outputs, contracted, rows = product_axes(spec)
-    inputs, out_sub = spec.replace(" ", "").split("->")
-    x_sub, w_sub = inputs.split(",")
+    x_sub, w_sub, out_sub = _subscripts(spec)
     size = {**dict(zip(w_sub, w.shape)), **dict(zip(x_sub, x.shape))}
     xs = jnp.einsum(f"{x_sub}->{batch}{rows}{contracted}", x)
     n_rows, n_in = math.prod(size[c] for c in rows), math.prod(size[c] for c in contracted)
@@ -401,8 +402,7 @@ def einsum(spec: str, x: jax.Array, w: Any, **kwargs) -> jax.Array:
         return out.astype(kwargs.get("preferred_element_type") or w.dtype)
     if not isinstance(w, Int8Weight):
         return jnp.einsum(spec, x.astype(w.dtype), w, **kwargs)
-    inputs, out_sub = spec.replace(" ", "").split("->")
-    x_sub, w_sub = inputs.split(",")
+    x_sub, w_sub, out_sub = _subscripts(spec)
     if "..." in w_sub or len(w_sub) != w.q.ndim:
         raise ValueError(f"einsum {spec!r}: the weight needs one subscript per axis")
     scale_sub = "".join(c for i, c in enumerate(w_sub) if i not in w.input_axes)
@@ -423,8 +423,8 @@ def einsum(spec: str, x: jax.Array, w: Any, **kwargs) -> jax.Array:
 
 def _kernel_rows(spec: str, x: jax.Array) -> int:
     """The rows of each of a kernel einsum's products (x's axes that the weight does not have)."""
-    x_sub, w_sub = spec.replace(" ", "").split("->")[0].split(",")
-    return math.prod(n for c, n in zip(x_sub, x.shape) if c not in w_sub)
+    x_sub = _subscripts(spec)[0]
+    return math.prod(x.shape[x_sub.index(c)] for c in product_axes(spec)[3])
 
 
 WIDEN_CHUNK_ELEMENTS = 1 << 19  # float32 elements widened at a time (2 MB: a core's cache holds them)
@@ -432,8 +432,7 @@ WIDEN_CHUNK_ELEMENTS = 1 << 19  # float32 elements widened at a time (2 MB: a co
 
 def _is_matmul(spec: str) -> bool:
     """Whether `spec` is `x [..., i] @ w [i, o]` (what `matmul` and the lm_head compute)."""
-    inputs, out = spec.replace(" ", "").split("->")
-    x_sub, w_sub = inputs.split(",")
+    x_sub, w_sub, out = _subscripts(spec)
     return (len(w_sub) == 2 and x_sub.startswith("...") and x_sub[3:] == w_sub[0] and out.startswith("...")
             and out[3:] == w_sub[1])
 

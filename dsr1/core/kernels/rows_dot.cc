@@ -173,17 +173,16 @@ ffi::Error RowsDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<D>
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_bf16, (RowsDot<ffi::U16, uint16_t>),
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_int8, (RowsDot<ffi::S8, int8_t>),
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// The handlers' signature for weights of type D: (x f32, w D, index s32) -> y f32.
+template <ffi::DataType D>
+auto Signature() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<D>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::Buffer<ffi::F32>>();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_bf16, (RowsDot<ffi::U16, uint16_t>), (Signature<ffi::U16>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_int8, (RowsDot<ffi::S8, int8_t>), (Signature<ffi::S8>()));
