@@ -4,8 +4,9 @@ XLA:CPU reads a transposed bf16 or int8 weight at memory speed in a one-row prod
 rows on it first writes out a widened float32 copy of the weight and reads that (2 rows at half the
 speed, 8 rows at a sixth: docs/performance.md). `rows_dot` (kernels/rows_dot.cc, an XLA FFI
 handler) reads each weight row once for blocks of up to 8 rows, widening it in registers, splits
-the output over XLA's intra-op threads, and takes the matrix by its index in a stack, so an expert
-of a layer is read in place.
+the output over threads of its own (one per core beside the caller, which look for work for 200 us
+before they sleep: a decode step calls it every few microseconds), and takes the matrix by its
+index in a stack, so an expert of a layer is read in place.
 
 The kernel is compiled on first use with the system's C++ compiler for the CPU it runs on (x86-64
 with AVX-512, or AVX2 and FMA) and cached under `$DSR1_KERNEL_CACHE` (default
