@@ -1,0 +1,67 @@
+"""Weights on CPU held in 2 MiB pages (Linux transparent huge pages).
+
+A decode step streams every weight it uses from memory once. With the default 4 KiB pages the
+CPU's hardware prefetchers stop at each page boundary and every 64 rows of a bf16 matrix of 1,024
+columns need a new page-table walk: dsr1's kernel read 20-22 GB/s of a 64 MB matrix here, 27-30
+from 2 MiB pages (docs/performance.md, "A thirteenth session"). XLA:CPU allocates its buffers with
+`malloc`, which Linux backs with huge pages only where asked (`madvise`, the default setting of
+`/sys/kernel/mm/transparent_hugepage/enabled`), so `on_huge_pages` moves large weights into memory
+that asks, and hands it to XLA without a copy (`jax.device_put` of an aligned host array on CPU
+keeps that array as the buffer).
+"""
+
+from __future__ import annotations
+
+import mmap
+from typing import Any
+
+import jax
+import numpy as np
+
+HUGE_PAGE = 2 << 20  # bytes of an x86-64 / arm64 transparent huge page
+MIN_BYTES = HUGE_PAGE  # smaller arrays keep their memory: they would not fill one page
+
+
+def supported() -> bool:
+    """Whether this platform can ask for huge pages (Linux: `madvise(MADV_HUGEPAGE)`)."""
+    return hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_PRIVATE")
+
+
+def on_huge_pages(tree: Any) -> Any:
+    """`tree` with each array of at least `MIN_BYTES` held on one CPU device moved into memory
+    backed by 2 MiB pages; other leaves (sharded, accelerator, small, not arrays) as they are. An
+    array that appears twice in the tree is moved once and stays shared. Values do not change."""
+    if not supported():
+        return tree
+    moved: dict[int, jax.Array] = {}
+
+    def move(x: Any) -> Any:
+        if not _movable(x):
+            return x
+        if id(x) not in moved:
+            moved[id(x)] = _moved(x)
+        return moved[id(x)]
+
+    return jax.tree.map(move, tree)
+
+
+def _movable(x: Any) -> bool:
+    return (isinstance(x, jax.Array) and x.nbytes >= MIN_BYTES and len(x.sharding.device_set) == 1
+            and next(iter(x.sharding.device_set)).platform == "cpu")
+
+
+def _moved(x: jax.Array) -> jax.Array:
+    host = _huge_page_array(x.shape, x.dtype)
+    np.copyto(host, np.asarray(x))
+    return jax.device_put(host, x.sharding)
+
+
+def _huge_page_array(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialized array in a private anonymous mapping that asks for huge pages, its data at a
+    page boundary (so every whole 2 MiB of it can be one page). Freed when the last view goes."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    memory = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    memory.madvise(mmap.MADV_HUGEPAGE)  # a hint: with huge pages off it changes nothing
+    raw = np.frombuffer(memory, np.uint8)
+    start = -raw.ctypes.data % HUGE_PAGE
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
