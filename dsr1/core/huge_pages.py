@@ -13,6 +13,8 @@ keeps that array as the buffer).
 from __future__ import annotations
 
 import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -33,16 +35,10 @@ def on_huge_pages(tree: Any) -> Any:
     array that appears twice in the tree is moved once and stays shared. Values do not change."""
     if not supported():
         return tree
-    moved: dict[int, jax.Array] = {}
-
-    def move(x: Any) -> Any:
-        if not _movable(x):
-            return x
-        if id(x) not in moved:
-            moved[id(x)] = _moved(x)
-        return moved[id(x)]
-
-    return jax.tree.map(move, tree)
+    movable = {id(x): x for x in jax.tree.leaves(tree) if _movable(x)}
+    with ThreadPoolExecutor(os.cpu_count()) as pool:  # the copies and the page faults run in parallel
+        moved = dict(zip(movable, pool.map(_moved, movable.values())))
+    return jax.tree.map(lambda x: moved.get(id(x), x), tree)
 
 
 def _movable(x: Any) -> bool:
