@@ -128,10 +128,10 @@ def join_processes(num_processes: int, process_id: int, port: int) -> None:
 
 def count_products(monkeypatch, module) -> dict[str, list[int]]:
     """The rows of every `rowwise_matmul` (XLA, one row at a time) and `kernel_matmul` (dsr1's CPU
-    kernel) product that `module` traces from now on."""
+    kernel) product that `module` traces from now on (per group of rows, for `x [g, rows, in]`)."""
     calls = {"rowwise_matmul": [], "kernel_matmul": []}
     for name, rows in calls.items():
         original = getattr(module, name)
         monkeypatch.setattr(module, name,
-                            lambda x, w, *index, f=original, c=rows: c.append(x.shape[0]) or f(x, w, *index))
+                            lambda x, w, *index, f=original, c=rows: c.append(x.shape[-2]) or f(x, w, *index))
     return calls

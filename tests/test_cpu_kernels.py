@@ -43,7 +43,7 @@ def test_rows_dot_equals_float64_for_every_block_size(dtype, rows):
 
 @needs_kernel
 def test_rows_dot_splits_a_large_matrix_over_threads_and_clamps_the_index():
-    """A matrix large enough to be split into parts (pool threads) gives the same product; an index past
+    """A matrix large enough to be split into parts (threads) gives the same product; an index past
     the stack reads its last matrix (as XLA clamps a dynamic slice)."""
     rng = np.random.default_rng(0)
     w = _weights("bf16", (2, 1000, 256), rng)
@@ -64,11 +64,31 @@ def test_rows_dot_groups_multiply_each_by_its_own_rows():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_rows_dot_with_an_index_per_group_reads_each_groups_own_matrix(dtype):
+    """`index [g]`: group g against matrix `index[g]` of a `[2, 3, out, in]` stack, in place (an expert
+    loop's blocks); a negative index gives zeros, one past the stack reads its last matrix; groups large
+    enough to be split over threads too."""
+    rng = np.random.default_rng(3)
+    for out, inputs in ((37, 72), (300, 256)):
+        w = _weights(dtype, (2, 3, out, inputs), rng)
+        x = rng.standard_normal((5, 2, inputs)).astype(np.float32)
+        index = np.array([4, -1, 0, 4, 9], np.int32)
+        got = np.asarray(jax.jit(cpu_kernels.rows_dot)(jnp.asarray(x), jnp.asarray(w), jnp.asarray(index)))
+        matrices = _values(w.reshape(6, out, inputs))
+        want = np.einsum("gri,goi->gro", x.astype(np.float64), matrices[np.clip(index, 0, 5)])
+        want[index < 0] = 0
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 def test_rows_dot_names_what_is_wrong():
     with pytest.raises(TypeError, match="float32"):
         cpu_kernels.rows_dot(jnp.zeros((1, 8)), jnp.zeros((4, 8), jnp.float32))
     with pytest.raises(ValueError, match=r"\(1, 8\).*\(4, 6\)"):
         cpu_kernels.rows_dot(jnp.zeros((1, 8)), jnp.zeros((4, 6), jnp.int8))
+    with pytest.raises(ValueError, match=r"index \(2,\)"):
+        cpu_kernels.rows_dot(jnp.zeros((3, 1, 8)), jnp.zeros((4, 6, 8), jnp.int8), jnp.zeros(2, jnp.int32))
 
 
 def test_switch_off_and_build_cache(tmp_path, monkeypatch):

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 KERNEL_ROWS = 8  # the kernel's block: more rows re-read the weight per block (prefill takes XLA's bf16 dot)
-_TARGETS = {jnp.dtype(jnp.uint16): "dsr1_rows_dot_bf16", jnp.dtype(jnp.int8): "dsr1_rows_dot_int8"}
+_WEIGHTS = {jnp.dtype(jnp.uint16): "bf16", jnp.dtype(jnp.int8): "int8"}  # the handlers' names end so
 
 
 def available() -> bool:
@@ -47,17 +47,28 @@ def rows_dot(x: jax.Array, w: jax.Array, index: jax.Array | int = 0) -> jax.Arra
     """float32 `x [rows, in] @ w[index].T` for `w [..., out, in]` of bf16 bits (uint16) or int8
     values: matrix `index` of the stack's leading axes flattened, read in place (clamped to the
     stack). With `x [g, rows, in]`, `g` independent products (heads) against `w [..., g, out, in]`,
-    giving `[g, rows, out]`. Needs `available()`."""
-    if w.dtype not in _TARGETS:
+    giving `[g, rows, out]`; or, with `index [g]`, each group of rows against its own matrix
+    `w[index[g]]` of `w [..., out, in]` (an expert loop's blocks, in one call), a negative index
+    giving zeros. Needs `available()`."""
+    if w.dtype not in _WEIGHTS:
         raise TypeError(f"rows_dot: weight dtype {w.dtype} is neither bf16 bits (uint16) nor int8")
+    each = jnp.ndim(index) == 1
     grouped = x.ndim == 3
     xg = x if grouped else x[None]
-    if xg.ndim != 3 or w.ndim < 2 + grouped or w.shape[-1] != xg.shape[2] or grouped and w.shape[-3] != xg.shape[0]:
-        raise ValueError(f"rows_dot: x {x.shape} is not [(g,) rows, in] against w {w.shape} [..., (g,) out, in]")
+    heads = grouped and not each
+    if (xg.ndim != 3 or w.ndim < 2 + heads or w.shape[-1] != xg.shape[2] or heads and w.shape[-3] != xg.shape[0]
+            or each and jnp.shape(index) != (xg.shape[0],)):
+        raise ValueError(f"rows_dot: x {x.shape} is not [(g,) rows, in] against w {w.shape} [..., (g,) out, in]"
+                         f" with index {jnp.shape(index)} (one, or one per group)")
     out = jax.ShapeDtypeStruct((xg.shape[0], xg.shape[1], w.shape[-2]), jnp.float32)
-    call = jax.ffi.ffi_call(_TARGETS[w.dtype], out, vmap_method="sequential")
-    y = call(xg.astype(jnp.float32), w, jnp.asarray(index, jnp.int32))
+    y = jax.ffi.ffi_call(_target(_WEIGHTS[w.dtype], each), out, vmap_method="sequential")(xg.astype(jnp.float32), w,
+                                                                 jnp.asarray(index, jnp.int32))
     return y if grouped else y[0]
+
+
+def _target(weights: str, each: bool) -> str:
+    """The kernel's handler for `weights` ("bf16" bits or "int8"): one matrix, or one per group (`each`)."""
+    return f"dsr1_rows_dot_each_{weights}" if each else f"dsr1_rows_dot_{weights}"
 
 
 @functools.cache
@@ -71,8 +82,9 @@ def _registered() -> bool:
     if library is None:
         return False
     lib = ctypes.cdll.LoadLibrary(str(library))
-    for target in _TARGETS.values():
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
+    for weights in _WEIGHTS.values():
+        for target in (_target(weights, each=False), _target(weights, each=True)):
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
     return True
 
 

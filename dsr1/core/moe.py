@@ -159,35 +159,67 @@ def _expert_matmul(x: jax.Array, stack: Any, layer: jax.Array, expert: jax.Array
     return jnp.dot(x, widen(w), precision=highest)  # plain float32 or `Bf16Bits`
 
 
+def _blocks(group_sizes: jax.Array, block: int):
+    """The loop's blocks of sorted pairs, `block` rows each, every block one expert's: their number,
+    and for block numbers `j` (scalar or array) the expert, the first sorted pair and how many of
+    the block's rows are that expert's (the rest belong to the next expert or are padding)."""
+    blocks = -(-group_sizes // block)
+    block_ends = jnp.cumsum(blocks)
+    pair_starts = jnp.cumsum(group_sizes) - group_sizes
+
+    def block_at(j: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        expert = jnp.searchsorted(block_ends, j, side="right")
+        first_row = (j - (block_ends[expert] - blocks[expert])) * block
+        return expert, pair_starts[expert] + first_row, group_sizes[expert] - first_row
+
+    return block_ends[-1], block_at
+
+
 def loop_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRules):
     """The CPU kernel: sort the pairs by expert, then a loop over blocks of sorted rows, each block
     one expert's, which slices that expert of `layer` from the stacks in place and runs its rows.
     Reads each hit expert once per block and computes only its (padded) rows: its cost follows the
-    pairs and the hit experts, not the expert count (XLA:CPU's `ragged_dot` computes every expert)."""
+    pairs and the hit experts, not the expert count (XLA:CPU's `ragged_dot` computes every expert).
+    Blocks that dsr1's CPU kernel reads run in one kernel call per product instead (`_kernel_blocks`)."""
     n_local, n_tokens = gate.shape[1], x.shape[0]
     token, _, is_local, order, group_sizes = _sorted_pairs(experts, n_local, rules)
     block = loop_block_rows(n_tokens, experts.size, n_local)
-    blocks = -(-group_sizes // block)
-    block_ends = jnp.cumsum(blocks)
-    pair_starts = jnp.cumsum(group_sizes) - group_sizes
+    n_blocks, block_at = _blocks(group_sizes, block)
     xs = jnp.pad((x.astype(jnp.float32) if widens_on_use() else x)[token], ((0, block), (0, 0)))
-
-    def step(j, ys):
-        expert = jnp.searchsorted(block_ends, j, side="right")
-        first_row = (j - (block_ends[expert] - blocks[expert])) * block
-        start = pair_starts[expert] + first_row
-        rows = jax.lax.dynamic_slice_in_dim(xs, start, block)
-        h = jax.nn.silu(_expert_matmul(rows, gate, layer, expert)) * _expert_matmul(rows, up, layer, expert)
-        y = _expert_matmul(h.astype(rows.dtype), down, layer, expert)
-        # A block's trailing rows belong to the next expert: keep what is there (written later).
-        mine = (jnp.arange(block) < group_sizes[expert] - first_row)[:, None]
-        old = jax.lax.dynamic_slice_in_dim(ys, start, block)
-        return jax.lax.dynamic_update_slice_in_dim(ys, jnp.where(mine, y, old), start, axis=0)
-
     # The outputs differ per device (its experts, its ffw slice): the loop carry says so from the start.
     ys = jax.lax.pcast(jnp.zeros((xs.shape[0], down.shape[-1]), jnp.float32), rules.moe_reduce_axes(), to="varying")
-    ys = jax.lax.fori_loop(0, block_ends[-1], step, ys)
+    if all(isinstance(w, (Bf16Bits, Int8Weight)) and w.kernel_reads(block) for w in (gate, up, down)):
+        ys = _kernel_blocks(xs, ys, gate, up, down, layer, n_blocks, block_at, block, experts.size)
+    else:
+        def step(j, ys):
+            expert, start, mine = block_at(j)
+            rows = jax.lax.dynamic_slice_in_dim(xs, start, block)
+            h = jax.nn.silu(_expert_matmul(rows, gate, layer, expert)) * _expert_matmul(rows, up, layer, expert)
+            y = _expert_matmul(h.astype(rows.dtype), down, layer, expert)
+            # A block's trailing rows belong to the next expert: keep what is there (written later).
+            old = jax.lax.dynamic_slice_in_dim(ys, start, block)
+            return jax.lax.dynamic_update_slice_in_dim(ys, jnp.where((jnp.arange(block) < mine)[:, None], y, old),
+                                                       start, axis=0)
+
+        ys = jax.lax.fori_loop(0, n_blocks, step, ys)
     return _combine(n_tokens, token, ys[:token.shape[0]], jnp.where(is_local, weights.reshape(-1)[order], 0.0))
+
+
+def _kernel_blocks(xs, ys, gate, up, down, layer, n_blocks, block_at, block: int, n_pairs: int) -> jax.Array:
+    """Every block of the expert loop at once: dsr1's CPU kernel takes all blocks' rows, each block
+    against its expert read in place (`kernel_matmul` with an index per block), one call per product.
+    A call per block and product cost ~10 us beyond its reads (its threads start and join), 423 calls
+    per batch-8 decode step of the bench preset. Slots past the blocks (a static bound) are skipped."""
+    n_local = gate.shape[1]
+    slots = jnp.arange(n_pairs // block + min(n_local, n_pairs))  # blocks <= pairs / block + hit experts
+    expert, start, mine = block_at(slots)
+    rows = start[:, None] + jnp.arange(block)  # [slots, block] sorted pairs
+    index = jnp.where(slots < n_blocks, layer * n_local + expert, -1)
+    xb = xs[rows]
+    h = jax.nn.silu(kernel_matmul(xb, gate, index)) * kernel_matmul(xb, up, index)
+    y = kernel_matmul(h, down, index)
+    keep = (slots < n_blocks)[:, None] & (jnp.arange(block) < mine[:, None])
+    return ys.at[rows].add(jnp.where(keep[..., None], y, 0.0))
 
 
 def gather_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRules):

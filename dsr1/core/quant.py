@@ -343,9 +343,13 @@ def rowwise_matmul(x: jax.Array, w: Bf16Bits | Int8Weight) -> jax.Array:
 def kernel_matmul(x: jax.Array, w: Bf16Bits | Int8Weight, index: jax.Array | int = 0) -> jax.Array:
     """float32 `x [r, i] @ w [i, o]` by dsr1's CPU kernel (`cpu_kernels.rows_dot`) on `w.transposed`;
     of a stack `w [..., i, o]`, matrix `index` of its leading axes flattened, read in place (an expert
-    of a layer). An int8 weight's rows are scaled after."""
+    of a layer); with `x [g, r, i]` and `index [g]`, each group of rows by its own matrix (a negative
+    index: zeros). An int8 weight's rows are scaled after."""
     y = cpu_kernels.rows_dot(x, *_kernel_operand(w.transposed, index))
-    return y * w.scale.reshape(-1, w.shape[-1])[index] if isinstance(w, Int8Weight) else y
+    if not isinstance(w, Int8Weight):
+        return y
+    scale = w.scale.reshape(-1, w.shape[-1])[index]
+    return y * (scale[:, None] if jnp.ndim(index) else scale)
 
 
 NATIVE_BF16_ROWS = 16

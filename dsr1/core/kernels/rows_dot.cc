@@ -1,4 +1,5 @@
-// dsr1's CPU kernel for decode products: y[g, r, o] = sum_i x[g, r, i] * w[index, g, o, i].
+// dsr1's CPU kernel for decode products: y[g, r, o] = sum_i x[g, r, i] * w[index, g, o, i], or
+// w[index[g], o, i] (the `_each` handlers: each group of rows its own matrix, an expert loop's blocks).
 //
 // A few float32 rows (a decode batch, an expert's block of rows) against one matrix of a stack
 // whose values are bf16 bits (uint16) or int8, stored transposed (`[..., out, in]`); `g` counts
@@ -209,16 +210,37 @@ class Helpers {
 
 constexpr int64_t kPartElements = 1 << 15;  // a part reads at least 64 KB of bf16: less is not worth a task
 
-template <ffi::DataType D, typename T>
+// Which matrix a group reads. `kEach` false: one index for all groups, which are the matrix's heads
+// (`w[index, g]`). `kEach` true: one index per group (`w[index[g]]`, `w` has no group axis; an
+// expert loop's blocks): a negative index skips the group, its output zeros. Indices past the stack
+// are clamped to its last matrix.
+template <typename T, bool kEach>
+struct Matrices {
+  const T* w;
+  const int32_t* index;
+  int64_t count, groups, size;
+
+  const T* of(int64_t g) const {
+    const int64_t k = index[kEach ? g : 0];
+    if (kEach && k < 0) return nullptr;
+    const int64_t m = std::clamp<int64_t>(k, 0, count - 1);
+    return w + (kEach ? m : m * groups + g) * size;
+  }
+};
+
+template <ffi::DataType D, typename T, bool kEach>
 ffi::Error RowsDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<D> w, ffi::Buffer<ffi::S32> index,
                    ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 3 || wd.size() < 2 || wd[wd.size() - 1] != xd[2] || y->dimensions()[2] != wd[wd.size() - 2])
-    return ffi::Error::InvalidArgument("rows_dot: x [g, rows, in] against w [..., g, out, in] -> [g, rows, out]");
+    return ffi::Error::InvalidArgument("rows_dot: x [g, rows, in] against w [..., (g,) out, in] -> [g, rows, out]");
   const int64_t groups = xd[0], rows = xd[1], in = xd[2], out = wd[wd.size() - 2];
-  const int64_t matrices = w.element_count() / std::max<int64_t>(1, groups * out * in);
-  const int64_t k = std::clamp<int64_t>(index.typed_data()[0], 0, matrices - 1);
-  const T* wk = reinterpret_cast<const T*>(w.typed_data()) + k * groups * out * in;
+  if (kEach && index.element_count() != groups)
+    return ffi::Error::InvalidArgument("rows_dot: one matrix index per group of rows");
+  const int64_t per_matrix = (kEach ? 1 : groups) * out * in;
+  const Matrices<T, kEach> matrices{reinterpret_cast<const T*>(w.typed_data()), index.typed_data(),
+                                    std::max<int64_t>(1, w.element_count() / std::max<int64_t>(1, per_matrix)),
+                                    groups, out * in};
   const float* xp = x.typed_data();
   float* yp = y->typed_data();
   auto parts = std::make_shared<Parts>();
@@ -229,9 +251,11 @@ ffi::Error RowsDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<D>
   parts->count = groups * per_group;
   const int64_t count = parts->count;
   parts->run = [=](int64_t p) {
-    const int64_t g = p / per_group, q = p % per_group;
-    rows_range<T>(xp + g * rows * in, wk + g * out * in, yp + g * rows * out, rows, in, out, out * q / per_group,
-                  out * (q + 1) / per_group);
+    const int64_t g = p / per_group, o0 = out * (p % per_group) / per_group, o1 = out * (p % per_group + 1) / per_group;
+    float* yg = yp + g * rows * out;
+    if (const T* wg = matrices.of(g))
+      return rows_range<T>(xp + g * rows * in, wg, yg, rows, in, out, o0, o1);
+    for (int64_t r = 0; r < rows; ++r) std::fill(yg + r * out + o0, yg + r * out + o1, 0.0f);
   };
   if (count > 1) helpers.offer(parts);
   parts->work();
@@ -241,7 +265,8 @@ ffi::Error RowsDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<D>
 
 }  // namespace
 
-// The handlers' signature for weights of type D: (x f32, w D, index s32) -> y f32.
+// The handlers' signature for weights of type D: (x f32, w D, index s32) -> y f32. `_each`: an index
+// per group of rows.
 template <ffi::DataType D>
 auto Signature() {
   return ffi::Ffi::Bind()
@@ -252,5 +277,7 @@ auto Signature() {
       .template Ret<ffi::Buffer<ffi::F32>>();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_bf16, (RowsDot<ffi::U16, uint16_t>), (Signature<ffi::U16>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_int8, (RowsDot<ffi::S8, int8_t>), (Signature<ffi::S8>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_bf16, (RowsDot<ffi::U16, uint16_t, false>), (Signature<ffi::U16>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_int8, (RowsDot<ffi::S8, int8_t, false>), (Signature<ffi::S8>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_each_bf16, (RowsDot<ffi::U16, uint16_t, true>), (Signature<ffi::U16>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_each_int8, (RowsDot<ffi::S8, int8_t, true>), (Signature<ffi::S8>()));
