@@ -82,6 +82,31 @@ def test_rows_dot_with_an_index_per_group_reads_each_groups_own_matrix(dtype):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.skipif(not cpu_kernels.amx_available(), reason="no AMX on this CPU (or no kernel build)")
+@pytest.mark.parametrize("rows", [16, 24, 32, 40, 64])
+@pytest.mark.parametrize("groups", [2, 5])
+def test_amx_rows_dot_equals_float64_of_the_rows_rounded_to_bf16(rows, groups):
+    """Blocks of 16-64 rows (one or two passes of 32, a part-full last tile of 16) against each group's
+    own matrix of a `[2, 3, out, in]` stack of bf16 bits, in place: a negative index gives zeros, one
+    past the stack the last matrix; 2 groups split each matrix's outputs over threads, 5 do not."""
+    rng = np.random.default_rng(rows + groups)
+    w = _weights("bf16", (2, 3, 256, 288), rng)  # 2 x 256 x 288 elements: two parts
+    x = rng.standard_normal((groups, rows, 288)).astype(np.float32)
+    index = np.array([4, -1, 0, 9, 2][:groups], np.int32)
+    got = np.asarray(jax.jit(cpu_kernels.amx_rows_dot)(jnp.asarray(x), jnp.asarray(w), jnp.asarray(index)))
+    rounded = x.astype(jnp.bfloat16).astype(np.float64)
+    want = np.einsum("gri,goi->gro", rounded, _values(w.reshape(6, 256, 288))[np.clip(index, 0, 5)])
+    want[index < 0] = 0
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_amx_rows_dot_names_what_is_wrong():
+    with pytest.raises(ValueError, match=r"multiples of 32"):
+        cpu_kernels.amx_rows_dot(jnp.zeros((2, 16, 48)), jnp.zeros((4, 64, 48), jnp.uint16), jnp.zeros(2, jnp.int32))
+    with pytest.raises(ValueError, match=r"index \(3,\)"):
+        cpu_kernels.amx_rows_dot(jnp.zeros((2, 16, 64)), jnp.zeros((4, 64, 64), jnp.uint16), jnp.zeros(3, jnp.int32))
+
+
 def test_rows_dot_names_what_is_wrong():
     with pytest.raises(TypeError, match="float32"):
         cpu_kernels.rows_dot(jnp.zeros((1, 8)), jnp.zeros((4, 8), jnp.float32))

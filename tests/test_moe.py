@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import dsr1
+from dsr1.core import cpu_kernels
 from dsr1.core.cpu_kernels import KERNEL_ROWS
 from dsr1.core.moe import moe, route
 from dsr1.core.sharding import DEFAULT_RULES
@@ -163,6 +164,26 @@ def test_expert_loop_reads_experts_transposed_for_blocks_of_few_rows(tokens, dty
     ref = outputs.pop("ragged_dot")
     for name, out in outputs.items():
         np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max(), err_msg=name)
+
+
+@pytest.mark.skipif(not cpu_kernels.amx_available(), reason="no AMX on this CPU (or no kernel build)")
+@pytest.mark.parametrize("tokens", [64, 100])
+def test_expert_loop_runs_blocks_of_many_rows_with_amx(tokens, monkeypatch):
+    """bf16 blocks of 16 or more rows (64 tokens: blocks of 16, full; 100: of 32, partly full) go to
+    AMX tiles reading the experts in place, one call per product; the rows rounded to bf16 as XLA's
+    bf16 dot on the expert's slice (the path without AMX) rounds them, so both agree to float32 sums."""
+    import dsr1.core.moe as moe_module
+
+    from .moe_worker import kernel_outputs
+
+    model = dsr1.init_random(TINY, seed=5, dtype="bfloat16")
+    block = moe_module.loop_block_rows(tokens, tokens * TINY.num_experts_per_tok, TINY.n_routed_experts)
+    calls = count_products(monkeypatch, moe_module)
+    amx = kernel_outputs(model, tokens)["loop"]
+    assert block >= 16 and calls["kernel_matmul"] == [block] * 3, calls
+    monkeypatch.setattr(cpu_kernels, "amx_available", lambda: False)
+    xla = kernel_outputs(model, tokens)["loop"]
+    np.testing.assert_allclose(amx, xla, rtol=1e-5, atol=1e-5 * np.abs(xla).max())
 
 
 def test_capacity_kernel_runs_the_rows_past_capacity_in_more_rounds():

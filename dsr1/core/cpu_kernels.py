@@ -40,7 +40,7 @@ def available() -> bool:
     """Whether `rows_dot` runs here: on CPU, unless `DSR1_CPU_KERNELS=0`, once the kernel is built."""
     if os.environ.get("DSR1_CPU_KERNELS", "1") == "0" or jax.default_backend() != "cpu":
         return False
-    return _registered()
+    return _registered() is not None
 
 
 def rows_dot(x: jax.Array, w: jax.Array, index: jax.Array | int = 0) -> jax.Array:
@@ -66,26 +66,47 @@ def rows_dot(x: jax.Array, w: jax.Array, index: jax.Array | int = 0) -> jax.Arra
     return y if grouped else y[0]
 
 
+def amx_available() -> bool:
+    """Whether `amx_rows_dot` runs here: `available()`, built for a CPU with AMX (bf16 tiles: Intel
+    Xeon since Sapphire Rapids), and Linux grants this process the tile state."""
+    return available() and bool(_registered().dsr1_amx())
+
+
+def amx_rows_dot(x: jax.Array, w: jax.Array, index: jax.Array) -> jax.Array:
+    """float32 `x[g] @ w[index[g]].T` for `x [g, rows, in]`, rounded to bf16, against bf16 bits
+    `w [..., out, in]` (`in`, `out` multiples of 32) with AMX tiles: many rows per matrix (a
+    prefill's expert blocks), each matrix read in place; a negative index gives zeros. Needs
+    `amx_available()`."""
+    g, rows, inputs = x.shape
+    if w.dtype != jnp.uint16 or w.shape[-1] != inputs or inputs % 32 or w.shape[-2] % 32 or jnp.shape(index) != (g,):
+        raise ValueError(f"amx_rows_dot: x {x.shape} against bf16 bits w {w.shape} {w.dtype} with index "
+                         f"{jnp.shape(index)}: in and out must be multiples of 32, one index per group")
+    out = jax.ShapeDtypeStruct((g, rows, w.shape[-2]), jnp.float32)
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+    call = jax.ffi.ffi_call("dsr1_rows_dot_each_amx", out, vmap_method="sequential")
+    return call(bits, w, jnp.asarray(index, jnp.int32))
+
+
 def _target(weights: str, each: bool) -> str:
     """The kernel's handler for `weights` ("bf16" bits or "int8"): one matrix, or one per group (`each`)."""
     return f"dsr1_rows_dot_each_{weights}" if each else f"dsr1_rows_dot_{weights}"
 
 
 @functools.cache
-def _registered() -> bool:
+def _registered() -> ctypes.CDLL | None:
     """Build (or find) the kernel library and register its handlers with XLA, once per process."""
     try:
         library = _build()
     except (OSError, subprocess.CalledProcessError) as e:  # a broken compiler: say so, compute without
         warnings.warn(f"dsr1: CPU decode kernel not built ({e}); using XLA's products instead", stacklevel=3)
-        return False
+        return None
     if library is None:
-        return False
+        return None
     lib = ctypes.cdll.LoadLibrary(str(library))
-    for weights in _WEIGHTS.values():
-        for target in (_target(weights, each=False), _target(weights, each=True)):
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
-    return True
+    targets = [_target(weights, each) for weights in _WEIGHTS.values() for each in (False, True)]
+    for target in [*targets, "dsr1_rows_dot_each_amx"]:
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
+    return lib
 
 
 def _build(extra_flags: tuple[str, ...] = ()) -> Path | None:

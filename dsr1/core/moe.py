@@ -180,7 +180,8 @@ def loop_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRule
     one expert's, which slices that expert of `layer` from the stacks in place and runs its rows.
     Reads each hit expert once per block and computes only its (padded) rows: its cost follows the
     pairs and the hit experts, not the expert count (XLA:CPU's `ragged_dot` computes every expert).
-    Blocks that dsr1's CPU kernel reads run in one kernel call per product instead (`_kernel_blocks`)."""
+    Blocks that dsr1's CPU kernel reads (a few rows; many with AMX) run in one kernel call per product
+    instead (`_kernel_blocks`)."""
     n_local, n_tokens = gate.shape[1], x.shape[0]
     token, _, is_local, order, group_sizes = _sorted_pairs(experts, n_local, rules)
     block = loop_block_rows(n_tokens, experts.size, n_local)
@@ -188,7 +189,8 @@ def loop_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRule
     xs = jnp.pad((x.astype(jnp.float32) if widens_on_use() else x)[token], ((0, block), (0, 0)))
     # The outputs differ per device (its experts, its ffw slice): the loop carry says so from the start.
     ys = jax.lax.pcast(jnp.zeros((xs.shape[0], down.shape[-1]), jnp.float32), rules.moe_reduce_axes(), to="varying")
-    if all(isinstance(w, (Bf16Bits, Int8Weight)) and w.kernel_reads(block) for w in (gate, up, down)):
+    if all(isinstance(w, (Bf16Bits, Int8Weight)) and (w.kernel_reads(block) or w.amx_reads(block))
+           for w in (gate, up, down)):
         ys = _kernel_blocks(xs, ys, gate, up, down, layer, n_blocks, block_at, block, experts.size)
     else:
         def step(j, ys):

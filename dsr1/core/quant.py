@@ -53,6 +53,11 @@ class _TransposedCopy:
         (`kernel_matmul`): up to `cpu_kernels.KERNEL_ROWS`, where the kernel is built."""
         return self.transposed is not None and rows <= cpu_kernels.KERNEL_ROWS and cpu_kernels.available()
 
+    def amx_reads(self, rows: int) -> bool:
+        """Whether a product of `rows` rows reads the transposed copy with AMX tiles (`kernel_matmul`
+        with an index per block of rows): `Bf16Bits` only."""
+        return False
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +179,14 @@ class Bf16Bits(_TransposedCopy):
     @property
     def shape(self) -> tuple[int, ...]:
         return self.bits.shape
+
+    def amx_reads(self, rows: int) -> bool:
+        """Blocks of many rows (a prefill's expert blocks: where XLA's bf16 dot would run, `native_bf16`,
+        rounding the rows to bf16 as it does) read the transposed copy in place with AMX tiles, on a
+        CPU that has them, for sizes that are multiples of 32. XLA's dot of a block needs the expert's
+        slice copied out first: a batch-8 prefill of the bench preset spent 62 ms on those copies."""
+        return (self.transposed is not None and rows >= NATIVE_BF16_ROWS and self.shape[-1] % 32 == 0
+                and self.shape[-2] % 32 == 0 and cpu_kernels.amx_available())
 
     @property
     def dtype(self):
@@ -344,7 +357,10 @@ def kernel_matmul(x: jax.Array, w: Bf16Bits | Int8Weight, index: jax.Array | int
     """float32 `x [r, i] @ w [i, o]` by dsr1's CPU kernel (`cpu_kernels.rows_dot`) on `w.transposed`;
     of a stack `w [..., i, o]`, matrix `index` of its leading axes flattened, read in place (an expert
     of a layer); with `x [g, r, i]` and `index [g]`, each group of rows by its own matrix (a negative
-    index: zeros). An int8 weight's rows are scaled after."""
+    index: zeros), with AMX tiles for many rows where `w.amx_reads` them. An int8 weight's rows are
+    scaled after."""
+    if w.amx_reads(x.shape[-2]):
+        return cpu_kernels.amx_rows_dot(x, w.transposed, index)
     y = cpu_kernels.rows_dot(x, *_kernel_operand(w.transposed, index))
     if not isinstance(w, Int8Weight):
         return y

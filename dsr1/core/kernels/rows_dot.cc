@@ -21,6 +21,10 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <vector>
+
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -210,6 +214,27 @@ class Helpers {
 
 constexpr int64_t kPartElements = 1 << 15;  // a part reads at least 64 KB of bf16: less is not worth a task
 
+// Parts of one matrix's output columns: one, or one per worker for a large matrix (more parts cost
+// more than they balance: each starts a stream of reads anew).
+int64_t parts_per_group(ffi::ThreadPool& pool, int64_t matrix_elements) {
+  return std::clamp<int64_t>(matrix_elements / kPartElements, 1, Helpers::get(pool.num_threads()).workers());
+}
+
+// Runs `run(p)` for every part p < count on the calling thread and the helpers; returns when all are done.
+void run_parts(ffi::ThreadPool& pool, int64_t count, std::function<void(int64_t)> run) {
+  auto parts = std::make_shared<Parts>();
+  parts->count = count;
+  parts->run = std::move(run);
+  if (count > 1) Helpers::get(pool.num_threads()).offer(parts);
+  parts->work();
+  while (parts->done.load(std::memory_order_acquire) < count) std::this_thread::yield();
+}
+
+// A skipped group's output columns [o0, o1).
+void zero_rows(float* y, int64_t rows, int64_t out, int64_t o0, int64_t o1) {
+  for (int64_t r = 0; r < rows; ++r) std::fill(y + r * out + o0, y + r * out + o1, 0.0f);
+}
+
 // Which matrix a group reads. `kEach` false: one index for all groups, which are the matrix's heads
 // (`w[index, g]`). `kEach` true: one index per group (`w[index[g]]`, `w` has no group axis; an
 // expert loop's blocks): a negative index skips the group, its output zeros. Indices past the stack
@@ -235,7 +260,7 @@ ffi::Error RowsDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<D>
   if (xd.size() != 3 || wd.size() < 2 || wd[wd.size() - 1] != xd[2] || y->dimensions()[2] != wd[wd.size() - 2])
     return ffi::Error::InvalidArgument("rows_dot: x [g, rows, in] against w [..., (g,) out, in] -> [g, rows, out]");
   const int64_t groups = xd[0], rows = xd[1], in = xd[2], out = wd[wd.size() - 2];
-  if (kEach && index.element_count() != groups)
+  if (kEach && int64_t(index.element_count()) != groups)
     return ffi::Error::InvalidArgument("rows_dot: one matrix index per group of rows");
   const int64_t per_matrix = (kEach ? 1 : groups) * out * in;
   const Matrices<T, kEach> matrices{reinterpret_cast<const T*>(w.typed_data()), index.typed_data(),
@@ -243,23 +268,132 @@ ffi::Error RowsDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<D>
                                     groups, out * in};
   const float* xp = x.typed_data();
   float* yp = y->typed_data();
-  auto parts = std::make_shared<Parts>();
-  Helpers& helpers = Helpers::get(pool.num_threads());
-  // Parts of one group's output columns: one per group, or one per worker for a large matrix (more
-  // parts cost more than they balance: each starts a stream of reads anew).
-  const int64_t per_group = std::clamp<int64_t>(out * in / kPartElements, 1, helpers.workers());
-  parts->count = groups * per_group;
-  const int64_t count = parts->count;
-  parts->run = [=](int64_t p) {
+  const int64_t per_group = parts_per_group(pool, out * in);
+  run_parts(pool, groups * per_group, [=](int64_t p) {
     const int64_t g = p / per_group, o0 = out * (p % per_group) / per_group, o1 = out * (p % per_group + 1) / per_group;
     float* yg = yp + g * rows * out;
     if (const T* wg = matrices.of(g))
       return rows_range<T>(xp + g * rows * in, wg, yg, rows, in, out, o0, o1);
-    for (int64_t r = 0; r < rows; ++r) std::fill(yg + r * out + o0, yg + r * out + o1, 0.0f);
-  };
-  if (count > 1) helpers.offer(parts);
-  parts->work();
-  while (parts->done.load(std::memory_order_acquire) < count) std::this_thread::yield();
+    zero_rows(yg, rows, out, o0, o1);
+  });
+  return ffi::Error::Success();
+}
+
+// Many rows (a prefill's expert blocks) with AMX: bf16 rows against the bf16 matrix, float32 sums.
+// The tile product C[16 outputs, 16 rows] += A[16 outputs, 32 inputs] . B[32 inputs, 16 rows] reads A
+// straight from the weight's rows in place (`[out, in]`, a row stride apart) and B from the rows
+// packed into tiles of 16 input pairs x 16 rows (AMX's pair-interleaved layout; packing in XLA cost
+// more than the products). Up to 32 rows per pass: tiles 0-3 hold C for 32 outputs x 32 rows, 4-5 B,
+// 6-7 A.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+constexpr bool kAmx = true;
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands out AMX's tile state only to a process that asks for it, once.
+bool amx_permitted() {
+  constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  static const bool permitted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  return permitted;
+}
+
+// A C tile stored to `c` (outputs o.., rows r..) into y [rows, out], transposed, the rows that exist.
+void scatter_tile(const float (&c)[16][16], float* y, int64_t rows, int64_t out, int64_t o, int64_t r) {
+  for (int64_t t = 0; t < std::min<int64_t>(16, rows - r); ++t)
+    for (int i = 0; i < 16; ++i) y[(r + t) * out + o + i] = c[i][t];
+}
+
+// x [rows, in] as B tiles [tiles of 16 rows, in / 32, 16 input pairs, 16 rows, 2], rows past the
+// last zero: each tile a 16 x 16 transpose of input pairs (4 bytes).
+void pack_rows(const uint16_t* x, int64_t rows, int64_t in, std::vector<uint32_t>& packed) {
+  const int64_t chunks = in / 32, tiles = (rows + 15) / 16;
+  packed.assign(tiles * chunks * 256, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(x + r * in);
+    uint32_t* tile_row = packed.data() + (r / 16) * chunks * 256 + r % 16;
+    for (int64_t k = 0; k < in / 2; ++k) tile_row[(k / 16) * 256 + (k % 16) * 16] = pairs[k];
+  }
+}
+
+// Outputs [o0, o1) (multiples of 32) of x [rows, in] (bf16 bits) against w [out, in].
+void amx_range(const uint16_t* x, const uint16_t* w, float* y, int64_t rows, int64_t in, int64_t out, int64_t o0,
+               int64_t o1) {
+  thread_local std::vector<uint32_t> packed;
+  pack_rows(x, rows, in, packed);
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+  _tile_loadconfig(&config);
+  const int64_t chunks = in / 32, tiles = (rows + 15) / 16, stride = in * int64_t(sizeof(uint16_t));
+  const uint32_t* xp = packed.data();
+  for (int64_t t0 = 0; t0 < tiles; t0 += 2) {
+    const bool two = t0 + 1 < tiles;
+    for (int64_t o = o0; o < o1; o += 32) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const uint16_t* a = w + o * in + c * 32;
+        for (int r = 32; r < 64; ++r) _mm_prefetch(reinterpret_cast<const char*>(a + r * in), _MM_HINT_T0);  // the next 32 rows
+        _tile_loadd(6, a, stride);
+        _tile_loadd(7, a + 16 * in, stride);
+        _tile_loadd(4, xp + (t0 * chunks + c) * 256, 64);
+        _tile_dpbf16ps(0, 6, 4);
+        _tile_dpbf16ps(1, 7, 4);
+        if (two) {
+          _tile_loadd(5, xp + ((t0 + 1) * chunks + c) * 256, 64);
+          _tile_dpbf16ps(2, 6, 5);
+          _tile_dpbf16ps(3, 7, 5);
+        }
+      }
+      alignas(64) float c[16][16];  // the tile numbers are immediates: no loop over them
+      _tile_stored(0, c, 64);
+      scatter_tile(c, y, rows, out, o, t0 * 16);
+      _tile_stored(1, c, 64);
+      scatter_tile(c, y, rows, out, o + 16, t0 * 16);
+      if (two) {
+        _tile_stored(2, c, 64);
+        scatter_tile(c, y, rows, out, o, t0 * 16 + 16);
+        _tile_stored(3, c, 64);
+        scatter_tile(c, y, rows, out, o + 16, t0 * 16 + 16);
+      }
+    }
+  }
+  _tile_release();
+}
+#else
+constexpr bool kAmx = false;
+bool amx_permitted() { return false; }
+void amx_range(const uint16_t*, const uint16_t*, float*, int64_t, int64_t, int64_t, int64_t, int64_t) {}
+#endif
+
+// y[g, r, o] = sum_i x[g, r, i] * w[index[g], o, i] for bf16 bits x and w [..., out, in], out and in
+// multiples of 32; a negative index gives zeros.
+ffi::Error AmxRowsDot(ffi::ThreadPool pool, ffi::Buffer<ffi::U16> x, ffi::Buffer<ffi::U16> w,
+                      ffi::Buffer<ffi::S32> index, ffi::ResultBuffer<ffi::F32> y) {
+  if (!kAmx || !amx_permitted()) return ffi::Error::Internal("rows_dot: this CPU or build has no AMX");
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 3 || wd.size() < 2 || wd[wd.size() - 1] != xd[2] || xd[2] % 32 || wd[wd.size() - 2] % 32 ||
+      int64_t(index.element_count()) != xd[0])
+    return ffi::Error::InvalidArgument("rows_dot: x [g, rows, in] against w [..., out, in], multiples of 32");
+  const int64_t groups = xd[0], rows = xd[1], in = xd[2], out = wd[wd.size() - 2];
+  const Matrices<uint16_t, true> matrices{reinterpret_cast<const uint16_t*>(w.typed_data()), index.typed_data(),
+                                          std::max<int64_t>(1, w.element_count() / (out * in)), groups, out * in};
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.typed_data());
+  float* yp = y->typed_data();
+  // Parts whole groups where there are enough of them: each part packs its rows once.
+  const int64_t per_group = groups >= 4 ? 1 : parts_per_group(pool, out * in), blocks = out / 32;
+  run_parts(pool, groups * per_group, [=](int64_t p) {
+    const int64_t g = p / per_group, q = p % per_group;
+    const int64_t o0 = blocks * q / per_group * 32, o1 = blocks * (q + 1) / per_group * 32;
+    float* yg = yp + g * rows * out;
+    if (const uint16_t* wg = matrices.of(g)) return amx_range(xp + g * rows * in, wg, yg, rows, in, out, o0, o1);
+    zero_rows(yg, rows, out, o0, o1);
+  });
   return ffi::Error::Success();
 }
 
@@ -267,12 +401,12 @@ ffi::Error RowsDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<D>
 
 // The handlers' signature for weights of type D: (x f32, w D, index s32) -> y f32. `_each`: an index
 // per group of rows.
-template <ffi::DataType D>
+template <ffi::DataType D, ffi::DataType X = ffi::F32>
 auto Signature() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
-      .Arg<ffi::Buffer<ffi::F32>>()
-      .Arg<ffi::Buffer<D>>()
+      .template Arg<ffi::Buffer<X>>()
+      .template Arg<ffi::Buffer<D>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Ret<ffi::Buffer<ffi::F32>>();
 }
@@ -281,3 +415,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_bf16, (RowsDot<ffi::U16, uint16_t, f
 XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_int8, (RowsDot<ffi::S8, int8_t, false>), (Signature<ffi::S8>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_each_bf16, (RowsDot<ffi::U16, uint16_t, true>), (Signature<ffi::U16>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_each_int8, (RowsDot<ffi::S8, int8_t, true>), (Signature<ffi::S8>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_each_amx, AmxRowsDot, (Signature<ffi::U16, ffi::U16>()));
+
+// Whether the AMX handler runs here (built for AMX, and Linux grants the tile state).
+extern "C" int dsr1_amx() { return amx_permitted(); }
