@@ -187,32 +187,35 @@ def loop_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRule
     block = loop_block_rows(n_tokens, experts.size, n_local)
     n_blocks, block_at = _blocks(group_sizes, block)
     xs = jnp.pad((x.astype(jnp.float32) if widens_on_use() else x)[token], ((0, block), (0, 0)))
-    # The outputs differ per device (its experts, its ffw slice): the loop carry says so from the start.
-    ys = jax.lax.pcast(jnp.zeros((xs.shape[0], down.shape[-1]), jnp.float32), rules.moe_reduce_axes(), to="varying")
+    weight = jnp.where(is_local, weights.reshape(-1)[order], 0.0)
     if all(isinstance(w, (Bf16Bits, Int8Weight)) and (w.kernel_reads(block) or w.amx_reads(block))
            for w in (gate, up, down)):
-        ys = _kernel_blocks(xs, ys, gate, up, down, layer, n_blocks, block_at, block, experts.size)
-    else:
-        def step(j, ys):
-            expert, start, mine = block_at(j)
-            rows = jax.lax.dynamic_slice_in_dim(xs, start, block)
-            h = jax.nn.silu(_expert_matmul(rows, gate, layer, expert)) * _expert_matmul(rows, up, layer, expert)
-            y = _expert_matmul(h.astype(rows.dtype), down, layer, expert)
-            # A block's trailing rows belong to the next expert: keep what is there (written later).
-            old = jax.lax.dynamic_slice_in_dim(ys, start, block)
-            return jax.lax.dynamic_update_slice_in_dim(ys, jnp.where((jnp.arange(block) < mine)[:, None], y, old),
-                                                       start, axis=0)
+        return _kernel_blocks(xs, token, weight, gate, up, down, layer, n_blocks, block_at, block, n_tokens, rules)
 
-        ys = jax.lax.fori_loop(0, n_blocks, step, ys)
-    return _combine(n_tokens, token, ys[:token.shape[0]], jnp.where(is_local, weights.reshape(-1)[order], 0.0))
+    def step(j, ys):
+        expert, start, mine = block_at(j)
+        rows = jax.lax.dynamic_slice_in_dim(xs, start, block)
+        h = jax.nn.silu(_expert_matmul(rows, gate, layer, expert)) * _expert_matmul(rows, up, layer, expert)
+        y = _expert_matmul(h.astype(rows.dtype), down, layer, expert)
+        # A block's trailing rows belong to the next expert: keep what is there (written later).
+        old = jax.lax.dynamic_slice_in_dim(ys, start, block)
+        return jax.lax.dynamic_update_slice_in_dim(ys, jnp.where((jnp.arange(block) < mine)[:, None], y, old),
+                                                   start, axis=0)
+
+    # The outputs differ per device (its experts, its ffw slice): the loop carry says so from the start.
+    ys = jax.lax.pcast(jnp.zeros((xs.shape[0], down.shape[-1]), jnp.float32), rules.moe_reduce_axes(), to="varying")
+    ys = jax.lax.fori_loop(0, n_blocks, step, ys)
+    return _combine(n_tokens, token, ys[:token.shape[0]], weight)
 
 
-def _kernel_blocks(xs, ys, gate, up, down, layer, n_blocks, block_at, block: int, n_pairs: int) -> jax.Array:
+def _kernel_blocks(xs, token, weight, gate, up, down, layer, n_blocks, block_at, block: int, n_tokens: int,
+                   rules: ShardingRules) -> jax.Array:
     """Every block of the expert loop at once: dsr1's CPU kernel takes all blocks' rows, each block
-    against its expert read in place (`kernel_matmul` with an index per block), one call per product.
-    A call per block and product cost ~10 us beyond its reads (its threads start and join), 423 calls
-    per batch-8 decode step of the bench preset. Slots past the blocks (a static bound) are skipped."""
-    n_local = gate.shape[1]
+    against its expert read in place (`kernel_matmul` with an index per block), one call per product,
+    and each row's output, times its routing weight, goes straight to its token. A call per block and
+    product cost ~10 us beyond its reads (its threads start and join), 423 calls per batch-8 decode
+    step of the bench preset. Slots past the blocks (a static bound) are skipped."""
+    n_local, n_pairs = gate.shape[1], token.shape[0]
     slots = jnp.arange(n_pairs // block + min(n_local, n_pairs))  # blocks <= pairs / block + hit experts
     expert, start, mine = block_at(slots)
     rows = start[:, None] + jnp.arange(block)  # [slots, block] sorted pairs
@@ -220,8 +223,10 @@ def _kernel_blocks(xs, ys, gate, up, down, layer, n_blocks, block_at, block: int
     xb = xs[rows]
     h = jax.nn.silu(kernel_matmul(xb, gate, index)) * kernel_matmul(xb, up, index)
     y = kernel_matmul(h, down, index)
-    keep = (slots < n_blocks)[:, None] & (jnp.arange(block) < mine[:, None])
-    return ys.at[rows].add(jnp.where(keep[..., None], y, 0.0))
+    pair = jnp.minimum(rows, n_pairs - 1)
+    keep = (slots < n_blocks)[:, None] & (jnp.arange(block) < mine[:, None])  # other rows: the next block's
+    out = jax.lax.pcast(jnp.zeros((n_tokens, y.shape[-1]), jnp.float32), rules.moe_reduce_axes(), to="varying")
+    return out.at[jnp.where(keep, token[pair], n_tokens)].add(y * weight[pair][..., None], mode="drop")
 
 
 def gather_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRules):
