@@ -1,4 +1,4 @@
-"""dsr1's own CPU kernel for decode: `rows_dot`, a few float32 rows against one bf16 or int8 matrix.
+"""dsr1's own CPU kernel: `rows_dot`, a few float32 rows against one bf16 or int8 matrix (decode).
 
 XLA:CPU reads a transposed bf16 or int8 weight at memory speed in a one-row product, but from two
 rows on it first writes out a widened float32 copy of the weight and reads that (2 rows at half the
@@ -6,7 +6,9 @@ speed, 8 rows at a sixth: docs/performance.md). `rows_dot` (kernels/rows_dot.cc,
 handler) reads each weight row once for blocks of up to 8 rows, widening it in registers, splits
 the output over threads of its own (one per core beside the caller, which look for work for 200 us
 before they sleep: a decode step calls it every few microseconds), and takes the matrix by its
-index in a stack, so an expert of a layer is read in place.
+index in a stack, so an expert of a layer is read in place; with an index per group of rows, one
+call runs every block of an expert loop. `amx_rows_dot` does the same for blocks of many bf16 rows
+(a prefill's) on AMX tiles, where the CPU has them.
 
 The kernel is compiled on first use with the system's C++ compiler for the CPU it runs on (x86-64
 with AVX-512, or AVX2 and FMA) and cached under `$DSR1_KERNEL_CACHE` (default
@@ -32,7 +34,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-KERNEL_ROWS = 8  # the kernel's block: more rows re-read the weight per block (prefill takes XLA's bf16 dot)
+KERNEL_ROWS = 8  # the kernel's block: more rows re-read the weight per block (prefill: AMX, or XLA's bf16 dot)
 _WEIGHTS = {jnp.dtype(jnp.uint16): "bf16", jnp.dtype(jnp.int8): "int8"}  # the handlers' names end so
 
 
@@ -61,8 +63,8 @@ def rows_dot(x: jax.Array, w: jax.Array, index: jax.Array | int = 0) -> jax.Arra
         raise ValueError(f"rows_dot: x {x.shape} is not [(g,) rows, in] against w {w.shape} [..., (g,) out, in]"
                          f" with index {jnp.shape(index)} (one, or one per group)")
     out = jax.ShapeDtypeStruct((xg.shape[0], xg.shape[1], w.shape[-2]), jnp.float32)
-    y = jax.ffi.ffi_call(_target(_WEIGHTS[w.dtype], each), out, vmap_method="sequential")(xg.astype(jnp.float32), w,
-                                                                 jnp.asarray(index, jnp.int32))
+    call = jax.ffi.ffi_call(_target(_WEIGHTS[w.dtype], each), out, vmap_method="sequential")
+    y = call(xg.astype(jnp.float32), w, jnp.asarray(index, jnp.int32))
     return y if grouped else y[0]
 
 

@@ -1,5 +1,6 @@
 // dsr1's CPU kernel for decode products: y[g, r, o] = sum_i x[g, r, i] * w[index, g, o, i], or
-// w[index[g], o, i] (the `_each` handlers: each group of rows its own matrix, an expert loop's blocks).
+// w[index[g], o, i] (the `_each` handlers: each group of rows its own matrix, an expert loop's blocks;
+// `dsr1_rows_dot_each_amx`: blocks of many bf16 rows, a prefill's, on AMX tiles, at the end).
 //
 // A few float32 rows (a decode batch, an expert's block of rows) against one matrix of a stack
 // whose values are bf16 bits (uint16) or int8, stored transposed (`[..., out, in]`); `g` counts
@@ -338,7 +339,8 @@ void amx_range(const uint16_t* x, const uint16_t* w, float* y, int64_t rows, int
       _tile_zero(3);
       for (int64_t c = 0; c < chunks; ++c) {
         const uint16_t* a = w + o * in + c * 32;
-        for (int r = 32; r < 64; ++r) _mm_prefetch(reinterpret_cast<const char*>(a + r * in), _MM_HINT_T0);  // the next 32 rows
+        // The next 32 weight rows, a pass of the chunks ahead.
+        for (int r = 32; r < 64; ++r) _mm_prefetch(reinterpret_cast<const char*>(a + r * in), _MM_HINT_T0);
         _tile_loadd(6, a, stride);
         _tile_loadd(7, a + 16 * in, stride);
         _tile_loadd(4, xp + (t0 * chunks + c) * 256, 64);
@@ -382,7 +384,8 @@ ffi::Error AmxRowsDot(ffi::ThreadPool pool, ffi::Buffer<ffi::U16> x, ffi::Buffer
     return ffi::Error::InvalidArgument("rows_dot: x [g, rows, in] against w [..., out, in], multiples of 32");
   const int64_t groups = xd[0], rows = xd[1], in = xd[2], out = wd[wd.size() - 2];
   const Matrices<uint16_t, true> matrices{reinterpret_cast<const uint16_t*>(w.typed_data()), index.typed_data(),
-                                          std::max<int64_t>(1, w.element_count() / (out * in)), groups, out * in};
+                                          std::max<int64_t>(1, w.element_count() / std::max<int64_t>(1, out * in)),
+                                          groups, out * in};
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.typed_data());
   float* yp = y->typed_data();
   // Parts whole groups where there are enough of them: each part packs its rows once.
