@@ -57,6 +57,12 @@ def test_large_arrays_move_to_page_aligned_memory_with_the_same_values():
     assert moved["small"] is small and moved["n"] == 3 and moved["none"] is None
 
 
+def test_the_switch_leaves_arrays_where_they_are(monkeypatch):
+    monkeypatch.setenv("DSR1_HUGE_PAGES", "0")
+    big = jnp.ones((HUGE_PAGE,), jnp.float32)
+    assert not huge_pages.supported() and on_huge_pages({"w": big})["w"] is big
+
+
 @needs_madvise
 def test_moved_arrays_outlive_their_host_views_and_compute_like_any_array():
     """The moved array owns its memory (the host view is gone), donated or not."""

@@ -1,13 +1,14 @@
 """Weights on CPU held in 2 MiB pages (Linux transparent huge pages).
 
 A decode step streams every weight it uses from memory once. With the default 4 KiB pages the
-CPU's hardware prefetchers stop at each page boundary and every 64 rows of a bf16 matrix of 1,024
-columns need a new page-table walk: dsr1's kernel read 20-22 GB/s of a 64 MB matrix here, 27-30
-from 2 MiB pages (docs/performance.md, "A thirteenth session"). XLA:CPU allocates its buffers with
-`malloc`, which Linux backs with huge pages only where asked (`madvise`, the default setting of
+CPU's hardware prefetchers stop at each page boundary, every two rows of a bf16 matrix of 1,024
+columns: dsr1's kernel read 20-22 GB/s of a 64 MB matrix here, 27-30 from 2 MiB pages
+(docs/performance.md, "A thirteenth session"). XLA:CPU allocates its buffers with `malloc`, which
+Linux backs with huge pages only where asked (`madvise`, the default setting of
 `/sys/kernel/mm/transparent_hugepage/enabled`), so `on_huge_pages` moves large weights into memory
 that asks, and hands it to XLA without a copy (`jax.device_put` of an aligned host array on CPU
-keeps that array as the buffer).
+keeps that array as the buffer). While they move, the weights are held twice; `DSR1_HUGE_PAGES=0`
+leaves them where XLA put them.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ MIN_BYTES = HUGE_PAGE  # smaller arrays keep their memory: they would not fill o
 
 
 def supported() -> bool:
-    """Whether this platform can ask for huge pages (Linux: `madvise(MADV_HUGEPAGE)`)."""
-    return hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_PRIVATE")
+    """Whether weights move to huge pages here: the platform can ask for them (Linux:
+    `madvise(MADV_HUGEPAGE)`), unless `DSR1_HUGE_PAGES=0`."""
+    return (os.environ.get("DSR1_HUGE_PAGES", "1") != "0" and hasattr(mmap, "MADV_HUGEPAGE")
+            and hasattr(mmap, "MAP_PRIVATE"))
 
 
 def on_huge_pages(tree: Any) -> Any:
