@@ -76,9 +76,10 @@ def test_moved_arrays_outlive_their_host_views_and_compute_like_any_array():
 @needs_madvise
 @pytest.mark.skipif(_thp_mode() == "never", reason="transparent huge pages are off on this machine")
 def test_moved_arrays_are_backed_by_huge_pages():
-    """The kernel of Linux gives the moved memory 2 MiB pages (what the move is for)."""
+    """Linux backs the moved memory with 2 MiB pages (what the move is for): at least one of the two
+    (compaction may not find a second free one on a busy machine)."""
     x = on_huge_pages(jnp.ones((4 * HUGE_PAGE // 2,), jnp.bfloat16))
-    assert _huge_page_kib(x.unsafe_buffer_pointer()) >= 2 * HUGE_PAGE // 1024
+    assert _huge_page_kib(x.unsafe_buffer_pointer()) >= HUGE_PAGE // 1024
 
 
 @needs_madvise
