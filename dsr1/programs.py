@@ -43,6 +43,7 @@ from .core.cache import (
     gather_pages,
     quantize_latent,
     scatter_pages,
+    to_stored,
     token_slots,
     write_tokens,
 )
@@ -174,7 +175,7 @@ def random_cache(key: jax.Array, *, cfg: Config, mesh: Mesh, batch: int, context
     c_kv = jax.random.normal(k_lat, (layers, batch, max_len, cfg.kv_lora_rank), jnp.float32)
     pe = jax.random.normal(k_pe, (layers, batch, max_len, cfg.qk_rope_head_dim), jnp.float32).astype(dtype)
     c_kv, c_scale = quantize_latent(c_kv) if kv_cache_dtype == "int8" else (c_kv.astype(dtype), None)
-    cache = KVCache(c_kv, pe, c_scale, jnp.full((batch,), context, jnp.int32))
+    cache = KVCache(to_stored(c_kv), to_stored(pe), c_scale, jnp.full((batch,), context, jnp.int32))
     return jax.tree.map(lambda a: keep_replicated(a, mesh), cache)
 
 

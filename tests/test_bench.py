@@ -133,7 +133,8 @@ def test_random_cache_shape_and_dtype(models):
         model = dataclasses.replace(models["bf16"], kv_cache_dtype=kv)
         cache = timing.random_cache(model, batch=2, context=5, max_len=9)
         assert cache.c_kv.shape == (CFG.num_hidden_layers, 2, 9, CFG.kv_lora_rank)
-        assert cache.c_kv.dtype == (jnp.int8 if kv else jnp.bfloat16)
+        assert cache.c_kv.dtype == (jnp.int8 if kv else jnp.uint16)  # bf16 on CPU: its bits (`stores_bits`)
+        assert cache.k_pe.dtype == jnp.uint16
         assert (cache.c_scale is None) == (kv is None)
         assert np.asarray(cache.lengths).tolist() == [5, 5]
 

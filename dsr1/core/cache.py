@@ -6,6 +6,9 @@ stored as int8 with one float32 scale per token per layer; `k_pe`, which carries
 in the model's dtype.
 
 - `KVCache`: contiguous, one row of `max_len` positions per batch row (`prefill`, `decode`).
+On CPU a bf16 cache stores its latents as their bits (uint16, `stores_bits`), as bf16 weights
+do (`quant.Bf16Bits`): read them through `latent_values`.
+
 - `PagedKVCache`: a pool of fixed-size pages shared by all sequences, each sequence reading and
   writing its own pages through a page table (`extend`, serving). Rows grow a page at a time and
   sequences with a common prefix can share its pages. `gather_pages` and `scatter_pages` move
@@ -18,6 +21,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+from .quant import widens_on_use
 
 KV_CACHE_DTYPES = (None, "int8")
 
@@ -45,6 +50,16 @@ class KVCache:
     def nbytes(self) -> int:
         return _latent_bytes(self)
 
+    def read_block(self, layer: jax.Array, start: jax.Array, n: int) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+        """One layer's latents at positions `[start, start + n)` of every row, as stored: `c_kv [B, n, r]`,
+        `c_scale [B, n]` or None, `k_pe [B, n, rope]`. One slice of the whole cache (the layer index is
+        part of it): slicing the layer first made XLA copy the layer's whole cache every step."""
+        def block(a: jax.Array) -> jax.Array:
+            at = (layer, 0, start) + (0,) * (a.ndim - 3)
+            return jax.lax.dynamic_slice(a, at, (1, a.shape[1], n, *a.shape[3:]))[0]
+
+        return block(self.c_kv), None if self.c_scale is None else block(self.c_scale), block(self.k_pe)
+
 
 def _latent_bytes(cache: KVCache | PagedKVCache) -> int:
     """Bytes of a cache's latents, int8 scales included."""
@@ -69,12 +84,42 @@ def _stored(c_kv: jax.Array, kv_cache_dtype: str | None) -> tuple[jax.Array, jax
     return quantize_latent(c_kv) if kv_cache_dtype == "int8" else (c_kv, None)
 
 
+def stores_bits(dtype: jnp.dtype) -> bool:
+    """Whether a cache keeps latents of `dtype` as their bits (uint16): bf16 on CPU. XLA:CPU computes
+    every bf16 slice, gather and scatter in float32, and hoists the widening of the whole cache (or
+    page pool) out of the layer loop: every step read and wrote all of it twice. A batch-8 decode step
+    of the bench preset took 26 ms with room for 64 positions and 119 ms with 4,096 (32 filled); a
+    serving step 19.5 ms with a 3 MB page pool and 93.5 ms with 94 MB."""
+    return jnp.dtype(dtype) == jnp.bfloat16 and widens_on_use()
+
+
+def to_stored(x: jax.Array) -> jax.Array:
+    """Latents as a cache stores them (`stores_bits`)."""
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if stores_bits(x.dtype) else x
+
+
+def latent_values(stored: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Stored latents (a block read from a cache) as `dtype` values; bits are bf16 (`stores_bits`)."""
+    if stored.dtype == jnp.uint16:
+        stored = jax.lax.bitcast_convert_type(stored, jnp.bfloat16)
+    return stored.astype(dtype)
+
+
+def _put(array: jax.Array, index: tuple, values: jax.Array, **kwargs) -> jax.Array:
+    """`array.at[index].set(values, **kwargs)` for a cache's stored array: values, or stored latents."""
+    if values.dtype != array.dtype:
+        bits = array.dtype == jnp.uint16
+        values = values.astype(jnp.bfloat16 if bits else array.dtype)
+        values = jax.lax.bitcast_convert_type(values, jnp.uint16) if bits else values
+    return array.at[index].set(values, **kwargs)
+
+
 def cache_from_prefill(c_kv: jax.Array, k_pe: jax.Array, lengths: jax.Array, max_len: int,
                        kv_cache_dtype: str | None = None) -> KVCache:
     """A cache of `max_len` positions holding the prompts' latents `[layers, batch, T, ...]`."""
     pad = [(0, 0), (0, 0), (0, max_len - c_kv.shape[2])]
     c_kv, c_scale = _stored(c_kv, kv_cache_dtype)
-    return KVCache(jnp.pad(c_kv, pad + [(0, 0)]), jnp.pad(k_pe, pad + [(0, 0)]),
+    return KVCache(jnp.pad(to_stored(c_kv), pad + [(0, 0)]), jnp.pad(to_stored(k_pe), pad + [(0, 0)]),
                    None if c_scale is None else jnp.pad(c_scale, pad, constant_values=1.0),
                    lengths.astype(jnp.int32))
 
@@ -93,9 +138,9 @@ def append_tokens(cache: KVCache, c_kv: jax.Array, k_pe: jax.Array) -> KVCache:
     positions = cache.lengths[:, None] + jnp.arange(t)
     c_kv, c_scale = _stored(c_kv, "int8" if cache.c_scale is not None else None)
     return KVCache(
-        cache.c_kv.at[:, rows, positions].set(c_kv.astype(cache.c_kv.dtype), mode="drop"),
-        cache.k_pe.at[:, rows, positions].set(k_pe.astype(cache.k_pe.dtype), mode="drop"),
-        None if c_scale is None else cache.c_scale.at[:, rows, positions].set(c_scale, mode="drop"),
+        _put(cache.c_kv, (slice(None), rows, positions), c_kv, mode="drop"),
+        _put(cache.k_pe, (slice(None), rows, positions), k_pe, mode="drop"),
+        None if c_scale is None else _put(cache.c_scale, (slice(None), rows, positions), c_scale, mode="drop"),
         cache.lengths + t,
     )
 
@@ -112,9 +157,10 @@ here, so device code never masks a write. Nothing reads it as context (reads are
 class PagedKVCache:
     """A pool of fixed-size pages of latents, shared by every running sequence, for every layer.
 
-    `c_kv [layers, num_pages, page_size, kv_lora_rank]` (the model's dtype, or int8),
+    `c_kv [layers, num_pages, page_size, kv_lora_rank]` (the model's dtype, or int8; bf16 on CPU as
+    its bits, `stores_bits`),
     `c_scale [layers, num_pages, page_size]` (float32 per-token scales of an int8 cache, else None),
-    `k_pe [layers, num_pages, page_size, rope_dim]` (the model's dtype). Which pages hold which
+    `k_pe [layers, num_pages, page_size, rope_dim]` (the model's dtype, as stored). Which pages hold which
     sequence is not stored here: each sequence has a page table (page ids, in order), kept on the
     host by `dsr1.serving.pages` and passed to every call. Token `pos` of a sequence lives in page
     `table[pos // page_size]`, slot `pos % page_size`. Page `SCRATCH_PAGE` is never handed out.
@@ -152,8 +198,9 @@ def empty_paged_cache(num_layers: int, num_pages: int, page_size: int, kv_lora_r
     check_kv_cache_dtype(kv_cache_dtype)
     shape = (num_layers, num_pages, page_size)
     int8 = kv_cache_dtype == "int8"
-    return PagedKVCache(jnp.zeros((*shape, kv_lora_rank), jnp.int8 if int8 else dtype),
-                        jnp.zeros((*shape, rope_dim), dtype), jnp.ones(shape, jnp.float32) if int8 else None)
+    stored = jnp.uint16 if stores_bits(dtype) else dtype
+    return PagedKVCache(jnp.zeros((*shape, kv_lora_rank), jnp.int8 if int8 else stored),
+                        jnp.zeros((*shape, rope_dim), stored), jnp.ones(shape, jnp.float32) if int8 else None)
 
 
 def token_slots(page_table: jax.Array, starts: jax.Array, counts: jax.Array, chunk: int,
@@ -177,9 +224,9 @@ def write_tokens(cache: PagedKVCache, c_kv: jax.Array, k_pe: jax.Array, pages: j
     [B, T]` in one scatter per array (quantized first for an int8 cache)."""
     c_kv, c_scale = _stored(c_kv, cache.kv_cache_dtype)
     return PagedKVCache(
-        cache.c_kv.at[:, pages, slots].set(c_kv.astype(cache.c_kv.dtype)),
-        cache.k_pe.at[:, pages, slots].set(k_pe.astype(cache.k_pe.dtype)),
-        None if c_scale is None else cache.c_scale.at[:, pages, slots].set(c_scale),
+        _put(cache.c_kv, (slice(None), pages, slots), c_kv),
+        _put(cache.k_pe, (slice(None), pages, slots), k_pe),
+        None if c_scale is None else _put(cache.c_scale, (slice(None), pages, slots), c_scale),
     )
 
 
@@ -193,7 +240,7 @@ def scatter_pages(cache: PagedKVCache, pages: jax.Array, contents: PagedKVCache)
     """The pool with `pages [K]` overwritten by `contents` (a pool of K pages, as `gather_pages` returns):
     what the prefix cache does to bring evicted pages back. Padding entries may name `SCRATCH_PAGE`."""
     def put(pool: jax.Array | None, new: jax.Array | None) -> jax.Array | None:
-        return None if pool is None else pool.at[:, pages].set(new.astype(pool.dtype))
+        return None if pool is None else _put(pool, (slice(None), pages), new)
 
     return PagedKVCache(put(cache.c_kv, contents.c_kv), put(cache.k_pe, contents.k_pe),
                         put(cache.c_scale, contents.c_scale))

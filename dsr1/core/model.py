@@ -196,8 +196,7 @@ def decode(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config, me
     x = keep_replicated(_embed(params, tokens), mesh)
 
     def attend(p, h, i):
-        c_scale = None if cache.c_scale is None else cache.c_scale[i]
-        return attend_decode(p, h, positions, cache.c_kv[i], c_scale, cache.k_pe[i], cache.lengths, cfg)
+        return attend_decode(p, h, positions, cache, i, cfg)
 
     x, (c_new, pe_new), routing = _run_layers(params, x, attend, cfg, mesh, rules)
     logits = keep_replicated(_logits(params, x, cfg), mesh)
@@ -216,8 +215,7 @@ def verify(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config, me
     x = keep_replicated(_embed(params, tokens), mesh)
 
     def attend(p, h, i):
-        c_scale = None if cache.c_scale is None else cache.c_scale[i]
-        return attend_cached(p, h, positions, cache.c_kv[i], c_scale, cache.k_pe[i], cache.lengths, cfg)
+        return attend_cached(p, h, positions, cache, i, cfg)
 
     x, (c_new, pe_new), _ = _run_layers(params, x, attend, cfg, mesh, rules)
     logits = keep_replicated(_logits(params, x, cfg), mesh)

@@ -201,9 +201,7 @@ def accept_drafts(logits: jax.Array, drafts: list[jax.Array], qs: list[jax.Array
 
 def _mtp_attend(cache: KVCache, positions: jax.Array, cfg: Config):
     def attend(p: dict, h: jax.Array, query_at: jax.Array | None = None):
-        c_scale = None if cache.c_scale is None else cache.c_scale[MTP_MODULE]
-        return attend_cached(p, h, positions, cache.c_kv[MTP_MODULE], c_scale, cache.k_pe[MTP_MODULE],
-                             cache.lengths, cfg, query_at)
+        return attend_cached(p, h, positions, cache, MTP_MODULE, cfg, query_at)
     return attend
 
 
