@@ -1,6 +1,7 @@
 """The latent caches: a bf16 cache on CPU holds its latents' bits, written and read back exactly; a
-decode step reads the cached positions a block at a time, whatever room the cache has, and equals
-one softmax over them; neither a decode step nor a serving step widens or copies a whole cache."""
+decode step over a long cache reads the cached positions a block at a time, whatever room the cache
+has, and equals one softmax over them; neither a decode step nor a serving step widens or copies a
+whole cache."""
 
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def model():
 @pytest.mark.parametrize("max_len", [300, 700])
 def test_decode_over_blocks_equals_one_softmax(model, max_len, monkeypatch):
     """Rows of 299 and 7 cached positions: two blocks of 256 (with room for 300 the second overlaps
-    the first, its earlier positions masked), against one block holding them all."""
+    the first, its earlier positions masked), against one softmax over the cache (a block of 1024)."""
     c_kv, k_pe = _latents(2, 299, dtype=jnp.float32)
     tokens = jnp.asarray([3, 5])
 

@@ -200,13 +200,30 @@ def attend_cached(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache, l
                                 cache.c_scale is not None):
             ctx = _flash_context(q, own, cache.c_kv[layer], cache.k_pe[layer], cache.lengths, cfg)
             return attention_output(p, ctx, absorbed=True, dtype=dt), (c_new, pe_new)
-        state = fold_keys(None, q, own, own_mask, cfg)
-        state = _fold_cache(state, p, q, cache, layer, dt, cfg)
-        out = attention_output(p, state.result(), absorbed=True, dtype=dt)
+        if cache.max_len <= CACHE_BLOCK:
+            ctx = _cache_softmax(p, q, own, own_mask, cache, layer, dt, cfg)
+        else:
+            ctx = _fold_cache(fold_keys(None, q, own, own_mask, cfg), p, q, cache, layer, dt, cfg).result()
+        out = attention_output(p, ctx, absorbed=True, dtype=dt)
     return out, (c_new, pe_new)
 
 
-CACHE_BLOCK = 256  # cached positions per step of `_fold_cache`
+CACHE_BLOCK = 256  # cached positions per step of `_fold_cache`; a cache of at most this many: one softmax
+
+
+def _cache_softmax(p: dict, q: Query, own: Keys, own_mask: jax.Array, cache: KVCache, layer: jax.Array,
+                   dtype: jnp.dtype, cfg: Config) -> jax.Array:
+    """The context `[B, H, T, r]` from one softmax over all of `layer`'s cache and the new tokens: the
+    probabilities normalized before they are rounded to a bf16 model's dtype, as HF's attention rounds
+    them (the online softmax of `_fold_cache` rounds them unnormalized; in a small bf16 model that
+    difference, ~2^-9, can flip a routing choice)."""
+    s = cache.max_len
+    cached = make_keys(p, *cache.read_block(layer, 0, s), absorbed=True, dtype=dtype)
+    b, queried = own_mask.shape[0], own_mask.shape[2]
+    valid = jnp.arange(s)[None, :] < cache.lengths[:, None]
+    mask = jnp.concatenate([jnp.broadcast_to(valid[:, None, None, :], (b, 1, queried, s)), own_mask], axis=-1)
+    probs = _softmax(jnp.concatenate([scores(q, cached, cfg), scores(q, own, cfg)], axis=-1), mask)
+    return weighted_values(probs[..., :s], cached) + weighted_values(probs[..., s:], own)
 
 
 def _fold_cache(state: PartialSoftmax, p: dict, q: Query, cache: KVCache, layer: jax.Array, dtype: jnp.dtype,
