@@ -102,7 +102,8 @@ def test_decode_step_neither_widens_nor_copies_the_cache():
     batch, max_len = 2, 1000
     cache = programs.random_cache(jax.random.key(0), cfg=CFG, mesh=bf16.mesh, batch=batch, context=5,
                                   max_len=max_len, dtype=jnp.bfloat16, kv_cache_dtype=None)
-    hlo = programs.decode.lower(bf16.params, cache, jnp.ones(batch, jnp.int32), **bf16.program_kwargs).compile().as_text()
+    step = programs.decode.lower(bf16.params, cache, jnp.ones(batch, jnp.int32), **bf16.program_kwargs)
+    hlo = step.compile().as_text()
     whole = [f"{t}[{L},{batch},{max_len},{d}]" for t in ("f32", "bf16") for d in (R, ROPE)]
     layer = [f"{t}[{batch},{max_len},{d}]" for t in ("f32", "bf16", "u16") for d in (R, ROPE)]
     assert _shapes(hlo, *whole, *layer) == []

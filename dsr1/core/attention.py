@@ -230,8 +230,7 @@ def _fold_cache(state: PartialSoftmax, p: dict, q: Query, cache: KVCache, layer:
                 cfg: Config) -> PartialSoftmax:
     """Fold every row's `cache.lengths[b]` cached positions of `layer` into `state`, `CACHE_BLOCK` at a
     time, in as many steps as the longest row needs: a step's cost follows the positions held, not
-    the cache's `max_len` (reading all of it, a batch-8 decode step of the bench preset took 26 ms
-    with room for 64 positions and 51 ms with 1,024, 32 filled)."""
+    the cache's `max_len`. Each block is one slice of the whole cache (`KVCache.read_block`)."""
     s = cache.max_len
     n = min(CACHE_BLOCK, s)
     steps = (jnp.max(cache.lengths) + n - 1) // n

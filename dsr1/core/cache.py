@@ -6,13 +6,13 @@ stored as int8 with one float32 scale per token per layer; `k_pe`, which carries
 in the model's dtype.
 
 - `KVCache`: contiguous, one row of `max_len` positions per batch row (`prefill`, `decode`).
-On CPU a bf16 cache stores its latents as their bits (uint16, `stores_bits`), as bf16 weights
-do (`quant.Bf16Bits`): read them through `latent_values`.
-
 - `PagedKVCache`: a pool of fixed-size pages shared by all sequences, each sequence reading and
   writing its own pages through a page table (`extend`, serving). Rows grow a page at a time and
   sequences with a common prefix can share its pages. `gather_pages` and `scatter_pages` move
   whole pages out of and back into the pool (the prefix cache's host offload).
+
+On CPU a bf16 cache stores its latents as their bits (uint16, `stores_bits`), as bf16 weights do
+(`quant.Bf16Bits`): read them through `latent_values`.
 """
 
 from __future__ import annotations
