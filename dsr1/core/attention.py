@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -233,17 +234,15 @@ def _fold_cache(state: PartialSoftmax, p: dict, q: Query, cache: KVCache, layer:
     the cache's `max_len`. Each block is one slice of the whole cache (`KVCache.read_block`)."""
     s = cache.max_len
     n = min(CACHE_BLOCK, s)
-    steps = (jnp.max(cache.lengths) + n - 1) // n
 
-    def step(i, state):
+    def read(i):
         # The last block may overlap the one before it (s not a multiple of n): its earlier positions are masked.
         start = jnp.minimum(i * n, s - n)
         positions = start + jnp.arange(n)
-        mask = (positions >= i * n)[None, :] & (positions[None, :] < cache.lengths[:, None])
-        keys = make_keys(p, *cache.read_block(layer, start, n), absorbed=True, dtype=dtype)
-        return fold_keys(state, q, keys, mask[:, None, None, :], cfg)
+        held = (positions >= i * n)[None, :] & (positions[None, :] < cache.lengths[:, None])
+        return cache.read_block(layer, start, n), held
 
-    return jax.lax.fori_loop(0, steps, step, state)
+    return _fold_blocks(state, p, q, (jnp.max(cache.lengths) + n - 1) // n, read, dtype, cfg)
 
 
 def _flash_context(q: Query, own: Keys, c_cache: jax.Array, pe_cache: jax.Array, lengths: jax.Array, cfg: Config,
@@ -337,13 +336,22 @@ def _fold_pages(state: PartialSoftmax, p: dict, q: Query, context: PagedContext,
     table = jnp.pad(context.page_table, [(0, 0), (0, -width % n)])  # whole blocks; padding is masked
     steps = (jnp.max(context.cached) + context.block_tokens - 1) // context.block_tokens
 
-    def step(i, state):
+    def read(i):
         pages = jax.lax.dynamic_slice_in_dim(table, i * n, n, axis=1)
-        c_kv, c_scale, k_pe = context.cache.read_pages(layer, pages)
         positions = i * context.block_tokens + jnp.arange(context.block_tokens)
-        mask = (positions[None, :] < context.cached[:, None])[:, None, None, :]
-        keys = make_keys(p, c_kv, c_scale, k_pe, q.absorbed, dtype)
-        return fold_keys(state, q, keys, mask, cfg)
+        return context.cache.read_pages(layer, pages), positions[None, :] < context.cached[:, None]
+
+    return _fold_blocks(state, p, q, steps, read, dtype, cfg)
+
+
+def _fold_blocks(state: PartialSoftmax, p: dict, q: Query, steps: jax.Array, read: Callable, dtype: jnp.dtype,
+                 cfg: Config) -> PartialSoftmax:
+    """`steps` blocks of cached keys folded into `state`: `read(i)` gives block i's stored latents
+    `(c_kv, c_scale, k_pe)` and which of its positions each row holds `[B, n]`."""
+    def step(i, state):
+        stored, held = read(i)
+        keys = make_keys(p, *stored, q.absorbed, dtype)
+        return fold_keys(state, q, keys, held[:, None, None, :], cfg)
 
     return jax.lax.fori_loop(0, steps, step, state)
 

@@ -107,11 +107,9 @@ def latent_values(stored: jax.Array, dtype: jnp.dtype) -> jax.Array:
 
 def _put(array: jax.Array, index: tuple, values: jax.Array, **kwargs) -> jax.Array:
     """`array.at[index].set(values, **kwargs)` for a cache's stored array: values, or stored latents."""
-    if values.dtype != array.dtype:
-        bits = array.dtype == jnp.uint16
-        values = values.astype(jnp.bfloat16 if bits else array.dtype)
-        values = jax.lax.bitcast_convert_type(values, jnp.uint16) if bits else values
-    return array.at[index].set(values, **kwargs)
+    if array.dtype == jnp.uint16 and values.dtype != jnp.uint16:  # values for a bits cache
+        values = jax.lax.bitcast_convert_type(values.astype(jnp.bfloat16), jnp.uint16)
+    return array.at[index].set(values.astype(array.dtype), **kwargs)
 
 
 def cache_from_prefill(c_kv: jax.Array, k_pe: jax.Array, lengths: jax.Array, max_len: int,
