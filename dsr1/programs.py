@@ -57,6 +57,7 @@ from .generation.sampling import (
     KEY_IMPL,
     TOP_LOGPROBS,
     SamplingArrays,
+    argmax,
     init_counts,
     is_stop_token,
     sample,
@@ -159,7 +160,7 @@ def greedy_decode(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Con
         fed = fed.at[i].set(tokens)
         if routed is not None:
             ids = ids.at[i].set(routed)
-        return cache, jnp.argmax(logits, axis=-1).astype(jnp.int32), fed, ids
+        return cache, argmax(logits), fed, ids
 
     cache, last, fed, ids = jax.lax.fori_loop(0, steps, body, (cache, tokens, fed, ids))
     return cache, fed, ids, last
