@@ -82,6 +82,62 @@ def test_rows_dot_with_an_index_per_group_reads_each_groups_own_matrix(dtype):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+def _bf16_rows_built() -> bool:
+    return cpu_kernels.available() and cpu_kernels._bf16_dot_rate() > 0
+
+
+needs_bf16_rows = pytest.mark.skipif(not _bf16_rows_built(), reason="no AVX-512 BF16 on this CPU (or no kernel build)")
+
+
+@needs_bf16_rows
+@pytest.mark.parametrize("rows", [4, 5, 8, 9, 17])
+@pytest.mark.parametrize("inputs", [64, 72, 100])
+def test_bf16_rows_equal_float64(rows, inputs, monkeypatch):
+    """bf16 rows against bf16 bits with `vdpbf16ps` (`DSR1_BF16_ROWS=1`: on wherever it is built):
+    blocks of 4-8 rows and a remainder, inputs a multiple of 32 or not (72, 100: the masked tail),
+    one matrix of a stack or each group's own (a negative index: zeros; past the stack: the last),
+    against float64 of the same bf16 values; the compiled program calls the bf16-rows handler."""
+    monkeypatch.setenv("DSR1_BF16_ROWS", "1")
+    jax.clear_caches()
+    rng = np.random.default_rng(rows * inputs)
+    w = _weights("bf16", (2, 3, 37, inputs), rng)
+    matrices = _values(w.reshape(6, 37, inputs))
+    x = jnp.asarray(rng.standard_normal((rows, inputs)), jnp.bfloat16)
+    x64 = np.asarray(x.astype(jnp.float32), np.float64)
+    program = jax.jit(cpu_kernels.rows_dot)
+    assert "dsr1_bf16_rows_dot_bf16" in program.lower(x, jnp.asarray(w), 4).as_text()
+    want = x64 @ matrices[4].T
+    np.testing.assert_allclose(program(x, jnp.asarray(w), 4), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    xg = jnp.asarray(rng.standard_normal((4, rows, inputs)), jnp.bfloat16)
+    index = np.array([4, -1, 0, 9], np.int32)
+    want = np.einsum("gri,goi->gro", np.asarray(xg.astype(jnp.float32), np.float64), matrices[np.clip(index, 0, 5)])
+    want[index < 0] = 0
+    got = program(xg, jnp.asarray(w), jnp.asarray(index))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@needs_kernel
+def test_bf16_rows_only_for_bf16_rows_of_a_bf16_weight_where_switched_on(monkeypatch):
+    """float32 rows, fewer than `BF16_ROWS_MIN` rows, int8 weights, or `DSR1_BF16_ROWS=0`: the float32
+    handlers; the choice follows the CPU's measured `vdpbf16ps` rate (0 where not built)."""
+    def handler(x, w, env):
+        monkeypatch.setenv("DSR1_BF16_ROWS", env)
+        jax.clear_caches()
+        text = jax.jit(cpu_kernels.rows_dot).lower(x, w).as_text()
+        return "dsr1_bf16_rows_dot" in text
+
+    bits, int8 = jnp.zeros((16, 64), jnp.uint16), jnp.zeros((16, 64), jnp.int8)
+    x = jnp.zeros((8, 64), jnp.bfloat16)
+    few = jnp.zeros((cpu_kernels.BF16_ROWS_MIN - 1, 64), jnp.bfloat16)
+    assert not handler(x.astype(jnp.float32), bits, "1")
+    assert not handler(few, bits, "1")
+    assert not handler(x, int8, "1")
+    assert not handler(x, bits, "0")
+    rate = cpu_kernels._bf16_dot_rate()
+    assert handler(x, bits, "1") == (rate > 0)
+    assert handler(x, bits, "") == (rate >= cpu_kernels.BF16_DOT_RATE)
+
+
 @pytest.mark.skipif(not cpu_kernels.amx_available(), reason="no AMX on this CPU (or no kernel build)")
 @pytest.mark.parametrize("rows", [16, 24, 32, 40, 64])
 @pytest.mark.parametrize("groups", [2, 5])
@@ -179,14 +235,16 @@ def test_decode_with_the_kernel_equals_decode_without(dtype, quant_mode, monkeyp
     as with XLA's own products (`DSR1_CPU_KERNELS=0`), at batch 1 and 3, prefill included: every copy
     the kernel reads (in place from its layer stack, or laid out for an attention product) holds the
     weight's values. With float32 activations to float32 rounding; with bf16 ones a summation order
-    that differs flips a few roundings of the activations, which the layers carry on (to ~1% here)."""
+    that differs flips a few roundings of the activations, which the layers carry on (to ~1% here).
+    At batch 5 bf16 rows take `vdpbf16ps` where it is built (`DSR1_BF16_ROWS=1`)."""
+    monkeypatch.setenv("DSR1_BF16_ROWS", "1")
     cfg = dsr1.Config.preset("tiny")
     models = {}
     for switch in ("0", "1"):
         monkeypatch.setenv("DSR1_CPU_KERNELS", switch)
         models[switch] = dsr1.init_random(cfg, seed=3, dtype=dtype, quant=quant_mode)
     rng = np.random.default_rng(0)
-    for batch in (1, 3):
+    for batch in (1, 3, 5):
         prompt = rng.integers(2, cfg.vocab_size, (batch, 5))
         logits = {}
         for switch, model in models.items():

@@ -7,8 +7,9 @@ handler) reads each weight row once for blocks of up to 8 rows, widening it in r
 the output over threads of its own (one per core beside the caller, which look for work for 200 us
 before they sleep: a decode step calls it every few microseconds), and takes the matrix by its
 index in a stack, so an expert of a layer is read in place; with an index per group of rows, one
-call runs every block of an expert loop. `amx_rows_dot` does the same for blocks of many bf16 rows
-(a prefill's) on AMX tiles, where the CPU has them.
+call runs every block of an expert loop. A bf16 model's rows (activations, exact bf16) are multiplied
+as bf16 with AVX-512 BF16's `vdpbf16ps` where the CPU runs it fast (`bf16_rows`). `amx_rows_dot`
+does the same for blocks of many bf16 rows (a prefill's) on AMX tiles, where the CPU has them.
 
 The kernel is compiled on first use with the system's C++ compiler for the CPU it runs on (x86-64
 with AVX-512, or AVX2 and FMA) and cached under `$DSR1_KERNEL_CACHE` (default
@@ -45,13 +46,45 @@ def available() -> bool:
     return _registered() is not None
 
 
+# vdpbf16ps per float32 FMA from which bf16 rows pay off: each does twice the multiply-adds and needs
+# no widening of the weight (measured: Zen 5 0.91-0.93, bf16 rows faster; a Sapphire Rapids Xeon
+# ~0.24, slower: docs/performance.md).
+BF16_DOT_RATE = 0.5
+# From this many rows: fewer are bound by memory either way, and in cache one row ran faster widened
+# (Zen 5, 8 MB in L3: 1 row 122 GB/s widened against 101; 4 rows 59 against 105; 8 rows 38 against 77).
+BF16_ROWS_MIN = 4
+
+
+def bf16_rows() -> bool:
+    """Whether `rows_dot` multiplies bf16 rows (a bf16 model's activations) against bf16 weights as
+    bf16, with AVX-512 BF16's `vdpbf16ps`, instead of widening both to float32: where the kernel was
+    built with it and the CPU retires it at least `BF16_DOT_RATE` times as often as a float32 FMA
+    (measured once per process, ~1 ms). `DSR1_BF16_ROWS=0` turns it off, `=1` on wherever it is
+    built. The products and their float32 sums are those of the float32 path, summed in another order:
+    the rows are exact bf16 already."""
+    choice = os.environ.get("DSR1_BF16_ROWS", "")
+    if choice == "0" or not available():
+        return False
+    rate = _bf16_dot_rate()
+    return rate > 0 and (choice == "1" or rate >= BF16_DOT_RATE)
+
+
+@functools.cache
+def _bf16_dot_rate() -> float:
+    """vdpbf16ps per float32 FMA on this CPU (0: the kernel was built without AVX-512 BF16)."""
+    lib = _registered()
+    lib.dsr1_bf16_dot_rate.restype = ctypes.c_double
+    return float(lib.dsr1_bf16_dot_rate())
+
+
 def rows_dot(x: jax.Array, w: jax.Array, index: jax.Array | int = 0) -> jax.Array:
     """float32 `x [rows, in] @ w[index].T` for `w [..., out, in]` of bf16 bits (uint16) or int8
     values: matrix `index` of the stack's leading axes flattened, read in place (clamped to the
     stack). With `x [g, rows, in]`, `g` independent products (heads) against `w [..., g, out, in]`,
     giving `[g, rows, out]`; or, with `index [g]`, each group of rows against its own matrix
     `w[index[g]]` of `w [..., out, in]` (an expert loop's blocks, in one call), a negative index
-    giving zeros. Needs `available()`."""
+    giving zeros. bf16 `x` of at least `BF16_ROWS_MIN` rows against bf16 bits stays bf16 where
+    `bf16_rows()`. Needs `available()`."""
     if w.dtype not in _WEIGHTS:
         raise TypeError(f"rows_dot: weight dtype {w.dtype} is neither bf16 bits (uint16) nor int8")
     each = jnp.ndim(index) == 1
@@ -63,8 +96,10 @@ def rows_dot(x: jax.Array, w: jax.Array, index: jax.Array | int = 0) -> jax.Arra
         raise ValueError(f"rows_dot: x {x.shape} is not [(g,) rows, in] against w {w.shape} [..., (g,) out, in]"
                          f" with index {jnp.shape(index)} (one, or one per group)")
     out = jax.ShapeDtypeStruct((xg.shape[0], xg.shape[1], w.shape[-2]), jnp.float32)
-    call = jax.ffi.ffi_call(_target(_WEIGHTS[w.dtype], each), out, vmap_method="sequential")
-    y = call(xg.astype(jnp.float32), w, jnp.asarray(index, jnp.int32))
+    as_bf16 = xg.dtype == jnp.bfloat16 and w.dtype == jnp.uint16 and xg.shape[1] >= BF16_ROWS_MIN and bf16_rows()
+    call = jax.ffi.ffi_call(_target(_WEIGHTS[w.dtype], each, as_bf16), out, vmap_method="sequential")
+    rows = jax.lax.bitcast_convert_type(xg, jnp.uint16) if as_bf16 else xg.astype(jnp.float32)
+    y = call(rows, w, jnp.asarray(index, jnp.int32))
     return y if grouped else y[0]
 
 
@@ -89,9 +124,10 @@ def amx_rows_dot(x: jax.Array, w: jax.Array, index: jax.Array) -> jax.Array:
     return call(bits, w, jnp.asarray(index, jnp.int32))
 
 
-def _target(weights: str, each: bool) -> str:
-    """The kernel's handler for `weights` ("bf16" bits or "int8"): one matrix, or one per group (`each`)."""
-    return f"dsr1_rows_dot_each_{weights}" if each else f"dsr1_rows_dot_{weights}"
+def _target(weights: str, each: bool, bf16: bool = False) -> str:
+    """The kernel's handler for `weights` ("bf16" bits or "int8"): one matrix, or one per group (`each`);
+    float32 rows, or `bf16` rows (their bits, against bf16 weights)."""
+    return f"dsr1_{'bf16_' if bf16 else ''}rows_dot_{'each_' if each else ''}{weights}"
 
 
 @functools.cache
@@ -106,6 +142,7 @@ def _registered() -> ctypes.CDLL | None:
         return None
     lib = ctypes.cdll.LoadLibrary(str(library))
     targets = [_target(weights, each) for weights in _WEIGHTS.values() for each in (False, True)]
+    targets += [_target("bf16", each, bf16=True) for each in (False, True)]
     for target in [*targets, "dsr1_rows_dot_each_amx"]:
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
     return lib
