@@ -180,7 +180,7 @@ def loop_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRule
     one expert's, which slices that expert of `layer` from the stacks in place and runs its rows.
     Reads each hit expert once per block and computes only its (padded) rows: its cost follows the
     pairs and the hit experts, not the expert count (XLA:CPU's `ragged_dot` computes every expert).
-    Blocks that dsr1's CPU kernel reads (a few rows; many with AMX) run in one kernel call per product
+    Blocks that dsr1's CPU kernel reads (a few rows; many in bf16) run in one kernel call per product
     instead (`_kernel_blocks`)."""
     n_local, n_tokens = gate.shape[1], x.shape[0]
     token, _, is_local, order, group_sizes = _sorted_pairs(experts, n_local, rules)
@@ -188,7 +188,7 @@ def loop_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRule
     n_blocks, block_at = _blocks(group_sizes, block)
     xs = jnp.pad((x.astype(jnp.float32) if widens_on_use() else x)[token], ((0, block), (0, 0)))
     weight = jnp.where(is_local, weights.reshape(-1)[order], 0.0)
-    if all(isinstance(w, (Bf16Bits, Int8Weight)) and (w.kernel_reads(block) or w.amx_reads(block))
+    if all(isinstance(w, (Bf16Bits, Int8Weight)) and (w.kernel_reads(block) or w.bf16_reads(block))
            for w in (gate, up, down)):
         return _kernel_blocks(xs, token, weight, gate, up, down, layer, n_blocks, block_at, block, n_tokens, rules)
 

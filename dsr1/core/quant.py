@@ -53,9 +53,10 @@ class _TransposedCopy:
         (`kernel_matmul`): up to `cpu_kernels.KERNEL_ROWS`, where the kernel is built."""
         return self.transposed is not None and rows <= cpu_kernels.KERNEL_ROWS and cpu_kernels.available()
 
-    def amx_reads(self, rows: int) -> bool:
-        """Whether a product of `rows` rows reads the transposed copy with AMX tiles (`kernel_matmul`
-        with an index per block of rows): `Bf16Bits` only."""
+    def bf16_reads(self, rows: int) -> bool:
+        """Whether a product of `rows` rows, many (a prefill's expert blocks), reads the transposed copy
+        in place with bf16 instructions, the rows rounded to bf16 (`kernel_matmul` with an index per
+        block of rows): `Bf16Bits` only."""
         return False
 
 
@@ -180,13 +181,18 @@ class Bf16Bits(_TransposedCopy):
     def shape(self) -> tuple[int, ...]:
         return self.bits.shape
 
-    def amx_reads(self, rows: int) -> bool:
+    def bf16_reads(self, rows: int) -> bool:
         """Blocks of many rows (a prefill's expert blocks: where XLA's bf16 dot would run, `native_bf16`,
-        rounding the rows to bf16 as it does) read the transposed copy in place with AMX tiles, on a
-        CPU that has them, for sizes that are multiples of 32. XLA's dot of a block needs the expert's
-        slice copied out first: a batch-8 prefill of the bench preset spent 62 ms on those copies."""
-        return (self.transposed is not None and rows >= NATIVE_BF16_ROWS and self.shape[-1] % 32 == 0
-                and self.shape[-2] % 32 == 0 and cpu_kernels.amx_available())
+        rounding the rows to bf16 as it does) read the transposed copy in place, with AMX tiles on a
+        CPU that has them (`amx_fits`), else with `vdpbf16ps` where the kernel multiplies bf16 rows
+        (`cpu_kernels.bf16_rows`). XLA's dot of a block needs the expert's slice copied out first: a
+        batch-8 prefill of the bench preset spent 62 ms on those copies."""
+        return (self.transposed is not None and rows >= NATIVE_BF16_ROWS
+                and (self.amx_fits() or cpu_kernels.bf16_rows()))
+
+    def amx_fits(self) -> bool:
+        """Whether products of many rows take AMX tiles: sizes multiples of 32, on a CPU with AMX."""
+        return self.shape[-1] % 32 == 0 and self.shape[-2] % 32 == 0 and cpu_kernels.amx_available()
 
     @property
     def dtype(self):
@@ -357,10 +363,12 @@ def kernel_matmul(x: jax.Array, w: Bf16Bits | Int8Weight, index: jax.Array | int
     """float32 `x [r, i] @ w [i, o]` by dsr1's CPU kernel (`cpu_kernels.rows_dot`) on `w.transposed`;
     of a stack `w [..., i, o]`, matrix `index` of its leading axes flattened, read in place (an expert
     of a layer); with `x [g, r, i]` and `index [g]`, each group of rows by its own matrix (a negative
-    index: zeros), with AMX tiles for many rows where `w.amx_reads` them. An int8 weight's rows are
-    scaled after."""
-    if w.amx_reads(x.shape[-2]):
-        return cpu_kernels.amx_rows_dot(x, w.transposed, index)
+    index: zeros); many rows, where `w.bf16_reads` them, rounded to bf16 (AMX tiles, or `vdpbf16ps`). An
+    int8 weight's rows are scaled after."""
+    if w.bf16_reads(x.shape[-2]):
+        if w.amx_fits():
+            return cpu_kernels.amx_rows_dot(x, w.transposed, index)
+        x = x.astype(jnp.bfloat16)
     y = cpu_kernels.rows_dot(x, *_kernel_operand(w.transposed, index))
     if not isinstance(w, Int8Weight):
         return y
