@@ -128,10 +128,14 @@ def join_processes(num_processes: int, process_id: int, port: int) -> None:
 
 def count_products(monkeypatch, module) -> dict[str, list[int]]:
     """The rows of every `rowwise_matmul` (XLA, one row at a time) and `kernel_matmul` (dsr1's CPU
-    kernel) product that `module` traces from now on (per group of rows, for `x [g, rows, in]`)."""
-    calls = {"rowwise_matmul": [], "kernel_matmul": []}
+    kernel) product that `module` traces from now on (per group of rows, for `x [g, rows, in]`), and of
+    the kernel's fused expert products (`swiglu_rows_dot`, `combine_rows_dot`) traced from anywhere."""
+    from dsr1.core import cpu_kernels
+
+    calls = {"rowwise_matmul": [], "kernel_matmul": [], "swiglu_rows_dot": [], "combine_rows_dot": []}
     for name, rows in calls.items():
-        original = getattr(module, name)
-        monkeypatch.setattr(module, name,
-                            lambda x, w, *index, f=original, c=rows: c.append(x.shape[-2]) or f(x, w, *index))
+        owner = cpu_kernels if name.endswith("_rows_dot") else module
+        original = getattr(owner, name)
+        monkeypatch.setattr(owner, name,
+                            lambda x, *args, f=original, c=rows: c.append(x.shape[-2]) or f(x, *args))
     return calls

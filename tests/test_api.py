@@ -186,10 +186,12 @@ def test_large_bf16_matmul_widens_in_column_blocks(rows):
 
 
 def _expected_products(kernel: bool, rows_traced: tuple[int, ...], kernel_rows: int) -> dict[str, list[int]]:
-    """Which products read the transposed copy: with the kernel up to `KERNEL_ROWS` rows, else one row."""
+    """Which products read the transposed copy: with the kernel up to `KERNEL_ROWS` rows, else one row
+    (no expert loop here: none of its fused products)."""
+    fused = {"swiglu_rows_dot": [], "combine_rows_dot": []}
     if kernel:
-        return {"rowwise_matmul": [], "kernel_matmul": [r for r in rows_traced if r <= kernel_rows]}
-    return {"rowwise_matmul": [r for r in rows_traced if r == 1], "kernel_matmul": []}
+        return {"rowwise_matmul": [], "kernel_matmul": [r for r in rows_traced if r <= kernel_rows], **fused}
+    return {"rowwise_matmul": [r for r in rows_traced if r == 1], "kernel_matmul": [], **fused}
 
 
 def test_output_heads_keep_a_copy_for_few_rows(cpu_kernel, monkeypatch):

@@ -82,6 +82,40 @@ def test_rows_dot_with_an_index_per_group_reads_each_groups_own_matrix(dtype):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@needs_kernel
+def test_swiglu_and_combine_rows_dot_equal_float64():
+    """An expert loop's blocks in two calls: SiLU(x . gate) * (x . up) for each group's own expert, then
+    down, each row times its weight summed into its token; a negative index gives a group zeros and
+    skips it, a token outside [0, tokens) skips a row; outputs large enough to split over threads."""
+    rng = np.random.default_rng(5)
+    groups, rows, inputs, hidden, tokens = 5, 2, 72, 300, 4
+    gate, up = _weights("bf16", (2, 3, hidden, inputs), rng), _weights("bf16", (2, 3, hidden, inputs), rng)
+    down = _weights("bf16", (2, 3, inputs, hidden), rng)
+    x = rng.standard_normal((groups, rows, inputs)).astype(np.float32)
+    index = np.array([4, -1, 0, 9, 4], np.int32)
+    token = np.array([[0, 3], [1, 2], [2, -1], [3, 0], [4, 1]], np.int32)
+    weight = rng.uniform(0.1, 1, (groups, rows)).astype(np.float32)
+    h = np.asarray(jax.jit(cpu_kernels.swiglu_rows_dot)(*map(jnp.asarray, (x, gate, up, index))))
+    pick = np.clip(index, 0, 5)
+    g = np.einsum("gri,goi->gro", x.astype(np.float64), _values(gate.reshape(6, hidden, inputs))[pick])
+    u = np.einsum("gri,goi->gro", x.astype(np.float64), _values(up.reshape(6, hidden, inputs))[pick])
+    want_h = g / (1 + np.exp(-g)) * u
+    want_h[index < 0] = 0
+    np.testing.assert_allclose(h, want_h, rtol=1e-5, atol=1e-5 * np.abs(want_h).max())
+    combine = jax.jit(cpu_kernels.combine_rows_dot, static_argnums=5)
+    got = np.asarray(combine(*map(jnp.asarray, (h, down, index, token, weight)), tokens))
+    y = np.einsum("gri,goi->gro", h.astype(np.float64), _values(down.reshape(6, inputs, hidden))[pick])
+    want = np.zeros((tokens, inputs))
+    for gi, r in np.ndindex(groups, rows):
+        if index[gi] >= 0 and 0 <= token[gi, r] < tokens:
+            want[token[gi, r]] += weight[gi, r] * y[gi, r]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    with pytest.raises(ValueError, match=r"token \(5, 3\)"):
+        cpu_kernels.combine_rows_dot(jnp.asarray(h), jnp.asarray(down), index, np.zeros((5, 3)), weight, tokens)
+    with pytest.raises(ValueError, match=r"up \(2, 3, 300, 64\)"):
+        cpu_kernels.swiglu_rows_dot(jnp.asarray(x), jnp.asarray(gate), jnp.zeros((2, 3, 300, 64), jnp.uint16), index)
+
+
 def _bf16_rows_built() -> bool:
     return cpu_kernels.available() and cpu_kernels._bf16_dot_rate() > 0
 

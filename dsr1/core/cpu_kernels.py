@@ -103,6 +103,37 @@ def rows_dot(x: jax.Array, w: jax.Array, index: jax.Array | int = 0) -> jax.Arra
     return y if grouped else y[0]
 
 
+def swiglu_rows_dot(x: jax.Array, gate: jax.Array, up: jax.Array, index: jax.Array) -> jax.Array:
+    """`SiLU(x[g] @ gate[index[g]].T) * (x[g] @ up[index[g]].T)`, float32 `[g, rows, out]`, for float32
+    `x [g, rows, in]` against bf16 bits `gate`, `up [..., out, in]` (an expert loop's blocks: each
+    against its expert, read in place; a negative index gives zeros): the first two products of an
+    expert and their SwiGLU in one call. Needs `available()`."""
+    if gate.dtype != jnp.uint16 or gate.shape != up.shape or gate.shape[-1] != x.shape[-1] or x.ndim != 3 \
+            or jnp.shape(index) != x.shape[:1]:
+        raise ValueError(f"swiglu_rows_dot: x {x.shape} against bf16 bits gate {gate.shape} {gate.dtype} and up "
+                         f"{up.shape} with index {jnp.shape(index)}: x [g, rows, in], [..., out, in], index [g]")
+    out = jax.ShapeDtypeStruct((*x.shape[:2], gate.shape[-2]), jnp.float32)
+    call = jax.ffi.ffi_call("dsr1_swiglu_rows_dot", out, vmap_method="sequential")
+    return call(x.astype(jnp.float32), gate, up, jnp.asarray(index, jnp.int32))
+
+
+def combine_rows_dot(h: jax.Array, down: jax.Array, index: jax.Array, token: jax.Array, weight: jax.Array,
+                     tokens: int) -> jax.Array:
+    """float32 `[tokens, out]`: the sum over groups g and rows r of `weight[g, r] * (h[g, r] @
+    down[index[g]].T)` added to token `token[g, r]`, for `h [g, rows, in]` against bf16 bits `down [...,
+    out, in]` (an expert loop's last product and the routing-weighted sum of each token's experts, in
+    one call); a negative index skips a group, a token outside [0, tokens) a row. Needs `available()`."""
+    if down.dtype != jnp.uint16 or down.shape[-1] != h.shape[-1] or h.ndim != 3 or jnp.shape(index) != h.shape[:1] \
+            or jnp.shape(token) != h.shape[:2] or jnp.shape(weight) != h.shape[:2]:
+        raise ValueError(f"combine_rows_dot: h {h.shape} against bf16 bits down {down.shape} {down.dtype}, index "
+                         f"{jnp.shape(index)}, token {jnp.shape(token)}, weight {jnp.shape(weight)}: h [g, rows, in], "
+                         "down [..., out, in], index [g], token and weight [g, rows]")
+    out = jax.ShapeDtypeStruct((tokens, down.shape[-2]), jnp.float32)
+    call = jax.ffi.ffi_call("dsr1_combine_rows_dot", out, vmap_method="sequential")
+    return call(h.astype(jnp.float32), down, jnp.asarray(index, jnp.int32), jnp.asarray(token, jnp.int32),
+                weight.astype(jnp.float32))
+
+
 def amx_available() -> bool:
     """Whether `amx_rows_dot` runs here: `available()`, built for a CPU with AMX (bf16 tiles: Intel
     Xeon since Sapphire Rapids), and Linux grants this process the tile state."""
@@ -143,7 +174,7 @@ def _registered() -> ctypes.CDLL | None:
     lib = ctypes.cdll.LoadLibrary(str(library))
     targets = [_target(weights, each) for weights in _WEIGHTS.values() for each in (False, True)]
     targets += [_target("bf16", each, bf16=True) for each in (False, True)]
-    for target in [*targets, "dsr1_rows_dot_each_amx"]:
+    for target in [*targets, "dsr1_swiglu_rows_dot", "dsr1_combine_rows_dot", "dsr1_rows_dot_each_amx"]:
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
     return lib
 

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from . import cpu_kernels
 from .config import Config
 from .layers import mlp
 from .quant import (
@@ -221,10 +222,15 @@ def _kernel_blocks(xs, token, weight, gate, up, down, layer, n_blocks, block_at,
     rows = start[:, None] + jnp.arange(block)  # [slots, block] sorted pairs
     index = jnp.where(slots < n_blocks, layer * n_local + expert, -1)
     xb = xs[rows]
-    h = jax.nn.silu(kernel_matmul(xb, gate, index)) * kernel_matmul(xb, up, index)
-    y = kernel_matmul(h, down, index)
     pair = jnp.minimum(rows, n_pairs - 1)
     keep = (slots < n_blocks)[:, None] & (jnp.arange(block) < mine[:, None])  # other rows: the next block's
+    if all(isinstance(w, Bf16Bits) and w.kernel_reads(block) for w in (gate, up, down)):  # decode: two calls
+        h = cpu_kernels.swiglu_rows_dot(xb, gate.transposed, up.transposed, index)
+        out = cpu_kernels.combine_rows_dot(h, down.transposed, index, jnp.where(keep, token[pair], -1), weight[pair],
+                                           n_tokens)
+        return jax.lax.pcast(out, rules.moe_reduce_axes(), to="varying")
+    h = jax.nn.silu(kernel_matmul(xb, gate, index)) * kernel_matmul(xb, up, index)
+    y = kernel_matmul(h, down, index)
     out = jax.lax.pcast(jnp.zeros((n_tokens, y.shape[-1]), jnp.float32), rules.moe_reduce_axes(), to="varying")
     return out.at[jnp.where(keep, token[pair], n_tokens)].add(y * weight[pair][..., None], mode="drop")
 
