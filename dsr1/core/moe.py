@@ -215,7 +215,9 @@ def _kernel_blocks(xs, token, weight, gate, up, down, layer, n_blocks, block_at,
     against its expert read in place (`kernel_matmul` with an index per block), one call per product,
     and each row's output, times its routing weight, goes straight to its token. A call per block and
     product cost ~10 us beyond its reads (its threads start and join), 423 calls per batch-8 decode
-    step of the bench preset. Slots past the blocks (a static bound) are skipped."""
+    step of the bench preset. bf16 experts in decode take two calls: gate, up and SwiGLU, then down
+    and the weighted sum to the tokens (`cpu_kernels.swiglu_rows_dot`, `combine_rows_dot`). Slots past
+    the blocks (a static bound) are skipped."""
     n_local, n_pairs = gate.shape[1], token.shape[0]
     slots = jnp.arange(n_pairs // block + min(n_local, n_pairs))  # blocks <= pairs / block + hit experts
     expert, start, mine = block_at(slots)
