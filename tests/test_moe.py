@@ -180,7 +180,9 @@ def test_expert_loop_runs_blocks_of_many_rows_in_bf16(tokens, monkeypatch):
     else `vdpbf16ps` (`DSR1_BF16_ROWS=1`); the rows rounded to bf16 as XLA's bf16 dot on the
     expert's slice (the path without either) rounds them, so both agree to float32 sums, but for the
     down product's rows (SiLU(gate) x up, rounded to bf16) whose float32 sums, in another order, round
-    to the next bf16 value (2^-8 apart) here and there."""
+    to the next bf16 value (2^-8 apart) here and there: on Zen 5, 11 of 12,800 outputs at 100 tokens
+    differ by more than 1e-5 of the largest, by at most 2e-5 (none at 64 tokens; none on the AMX
+    Xeon). A changed sum or a wrong row moves far more values, by far more."""
     import dsr1.core.moe as moe_module
 
     from .moe_worker import kernel_outputs
@@ -198,8 +200,8 @@ def test_expert_loop_runs_blocks_of_many_rows_in_bf16(tokens, monkeypatch):
     xla = kernel_outputs(model, tokens)["loop"]
     assert calls["kernel_matmul"] == [block] * 3, calls  # (the XLA path calls no kernel)
     error, scale = np.abs(bf16 - xla), np.abs(xla).max()
-    assert np.mean(error <= 1e-5 * scale) > 0.99 and error.max() < 1e-3 * scale, (np.mean(error <= 1e-5 * scale),
-                                                                                 error.max() / scale)
+    assert np.mean(error <= 1e-5 * scale) > 0.995 and error.max() < 1e-4 * scale, (np.mean(error <= 1e-5 * scale),
+                                                                                  error.max() / scale)
 
 
 def test_capacity_kernel_runs_the_rows_past_capacity_in_more_rounds():

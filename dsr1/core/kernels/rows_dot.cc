@@ -26,6 +26,7 @@
 #include <mutex>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <sys/syscall.h>
@@ -314,12 +315,25 @@ struct Matrices {
   }
 };
 
+// Whether rows x [g, rows, in] meet a stack of matrices w [..., out, in] (`in` alike).
+bool rows_meet(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd) {
+  return xd.size() == 3 && wd.size() >= 2 && wd[wd.size() - 1] == xd[2];
+}
+
+// A stack of bf16 matrices [..., out, in] read by an expert loop's blocks: group g reads `index[g]`.
+Matrices<uint16_t, true> each_matrix(const ffi::Buffer<ffi::U16>& w, const ffi::Buffer<ffi::S32>& index,
+                                     int64_t out, int64_t in) {
+  const int64_t groups = index.element_count();
+  return {reinterpret_cast<const uint16_t*>(w.typed_data()), index.typed_data(),
+          std::max<int64_t>(1, w.element_count() / std::max<int64_t>(1, out * in)), groups, out * in};
+}
+
 template <ffi::DataType D, typename T, bool kEach, ffi::DataType XD = ffi::F32, typename X = float>
 ffi::Error RowsDot(ffi::ThreadPool pool, ffi::Buffer<XD> x, ffi::Buffer<D> w, ffi::Buffer<ffi::S32> index,
                    ffi::ResultBuffer<ffi::F32> y) {
   if (std::is_same_v<X, uint16_t> && !kBf16Dot) return ffi::Error::Internal("rows_dot: this build has no AVX-512 BF16");
   const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 3 || wd.size() < 2 || wd[wd.size() - 1] != xd[2] || y->dimensions()[2] != wd[wd.size() - 2])
+  if (!rows_meet(xd, wd) || y->dimensions()[2] != wd[wd.size() - 2])
     return ffi::Error::InvalidArgument("rows_dot: x [g, rows, in] against w [..., (g,) out, in] -> [g, rows, out]");
   const int64_t groups = xd[0], rows = xd[1], in = xd[2], out = wd[wd.size() - 2];
   if (kEach && int64_t(index.element_count()) != groups)
@@ -343,22 +357,17 @@ ffi::Error RowsDot(ffi::ThreadPool pool, ffi::Buffer<XD> x, ffi::Buffer<D> w, ff
 
 // The expert loop's blocks in two calls (decode: a few float32 rows per block, bf16 experts) instead
 // of three products with SiLU x up and the routing-weighted scatter to the tokens as XLA ops between
-// them: a batch-8 step of the bench preset 0.3-0.45 ms faster (Zen 5, A/B). `SwigluRowsDot`: h[g] = SiLU(x[g] . gate[index[g]]) *
-// (x[g] . up[index[g]]), gate and up read part by part alike. `CombineRowsDot`: out[token[g, r]] +=
+// them: a batch-8 step of the bench preset 0.3-0.45 ms faster (Zen 5, A/B). `SwigluRowsDot`: h[g] =
+// SiLU(x[g] . gate[index[g]]) * (x[g] . up[index[g]]), gate and up read part by part alike. `CombineRowsDot`: out[token[g, r]] +=
 // weight[g, r] * (h[g, r] . down[index[g]]), each part a range of output columns of every group, so
 // no two threads add to the same output; a negative index or token skips a group or a row.
 ffi::Error SwigluRowsDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> gate,
                          ffi::Buffer<ffi::U16> up, ffi::Buffer<ffi::S32> index, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = gate.dimensions();
-  if (xd.size() != 3 || wd.size() < 2 || wd[wd.size() - 1] != xd[2] || gate.element_count() != up.element_count() ||
-      int64_t(index.element_count()) != xd[0])
+  if (!rows_meet(xd, wd) || gate.element_count() != up.element_count() || int64_t(index.element_count()) != xd[0])
     return ffi::Error::InvalidArgument("swiglu_rows_dot: x [g, rows, in], gate and up [..., out, in], index [g]");
   const int64_t groups = xd[0], rows = xd[1], in = xd[2], out = wd[wd.size() - 2];
-  const int64_t count = std::max<int64_t>(1, gate.element_count() / std::max<int64_t>(1, out * in));
-  const Matrices<uint16_t, true> gates{reinterpret_cast<const uint16_t*>(gate.typed_data()), index.typed_data(), count,
-                                       groups, out * in};
-  const Matrices<uint16_t, true> ups{reinterpret_cast<const uint16_t*>(up.typed_data()), index.typed_data(), count,
-                                     groups, out * in};
+  const auto gates = each_matrix(gate, index, out, in), ups = each_matrix(up, index, out, in);
   const float* xp = x.typed_data();
   float* yp = y->typed_data();
   const int64_t per_group = parts_per_group(pool, out * in);
@@ -384,15 +393,13 @@ ffi::Error CombineRowsDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::Bu
                           ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::F32> weight,
                           ffi::ResultBuffer<ffi::F32> y) {
   const auto hd = h.dimensions(), wd = down.dimensions(), yd = y->dimensions();
-  if (hd.size() != 3 || wd.size() < 2 || wd[wd.size() - 1] != hd[2] || yd.size() != 2 || yd[1] != wd[wd.size() - 2] ||
+  if (!rows_meet(hd, wd) || yd.size() != 2 || yd[1] != wd[wd.size() - 2] ||
       int64_t(index.element_count()) != hd[0] || int64_t(token.element_count()) != hd[0] * hd[1] ||
       token.element_count() != weight.element_count())
     return ffi::Error::InvalidArgument(
         "combine_rows_dot: h [g, rows, in], down [..., out, in], index [g], token and weight [g, rows] -> [tokens, out]");
   const int64_t groups = hd[0], rows = hd[1], in = hd[2], out = wd[wd.size() - 2], tokens = yd[0];
-  const Matrices<uint16_t, true> downs{reinterpret_cast<const uint16_t*>(down.typed_data()), index.typed_data(),
-                                       std::max<int64_t>(1, down.element_count() / std::max<int64_t>(1, out * in)),
-                                       groups, out * in};
+  const auto downs = each_matrix(down, index, out, in);
   const float* hp = h.typed_data();
   const int32_t* tp = token.typed_data();
   const float* wp = weight.typed_data();
@@ -517,13 +524,11 @@ ffi::Error AmxRowsDot(ffi::ThreadPool pool, ffi::Buffer<ffi::U16> x, ffi::Buffer
                       ffi::Buffer<ffi::S32> index, ffi::ResultBuffer<ffi::F32> y) {
   if (!kAmx || !amx_permitted()) return ffi::Error::Internal("rows_dot: this CPU or build has no AMX");
   const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 3 || wd.size() < 2 || wd[wd.size() - 1] != xd[2] || xd[2] % 32 || wd[wd.size() - 2] % 32 ||
+  if (!rows_meet(xd, wd) || xd[2] % 32 || wd[wd.size() - 2] % 32 ||
       int64_t(index.element_count()) != xd[0])
     return ffi::Error::InvalidArgument("rows_dot: x [g, rows, in] against w [..., out, in], multiples of 32");
   const int64_t groups = xd[0], rows = xd[1], in = xd[2], out = wd[wd.size() - 2];
-  const Matrices<uint16_t, true> matrices{reinterpret_cast<const uint16_t*>(w.typed_data()), index.typed_data(),
-                                          std::max<int64_t>(1, w.element_count() / std::max<int64_t>(1, out * in)),
-                                          groups, out * in};
+  const auto matrices = each_matrix(w, index, out, in);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.typed_data());
   float* yp = y->typed_data();
   // Parts whole groups where there are enough of them: each part packs its rows once.
@@ -540,44 +545,40 @@ ffi::Error AmxRowsDot(ffi::ThreadPool pool, ffi::Buffer<ffi::U16> x, ffi::Buffer
 
 }  // namespace
 
-// The handlers' signature for weights of type D: (x f32, w D, index s32) -> y f32. `_each`: an index
-// per group of rows.
-template <ffi::DataType D, ffi::DataType X = ffi::F32>
+// A handler's binding: XLA's thread pool, the buffers `Args`, one float32 result.
+template <typename Binding>
+auto bound(Binding binding) {
+  return std::move(binding).template Ret<ffi::Buffer<ffi::F32>>();
+}
+template <typename Arg, typename... Rest, typename Binding>
+auto bound(Binding binding) {
+  return bound<Rest...>(std::move(binding).template Arg<Arg>());
+}
+template <ffi::DataType... Args>
 auto Signature() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::ThreadPool>()
-      .template Arg<ffi::Buffer<X>>()
-      .template Arg<ffi::Buffer<D>>()
-      .template Arg<ffi::Buffer<ffi::S32>>()
-      .template Ret<ffi::Buffer<ffi::F32>>();
+  return bound<ffi::Buffer<Args>...>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>());
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_bf16, (RowsDot<ffi::U16, uint16_t, false>), (Signature<ffi::U16>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_int8, (RowsDot<ffi::S8, int8_t, false>), (Signature<ffi::S8>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_each_bf16, (RowsDot<ffi::U16, uint16_t, true>), (Signature<ffi::U16>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_each_int8, (RowsDot<ffi::S8, int8_t, true>), (Signature<ffi::S8>()));
+// rows_dot's handlers: (x, w, index) -> y, x float32 or bf16 bits, w bf16 bits or int8. `_each`: an
+// index per group of rows.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_bf16, (RowsDot<ffi::U16, uint16_t, false>),
+                              (Signature<ffi::F32, ffi::U16, ffi::S32>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_int8, (RowsDot<ffi::S8, int8_t, false>),
+                              (Signature<ffi::F32, ffi::S8, ffi::S32>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_each_bf16, (RowsDot<ffi::U16, uint16_t, true>),
+                              (Signature<ffi::F32, ffi::U16, ffi::S32>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_each_int8, (RowsDot<ffi::S8, int8_t, true>),
+                              (Signature<ffi::F32, ffi::S8, ffi::S32>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_bf16_rows_dot_bf16, (RowsDot<ffi::U16, uint16_t, false, ffi::U16, uint16_t>),
-                              (Signature<ffi::U16, ffi::U16>()));
+                              (Signature<ffi::U16, ffi::U16, ffi::S32>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_bf16_rows_dot_each_bf16, (RowsDot<ffi::U16, uint16_t, true, ffi::U16, uint16_t>),
-                              (Signature<ffi::U16, ffi::U16>()));
+                              (Signature<ffi::U16, ffi::U16, ffi::S32>()));
+// (x, gate, up, index) -> SiLU(x . gate) * (x . up); (h, down, index, token, weight) -> tokens' sums.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_swiglu_rows_dot, SwigluRowsDot,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U16>>()
-                                  .Arg<ffi::Buffer<ffi::U16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                              (Signature<ffi::F32, ffi::U16, ffi::U16, ffi::S32>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_combine_rows_dot, CombineRowsDot,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_each_amx, AmxRowsDot, (Signature<ffi::U16, ffi::U16>()));
+                              (Signature<ffi::F32, ffi::U16, ffi::S32, ffi::S32, ffi::F32>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_each_amx, AmxRowsDot, (Signature<ffi::U16, ffi::U16, ffi::S32>()));
 
 #if defined(__AVX512BF16__)
 // Seconds for `n` rounds of 12 independent multiply-add chains of `op` (registers only: enough chains
