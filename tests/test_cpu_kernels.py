@@ -82,6 +82,30 @@ def test_rows_dot_with_an_index_per_group_reads_each_groups_own_matrix(dtype):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+def _past_used_zeroed(want: np.ndarray, used: np.ndarray) -> np.ndarray:
+    """`want [g, rows, out]` with each group's rows from `used[g]` on zeroed (counts clamped to the rows)."""
+    return np.where(np.arange(want.shape[1])[None, :, None] < np.asarray(used)[:, None, None], want, 0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_rows_dot_computes_only_the_used_rows_of_each_group(dtype):
+    """`used [g]`: group g's first `used[g]` rows against its matrix, the rest of its output zeros (a
+    prefill's expert blocks padded to a whole block): none, part of an 8-row block, past the rows
+    (clamped), with a negative index, and split over threads."""
+    rng = np.random.default_rng(4)
+    for out, inputs in ((37, 72), (300, 256)):
+        w = _weights(dtype, (2, 3, out, inputs), rng)
+        x = rng.standard_normal((5, 11, inputs)).astype(np.float32)
+        index, used = np.array([4, -1, 0, 4, 9], np.int32), np.array([0, 5, 3, 11, 30], np.int32)
+        got = np.asarray(jax.jit(cpu_kernels.rows_dot)(jnp.asarray(x), jnp.asarray(w), jnp.asarray(index),
+                                                       jnp.asarray(used)))
+        want = np.einsum("gri,goi->gro", x.astype(np.float64), _values(w.reshape(6, out, inputs))[np.clip(index, 0, 5)])
+        want[index < 0] = 0
+        want = _past_used_zeroed(want, used)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 @needs_kernel
 def test_swiglu_and_combine_rows_dot_equal_float64():
     """An expert loop's blocks in two calls: SiLU(x . gate) * (x . up) for each group's own expert, then
@@ -148,6 +172,9 @@ def test_bf16_rows_equal_float64(rows, inputs, monkeypatch):
     want[index < 0] = 0
     got = program(xg, jnp.asarray(w), jnp.asarray(index))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    used = np.array([rows - 1, rows, 2, 0], np.int32)
+    got = program(xg, jnp.asarray(w), jnp.asarray(index), jnp.asarray(used))
+    np.testing.assert_allclose(got, _past_used_zeroed(want, used), rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 @needs_kernel
@@ -188,6 +215,10 @@ def test_amx_rows_dot_equals_float64_of_the_rows_rounded_to_bf16(rows, groups):
     want = np.einsum("gri,goi->gro", rounded, _values(w.reshape(6, 256, 288))[np.clip(index, 0, 5)])
     want[index < 0] = 0
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    used = np.array([rows - 1, 17, 0, 3, rows][:groups], np.int32)
+    got = np.asarray(jax.jit(cpu_kernels.amx_rows_dot)(jnp.asarray(x), jnp.asarray(w), jnp.asarray(index),
+                                                       jnp.asarray(used)))
+    np.testing.assert_allclose(got, _past_used_zeroed(want, used), rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 def test_amx_rows_dot_names_what_is_wrong():
@@ -204,6 +235,11 @@ def test_rows_dot_names_what_is_wrong():
         cpu_kernels.rows_dot(jnp.zeros((1, 8)), jnp.zeros((4, 6), jnp.int8))
     with pytest.raises(ValueError, match=r"index \(2,\)"):
         cpu_kernels.rows_dot(jnp.zeros((3, 1, 8)), jnp.zeros((4, 6, 8), jnp.int8), jnp.zeros(2, jnp.int32))
+    with pytest.raises(ValueError, match=r"used rows \(2,\)"):
+        cpu_kernels.rows_dot(jnp.zeros((3, 1, 8)), jnp.zeros((4, 6, 8), jnp.int8), jnp.zeros(3, jnp.int32),
+                             jnp.zeros(2, jnp.int32))
+    with pytest.raises(ValueError, match=r"used rows \(\)"):
+        cpu_kernels.rows_dot(jnp.zeros((1, 8)), jnp.zeros((4, 6, 8), jnp.int8), 0, jnp.int32(1))
 
 
 def test_switch_off_and_build_cache(tmp_path, monkeypatch):

@@ -77,14 +77,15 @@ def _bf16_dot_rate() -> float:
     return float(lib.dsr1_bf16_dot_rate())
 
 
-def rows_dot(x: jax.Array, w: jax.Array, index: jax.Array | int = 0) -> jax.Array:
+def rows_dot(x: jax.Array, w: jax.Array, index: jax.Array | int = 0, used: jax.Array | None = None) -> jax.Array:
     """float32 `x [rows, in] @ w[index].T` for `w [..., out, in]` of bf16 bits (uint16) or int8
     values: matrix `index` of the stack's leading axes flattened, read in place (clamped to the
     stack). With `x [g, rows, in]`, `g` independent products (heads) against `w [..., g, out, in]`,
     giving `[g, rows, out]`; or, with `index [g]`, each group of rows against its own matrix
     `w[index[g]]` of `w [..., out, in]` (an expert loop's blocks, in one call), a negative index
-    giving zeros. bf16 `x` of at least `BF16_ROWS_MIN` rows against bf16 bits stays bf16 where
-    `bf16_rows()`. Needs `available()`."""
+    giving zeros; `used [g]` there: the rows of each group that count, its first `used[g]` (the rest
+    of its output zeros, not computed: blocks padded to a whole block), by default all. bf16 `x` of at
+    least `BF16_ROWS_MIN` rows against bf16 bits stays bf16 where `bf16_rows()`. Needs `available()`."""
     if w.dtype not in _WEIGHTS:
         raise TypeError(f"rows_dot: weight dtype {w.dtype} is neither bf16 bits (uint16) nor int8")
     each = jnp.ndim(index) == 1
@@ -92,15 +93,23 @@ def rows_dot(x: jax.Array, w: jax.Array, index: jax.Array | int = 0) -> jax.Arra
     xg = x if grouped else x[None]
     heads = grouped and not each
     if (xg.ndim != 3 or w.ndim < 2 + heads or w.shape[-1] != xg.shape[2] or heads and w.shape[-3] != xg.shape[0]
-            or each and jnp.shape(index) != (xg.shape[0],)):
+            or each and jnp.shape(index) != (xg.shape[0],)
+            or used is not None and (not each or jnp.shape(used) != (xg.shape[0],))):
         raise ValueError(f"rows_dot: x {x.shape} is not [(g,) rows, in] against w {w.shape} [..., (g,) out, in]"
-                         f" with index {jnp.shape(index)} (one, or one per group)")
+                         f" with index {jnp.shape(index)} (one, or one per group) and used rows "
+                         f"{None if used is None else jnp.shape(used)} (one count per index)")
     out = jax.ShapeDtypeStruct((xg.shape[0], xg.shape[1], w.shape[-2]), jnp.float32)
     as_bf16 = xg.dtype == jnp.bfloat16 and w.dtype == jnp.uint16 and xg.shape[1] >= BF16_ROWS_MIN and bf16_rows()
     call = jax.ffi.ffi_call(_target(_WEIGHTS[w.dtype], each, as_bf16), out, vmap_method="sequential")
     rows = jax.lax.bitcast_convert_type(xg, jnp.uint16) if as_bf16 else xg.astype(jnp.float32)
-    y = call(rows, w, jnp.asarray(index, jnp.int32))
+    operands = (rows, w, jnp.asarray(index, jnp.int32))
+    y = call(*operands, _used_rows(used, xg.shape)) if each else call(*operands)
     return y if grouped else y[0]
+
+
+def _used_rows(used: jax.Array | None, shape: tuple[int, ...]) -> jax.Array:
+    """`used` as the kernel's int32 count per group of `[g, rows, in]` rows: all of them by default."""
+    return jnp.full(shape[:1], shape[1], jnp.int32) if used is None else jnp.asarray(used, jnp.int32)
 
 
 def swiglu_rows_dot(x: jax.Array, gate: jax.Array, up: jax.Array, index: jax.Array) -> jax.Array:
@@ -140,19 +149,21 @@ def amx_available() -> bool:
     return available() and bool(_registered().dsr1_amx())
 
 
-def amx_rows_dot(x: jax.Array, w: jax.Array, index: jax.Array) -> jax.Array:
+def amx_rows_dot(x: jax.Array, w: jax.Array, index: jax.Array, used: jax.Array | None = None) -> jax.Array:
     """float32 `x[g] @ w[index[g]].T` for `x [g, rows, in]`, rounded to bf16, against bf16 bits
     `w [..., out, in]` (`in`, `out` multiples of 32) with AMX tiles: many rows per matrix (a
-    prefill's expert blocks), each matrix read in place; a negative index gives zeros. Needs
-    `amx_available()`."""
+    prefill's expert blocks), each matrix read in place; a negative index gives zeros, and so do the
+    rows of a group past its `used` count (as in `rows_dot`). Needs `amx_available()`."""
     g, rows, inputs = x.shape
-    if w.dtype != jnp.uint16 or w.shape[-1] != inputs or inputs % 32 or w.shape[-2] % 32 or jnp.shape(index) != (g,):
+    if (w.dtype != jnp.uint16 or w.shape[-1] != inputs or inputs % 32 or w.shape[-2] % 32 or jnp.shape(index) != (g,)
+            or used is not None and jnp.shape(used) != (g,)):
         raise ValueError(f"amx_rows_dot: x {x.shape} against bf16 bits w {w.shape} {w.dtype} with index "
-                         f"{jnp.shape(index)}: in and out must be multiples of 32, one index per group")
+                         f"{jnp.shape(index)}: in and out must be multiples of 32, one index (and used count) per "
+                         "group")
     out = jax.ShapeDtypeStruct((g, rows, w.shape[-2]), jnp.float32)
     bits = jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
     call = jax.ffi.ffi_call("dsr1_rows_dot_each_amx", out, vmap_method="sequential")
-    return call(bits, w, jnp.asarray(index, jnp.int32))
+    return call(bits, w, jnp.asarray(index, jnp.int32), _used_rows(used, x.shape))
 
 
 def _target(weights: str, each: bool, bf16: bool = False) -> str:

@@ -231,8 +231,9 @@ def _kernel_blocks(xs, token, weight, gate, up, down, layer, n_blocks, block_at,
         out = cpu_kernels.combine_rows_dot(h, down.transposed, index, jnp.where(keep, token[pair], -1), weight[pair],
                                            n_tokens)
         return jax.lax.pcast(out, rules.moe_reduce_axes(), to="varying")
-    h = jax.nn.silu(kernel_matmul(xb, gate, index)) * kernel_matmul(xb, up, index)
-    y = kernel_matmul(h, down, index)
+    used = jnp.where(slots < n_blocks, mine, 0)  # rows past a block's expert's: not computed
+    h = jax.nn.silu(kernel_matmul(xb, gate, index, used)) * kernel_matmul(xb, up, index, used)
+    y = kernel_matmul(h, down, index, used)
     out = jax.lax.pcast(jnp.zeros((n_tokens, y.shape[-1]), jnp.float32), rules.moe_reduce_axes(), to="varying")
     return out.at[jnp.where(keep, token[pair], n_tokens)].add(y * weight[pair][..., None], mode="drop")
 

@@ -359,17 +359,19 @@ def rowwise_matmul(x: jax.Array, w: Bf16Bits | Int8Weight) -> jax.Array:
     return y * w.scale if isinstance(w, Int8Weight) else y
 
 
-def kernel_matmul(x: jax.Array, w: Bf16Bits | Int8Weight, index: jax.Array | int = 0) -> jax.Array:
+def kernel_matmul(x: jax.Array, w: Bf16Bits | Int8Weight, index: jax.Array | int = 0,
+                  used: jax.Array | None = None) -> jax.Array:
     """float32 `x [r, i] @ w [i, o]` by dsr1's CPU kernel (`cpu_kernels.rows_dot`) on `w.transposed`;
     of a stack `w [..., i, o]`, matrix `index` of its leading axes flattened, read in place (an expert
     of a layer); with `x [g, r, i]` and `index [g]`, each group of rows by its own matrix (a negative
-    index: zeros); many rows, where `w.bf16_reads` them, rounded to bf16 (AMX tiles, or `vdpbf16ps`). An
-    int8 weight's rows are scaled after."""
+    index: zeros), only its first `used[g]` rows if given (the rest: zeros); many rows, where
+    `w.bf16_reads` them, rounded to bf16 (AMX tiles, or `vdpbf16ps`). An int8 weight's rows are scaled
+    after."""
     if w.bf16_reads(x.shape[-2]):
         if w.amx_fits():
-            return cpu_kernels.amx_rows_dot(x, w.transposed, index)
+            return cpu_kernels.amx_rows_dot(x, w.transposed, index, used)
         x = x.astype(jnp.bfloat16)
-    y = cpu_kernels.rows_dot(x, *_kernel_operand(w.transposed, index))
+    y = cpu_kernels.rows_dot(x, *_kernel_operand(w.transposed, index), used)
     if not isinstance(w, Int8Weight):
         return y
     scale = w.scale.reshape(-1, w.shape[-1])[index]

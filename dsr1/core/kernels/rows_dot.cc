@@ -328,9 +328,17 @@ Matrices<uint16_t, true> each_matrix(const ffi::Buffer<ffi::U16>& w, const ffi::
           std::max<int64_t>(1, w.element_count() / std::max<int64_t>(1, out * in)), groups, out * in};
 }
 
-template <ffi::DataType D, typename T, bool kEach, ffi::DataType XD = ffi::F32, typename X = float>
-ffi::Error RowsDot(ffi::ThreadPool pool, ffi::Buffer<XD> x, ffi::Buffer<D> w, ffi::Buffer<ffi::S32> index,
-                   ffi::ResultBuffer<ffi::F32> y) {
+// Group g's rows that count: `used[g]` of `rows` where given, else all.
+int64_t used_rows(const int32_t* used, int64_t g, int64_t rows) {
+  return used ? std::clamp<int64_t>(used[g], 0, rows) : rows;
+}
+
+// `used` (an expert loop's blocks, with an index per group): the rows of each group that count, the
+// first `used[g]`; the rest of the group's output is zeros, not computed (a prefill's blocks are
+// padded to a whole block per expert). Null: every row.
+template <ffi::DataType D, typename T, bool kEach, ffi::DataType XD, typename X>
+ffi::Error rows_dot(ffi::ThreadPool& pool, ffi::Buffer<XD>& x, ffi::Buffer<D>& w, ffi::Buffer<ffi::S32>& index,
+                    const int32_t* used, ffi::ResultBuffer<ffi::F32>& y) {
   if (std::is_same_v<X, uint16_t> && !kBf16Dot) return ffi::Error::Internal("rows_dot: this build has no AVX-512 BF16");
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (!rows_meet(xd, wd) || y->dimensions()[2] != wd[wd.size() - 2])
@@ -348,11 +356,26 @@ ffi::Error RowsDot(ffi::ThreadPool pool, ffi::Buffer<XD> x, ffi::Buffer<D> w, ff
   run_parts(pool, groups * per_group, [=](int64_t p) {
     const int64_t g = p / per_group, o0 = out * (p % per_group) / per_group, o1 = out * (p % per_group + 1) / per_group;
     float* yg = yp + g * rows * out;
-    if (const T* wg = matrices.of(g))
-      return rows_range<X, T>(xp + g * rows * in, wg, yg, rows, in, out, o0, o1);
-    zero_rows(yg, rows, out, o0, o1);
+    const T* wg = matrices.of(g);
+    const int64_t n = wg ? used_rows(used, g, rows) : 0;
+    if (n) rows_range<X, T>(xp + g * rows * in, wg, yg, n, in, out, o0, o1);
+    zero_rows(yg + n * out, rows - n, out, o0, o1);
   });
   return ffi::Error::Success();
+}
+
+template <ffi::DataType D, typename T, ffi::DataType XD = ffi::F32, typename X = float>
+ffi::Error RowsDot(ffi::ThreadPool pool, ffi::Buffer<XD> x, ffi::Buffer<D> w, ffi::Buffer<ffi::S32> index,
+                   ffi::ResultBuffer<ffi::F32> y) {
+  return rows_dot<D, T, false, XD, X>(pool, x, w, index, nullptr, y);
+}
+
+template <ffi::DataType D, typename T, ffi::DataType XD = ffi::F32, typename X = float>
+ffi::Error RowsDotEach(ffi::ThreadPool pool, ffi::Buffer<XD> x, ffi::Buffer<D> w, ffi::Buffer<ffi::S32> index,
+                       ffi::Buffer<ffi::S32> used, ffi::ResultBuffer<ffi::F32> y) {
+  if (used.element_count() != index.element_count())
+    return ffi::Error::InvalidArgument("rows_dot: one count of used rows per group");
+  return rows_dot<D, T, true, XD, X>(pool, x, w, index, used.typed_data(), y);
 }
 
 // The expert loop's blocks in two calls (decode: a few float32 rows per block, bf16 experts) instead
@@ -521,15 +544,17 @@ void amx_range(const uint16_t*, const uint16_t*, float*, int64_t, int64_t, int64
 // y[g, r, o] = sum_i x[g, r, i] * w[index[g], o, i] for bf16 bits x and w [..., out, in], out and in
 // multiples of 32; a negative index gives zeros.
 ffi::Error AmxRowsDot(ffi::ThreadPool pool, ffi::Buffer<ffi::U16> x, ffi::Buffer<ffi::U16> w,
-                      ffi::Buffer<ffi::S32> index, ffi::ResultBuffer<ffi::F32> y) {
+                      ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::S32> used, ffi::ResultBuffer<ffi::F32> y) {
   if (!kAmx || !amx_permitted()) return ffi::Error::Internal("rows_dot: this CPU or build has no AMX");
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (!rows_meet(xd, wd) || xd[2] % 32 || wd[wd.size() - 2] % 32 ||
-      int64_t(index.element_count()) != xd[0])
-    return ffi::Error::InvalidArgument("rows_dot: x [g, rows, in] against w [..., out, in], multiples of 32");
+      int64_t(index.element_count()) != xd[0] || used.element_count() != index.element_count())
+    return ffi::Error::InvalidArgument(
+        "rows_dot: x [g, rows, in] against w [..., out, in], multiples of 32; index and used [g]");
   const int64_t groups = xd[0], rows = xd[1], in = xd[2], out = wd[wd.size() - 2];
   const auto matrices = each_matrix(w, index, out, in);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.typed_data());
+  const int32_t* up = used.typed_data();
   float* yp = y->typed_data();
   // Parts whole groups where there are enough of them: each part packs its rows once.
   const int64_t per_group = groups >= 4 ? 1 : parts_per_group(pool, out * in), blocks = out / 32;
@@ -537,8 +562,10 @@ ffi::Error AmxRowsDot(ffi::ThreadPool pool, ffi::Buffer<ffi::U16> x, ffi::Buffer
     const int64_t g = p / per_group, q = p % per_group;
     const int64_t o0 = blocks * q / per_group * 32, o1 = blocks * (q + 1) / per_group * 32;
     float* yg = yp + g * rows * out;
-    if (const uint16_t* wg = matrices.of(g)) return amx_range(xp + g * rows * in, wg, yg, rows, in, out, o0, o1);
-    zero_rows(yg, rows, out, o0, o1);
+    const uint16_t* wg = matrices.of(g);
+    const int64_t n = wg ? used_rows(up, g, rows) : 0;
+    if (n) amx_range(xp + g * rows * in, wg, yg, n, in, out, o0, o1);
+    zero_rows(yg + n * out, rows - n, out, o0, o1);
   });
   return ffi::Error::Success();
 }
@@ -559,26 +586,26 @@ auto Signature() {
   return bound<ffi::Buffer<Args>...>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>());
 }
 
-// rows_dot's handlers: (x, w, index) -> y, x float32 or bf16 bits, w bf16 bits or int8. `_each`: an
-// index per group of rows.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_bf16, (RowsDot<ffi::U16, uint16_t, false>),
+// rows_dot's handlers: (x, w, index) -> y, x float32 or bf16 bits, w bf16 bits or int8; `_each`: an
+// index per group of rows, and the rows of each that are used, (x, w, index, used) -> y.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_bf16, (RowsDot<ffi::U16, uint16_t>),
                               (Signature<ffi::F32, ffi::U16, ffi::S32>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_int8, (RowsDot<ffi::S8, int8_t, false>),
-                              (Signature<ffi::F32, ffi::S8, ffi::S32>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_each_bf16, (RowsDot<ffi::U16, uint16_t, true>),
-                              (Signature<ffi::F32, ffi::U16, ffi::S32>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_each_int8, (RowsDot<ffi::S8, int8_t, true>),
-                              (Signature<ffi::F32, ffi::S8, ffi::S32>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_bf16_rows_dot_bf16, (RowsDot<ffi::U16, uint16_t, false, ffi::U16, uint16_t>),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_int8, (RowsDot<ffi::S8, int8_t>), (Signature<ffi::F32, ffi::S8, ffi::S32>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_each_bf16, (RowsDotEach<ffi::U16, uint16_t>),
+                              (Signature<ffi::F32, ffi::U16, ffi::S32, ffi::S32>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_each_int8, (RowsDotEach<ffi::S8, int8_t>),
+                              (Signature<ffi::F32, ffi::S8, ffi::S32, ffi::S32>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_bf16_rows_dot_bf16, (RowsDot<ffi::U16, uint16_t, ffi::U16, uint16_t>),
                               (Signature<ffi::U16, ffi::U16, ffi::S32>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_bf16_rows_dot_each_bf16, (RowsDot<ffi::U16, uint16_t, true, ffi::U16, uint16_t>),
-                              (Signature<ffi::U16, ffi::U16, ffi::S32>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_bf16_rows_dot_each_bf16, (RowsDotEach<ffi::U16, uint16_t, ffi::U16, uint16_t>),
+                              (Signature<ffi::U16, ffi::U16, ffi::S32, ffi::S32>()));
 // (x, gate, up, index) -> SiLU(x . gate) * (x . up); (h, down, index, token, weight) -> tokens' sums.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_swiglu_rows_dot, SwigluRowsDot,
                               (Signature<ffi::F32, ffi::U16, ffi::U16, ffi::S32>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_combine_rows_dot, CombineRowsDot,
                               (Signature<ffi::F32, ffi::U16, ffi::S32, ffi::S32, ffi::F32>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_each_amx, AmxRowsDot, (Signature<ffi::U16, ffi::U16, ffi::S32>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_each_amx, AmxRowsDot,
+                              (Signature<ffi::U16, ffi::U16, ffi::S32, ffi::S32>()));
 
 #if defined(__AVX512BF16__)
 // Seconds for `n` rounds of 12 independent multiply-add chains of `op` (registers only: enough chains
