@@ -148,6 +148,33 @@ needs_bf16_rows = pytest.mark.skipif(not _bf16_rows_built(), reason="no AVX-512 
 
 
 @needs_bf16_rows
+@pytest.mark.parametrize("bf16", [False, True])
+def test_combine_rows_dot_sums_only_the_used_rows(bf16, monkeypatch):
+    """A prefill's blocks (20 rows, the first `used[g]` of each its expert's): bf16 rows with
+    `vdpbf16ps` or float32 rows, only the used rows multiplied and summed into their tokens."""
+    monkeypatch.setenv("DSR1_BF16_ROWS", "1")
+    jax.clear_caches()
+    rng = np.random.default_rng(6)
+    groups, rows, inputs, hidden, tokens = 4, 20, 72, 300, 7
+    down = _weights("bf16", (2, 3, inputs, hidden), rng)
+    h = jnp.asarray(rng.standard_normal((groups, rows, hidden)), jnp.bfloat16 if bf16 else jnp.float32)
+    index, used = np.array([4, 0, -1, 2], np.int32), np.array([20, 3, 20, 0], np.int32)
+    token = rng.integers(0, tokens, (groups, rows)).astype(np.int32)
+    weight = rng.uniform(0.1, 1, (groups, rows)).astype(np.float32)
+    combine = jax.jit(cpu_kernels.combine_rows_dot, static_argnums=5)
+    args = (h, jnp.asarray(down), jnp.asarray(index), jnp.asarray(token), jnp.asarray(weight))
+    assert ("dsr1_bf16_combine_rows_dot" in combine.lower(*args, tokens, jnp.asarray(used)).as_text()) == bf16
+    got = np.asarray(combine(*args, tokens, jnp.asarray(used)))
+    y = np.einsum("gri,goi->gro", np.asarray(h.astype(jnp.float32), np.float64),
+                  _values(down.reshape(6, inputs, hidden))[np.clip(index, 0, 5)])
+    want = np.zeros((tokens, inputs))
+    for gi, r in np.ndindex(groups, rows):
+        if index[gi] >= 0 and r < used[gi]:
+            want[token[gi, r]] += weight[gi, r] * y[gi, r]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@needs_bf16_rows
 @pytest.mark.parametrize("rows", [4, 5, 8, 9, 17])
 @pytest.mark.parametrize("inputs", [64, 72, 100])
 def test_bf16_rows_equal_float64(rows, inputs, monkeypatch):

@@ -127,19 +127,25 @@ def swiglu_rows_dot(x: jax.Array, gate: jax.Array, up: jax.Array, index: jax.Arr
 
 
 def combine_rows_dot(h: jax.Array, down: jax.Array, index: jax.Array, token: jax.Array, weight: jax.Array,
-                     tokens: int) -> jax.Array:
+                     tokens: int, used: jax.Array | None = None) -> jax.Array:
     """float32 `[tokens, out]`: the sum over groups g and rows r of `weight[g, r] * (h[g, r] @
     down[index[g]].T)` added to token `token[g, r]`, for `h [g, rows, in]` against bf16 bits `down [...,
     out, in]` (an expert loop's last product and the routing-weighted sum of each token's experts, in
-    one call); a negative index skips a group, a token outside [0, tokens) a row. Needs `available()`."""
+    one call); a negative index skips a group, a token outside [0, tokens) a row, and only the first
+    `used[g]` rows of group g count (default: all). bf16 `h` of at least `BF16_ROWS_MIN` rows stays
+    bf16 where `bf16_rows()` (a prefill's blocks). Needs `available()`."""
     if down.dtype != jnp.uint16 or down.shape[-1] != h.shape[-1] or h.ndim != 3 or jnp.shape(index) != h.shape[:1] \
-            or jnp.shape(token) != h.shape[:2] or jnp.shape(weight) != h.shape[:2]:
+            or jnp.shape(token) != h.shape[:2] or jnp.shape(weight) != h.shape[:2] \
+            or used is not None and jnp.shape(used) != h.shape[:1]:
         raise ValueError(f"combine_rows_dot: h {h.shape} against bf16 bits down {down.shape} {down.dtype}, index "
-                         f"{jnp.shape(index)}, token {jnp.shape(token)}, weight {jnp.shape(weight)}: h [g, rows, in], "
-                         "down [..., out, in], index [g], token and weight [g, rows]")
+                         f"{jnp.shape(index)}, token {jnp.shape(token)}, weight {jnp.shape(weight)}, used "
+                         f"{None if used is None else jnp.shape(used)}: h [g, rows, in], down [..., out, in], index "
+                         "and used [g], token and weight [g, rows]")
     out = jax.ShapeDtypeStruct((tokens, down.shape[-2]), jnp.float32)
-    call = jax.ffi.ffi_call("dsr1_combine_rows_dot", out, vmap_method="sequential")
-    return call(h.astype(jnp.float32), down, jnp.asarray(index, jnp.int32), jnp.asarray(token, jnp.int32),
+    as_bf16 = h.dtype == jnp.bfloat16 and h.shape[1] >= BF16_ROWS_MIN and bf16_rows()
+    call = jax.ffi.ffi_call(f"dsr1_{'bf16_' if as_bf16 else ''}combine_rows_dot", out, vmap_method="sequential")
+    rows = jax.lax.bitcast_convert_type(h, jnp.uint16) if as_bf16 else h.astype(jnp.float32)
+    return call(rows, down, jnp.asarray(index, jnp.int32), _used_rows(used, h.shape), jnp.asarray(token, jnp.int32),
                 weight.astype(jnp.float32))
 
 
@@ -185,7 +191,8 @@ def _registered() -> ctypes.CDLL | None:
     lib = ctypes.cdll.LoadLibrary(str(library))
     targets = [_target(weights, each) for weights in _WEIGHTS.values() for each in (False, True)]
     targets += [_target("bf16", each, bf16=True) for each in (False, True)]
-    for target in [*targets, "dsr1_swiglu_rows_dot", "dsr1_combine_rows_dot", "dsr1_rows_dot_each_amx"]:
+    fused = ["dsr1_swiglu_rows_dot", "dsr1_combine_rows_dot", "dsr1_bf16_combine_rows_dot", "dsr1_rows_dot_each_amx"]
+    for target in [*targets, *fused]:
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
     return lib
 

@@ -225,14 +225,17 @@ def _kernel_blocks(xs, token, weight, gate, up, down, layer, n_blocks, block_at,
     index = jnp.where(slots < n_blocks, layer * n_local + expert, -1)
     xb = xs[rows]
     pair = jnp.minimum(rows, n_pairs - 1)
-    keep = (slots < n_blocks)[:, None] & (jnp.arange(block) < mine[:, None])  # other rows: the next block's
+    used = jnp.where(slots < n_blocks, mine, 0)  # a block's rows past its expert's: not computed
+    keep = jnp.arange(block) < used[:, None]
     if all(isinstance(w, Bf16Bits) and w.kernel_reads(block) for w in (gate, up, down)):  # decode: two calls
         h = cpu_kernels.swiglu_rows_dot(xb, gate.transposed, up.transposed, index)
-        out = cpu_kernels.combine_rows_dot(h, down.transposed, index, jnp.where(keep, token[pair], -1), weight[pair],
-                                           n_tokens)
+        out = cpu_kernels.combine_rows_dot(h, down.transposed, index, token[pair], weight[pair], n_tokens, used)
         return jax.lax.pcast(out, rules.moe_reduce_axes(), to="varying")
-    used = jnp.where(slots < n_blocks, mine, 0)  # rows past a block's expert's: not computed
     h = jax.nn.silu(kernel_matmul(xb, gate, index, used)) * kernel_matmul(xb, up, index, used)
+    if isinstance(down, Bf16Bits) and down.bf16_reads(block) and not down.amx_fits():  # prefill, vdpbf16ps
+        out = cpu_kernels.combine_rows_dot(h.astype(jnp.bfloat16), down.transposed, index, token[pair], weight[pair],
+                                           n_tokens, used)
+        return jax.lax.pcast(out, rules.moe_reduce_axes(), to="varying")
     y = kernel_matmul(h, down, index, used)
     out = jax.lax.pcast(jnp.zeros((n_tokens, y.shape[-1]), jnp.float32), rules.moe_reduce_axes(), to="varying")
     return out.at[jnp.where(keep, token[pair], n_tokens)].add(y * weight[pair][..., None], mode="drop")

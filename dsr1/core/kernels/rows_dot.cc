@@ -381,9 +381,11 @@ ffi::Error RowsDotEach(ffi::ThreadPool pool, ffi::Buffer<XD> x, ffi::Buffer<D> w
 // The expert loop's blocks in two calls (decode: a few float32 rows per block, bf16 experts) instead
 // of three products with SiLU x up and the routing-weighted scatter to the tokens as XLA ops between
 // them: a batch-8 step of the bench preset 0.3-0.45 ms faster (Zen 5, A/B). `SwigluRowsDot`: h[g] =
-// SiLU(x[g] . gate[index[g]]) * (x[g] . up[index[g]]), gate and up read part by part alike. `CombineRowsDot`: out[token[g, r]] +=
-// weight[g, r] * (h[g, r] . down[index[g]]), each part a range of output columns of every group, so
-// no two threads add to the same output; a negative index or token skips a group or a row.
+// SiLU(x[g] . gate[index[g]]) * (x[g] . up[index[g]]), gate and up read part by part alike.
+// `CombineRowsDot`: out[token[g, r]] += weight[g, r] * (h[g, r] . down[index[g]]) for the first
+// `used[g]` rows of each group, each part a range of output columns of every group, so no two threads
+// add to the same output; a negative index or token skips a group or a row. h float32, or bf16 bits
+// (`vdpbf16ps`, a prefill's blocks: their [g, rows, out] products were written out and summed by XLA).
 ffi::Error SwigluRowsDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> gate,
                          ffi::Buffer<ffi::U16> up, ffi::Buffer<ffi::S32> index, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = gate.dimensions();
@@ -412,18 +414,23 @@ ffi::Error SwigluRowsDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   return ffi::Error::Success();
 }
 
-ffi::Error CombineRowsDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::Buffer<ffi::U16> down,
-                          ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::F32> weight,
-                          ffi::ResultBuffer<ffi::F32> y) {
+template <ffi::DataType XD, typename X>
+ffi::Error CombineRowsDot(ffi::ThreadPool pool, ffi::Buffer<XD> h, ffi::Buffer<ffi::U16> down,
+                          ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::S32> used, ffi::Buffer<ffi::S32> token,
+                          ffi::Buffer<ffi::F32> weight, ffi::ResultBuffer<ffi::F32> y) {
+  if (std::is_same_v<X, uint16_t> && !kBf16Dot)
+    return ffi::Error::Internal("combine_rows_dot: this build has no AVX-512 BF16");
   const auto hd = h.dimensions(), wd = down.dimensions(), yd = y->dimensions();
   if (!rows_meet(hd, wd) || yd.size() != 2 || yd[1] != wd[wd.size() - 2] ||
-      int64_t(index.element_count()) != hd[0] || int64_t(token.element_count()) != hd[0] * hd[1] ||
-      token.element_count() != weight.element_count())
+      int64_t(index.element_count()) != hd[0] || used.element_count() != index.element_count() ||
+      int64_t(token.element_count()) != hd[0] * hd[1] || token.element_count() != weight.element_count())
     return ffi::Error::InvalidArgument(
-        "combine_rows_dot: h [g, rows, in], down [..., out, in], index [g], token and weight [g, rows] -> [tokens, out]");
+        "combine_rows_dot: h [g, rows, in], down [..., out, in], index and used [g], token and weight [g, rows] -> "
+        "[tokens, out]");
   const int64_t groups = hd[0], rows = hd[1], in = hd[2], out = wd[wd.size() - 2], tokens = yd[0];
   const auto downs = each_matrix(down, index, out, in);
-  const float* hp = h.typed_data();
+  const X* hp = reinterpret_cast<const X*>(h.typed_data());
+  const int32_t* up = used.typed_data();
   const int32_t* tp = token.typed_data();
   const float* wp = weight.typed_data();
   float* yp = y->typed_data();
@@ -435,9 +442,10 @@ ffi::Error CombineRowsDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::Bu
     product.resize(rows * out);
     for (int64_t g = 0; g < groups; ++g) {
       const uint16_t* wg = downs.of(g);
-      if (!wg) continue;
-      rows_range<float, uint16_t>(hp + g * rows * in, wg, product.data(), rows, in, out, o0, o1);
-      for (int64_t r = 0; r < rows; ++r) {
+      const int64_t n = wg ? used_rows(up, g, rows) : 0;
+      if (!n) continue;
+      rows_range<X, uint16_t>(hp + g * rows * in, wg, product.data(), n, in, out, o0, o1);
+      for (int64_t r = 0; r < n; ++r) {
         const int64_t t = tp[g * rows + r];
         if (t < 0 || t >= tokens) continue;
         const float w = wp[g * rows + r];
@@ -599,11 +607,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_bf16_rows_dot_bf16, (RowsDot<ffi::U16, uint16
                               (Signature<ffi::U16, ffi::U16, ffi::S32>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_bf16_rows_dot_each_bf16, (RowsDotEach<ffi::U16, uint16_t, ffi::U16, uint16_t>),
                               (Signature<ffi::U16, ffi::U16, ffi::S32, ffi::S32>()));
-// (x, gate, up, index) -> SiLU(x . gate) * (x . up); (h, down, index, token, weight) -> tokens' sums.
+// (x, gate, up, index) -> SiLU(x . gate) * (x . up); (h, down, index, used, token, weight) -> tokens' sums.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_swiglu_rows_dot, SwigluRowsDot,
                               (Signature<ffi::F32, ffi::U16, ffi::U16, ffi::S32>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_combine_rows_dot, CombineRowsDot,
-                              (Signature<ffi::F32, ffi::U16, ffi::S32, ffi::S32, ffi::F32>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_combine_rows_dot, (CombineRowsDot<ffi::F32, float>),
+                              (Signature<ffi::F32, ffi::U16, ffi::S32, ffi::S32, ffi::S32, ffi::F32>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_bf16_combine_rows_dot, (CombineRowsDot<ffi::U16, uint16_t>),
+                              (Signature<ffi::U16, ffi::U16, ffi::S32, ffi::S32, ffi::S32, ffi::F32>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_each_amx, AmxRowsDot,
                               (Signature<ffi::U16, ffi::U16, ffi::S32, ffi::S32>()));
 
