@@ -271,8 +271,9 @@ def test_matrices_keep_transposed_bits_for_few_rows(cpu_kernel, monkeypatch):
 
 def test_int8_matrices_keep_transposed_values_for_few_rows(cpu_kernel, monkeypatch):
     """The same for int8 weights: the matrices of `x @ W` products also hold their int8 values
-    transposed (`quant.with_transposed`; the other weights not), products of few rows multiply
-    against that copy and scale their output, and all forms equal the float64 product of `q * scale`."""
+    transposed (`quant.with_transposed`; the other weights not), products multiply against that copy
+    and scale their output (with the kernel: of any number of rows, `Int8Weight.kernel_reads`; without
+    it: of one row), and all forms equal the float64 product of `q * scale`."""
     import jax
 
     from dsr1.core import quant
@@ -296,7 +297,7 @@ def test_int8_matrices_keep_transposed_values_for_few_rows(cpu_kernel, monkeypat
         x = jnp.asarray(rng.standard_normal((rows, 1, w.shape[0])), jnp.float32)
         got = jax.jit(lambda x, w: quant.einsum("...d,dv->...v", x, w, preferred_element_type=jnp.float32))(x, w)
         np.testing.assert_allclose(np.asarray(got), np.asarray(x, np.float64) @ dequantized, rtol=1e-5, atol=1e-5)
-    assert calls == _expected_products(cpu_kernel, all_rows, KERNEL_ROWS)
+    assert calls == _expected_products(cpu_kernel, all_rows, max(all_rows))
 
 
 def test_bf16_products_of_many_rows_compute_in_bf16():

@@ -189,8 +189,7 @@ def loop_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRule
     n_blocks, block_at = _blocks(group_sizes, block)
     xs = jnp.pad((x.astype(jnp.float32) if widens_on_use() else x)[token], ((0, block), (0, 0)))
     weight = jnp.where(is_local, weights.reshape(-1)[order], 0.0)
-    if all(isinstance(w, (Bf16Bits, Int8Weight)) and (w.kernel_reads(block) or w.bf16_reads(block))
-           for w in (gate, up, down)):
+    if all(isinstance(w, (Bf16Bits, Int8Weight)) and w.block_reads(block) for w in (gate, up, down)):
         return _kernel_blocks(xs, token, weight, gate, up, down, layer, n_blocks, block_at, block, n_tokens, rules)
 
     def step(j, ys):

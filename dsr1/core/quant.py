@@ -59,6 +59,12 @@ class _TransposedCopy:
         block of rows): `Bf16Bits` only."""
         return False
 
+    def block_reads(self, rows: int) -> bool:
+        """Whether an expert loop's blocks of `rows` rows read the transposed copy in place with dsr1's
+        CPU kernel (`kernel_matmul` with an index per block): a few rows (`kernel_reads`), or many where
+        `bf16_reads`."""
+        return self.kernel_reads(rows) or self.bf16_reads(rows)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +75,13 @@ class Int8Weight(_TransposedCopy):
     transposed: Any = None  # `q` with the last two axes swapped, for one-row products (`with_transposed`)
     one_device: bool = dataclasses.field(default=False, metadata=dict(static=True))  # as `Bf16Bits.one_device`
     expert_rows: ClassVar[int] = 4  # int8 at 4 rows: 3.5 ms one row at a time against 4.9 widened
+
+    def kernel_reads(self, rows: int) -> bool:
+        """int8: dsr1's CPU kernel at any number of rows, float32 rows against int8 values widened in
+        registers, 8 rows per pass over the weight. XLA widens the whole int8 weight (or each expert
+        block's slice) to float32 in memory first: a 32-token prefill of the bench preset, int8, at
+        batch 1 42-47 -> 24-28 ms, at batch 8 150-267 -> 142-148 (Zen 5, docs/performance.md)."""
+        return self.transposed is not None and cpu_kernels.available()
 
     @property
     def shape(self) -> tuple[int, ...]:
