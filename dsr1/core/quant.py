@@ -80,7 +80,8 @@ class Int8Weight(_TransposedCopy):
         """int8: dsr1's CPU kernel at any number of rows, float32 rows against int8 values widened in
         registers, 8 rows per pass over the weight. XLA widens the whole int8 weight (or each expert
         block's slice) to float32 in memory first: a 32-token prefill of the bench preset, int8, at
-        batch 1 42-47 -> 24-28 ms, at batch 8 150-267 -> 142-148 (Zen 5, docs/performance.md)."""
+        batch 1 44-46 -> 25 ms, at batch 8 148-160 -> 133-138, 512 and 2,048 tokens no slower (Zen 5,
+        docs/performance.md)."""
         return self.transposed is not None and cpu_kernels.available()
 
     @property

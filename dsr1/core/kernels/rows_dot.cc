@@ -385,7 +385,7 @@ ffi::Error RowsDotEach(ffi::ThreadPool pool, ffi::Buffer<XD> x, ffi::Buffer<D> w
 // `CombineRowsDot`: out[token[g, r]] += weight[g, r] * (h[g, r] . down[index[g]]) for the first
 // `used[g]` rows of each group, each part a range of output columns of every group, so no two threads
 // add to the same output; a negative index or token skips a group or a row. h float32, or bf16 bits
-// (`vdpbf16ps`, a prefill's blocks: their [g, rows, out] products were written out and summed by XLA).
+// (`vdpbf16ps`: a prefill's blocks, whose [g, rows, out] products XLA would otherwise write out and sum).
 ffi::Error SwigluRowsDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> gate,
                          ffi::Buffer<ffi::U16> up, ffi::Buffer<ffi::S32> index, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = gate.dimensions();
@@ -430,7 +430,7 @@ ffi::Error CombineRowsDot(ffi::ThreadPool pool, ffi::Buffer<XD> h, ffi::Buffer<f
   const int64_t groups = hd[0], rows = hd[1], in = hd[2], out = wd[wd.size() - 2], tokens = yd[0];
   const auto downs = each_matrix(down, index, out, in);
   const X* hp = reinterpret_cast<const X*>(h.typed_data());
-  const int32_t* up = used.typed_data();
+  const int32_t* counts = used.typed_data();
   const int32_t* tp = token.typed_data();
   const float* wp = weight.typed_data();
   float* yp = y->typed_data();
@@ -442,7 +442,7 @@ ffi::Error CombineRowsDot(ffi::ThreadPool pool, ffi::Buffer<XD> h, ffi::Buffer<f
     product.resize(rows * out);
     for (int64_t g = 0; g < groups; ++g) {
       const uint16_t* wg = downs.of(g);
-      const int64_t n = wg ? used_rows(up, g, rows) : 0;
+      const int64_t n = wg ? used_rows(counts, g, rows) : 0;
       if (!n) continue;
       rows_range<X, uint16_t>(hp + g * rows * in, wg, product.data(), n, in, out, o0, o1);
       for (int64_t r = 0; r < n; ++r) {
@@ -550,7 +550,7 @@ void amx_range(const uint16_t*, const uint16_t*, float*, int64_t, int64_t, int64
 #endif
 
 // y[g, r, o] = sum_i x[g, r, i] * w[index[g], o, i] for bf16 bits x and w [..., out, in], out and in
-// multiples of 32; a negative index gives zeros.
+// multiples of 32; a negative index gives zeros, and so do the rows of group g from `used[g]` on.
 ffi::Error AmxRowsDot(ffi::ThreadPool pool, ffi::Buffer<ffi::U16> x, ffi::Buffer<ffi::U16> w,
                       ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::S32> used, ffi::ResultBuffer<ffi::F32> y) {
   if (!kAmx || !amx_permitted()) return ffi::Error::Internal("rows_dot: this CPU or build has no AMX");
@@ -562,7 +562,7 @@ ffi::Error AmxRowsDot(ffi::ThreadPool pool, ffi::Buffer<ffi::U16> x, ffi::Buffer
   const int64_t groups = xd[0], rows = xd[1], in = xd[2], out = wd[wd.size() - 2];
   const auto matrices = each_matrix(w, index, out, in);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.typed_data());
-  const int32_t* up = used.typed_data();
+  const int32_t* counts = used.typed_data();
   float* yp = y->typed_data();
   // Parts whole groups where there are enough of them: each part packs its rows once.
   const int64_t per_group = groups >= 4 ? 1 : parts_per_group(pool, out * in), blocks = out / 32;
@@ -571,7 +571,7 @@ ffi::Error AmxRowsDot(ffi::ThreadPool pool, ffi::Buffer<ffi::U16> x, ffi::Buffer
     const int64_t o0 = blocks * q / per_group * 32, o1 = blocks * (q + 1) / per_group * 32;
     float* yg = yp + g * rows * out;
     const uint16_t* wg = matrices.of(g);
-    const int64_t n = wg ? used_rows(up, g, rows) : 0;
+    const int64_t n = wg ? used_rows(counts, g, rows) : 0;
     if (n) amx_range(xp + g * rows * in, wg, yg, n, in, out, o0, o1);
     zero_rows(yg + n * out, rows - n, out, o0, o1);
   });
