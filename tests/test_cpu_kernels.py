@@ -126,6 +126,9 @@ def test_swiglu_and_combine_rows_dot_equal_float64():
     want_h = g / (1 + np.exp(-g)) * u
     want_h[index < 0] = 0
     np.testing.assert_allclose(h, want_h, rtol=1e-5, atol=1e-5 * np.abs(want_h).max())
+    used = np.array([1, 2, 2, 0, 5], np.int32)  # part of a block, all of it, skipped, none, clamped
+    got_h = np.asarray(jax.jit(cpu_kernels.swiglu_rows_dot)(*map(jnp.asarray, (x, gate, up, index, used))))
+    np.testing.assert_allclose(got_h, _past_used_zeroed(want_h, used), rtol=1e-5, atol=1e-5 * np.abs(want_h).max())
     combine = jax.jit(cpu_kernels.combine_rows_dot, static_argnums=5)
     got = np.asarray(combine(*map(jnp.asarray, (h, down, index, token, weight)), tokens))
     y = np.einsum("gri,goi->gro", h.astype(np.float64), _values(down.reshape(6, inputs, hidden))[pick])

@@ -112,18 +112,21 @@ def _used_rows(used: jax.Array | None, shape: tuple[int, ...]) -> jax.Array:
     return jnp.full(shape[:1], shape[1], jnp.int32) if used is None else jnp.asarray(used, jnp.int32)
 
 
-def swiglu_rows_dot(x: jax.Array, gate: jax.Array, up: jax.Array, index: jax.Array) -> jax.Array:
+def swiglu_rows_dot(x: jax.Array, gate: jax.Array, up: jax.Array, index: jax.Array,
+                    used: jax.Array | None = None) -> jax.Array:
     """`SiLU(x[g] @ gate[index[g]].T) * (x[g] @ up[index[g]].T)`, float32 `[g, rows, out]`, for float32
     `x [g, rows, in]` against bf16 bits `gate`, `up [..., out, in]` (an expert loop's blocks: each
-    against its expert, read in place; a negative index gives zeros): the first two products of an
-    expert and their SwiGLU in one call. Needs `available()`."""
+    against its expert, read in place; a negative index gives zeros, and so do the rows of group g
+    from `used[g]` on, default none): the first two products of an expert and their SwiGLU in one
+    call. Needs `available()`."""
     if gate.dtype != jnp.uint16 or gate.shape != up.shape or gate.shape[-1] != x.shape[-1] or x.ndim != 3 \
-            or jnp.shape(index) != x.shape[:1]:
+            or jnp.shape(index) != x.shape[:1] or used is not None and jnp.shape(used) != x.shape[:1]:
         raise ValueError(f"swiglu_rows_dot: x {x.shape} against bf16 bits gate {gate.shape} {gate.dtype} and up "
-                         f"{up.shape} with index {jnp.shape(index)}: x [g, rows, in], [..., out, in], index [g]")
+                         f"{up.shape} with index {jnp.shape(index)}, used {None if used is None else jnp.shape(used)}"
+                         ": x [g, rows, in], [..., out, in], index and used [g]")
     out = jax.ShapeDtypeStruct((*x.shape[:2], gate.shape[-2]), jnp.float32)
     call = jax.ffi.ffi_call("dsr1_swiglu_rows_dot", out, vmap_method="sequential")
-    return call(x.astype(jnp.float32), gate, up, jnp.asarray(index, jnp.int32))
+    return call(x.astype(jnp.float32), gate, up, jnp.asarray(index, jnp.int32), _used_rows(used, x.shape))
 
 
 def combine_rows_dot(h: jax.Array, down: jax.Array, index: jax.Array, token: jax.Array, weight: jax.Array,

@@ -225,9 +225,8 @@ def _kernel_blocks(xs, token, weight, gate, up, down, layer, n_blocks, block_at,
     xb = xs[rows]
     pair = jnp.minimum(rows, n_pairs - 1)
     used = jnp.where(slots < n_blocks, mine, 0)  # a block's rows past its expert's: not computed
-    keep = jnp.arange(block) < used[:, None]
     if all(isinstance(w, Bf16Bits) and w.kernel_reads(block) for w in (gate, up, down)):  # decode: two calls
-        h = cpu_kernels.swiglu_rows_dot(xb, gate.transposed, up.transposed, index)
+        h = cpu_kernels.swiglu_rows_dot(xb, gate.transposed, up.transposed, index, used)
         out = cpu_kernels.combine_rows_dot(h, down.transposed, index, token[pair], weight[pair], n_tokens, used)
         return jax.lax.pcast(out, rules.moe_reduce_axes(), to="varying")
     h = jax.nn.silu(kernel_matmul(xb, gate, index, used)) * kernel_matmul(xb, up, index, used)
@@ -236,6 +235,7 @@ def _kernel_blocks(xs, token, weight, gate, up, down, layer, n_blocks, block_at,
                                            n_tokens, used)
         return jax.lax.pcast(out, rules.moe_reduce_axes(), to="varying")
     y = kernel_matmul(h, down, index, used)
+    keep = jnp.arange(block) < used[:, None]
     out = jax.lax.pcast(jnp.zeros((n_tokens, y.shape[-1]), jnp.float32), rules.moe_reduce_axes(), to="varying")
     return out.at[jnp.where(keep, token[pair], n_tokens)].add(y * weight[pair][..., None], mode="drop")
 

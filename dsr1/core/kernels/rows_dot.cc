@@ -381,31 +381,38 @@ ffi::Error RowsDotEach(ffi::ThreadPool pool, ffi::Buffer<XD> x, ffi::Buffer<D> w
 // The expert loop's blocks in two calls (decode: a few float32 rows per block, bf16 experts) instead
 // of three products with SiLU x up and the routing-weighted scatter to the tokens as XLA ops between
 // them: a batch-8 step of the bench preset 0.3-0.45 ms faster (Zen 5, A/B). `SwigluRowsDot`: h[g] =
-// SiLU(x[g] . gate[index[g]]) * (x[g] . up[index[g]]), gate and up read part by part alike.
-// `CombineRowsDot`: out[token[g, r]] += weight[g, r] * (h[g, r] . down[index[g]]) for the first
-// `used[g]` rows of each group, each part a range of output columns of every group, so no two threads
-// add to the same output; a negative index or token skips a group or a row. h float32, or bf16 bits
-// (`vdpbf16ps`: a prefill's blocks, whose [g, rows, out] products XLA would otherwise write out and sum).
+// SiLU(x[g] . gate[index[g]]) * (x[g] . up[index[g]]), gate and up read part by part alike, for the
+// first `used[g]` rows of each group (the rest: zeros). `CombineRowsDot`: out[token[g, r]] +=
+// weight[g, r] * (h[g, r] . down[index[g]]) for the first `used[g]` rows of each group, each part a
+// range of output columns of every group, so no two threads add to the same output; a negative index
+// or token skips a group or a row. h float32, or bf16 bits (`vdpbf16ps`: a prefill's blocks, whose
+// [g, rows, out] products XLA would otherwise write out and sum).
 ffi::Error SwigluRowsDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> gate,
-                         ffi::Buffer<ffi::U16> up, ffi::Buffer<ffi::S32> index, ffi::ResultBuffer<ffi::F32> y) {
+                         ffi::Buffer<ffi::U16> up, ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::S32> used,
+                         ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = gate.dimensions();
-  if (!rows_meet(xd, wd) || gate.element_count() != up.element_count() || int64_t(index.element_count()) != xd[0])
-    return ffi::Error::InvalidArgument("swiglu_rows_dot: x [g, rows, in], gate and up [..., out, in], index [g]");
+  if (!rows_meet(xd, wd) || gate.element_count() != up.element_count() || int64_t(index.element_count()) != xd[0] ||
+      used.element_count() != index.element_count())
+    return ffi::Error::InvalidArgument(
+        "swiglu_rows_dot: x [g, rows, in], gate and up [..., out, in], index and used [g]");
   const int64_t groups = xd[0], rows = xd[1], in = xd[2], out = wd[wd.size() - 2];
   const auto gates = each_matrix(gate, index, out, in), ups = each_matrix(up, index, out, in);
   const float* xp = x.typed_data();
+  const int32_t* counts = used.typed_data();
   float* yp = y->typed_data();
   const int64_t per_group = parts_per_group(pool, out * in);
   run_parts(pool, groups * per_group, [=](int64_t p) {
     const int64_t g = p / per_group, o0 = out * (p % per_group) / per_group, o1 = out * (p % per_group + 1) / per_group;
     float* yg = yp + g * rows * out;
     const uint16_t* wg = gates.of(g);
-    if (!wg) return zero_rows(yg, rows, out, o0, o1);
+    const int64_t n = wg ? used_rows(counts, g, rows) : 0;
+    zero_rows(yg + n * out, rows - n, out, o0, o1);
+    if (!n) return;
     thread_local std::vector<float> gated;
-    gated.resize(rows * out);
-    rows_range<float, uint16_t>(xp + g * rows * in, wg, gated.data(), rows, in, out, o0, o1);
-    rows_range<float, uint16_t>(xp + g * rows * in, ups.of(g), yg, rows, in, out, o0, o1);
-    for (int64_t r = 0; r < rows; ++r)
+    gated.resize(n * out);
+    rows_range<float, uint16_t>(xp + g * rows * in, wg, gated.data(), n, in, out, o0, o1);
+    rows_range<float, uint16_t>(xp + g * rows * in, ups.of(g), yg, n, in, out, o0, o1);
+    for (int64_t r = 0; r < n; ++r)
       for (int64_t o = o0; o < o1; ++o) {
         const float v = gated[r * out + o];
         yg[r * out + o] *= v / (1.0f + std::exp(-v));
@@ -607,9 +614,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_bf16_rows_dot_bf16, (RowsDot<ffi::U16, uint16
                               (Signature<ffi::U16, ffi::U16, ffi::S32>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_bf16_rows_dot_each_bf16, (RowsDotEach<ffi::U16, uint16_t, ffi::U16, uint16_t>),
                               (Signature<ffi::U16, ffi::U16, ffi::S32, ffi::S32>()));
-// (x, gate, up, index) -> SiLU(x . gate) * (x . up); (h, down, index, used, token, weight) -> tokens' sums.
+// (x, gate, up, index, used) -> SiLU(x . gate) * (x . up); (h, down, index, used, token, weight) -> sums.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_swiglu_rows_dot, SwigluRowsDot,
-                              (Signature<ffi::F32, ffi::U16, ffi::U16, ffi::S32>()));
+                              (Signature<ffi::F32, ffi::U16, ffi::U16, ffi::S32, ffi::S32>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_combine_rows_dot, (CombineRowsDot<ffi::F32, float>),
                               (Signature<ffi::F32, ffi::U16, ffi::S32, ffi::S32, ffi::S32, ffi::F32>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_bf16_combine_rows_dot, (CombineRowsDot<ffi::U16, uint16_t>),
