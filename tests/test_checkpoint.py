@@ -173,3 +173,29 @@ def test_load_reports_the_bytes_it_read(tmp_path, tensors, caplog):
     assert read.bytes == sum(info.end - info.begin for info in CheckpointIndex.open(tmp_path).tensors.values())
     assert read.seconds > 0 and read.gbps == read.bytes / read.seconds / 1e9
     assert f"({read.gbps:.2f} GB/s)" in caplog.text
+
+
+def test_loaded_transposed_copies_are_the_transposes_and_the_view_is_complete(tmp_path):
+    """On CPU the loader writes each layer's `[..., out, in]` copy as it reads it (FP8 experts
+    dequantized by threads): every copy is the transpose of its bits, and the compute view is the one
+    `compute_view` makes of the same weights (same leaves, same copies)."""
+    import jax
+
+    from dsr1.bench.loading import write_fp8_checkpoint
+    from dsr1.core.params import compute_view
+    from dsr1.core.quant import Bf16Bits
+
+    cfg = dsr1.Config.preset("tiny")
+    write_fp8_checkpoint(tmp_path, cfg)
+    model = dsr1.load(tmp_path, progress=False)
+    copies = [w for w in jax.tree.leaves(model.params, is_leaf=lambda x: isinstance(x, Bf16Bits))
+              if isinstance(w, Bf16Bits) and w.transposed is not None and w.kernel_spec is None]
+    assert len(copies) >= 6  # the experts' and the dense MLP's gate, up and down at least
+    for w in copies:
+        np.testing.assert_array_equal(np.asarray(w.transposed), np.swapaxes(np.asarray(w.bits), -1, -2))
+    plain = jax.tree.map(lambda w: jax.numpy.asarray(np.asarray(w)) if isinstance(w, Bf16Bits) else w, model.params,
+                         is_leaf=lambda x: isinstance(x, Bf16Bits))
+    again = compute_view(plain, cfg)
+    assert jax.tree.structure(again) == jax.tree.structure(model.params)
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(model.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -92,3 +92,41 @@ def test_a_model_holds_its_large_weights_on_huge_pages_and_computes_the_same():
     copied = dataclasses.replace(model, params=jax.tree.map(jnp.copy, model.params))
     tokens = np.array([[3, 5, 7, 9]])
     np.testing.assert_array_equal(np.asarray(model.forward(tokens)), np.asarray(copied.forward(tokens)))
+
+
+@needs_madvise
+def test_arrays_made_in_huge_page_memory_stay_where_they_are():
+    """`empty`'s large arrays are page-aligned in memory that asks for huge pages, and a CPU device takes
+    them without a copy; `on_huge_pages` then leaves them (the same objects), while it still moves an
+    array of the same size that XLA made. Small ones are aligned for XLA in ordinary memory."""
+    host = huge_pages.empty((HUGE_PAGE // 2,), np.uint16)
+    host[:] = 7
+    born = jax.device_put(host, jax.devices("cpu")[0])
+    assert born.unsafe_buffer_pointer() == host.ctypes.data and host.ctypes.data % HUGE_PAGE == 0
+    made = jnp.full((HUGE_PAGE // 2,), 7, jnp.uint16)
+    moved = on_huge_pages({"born": born, "made": made})
+    assert moved["born"] is born and moved["made"] is not made
+    np.testing.assert_array_equal(np.asarray(moved["made"]), np.asarray(born))
+    small = huge_pages.empty((3, 5), np.float32)
+    assert small.shape == (3, 5) and small.ctypes.data % huge_pages.ALIGNMENT == 0
+
+
+def test_empty_without_huge_pages_is_aligned_ordinary_memory(monkeypatch):
+    monkeypatch.setenv("DSR1_HUGE_PAGES", "0")
+    x = huge_pages.empty((HUGE_PAGE,), np.uint8)
+    assert x.shape == (HUGE_PAGE,) and x.ctypes.data % huge_pages.ALIGNMENT == 0
+
+
+@needs_madvise
+def test_a_loaded_model_is_born_on_huge_pages(tmp_path):
+    """`dsr1.load` of a release-layout FP8 checkpoint fills its buffers in huge-page memory and makes the
+    transposed copies there: every large weight is in memory that asks for huge pages, page-aligned."""
+    from dsr1.bench.loading import write_fp8_checkpoint
+
+    cfg = dsr1.Config.preset("tiny")
+    write_fp8_checkpoint(tmp_path, cfg)
+    model = dsr1.load(tmp_path, progress=False)
+    large = [x for x in jax.tree.leaves(model.params) if x.nbytes >= HUGE_PAGE]
+    assert large and all(x.unsafe_buffer_pointer() % HUGE_PAGE == 0 for x in large)
+    asking = huge_pages._memory_asking_for_huge_pages()
+    assert all(huge_pages._inside(x, asking) for x in large)

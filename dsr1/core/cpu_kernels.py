@@ -13,7 +13,8 @@ does the same for blocks of many bf16 rows (a prefill's) on AMX tiles, where the
 
 The kernel is compiled on first use with the system's C++ compiler for the CPU it runs on (x86-64
 with AVX-512, or AVX2 and FMA) and cached under `$DSR1_KERNEL_CACHE` (default
-`~/.cache/dsr1/kernels`), keyed by the source, the compiler, jaxlib and the CPU. Without a compiler,
+`~/.cache/dsr1/kernels`), keyed by the sources, the compiler, jaxlib and the CPU; the same library
+holds the host copies that loading runs (kernels/host_copy.cc, `host_copy`). Without a compiler,
 on another CPU, or with `DSR1_CPU_KERNELS=0`, `available()` is False and dsr1 computes these
 products with XLA's own operations, as before.
 """
@@ -35,15 +36,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+SOURCES = ("rows_dot.cc", "host_copy.cc")  # in kernels/, built into one library
 KERNEL_ROWS = 8  # the kernel's block: more rows re-read the weight per block (prefill: AMX, or XLA's bf16 dot)
 _WEIGHTS = {jnp.dtype(jnp.uint16): "bf16", jnp.dtype(jnp.int8): "int8"}  # the handlers' names end so
 
 
 def available() -> bool:
     """Whether `rows_dot` runs here: on CPU, unless `DSR1_CPU_KERNELS=0`, once the kernel is built."""
-    if os.environ.get("DSR1_CPU_KERNELS", "1") == "0" or jax.default_backend() != "cpu":
-        return False
-    return _registered() is not None
+    return jax.default_backend() == "cpu" and library() is not None
 
 
 # vdpbf16ps per float32 FMA from which bf16 rows pay off: each does twice the multiply-adds and needs
@@ -181,6 +181,12 @@ def _target(weights: str, each: bool, bf16: bool = False) -> str:
     return f"dsr1_{'bf16_' if bf16 else ''}rows_dot_{'each_' if each else ''}{weights}"
 
 
+def library() -> ctypes.CDLL | None:
+    """The built kernel library, also for its host functions (`host_copy`) on any backend; None
+    without a compiler, on another CPU, or with `DSR1_CPU_KERNELS=0`."""
+    return None if os.environ.get("DSR1_CPU_KERNELS", "1") == "0" else _registered()
+
+
 @functools.cache
 def _registered() -> ctypes.CDLL | None:
     """Build (or find) the kernel library and register its handlers with XLA, once per process."""
@@ -207,24 +213,25 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Path | None:
     compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
     if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
         return None
-    source = resources.files("dsr1.core").joinpath("kernels/rows_dot.cc").read_bytes()
+    sources = {name: resources.files("dsr1.core").joinpath(f"kernels/{name}").read_bytes() for name in SOURCES}
     flags = ["-O3", "-march=native", *extra_flags, "-std=c++17", "-shared", "-fPIC", "-isystem", jax.ffi.include_dir()]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(b"\0".join(s if isinstance(s, bytes) else s.encode() for s in (
-        source, version, " ".join(flags), jax.__version__, _cpu_flags()))).hexdigest()[:16]
+        *sources.values(), version, " ".join(flags), jax.__version__, _cpu_flags()))).hexdigest()[:16]
     cache = Path(os.environ.get("DSR1_KERNEL_CACHE", Path.home() / ".cache" / "dsr1" / "kernels"))
     library = cache / f"rows_dot-{key}.so"
     if library.exists():
         return library
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        src, built = Path(tmp) / "rows_dot.cc", Path(tmp) / library.name
-        src.write_bytes(source)
-        result = subprocess.run([compiler, *flags, str(src), "-o", str(built)], capture_output=True, text=True)
+        for name, text in sources.items():
+            (Path(tmp) / name).write_bytes(text)
+        built = Path(tmp) / library.name
+        result = subprocess.run([compiler, *flags, *sources, "-o", str(built)], capture_output=True, text=True, cwd=tmp)
         if result.returncode != 0:
             if "rows_dot kernel needs" in result.stderr:  # a CPU without AVX2
                 return None
-            raise OSError(f"{compiler} failed on {src.name}: {result.stderr[-2000:]}")
+            raise OSError(f"{compiler} failed on {', '.join(sources)}: {result.stderr[-2000:]}")
         os.replace(built, library)
     return library
 

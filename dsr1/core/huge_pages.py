@@ -7,12 +7,14 @@ columns: dsr1's kernel read 20-22 GB/s of a 64 MB matrix here, 27-30 from 2 MiB 
 Linux backs with huge pages only where asked (`madvise`, the default setting of
 `/sys/kernel/mm/transparent_hugepage/enabled`), so `on_huge_pages` moves large weights into memory
 that asks, and hands it to XLA without a copy (`jax.device_put` of an aligned host array on CPU
-keeps that array as the buffer). While they move, the weights are held twice; `DSR1_HUGE_PAGES=0`
-leaves them where XLA put them.
+keeps that array as the buffer). While they move, the weights are held twice. Weights made on the
+host (`dsr1.load`'s buffers, the transposed copies) are born there instead (`empty`), and stay put.
+`DSR1_HUGE_PAGES=0` leaves every weight where XLA or numpy put it.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +25,7 @@ import numpy as np
 
 HUGE_PAGE = 2 << 20  # bytes of an x86-64 / arm64 transparent huge page
 MIN_BYTES = HUGE_PAGE  # smaller arrays keep their memory: they would not fill one page
+ALIGNMENT = 64  # XLA:CPU takes a host buffer so aligned as a device buffer without copying it
 
 
 def supported() -> bool:
@@ -35,10 +38,12 @@ def supported() -> bool:
 def on_huge_pages(tree: Any) -> Any:
     """`tree` with each array of at least `MIN_BYTES` held on one CPU device moved into memory
     backed by 2 MiB pages; other leaves (sharded, accelerator, small, not arrays) as they are. An
-    array that appears twice in the tree is moved once and stays shared. Values do not change."""
+    array that appears twice in the tree is moved once and stays shared; one already in memory that
+    asks for huge pages (made by `empty`) stays. Values do not change."""
     if not supported():
         return tree
-    movable = {id(x): x for x in jax.tree.leaves(tree) if _movable(x)}
+    asking = _memory_asking_for_huge_pages()
+    movable = {id(x): x for x in jax.tree.leaves(tree) if _movable(x) and not _inside(x, asking)}
     with ThreadPoolExecutor(os.cpu_count()) as pool:  # the copies and the page faults run in parallel
         moved = dict(zip(movable, pool.map(_moved, movable.values())))
     return jax.tree.map(lambda x: moved.get(id(x), x), tree)
@@ -47,6 +52,41 @@ def on_huge_pages(tree: Any) -> Any:
 def _movable(x: Any) -> bool:
     return (isinstance(x, jax.Array) and x.nbytes >= MIN_BYTES and len(x.sharding.device_set) == 1
             and next(iter(x.sharding.device_set)).platform == "cpu")
+
+
+def _memory_asking_for_huge_pages() -> list[tuple[int, int]]:
+    """The address ranges of this process's mappings that asked for huge pages (`hg` among their
+    VmFlags in /proc/self/smaps; ~10 ms with a loaded model's mappings)."""
+    ranges, current = [], None
+    try:
+        with open("/proc/self/smaps") as smaps:
+            for line in smaps:
+                head = line.split(maxsplit=1)[0]
+                if not head.endswith(":"):  # a mapping's first line: `start-end perms ...`
+                    current = tuple(int(a, 16) for a in head.split("-"))
+                elif head == "VmFlags:" and "hg" in line.split():
+                    ranges.append(current)
+    except OSError:  # no /proc: nothing is known to be there
+        return []
+    return ranges
+
+
+def _inside(x: jax.Array, ranges: list[tuple[int, int]]) -> bool:
+    address = x.unsafe_buffer_pointer()
+    return any(start <= address < end for start, end in ranges)
+
+
+def empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialized host array to fill and hand to a CPU device (`jax.device_put` takes it without
+    a copy): in memory that asks for huge pages where `supported` and at least `MIN_BYTES`, else
+    `ALIGNMENT`-aligned. `on_huge_pages` leaves the first kind where it is."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if supported() and nbytes >= MIN_BYTES:
+        return _huge_page_array(tuple(shape), dtype)
+    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def _moved(x: jax.Array) -> jax.Array:

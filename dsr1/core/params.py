@@ -355,8 +355,19 @@ def compute_view(params: Params, cfg: Config) -> Params:
         name = getattr(path[-1], "key", None)
         if kernel and name in DECODE_PRODUCTS:
             return as_bits(w, kernel_spec=DECODE_PRODUCTS[name], stacked=int(spec.axes[0] == "layers"))
-        head = is_output_head(spec)
-        transposed = multiplies_last_two_axes(spec) or head and kernel
-        return as_bits(w, keep_float32=head and not kernel, keep_transposed=transposed)
+        return as_bits(w, keep_float32=is_output_head(spec) and not kernel,
+                       keep_transposed=holds_transposed_bits(name, spec, w.dtype))
 
     return jax.tree_util.tree_map_with_path(one, specs, params, is_leaf=is_spec)
+
+
+def holds_transposed_bits(name: str | None, spec: ArrayInfo, dtype: Any) -> bool:
+    """Whether `compute_view` holds the weight `name` (`spec`, held in `dtype`) as bf16 bits with a
+    transposed copy, `[..., out, in]`, made by `as_bits(keep_transposed=True)` (the loader makes that
+    copy itself, layer by layer, where it can: `dsr1.weights.loading`)."""
+    if not widens_on_use() or spec.init != "normal" or jnp.dtype(dtype) != jnp.bfloat16:
+        return False
+    kernel = cpu_kernels.available()
+    if kernel and name in DECODE_PRODUCTS:  # laid out for the kernel's products instead
+        return False
+    return multiplies_last_two_axes(spec) or is_output_head(spec) and kernel

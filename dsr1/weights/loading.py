@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,10 +24,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
+from ..core import host_copy, huge_pages
 from ..core.config import Config
 from ..core.params import (
     Params,
     abstract_params,
+    holds_transposed_bits,
     is_spec,
     param_specs,
     per_layer,
@@ -37,7 +38,7 @@ from ..core.params import (
     stack_names,
     unit_specs,
 )
-from ..core.quant import check_quant
+from ..core.quant import as_bits, check_quant
 from ..core.sharding import ShardingRules
 from . import store
 from .release import (
@@ -59,7 +60,6 @@ from .throughput import Throughput, path_bytes
 
 Fill = Callable[[tuple[slice, ...], np.ndarray], None]  # writes a region of one weight into a host array
 HostRegions = dict[tuple, tuple[tuple[slice, ...], np.ndarray]]  # a weight's distinct device regions and their buffers
-ALIGNMENT = 64  # XLA:CPU takes a host buffer aligned so as a device buffer without copying it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,26 +134,21 @@ def _converted_reader(folder: Path, manifest: dict[str, Any]) -> UnitReader:
                       lambda unit, layer: prefetch(list(read_header(file(unit, layer)).values())))
 
 
-def _aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    dtype = np.dtype(dtype)
-    size = math.prod(shape) * dtype.itemsize
-    raw = np.empty(size + ALIGNMENT, np.uint8)
-    start = -raw.ctypes.data % ALIGNMENT
-    return raw[start:start + size].view(dtype).reshape(shape)
-
-
 def _region_key(region: tuple[slice, ...], shape: tuple[int, ...]) -> tuple:
     return tuple(s.indices(n) for s, n in zip(region, shape))
 
 
 def _host_regions(abstract: jax.ShapeDtypeStruct) -> HostRegions:
-    """An empty host buffer for each distinct region this process's devices hold of `abstract`."""
+    """An empty host buffer for each distinct region this process's devices hold of `abstract`: where
+    they are CPU devices, the buffers they will hold (large ones in huge pages, `huge_pages.empty`)."""
     regions = {}
-    for region in abstract.sharding.addressable_devices_indices_map(abstract.shape).values():
+    devices = abstract.sharding.addressable_devices_indices_map(abstract.shape)
+    empty = huge_pages.empty if all(d.platform == "cpu" for d in devices) else np.empty
+    for region in devices.values():
         key = _region_key(region, abstract.shape)
         if key not in regions:
             shape = tuple(len(range(*k)) for k in key)
-            regions[key] = (region, _aligned_empty(shape, abstract.dtype))
+            regions[key] = (region, empty(shape, abstract.dtype))
     return regions
 
 
@@ -181,20 +176,40 @@ def _read_unit(fills: list[Fill], abstract: Any) -> Any:
 
 
 def _read_stack_in_place(fills: Callable[[str, int | None], list[Fill]], cfg: Config, unit: str, abstract: Any,
-                         advance: Callable[[str, int], None]) -> Any:
+                         advance: Callable[[str, int], None], transposed: list[bool] | None = None) -> Any:
     """A whole layer stack filled on the host layer by layer, each layer's region of every weight read
-    straight into its slot, then handed to the devices (CPU devices: no copy, no program compiled)."""
+    straight into its slot, then handed to the devices (CPU devices: no copy, no program compiled).
+    A weight on one device that `transposed` flags (one flag per leaf: `params.holds_transposed_bits`)
+    also gets its `[..., out, in]` copy here, each layer written as soon as it is read, while the disk
+    reads the next (after the load, `compute_view` would make it with the disk idle)."""
     leaves = jax.tree.leaves(abstract)
     buffers = [_host_regions(a) for a in leaves]
+    copies = [huge_pages.empty(_swapped_shape(a.shape), a.dtype) if flag and len(a.sharding.device_set) == 1
+              else None for a, flag in zip(leaves, transposed or [False] * len(leaves))]
     layers = stack_layers(cfg, unit)
     for i, layer in enumerate(layers):
-        for fill, regions in zip(fills(unit, layer), buffers):
+        for fill, regions, copy in zip(fills(unit, layer), buffers, copies):
             for region, out in regions.values():
                 held = range(len(layers))[region[0]]  # the stack's positions this buffer holds
                 if i in held:
                     fill(region[1:], out[held.index(i)])
+                    if copy is not None:  # (one device: the buffer is the whole stack)
+                        host_copy.transpose_into(copy[i], out[i])
         advance(unit, layer)
-    return jax.tree.unflatten(jax.tree.structure(abstract), [_to_devices(a, r) for a, r in zip(leaves, buffers)])
+    arrays = [_to_devices(a, r) for a, r in zip(leaves, buffers)]
+    arrays = [w if copy is None else as_bits(w, keep_transposed=True, transposed=jax.device_put(
+        copy.view(np.uint16), next(iter(w.sharding.device_set)))) for w, copy in zip(arrays, copies)]
+    return jax.tree.unflatten(jax.tree.structure(abstract), arrays)
+
+
+def _swapped_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return (*shape[:-2], shape[-1], shape[-2])
+
+
+def _transposed_flags(specs: Any, dtype: Any) -> list[bool]:
+    """Per leaf of a stack's `specs`, whether the compute view holds its transposed bits."""
+    return jax.tree.leaves(jax.tree_util.tree_map_with_path(
+        lambda path, spec: holds_transposed_bits(getattr(path[-1], "key", None), spec, dtype), specs, is_leaf=is_spec))
 
 
 def _set_layer(layer_target: Any, stacked: list[jax.Array], layer: Any, i: jax.Array) -> list[jax.Array]:
@@ -281,7 +296,8 @@ def load_params(folder: str | Path, cfg: Config, mesh: Mesh, rules: ShardingRule
         for unit in stacks:
             if in_place:
                 abstract = abstract_params(stored[unit], mesh, rules, dtype)
-                params[unit] = _read_stack_in_place(fills, cfg, unit, abstract, advance)
+                copied = _transposed_flags(stored[unit], dtype) if stored_quant is None else None
+                params[unit] = _read_stack_in_place(fills, cfg, unit, abstract, advance, copied)
             else:
                 params[unit] = _assemble_stack(read, cfg, unit, target[unit], mesh, rules, dtype, quantize, advance)
         jax.block_until_ready(params)  # the seconds count until the weights are in place

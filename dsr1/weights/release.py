@@ -18,7 +18,10 @@ import dataclasses
 import gzip
 import json
 import math
+import os
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from ..core import host_copy
 from ..core.config import Config
 from ..core.params import ArrayInfo, float_specs, is_spec, loading_units, unit_specs
 from .safetensors_io import CheckpointError, TensorInfo, map_file, prefetch, read_header, read_tensor
@@ -207,6 +211,7 @@ class CheckpointIndex:
     # The shards in use, each mapped once (mapping per tensor costs more than reading a small one);
     # only the last OPEN_MAPS stay mapped: a mapped file's pages count in the process's memory.
     maps: dict[Path, np.ndarray] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    maps_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, compare=False, repr=False)
 
     @classmethod
     def open(cls, folder: str | Path) -> CheckpointIndex:
@@ -261,11 +266,12 @@ class CheckpointIndex:
         return w
 
     def mapped(self, info: TensorInfo) -> np.ndarray:
-        data = self.maps.pop(info.file, None)
-        self.maps[info.file] = map_file(info.file) if data is None else data  # the most recent last
-        while len(self.maps) > OPEN_MAPS:
-            self.maps.pop(next(iter(self.maps)))
-        return read_tensor(info, self.maps[info.file])
+        with self.maps_lock:  # experts are read in threads (`read_region_into`)
+            data = self.maps.pop(info.file, None)
+            data = self.maps[info.file] = map_file(info.file) if data is None else data  # the most recent last
+            while len(self.maps) > OPEN_MAPS:
+                self.maps.pop(next(iter(self.maps)))
+        return read_tensor(info, data)
 
     def prefetch(self, names: list[str]) -> None:
         """Start reading these tensors in the background (see `safetensors_io.prefetch`)."""
@@ -304,22 +310,10 @@ def dequantize_fp8_into(out: np.ndarray, w: np.ndarray, scale_inv: np.ndarray, r
     (r0, r1, step_r), (c0, c1, step_c) = region[0].indices(rows), region[1].indices(cols)
     if (step_r, step_c) != (1, 1) or out.shape != (max(r1 - r0, 0), max(c1 - c0, 0)):
         raise ValueError(f"{name}: region {region} of a {rows}x{cols} weight does not fit an output of {out.shape}")
-    codes = w.view(np.uint8)
     i0, i1, j0, j1 = r0 // FP8_BLOCK, -(-r1 // FP8_BLOCK), c0 // FP8_BLOCK, -(-c1 // FP8_BLOCK)
     # The region's tables in one numpy call, not one per block (4.5 -> 4.1 ns per value).
     tables = (FP8_VALUES * scale_inv[i0:i1, j0:j1].astype(np.float32)[..., None]).astype(out.dtype)
-    # A transposed `out` (the release's [out, in] into dsr1's [in, out]) written row by row strides
-    # across memory: 3.0 ns per element against 1.4 walking it in memory order (2-core EPYC).
-    column_major = out.ndim == 2 and abs(out.strides[0]) < abs(out.strides[1])
-    for i in range(i0, i1):
-        a, b = max(r0, i * FP8_BLOCK), min(r1, (i + 1) * FP8_BLOCK)
-        for j in range(j0, j1):
-            c, d = max(c0, j * FP8_BLOCK), min(c1, (j + 1) * FP8_BLOCK)
-            block, dest = codes[a:b, c:d], out[a - r0:b - r0, c - c0:d - c0]
-            if column_major:  # np.take writes in its output's index order: walk `out`'s memory in order
-                block, dest = block.T, dest.T
-            # mode="wrap" writes straight into a strided `out` (mode="raise" would buffer); codes are < 256.
-            np.take(tables[i - i0, j - j0], block, out=dest, mode="wrap")
+    host_copy.take_blocks_into(out, w.view(np.uint8)[r0:r1, c0:c1], tables, FP8_BLOCK, (r0, c0))
 
 
 def quantize_fp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -390,24 +384,38 @@ def read_region(index: CheckpointIndex, src: Source, shape: tuple[int, ...], lay
 def read_region_into(index: CheckpointIndex, src: Source, shape: tuple[int, ...], layer: int,
                      region: tuple[slice, ...], out: np.ndarray) -> None:
     """Write the part `region` of one layer's weight, in our layout and `out`'s dtype, into `out`,
-    expert by expert, each straight into its slot. (Not in threads: `np.take`, which dequantizes,
-    holds the GIL, and 2 threads made a load 15% slower on 2 cores, docs/performance.md.)"""
+    expert by expert, each straight into its slot: in threads where the FP8 lookup is compiled
+    (`host_copy.releases_gil`; numpy's `np.take` holds the GIL, and 2 threads made a load 15% slower
+    on 2 cores, docs/performance.md)."""
     if not src.per_expert:
         _read_into(out, index, src, src.name.format(layer=layer), shape, region)
         return
-    for i, expert in enumerate(range(shape[0])[region[0]]):
+
+    def one(i: int, expert: int) -> None:
         _read_into(out[i], index, src, src.name.format(layer=layer, expert=expert), shape[1:], region[1:])
+
+    experts = list(enumerate(range(shape[0])[region[0]]))
+    if host_copy.releases_gil() and len(experts) > 1:
+        with ThreadPoolExecutor(os.cpu_count()) as pool:
+            list(pool.map(one, *zip(*experts)))
+    else:
+        for i, expert in experts:
+            one(i, expert)
 
 
 def _read_into(out: np.ndarray, index: CheckpointIndex, src: Source, name: str, shape: tuple[int, ...],
                region: tuple[slice, ...]) -> None:
     """Write `region` of one tensor, in our layout and `out`'s dtype, into `out`."""
     info = index.info(name)
-    if info.dtype in FP8_DTYPES and src.to_ours is _transposed and len(shape) == 2:
-        # The common case (every expert): dequantize, transpose and cast in one pass, into `out`.
-        scale = index.mapped(index.info(name + "_scale_inv"))
-        dequantize_fp8_into(out.T, index.mapped(info), scale, (region[1], region[0]), f"{info.file.name}: {name}")
-        return
+    if src.to_ours is _transposed and len(shape) == 2:
+        stored = index.mapped(info)
+        if info.dtype in FP8_DTYPES:  # every expert: dequantize, transpose and cast in one pass, into `out`
+            scale = index.mapped(index.info(name + "_scale_inv"))
+            dequantize_fp8_into(out.T, stored, scale, (region[1], region[0]), f"{info.file.name}: {name}")
+            return
+        if stored.dtype == out.dtype:  # an output head: numpy copies a transposed view at ~0.55 GB/s, this ~6-7
+            host_copy.transpose_into(out, stored[region[1], region[0]])
+            return
     out[...] = src.to_ours(index.read(name)).reshape(shape)[region]
 
 
