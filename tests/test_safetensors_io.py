@@ -92,3 +92,21 @@ def test_read_into_names_a_truncated_file(tmp_path):
         f.truncate(info.end - 16)
     with pytest.raises(CheckpointError, match=r"t\.safetensors: truncated while reading tensor 'w'"):
         read_into(info, (slice(None),), np.empty(64, np.float32))
+
+
+def test_prefetch_asks_for_ranges_in_the_order_given(tmp_path, monkeypatch):
+    """The disk is asked for the tensors in reading order, not file order; ranges that continue one
+    another become one request."""
+    import os
+
+    from dsr1.weights.safetensors_io import prefetch
+
+    path = tmp_path / "x.safetensors"
+    write_safetensors(path, {name: ((256,), np.float32) for name in "abcd"}, lambda name: np.zeros(256, np.float32))
+    infos = read_header(path)
+    asked = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, begin, size, advice: asked.append((begin, begin + size)),
+                        raising=False)
+    prefetch([infos["d"], infos["a"], infos["b"], infos["c"]])
+    d, a, c = infos["d"], infos["a"], infos["c"]
+    assert asked == [(d.begin, d.end), (a.begin, c.end)]

@@ -55,7 +55,7 @@ from .release import (
     unit_tensors,
     validate,
 )
-from .safetensors_io import prefetch, read_header
+from .safetensors_io import TensorInfo, prefetch, read_header
 from .throughput import Throughput, path_bytes
 
 Fill = Callable[[tuple[slice, ...], np.ndarray], None]  # writes a region of one weight into a host array
@@ -131,7 +131,11 @@ def _converted_reader(folder: Path, manifest: dict[str, Any]) -> UnitReader:
         return store.open_unit(file(unit, layer), abstract)
 
     return UnitReader(fills, lambda unit, layer: path_bytes([file(unit, layer)]),
-                      lambda unit, layer: prefetch(list(read_header(file(unit, layer)).values())))
+                      lambda unit, layer: prefetch(sorted(read_header(file(unit, layer)).values(), key=_begin)))
+
+
+def _begin(info: TensorInfo) -> int:  # a converted unit is read in file order
+    return info.begin
 
 
 def _region_key(region: tuple[slice, ...], shape: tuple[int, ...]) -> tuple:

@@ -162,13 +162,14 @@ def unit_sources(cfg: Config, unit: str, *, mtp: bool = False) -> list[tuple[Arr
 
 
 def unit_tensors(index: CheckpointIndex, cfg: Config, unit: str, layer: int | None) -> list[str]:
-    """The checkpoint tensors one loading unit reads (FP8 scales included), each named once."""
+    """The checkpoint tensors one loading unit reads, each named once, in the order it reads them
+    (each FP8 weight followed by its scales: `safetensors_io.prefetch` asks for them so)."""
     names = []
     for _, src in unit_sources(cfg, unit, mtp=True):
         experts = range(cfg.n_routed_experts) if src.per_expert else range(1)
         names += [src.name.format(layer=layer, expert=e) for e in experts]
     names = list(dict.fromkeys(names))  # kv_b_proj feeds two weights
-    return names + [n + "_scale_inv" for n in names if n + "_scale_inv" in index.tensors]
+    return [m for n in names for m in (n, n + "_scale_inv") if m == n or m in index.tensors]
 
 
 def tensor_bytes(index: CheckpointIndex, names: list[str]) -> int:

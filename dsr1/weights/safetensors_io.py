@@ -143,7 +143,11 @@ def _read_bytes(info: TensorInfo, offset: int, out: np.ndarray) -> None:
 
 def prefetch(infos: list[TensorInfo]) -> None:
     """Ask the kernel to start reading these tensors' bytes now, in the background, so that reading
-    them later finds them in the page cache; ranges of one file are merged."""
+    them later finds them in the page cache. The ranges are asked for in the order given, so list
+    them as they will be read: a layer's `down` experts are all read before its `gate` experts, and
+    a release shard interleaves them (in file order, the first expert waited for the whole layer: a
+    cold load of the bench checkpoint took 0.82-0.88 s, in reading order 0.68-0.78, typical runs).
+    Ranges that continue one another are merged."""
     if not hasattr(os, "posix_fadvise"):  # not Linux: no hint to give
         return
     by_file: dict[Path, list[tuple[int, int]]] = {}
@@ -156,16 +160,17 @@ def prefetch(infos: list[TensorInfo]) -> None:
         except OSError:
             continue  # a hint only: reading the tensor reports the problem
         try:
-            for begin, end in _merged(sorted(ranges)):
+            for begin, end in _merged(ranges):
                 os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_WILLNEED)
         finally:
             os.close(fd)
 
 
 def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """`ranges` in their order, each one that starts within the previous joined to it."""
     out = [ranges[0]]
     for begin, end in ranges[1:]:
-        if begin <= out[-1][1]:
+        if out[-1][0] <= begin <= out[-1][1]:
             out[-1] = (out[-1][0], max(out[-1][1], end))
         else:
             out.append((begin, end))
