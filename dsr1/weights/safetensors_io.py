@@ -143,8 +143,8 @@ def _read_bytes(info: TensorInfo, offset: int, out: np.ndarray) -> None:
 
 def prefetch(infos: list[TensorInfo]) -> None:
     """Ask the kernel to start reading these tensors' bytes now, in the background, so that reading
-    them later finds them in the page cache. The ranges are asked for in the order given, so list
-    them as they will be read: a layer's `down` experts are all read before its `gate` experts, and
+    them later finds them in the page cache. A file's ranges are asked for in the order given, so
+    list them as they will be read: a layer's `down` experts are all read before its `gate` experts, and
     a release shard interleaves them (in file order, the first expert waited for the whole layer: a
     cold load of the bench checkpoint took 0.82-0.88 s, in reading order 0.68-0.78, typical runs).
     Ranges that continue one another are merged."""
