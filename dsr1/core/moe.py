@@ -169,7 +169,9 @@ def _blocks(group_sizes: jax.Array, block: int):
     pair_starts = jnp.cumsum(group_sizes) - group_sizes
 
     def block_at(j: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        expert = jnp.searchsorted(block_ends, j, side="right")
+        # One comparison of every slot with every expert: the default binary search is a loop of
+        # log2(experts) steps, ~60 small XLA:CPU thunks per layer.
+        expert = jnp.searchsorted(block_ends, j, side="right", method="compare_all")
         first_row = (j - (block_ends[expert] - blocks[expert])) * block
         return expert, pair_starts[expert] + first_row, group_sizes[expert] - first_row
 
