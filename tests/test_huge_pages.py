@@ -118,15 +118,17 @@ def test_empty_without_huge_pages_is_aligned_ordinary_memory(monkeypatch):
 
 
 @needs_madvise
-def test_a_loaded_model_is_born_on_huge_pages(tmp_path):
+def test_a_loaded_model_is_born_on_huge_pages(tmp_path, monkeypatch):
     """`dsr1.load` of a release-layout FP8 checkpoint fills its buffers in huge-page memory and makes the
-    transposed copies there: every large weight is in memory that asks for huge pages, page-aligned."""
+    transposed copies there: with `on_huge_pages` doing nothing, every large weight is still in memory
+    that asks for huge pages, page-aligned."""
     from dsr1.bench.loading import write_fp8_checkpoint
 
     cfg = dsr1.Config.preset("tiny")
     write_fp8_checkpoint(tmp_path, cfg)
+    monkeypatch.setattr(dsr1.api, "on_huge_pages", lambda tree: tree)
     model = dsr1.load(tmp_path, progress=False)
     large = [x for x in jax.tree.leaves(model.params) if x.nbytes >= HUGE_PAGE]
     assert large and all(x.unsafe_buffer_pointer() % HUGE_PAGE == 0 for x in large)
     asking = huge_pages._memory_asking_for_huge_pages()
-    assert all(huge_pages._inside(x, asking) for x in large)
+    assert all(huge_pages._in_place(x, asking) for x in large)
