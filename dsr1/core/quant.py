@@ -283,7 +283,7 @@ def as_bits(w: jax.Array, *, keep_float32: bool = False, keep_transposed: bool =
             transposed = swapped_copy(bits)
         return Bf16Bits(bits, wide, one_device=True, transposed=transposed if keep_transposed else None)
     bits = jax.lax.bitcast_convert_type(w, jnp.uint16)
-    return Bf16Bits(bits, wide, transposed=swapped_copy(bits) if keep_transposed and not traced else None)
+    return Bf16Bits(bits, wide, transposed=_swap_last(bits) if keep_transposed and not traced else None)
 
 
 def _subscripts(spec: str) -> tuple[str, str, str]:
