@@ -131,4 +131,4 @@ def test_a_loaded_model_is_born_on_huge_pages(tmp_path, monkeypatch):
     large = [x for x in jax.tree.leaves(model.params) if x.nbytes >= HUGE_PAGE]
     assert large and all(x.unsafe_buffer_pointer() % HUGE_PAGE == 0 for x in large)
     asking = huge_pages._memory_asking_for_huge_pages()
-    assert all(huge_pages._inside(x, asking) for x in large)
+    assert all(huge_pages._in_place(x, asking) for x in large)

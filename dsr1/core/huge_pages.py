@@ -38,12 +38,12 @@ def supported() -> bool:
 def on_huge_pages(tree: Any) -> Any:
     """`tree` with each array of at least `MIN_BYTES` held on one CPU device moved into memory
     backed by 2 MiB pages; other leaves (sharded, accelerator, small, not arrays) as they are. An
-    array that appears twice in the tree is moved once and stays shared; one already in memory that
-    asks for huge pages (made by `empty`) stays. Values do not change."""
+    array that appears twice in the tree is moved once and stays shared; one already where a move
+    would put it (made by `empty`: `_in_place`) stays. Values do not change."""
     if not supported():
         return tree
     asking = _memory_asking_for_huge_pages()
-    movable = {id(x): x for x in jax.tree.leaves(tree) if _movable(x) and not _inside(x, asking)}
+    movable = {id(x): x for x in jax.tree.leaves(tree) if _movable(x) and not _in_place(x, asking)}
     with ThreadPoolExecutor(os.cpu_count()) as pool:  # the copies and the page faults run in parallel
         moved = dict(zip(movable, pool.map(_moved, movable.values())))
     return jax.tree.map(lambda x: moved.get(id(x), x), tree)
@@ -71,9 +71,12 @@ def _memory_asking_for_huge_pages() -> list[tuple[int, int]]:
     return ranges
 
 
-def _inside(x: jax.Array, ranges: list[tuple[int, int]]) -> bool:
+def _in_place(x: jax.Array, asking: list[tuple[int, int]]) -> bool:
+    """Whether `x` starts at a huge-page boundary in memory that asks for huge pages (`asking`), as
+    `empty`'s and a move's arrays do. Both count: numpy asks for huge pages for its own large arrays
+    too, and the heap keeps the flag where XLA may later allocate (seen in the test suite)."""
     address = x.unsafe_buffer_pointer()
-    return any(start <= address < end for start, end in ranges)
+    return address % HUGE_PAGE == 0 and any(start <= address < end for start, end in asking)
 
 
 def empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
