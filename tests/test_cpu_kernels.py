@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 import dsr1
-from dsr1.core import cpu_kernels, quant
+from dsr1.core import attention, cpu_kernels, quant
 from dsr1.core.attention import DECODE_PRODUCTS
+from dsr1.core.params import compute_view
 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.available(),
                                   reason="dsr1's CPU kernel is not built here (no C++ compiler, or no AVX2)")
@@ -369,11 +370,105 @@ def test_decode_with_the_kernel_equals_decode_without(dtype, quant_mode, monkeyp
             np.testing.assert_array_equal(logits["1"].argmax(-1)[decisive], logits["0"].argmax(-1)[decisive])
 
 
+def _bf16(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    return rng.standard_normal(shape, np.float32).astype(jnp.bfloat16)
+
+
+def _attention_inputs(rank: int, heads: int, rng: np.random.Generator) -> tuple:
+    """bf16 queries, a `[3, 5, 40, ...]` cache and own keys; rows holding none, one, some and all of
+    the cache's positions."""
+    b, s, rope = 5, 40, 16
+    return (_bf16((b, heads, rank), rng), _bf16((b, heads, rope), rng), _bf16((3, b, s, rank), rng),
+            _bf16((3, b, s, rope), rng), _bf16((b, rank), rng), _bf16((b, rope), rng), np.array([0, 1, 17, s, 33]))
+
+
+def _attention_float64(q, q_pe, c_kv, k_pe, own_c, own_pe, lengths, layer: int, scale: float) -> np.ndarray:
+    """`mla_decode_context`'s steps in float64, the probabilities rounded to bf16 from float32."""
+    f64 = np.float64
+    want = np.zeros(q.shape)
+    for row, n in enumerate(lengths):
+        keys = np.concatenate([c_kv[layer, row, :n], own_c[row][None]]).astype(f64)
+        rotary = np.concatenate([k_pe[layer, row, :n], own_pe[row][None]]).astype(f64)
+        scores = (q[row].astype(f64) @ keys.T + q_pe[row].astype(f64) @ rotary.T) * scale
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs = (probs / probs.sum(-1, keepdims=True)).astype(np.float32).astype(jnp.bfloat16).astype(f64)
+        want[row] = probs @ keys
+    return want
+
+
+def _assert_attention_close(got: np.ndarray, want: np.ndarray) -> None:
+    """To float32 summation order: within 1e-6 of the largest output but where a probability's float32
+    value lay at a bf16 rounding tie (one bf16 ulp of it, 2^-8 at most)."""
+    error = np.abs(got - want)
+    assert np.quantile(error, 0.999) < 1e-6 * np.abs(want).max()
+    assert error.max() < 2 ** -8 * np.abs(want).max()
+
+
+def _bits(x: np.ndarray) -> jax.Array:
+    return jnp.asarray(x.view(np.uint16))
+
+
+@needs_kernel
+@pytest.mark.parametrize("rank", [64, 160, 256])  # sums in registers (128 lanes at a time), plain loops, or both
+@pytest.mark.parametrize("heads", [3, 11])  # one block of heads, or two (8 + 3)
+def test_mla_decode_context_equals_float64(rank, heads):
+    """The attention of one new token per row against layer 1 of a cache of bf16 bits, read in place,
+    plus each row's own key, equals float64 of the same steps."""
+    q, q_pe, c_kv, k_pe, own_c, own_pe, lengths = _attention_inputs(rank, heads, np.random.default_rng(rank + heads))
+    got = jax.jit(cpu_kernels.mla_decode_context, static_argnums=8)(
+        jnp.asarray(q), jnp.asarray(q_pe), _bits(c_kv), _bits(k_pe), 1, jnp.asarray(lengths), jnp.asarray(own_c),
+        jnp.asarray(own_pe), 0.3)
+    _assert_attention_close(np.asarray(got), _attention_float64(q, q_pe, c_kv, k_pe, own_c, own_pe, lengths, 1, 0.3))
+
+
+@needs_kernel
+def test_mla_decode_context_names_what_is_wrong():
+    q = jnp.zeros((2, 4, 32))
+    cache = jnp.zeros((3, 2, 8, 32), jnp.uint16)
+    with pytest.raises(ValueError, match="c_kv"):
+        cpu_kernels.mla_decode_context(q, jnp.zeros((2, 4, 16)), cache.astype(jnp.float32), jnp.zeros((3, 2, 8, 16),
+                                       jnp.uint16), 0, jnp.zeros(2, jnp.int32), jnp.zeros((2, 32)), jnp.zeros((2, 16)),
+                                       1.0)
+    with pytest.raises(ValueError, match="own_c"):
+        cpu_kernels.mla_decode_context(q, jnp.zeros((2, 4, 16)), cache, jnp.zeros((3, 2, 8, 16), jnp.uint16), 0,
+                                       jnp.zeros(2, jnp.int32), jnp.zeros((3, 32)), jnp.zeros((2, 16)), 1.0)
+
+
+@needs_kernel
+def test_decode_attention_by_the_kernel_equals_xlas():
+    """`attend_decode` of a bf16 model on one device against its prefilled cache (bits; rows of
+    different lengths) computes the attention in one kernel call, with the XLA path's result: the same
+    bf16 outputs but where float32 summation order flips a rounding. An int8 cache, or the cache on
+    several devices (`one_device=False`), keeps the XLA path."""
+    cfg = dsr1.Config.preset("tiny")
+    model = dsr1.init_random(cfg, seed=1, dtype="bfloat16")
+    tokens = np.random.default_rng(0).integers(2, cfg.vocab_size, (3, 6))
+    _, cache = model.prefill(tokens, lengths=np.array([6, 2, 4]), max_len=9)
+    p = jax.tree.map(lambda a: a[1], compute_view(model.params, cfg)["moe_layers"])
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((3, cfg.hidden_size)), jnp.bfloat16)
+
+    def attend(one_device: bool):
+        return jax.jit(lambda p, x, cache: attention.attend_decode(p, x, cache.lengths, cache, jnp.int32(2), cfg,
+                                                                   one_device=one_device))
+
+    assert "dsr1_mla_decode_context" in attend(True).lower(p, x, cache).as_text()
+    assert "dsr1_mla_decode_context" not in attend(False).lower(p, x, cache).as_text()
+    (got, got_latents), (want, want_latents) = attend(True)(p, x, cache), attend(False)(p, x, cache)
+    np.testing.assert_array_equal(np.asarray(got_latents[0], np.float32), np.asarray(want_latents[0], np.float32))
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.mean(got == want) > 0.99  # (all equal here)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2 ** -8 * np.abs(want).max())  # a rounding flip at most
+    int8 = dsr1.init_random(cfg, seed=1, dtype="bfloat16", kv_cache_dtype="int8")
+    _, scaled = int8.prefill(tokens, max_len=9)
+    assert "dsr1_mla_decode_context" not in attend(True).lower(p, x, scaled).as_text()
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", ["bf16", "int8"])
 def test_the_avx2_build_computes_the_same(dtype, tmp_path, monkeypatch):
     """The kernel's AVX2 variant (8-lane vectors: CPUs without AVX-512, e.g. AMD Zen 3), built here with
-    AVX-512 turned off and registered under its own names, equals float64 for every block size."""
+    AVX-512 turned off and registered under its own names, equals float64 for every block size (and
+    in the decode attention)."""
     import ctypes
 
     monkeypatch.setenv("DSR1_KERNEL_CACHE", str(tmp_path))
@@ -388,3 +483,11 @@ def test_the_avx2_build_computes_the_same(dtype, tmp_path, monkeypatch):
         got = np.asarray(call(jnp.asarray(x), jnp.asarray(w), jnp.int32(2)))[0]
         want = x[0].astype(np.float64) @ _values(w[2]).T
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=str(rows))
+    if dtype == "bf16":  # the decode attention too: 160 latents are two 64-lane register blocks and a rest
+        jax.ffi.register_ffi_target("mla_avx2_test", jax.ffi.pycapsule(library.dsr1_mla_decode_context), platform="cpu")
+        q, q_pe, c_kv, k_pe, own_c, own_pe, lengths = _attention_inputs(160, 11, rng)
+        call = jax.ffi.ffi_call("mla_avx2_test", jax.ShapeDtypeStruct(q.shape, jnp.float32))
+        got = call(*(jnp.asarray(a, jnp.float32) for a in (q, q_pe)), _bits(c_kv), _bits(k_pe), jnp.ones(1, jnp.int32),
+                   jnp.asarray(lengths, jnp.int32), _bits(own_c), _bits(own_pe), jnp.full(1, 0.3, jnp.float32))
+        want = _attention_float64(q, q_pe, c_kv, k_pe, own_c, own_pe, lengths, 1, 0.3)
+        _assert_attention_close(np.asarray(got), want)

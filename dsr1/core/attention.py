@@ -25,7 +25,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from . import flash_decode
+from . import cpu_kernels, flash_decode
 from .cache import KVCache, PagedKVCache, latent_values
 from .config import Config
 from .layers import rms_norm
@@ -164,16 +164,17 @@ def attend_prefill(p: dict, x: jax.Array, positions: jax.Array, cfg: Config):
     return out, (c_kv, k_pe)
 
 
-def attend_decode(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache, layer: jax.Array, cfg: Config):
+def attend_decode(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache, layer: jax.Array, cfg: Config,
+                  one_device: bool = False):
     """One new token per row, `x [B, D]` at `positions [B]`, against `cache.lengths[b]` cached positions
     of `layer` of a contiguous cache. `attend_cached` with T = 1; returns `(out [B, D], (c_kv [B, r],
     k_pe [B, rope]))`."""
-    out, (c_new, pe_new) = attend_cached(p, x[:, None], positions[:, None], cache, layer, cfg)
+    out, (c_new, pe_new) = attend_cached(p, x[:, None], positions[:, None], cache, layer, cfg, one_device=one_device)
     return out[:, 0], (c_new[:, 0], pe_new[:, 0])
 
 
 def attend_cached(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache, layer: jax.Array, cfg: Config,
-                  query_at: jax.Array | None = None):
+                  query_at: jax.Array | None = None, one_device: bool = False):
     """T new tokens per row, `x [B, T, D]` at `positions [B, T]` (`lengths[b] + t`), against
     `cache.lengths[b]` cached positions of `layer` of a contiguous cache and causally to each other
     (decode, and the multi-token verification of speculative decoding).
@@ -181,7 +182,8 @@ def attend_cached(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache, l
     Absorbed form. The new tokens' latents join the softmax directly, so the cache is only read
     here; the caller writes the returned `(c_kv [B, T, r], k_pe [B, T, rope])` once for all layers.
     `query_at [B]`: only row b's token `query_at[b]` queries (out `[B, 1, D]`); all T latents are
-    still returned (the MTP catch-up needs the others' latents, not their outputs).
+    still returned (the MTP catch-up needs the others' latents, not their outputs). `one_device`: the
+    cache is whole on one device, so dsr1's CPU kernel may attend (`_kernel_attends`).
     """
     with jax.named_scope("mla_decode"):
         b, t = x.shape[0], x.shape[1]
@@ -197,6 +199,10 @@ def attend_cached(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache, l
         dt = q_nope.dtype
         q = make_query(p, q_nope, q_pe, absorbed=True)
         own = make_keys(p, c_new, None, pe_new, absorbed=True, dtype=dt)
+        if query_at is None and _kernel_attends(cache, t, one_device):
+            ctx = cpu_kernels.mla_decode_context(q.main[:, 0], q.pe[:, 0], cache.c_kv, cache.k_pe, layer,
+                                                 cache.lengths, own.values[:, 0], own.pe[:, 0], cfg.softmax_scale)
+            return attention_output(p, ctx[:, :, None], absorbed=True, dtype=dt), (c_new, pe_new)
         if flash_decode.applies(q.main.shape[2], q.main.shape[3], q.pe.shape[3], t, cache.c_kv.dtype,
                                 cache.c_scale is not None):
             ctx = _flash_context(q, own, cache.c_kv[layer], cache.k_pe[layer], cache.lengths, cfg)
@@ -210,6 +216,15 @@ def attend_cached(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache, l
 
 
 CACHE_BLOCK = 256  # cached positions per step of `_fold_cache`; a cache of at most this many: one softmax
+
+
+def _kernel_attends(cache: KVCache, queries: int, one_device: bool) -> bool:
+    """Whether dsr1's CPU kernel computes a decode step's attention (`cpu_kernels.mla_decode_context`):
+    one query per row against a cache of bf16 bits (a CPU's, `cache.stores_bits`), unscaled, whole on
+    one device (XLA would gather a sharded operand of a custom call). Every cache length in one
+    softmax, as `_cache_softmax` (the XLA path folds caches of more than `CACHE_BLOCK` positions)."""
+    return (one_device and queries == 1 and cache.c_kv.dtype == jnp.uint16 and cache.c_scale is None
+            and cpu_kernels.available())
 
 
 def _cache_softmax(p: dict, q: Query, own: Keys, own_mask: jax.Array, cache: KVCache, layer: jax.Array,

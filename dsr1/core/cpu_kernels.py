@@ -152,6 +152,30 @@ def combine_rows_dot(h: jax.Array, down: jax.Array, index: jax.Array, token: jax
                 weight.astype(jnp.float32))
 
 
+def mla_decode_context(q: jax.Array, q_pe: jax.Array, c_kv: jax.Array, k_pe: jax.Array, layer: jax.Array | int,
+                       lengths: jax.Array, own_c: jax.Array, own_pe: jax.Array, scale: float) -> jax.Array:
+    """Absorbed MLA attention of one new token per row: the context `[B, H, r]` (float32) of queries
+    `q [B, H, r]`, `q_pe [B, H, rope]` over the first `lengths[b]` positions of layer `layer` of a
+    cache of bf16 bits (uint16) `c_kv [layers, B, S, r]`, `k_pe [layers, B, S, rope]`, read in place,
+    and the new token's own latent `own_c [B, r]`, `own_pe [B, rope]` (bf16 values) as one more key.
+    Scores `(q . c + q_pe . pe) * scale`, one softmax, the probabilities rounded to bf16 before their
+    sum over the latents, as `attention`'s XLA path computes them. Needs `available()`."""
+    b, h, r = q.shape
+    rope = q_pe.shape[-1]
+    if (c_kv.dtype != jnp.uint16 or k_pe.dtype != jnp.uint16 or q_pe.shape != (b, h, rope) or c_kv.ndim != 4
+            or c_kv.shape[1:2] + c_kv.shape[3:] != (b, r) or k_pe.shape != (*c_kv.shape[:3], rope)
+            or jnp.shape(lengths) != (b,) or own_c.shape != (b, r) or own_pe.shape != (b, rope)):
+        raise ValueError(f"mla_decode_context: q {q.shape}, q_pe {q_pe.shape}, bf16 bits c_kv {c_kv.shape} "
+                         f"{c_kv.dtype} and k_pe {k_pe.shape} {k_pe.dtype}, lengths {jnp.shape(lengths)}, own_c "
+                         f"{own_c.shape}, own_pe {own_pe.shape}: q [B, H, r], q_pe [B, H, rope], c_kv [layers, B, S, "
+                         "r], k_pe [layers, B, S, rope], lengths [B], own_c [B, r], own_pe [B, rope]")
+    f32 = jnp.float32
+    call = jax.ffi.ffi_call("dsr1_mla_decode_context", jax.ShapeDtypeStruct(q.shape, f32), vmap_method="sequential")
+    bits = [jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16) for x in (own_c, own_pe)]
+    return call(q.astype(f32), q_pe.astype(f32), c_kv, k_pe, jnp.asarray(layer, jnp.int32).reshape(1),
+                jnp.asarray(lengths, jnp.int32), *bits, jnp.full((1,), scale, f32))
+
+
 def amx_available() -> bool:
     """Whether `amx_rows_dot` runs here: `available()`, built for a CPU with AMX (bf16 tiles: Intel
     Xeon since Sapphire Rapids), and Linux grants this process the tile state."""
@@ -200,7 +224,8 @@ def _registered() -> ctypes.CDLL | None:
     lib = ctypes.cdll.LoadLibrary(str(library))
     targets = [_target(weights, each) for weights in _WEIGHTS.values() for each in (False, True)]
     targets += [_target("bf16", each, bf16=True) for each in (False, True)]
-    fused = ["dsr1_swiglu_rows_dot", "dsr1_combine_rows_dot", "dsr1_bf16_combine_rows_dot", "dsr1_rows_dot_each_amx"]
+    fused = ["dsr1_swiglu_rows_dot", "dsr1_combine_rows_dot", "dsr1_bf16_combine_rows_dot", "dsr1_rows_dot_each_amx",
+             "dsr1_mla_decode_context"]
     for target in [*targets, *fused]:
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
     return lib

@@ -196,7 +196,7 @@ def decode(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config, me
     x = keep_replicated(_embed(params, tokens), mesh)
 
     def attend(p, h, i):
-        return attend_decode(p, h, positions, cache, i, cfg)
+        return attend_decode(p, h, positions, cache, i, cfg, one_device=mesh.size == 1)
 
     x, (c_new, pe_new), routing = _run_layers(params, x, attend, cfg, mesh, rules)
     logits = keep_replicated(_logits(params, x, cfg), mesh)
