@@ -129,13 +129,16 @@ def join_processes(num_processes: int, process_id: int, port: int) -> None:
 def count_products(monkeypatch, module) -> dict[str, list[int]]:
     """The rows of every `rowwise_matmul` (XLA, one row at a time) and `kernel_matmul` (dsr1's CPU
     kernel) product that `module` traces from now on (per group of rows, for `x [g, rows, in]`), and of
-    the kernel's fused expert products (`swiglu_rows_dot`, `combine_rows_dot`) traced from anywhere."""
+    the kernel's fused expert products (`swiglu_rows_dot`, `combine_rows_dot`; `swiglu_pairs`,
+    `combine_pairs`: their tokens) traced from anywhere."""
     from dsr1.core import cpu_kernels
 
-    calls = {"rowwise_matmul": [], "kernel_matmul": [], "swiglu_rows_dot": [], "combine_rows_dot": []}
+    calls = {"rowwise_matmul": [], "kernel_matmul": [], "swiglu_rows_dot": [], "combine_rows_dot": [],
+             "swiglu_pairs": [], "combine_pairs": []}
     for name, rows in calls.items():
-        owner = cpu_kernels if name.endswith("_rows_dot") else module
+        owner = cpu_kernels if name.endswith(("_rows_dot", "_pairs")) else module
         original = getattr(owner, name)
+        axis = 0 if name.endswith("_pairs") else -2
         monkeypatch.setattr(owner, name,
-                            lambda x, *args, f=original, c=rows: c.append(x.shape[-2]) or f(x, *args))
+                            lambda x, *args, f=original, c=rows, a=axis: c.append(x.shape[a]) or f(x, *args))
     return calls

@@ -188,7 +188,7 @@ def test_large_bf16_matmul_widens_in_column_blocks(rows):
 def _expected_products(kernel: bool, rows_traced: tuple[int, ...], kernel_rows: int) -> dict[str, list[int]]:
     """Which products read the transposed copy: with the kernel up to `KERNEL_ROWS` rows, else one row
     (no expert loop here: none of its fused products)."""
-    fused = {"swiglu_rows_dot": [], "combine_rows_dot": []}
+    fused = {"swiglu_rows_dot": [], "combine_rows_dot": [], "swiglu_pairs": [], "combine_pairs": []}
     if kernel:
         return {"rowwise_matmul": [], "kernel_matmul": [r for r in rows_traced if r <= kernel_rows], **fused}
     return {"rowwise_matmul": [r for r in rows_traced if r == 1], "kernel_matmul": [], **fused}

@@ -144,6 +144,35 @@ def test_swiglu_and_combine_rows_dot_equal_float64():
         cpu_kernels.swiglu_rows_dot(jnp.asarray(x), jnp.asarray(gate), jnp.zeros((2, 3, 300, 64), jnp.uint16), index)
 
 
+@needs_kernel
+def test_swiglu_and_combine_pairs_equal_float64():
+    """A decode step's token-expert pairs as routed (`matrix [tokens, k]`, negative: another device's
+    expert), grouped by the kernel: experts hit by one token and by many (more than a block of 8 rows),
+    outputs large enough to split over threads; skipped pairs give zeros and add nothing."""
+    rng = np.random.default_rng(6)
+    tokens, k, inputs, hidden = 11, 3, 72, 300
+    gate, up = _weights("bf16", (2, 3, hidden, inputs), rng), _weights("bf16", (2, 3, hidden, inputs), rng)
+    down = _weights("bf16", (2, 3, inputs, hidden), rng)
+    x = rng.standard_normal((tokens, inputs)).astype(np.float32)
+    matrix = rng.integers(-1, 6, (tokens, k)).astype(np.int32)
+    matrix[:, 0] = 4  # one expert for every token: two passes of 8 rows
+    weight = rng.uniform(0.1, 1, (tokens, k)).astype(np.float32)
+    h = np.asarray(jax.jit(cpu_kernels.swiglu_pairs)(*map(jnp.asarray, (x, matrix, gate, up))))
+    pick = np.clip(matrix, 0, 5)
+    g = np.einsum("ti,tjoi->tjo", x.astype(np.float64), _values(gate.reshape(6, hidden, inputs))[pick])
+    u = np.einsum("ti,tjoi->tjo", x.astype(np.float64), _values(up.reshape(6, hidden, inputs))[pick])
+    want_h = np.where((matrix >= 0)[..., None], g / (1 + np.exp(-g)) * u, 0)
+    np.testing.assert_allclose(h, want_h, rtol=1e-5, atol=1e-5 * np.abs(want_h).max())
+    got = np.asarray(jax.jit(cpu_kernels.combine_pairs)(*map(jnp.asarray, (h, matrix, weight, down))))
+    y = np.einsum("tji,tjoi->tjo", h.astype(np.float64), _values(down.reshape(6, inputs, hidden))[pick])
+    want = (np.where(matrix >= 0, weight, 0)[..., None] * y).sum(1)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    with pytest.raises(ValueError, match=r"matrix \(11, 2\)"):
+        cpu_kernels.combine_pairs(jnp.asarray(h), matrix[:, :2], weight, jnp.asarray(down))
+    with pytest.raises(ValueError, match=r"up \(2, 3, 300, 64\)"):
+        cpu_kernels.swiglu_pairs(jnp.asarray(x), matrix, jnp.asarray(gate), jnp.zeros((2, 3, 300, 64), jnp.uint16))
+
+
 def _bf16_rows_built() -> bool:
     return cpu_kernels.available() and cpu_kernels._bf16_dot_rate() > 0
 

@@ -140,7 +140,8 @@ def test_expert_loop_reads_experts_transposed_for_blocks_of_few_rows(tokens, dty
     without it (`DSR1_CPU_KERNELS=0`) blocks of up to `expert_rows` rows (bf16: 2, decode; int8: 4, a
     short prefill too) multiply each row against it in XLA (int8: then scale it). Either way the result
     equals `ragged_dot` on the `[in, out]` values (all widen exactly and sum in float32). 16 tokens run
-    blocks of 4 here."""
+    blocks of 4 here. bf16 with the kernel and at most `KERNEL_ROWS` tokens: the pairs go to the
+    kernel as routed, two calls (`swiglu_pairs`, `combine_pairs`), no blocks."""
     import dsr1.core.moe as moe_module
 
     from .moe_worker import kernel_outputs
@@ -153,10 +154,14 @@ def test_expert_loop_reads_experts_transposed_for_blocks_of_few_rows(tokens, dty
     outputs = kernel_outputs(model, tokens)
     block = moe_module.loop_block_rows(tokens, tokens * TINY.num_experts_per_tok, TINY.n_routed_experts)
     limit = KERNEL_ROWS if cpu_kernel else gate.expert_rows
+    as_pairs = cpu_kernel and dtype == "bfloat16" and tokens <= KERNEL_ROWS
+    assert calls["swiglu_pairs"] + calls["combine_pairs"] == ([tokens, tokens] if as_pairs else []), calls
     fused = calls["swiglu_rows_dot"] + calls["combine_rows_dot"]  # bf16 with the kernel: two calls, not three
     taken, other = (calls["kernel_matmul"] + fused, calls["rowwise_matmul"]) if cpu_kernel else (
         calls["rowwise_matmul"], calls["kernel_matmul"] + fused)
-    if block <= limit:  # the loop's gate, up and down products took the copy
+    if as_pairs:  # no blocks
+        assert not taken, calls
+    elif block <= limit:  # the loop's gate, up and down products took the copy
         assert taken and set(taken) <= {block}, calls
         assert not cpu_kernel or (len(fused) == 2) == (dtype == "bfloat16"), calls
     else:

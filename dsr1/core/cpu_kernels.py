@@ -152,6 +152,36 @@ def combine_rows_dot(h: jax.Array, down: jax.Array, index: jax.Array, token: jax
                 weight.astype(jnp.float32))
 
 
+def swiglu_pairs(x: jax.Array, matrix: jax.Array, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """Each token-expert pair's `SiLU(x[t] @ gate[matrix[t, j]].T) * (x[t] @ up[matrix[t, j]].T)`, float32
+    `[tokens, k, out]`, for `x [tokens, in]` against bf16 bits `gate`, `up [..., out, in]` (an expert
+    stack, its leading axes flattened): a decode step's routed pairs as the router chose them, grouped
+    by matrix in the kernel (each hit expert read once for all its rows, in place); a negative matrix
+    (another device's expert) gives zeros. Needs `available()`."""
+    if (gate.dtype != jnp.uint16 or gate.shape != up.shape or x.ndim != 2 or gate.shape[-1] != x.shape[1]
+            or matrix.ndim != 2 or matrix.shape[0] != x.shape[0]):
+        raise ValueError(f"swiglu_pairs: x {x.shape} against bf16 bits gate {gate.shape} {gate.dtype} and up "
+                         f"{up.shape} with matrix {matrix.shape}: x [tokens, in], matrix [tokens, k], [..., out, in]")
+    out = jax.ShapeDtypeStruct((*matrix.shape, gate.shape[-2]), jnp.float32)
+    call = jax.ffi.ffi_call("dsr1_swiglu_pairs", out, vmap_method="sequential")
+    return call(x.astype(jnp.float32), jnp.asarray(matrix, jnp.int32), gate, up)
+
+
+def combine_pairs(h: jax.Array, matrix: jax.Array, weight: jax.Array, down: jax.Array) -> jax.Array:
+    """float32 `[tokens, out]`: for each token t the sum over its pairs j of `weight[t, j] * (h[t, j] @
+    down[matrix[t, j]].T)`, for `h [tokens, k, in]` against bf16 bits `down [..., out, in]`: the last
+    product of `swiglu_pairs`' experts and the routing-weighted sum of each token's experts in one
+    call; a negative matrix skips its pair. Needs `available()`."""
+    if (down.dtype != jnp.uint16 or h.ndim != 3 or down.shape[-1] != h.shape[-1] or jnp.shape(matrix) != h.shape[:2]
+            or jnp.shape(weight) != h.shape[:2]):
+        raise ValueError(f"combine_pairs: h {h.shape} against bf16 bits down {down.shape} {down.dtype}, matrix "
+                         f"{jnp.shape(matrix)}, weight {jnp.shape(weight)}: h [tokens, k, in], matrix and weight "
+                         "[tokens, k], down [..., out, in]")
+    out = jax.ShapeDtypeStruct((h.shape[0], down.shape[-2]), jnp.float32)
+    call = jax.ffi.ffi_call("dsr1_combine_pairs", out, vmap_method="sequential")
+    return call(h.astype(jnp.float32), jnp.asarray(matrix, jnp.int32), weight.astype(jnp.float32), down)
+
+
 def mla_decode_context(q: jax.Array, q_pe: jax.Array, c_kv: jax.Array, k_pe: jax.Array, layer: jax.Array | int,
                        lengths: jax.Array, own_c: jax.Array, own_pe: jax.Array, scale: float) -> jax.Array:
     """Absorbed MLA attention of one new token per row: the context `[B, H, r]` (float32) of queries
@@ -225,7 +255,7 @@ def _registered() -> ctypes.CDLL | None:
     targets = [_target(weights, each) for weights in _WEIGHTS.values() for each in (False, True)]
     targets += [_target("bf16", each, bf16=True) for each in (False, True)]
     fused = ["dsr1_swiglu_rows_dot", "dsr1_combine_rows_dot", "dsr1_bf16_combine_rows_dot", "dsr1_rows_dot_each_amx",
-             "dsr1_mla_decode_context"]
+             "dsr1_swiglu_pairs", "dsr1_combine_pairs", "dsr1_mla_decode_context"]
     for target in [*targets, *fused]:
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
     return lib

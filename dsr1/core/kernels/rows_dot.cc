@@ -467,6 +467,126 @@ ffi::Error CombineRowsDot(ffi::ThreadPool pool, ffi::Buffer<XD> h, ffi::Buffer<f
   return ffi::Error::Success();
 }
 
+// A decode step's token-expert pairs straight from the router (`matrix [tokens, k]`: the matrix of a
+// stack each pair reads, negative where the expert is not this device's), grouped by matrix here: each
+// hit expert read once for all its rows, in ascending order of matrix, each group's pairs in their
+// order (as a stable sort by expert orders them). Replaces the sort, the block layout and the row
+// gathers that XLA ran between the two calls (~100 thunks per layer).
+struct PairGroups {
+  std::vector<int64_t> pairs;   // pair numbers (token * k + j), grouped
+  std::vector<int64_t> starts;  // group g holds pairs[starts[g], starts[g + 1])
+  std::vector<int32_t> matrices;
+};
+
+PairGroups group_pairs(const int32_t* matrix, int64_t count) {
+  PairGroups groups;
+  for (int64_t p = 0; p < count; ++p)
+    if (matrix[p] >= 0) groups.pairs.push_back(p);
+  std::stable_sort(groups.pairs.begin(), groups.pairs.end(), [&](int64_t a, int64_t b) { return matrix[a] < matrix[b]; });
+  for (int64_t i = 0; i < int64_t(groups.pairs.size()); ++i)
+    if (i == 0 || matrix[groups.pairs[i]] != groups.matrices.back()) {
+      groups.starts.push_back(i);
+      groups.matrices.push_back(matrix[groups.pairs[i]]);
+    }
+  groups.starts.push_back(groups.pairs.size());
+  return groups;
+}
+
+// Rows `rows[i]` of x [.., width] one after another in `out` [n, width].
+void gather_rows(const float* x, const int64_t* rows, int64_t n, int64_t width, std::vector<float>& out) {
+  out.resize(n * width);
+  for (int64_t i = 0; i < n; ++i) std::copy(x + rows[i] * width, x + (rows[i] + 1) * width, out.data() + i * width);
+}
+
+// The matrix `m` of a stack of `count` matrices of `size` elements, clamped to the stack.
+const uint16_t* stack_matrix(const uint16_t* w, int64_t m, int64_t count, int64_t size) {
+  return w + std::clamp<int64_t>(m, 0, count - 1) * size;
+}
+
+// h[p] = SiLU(x[p / k] . gate[matrix[p]]) * (x[p / k] . up[matrix[p]]) for x [tokens, in] against
+// gate and up [..., out, in]; zeros for a pair whose matrix is negative.
+ffi::Error SwigluPairs(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> matrix,
+                       ffi::Buffer<ffi::U16> gate, ffi::Buffer<ffi::U16> up, ffi::ResultBuffer<ffi::F32> h) {
+  const auto xd = x.dimensions(), md = matrix.dimensions(), wd = gate.dimensions();
+  if (xd.size() != 2 || md.size() != 2 || md[0] != xd[0] || wd.size() < 2 || wd[wd.size() - 1] != xd[1] ||
+      gate.element_count() != up.element_count() || int64_t(h->element_count()) != md[0] * md[1] * wd[wd.size() - 2])
+    return ffi::Error::InvalidArgument(
+        "swiglu_pairs: x [tokens, in], matrix [tokens, k], gate and up [..., out, in] -> [tokens, k, out]");
+  const int64_t k = md[1], in = xd[1], out = wd[wd.size() - 2], size = out * in;
+  const int64_t count = std::max<int64_t>(1, gate.element_count() / std::max<int64_t>(1, size));
+  const int32_t* mp = matrix.typed_data();
+  const float* xp = x.typed_data();
+  const uint16_t* gp = reinterpret_cast<const uint16_t*>(gate.typed_data());
+  const uint16_t* up_ = reinterpret_cast<const uint16_t*>(up.typed_data());
+  float* hp = h->typed_data();
+  const PairGroups groups = group_pairs(mp, md[0] * k);
+  for (int64_t p = 0; p < md[0] * k; ++p)
+    if (mp[p] < 0) std::fill(hp + p * out, hp + (p + 1) * out, 0.0f);
+  const int64_t per_group = parts_per_group(pool, size), n_groups = groups.matrices.size();
+  run_parts(pool, n_groups * per_group, [&, k, in, out, size, count](int64_t part) {
+    const int64_t g = part / per_group, o0 = out * (part % per_group) / per_group;
+    const int64_t o1 = out * (part % per_group + 1) / per_group;
+    const int64_t* pairs = groups.pairs.data() + groups.starts[g];
+    const int64_t n = groups.starts[g + 1] - groups.starts[g];
+    thread_local std::vector<int64_t> tokens;
+    thread_local std::vector<float> rows, gated, linear;
+    tokens.resize(n);
+    for (int64_t i = 0; i < n; ++i) tokens[i] = pairs[i] / k;
+    gather_rows(xp, tokens.data(), n, in, rows);
+    gated.resize(n * out);
+    linear.resize(n * out);
+    rows_range<float, uint16_t>(rows.data(), stack_matrix(gp, groups.matrices[g], count, size), gated.data(), n, in,
+                                out, o0, o1);
+    rows_range<float, uint16_t>(rows.data(), stack_matrix(up_, groups.matrices[g], count, size), linear.data(), n,
+                                in, out, o0, o1);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t o = o0; o < o1; ++o) {
+        const float v = gated[i * out + o];
+        hp[pairs[i] * out + o] = linear[i * out + o] * (v / (1.0f + std::exp(-v)));
+      }
+  });
+  return ffi::Error::Success();
+}
+
+// y[t] = sum over the pairs p = t * k + j whose matrix is not negative of weight[p] * (h[p] . down[matrix[p]]),
+// for h [tokens, k, in] against down [..., out, in]; each part a range of output columns, so no two
+// threads add to the same value; the pairs added in the order `group_pairs` gives.
+ffi::Error CombinePairs(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::Buffer<ffi::S32> matrix,
+                        ffi::Buffer<ffi::F32> weight, ffi::Buffer<ffi::U16> down, ffi::ResultBuffer<ffi::F32> y) {
+  const auto hd = h.dimensions(), md = matrix.dimensions(), wd = down.dimensions(), yd = y->dimensions();
+  if (hd.size() != 3 || md.size() != 2 || hd[0] != md[0] || hd[1] != md[1] || weight.element_count() != matrix.element_count() ||
+      wd.size() < 2 || wd[wd.size() - 1] != hd[2] || yd.size() != 2 || yd[0] != hd[0] || yd[1] != wd[wd.size() - 2])
+    return ffi::Error::InvalidArgument(
+        "combine_pairs: h [tokens, k, in], matrix and weight [tokens, k], down [..., out, in] -> [tokens, out]");
+  const int64_t k = md[1], in = hd[2], out = wd[wd.size() - 2], size = out * in, tokens = hd[0];
+  const int64_t count = std::max<int64_t>(1, down.element_count() / std::max<int64_t>(1, size));
+  const float* hp = h.typed_data();
+  const float* wp = weight.typed_data();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(down.typed_data());
+  float* yp = y->typed_data();
+  const PairGroups groups = group_pairs(matrix.typed_data(), tokens * k);
+  const int64_t parts = parts_per_group(pool, size);
+  run_parts(pool, parts, [&, k, in, out, size, count, tokens](int64_t part) {
+    const int64_t o0 = out * part / parts, o1 = out * (part + 1) / parts;
+    zero_rows(yp, tokens, out, o0, o1);
+    thread_local std::vector<float> rows, product;
+    for (int64_t g = 0; g + 1 < int64_t(groups.starts.size()); ++g) {
+      const int64_t* pairs = groups.pairs.data() + groups.starts[g];
+      const int64_t n = groups.starts[g + 1] - groups.starts[g];
+      gather_rows(hp, pairs, n, in, rows);
+      product.resize(n * out);
+      rows_range<float, uint16_t>(rows.data(), stack_matrix(dp, groups.matrices[g], count, size), product.data(), n,
+                                  in, out, o0, o1);
+      for (int64_t i = 0; i < n; ++i) {
+        const float w = wp[pairs[i]];
+        float* yt = yp + pairs[i] / k * out;
+        for (int64_t o = o0; o < o1; ++o) yt[o] += w * product[i * out + o];
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
 // Absorbed MLA attention of one new token per row (decode) against a contiguous cache of bf16
 // latents held as bits, read in place (`c_kv [layers, B, S, r]`, `k_pe [layers, B, S, rope]`, the
 // layer by index), with the new token's own latent as one more key: one call per layer instead of
@@ -729,6 +849,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_bf16_combine_rows_dot, (CombineRowsDot<ffi::U
                               (Signature<ffi::U16, ffi::U16, ffi::S32, ffi::S32, ffi::S32, ffi::F32>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_each_amx, AmxRowsDot,
                               (Signature<ffi::U16, ffi::U16, ffi::S32, ffi::S32>()));
+// (x, matrix, gate, up) -> SiLU(x . gate) * (x . up) per pair; (h, matrix, weight, down) -> sums per token.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_swiglu_pairs, SwigluPairs, (Signature<ffi::F32, ffi::S32, ffi::U16, ffi::U16>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_combine_pairs, CombinePairs, (Signature<ffi::F32, ffi::S32, ffi::F32, ffi::U16>()));
 // (q, q_pe, c_kv, k_pe, layer, lengths, own_c, own_pe, scale) -> the attention context.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_mla_decode_context, MlaDecodeContext,
                               (Signature<ffi::F32, ffi::F32, ffi::U16, ffi::U16, ffi::S32, ffi::S32, ffi::U16, ffi::U16,
