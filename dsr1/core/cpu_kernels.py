@@ -10,6 +10,9 @@ index in a stack, so an expert of a layer is read in place; with an index per gr
 call runs every block of an expert loop. A bf16 model's rows (activations, exact bf16) are multiplied
 as bf16 with AVX-512 BF16's `vdpbf16ps` where the CPU runs it fast (`bf16_rows`). `amx_rows_dot`
 does the same for blocks of many bf16 rows (a prefill's) on AMX tiles, where the CPU has them.
+Built on the same row products: a decode step's routed experts from the router's pairs
+(`swiglu_pairs`, `combine_pairs`) and its absorbed MLA attention against the bf16 cache
+(`mla_decode_context`), each in place of tens of small XLA operations.
 
 The kernel is compiled on first use with the system's C++ compiler for the CPU it runs on (x86-64
 with AVX-512, or AVX2 and FMA) and cached under `$DSR1_KERNEL_CACHE` (default
