@@ -482,7 +482,8 @@ PairGroups group_pairs(const int32_t* matrix, int64_t count) {
   PairGroups groups;
   for (int64_t p = 0; p < count; ++p)
     if (matrix[p] >= 0) groups.pairs.push_back(p);
-  std::stable_sort(groups.pairs.begin(), groups.pairs.end(), [&](int64_t a, int64_t b) { return matrix[a] < matrix[b]; });
+  std::stable_sort(groups.pairs.begin(), groups.pairs.end(),
+                   [&](int64_t a, int64_t b) { return matrix[a] < matrix[b]; });
   for (int64_t i = 0; i < int64_t(groups.pairs.size()); ++i)
     if (i == 0 || matrix[groups.pairs[i]] != groups.matrices.back()) {
       groups.starts.push_back(i);
@@ -548,14 +549,16 @@ ffi::Error SwigluPairs(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   return ffi::Error::Success();
 }
 
-// y[t] = sum over the pairs p = t * k + j whose matrix is not negative of weight[p] * (h[p] . down[matrix[p]]),
-// for h [tokens, k, in] against down [..., out, in]; each part a range of output columns, so no two
-// threads add to the same value; the pairs added in the order `group_pairs` gives.
+// y[t] = sum over the pairs p = t * k + j whose matrix is not negative of
+// weight[p] * (h[p] . down[matrix[p]]), for h [tokens, k, in] against down [..., out, in]; each part
+// a range of output columns, so no two threads add to the same value; the pairs added in the order
+// `group_pairs` gives.
 ffi::Error CombinePairs(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::Buffer<ffi::S32> matrix,
                         ffi::Buffer<ffi::F32> weight, ffi::Buffer<ffi::U16> down, ffi::ResultBuffer<ffi::F32> y) {
   const auto hd = h.dimensions(), md = matrix.dimensions(), wd = down.dimensions(), yd = y->dimensions();
-  if (hd.size() != 3 || md.size() != 2 || hd[0] != md[0] || hd[1] != md[1] || weight.element_count() != matrix.element_count() ||
-      wd.size() < 2 || wd[wd.size() - 1] != hd[2] || yd.size() != 2 || yd[0] != hd[0] || yd[1] != wd[wd.size() - 2])
+  if (hd.size() != 3 || md.size() != 2 || hd[0] != md[0] || hd[1] != md[1] ||
+      weight.element_count() != matrix.element_count() || wd.size() < 2 || wd[wd.size() - 1] != hd[2] ||
+      yd.size() != 2 || yd[0] != hd[0] || yd[1] != wd[wd.size() - 2])
     return ffi::Error::InvalidArgument(
         "combine_pairs: h [tokens, k, in], matrix and weight [tokens, k], down [..., out, in] -> [tokens, out]");
   const int64_t k = md[1], in = hd[2], out = wd[wd.size() - 2], size = out * in, tokens = hd[0];
@@ -650,7 +653,8 @@ void attend_row(const float* q, const float* q_pe, const uint16_t* c, const uint
         for (int u = 0; u < 8; ++u) acc[u] = fmadd(pj, load(latents.data() + j * r + k0 + u * kLanes), acc[u]);
       }
       const Vec own = broadcast(p[len]);  // the own key's product is added last, as XLA's path adds it
-      for (int u = 0; u < 8; ++u) store(out + k0 + u * kLanes, fmadd(own, load(latents.data() + len * r + k0 + u * kLanes), acc[u]));
+      const float* last = latents.data() + len * r + k0;
+      for (int u = 0; u < 8; ++u) store(out + k0 + u * kLanes, fmadd(own, load(last + u * kLanes), acc[u]));
     }
   }
 }
@@ -680,7 +684,8 @@ ffi::Error MlaDecodeContext(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   float* out = ctx->typed_data();
   const int64_t blocks = (heads + kMaxBlockRows - 1) / kMaxBlockRows;  // heads read each position together
   run_parts(pool, rows * blocks, [=](int64_t part) {
-    const int64_t b = part / blocks, h0 = part % blocks * kMaxBlockRows, n = std::min<int64_t>(kMaxBlockRows, heads - h0);
+    const int64_t b = part / blocks, h0 = part % blocks * kMaxBlockRows;
+    const int64_t n = std::min<int64_t>(kMaxBlockRows, heads - h0);
     const int64_t len = std::clamp<int64_t>(held[b], 0, positions), at = b * heads + h0;
     thread_local std::vector<float> s, t;
     attend_row(qp + at * r, pp + at * rope, cl + b * positions * r, el + b * positions * rope, oc + b * r,
