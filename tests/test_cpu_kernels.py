@@ -458,6 +458,9 @@ def test_mla_decode_context_names_what_is_wrong():
         cpu_kernels.mla_decode_context(q, jnp.zeros((2, 4, 16)), cache.astype(jnp.float32), jnp.zeros((3, 2, 8, 16),
                                        jnp.uint16), 0, jnp.zeros(2, jnp.int32), jnp.zeros((2, 32)), jnp.zeros((2, 16)),
                                        1.0)
+    with pytest.raises(ValueError, match=r"q \(4, 32\)"):
+        cpu_kernels.mla_decode_context(q[0], jnp.zeros((2, 4, 16)), cache, jnp.zeros((3, 2, 8, 16), jnp.uint16), 0,
+                                       jnp.zeros(2, jnp.int32), jnp.zeros((2, 32)), jnp.zeros((2, 16)), 1.0)
     with pytest.raises(ValueError, match="own_c"):
         cpu_kernels.mla_decode_context(q, jnp.zeros((2, 4, 16)), cache, jnp.zeros((3, 2, 8, 16), jnp.uint16), 0,
                                        jnp.zeros(2, jnp.int32), jnp.zeros((3, 32)), jnp.zeros((2, 16)), 1.0)

@@ -193,10 +193,10 @@ def mla_decode_context(q: jax.Array, q_pe: jax.Array, c_kv: jax.Array, k_pe: jax
     and the new token's own latent `own_c [B, r]`, `own_pe [B, rope]` (bf16 values) as one more key.
     Scores `(q . c + q_pe . pe) * scale`, one softmax, the probabilities rounded to bf16 before their
     sum over the latents, as `attention`'s XLA path computes them. Needs `available()`."""
-    b, h, r = q.shape
+    b, h, r = q.shape if q.ndim == 3 else (0, 0, 0)
     rope = q_pe.shape[-1]
-    if (c_kv.dtype != jnp.uint16 or k_pe.dtype != jnp.uint16 or q_pe.shape != (b, h, rope) or c_kv.ndim != 4
-            or c_kv.shape[1:2] + c_kv.shape[3:] != (b, r) or k_pe.shape != (*c_kv.shape[:3], rope)
+    if (q.ndim != 3 or c_kv.dtype != jnp.uint16 or k_pe.dtype != jnp.uint16 or q_pe.shape != (b, h, rope)
+            or c_kv.ndim != 4 or c_kv.shape[1:2] + c_kv.shape[3:] != (b, r) or k_pe.shape != (*c_kv.shape[:3], rope)
             or jnp.shape(lengths) != (b,) or own_c.shape != (b, r) or own_pe.shape != (b, rope)):
         raise ValueError(f"mla_decode_context: q {q.shape}, q_pe {q_pe.shape}, bf16 bits c_kv {c_kv.shape} "
                          f"{c_kv.dtype} and k_pe {k_pe.shape} {k_pe.dtype}, lengths {jnp.shape(lengths)}, own_c "
