@@ -637,10 +637,10 @@ void attend_row(const float* q, const float* q_pe, const uint16_t* c, const uint
   for (int64_t h = 0; h < n; ++h) {
     float* out = ctx + h * r;
     const float* p = s.data() + h * keys;
-    std::fill(out, out + r, 0.0f);
     for (int64_t k0 = 0; k0 < r; k0 += 8 * kLanes) {  // 8 vectors of sums in registers
       const int64_t width = std::min<int64_t>(8 * kLanes, r - k0);
       if (width < 8 * kLanes) {  // a narrow latent: plain loops
+        std::fill(out + k0, out + r, 0.0f);
         for (int64_t j = 0; j < len; ++j)
           for (int64_t k = k0; k < r; ++k) out[k] += p[j] * latents[j * r + k];
         for (int64_t k = k0; k < r; ++k) out[k] += p[len] * latents[len * r + k];
