@@ -45,6 +45,21 @@ def test_kernel_matches_softmax_attention(dtype, tolerance):
     assert np.abs(np.asarray(ctx) - ref).max() / np.abs(ref).max() < tolerance
 
 
+@pytest.mark.parametrize("tiling", [flash_decode.Tiling(16, 32, 4, 2), flash_decode.Tiling(64, 128, 8, 1)])
+def test_every_tiling_computes_the_same_context(tiling):
+    """48 heads in programs of gcd(48, tiling.heads) heads, other loop steps and splits: the same
+    context as the default tiling, to float32 rounding."""
+    rng = np.random.default_rng(1)
+    b, h, rank, rope, cache_len = 2, 48, 32, 16, 700
+    args = [jnp.asarray(rng.standard_normal(shape), jnp.float32)
+            for shape in ((b, h, rank), (b, h, rope), (b, cache_len, rank), (b, cache_len, rope))]
+    own = [jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in ((b, h), (b, rank))]
+    lengths = jnp.asarray([700, 65], jnp.int32)
+    want, got = (flash_decode.combine(*flash_decode.cached_context(*args, lengths, 0.1, interpret=True, tiling=t), *own)
+                 for t in (flash_decode.DEFAULT_TILING, tiling))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6 * float(jnp.abs(want).max()))
+
+
 def test_decode_with_the_kernel_matches_the_xla_path(monkeypatch):
     """Three greedy decode steps of the tiny model from a random 40-position cache, the kernel forced
     on (interpret mode): the latents it writes and the tokens it picks equal the XLA path's."""

@@ -5,12 +5,14 @@ In absorbed decode every head attends to the same latents `c_kv [B, S, r]` and `
 float32 and reads them back (softmax, concatenation with the new token's, the values' product):
 ~4 bytes per head per cached token against the cache's ~2 per latent, so at long context the
 attention ran at ~10% of the copy bandwidth on an H200 (docs/performance.md, "GPU"). The kernel
-keeps a block of scores in registers: each program takes `BLOCK_HEADS` heads and one split of the
-cached positions, loops over blocks of `BLOCK_KEYS` latents with an online softmax, and writes its
+keeps a block of scores in registers: each program takes `Tiling.heads` heads and one split of the
+cached positions, loops over blocks of `Tiling.keys` latents with an online softmax, and writes its
 partial context with its running max and sum; `combine` folds the splits and the new token's own
-key. Each head block reads its split's latents again (8 blocks for R1's 128 heads): a block of all
-heads needs 256 KB of shared memory (an H200 has 227). Measured on an H200 (docs/performance.md,
-"GPU"): 1.0-2.3x the XLA path's speed, at best 22% of the copy bandwidth.
+key. Each head block reads its split's latents again (4 blocks of 32 for R1's 128 heads): a block of
+all heads needs 256 KB of shared memory (an H200 has 227). With 128 heads the products bound the
+step, not memory: ~240 FLOP per cached byte, above an H200's ~210 at its peak; the kernel's products
+(32-row tiles through Triton's mma) reached 198 TFLOP/s, 1.0-1.3x the XLA path (docs/performance.md,
+"GPU").
 
 Used where it applies (`applies`: one GPU, one query per row, bf16/f16 cache, head count and widths
 the kernel tiles); everywhere else the XLA path runs. `interpret=True` runs the kernel on any backend
@@ -19,19 +21,35 @@ the kernel tiles); everywhere else the XLA path runs. `interpret=True` runs the 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-BLOCK_HEADS = 16  # Triton's smallest dot tile; a [16, r] float32 context fits in registers
-BLOCK_KEYS = 64  # cached positions per loop step
+BLOCK_HEADS = 16  # Triton's smallest dot tile: the head count must be a multiple of it
 KEYS_PER_SPLIT = 512  # the cached positions of one program, at least, before the splits stop growing
 MAX_SPLITS = 32
-NUM_WARPS = 4  # with 16 heads, 4 warps and 2 stages measured best at 1 and 8 rows (32 heads: at 8 and 32)
-NUM_STAGES = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """How programs tile one row's attention: `heads` per program (a power of two from `BLOCK_HEADS`,
+    fewer where the head count needs; a [heads, r] float32 context stays in registers), `keys`
+    cached positions per loop step, and Triton's `warps` per program and pipeline `stages`. The
+    default measured best of 14 tilings at 8 and 32 rows of 32,768 positions on an H200, and within
+    5% of the best at 1 row (docs/performance.md, "GPU")."""
+
+    heads: int = 32
+    keys: int = 64
+    warps: int = 4
+    stages: int = 2
+
+
+DEFAULT_TILING = Tiling()
 
 
 def _power_of_two(n: int) -> bool:
@@ -51,28 +69,29 @@ def applies(heads: int, rank: int, rope: int, queries: int, cache_dtype: jnp.dty
             and _power_of_two(rope))
 
 
-def split_length(cache_len: int) -> int:
-    """Cached positions per program: a multiple of `BLOCK_KEYS`, at least `KEYS_PER_SPLIT` unless the
-    cache is shorter, and at most `MAX_SPLITS` splits (enough programs to fill a GPU at batch 1)."""
-    blocks = -(-cache_len // BLOCK_KEYS)
-    splits = max(1, min(MAX_SPLITS, blocks * BLOCK_KEYS // KEYS_PER_SPLIT))
-    return BLOCK_KEYS * -(-blocks // splits)
+def split_length(cache_len: int, keys: int = DEFAULT_TILING.keys) -> int:
+    """Cached positions per program: a multiple of `keys` (a loop step's), at least `KEYS_PER_SPLIT`
+    unless the cache is shorter, and at most `MAX_SPLITS` splits (enough programs to fill a GPU at
+    batch 1)."""
+    blocks = -(-cache_len // keys)
+    splits = max(1, min(MAX_SPLITS, blocks * keys // KEYS_PER_SPLIT))
+    return keys * -(-blocks // splits)
 
 
 def _kernel(length_ref, q_ref, qpe_ref, c_ref, pe_ref, acc_ref, max_ref, sum_ref, *, split_len: int,
-            scale: float):
-    """One program: `BLOCK_HEADS` heads of one row against one split of its cached positions."""
+            keys: int, scale: float):
+    """One program: a block of heads of one row against one split of its cached positions."""
     f32 = jnp.float32
     first = pl.program_id(1) * split_len
     end = jnp.minimum(jnp.minimum(first + split_len, length_ref[()]), c_ref.shape[0])
     q, qpe = q_ref[...], qpe_ref[...]
-    offsets = jnp.arange(BLOCK_KEYS)
+    offsets = jnp.arange(keys)
 
     def block(i, carry):
         acc, run_max, run_sum = carry
-        start = first + i * BLOCK_KEYS
+        start = first + i * keys
         valid = start + offsets < end
-        rows = pl.ds(start, BLOCK_KEYS)
+        rows = pl.ds(start, keys)
         c = plgpu.load(c_ref.at[rows, :], mask=valid[:, None], other=0.0)
         pe = plgpu.load(pe_ref.at[rows, :], mask=valid[:, None], other=0.0)
         s = (plgpu.dot(q, c, trans_b=True).astype(f32) + plgpu.dot(qpe, pe, trans_b=True).astype(f32)) * scale
@@ -83,7 +102,7 @@ def _kernel(length_ref, q_ref, qpe_ref, c_ref, pe_ref, acc_ref, max_ref, sum_ref
         acc = acc * rescale[:, None] + plgpu.dot(probs.astype(c.dtype), c).astype(f32)
         return acc, new_max, run_sum * rescale + probs.sum(axis=1)
 
-    n_blocks = (jnp.maximum(end - first, 0) + BLOCK_KEYS - 1) // BLOCK_KEYS
+    n_blocks = (jnp.maximum(end - first, 0) + keys - 1) // keys
     init = (jnp.zeros(acc_ref.shape, f32), jnp.full(max_ref.shape, -jnp.inf, f32), jnp.zeros(sum_ref.shape, f32))
     acc, run_max, run_sum = jax.lax.fori_loop(0, n_blocks, block, init)
     acc_ref[...] = acc
@@ -91,23 +110,24 @@ def _kernel(length_ref, q_ref, qpe_ref, c_ref, pe_ref, acc_ref, max_ref, sum_ref
     sum_ref[...] = run_sum
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "tiling"))
 def cached_context(q: jax.Array, q_pe: jax.Array, c_cache: jax.Array, pe_cache: jax.Array, lengths: jax.Array,
-                   scale: float, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   scale: float, interpret: bool = False,
+                   tiling: Tiling = DEFAULT_TILING) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Partial attention of `q [B, H, r]`, `q_pe [B, H, rope]` over the first `lengths[b]` cached
     latents `c_cache [B, S, r]`, `pe_cache [B, S, rope]`, per split of the positions: the unnormalized
     context `[B, splits, H, r]`, the running max and the sum of exponentials `[B, splits, H]` (float32)."""
     b, h, rank = q.shape
     cache_len, rope = c_cache.shape[1], pe_cache.shape[-1]
-    split_len = split_length(cache_len)
+    split_len = split_length(cache_len, tiling.keys)
     splits = -(-cache_len // split_len)
-    heads = BLOCK_HEADS if h % BLOCK_HEADS == 0 else h  # interpret mode takes any head count
+    heads = math.gcd(h, tiling.heads)  # `applies`: >= BLOCK_HEADS on GPU; interpret mode takes any
     q, q_pe = q.astype(c_cache.dtype), q_pe.astype(pe_cache.dtype)
     row = lambda shape: pl.BlockSpec((None, *shape), lambda i, j, k: (k, *(0,) * len(shape)))  # noqa: E731
     heads_of = lambda width: pl.BlockSpec((None, heads, width), lambda i, j, k: (k, i, 0))  # noqa: E731
     f32 = jnp.float32
     return pl.pallas_call(
-        functools.partial(_kernel, split_len=split_len, scale=scale),
+        functools.partial(_kernel, split_len=split_len, keys=tiling.keys, scale=scale),
         grid=(h // heads, splits, b),  # head blocks vary fastest, each re-reading its split's latents
         in_specs=[pl.BlockSpec((None,), lambda i, j, k: (k,)), heads_of(rank), heads_of(rope),
                   row((cache_len, rank)), row((cache_len, rope))],
@@ -116,7 +136,7 @@ def cached_context(q: jax.Array, q_pe: jax.Array, c_cache: jax.Array, pe_cache: 
                    pl.BlockSpec((None, None, heads), lambda i, j, k: (k, j, i))],
         out_shape=[jax.ShapeDtypeStruct((b, splits, h, rank), f32), jax.ShapeDtypeStruct((b, splits, h), f32),
                    jax.ShapeDtypeStruct((b, splits, h), f32)],
-        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        compiler_params=plgpu.CompilerParams(num_warps=tiling.warps, num_stages=tiling.stages),
         interpret=interpret,
         name="mla_flash_decode",
     )(lengths.astype(jnp.int32), q, q_pe, c_cache, pe_cache)
