@@ -27,6 +27,19 @@ def test_scopes_of_hlo_ops():
     assert profiling._scope_of_ops(hlo) == {"fusion.3": "routed experts", "dot.1": "attention", "copy.2": "other"}
 
 
+def test_block_times_are_per_device_and_per_step():
+    """Two devices' ops over 4 steps: each block's time is their sum / 4 steps / 2 devices; an op no
+    scope names is "other"; events that are not ops (no `hlo_op`, not complete) count nowhere."""
+    events = [{"ph": "X", "dur": 800.0, "args": {"hlo_op": "fusion.3"}, "pid": 1},
+              {"ph": "X", "dur": 400.0, "args": {"hlo_op": "wrapped_fusion.3"}, "pid": 2},
+              {"ph": "X", "dur": 160.0, "args": {"hlo_op": "copy.9"}, "pid": 2},
+              {"ph": "X", "dur": 999.0, "args": {}, "pid": 1},
+              {"ph": "i", "dur": 999.0, "args": {"hlo_op": "fusion.3"}, "pid": 1}]
+    blocks = {"fusion.3": "routed experts"}
+    got = profiling.per_device_block_ms(events, blocks, steps=4, devices=2)
+    assert got == pytest.approx({"routed experts": 0.15, "other": 0.02}, rel=1e-12)
+
+
 def test_profile_decode(tmp_path):
     """`profile_decode` and its plot, in a process of their own (see tests/profiling_worker.py)."""
     from .harness import subprocess_env
@@ -41,6 +54,8 @@ def test_profile_decode(tmp_path):
     assert set(p["tokens_per_second"]) == {"1", "2"} and min(p["tokens_per_second"].values()) > 0
     assert {"attention", "routed experts", "lm head"} <= set(p["block_ms"])
     assert p["block_ms"]["lm head"] > 0 and p["block_ms"]["attention"] > 0
+    # one device's ops run one after another within the traced steps' wall time
+    assert sum(p["block_ms"].values()) <= 1.25 * p["traced_step_ms"]
     assert 0 < p["achieved_gbs"] and 0 < p["peak_gbs"]
     # lm_head alone (128 x 129280 bf16) is read every step
     assert p["bytes_per_step"] > p["lm_head_bytes"]

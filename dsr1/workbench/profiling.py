@@ -44,6 +44,7 @@ class DecodeProfile:
     step_ms: np.ndarray  # latency of each decode step at `batch`, in order
     tokens_per_second: dict[int, float]  # aggregate decode throughput by batch size
     block_ms: dict[str, float]  # device time per step by model block, per device (the mean over this process's)
+    traced_step_ms: float  # wall time per step while the trace ran (the profiler slows steps down)
     bytes_per_step: int  # what a step at `batch` really reads (see dsr1.bench)
     achieved_gbs: float
     peak_gbs: float  # measured copy bandwidth (bytes read + written)
@@ -53,7 +54,8 @@ class DecodeProfile:
         rates = ", ".join(f"batch {b}: {r:,.1f}" for b, r in self.tokens_per_second.items())
         return (f"decode at batch {self.batch}, context {self.context}: median step {np.median(self.step_ms):.2f} ms\n"
                 f"tok/s by batch: {rates}\n"
-                f"device time per step by block, per device: {blocks}\n"
+                f"device time per step by block, per device: {blocks} "
+                f"({sum(self.block_ms.values()):.2f} ms of the traced step's {self.traced_step_ms:.2f} ms)\n"
                 f"bandwidth: {self.bytes_per_step / 1e6:.1f} MB/step -> {self.achieved_gbs:.1f} GB/s achieved, "
                 f"{self.achieved_gbs / self.peak_gbs:.0%} of the measured {self.peak_gbs:.1f} GB/s copy bandwidth")
 
@@ -91,10 +93,10 @@ def _scope_of_ops(hlo_text: str) -> dict[str, str]:
     return blocks
 
 
-def time_by_block(model: Model, batch: int, context: int, steps: int, logdir: str | Path | None = None) -> dict:
+def time_by_block(model: Model, batch: int, context: int, steps: int,
+                  logdir: str | Path | None = None) -> tuple[dict[str, float], float]:
     """Device time per decode step by model block, per device, from a `jax.profiler` trace of `steps`
-    steps: the ops' time of every device of this process (the trace has them all), divided by
-    their number, so that it compares with the step's wall time."""
+    steps (`per_device_block_ms`), and the wall time per step while the trace ran (ms)."""
     cache = random_cache(model, batch, context, context + steps + 2)
     tokens = put_replicated(np.ones(batch, np.int32), model.mesh)
     hlo = programs.decode.lower(model.params, cache, tokens, **model.program_kwargs).compile().as_text()
@@ -102,20 +104,28 @@ def time_by_block(model: Model, batch: int, context: int, steps: int, logdir: st
     _, cache = model.decode(cache, tokens)  # compile the jitted path too
     logdir = Path(logdir or tempfile.mkdtemp(prefix="dsr1-trace-"))
     with jax.profiler.trace(str(logdir), create_perfetto_trace=True):
+        start = time.perf_counter()
         for _ in range(steps):
             logits, cache = model.decode(cache, tokens)
             jax.block_until_ready(logits)
+        wall_ms = (time.perf_counter() - start) * 1e3 / steps
     trace = max(logdir.glob("**/*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
     with gzip.open(trace, "rt") as f:
         events = json.load(f)
     events = events["traceEvents"] if isinstance(events, dict) else events
+    return per_device_block_ms(events, blocks, steps, _local_devices(model)), wall_ms
+
+
+def per_device_block_ms(events: list[dict], blocks: dict[str, str], steps: int, devices: int) -> dict[str, float]:
+    """Milliseconds per step by block (`blocks`: HLO op name -> block) of the trace `events` of
+    `steps` steps: the ops' time on every device of this process (the trace holds them all), divided
+    by their number, so that it compares with a step's wall time."""
     totals: dict[str, float] = {}
     for e in events:
         op = (e.get("args") or {}).get("hlo_op")
         if e.get("ph") == "X" and op:
             label = blocks.get(op, blocks.get(op.removeprefix("wrapped_"), OTHER))
             totals[label] = totals.get(label, 0.0) + e.get("dur", 0.0) / 1e3 / steps
-    devices = _local_devices(model)
     return {label: ms / devices for label, ms in totals.items()}
 
 
@@ -130,9 +140,10 @@ def profile_decode(model: Model, *, batch: int = 4, batches: tuple[int, ...] = (
     rates, runs = throughput(model, tuple(sorted(set(batches) | {batch})), context, steps)
     run = runs[batch]
     nbytes = mean_step_bytes(model.params, model.cfg, model.kv_cache_dtype, context, run.tokens, run.expert_ids)
+    block_ms, traced_step_ms = time_by_block(model, batch, context, steps, logdir)
     return DecodeProfile(
         batch=batch, context=context, step_ms=step_latencies(model, batch, context, steps),
-        tokens_per_second={b: rates[b] for b in batches}, block_ms=time_by_block(model, batch, context, steps, logdir),
+        tokens_per_second={b: rates[b] for b in batches}, block_ms=block_ms, traced_step_ms=traced_step_ms,
         bytes_per_step=nbytes.total, achieved_gbs=nbytes.total * steps / run.seconds / 1e9,
         peak_gbs=copy_bandwidth(copy_bytes))
 
