@@ -382,6 +382,14 @@ ffi::Error RowsDotEach(ffi::ThreadPool pool, ffi::Buffer<XD> x, ffi::Buffer<D> w
   return rows_dot<D, T, true, XD, X>(pool, x, w, index, used.typed_data(), y);
 }
 
+// SwiGLU's value for one output: SiLU(gate) * up, in the order both SwiGLU kernels compute it.
+inline float silu_times(float gate, float up) { return up * (gate / (1.0f + std::exp(-gate))); }
+
+// y[o] += w * product[o] for o in [o0, o1): a routed pair's weighted output added to its token.
+inline void add_weighted(float* y, const float* product, float w, int64_t o0, int64_t o1) {
+  for (int64_t o = o0; o < o1; ++o) y[o] += w * product[o];
+}
+
 // The expert loop's blocks in two calls (decode: a few float32 rows per block, bf16 experts) instead
 // of three products with SiLU x up and the routing-weighted scatter to the tokens as XLA ops between
 // them: a batch-8 step of the bench preset 0.3-0.45 ms faster (Zen 5, A/B). `SwigluRowsDot`: h[g] =
@@ -417,10 +425,7 @@ ffi::Error SwigluRowsDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
     rows_range<float, uint16_t>(xp + g * rows * in, wg, gated.data(), n, in, out, o0, o1);
     rows_range<float, uint16_t>(xp + g * rows * in, ups.of(g), yg, n, in, out, o0, o1);
     for (int64_t r = 0; r < n; ++r)
-      for (int64_t o = o0; o < o1; ++o) {
-        const float v = gated[r * out + o];
-        yg[r * out + o] *= v / (1.0f + std::exp(-v));
-      }
+      for (int64_t o = o0; o < o1; ++o) yg[r * out + o] = silu_times(gated[r * out + o], yg[r * out + o]);
   });
   return ffi::Error::Success();
 }
@@ -459,8 +464,7 @@ ffi::Error CombineRowsDot(ffi::ThreadPool pool, ffi::Buffer<XD> h, ffi::Buffer<f
       for (int64_t r = 0; r < n; ++r) {
         const int64_t t = tp[g * rows + r];
         if (t < 0 || t >= tokens) continue;
-        const float w = wp[g * rows + r];
-        for (int64_t o = o0; o < o1; ++o) yp[t * out + o] += w * product[r * out + o];
+        add_weighted(yp + t * out, product.data() + r * out, wp[g * rows + r], o0, o1);
       }
     }
   });
@@ -541,10 +545,7 @@ ffi::Error SwigluPairs(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     rows_range<float, uint16_t>(rows.data(), stack_matrix(up_, groups.matrices[g], count, size), linear.data(), n,
                                 in, out, o0, o1);
     for (int64_t i = 0; i < n; ++i)
-      for (int64_t o = o0; o < o1; ++o) {
-        const float v = gated[i * out + o];
-        hp[pairs[i] * out + o] = linear[i * out + o] * (v / (1.0f + std::exp(-v)));
-      }
+      for (int64_t o = o0; o < o1; ++o) hp[pairs[i] * out + o] = silu_times(gated[i * out + o], linear[i * out + o]);
   });
   return ffi::Error::Success();
 }
@@ -580,11 +581,8 @@ ffi::Error CombinePairs(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::Buff
       product.resize(n * out);
       rows_range<float, uint16_t>(rows.data(), stack_matrix(dp, groups.matrices[g], count, size), product.data(), n,
                                   in, out, o0, o1);
-      for (int64_t i = 0; i < n; ++i) {
-        const float w = wp[pairs[i]];
-        float* yt = yp + pairs[i] / k * out;
-        for (int64_t o = o0; o < o1; ++o) yt[o] += w * product[i * out + o];
-      }
+      for (int64_t i = 0; i < n; ++i)
+        add_weighted(yp + pairs[i] / k * out, product.data() + i * out, wp[pairs[i]], o0, o1);
     }
   });
   return ffi::Error::Success();
@@ -606,12 +604,20 @@ inline float round_bf16(float v) {  // to the nearest bf16, ties to even (finite
   return v;
 }
 
+// A row's first `len` cached latents and its own one widened to float32 `[len + 1, r]` (L2-sized at a
+// few hundred positions), once for all of the row's heads that a part attends.
+void widen_latents(const uint16_t* c, const uint16_t* own_c, int64_t len, int64_t r, std::vector<float>& latents) {
+  latents.resize((len + 1) * r);
+  for (int64_t i = 0; i < len * r; ++i) latents[i] = widen(c[i]);
+  for (int64_t k = 0; k < r; ++k) latents[len * r + k] = widen(own_c[k]);
+}
+
 // Heads [0, n) of one row: `q [n, r]`, `q_pe [n, rope]` against the cache's `len` positions `c [S, r]`,
 // `pe [S, rope]` and the own key `own_c [r]`, `own_pe [rope]` (bf16 bits, one more row of each) into
-// `ctx [n, r]`; `s`, `t` hold n x (len + 1) scores.
-void attend_row(const float* q, const float* q_pe, const uint16_t* c, const uint16_t* pe, const uint16_t* own_c,
-                const uint16_t* own_pe, float* ctx, std::vector<float>& s, std::vector<float>& t, int64_t n,
-                int64_t len, int64_t r, int64_t rope, float scale) {
+// `ctx [n, r]`, the values' sum over `latents` (`widen_latents`); `s`, `t` hold n x (len + 1) scores.
+void attend_heads(const float* q, const float* q_pe, const uint16_t* c, const uint16_t* pe, const uint16_t* own_c,
+                  const uint16_t* own_pe, const float* latents, float* ctx, std::vector<float>& s,
+                  std::vector<float>& t, int64_t n, int64_t len, int64_t r, int64_t rope, float scale) {
   const int64_t keys = len + 1;
   s.resize(n * keys);
   t.resize(n * keys);
@@ -628,12 +634,6 @@ void attend_row(const float* q, const float* q_pe, const uint16_t* c, const uint
     for (int64_t j = 0; j < keys; ++j) total += (sh[j] = std::exp(sh[j] - top));
     for (int64_t j = 0; j < keys; ++j) sh[j] = round_bf16(sh[j] / total);
   }
-  // The latents widened once (L2-sized at a few hundred positions), then each head's sum over them.
-  thread_local std::vector<float> latents;
-  latents.resize(keys * r);
-  for (int64_t j = 0; j < len; ++j)
-    for (int64_t k = 0; k < r; ++k) latents[j * r + k] = widen(c[j * r + k]);
-  for (int64_t k = 0; k < r; ++k) latents[len * r + k] = widen(own_c[k]);
   for (int64_t h = 0; h < n; ++h) {
     float* out = ctx + h * r;
     const float* p = s.data() + h * keys;
@@ -650,10 +650,10 @@ void attend_row(const float* q, const float* q_pe, const uint16_t* c, const uint
       for (int u = 0; u < 8; ++u) acc[u] = zeros();
       for (int64_t j = 0; j < len; ++j) {
         const Vec pj = broadcast(p[j]);
-        for (int u = 0; u < 8; ++u) acc[u] = fmadd(pj, load(latents.data() + j * r + k0 + u * kLanes), acc[u]);
+        for (int u = 0; u < 8; ++u) acc[u] = fmadd(pj, load(latents + j * r + k0 + u * kLanes), acc[u]);
       }
       const Vec own = broadcast(p[len]);  // the own key's product is added last, as XLA's path adds it
-      const float* last = latents.data() + len * r + k0;
+      const float* last = latents + len * r + k0;
       for (int u = 0; u < 8; ++u) store(out + k0 + u * kLanes, fmadd(own, load(last + u * kLanes), acc[u]));
     }
   }
@@ -682,14 +682,24 @@ ffi::Error MlaDecodeContext(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   const int32_t* held = lengths.typed_data();
   const float sc = scale.typed_data()[0];
   float* out = ctx->typed_data();
-  const int64_t blocks = (heads + kMaxBlockRows - 1) / kMaxBlockRows;  // heads read each position together
-  run_parts(pool, rows * blocks, [=](int64_t part) {
-    const int64_t b = part / blocks, h0 = part % blocks * kMaxBlockRows;
-    const int64_t n = std::min<int64_t>(kMaxBlockRows, heads - h0);
-    const int64_t len = std::clamp<int64_t>(held[b], 0, positions), at = b * heads + h0;
-    thread_local std::vector<float> s, t;
-    attend_row(qp + at * r, pp + at * rope, cl + b * positions * r, el + b * positions * rope, oc + b * r,
-               op + b * rope, out + at * r, s, t, n, len, r, rope, sc);
+  // Heads go in blocks that read each position together; a part takes a range of one row's blocks and
+  // widens the row's latents once for them: as few parts per row as keep every worker busy (R1's 128
+  // heads are 16 blocks, which would otherwise widen the same latents 16 times).
+  const int64_t blocks = (heads + kMaxBlockRows - 1) / kMaxBlockRows;
+  const int64_t workers = Helpers::get(pool.num_threads()).workers();
+  const int64_t per_row = std::clamp<int64_t>((workers + rows - 1) / rows, 1, blocks);
+  run_parts(pool, rows * per_row, [=](int64_t part) {
+    const int64_t b = part / per_row, j = part % per_row;
+    const int64_t len = std::clamp<int64_t>(held[b], 0, positions);
+    const uint16_t *c = cl + b * positions * r, *pe = el + b * positions * rope;
+    thread_local std::vector<float> s, t, latents;
+    widen_latents(c, oc + b * r, len, r, latents);
+    for (int64_t block = blocks * j / per_row; block < blocks * (j + 1) / per_row; ++block) {
+      const int64_t h0 = block * kMaxBlockRows, n = std::min<int64_t>(kMaxBlockRows, heads - h0);
+      const int64_t at = b * heads + h0;
+      attend_heads(qp + at * r, pp + at * rope, c, pe, oc + b * r, op + b * rope, latents.data(), out + at * r, s, t,
+                   n, len, r, rope, sc);
+    }
   });
   return ffi::Error::Success();
 }
