@@ -27,8 +27,8 @@ def main() -> None:
     head = model.params["lm_head"]  # its bf16 bytes (on CPU it also holds a float32 copy for one-row steps)
     print(p.summary())
     print(json.dumps({"step_ms": p.step_ms.tolist(), "tokens_per_second": p.tokens_per_second,
-                      "block_ms": p.block_ms, "traced_step_ms": p.traced_step_ms,
-                      "devices": model.mesh.size, "achieved_gbs": p.achieved_gbs, "peak_gbs": p.peak_gbs,
+                      "block_ms": p.block_ms, "traced_step_ms": p.traced_step_ms, "achieved_gbs": p.achieved_gbs,
+                      "peak_gbs": p.peak_gbs,
                       "bytes_per_step": p.bytes_per_step, "lm_head_bytes": head.size * head.dtype.itemsize,
                       "axes": len(fig.axes)}))
 

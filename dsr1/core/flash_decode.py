@@ -11,8 +11,8 @@ partial context with its running max and sum; `combine` folds the splits and the
 key. Each head block reads its split's latents again (4 blocks of 32 for R1's 128 heads): a block of
 all heads needs 256 KB of shared memory (an H200 has 227). With 128 heads the products bound the
 step, not memory: ~240 FLOP per cached byte, above an H200's ~210 at its peak; the kernel's products
-(32-row tiles through Triton's mma) reached 198 TFLOP/s, 1.0-1.3x the XLA path (docs/performance.md,
-"GPU").
+(32-row tiles through Triton's mma) reached 198 TFLOP/s, 1.05-1.3x an XLA softmax at 8 and 32 rows
+of 32,768 positions, 0.8x at one row, where launches bound both (docs/performance.md, "GPU").
 
 Used where it applies (`applies`: one GPU, one query per row, bf16/f16 cache, head count and widths
 the kernel tiles); everywhere else the XLA path runs. `interpret=True` runs the kernel on any backend
