@@ -451,6 +451,21 @@ def test_mla_decode_context_equals_float64(rank, heads):
 
 
 @needs_kernel
+def test_mla_decode_context_splits_one_rows_heads_between_workers():
+    """One row of 20 heads (blocks of 8, 8 and 4), which the workers share in ranges of blocks, each
+    widening the row's latents itself; and an empty batch."""
+    inputs = _attention_inputs(64, 20, np.random.default_rng(7))
+    q, q_pe, c_kv, k_pe, own_c, own_pe, lengths = (x[:, 3:4] if x.ndim == 4 else x[3:4] for x in inputs)
+    run = jax.jit(cpu_kernels.mla_decode_context, static_argnums=8)
+    got = run(jnp.asarray(q), jnp.asarray(q_pe), _bits(c_kv), _bits(k_pe), 1, jnp.asarray(lengths),
+              jnp.asarray(own_c), jnp.asarray(own_pe), 0.3)
+    _assert_attention_close(np.asarray(got), _attention_float64(q, q_pe, c_kv, k_pe, own_c, own_pe, lengths, 1, 0.3))
+    empty = run(*(jnp.asarray(x[:0]) for x in (q, q_pe)), *(_bits(x[:, :0]) for x in (c_kv, k_pe)), 1,
+                *(jnp.asarray(x[:0]) for x in (lengths, own_c, own_pe)), 0.3)
+    assert empty.shape == (0, 20, 64)
+
+
+@needs_kernel
 def test_mla_decode_context_names_what_is_wrong():
     q = jnp.zeros((2, 4, 32))
     cache = jnp.zeros((3, 2, 8, 32), jnp.uint16)

@@ -685,6 +685,7 @@ ffi::Error MlaDecodeContext(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   // Heads go in blocks that read each position together; a part takes a range of one row's blocks and
   // widens the row's latents once for them: as few parts per row as keep every worker busy (R1's 128
   // heads are 16 blocks, which would otherwise widen the same latents 16 times).
+  if (rows == 0 || heads == 0) return ffi::Error::Success();
   const int64_t blocks = (heads + kMaxBlockRows - 1) / kMaxBlockRows;
   const int64_t workers = Helpers::get(pool.num_threads()).workers();
   const int64_t per_row = std::clamp<int64_t>((workers + rows - 1) / rows, 1, blocks);
