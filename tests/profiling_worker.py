@@ -28,8 +28,8 @@ def main() -> None:
     print(p.summary())
     print(json.dumps({"step_ms": p.step_ms.tolist(), "tokens_per_second": p.tokens_per_second,
                       "block_ms": p.block_ms, "traced_step_ms": p.traced_step_ms, "achieved_gbs": p.achieved_gbs,
-                      "peak_gbs": p.peak_gbs,
-                      "bytes_per_step": p.bytes_per_step, "lm_head_bytes": head.size * head.dtype.itemsize,
+                      "peak_gbs": p.peak_gbs, "bytes_per_step": p.bytes_per_step,
+                      "lm_head_bytes": head.size * head.dtype.itemsize,
                       "axes": len(fig.axes)}))
 
 

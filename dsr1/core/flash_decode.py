@@ -40,8 +40,9 @@ class Tiling:
     """How programs tile one row's attention: `heads` per program (a power of two from `BLOCK_HEADS`,
     fewer where the head count needs; a [heads, r] float32 context stays in registers), `keys`
     cached positions per loop step, and Triton's `warps` per program and pipeline `stages`. The
-    default measured best of 14 tilings at 8 and 32 rows of 32,768 positions on an H200, and within
-    5% of the best at 1 row (docs/performance.md, "GPU")."""
+    default measured best of 14 tilings at 32 rows of 32,768 positions on an H200 and within 3% of the
+    best at 8; at 1 row, where launches bound every tiling, 0.21 ms against the best's 0.16
+    (docs/performance.md, "GPU")."""
 
     heads: int = 32
     keys: int = 64
