@@ -105,7 +105,7 @@ def test_decode_point_accounting(models):
     and the whole model, and achieved GB/s = bytes per step / step time."""
     c, model = CFG, models["bf16"]
     batch, context, steps = 3, 16, 3
-    row = timing.bench_decode_point(model, batch, context, steps, copy_gbs=10.0, seed=1)
+    row = timing.bench_decode_point(model, batch, context, steps, copy_gbs=10.0, read_gbs=4.0, seed=1)
     assert 1 <= row["distinct_experts_per_layer"] <= min(batch * c.num_experts_per_tok, c.n_routed_experts)
     assert row["bytes"]["experts"] <= c.num_moe_layers * min(batch * c.num_experts_per_tok, c.n_routed_experts) \
         * accounting.expert_bytes(model.params)
@@ -116,15 +116,18 @@ def test_decode_point_accounting(models):
     step_s = row["step_ms"] / 1e3
     assert row["achieved_gbs"] == pytest.approx(row["bytes_per_step"] / step_s / 1e9)
     assert row["pct_of_copy_bw"] == pytest.approx(100 * row["achieved_gbs"] / 10.0)
+    assert row["pct_of_read_bw"] == pytest.approx(100 * row["achieved_gbs"] / 4.0)
     assert row["tok_s"] == pytest.approx(batch * row["tok_s_per_seq"]) and row["tok_s_per_seq"] > 0
 
 
 def test_decode_row_arithmetic():
     nbytes = accounting.StepBytes(fixed_weights=600, experts=300, embed=50, cache=50, distinct_experts=2.0)
-    row = timing.decode_row(batch=4, context=8, steps=10, seconds=2e-6, nbytes=nbytes, copy_gbs=10.0)
+    row = timing.decode_row(batch=4, context=8, steps=10, seconds=2e-6, nbytes=nbytes, copy_gbs=10.0,
+                           read_gbs=8.0)
     assert row["step_ms"] == pytest.approx(2e-4)
     assert row["achieved_gbs"] == pytest.approx(5.0)  # 1000 B per 0.2 us
     assert row["pct_of_copy_bw"] == pytest.approx(50.0)
+    assert row["pct_of_read_bw"] == pytest.approx(62.5)
     assert row["tok_s"] == pytest.approx(4 / 2e-7)
 
 
@@ -139,8 +142,23 @@ def test_random_cache_shape_and_dtype(models):
         assert np.asarray(cache.lengths).tolist() == [5, 5]
 
 
-def test_copy_bandwidth_is_positive():
+def test_copy_and_read_bandwidths_are_positive():
     assert bandwidth.copy_bandwidth(nbytes=2**22, repeats=2) > 0
+    assert bandwidth.read_bandwidth(nbytes=2**22, repeats=2) > 0
+
+
+def test_compare_row_puts_dsr1_decode_against_the_read_floor():
+    """Decode seconds and bytes per step give the floor (bytes / read bandwidth) and the ratio to HF a
+    step at the floor would give."""
+    tokens = np.zeros((2, 5), np.int32)  # 4 decode steps
+    ours = compare_hf.GenerateTiming(prefill_s=0.5, decode_s=0.04, tokens=tokens, step_bytes=20_000_000)
+    hf = compare_hf.GenerateTiming(prefill_s=1.0, decode_s=0.2, tokens=tokens)
+    row = compare_hf.compare_row(2, ours, hf, prefill_flop=1e9, peak_flop_s=1e10, read_gbs=4.0)
+    assert row["dsr1_step_ms"] == pytest.approx(10.0) and row["hf_step_ms"] == pytest.approx(50.0)
+    assert row["floor_step_ms"] == pytest.approx(5.0)  # 20 MB at 4 GB/s
+    assert row["pct_of_read_bw"] == pytest.approx(50.0) and row["dsr1_mb_per_step"] == pytest.approx(20.0)
+    assert row["ratio"] == pytest.approx(5.0) and row["ratio_at_floor"] == pytest.approx(10.0)
+    assert row["prefill_ratio"] == pytest.approx(2.0) and row["prefill_pct_of_peak"] == pytest.approx(20.0)
 
 
 def test_cli_decode_writes_json(tmp_path, config_file, capsys):
@@ -148,9 +166,10 @@ def test_cli_decode_writes_json(tmp_path, config_file, capsys):
     assert cli.main(["decode", "--config", str(config_file), "--batch", "1,2", "--context", "4", "--steps", "2",
                        "--repeats", "1", "--copy-mb", "4", "--kv-cache-dtype", "int8", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "achieved GB/s" in printed and "% of copy BW" in printed and "device: " in printed
+    assert "achieved GB/s" in printed and "% of copy BW" in printed and "% of read BW" in printed
+    assert "device: " in printed
     result = json.loads(out.read_text())
-    assert result["device"]["platform"] == "cpu" and result["copy_gbs"] > 0
+    assert result["device"]["platform"] == "cpu" and result["copy_gbs"] > 0 and result["read_gbs"] > 0
     assert result["kv_cache_dtype"] == "int8"
     assert [(r["batch"], r["context"]) for r in result["rows"]] == [(1, 4), (2, 4)]
     for row in result["rows"]:
@@ -223,14 +242,17 @@ def test_cli_compare_hf(tmp_path, config_file, capsys):
     out = tmp_path / "compare.json"
     assert cli.main(["compare-hf", "--config", str(config_file), "--batch", "2", "--new-tokens", "4",
                        "--prompt-len", "6", "--repeats", "1", "--json", str(out)]) == 0
-    assert "dsr1 / HF" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "dsr1 / HF" in printed and "dsr1 / HF at the floor" in printed
     report = json.loads(out.read_text())
     rows = report["rows"]
-    assert report["matmul_peak_flop_s"] > 0
+    assert report["matmul_peak_flop_s"] > 0 and report["read_gbs"] > 0
     assert [r["batch"] for r in rows] == [2]
     for row in rows:
         assert row["dsr1_tok_s"] > 0 and row["hf_tok_s"] > 0
         assert row["ratio"] == pytest.approx(row["dsr1_tok_s"] / row["hf_tok_s"])
+        assert row["dsr1_mb_per_step"] > 0
+        assert row["floor_step_ms"] == pytest.approx(row["dsr1_mb_per_step"] / report["read_gbs"])
         flop = prefill.prefill_flops(CFG, 2, 6)
         assert row["prefill_gflop_s"] == pytest.approx(flop / row["dsr1_prefill_s"] / 1e9)
         assert row["prefill_pct_of_peak"] == pytest.approx(100 * flop / row["dsr1_prefill_s"]

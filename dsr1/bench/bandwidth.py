@@ -1,5 +1,5 @@
-"""The device a benchmark runs on: its measured copy bandwidth (the roofline that decode's
-achieved bandwidth is reported against) and a description for the report."""
+"""The device a benchmark runs on: its measured copy and read bandwidths (the rooflines that
+decode's achieved bandwidth is reported against) and a description for the report."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from .timing import best_of
 
 COPY_BYTES = 2**29  # 512 MiB: far beyond any cache, so the copy runs at memory speed
 
@@ -27,6 +29,17 @@ def copy_bandwidth(nbytes: int = COPY_BYTES, repeats: int = 5) -> float:
         x = jax.block_until_ready(bump(x))
         best = min(best, time.perf_counter() - start)
     return 2 * nbytes / best / 1e9
+
+
+def read_bandwidth(nbytes: int = COPY_BYTES, repeats: int = 5) -> float:
+    """Measured read bandwidth in GB/s: the best of `repeats` runs of a jitted max over `nbytes` of
+    bfloat16, counting the bytes read. A decode step reads its weights and cache and writes next to
+    nothing, so this, not the copy's read-plus-write rate, is the floor of its step time: on a
+    shared CPU the two differ (a 2-vCPU Zen 5 VM: reads 38-40 GB/s beside copies of 59-64)."""
+    largest = jax.jit(jnp.max)
+    x = jax.block_until_ready(jnp.ones(nbytes // 2, jnp.bfloat16))
+    seconds, _ = best_of(lambda: largest(x), repeats)
+    return nbytes / seconds / 1e9
 
 
 def device_description() -> dict[str, Any]:

@@ -30,7 +30,7 @@ import numpy as np
 from ..api import Model, load
 from ..options import add_model_options, config_from_options, mesh_from_options, model_from_options
 from .accounting import expert_bytes, fixed_weight_bytes
-from .bandwidth import COPY_BYTES, copy_bandwidth, device_description, with_final_load
+from .bandwidth import COPY_BYTES, copy_bandwidth, device_description, read_bandwidth, with_final_load
 from .compare_hf import compare_row, dsr1_generate, hf_generate, load_hf, write_random_checkpoint
 from .experts import EXPERT_COLUMNS, KERNELS, bench_kernels
 from .loading import add_load_options, run_load
@@ -44,6 +44,7 @@ from .report import (
     EXPERT_NOTES,
     PREFILL_NOTES,
     SERVE_NOTES,
+    compare_floor_table,
     compare_table,
     decode_table,
     device_line,
@@ -85,21 +86,21 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
     """The `decode` command: time each (batch, context) point and print the table."""
     dev = device_description()
     copy_nbytes = args.copy_mb * 2**20
-    _log(f"measuring copy bandwidth (x + 1 over {copy_nbytes / 1e6:.0f} MB) ...")
-    copy_gbs = copy_bandwidth(copy_nbytes)
+    _log(f"measuring copy and read bandwidth (x + 1 and max over {copy_nbytes / 1e6:.0f} MB) ...")
+    copy_gbs, read_gbs = copy_bandwidth(copy_nbytes), read_bandwidth(copy_nbytes)
     model = model_from_options(args, seed=args.seed)
     name = args.model or config_from_options(args)[1]
     rows = []
     points = [(b, c) for b in args.batch for c in args.context]
     for i, (batch, context) in enumerate(points):
         _log(f"[{i + 1}/{len(points)}] batch {batch}, context {context}: compile, warm up, time {args.steps} steps ...")
-        rows.append(bench_decode_point(model, batch, context, args.steps, copy_gbs, seed=args.seed,
+        rows.append(bench_decode_point(model, batch, context, args.steps, copy_gbs, read_gbs, seed=args.seed,
                                        repeats=args.repeats))
         _log(f"    {rows[-1]['step_ms']:.1f} ms/step, {rows[-1]['achieved_gbs']:.2f} GB/s")
     dev = with_final_load(dev)
     _print_report(dev, model, name, f"{args.steps} greedy decode steps in one jitted loop per point (best of "
                   f"{args.repeats})", decode_table(rows), DECODE_NOTES.format(copy_mb=copy_nbytes / 1e6,
-                                                                              copy_gbs=copy_gbs))
+                                                                              copy_gbs=copy_gbs, read_gbs=read_gbs))
     return {
         "command": "decode", "device": dev, "model": name, "config": dataclasses.asdict(model.cfg),
         "dtype": args.dtype, "quant": args.quant, "kv_cache_dtype": args.kv_cache_dtype, "steps": args.steps,
@@ -107,6 +108,8 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
         "fixed_weight_bytes": {str(b): fixed_weight_bytes(model.params, b) for b in args.batch}, "copy_gbs": copy_gbs,
         "copy_definition": f"jitted x + 1 over {copy_nbytes} bytes of float32 (donated, in place), "
                            f"(bytes read + bytes written) / best of 5",
+        "read_gbs": read_gbs,
+        "read_definition": f"jitted max over {copy_nbytes} bytes of bfloat16, bytes read / best of 5",
         "columns": list(DECODE_COLUMNS), "rows": rows,
     }
 
@@ -173,6 +176,8 @@ def run_compare_hf(args: argparse.Namespace) -> dict[str, Any]:
         dtype = compute_dtype(model)
         _log(f"measuring the {dtype.name} matmul peak ...")
         peak = matmul_peak_flops(dtype)
+        _log(f"measuring the read bandwidth (max over {COPY_BYTES / 1e6:.0f} MB) ...")
+        read_gbs = read_bandwidth()
         rng = np.random.default_rng(args.seed)
         for batch in args.batch:
             prompts = rng.integers(2, cfg.vocab_size, (batch, args.prompt_len)).astype(np.int32)
@@ -180,7 +185,7 @@ def run_compare_hf(args: argparse.Namespace) -> dict[str, Any]:
             ours = dsr1_generate(model, prompts, args.new_tokens, args.repeats)
             _log(f"batch {batch}: HF transformers ...")
             hf = hf_generate(hf_model, prompts, args.new_tokens, args.repeats)
-            rows.append(compare_row(batch, ours, hf, prefill_flops(cfg, batch, args.prompt_len), peak))
+            rows.append(compare_row(batch, ours, hf, prefill_flops(cfg, batch, args.prompt_len), peak, read_gbs))
     dev = with_final_load(dev)
     print(device_line(dev))
     print(f"{model_line(model, name)}; random weights, one bf16 checkpoint read by both (HF in bfloat16); "
@@ -188,11 +193,13 @@ def run_compare_hf(args: argparse.Namespace) -> dict[str, Any]:
           f"{dtype.name} matmul peak {peak / 1e9:.1f} GFLOP/s (2048^3, measured in this run)\n")
     print(compare_table(rows))
     print()
-    print(COMPARE_NOTES)
+    print(compare_floor_table(rows))
+    print()
+    print(COMPARE_NOTES.format(read_gbs=read_gbs, read_mb=COPY_BYTES / 1e6))
     return {"command": "compare-hf", "device": dev, "model": name, "config": dataclasses.asdict(cfg),
             "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "torch_threads": os.cpu_count(),
             "hf_dtype": "bfloat16", "dsr1_dtype": args.dtype, "quant": args.quant,
-            "kv_cache_dtype": args.kv_cache_dtype, "matmul_peak_flop_s": peak, "rows": rows}
+            "kv_cache_dtype": args.kv_cache_dtype, "matmul_peak_flop_s": peak, "read_gbs": read_gbs, "rows": rows}
 
 
 def run_serve(args: argparse.Namespace) -> dict[str, Any]:
@@ -321,7 +328,7 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m dsr1.bench", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
-    dec = sub.add_parser("decode", help="decode tok/s and achieved bandwidth vs the measured copy bandwidth",
+    dec = sub.add_parser("decode", help="decode tok/s and achieved bandwidth vs the measured copy and read bandwidths",
                          description="Times greedy decode steps in one jitted loop at each (batch, context) on a "
                                      "directly built cache, and reports the bytes a step must read against the "
                                      "device's measured copy bandwidth.")
@@ -330,7 +337,8 @@ def parser() -> argparse.ArgumentParser:
                      help="comma-separated cached lengths per row (default: 32,512,4096)")
     dec.add_argument("--steps", type=_positive, default=16, help="decode steps timed per point (default: 16)")
     dec.add_argument("--copy-mb", type=_positive, default=COPY_BYTES // 2**20,
-                     help=f"MiB of the array whose x + 1 measures the copy bandwidth (default: {COPY_BYTES // 2**20})")
+                     help=f"MiB of the arrays whose x + 1 and max measure the copy and read bandwidths "
+                          f"(default: {COPY_BYTES // 2**20})")
     add_model_options(dec, default_preset="bench")
     _run_options(dec)
     pre = sub.add_parser("prefill", help="prefill time and FLOP/s against the measured matmul peak (MFU)",

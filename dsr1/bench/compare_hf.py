@@ -23,6 +23,7 @@ from ..core.config import Config
 from ..core.sharding import to_host
 from ..weights.release import expected_tensors
 from ..weights.safetensors_io import write_safetensors
+from .accounting import mean_step_bytes
 from .timing import best_of, time_decode
 
 CHECKPOINT_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
@@ -60,14 +61,20 @@ def write_random_checkpoint(folder: Path, cfg: Config, seed: int = 0, dtype: str
 @dataclasses.dataclass(frozen=True)
 class GenerateTiming:
     """Greedy generation of `new_tokens` per row: prefill seconds, decode seconds for the remaining
-    `new_tokens - 1` steps, and the generated ids `[B, new_tokens]`."""
+    `new_tokens - 1` steps, the generated ids `[B, new_tokens]`, and (dsr1 only) the mean bytes a
+    decode step read (`accounting.mean_step_bytes`)."""
 
     prefill_s: float
     decode_s: float
     tokens: np.ndarray
+    step_bytes: int | None = None
+
+    @property
+    def decode_steps(self) -> int:
+        return self.tokens.shape[1] - 1
 
     def decode_tok_s(self, batch: int) -> float:
-        return batch * (self.tokens.shape[1] - 1) / self.decode_s
+        return batch * self.decode_steps / self.decode_s
 
 
 def load_hf(folder: Path) -> Any:
@@ -127,20 +134,30 @@ def dsr1_generate(model: Model, prompts: np.ndarray, new_tokens: int, repeats: i
     first = to_host(logits).argmax(-1).astype(np.int32)
     run = time_decode(model, lambda i: jax.tree.map(jnp.copy, cache), first, new_tokens - 1, repeats)
     tokens = np.concatenate([run.tokens.T, run.last[:, None]], axis=1)  # fed tokens = generated ones, then the last
-    return GenerateTiming(prefill, run.seconds, tokens)
+    nbytes = mean_step_bytes(model.params, model.cfg, model.kv_cache_dtype, prompts.shape[1], run.tokens,
+                             run.expert_ids)
+    return GenerateTiming(prefill, run.seconds, tokens, nbytes.total)
 
 
 def compare_row(batch: int, ours: GenerateTiming, hf: GenerateTiming, prefill_flop: float,
-                peak_flop_s: float) -> dict[str, Any]:
+                peak_flop_s: float, read_gbs: float) -> dict[str, Any]:
     """One line of the comparison: decode tok/s of both and their ratio, prefill times, dsr1's prefill
-    FLOP/s (`prefill_flop` / its time) against `peak_flop_s` (`prefill.matmul_peak_flops`), agreement."""
+    FLOP/s (`prefill_flop` / its time) against `peak_flop_s` (`prefill.matmul_peak_flops`), agreement;
+    and dsr1's decode against the memory: its achieved GB/s as a share of `read_gbs`
+    (`bandwidth.read_bandwidth`), the step time that reading its bytes at that rate takes (the floor),
+    and the ratio to HF a step at the floor would give."""
     flop_s = prefill_flop / ours.prefill_s
+    step_s = ours.decode_s / ours.decode_steps
+    floor_s = ours.step_bytes / (read_gbs * 1e9)
     return {
         "batch": batch, "dsr1_tok_s": ours.decode_tok_s(batch), "hf_tok_s": hf.decode_tok_s(batch),
         "ratio": ours.decode_tok_s(batch) / hf.decode_tok_s(batch),
         "dsr1_prefill_s": ours.prefill_s, "hf_prefill_s": hf.prefill_s, "prefill_ratio": hf.prefill_s / ours.prefill_s,
         "prefill_gflop_s": flop_s / 1e9, "prefill_pct_of_peak": 100 * flop_s / peak_flop_s,
         "dsr1_decode_s": ours.decode_s, "hf_decode_s": hf.decode_s,
+        "dsr1_mb_per_step": ours.step_bytes / 1e6, "dsr1_step_ms": 1e3 * step_s, "floor_step_ms": 1e3 * floor_s,
+        "hf_step_ms": 1e3 * hf.decode_s / hf.decode_steps, "pct_of_read_bw": 100 * floor_s / step_s,
+        "ratio_at_floor": hf.decode_s / hf.decode_steps / floor_s,
         "same_first_token": float(np.mean(ours.tokens[:, 0] == hf.tokens[:, 0])),
         "same_tokens": float(np.mean(ours.tokens == hf.tokens)),
     }

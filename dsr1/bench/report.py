@@ -14,7 +14,10 @@ MB read/step: bytes a decode step must read (MB = 1e6 B): attention, dense-MLP a
   batch hit in each MoE layer (experts/layer, averaged over the steps); and the cached latents up to each
   row's length, all layers (int8 values + scales when quantized).
 achieved GB/s = MB read/step / step time. % of copy BW = achieved GB/s / the measured copy bandwidth
-  (a jitted x + 1 over {copy_mb:.0f} MB: bytes read + written per second) = {copy_gbs:.2f} GB/s."""
+  (a jitted x + 1 over {copy_mb:.0f} MB: bytes read + written per second) = {copy_gbs:.2f} GB/s.
+% of read BW = achieved GB/s / the measured read bandwidth (a jitted max over {copy_mb:.0f} MB of bfloat16: bytes
+  read per second) = {read_gbs:.2f} GB/s: a step that only streams its bytes from memory reaches 100%; weights
+  the caches still hold from the last step can take it past."""
 
 PREFILL_NOTES = """\
 GFLOP = the matmul FLOPs of the prefill (2 per multiply-add): every projection, the routed experts each token is
@@ -31,7 +34,12 @@ COMPARE_NOTES = """\
 decode tok/s = batch x (new tokens - 1) / decode time. HF decode time: first to last generated token within
 generate(N), clocked by a streamer; prefill time = generate(1). dsr1: prefill, then one jitted loop of N - 1 steps.
 same first token: rows whose first greedy token (from the prefill) agrees; bf16 rounding differs between the
-two, so later tokens may diverge."""
+two, so later tokens may diverge.
+Decode against the memory: MB read/step as `decode` counts it, for dsr1's decode loop (prompt + generated
+  positions, the experts its tokens hit); floor ms = MB read/step / the read bandwidth measured in this run
+  ({read_gbs:.2f} GB/s, a jitted max over {read_mb:.0f} MB of bfloat16): a step cannot stream its bytes faster
+  (caches aside).
+  dsr1 / HF at the floor = HF ms/step / floor ms: the most a decode bound by this memory can gain on HF."""
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -48,9 +56,10 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str
 def decode_table(rows: Sequence[dict[str, Any]]) -> str:
     """The `decode` command's table, one line per (batch, context)."""
     headers = ("batch", "context", "tok/s per seq", "aggregate tok/s", "MB read/step", "achieved GB/s",
-               "% of copy BW", "ms/step", "experts/layer")
+               "% of copy BW", "% of read BW", "ms/step", "experts/layer")
     cells = [(str(r["batch"]), str(r["context"]), f"{r['tok_s_per_seq']:.1f}", f"{r['tok_s']:.1f}",
               f"{r['mb_per_step']:.1f}", f"{r['achieved_gbs']:.2f}", f"{r['pct_of_copy_bw']:.1f}%",
+              f"{r['pct_of_read_bw']:.1f}%",
               f"{r['step_ms']:.1f}", f"{r['distinct_experts_per_layer']:.1f}") for r in rows]
     return markdown_table(headers, cells)
 
@@ -79,6 +88,16 @@ def compare_table(rows: Sequence[dict[str, Any]]) -> str:
               f"{1e3 * r['dsr1_prefill_s']:.0f}", f"{1e3 * r['hf_prefill_s']:.0f}", f"{r['prefill_ratio']:.2f}x",
               f"{r['prefill_gflop_s']:.1f}", f"{r['prefill_pct_of_peak']:.1f}%",
               f"{100 * r['same_first_token']:.0f}%", f"{100 * r['same_tokens']:.0f}%") for r in rows]
+    return markdown_table(headers, cells)
+
+
+def compare_floor_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The `compare-hf` command's second table: dsr1's decode step against the read bandwidth."""
+    headers = ("batch", "MB read/step", "dsr1 ms/step", "floor ms/step", "% of read BW", "HF ms/step",
+               "dsr1 / HF", "dsr1 / HF at the floor")
+    cells = [(str(r["batch"]), f"{r['dsr1_mb_per_step']:.1f}", f"{r['dsr1_step_ms']:.2f}", f"{r['floor_step_ms']:.2f}",
+              f"{r['pct_of_read_bw']:.1f}%", f"{r['hf_step_ms']:.2f}", f"{r['ratio']:.2f}x",
+              f"{r['ratio_at_floor']:.2f}x") for r in rows]
     return markdown_table(headers, cells)
 
 

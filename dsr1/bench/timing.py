@@ -18,7 +18,8 @@ from ..core.cache import KVCache
 from ..core.sharding import put_replicated, to_host
 from .accounting import StepBytes, mean_step_bytes
 
-DECODE_COLUMNS = ("batch", "context", "tok_s_per_seq", "tok_s", "mb_per_step", "achieved_gbs", "pct_of_copy_bw")
+DECODE_COLUMNS = ("batch", "context", "tok_s_per_seq", "tok_s", "mb_per_step", "achieved_gbs", "pct_of_copy_bw",
+                  "pct_of_read_bw")
 
 
 def best_of(run: Callable[[], Any], repeats: int) -> tuple[float, Any]:
@@ -74,21 +75,23 @@ def time_decode(model: Model, make_cache: Callable[[int], KVCache], tokens: np.n
 
 
 def decode_row(batch: int, context: int, steps: int, seconds: float, nbytes: StepBytes,
-               copy_gbs: float) -> dict[str, Any]:
-    """One line of the decode table. `achieved_gbs` = bytes per step / step time."""
+               copy_gbs: float, read_gbs: float) -> dict[str, Any]:
+    """One line of the decode table. `achieved_gbs` = bytes per step / step time, also as a share of
+    the measured copy and read bandwidths."""
     step_s = seconds / steps
     achieved = nbytes.total / step_s / 1e9
     return {
         "batch": batch, "context": context, "tok_s_per_seq": 1 / step_s, "tok_s": batch / step_s,
         "mb_per_step": nbytes.total / 1e6, "achieved_gbs": achieved, "pct_of_copy_bw": 100 * achieved / copy_gbs,
+        "pct_of_read_bw": 100 * achieved / read_gbs,
         "step_ms": 1e3 * step_s, "bytes_per_step": nbytes.total, "distinct_experts_per_layer": nbytes.distinct_experts,
         "bytes": {"fixed_weights": nbytes.fixed_weights, "experts": nbytes.experts, "embed": nbytes.embed,
                   "cache": nbytes.cache},
     }
 
 
-def bench_decode_point(model: Model, batch: int, context: int, steps: int, copy_gbs: float, seed: int = 0,
-                       repeats: int = 1) -> dict[str, Any]:
+def bench_decode_point(model: Model, batch: int, context: int, steps: int, copy_gbs: float, read_gbs: float,
+                       seed: int = 0, repeats: int = 1) -> dict[str, Any]:
     """Time `steps` decode steps at one (batch, context) and account their bytes."""
     cfg = model.cfg
     max_len = context + steps + 1
@@ -99,4 +102,4 @@ def bench_decode_point(model: Model, batch: int, context: int, steps: int, copy_
     run = time_decode(model, lambda i: random_cache(model, batch, context, max_len, seed=seed + i), tokens, steps,
                       repeats)
     nbytes = mean_step_bytes(model.params, cfg, model.kv_cache_dtype, context, run.tokens, run.expert_ids)
-    return decode_row(batch, context, steps, run.seconds, nbytes, copy_gbs)
+    return decode_row(batch, context, steps, run.seconds, nbytes, copy_gbs, read_gbs)
