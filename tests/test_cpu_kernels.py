@@ -403,10 +403,11 @@ def _bf16(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     return rng.standard_normal(shape, np.float32).astype(jnp.bfloat16)
 
 
-def _attention_inputs(rank: int, heads: int, rng: np.random.Generator) -> tuple:
+def _attention_inputs(rank: int, heads: int, rng: np.random.Generator, rope: int = 16) -> tuple:
     """bf16 queries, a `[3, 5, 40, ...]` cache and own keys; rows holding none, one, some and all of
-    the cache's positions."""
-    b, s, rope = 5, 40, 16
+    the cache's positions (keys scored two at a time: odd and even counts; summed 32 at a time: one
+    tile and two)."""
+    b, s = 5, 40
     return (_bf16((b, heads, rank), rng), _bf16((b, heads, rope), rng), _bf16((3, b, s, rank), rng),
             _bf16((3, b, s, rope), rng), _bf16((b, rank), rng), _bf16((b, rope), rng), np.array([0, 1, 17, s, 33]))
 
@@ -438,12 +439,14 @@ def _bits(x: np.ndarray) -> jax.Array:
 
 
 @needs_kernel
-@pytest.mark.parametrize("rank", [64, 160, 256])  # sums in registers (128 lanes at a time), plain loops, or both
+# Widths in vectors of 16 lanes: pairs only; a pair and one; one and single widths (rope too)
+@pytest.mark.parametrize(("rank", "rope"), [(256, 16), (48, 16), (24, 12)])
 @pytest.mark.parametrize("heads", [3, 11])  # one block of heads, or two (8 + 3)
-def test_mla_decode_context_equals_float64(rank, heads):
+def test_mla_decode_context_equals_float64(rank, rope, heads):
     """The attention of one new token per row against layer 1 of a cache of bf16 bits, read in place,
     plus each row's own key, equals float64 of the same steps."""
-    q, q_pe, c_kv, k_pe, own_c, own_pe, lengths = _attention_inputs(rank, heads, np.random.default_rng(rank + heads))
+    q, q_pe, c_kv, k_pe, own_c, own_pe, lengths = _attention_inputs(rank, heads, np.random.default_rng(rank + heads),
+                                                                    rope)
     got = jax.jit(cpu_kernels.mla_decode_context, static_argnums=8)(
         jnp.asarray(q), jnp.asarray(q_pe), _bits(c_kv), _bits(k_pe), 1, jnp.asarray(lengths), jnp.asarray(own_c),
         jnp.asarray(own_pe), 0.3)
@@ -530,9 +533,9 @@ def test_the_avx2_build_computes_the_same(dtype, tmp_path, monkeypatch):
         got = np.asarray(call(jnp.asarray(x), jnp.asarray(w), jnp.int32(2)))[0]
         want = x[0].astype(np.float64) @ _values(w[2]).T
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=str(rows))
-    if dtype == "bf16":  # the decode attention too: 160 latents are two 64-lane register blocks and a rest
+    if dtype == "bf16":  # the decode attention too: 8-lane vectors and single widths (rope 12)
         jax.ffi.register_ffi_target("mla_avx2_test", jax.ffi.pycapsule(library.dsr1_mla_decode_context), platform="cpu")
-        q, q_pe, c_kv, k_pe, own_c, own_pe, lengths = _attention_inputs(160, 11, rng)
+        q, q_pe, c_kv, k_pe, own_c, own_pe, lengths = _attention_inputs(36, 11, rng, rope=12)
         call = jax.ffi.ffi_call("mla_avx2_test", jax.ShapeDtypeStruct(q.shape, jnp.float32))
         got = call(*(jnp.asarray(a, jnp.float32) for a in (q, q_pe)), _bits(c_kv), _bits(k_pe), jnp.ones(1, jnp.int32),
                    jnp.asarray(lengths, jnp.int32), _bits(own_c), _bits(own_pe), jnp.full(1, 0.3, jnp.float32))
