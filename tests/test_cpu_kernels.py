@@ -442,15 +442,19 @@ def _bits(x: np.ndarray) -> jax.Array:
 # Widths in vectors of 16 lanes: pairs only; a pair and one; one and single widths (rope too)
 @pytest.mark.parametrize(("rank", "rope"), [(256, 16), (48, 16), (24, 12)])
 @pytest.mark.parametrize("heads", [3, 11])  # one block of heads, or two (8 + 3)
-def test_mla_decode_context_equals_float64(rank, rope, heads):
+@pytest.mark.parametrize("query_dtype", ["bfloat16", "float32"])  # scored with vdpbf16ps (where it runs) or widened
+def test_mla_decode_context_equals_float64(rank, rope, heads, query_dtype):
     """The attention of one new token per row against layer 1 of a cache of bf16 bits, read in place,
     plus each row's own key, equals float64 of the same steps."""
     q, q_pe, c_kv, k_pe, own_c, own_pe, lengths = _attention_inputs(rank, heads, np.random.default_rng(rank + heads),
                                                                     rope)
-    got = jax.jit(cpu_kernels.mla_decode_context, static_argnums=8)(
-        jnp.asarray(q), jnp.asarray(q_pe), _bits(c_kv), _bits(k_pe), 1, jnp.asarray(lengths), jnp.asarray(own_c),
-        jnp.asarray(own_pe), 0.3)
-    _assert_attention_close(np.asarray(got), _attention_float64(q, q_pe, c_kv, k_pe, own_c, own_pe, lengths, 1, 0.3))
+    run = jax.jit(cpu_kernels.mla_decode_context, static_argnums=8)
+    args = (*(jnp.asarray(x, query_dtype) for x in (q, q_pe)), _bits(c_kv), _bits(k_pe), 1, jnp.asarray(lengths),
+            jnp.asarray(own_c), jnp.asarray(own_pe), 0.3)
+    bf16_scores = query_dtype == "bfloat16" and cpu_kernels.bf16_rows()
+    assert ("dsr1_bf16_mla_decode_context" in run.lower(*args).as_text()) == bf16_scores
+    _assert_attention_close(np.asarray(run(*args)), _attention_float64(q, q_pe, c_kv, k_pe, own_c, own_pe, lengths,
+                                                                       1, 0.3))
 
 
 @needs_kernel
@@ -501,8 +505,8 @@ def test_decode_attention_by_the_kernel_equals_xlas():
         return jax.jit(lambda p, x, cache: attention.attend_decode(p, x, cache.lengths, cache, jnp.int32(2), cfg,
                                                                    one_device=one_device))
 
-    assert "dsr1_mla_decode_context" in attend(True).lower(p, x, cache).as_text()
-    assert "dsr1_mla_decode_context" not in attend(False).lower(p, x, cache).as_text()
+    assert "mla_decode_context" in attend(True).lower(p, x, cache).as_text()
+    assert "mla_decode_context" not in attend(False).lower(p, x, cache).as_text()
     (got, got_latents), (want, want_latents) = attend(True)(p, x, cache), attend(False)(p, x, cache)
     np.testing.assert_array_equal(np.asarray(got_latents[0], np.float32), np.asarray(want_latents[0], np.float32))
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
@@ -510,7 +514,7 @@ def test_decode_attention_by_the_kernel_equals_xlas():
     np.testing.assert_allclose(got, want, rtol=0, atol=2 ** -8 * np.abs(want).max())  # a rounding flip at most
     int8 = dsr1.init_random(cfg, seed=1, dtype="bfloat16", kv_cache_dtype="int8")
     _, scaled = int8.prefill(tokens, max_len=9)
-    assert "dsr1_mla_decode_context" not in attend(True).lower(p, x, scaled).as_text()
+    assert "mla_decode_context" not in attend(True).lower(p, x, scaled).as_text()
 
 
 @needs_kernel

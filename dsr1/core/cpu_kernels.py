@@ -192,7 +192,9 @@ def mla_decode_context(q: jax.Array, q_pe: jax.Array, c_kv: jax.Array, k_pe: jax
     cache of bf16 bits (uint16) `c_kv [layers, B, S, r]`, `k_pe [layers, B, S, rope]`, read in place,
     and the new token's own latent `own_c [B, r]`, `own_pe [B, rope]` (bf16 values) as one more key.
     Scores `(q . c + q_pe . pe) * scale`, one softmax, the probabilities rounded to bf16 before their
-    sum over the latents, as `attention`'s XLA path computes them. Needs `available()`."""
+    sum over the latents, as `attention`'s XLA path computes them. bf16 queries are scored as bf16
+    with `vdpbf16ps` where `bf16_rows()` (the same products, summed in another order), others as
+    float32. Needs `available()`."""
     b, h, r = q.shape if q.ndim == 3 else (0, 0, 0)
     rope = q_pe.shape[-1]
     if (q.ndim != 3 or c_kv.dtype != jnp.uint16 or k_pe.dtype != jnp.uint16 or q_pe.shape != (b, h, rope)
@@ -203,10 +205,17 @@ def mla_decode_context(q: jax.Array, q_pe: jax.Array, c_kv: jax.Array, k_pe: jax
                          f"{own_c.shape}, own_pe {own_pe.shape}: q [B, H, r], q_pe [B, H, rope], c_kv [layers, B, S, "
                          "r], k_pe [layers, B, S, rope], lengths [B], own_c [B, r], own_pe [B, rope]")
     f32 = jnp.float32
-    call = jax.ffi.ffi_call("dsr1_mla_decode_context", jax.ShapeDtypeStruct(q.shape, f32), vmap_method="sequential")
-    bits = [jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16) for x in (own_c, own_pe)]
-    return call(q.astype(f32), q_pe.astype(f32), c_kv, k_pe, jnp.asarray(layer, jnp.int32).reshape(1),
-                jnp.asarray(lengths, jnp.int32), *bits, jnp.full((1,), scale, f32))
+    as_bf16 = q.dtype == q_pe.dtype == jnp.bfloat16 and bf16_rows()
+    call = jax.ffi.ffi_call(f"dsr1_{'bf16_' if as_bf16 else ''}mla_decode_context", jax.ShapeDtypeStruct(q.shape, f32),
+                            vmap_method="sequential")
+    queries = [_bits(x) if as_bf16 else x.astype(f32) for x in (q, q_pe)]
+    return call(*queries, c_kv, k_pe, jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(lengths, jnp.int32),
+                _bits(own_c), _bits(own_pe), jnp.full((1,), scale, f32))
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    """The bits (uint16) of `x` rounded to bf16."""
+    return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
 
 
 def amx_available() -> bool:
@@ -227,9 +236,8 @@ def amx_rows_dot(x: jax.Array, w: jax.Array, index: jax.Array, used: jax.Array |
                          f"{jnp.shape(index)}: in and out must be multiples of 32, one index (and used count) per "
                          "group")
     out = jax.ShapeDtypeStruct((g, rows, w.shape[-2]), jnp.float32)
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
     call = jax.ffi.ffi_call("dsr1_rows_dot_each_amx", out, vmap_method="sequential")
-    return call(bits, w, jnp.asarray(index, jnp.int32), _used_rows(used, x.shape))
+    return call(_bits(x), w, jnp.asarray(index, jnp.int32), _used_rows(used, x.shape))
 
 
 def _target(weights: str, each: bool, bf16: bool = False) -> str:
@@ -258,7 +266,7 @@ def _registered() -> ctypes.CDLL | None:
     targets = [_target(weights, each) for weights in _WEIGHTS.values() for each in (False, True)]
     targets += [_target("bf16", each, bf16=True) for each in (False, True)]
     fused = ["dsr1_swiglu_rows_dot", "dsr1_combine_rows_dot", "dsr1_bf16_combine_rows_dot", "dsr1_rows_dot_each_amx",
-             "dsr1_swiglu_pairs", "dsr1_combine_pairs", "dsr1_mla_decode_context"]
+             "dsr1_swiglu_pairs", "dsr1_combine_pairs", "dsr1_mla_decode_context", "dsr1_bf16_mla_decode_context"]
     for target in [*targets, *fused]:
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
     return lib
