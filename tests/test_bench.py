@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import dsr1
-from dsr1.bench import accounting, bandwidth, cli, compare_hf, prefill, serve, timing
+from dsr1.bench import accounting, bandwidth, cli, compare_hf, decode_attention, prefill, serve, timing
 from dsr1.core import cpu_kernels, quant
 
 # The tiny preset with a small vocabulary: every test here stays fast.
@@ -318,3 +318,22 @@ def test_shared_prefix_of_2000_tokens_cuts_the_second_time_to_first_token_5x():
     print(f"\n[serve] 2,000-token shared prefix: {result}")
     assert result["second_cached_tokens"] == 2000
     assert result["ratio"] >= 5, f"second request's TTFT only {result['ratio']:.1f}x lower"
+
+
+def test_cli_attention_times_every_implementation_against_xlas(tmp_path, capsys):
+    """XLA's path, the flash kernel (in Pallas' interpreter here) under two tilings and the CPU kernel
+    (where built) at two batch sizes; each close to XLA's context; bad tilings are named."""
+    out = tmp_path / "attention.json"
+    assert cli.main(["attention", "--rows", "1,3", "--positions", "50", "--heads", "16", "--rank", "32", "--rope",
+                     "16", "--tilings", "16x32x4x1,16x16x4x2", "--interpret", "--calls", "2", "--repeats", "1",
+                     "--json", str(out)]) == 0
+    assert "flash 16x32x4x1" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    names = ["xla", "flash 16x32x4x1", "flash 16x16x4x2"] + (["cpu kernel"] if cpu_kernels.available() else [])
+    assert [(r["implementation"], r["rows"]) for r in rows] == [(n, b) for b in (1, 3) for n in names]
+    for row in rows:
+        assert set(decode_attention.ATTENTION_COLUMNS) <= set(row) and row["ms"] > 0 and row["tflop_s"] > 0
+        # The flash kernel rounds its probabilities to bf16 before they are normalized (~2^-9 apart).
+        assert row["max_rel_diff"] < {"xla": 1e-7, "cpu kernel": 1e-5}.get(row["implementation"], 1e-2)
+    with pytest.raises(SystemExit):
+        cli.main(["attention", "--tilings", "32x64x4"])

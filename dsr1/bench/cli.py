@@ -4,6 +4,7 @@ transformers.
     python -m dsr1.bench decode --batch 1,8,32 --context 32,512,4096 [--quant int8] [--kv-cache-dtype int8]
     python -m dsr1.bench prefill --batch 1 --tokens 512,4096 [--preset deepseek-r1 --layers 4]
     python -m dsr1.bench moe --tokens 1,8,64,512 [--kernels ragged_dot,loop,gather,capacity,dense]
+    python -m dsr1.bench attention --rows 1,8,32 --positions 32768 [--tilings 32x64x4x2,16x64x4x2]
     python -m dsr1.bench compare-hf [--preset bench] [--batch 1,8] [--new-tokens 32]
     python -m dsr1.bench serve --preset tiny --dtype float32 [--requests 64] [--rate 100] [--prefix-ttft 2000]
     python -m dsr1.bench plan --preset deepseek-r1 --quant int8 [--target 8xH100|8xH200|v5e-64|v5p-64]
@@ -32,6 +33,8 @@ from ..options import add_model_options, config_from_options, mesh_from_options,
 from .accounting import expert_bytes, fixed_weight_bytes
 from .bandwidth import COPY_BYTES, copy_bandwidth, device_description, read_bandwidth, with_final_load
 from .compare_hf import compare_row, dsr1_generate, hf_generate, load_hf, write_random_checkpoint
+from .decode_attention import __doc__ as ATTENTION_DOC
+from .decode_attention import add_attention_options, run_attention
 from .experts import EXPERT_COLUMNS, KERNELS, bench_kernels
 from .loading import add_load_options, run_load
 from .plan import add_plan_options, run_plan
@@ -397,6 +400,10 @@ def parser() -> argparse.ArgumentParser:
                                      "the largest batch x context that fits --hbm. Fails when a weight that should "
                                      "be split over the mesh would be replicated.")
     add_plan_options(pln)
+    att = sub.add_parser("attention", help="decode attention alone: XLA's path, the GPU flash kernel per tiling, "
+                                           "the CPU kernel (ms, cache GB/s, TFLOP/s, error)",
+                         description=ATTENTION_DOC)
+    add_attention_options(att)
     lod = sub.add_parser("load", help="dsr1.load GB/s against the raw read bandwidth of the same files",
                          description="Writes a random checkpoint in the release layout and precision (FP8 blocks "
                                      "with scales; or takes --model), then alternates a raw sequential read of its "
@@ -415,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "compare-hf" and args.new_tokens < 2:
         raise SystemExit("--new-tokens must be at least 2 (the first token comes from the prefill)")
     commands = {"decode": run_decode, "prefill": run_prefill, "moe": run_moe, "compare-hf": run_compare_hf,
-                "serve": run_serve, "plan": run_plan, "load": run_load, "quality": run_quality}
+                "serve": run_serve, "plan": run_plan, "load": run_load, "quality": run_quality,
+                "attention": run_attention}
     result = commands[args.command](args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))

@@ -1,0 +1,211 @@
+"""Absorbed-MLA decode attention alone: one new token per row against `positions` cached latents
+(plus its own key), by every implementation that runs here, on random bf16 inputs of the asked
+widths (R1's by default). XLA's path (one softmax, float32 scores, the probabilities rounded to
+bf16: `attention._cache_softmax`'s steps) is the reference; the GPU flash-decoding kernel runs
+under each asked tiling (`flash_decode.Tiling`; `--interpret` runs it on any backend, slowly: for
+tests); dsr1's CPU kernel (`cpu_kernels.mla_decode_context`) where it is built. Per call: ms, the
+cache read (latents once) in GB/s, the products' TFLOP/s and the error against the reference. The
+flash kernel's tiling table in docs/performance.md ("Second GPU session") came from this loop."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..core import cpu_kernels, flash_decode
+from .bandwidth import device_description, with_final_load
+from .report import device_line, markdown_table
+
+# The tilings the second GPU session swept (docs/performance.md), the default first.
+TILINGS = ("32x64x4x2", "16x64x4x2", "64x64x8x2", "64x32x4x2", "64x32x8x2", "32x32x4x2", "64x64x4x2", "32x64x4x3",
+           "64x64x8x3", "128x32x8x1", "128x16x8x2", "16x128x4x2", "16x32x4x2", "16x64x4x3")
+ATTENTION_COLUMNS = ("implementation", "rows", "positions", "ms", "cache_gbs", "tflop_s", "max_rel_diff")
+SCALE = 192**-0.5  # R1's softmax scale, 1/sqrt(qk_nope_head_dim + qk_rope_head_dim), without YaRN's factor
+
+
+class Inputs(NamedTuple):
+    """One decode step's attention inputs (bf16): queries `q [B, H, r]`, `q_pe [B, H, rope]`, the
+    cache `c [B, S, r]`, `pe [B, S, rope]` (every row `S` long) and the new tokens' own latents
+    `own_c [B, r]`, `own_pe [B, rope]`."""
+
+    q: jax.Array
+    q_pe: jax.Array
+    c: jax.Array
+    pe: jax.Array
+    own_c: jax.Array
+    own_pe: jax.Array
+
+    @property
+    def lengths(self) -> jax.Array:
+        return jnp.full(self.c.shape[0], self.c.shape[1], jnp.int32)
+
+
+def random_inputs(rows: int, positions: int, heads: int, rank: int, rope: int, seed: int = 0) -> Inputs:
+    """Unit-normal bf16 inputs of the given sizes."""
+    keys = jax.random.split(jax.random.key(seed), 6)
+    shapes = [(rows, heads, rank), (rows, heads, rope), (rows, positions, rank), (rows, positions, rope),
+              (rows, rank), (rows, rope)]
+    return Inputs(*(jax.random.normal(k, s, jnp.bfloat16) for k, s in zip(keys, shapes)))
+
+
+def xla_context(x: Inputs, scale: float) -> jax.Array:
+    """The reference context `[B, H, r]` (float32): the own key appended to the cache, float32 scores,
+    one softmax, the probabilities rounded to bf16 before their sum over the latents."""
+    f32 = jnp.float32
+    keys = jnp.concatenate([x.c, x.own_c[:, None]], axis=1)
+    rotary = jnp.concatenate([x.pe, x.own_pe[:, None]], axis=1)
+    s = (jnp.einsum("bhr,bsr->bhs", x.q, keys, preferred_element_type=f32)
+         + jnp.einsum("bhp,bsp->bhs", x.q_pe, rotary, preferred_element_type=f32)) * scale
+    probs = jax.nn.softmax(s, axis=-1).astype(keys.dtype)
+    return jnp.einsum("bhs,bsr->bhr", probs, keys, preferred_element_type=f32)
+
+
+def flash_context(x: Inputs, scale: float, tiling: flash_decode.Tiling, interpret: bool = False) -> jax.Array:
+    """The GPU kernel's context: its splits' partials folded with the own key's score and latent."""
+    f32 = jnp.float32
+    acc, run_max, run_sum = flash_decode.cached_context(x.q, x.q_pe, x.c, x.pe, x.lengths, scale, interpret=interpret,
+                                                        tiling=tiling)
+    own = (jnp.einsum("bhr,br->bh", x.q, x.own_c, preferred_element_type=f32)
+           + jnp.einsum("bhp,bp->bh", x.q_pe, x.own_pe, preferred_element_type=f32)) * scale
+    return flash_decode.combine(acc, run_max, run_sum, own, x.own_c)
+
+
+def cpu_kernel_context(x: Inputs, scale: float) -> jax.Array:
+    """dsr1's CPU kernel's context, the cache as the bits of one layer."""
+    bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16)[None]  # noqa: E731
+    return cpu_kernels.mla_decode_context(x.q, x.q_pe, bits(x.c), bits(x.pe), 0, x.lengths, x.own_c, x.own_pe, scale)
+
+
+def time_calls(context: Callable[[Inputs], jax.Array], x: Inputs, calls: int, repeats: int) -> tuple[float, jax.Array]:
+    """Seconds per call of `context` over `calls` calls in one jitted loop (no dispatch between
+    them), the fastest of `repeats` runs after a compiling one, and one call's result. The queries
+    change a little each call, so that no call can be hoisted out of the loop."""
+
+    @jax.jit
+    def loop(x: Inputs) -> jax.Array:
+        def body(i, total):
+            step = x._replace(q=x.q * (1 + i % 2).astype(x.q.dtype))
+            return total + context(step)
+
+        return jax.lax.fori_loop(0, calls, body, jnp.zeros(x.q.shape, jnp.float32))
+
+    jax.block_until_ready(loop(x))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(loop(x))
+        best = min(best, time.perf_counter() - start)
+    return best / calls, jax.jit(context)(x)
+
+
+def attention_row(name: str, x: Inputs, seconds: float, out: jax.Array, reference: jax.Array) -> dict[str, Any]:
+    """One line of the table: time per call, cache GB/s, TFLOP/s and the error against `reference`."""
+    rows, heads, rank = x.q.shape
+    positions, rope = x.c.shape[1], x.pe.shape[-1]
+    ref = np.asarray(reference, np.float64)
+    return {"implementation": name, "rows": rows, "positions": positions, "ms": 1e3 * seconds,
+            "cache_gbs": rows * positions * (rank + rope) * 2 / seconds / 1e9,
+            "tflop_s": 2 * rows * heads * (positions + 1) * (2 * rank + rope) / seconds / 1e12,
+            "max_rel_diff": float(np.abs(np.asarray(out, np.float64) - ref).max() / np.abs(ref).max())}
+
+
+def implementations(tilings: list[flash_decode.Tiling], interpret: bool,
+                    scale: float) -> dict[str, Callable[[Inputs], jax.Array]]:
+    """What runs here, by name: XLA's path first (the reference), the flash kernel per tiling on a GPU
+    (or with `interpret`), the CPU kernel where it is built."""
+    found = {"xla": lambda x: xla_context(x, scale)}
+    if jax.default_backend() == "gpu" or interpret:
+        for t in tilings:
+            found[f"flash {tiling_name(t)}"] = lambda x, t=t: flash_context(x, scale, t, interpret)
+    if cpu_kernels.available():
+        found["cpu kernel"] = lambda x: cpu_kernel_context(x, scale)
+    return found
+
+
+def tiling_name(t: flash_decode.Tiling) -> str:
+    return f"{t.heads}x{t.keys}x{t.warps}x{t.stages}"
+
+
+def parse_tilings(text: str) -> list[flash_decode.Tiling]:
+    """`HEADSxKEYSxWARPSxSTAGES,...` -> tilings."""
+    tilings = []
+    for item in text.split(","):
+        parts = item.strip().split("x")
+        if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(f"expected tilings as HEADSxKEYSxWARPSxSTAGES (e.g. 32x64x4x2), "
+                                             f"comma-separated; got {item!r}")
+        tilings.append(flash_decode.Tiling(*map(int, parts)))
+    return tilings
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(v) for v in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return sizes
+
+
+def add_attention_options(p: argparse.ArgumentParser) -> None:
+    """The `attention` command's flags."""
+    p.add_argument("--rows", type=_sizes, default=[1, 8, 32], help="comma-separated batch sizes (default: 1,8,32)")
+    p.add_argument("--positions", type=_sizes, default=[32768],
+                   help="comma-separated cached positions per row (default: 32768)")
+    p.add_argument("--heads", type=int, default=128, help="attention heads (default: 128, R1's)")
+    p.add_argument("--rank", type=int, default=512, help="latent width, kv_lora_rank (default: 512, R1's)")
+    p.add_argument("--rope", type=int, default=64, help="rotary key width, qk_rope_head_dim (default: 64, R1's)")
+    p.add_argument("--tilings", type=parse_tilings, default=parse_tilings(",".join(TILINGS)),
+                   help="the flash kernel's tilings, HEADSxKEYSxWARPSxSTAGES, comma-separated (default: the 14 the "
+                        "second GPU session swept, the default tiling first)")
+    p.add_argument("--interpret", action="store_true",
+                   help="also run the flash kernel off a GPU, in Pallas' interpreter (slow: small sizes only)")
+    p.add_argument("--calls", type=int, default=20, help="calls per timed loop (default: 20)")
+    p.add_argument("--repeats", type=int, default=3, help="timed loops after a compiling one; the fastest is "
+                   "reported (default: 3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+
+
+def run_attention(args: argparse.Namespace) -> dict[str, Any]:
+    """The `attention` command: every implementation at each (rows, positions), against XLA's."""
+    if args.calls < 1 or args.repeats < 1:
+        raise SystemExit(f"--calls and --repeats must be at least 1, got {args.calls} and {args.repeats}")
+    dev = device_description()
+    found = implementations(args.tilings, args.interpret, SCALE)
+    rows = []
+    for batch in args.rows:
+        for positions in args.positions:
+            x = random_inputs(batch, positions, args.heads, args.rank, args.rope, args.seed)
+            reference = None
+            for name, context in found.items():
+                print(f"{name}: {batch} rows x {positions} positions ...", file=sys.stderr, flush=True)
+                seconds, out = time_calls(context, x, args.calls, args.repeats)
+                reference = out if reference is None else reference
+                rows.append(attention_row(name, x, seconds, out, reference))
+    dev = with_final_load(dev)
+    print(device_line(dev))
+    print(f"absorbed MLA decode attention: {args.heads} heads, latent {args.rank}, rope {args.rope}, bf16; "
+          f"{args.calls} calls per timed loop, the fastest of {args.repeats} loops\n")
+    print(attention_table(rows))
+    print("\ncache GB/s: the cached latents and rotary keys read once per call; TFLOP/s: scores and values, 2 per "
+          "multiply-add;\nrel. diff: max |out - xla's| / max |xla's| (float32 contexts; the probabilities rounded "
+          "to bf16 in each).")
+    return {"command": "attention", "device": dev, "heads": args.heads, "rank": args.rank, "rope": args.rope,
+            "calls": args.calls, "repeats": args.repeats, "columns": list(ATTENTION_COLUMNS), "rows": rows}
+
+
+def attention_table(rows: list[dict[str, Any]]) -> str:
+    """The `attention` command's table, one line per (implementation, rows, positions)."""
+    headers = ("implementation", "rows", "positions", "ms", "cache GB/s", "TFLOP/s", "rel. diff")
+    cells = [(r["implementation"], str(r["rows"]), str(r["positions"]), f"{r['ms']:.3f}", f"{r['cache_gbs']:.1f}",
+              f"{r['tflop_s']:.2f}", f"{r['max_rel_diff']:.1e}") for r in rows]
+    return markdown_table(headers, cells)
