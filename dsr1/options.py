@@ -17,6 +17,25 @@ from .core.sharding import make_mesh
 from .weights.demo import demo_checkpoint
 
 
+def positive_ints(text: str) -> list[int]:
+    """An argparse type: comma-separated positive integers."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: one positive integer."""
+    value = positive_ints(text)
+    if len(value) != 1:
+        raise argparse.ArgumentTypeError(f"expected one positive integer, got {text!r}")
+    return value[0]
+
+
 def add_model_options(p: argparse.ArgumentParser, *, default_preset: str | None, checkpoints: bool = True) -> None:
     """`--model PATH` (when `checkpoints`) | `--preset NAME` | `--config PATH`, then dtype, int8
     weights and cache, and the mesh sizes. `default_preset=None`: without any of the three, the

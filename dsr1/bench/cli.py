@@ -29,7 +29,14 @@ from typing import Any
 import numpy as np
 
 from ..api import Model, load
-from ..options import add_model_options, config_from_options, mesh_from_options, model_from_options
+from ..options import (
+    add_model_options,
+    config_from_options,
+    mesh_from_options,
+    model_from_options,
+    positive_int,
+    positive_ints,
+)
 from .accounting import expert_bytes, fixed_weight_bytes
 from .bandwidth import COPY_BYTES, copy_bandwidth, device_description, read_bandwidth, with_final_load
 from .compare_hf import compare_row, dsr1_generate, hf_generate, load_hf, write_random_checkpoint
@@ -263,25 +270,8 @@ def run_serve(args: argparse.Namespace) -> dict[str, Any]:
             "arrival_bound": bound, "prefix_ttft": prefix}
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _positive(text: str) -> int:
-    value = _ints(text)
-    if len(value) != 1:
-        raise argparse.ArgumentTypeError(f"expected one positive integer, got {text!r}")
-    return value[0]
-
-
 def _range(text: str) -> list[int]:
-    values = _ints(text)
+    values = positive_ints(text)
     if len(values) != 2 or values[0] > values[1]:
         raise argparse.ArgumentTypeError(f"expected MIN,MAX with MIN <= MAX, got {text!r}")
     return values
@@ -289,7 +279,7 @@ def _range(text: str) -> list[int]:
 
 def _serve_options(p: argparse.ArgumentParser) -> None:
     w, e = WorkloadSpec(), EngineShape()
-    p.add_argument("--requests", type=_positive, default=w.requests, help=f"requests (default: {w.requests})")
+    p.add_argument("--requests", type=positive_int, default=w.requests, help=f"requests (default: {w.requests})")
     p.add_argument("--rate", type=float, default=w.rate, help="arrivals per second, Poisson; inf: all at once "
                    f"(default: {w.rate:g})")
     p.add_argument("--prompt-len", type=_range, default=list(w.prompt_len), metavar="MIN,MAX",
@@ -304,14 +294,14 @@ def _serve_options(p: argparse.ArgumentParser) -> None:
                    help="tokens of the prefix some prompts share (default: %(default)s)")
     p.add_argument("--shared-fraction", type=float, default=w.shared_fraction,
                    help="share of the prompts that begin with it (default: %(default)s)")
-    p.add_argument("--max-seqs", type=_positive, default=e.max_seqs,
+    p.add_argument("--max-seqs", type=positive_int, default=e.max_seqs,
                    help="engine decode rows, and the static batch size (default: %(default)s)")
-    p.add_argument("--page-size", type=_positive, default=e.page_size, help="(default: %(default)s)")
-    p.add_argument("--num-pages", type=_positive, default=e.num_pages, help="(default: %(default)s)")
-    p.add_argument("--prefill-chunk", type=_positive, default=e.prefill_chunk, help="(default: %(default)s)")
-    p.add_argument("--prefill-rows", type=_positive, default=e.prefill_rows,
+    p.add_argument("--page-size", type=positive_int, default=e.page_size, help="(default: %(default)s)")
+    p.add_argument("--num-pages", type=positive_int, default=e.num_pages, help="(default: %(default)s)")
+    p.add_argument("--prefill-chunk", type=positive_int, default=e.prefill_chunk, help="(default: %(default)s)")
+    p.add_argument("--prefill-rows", type=positive_int, default=e.prefill_rows,
                    help="engine prompts prefilled per step, and slots beyond --max-seqs (default: %(default)s)")
-    p.add_argument("--decode-steps", type=_positive, default=e.decode_steps,
+    p.add_argument("--decode-steps", type=positive_int, default=e.decode_steps,
                    help="decode steps per engine decode call (default: %(default)s)")
     p.add_argument("--host-cache-mb", type=int, default=0, help="host memory for offloaded prefix pages, MiB "
                    "(default: 0)")
@@ -321,7 +311,7 @@ def _serve_options(p: argparse.ArgumentParser) -> None:
 
 def _run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and caches (default: 0)")
-    p.add_argument("--repeats", type=_positive, default=2, help="timed runs per point after a warm-up; the "
+    p.add_argument("--repeats", type=positive_int, default=2, help="timed runs per point after a warm-up; the "
                    "fastest is reported (default: 2)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
 
@@ -335,11 +325,12 @@ def parser() -> argparse.ArgumentParser:
                          description="Times greedy decode steps in one jitted loop at each (batch, context) on a "
                                      "directly built cache, and reports the bytes a step must read against the "
                                      "device's measured copy bandwidth.")
-    dec.add_argument("--batch", type=_ints, default=[1, 8, 32], help="comma-separated batch sizes (default: 1,8,32)")
-    dec.add_argument("--context", type=_ints, default=[32, 512, 4096],
+    dec.add_argument("--batch", type=positive_ints, default=[1, 8, 32],
+                     help="comma-separated batch sizes (default: 1,8,32)")
+    dec.add_argument("--context", type=positive_ints, default=[32, 512, 4096],
                      help="comma-separated cached lengths per row (default: 32,512,4096)")
-    dec.add_argument("--steps", type=_positive, default=16, help="decode steps timed per point (default: 16)")
-    dec.add_argument("--copy-mb", type=_positive, default=COPY_BYTES // 2**20,
+    dec.add_argument("--steps", type=positive_int, default=16, help="decode steps timed per point (default: 16)")
+    dec.add_argument("--copy-mb", type=positive_int, default=COPY_BYTES // 2**20,
                      help=f"MiB of the arrays whose x + 1 and max measure the copy and read bandwidths "
                           f"(default: {COPY_BYTES // 2**20})")
     add_model_options(dec, default_preset="bench")
@@ -348,8 +339,8 @@ def parser() -> argparse.ArgumentParser:
                          description="Times the prefill of random prompts at each (batch, tokens) and reports "
                                      "its FLOP/s against the matmul peak of the dtype the device computes in, "
                                      "measured in the same run (model FLOPs utilization).")
-    pre.add_argument("--batch", type=_ints, default=[1], help="comma-separated batch sizes (default: 1)")
-    pre.add_argument("--tokens", type=_ints, default=[512, 4096],
+    pre.add_argument("--batch", type=positive_ints, default=[1], help="comma-separated batch sizes (default: 1)")
+    pre.add_argument("--tokens", type=positive_ints, default=[512, 4096],
                      help="comma-separated prompt lengths (default: 512,4096)")
     add_model_options(pre, default_preset="bench")
     _run_options(pre)
@@ -362,7 +353,7 @@ def parser() -> argparse.ArgumentParser:
                                       "matmuls, GPU beyond decode; dense: every expert on every token) "
                                       "and reports time, the bytes of the experts hit, GB/s, GFLOP/s, and the "
                                       "difference from the first kernel's output.")
-    kern.add_argument("--tokens", type=_ints, default=[1, 8, 64, 512],
+    kern.add_argument("--tokens", type=positive_ints, default=[1, 8, 64, 512],
                       help="comma-separated token counts (default: 1,8,64,512)")
     kern.add_argument("--kernels", type=_kernels, default=list(KERNELS),
                       help=f"comma-separated kernels, the first the reference (default: {','.join(KERNELS)})")
@@ -374,9 +365,9 @@ def parser() -> argparse.ArgumentParser:
                                      "DeepseekV3ForCausalLM (torch, CPU, bf16) and into dsr1 (--dtype, --quant), "
                                      "and times greedy decode of both on the same prompts. Needs torch and "
                                      "transformers.")
-    cmp.add_argument("--batch", type=_ints, default=[1, 8], help="comma-separated batch sizes (default: 1,8)")
+    cmp.add_argument("--batch", type=positive_ints, default=[1, 8], help="comma-separated batch sizes (default: 1,8)")
     cmp.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per row, at least 2 (default: 32)")
-    cmp.add_argument("--prompt-len", type=_positive, default=32, help="prompt tokens per row (default: 32)")
+    cmp.add_argument("--prompt-len", type=positive_int, default=32, help="prompt tokens per row (default: 32)")
     add_model_options(cmp, default_preset="bench", checkpoints=False)
     _run_options(cmp)
     srv = sub.add_parser("serve", help="continuous batching (dsr1.serving.Engine) against static batches of "
@@ -389,8 +380,8 @@ def parser() -> argparse.ArgumentParser:
     _serve_options(srv)
     add_model_options(srv, default_preset="tiny")
     srv.add_argument("--seed", type=int, default=0, help="seed of the weights and the workload (default: 0)")
-    srv.add_argument("--repeats", type=_positive, default=1, help="runs of each, alternating; the fastest of each is "
-                     "reported (default: 1)")
+    srv.add_argument("--repeats", type=positive_int, default=1,
+                     help="runs of each, alternating; the fastest of each is reported (default: 1)")
     srv.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     pln = sub.add_parser("plan", help="capacity plan: compile decode and prefill for a full-size model on a fake "
                                       "CPU mesh; weight and cache bytes per device, the batch x context that fits",

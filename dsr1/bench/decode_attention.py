@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core import cpu_kernels, flash_decode
+from ..options import positive_int, positive_ints
 from .bandwidth import device_description, with_final_load
 from .report import device_line, markdown_table
 
@@ -145,31 +146,23 @@ def parse_tilings(text: str) -> list[flash_decode.Tiling]:
     return tilings
 
 
-def _sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(v) for v in text.split(",")]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return sizes
-
-
 def add_attention_options(p: argparse.ArgumentParser) -> None:
     """The `attention` command's flags."""
-    p.add_argument("--rows", type=_sizes, default=[1, 8, 32], help="comma-separated batch sizes (default: 1,8,32)")
-    p.add_argument("--positions", type=_sizes, default=[32768],
+    p.add_argument("--rows", type=positive_ints, default=[1, 8, 32],
+                   help="comma-separated batch sizes (default: 1,8,32)")
+    p.add_argument("--positions", type=positive_ints, default=[32768],
                    help="comma-separated cached positions per row (default: 32768)")
-    p.add_argument("--heads", type=int, default=128, help="attention heads (default: 128, R1's)")
-    p.add_argument("--rank", type=int, default=512, help="latent width, kv_lora_rank (default: 512, R1's)")
-    p.add_argument("--rope", type=int, default=64, help="rotary key width, qk_rope_head_dim (default: 64, R1's)")
+    p.add_argument("--heads", type=positive_int, default=128, help="attention heads (default: 128, R1's)")
+    p.add_argument("--rank", type=positive_int, default=512, help="latent width, kv_lora_rank (default: 512, R1's)")
+    p.add_argument("--rope", type=positive_int, default=64,
+                   help="rotary key width, qk_rope_head_dim (default: 64, R1's)")
     p.add_argument("--tilings", type=parse_tilings, default=parse_tilings(",".join(TILINGS)),
                    help="the flash kernel's tilings, HEADSxKEYSxWARPSxSTAGES, comma-separated (default: the 14 the "
                         "second GPU session swept, the default tiling first)")
     p.add_argument("--interpret", action="store_true",
                    help="also run the flash kernel off a GPU, in Pallas' interpreter (slow: small sizes only)")
-    p.add_argument("--calls", type=int, default=20, help="calls per timed loop (default: 20)")
-    p.add_argument("--repeats", type=int, default=3, help="timed loops after a compiling one; the fastest is "
+    p.add_argument("--calls", type=positive_int, default=20, help="calls per timed loop (default: 20)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed loops after a compiling one; the fastest is "
                    "reported (default: 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
@@ -177,8 +170,6 @@ def add_attention_options(p: argparse.ArgumentParser) -> None:
 
 def run_attention(args: argparse.Namespace) -> dict[str, Any]:
     """The `attention` command: every implementation at each (rows, positions), against XLA's."""
-    if args.calls < 1 or args.repeats < 1:
-        raise SystemExit(f"--calls and --repeats must be at least 1, got {args.calls} and {args.repeats}")
     dev = device_description()
     found = implementations(args.tilings, args.interpret, SCALE)
     rows = []

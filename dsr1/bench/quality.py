@@ -36,6 +36,7 @@ from ..core.config import Config
 from ..generation.batch import generate
 from ..generation.sampling import Sampling
 from ..generation.tokenizer import Tokenizer, load_tokenizer
+from ..options import positive_int, positive_ints
 from ..weights.release import expected_tensors, quantize_fp8
 
 WEIGHTS = "model.safetensors"
@@ -338,45 +339,27 @@ def run_quality(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _positive_list(text: str) -> list[int]:
-    """`1,2,3` as positive integers."""
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _positive(text: str) -> int:
-    """One positive integer."""
-    values = _positive_list(text)
-    if len(values) != 1:
-        raise argparse.ArgumentTypeError(f"expected one positive integer, got {text!r}")
-    return values[0]
-
-
 def add_quality_options(p: argparse.ArgumentParser) -> None:
     """The `quality` command's options."""
     p.add_argument("--model", help="a release-layout folder with an MTP layer (default: the embedded demo model, "
                    "dsr1.demo_checkpoint())")
     p.add_argument("--text", help="held-out UTF-8 text file (default: the held-out plays of python -m dsr1.train's "
                    "corpus, as it evaluates them)")
-    p.add_argument("--max-bytes", type=_positive, default=200_000,
+    p.add_argument("--max-bytes", type=positive_int, default=200_000,
                    help="bytes of held-out text at most (default: 200000)")
-    p.add_argument("--seq-len", type=_positive, default=256, help="tokens per scored window (default: 256)")
-    p.add_argument("--decode-windows", type=_positive, default=4,
+    p.add_argument("--seq-len", type=positive_int, default=256, help="tokens per scored window (default: 256)")
+    p.add_argument("--decode-windows", type=positive_int, default=4,
                    help="windows scored token by token through the cache (default: 4)")
-    p.add_argument("--prompts", type=_positive, default=8, help="held-out prompts for the drafting runs (default: 8)")
-    p.add_argument("--prompt-len", type=_positive, default=64, help="tokens per prompt (default: 64)")
-    p.add_argument("--new-tokens", type=_positive, default=64, help="greedy tokens per prompt (default: 64)")
-    p.add_argument("--draft-tokens", type=_positive_list, default=[1, 2, 3],
+    p.add_argument("--prompts", type=positive_int, default=8,
+                   help="held-out prompts for the drafting runs (default: 8)")
+    p.add_argument("--prompt-len", type=positive_int, default=64, help="tokens per prompt (default: 64)")
+    p.add_argument("--new-tokens", type=positive_int, default=64, help="greedy tokens per prompt (default: 64)")
+    p.add_argument("--draft-tokens", type=positive_ints, default=[1, 2, 3],
                    help="comma-separated k to run besides k=0 (default: 1,2,3)")
     p.add_argument("--dtype", default="float32", choices=("bfloat16", "float32"),
                    help="weights of the drafting runs (default: float32; in bfloat16 the multi-token verify step and "
                         "the one-token decode step round differently, so a near tie can change a greedy token)")
-    p.add_argument("--repeats", type=_positive, default=2, help="timed passes over the prompts per k; the fastest "
+    p.add_argument("--repeats", type=positive_int, default=2, help="timed passes over the prompts per k; the fastest "
                    "is reported (default: 2)")
     p.add_argument("--plot", metavar="PNG", help="write the two-panel figure (matplotlib) here")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")

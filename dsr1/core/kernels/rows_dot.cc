@@ -751,8 +751,8 @@ constexpr int kPassKeys = kLanes / kMaxBlockRows;
 // h < N and the pass's keys p: each key widened once for all heads, each query row loaded once for all
 // keys. Inlined, so that the sums stay in registers.
 template <int N>
-[[gnu::always_inline]] inline void dot_keys(const float* x, const uint16_t* const (&keys)[kPassKeys], int64_t width, Vec (&acc)[kLanes],
-              float (&rest)[kLanes]) {
+[[gnu::always_inline]] inline void dot_keys(const float* x, const uint16_t* const (&keys)[kPassKeys],
+                                            int64_t width, Vec (&acc)[kLanes], float (&rest)[kLanes]) {
   int64_t k = 0;
   for (; k + kLanes <= width; k += kLanes) {
     Vec key[kPassKeys];
@@ -830,7 +830,7 @@ void score_heads(int64_t n, const X* q, const X* q_pe, const uint16_t* c, const 
 // One head's scores `x [n]` -> their softmax, each probability rounded to bf16 (as `_cache_softmax`).
 void softmax_to_bf16(float* x, int64_t n) {
   Vec top_lanes = broadcast(-INFINITY);
-  int64_t whole = n - n % kLanes;
+  const int64_t whole = n - n % kLanes;
   for (int64_t j = 0; j < whole; j += kLanes) top_lanes = max(top_lanes, load(x + j));
   float lanes[kLanes];
   store(lanes, top_lanes);
