@@ -10,6 +10,7 @@ import pytest
 
 import dsr1
 from dsr1.core import attention, cpu_kernels, quant
+from dsr1.core import model as core
 from dsr1.core.attention import DECODE_PRODUCTS
 from dsr1.core.params import compute_view
 
@@ -545,3 +546,34 @@ def test_the_avx2_build_computes_the_same(dtype, tmp_path, monkeypatch):
                    jnp.asarray(lengths, jnp.int32), _bits(own_c), _bits(own_pe), jnp.full(1, 0.3, jnp.float32))
         want = _attention_float64(q, q_pe, c_kv, k_pe, own_c, own_pe, lengths, 1, 0.3)
         _assert_attention_close(np.asarray(got), want)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("rows", "inputs", "outputs"), [(1, 96, 64), (3, 40, 37), (8, 24, 160)])
+def test_rows_matmul_reads_a_float32_stack_in_place(rows, inputs, outputs):
+    """`x @ w[index]` for a float32 stack `[L, in, out]` (the router's layout): blocks of 4 output
+    vectors, single vectors and single outputs; 1-4 rows at a time; the index clamped to the stack."""
+    rng = np.random.default_rng(rows)
+    w = rng.standard_normal((3, inputs, outputs)).astype(np.float32)
+    x = rng.standard_normal((rows, inputs)).astype(np.float32)
+    run = jax.jit(cpu_kernels.rows_matmul)
+    for index, matrix in ((1, 1), (7, 2)):
+        want = x.astype(np.float64) @ w[matrix].astype(np.float64)
+        np.testing.assert_allclose(np.asarray(run(jnp.asarray(x), jnp.asarray(w), index)), want, rtol=0,
+                                   atol=1e-6 * np.abs(want).max())
+    with pytest.raises(ValueError, match=r"rows_matmul: x \(3, 40\) against float32 w \(3, 41, 37\)"):
+        cpu_kernels.rows_matmul(jnp.zeros((3, 40)), jnp.zeros((3, 41, 37)))
+
+
+@needs_kernel
+def test_decode_reads_the_router_in_its_stack():
+    """A one-device decode step computes each MoE layer's router logits with the kernel, reading the
+    layer's router in its stack; a prefill (more than 8 rows) slices it out for XLA's product."""
+    model = dsr1.init_random(dsr1.Config.preset("tiny"), seed=0, dtype="bfloat16")
+    tokens = np.random.default_rng(0).integers(2, model.cfg.vocab_size, (2, 12))
+    _, cache = model.prefill(tokens, max_len=16)
+    decode = jax.jit(lambda params, cache, tok: core.decode(params, cache, tok, **model.program_kwargs))
+    assert "dsr1_rows_matmul_f32" in decode.lower(model.params, cache, jnp.asarray(tokens[:, -1])).as_text()
+    prefill = jax.jit(lambda params, tok: core.prefill(params, tok, jnp.full(2, 12), max_len=16,
+                                                       **model.program_kwargs))
+    assert "dsr1_rows_matmul_f32" not in prefill.lower(model.params, jnp.asarray(tokens)).as_text()

@@ -185,6 +185,19 @@ def combine_pairs(h: jax.Array, matrix: jax.Array, weight: jax.Array, down: jax.
     return call(h.astype(jnp.float32), jnp.asarray(matrix, jnp.int32), weight.astype(jnp.float32), down)
 
 
+def rows_matmul(x: jax.Array, w: jax.Array, index: jax.Array | int = 0) -> jax.Array:
+    """float32 `x [rows, in] @ w[index]` for a float32 stack `w [..., in, out]` (not transposed: the
+    router's layout), matrix `index` of its leading axes flattened, read in place (clamped to the
+    stack): a decode step's router logits without slicing the layer's router out of its stack. Sums
+    in input order per output. Needs `available()`."""
+    if x.ndim != 2 or w.ndim < 2 or w.dtype != jnp.float32 or w.shape[-2] != x.shape[1]:
+        raise ValueError(f"rows_matmul: x {x.shape} against float32 w {w.shape} {w.dtype}: x [rows, in], "
+                         "w [..., in, out]")
+    call = jax.ffi.ffi_call("dsr1_rows_matmul_f32", jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), jnp.float32),
+                            vmap_method="sequential")
+    return call(x.astype(jnp.float32), w, jnp.asarray(index, jnp.int32).reshape(1))
+
+
 def mla_decode_context(q: jax.Array, q_pe: jax.Array, c_kv: jax.Array, k_pe: jax.Array, layer: jax.Array | int,
                        lengths: jax.Array, own_c: jax.Array, own_pe: jax.Array, scale: float) -> jax.Array:
     """Absorbed MLA attention of one new token per row: the context `[B, H, r]` (float32) of queries
@@ -266,7 +279,8 @@ def _registered() -> ctypes.CDLL | None:
     targets = [_target(weights, each) for weights in _WEIGHTS.values() for each in (False, True)]
     targets += [_target("bf16", each, bf16=True) for each in (False, True)]
     fused = ["dsr1_swiglu_rows_dot", "dsr1_combine_rows_dot", "dsr1_bf16_combine_rows_dot", "dsr1_rows_dot_each_amx",
-             "dsr1_swiglu_pairs", "dsr1_combine_pairs", "dsr1_mla_decode_context", "dsr1_bf16_mla_decode_context"]
+             "dsr1_swiglu_pairs", "dsr1_combine_pairs", "dsr1_mla_decode_context", "dsr1_bf16_mla_decode_context",
+             "dsr1_rows_matmul_f32"]
     for target in [*targets, *fused]:
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
     return lib

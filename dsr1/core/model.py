@@ -33,7 +33,7 @@ from .config import Config
 from .layers import mlp, rms_norm
 from .moe import RouterStats, moe, router_stats
 from .params import STACKS, Params, compute_view, stack_layers
-from .quant import einsum, in_place_copies, widen, with_layer_copies
+from .quant import StackSlice, einsum, in_place_copies, widen, with_layer_copies
 from .sharding import ShardingRules, keep_replicated
 
 # Low-latency layout: activations are replicated (`keep_replicated`); only weights are split.
@@ -81,15 +81,17 @@ def _logits(params: Params, x: jax.Array, cfg: Config) -> jax.Array:
 ROUTED_EXPERTS = ("gate", "up", "down")  # a MoE layer's routed-expert weights, read in place
 
 
-def _split_routed_experts(stack: dict) -> tuple[dict, dict | None]:
+def _split_routed_experts(stack: dict, router_in_place: bool = False) -> tuple[dict, dict | None]:
     """A layer stack's weights as (what the layer scan slices, the routed-expert stacks `[L, E, ...]`
     that it does not). The expert kernels slice one expert of one layer in place; scanned, a layer's
-    whole expert stack would be sliced out first (on CPU a copy of it, every layer, every step)."""
+    whole expert stack would be sliced out first (on CPU a copy of it, every layer, every step).
+    `router_in_place`: the router's stack `[L, D, E]` too, for the CPU kernel (`moe.route`)."""
     if "moe" not in stack:
         return stack, None
     moe_p = stack["moe"]
-    scanned = {**stack, "moe": {k: v for k, v in moe_p.items() if k not in ROUTED_EXPERTS}}
-    return scanned, {k: moe_p[k] for k in ROUTED_EXPERTS}
+    kept = ROUTED_EXPERTS + (("router",) if router_in_place else ())
+    scanned = {**stack, "moe": {k: v for k, v in moe_p.items() if k not in kept}}
+    return scanned, {k: moe_p[k] for k in kept}
 
 
 def _run_layers(params: Params, x: jax.Array, attend: Attend, cfg: Config, mesh: Mesh, rules: ShardingRules,
@@ -106,7 +108,9 @@ def _run_layers(params: Params, x: jax.Array, attend: Attend, cfg: Config, mesh:
         if stack not in params:
             continue
         layers = stack_layers(cfg, stack)
-        scanned, routed = _split_routed_experts(params[stack])
+        # Decode's router logits on one CPU device: the kernel reads the layer's router in its stack.
+        router_in_place = cpu_kernels.available() and not train and mesh.size == 1
+        scanned, routed = _split_routed_experts(params[stack], router_in_place)
         scanned, copies = in_place_copies(scanned) if cpu_kernels.available() else (scanned, None)
 
         def layer(x, inputs, routed=routed, copies=copies):
@@ -114,7 +118,8 @@ def _run_layers(params: Params, x: jax.Array, attend: Attend, cfg: Config, mesh:
             if copies is not None:
                 p = with_layer_copies(p, copies, in_stack)
             if routed is not None:
-                p = {**p, "moe": {**p["moe"], **routed}}
+                router = {"router": StackSlice(routed["router"], in_stack)} if "router" in routed else {}
+                p = {**p, "moe": {**p["moe"], **routed, **router}}
             return _block(p, x, lambda p, h: attend(p, h, i), cfg, mesh, rules, in_stack, train)
 
         with jax.named_scope(stack):

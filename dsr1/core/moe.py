@@ -31,6 +31,7 @@ from .layers import mlp
 from .quant import (
     Bf16Bits,
     Int8Weight,
+    StackSlice,
     bf16_dot,
     einsum,
     kernel_matmul,
@@ -46,10 +47,11 @@ from .sharding import ShardingRules
 ExpertKernel = Callable[..., jax.Array]
 
 
-def route(x: jax.Array, router: jax.Array, bias: jax.Array, cfg: Config) -> tuple[jax.Array, jax.Array]:
-    """`x [N, D]` -> `(weights [N, K] float32, expert ids [N, K] int32)`."""
+def route(x: jax.Array, router: jax.Array | StackSlice, bias: jax.Array, cfg: Config) -> tuple[jax.Array, jax.Array]:
+    """`x [N, D]` -> `(weights [N, K] float32, expert ids [N, K] int32)`. `router [D, E]`, or a layer's
+    router in its stack (`StackSlice`, a layer scan's on one CPU device: see `router_logits`)."""
     with jax.named_scope("router"):
-        logits = jnp.matmul(x.astype(jnp.float32), router, precision=jax.lax.Precision.HIGHEST)
+        logits = router_logits(x, router)
         scores = jax.nn.sigmoid(logits)
         biased = scores + bias
         if cfg.topk_group < cfg.n_group:
@@ -65,6 +67,18 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array, cfg: Config) -> tupl
         if cfg.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
     return weights * cfg.routed_scaling_factor, experts.astype(jnp.int32)
+
+
+def router_logits(x: jax.Array, router: jax.Array | StackSlice) -> jax.Array:
+    """`x [N, D] @ router` in float32. A router in its stack is read there by the CPU kernel for up to
+    `KERNEL_ROWS` rows (decode; slicing it out of the stack, a copy, cost more than the product),
+    else sliced out."""
+    x = x.astype(jnp.float32)
+    if isinstance(router, StackSlice):
+        if x.shape[0] <= cpu_kernels.KERNEL_ROWS:
+            return cpu_kernels.rows_matmul(x, router.stack, router.index)
+        router = router.stack[router.index]
+    return jnp.matmul(x, router, precision=jax.lax.Precision.HIGHEST)
 
 
 def _local_pairs(experts: jax.Array, n_local: int, rules: ShardingRules) -> tuple[jax.Array, jax.Array]:

@@ -662,6 +662,74 @@ ffi::Error CombinePairs(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::Buff
   return ffi::Error::Success();
 }
 
+// A few float32 rows against matrix `index` of a float32 stack laid out `[..., in, out]` (the router's
+// `x @ W`), read in place: a layer scan would slice the layer's matrix out first, a copy (~20-60 us a
+// layer of the bench preset, Zen 5, more than the product). Each row's sums over a block of outputs stay
+// in registers while the matrix's rows stream past, in input order.
+template <int R, int V>
+void matmul_block(const float* x, const float* w, float* y, int64_t in, int64_t out, int64_t o0) {
+  Vec acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = zeros();
+  for (int64_t i = 0; i < in; ++i) {
+    Vec wv[V];
+    for (int v = 0; v < V; ++v) wv[v] = load(w + i * out + o0 + v * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const Vec xr = broadcast(x[r * in + i]);
+      for (int v = 0; v < V; ++v) acc[r][v] = fmadd(xr, wv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) store(y + r * out + o0 + v * kLanes, acc[r][v]);
+}
+
+constexpr int kMatmulVectors = 4;  // output vectors per block: 4 rows x 4 sums and the matrix's 4 in registers
+
+// Rows [0, R) against outputs [o0, o1): whole blocks, then single vectors, then single outputs.
+template <int R>
+void matmul_rows(const float* x, const float* w, float* y, int64_t in, int64_t out, int64_t o0, int64_t o1) {
+  int64_t o = o0;
+  for (; o + kMatmulVectors * kLanes <= o1; o += kMatmulVectors * kLanes)
+    matmul_block<R, kMatmulVectors>(x, w, y, in, out, o);
+  for (; o + kLanes <= o1; o += kLanes) matmul_block<R, 1>(x, w, y, in, out, o);
+  for (; o < o1; ++o)
+    for (int r = 0; r < R; ++r) {
+      float sum = 0;
+      for (int64_t i = 0; i < in; ++i) sum += x[r * in + i] * w[i * out + o];
+      y[r * out + o] = sum;
+    }
+}
+
+template <int R = 4>
+void matmul_tail(const float* x, const float* w, float* y, int64_t rows, int64_t in, int64_t out, int64_t o0,
+                 int64_t o1) {
+  if constexpr (R > 0) {
+    if (rows != R) return matmul_tail<R - 1>(x, w, y, rows, in, out, o0, o1);
+    matmul_rows<R>(x, w, y, in, out, o0, o1);
+  }
+}
+
+ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                      ffi::Buffer<ffi::S32> index, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() < 2 || wd[wd.size() - 2] != xd[1] || index.element_count() != 1 ||
+      int64_t(y->element_count()) != xd[0] * wd[wd.size() - 1])
+    return ffi::Error::InvalidArgument("rows_matmul: x [rows, in] against w [..., in, out], index [1] -> [rows, out]");
+  const int64_t rows = xd[0], in = xd[1], out = wd[wd.size() - 1];
+  const int64_t count = int64_t(w.element_count()) / std::max<int64_t>(1, in * out);
+  const float* matrix = w.typed_data() + std::clamp<int64_t>(index.typed_data()[0], 0, count - 1) * in * out;
+  const float* xp = x.typed_data();
+  float* yp = y->typed_data();
+  // Parts: blocks of outputs (R1's 256 experts: 4), each reading its columns of the matrix once for all rows.
+  const int64_t block = kMatmulVectors * kLanes, blocks = std::max<int64_t>(1, (out + block - 1) / block);
+  run_parts(pool, blocks, [=](int64_t part) {
+    const int64_t o0 = part * block, o1 = std::min(out, o0 + block);
+    for (int64_t r = 0; r < rows; r += 4)
+      matmul_tail(xp + r * in, matrix, yp + r * out, std::min<int64_t>(4, rows - r), in, out, o0, o1);
+  });
+  return ffi::Error::Success();
+}
+
 // Absorbed MLA attention of one new token per row (decode) against a contiguous cache of bf16
 // latents held as bits, read in place (`c_kv [layers, B, S, r]`, `k_pe [layers, B, S, rope]`, the
 // layer by index), with the new token's own latent as one more key: one call per layer instead of
@@ -1078,6 +1146,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_bf16_combine_rows_dot, (CombineRowsDot<ffi::U
                               (Signature<ffi::U16, ffi::U16, ffi::S32, ffi::S32, ffi::S32, ffi::F32>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_dot_each_amx, AmxRowsDot,
                               (Signature<ffi::U16, ffi::U16, ffi::S32, ffi::S32>()));
+// (x, w, index) -> x . w[index] for a float32 stack `[..., in, out]` (the router's).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_matmul_f32, RowsMatmul, (Signature<ffi::F32, ffi::F32, ffi::S32>()));
 // (x, matrix, gate, up) -> SiLU(x . gate) * (x . up) per pair; (h, matrix, weight, down) -> sums per token.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_swiglu_pairs, SwigluPairs, (Signature<ffi::F32, ffi::S32, ffi::U16, ffi::U16>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_combine_pairs, CombinePairs, (Signature<ffi::F32, ffi::S32, ffi::F32, ffi::U16>()));
