@@ -404,13 +404,13 @@ def _bf16(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     return rng.standard_normal(shape, np.float32).astype(jnp.bfloat16)
 
 
-def _attention_inputs(rank: int, heads: int, rng: np.random.Generator, rope: int = 16) -> tuple:
-    """bf16 queries, a `[3, 5, 40, ...]` cache and own keys; rows holding none, one, some and all of
+def _attention_inputs(rank: int, heads: int, rng: np.random.Generator, rope: int = 16, s: int = 40) -> tuple:
+    """bf16 queries, a `[3, 5, s, ...]` cache and own keys; rows holding none, one, some and all of
     the cache's positions (keys scored two at a time: odd and even counts; summed 32 at a time: one
     tile and two)."""
-    b, s = 5, 40
+    b = 5
     return (_bf16((b, heads, rank), rng), _bf16((b, heads, rope), rng), _bf16((3, b, s, rank), rng),
-            _bf16((3, b, s, rope), rng), _bf16((b, rank), rng), _bf16((b, rope), rng), np.array([0, 1, 17, s, 33]))
+            _bf16((3, b, s, rope), rng), _bf16((b, rank), rng), _bf16((b, rope), rng), np.array([0, 1, 17, s, s - 7]))
 
 
 def _attention_float64(q, q_pe, c_kv, k_pe, own_c, own_pe, lengths, layer: int, scale: float) -> np.ndarray:
@@ -443,7 +443,8 @@ def _bits(x: np.ndarray) -> jax.Array:
 # Widths in vectors of 16 lanes: pairs only; a pair and one; one and single widths (rope too)
 @pytest.mark.parametrize(("rank", "rope"), [(256, 16), (48, 16), (24, 12)])
 @pytest.mark.parametrize("heads", [3, 11])  # one block of heads, or two (8 + 3)
-@pytest.mark.parametrize("query_dtype", ["bfloat16", "float32"])  # scored with vdpbf16ps (where it runs) or widened
+# bf16 queries: scores (and, at widths of multiples of 32, value sums) with vdpbf16ps where it runs
+@pytest.mark.parametrize("query_dtype", ["bfloat16", "float32"])
 def test_mla_decode_context_equals_float64(rank, rope, heads, query_dtype):
     """The attention of one new token per row against layer 1 of a cache of bf16 bits, read in place,
     plus each row's own key, equals float64 of the same steps."""
@@ -456,6 +457,18 @@ def test_mla_decode_context_equals_float64(rank, rope, heads, query_dtype):
     assert ("dsr1_bf16_mla_decode_context" in run.lower(*args).as_text()) == bf16_scores
     _assert_attention_close(np.asarray(run(*args)), _attention_float64(q, q_pe, c_kv, k_pe, own_c, own_pe, lengths,
                                                                        1, 0.3))
+
+
+@needs_kernel
+@pytest.mark.parametrize("query_dtype", ["bfloat16", "float32"])
+def test_mla_decode_context_over_many_tiles(query_dtype):
+    """Rows of up to 150 keys: the value sums' tiles of 32 keys (float32 path) or 32 key pairs (the
+    bf16 path's `vdpbf16ps`, latent width 64), odd and even key counts."""
+    q, q_pe, c_kv, k_pe, own_c, own_pe, lengths = _attention_inputs(64, 11, np.random.default_rng(5), s=150)
+    got = jax.jit(cpu_kernels.mla_decode_context, static_argnums=8)(
+        *(jnp.asarray(x, query_dtype) for x in (q, q_pe)), _bits(c_kv), _bits(k_pe), 2, jnp.asarray(lengths),
+        jnp.asarray(own_c), jnp.asarray(own_pe), 0.3)
+    _assert_attention_close(np.asarray(got), _attention_float64(q, q_pe, c_kv, k_pe, own_c, own_pe, lengths, 2, 0.3))
 
 
 @needs_kernel

@@ -205,9 +205,9 @@ def mla_decode_context(q: jax.Array, q_pe: jax.Array, c_kv: jax.Array, k_pe: jax
     cache of bf16 bits (uint16) `c_kv [layers, B, S, r]`, `k_pe [layers, B, S, rope]`, read in place,
     and the new token's own latent `own_c [B, r]`, `own_pe [B, rope]` (bf16 values) as one more key.
     Scores `(q . c + q_pe . pe) * scale`, one softmax, the probabilities rounded to bf16 before their
-    sum over the latents, as `attention`'s XLA path computes them. bf16 queries are scored as bf16
-    with `vdpbf16ps` where `bf16_rows()` (the same products, summed in another order), others as
-    float32. Needs `available()`."""
+    sum over the latents, as `attention`'s XLA path computes them. bf16 queries are scored, and (at
+    latent widths of multiples of 32) the values summed, as bf16 with `vdpbf16ps` where `bf16_rows()`
+    (the same products, summed in another order), others in float32. Needs `available()`."""
     b, h, r = q.shape if q.ndim == 3 else (0, 0, 0)
     rope = q_pe.shape[-1]
     if (q.ndim != 3 or c_kv.dtype != jnp.uint16 or k_pe.dtype != jnp.uint16 or q_pe.shape != (b, h, rope)

@@ -740,9 +740,10 @@ ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 // dtype, as HF rounds them), then their float32 sum over the latents; sums in another order.
 // Per block of 8 heads, in three passes over a row's keys: scores two keys at a time (each key widened
 // once for the block, its 16 sums reduced together), the softmax in vectors, then the value sums a tile
-// of widened keys at a time, each latent loaded once for the block. Against widening the row's whole
-// cache first and summing one head at a time: 8 rows x 4,096 positions 3.3 -> 1.1-1.3 ms, R1's widths
-// 2.4x, the bench preset's 8 rows x 49 positions 39 -> 24 us (Zen 5).
+// of widened keys at a time, each latent loaded once for the block; bf16 queries (a bf16 model's) score
+// and sum with `vdpbf16ps` where the CPU runs it fast. Against widening the row's whole cache first and
+// summing one head at a time: 1 row x 4,096 positions 313 -> 124 us, R1's widths 4.6x, the bench
+// preset's 8 rows x 49 positions 39 -> 16 us (Zen 5).
 inline float round_bf16(float v) {  // to the nearest bf16, ties to even (finite values)
   uint32_t bits;
   std::memcpy(&bits, &v, sizeof bits);
@@ -920,6 +921,78 @@ void softmax_to_bf16(float* x, int64_t n) {
   for (int64_t j = whole; j < n; ++j) x[j] = round_bf16(x[j] / total);
 }
 
+#if defined(__AVX512BF16__)
+constexpr int64_t kPairTile = 32;  // key pairs per tile of the bf16 value sums: 64 keys, 32 KB at r 256
+
+// The value sums of heads [0, N) with `vdpbf16ps` (bf16 queries, latent width a multiple of 32): keys
+// two at a time, their latents interleaved in pairs (two shuffles per 32 widths, shared by the heads)
+// against each head's two probabilities, already bf16 (`prob[h * pairs + i]`: keys 2i and 2i + 1 in the
+// low and high half; past the last key 0). Sums go to `sums [N, r]` in the shuffles' lane order
+// (`unshuffle_pairs` puts them back), a tile of key pairs at a time.
+template <int N>
+void add_pairs(const uint32_t* prob, int64_t pairs, const uint16_t* c, const uint16_t* own_c, int64_t len,
+               int64_t r, float* sums) {
+  const auto key = [&](int64_t j) { return j < len ? c + j * r : own_c; };  // past the own key: weight 0
+  for (int64_t i0 = 0; i0 < pairs; i0 += kPairTile) {
+    const int64_t i1 = std::min(pairs, i0 + kPairTile);
+    for (int64_t k0 = 0; k0 < r; k0 += 32) {
+      __m512 acc[N][2];
+      for (int h = 0; h < N; ++h)
+        for (int v = 0; v < 2; ++v) acc[h][v] = _mm512_loadu_ps(sums + h * r + k0 + 16 * v);
+      for (int64_t i = i0; i < i1; ++i) {
+        const __m512i a = _mm512_loadu_si512(key(2 * i) + k0), b = _mm512_loadu_si512(key(2 * i + 1) + k0);
+        const __m512bh low = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(a, b));
+        const __m512bh high = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(a, b));
+        for (int h = 0; h < N; ++h) {
+          const __m512bh p = reinterpret_cast<__m512bh>(_mm512_set1_epi32(int32_t(prob[h * pairs + i])));
+          acc[h][0] = _mm512_dpbf16_ps(acc[h][0], low, p);
+          acc[h][1] = _mm512_dpbf16_ps(acc[h][1], high, p);
+        }
+      }
+      for (int h = 0; h < N; ++h)
+        for (int v = 0; v < 2; ++v) _mm512_storeu_ps(sums + h * r + k0 + 16 * v, acc[h][v]);
+    }
+  }
+}
+
+template <int N = kMaxBlockRows>
+void add_pairs_heads(int64_t n, const uint32_t* prob, int64_t pairs, const uint16_t* c, const uint16_t* own_c,
+                     int64_t len, int64_t r, float* sums) {
+  if constexpr (N > 0) {
+    if (n != N) return add_pairs_heads<N - 1>(n, prob, pairs, c, own_c, len, r, sums);
+    add_pairs<N>(prob, pairs, c, own_c, len, r, sums);
+  }
+}
+
+// `add_pairs`' sums in width order: per 32 widths, its low vector holds widths 8L + {0..3} in 128-bit
+// lane L, its high vector 8L + {4..7}.
+void unshuffle_pairs(const float* sums, float* ctx, int64_t count) {
+  for (int64_t k0 = 0; k0 < count; k0 += 32) {
+    const __m512 low = _mm512_loadu_ps(sums + k0), high = _mm512_loadu_ps(sums + k0 + 16);
+    const __m512 first = _mm512_shuffle_f32x4(low, high, 0x44), second = _mm512_shuffle_f32x4(low, high, 0xee);
+    _mm512_storeu_ps(ctx + k0, _mm512_shuffle_f32x4(first, first, 0xd8));
+    _mm512_storeu_ps(ctx + k0 + 16, _mm512_shuffle_f32x4(second, second, 0xd8));
+  }
+}
+
+// The value sums of `n` heads from their bf16 probabilities `s [n, keys]` with `vdpbf16ps`.
+void add_values_bf16(const float* s, int64_t n, int64_t keys, const uint16_t* c, const uint16_t* own_c, int64_t len,
+                     int64_t r, float* ctx, std::vector<float>& scratch) {
+  thread_local std::vector<uint32_t> prob;
+  const int64_t pairs = (keys + 1) / 2;
+  prob.assign(n * pairs, 0);
+  for (int64_t h = 0; h < n; ++h)
+    for (int64_t j = 0; j < keys; ++j) {
+      uint32_t bits;
+      std::memcpy(&bits, s + h * keys + j, sizeof bits);
+      prob[h * pairs + j / 2] |= (bits >> 16) << (16 * (j % 2));
+    }
+  scratch.assign(n * r, 0.0f);
+  add_pairs_heads(n, prob.data(), pairs, c, own_c, len, r, scratch.data());
+  unshuffle_pairs(scratch.data(), ctx, n * r);
+}
+#endif
+
 // Heads [0, n) of one row: `q [n, r]`, `q_pe [n, rope]` against the cache's `len` positions `c [S, r]`,
 // `pe [S, rope]` and the own key `own_c [r]`, `own_pe [rope]` (bf16 bits, one more key of each) into
 // `ctx [n, r]`; `s` holds n x (len + 1) scores, `tile` the widened latents of `kValueTile` keys.
@@ -932,6 +1005,10 @@ void attend_heads(const X* q, const X* q_pe, const uint16_t* c, const uint16_t* 
   tile.resize(kValueTile * r);
   score_heads(n, q, q_pe, c, pe, own_c, own_pe, len, r, rope, scale, s.data());
   for (int64_t h = 0; h < n; ++h) softmax_to_bf16(s.data() + h * keys, keys);
+#if defined(__AVX512BF16__)
+  if (std::is_same_v<X, uint16_t> && r % 32 == 0)  // bf16 queries: `vdpbf16ps` where the CPU runs it fast
+    return add_values_bf16(s.data(), n, keys, c, own_c, len, r, ctx, tile);
+#endif
   std::fill(ctx, ctx + n * r, 0.0f);
   for (int64_t j0 = 0; j0 < keys; j0 += kValueTile) {  // the own key last, as XLA's path adds it
     const int64_t j1 = std::min(keys, j0 + kValueTile);
