@@ -70,12 +70,12 @@ def route(x: jax.Array, router: jax.Array | StackSlice, bias: jax.Array, cfg: Co
 
 
 def router_logits(x: jax.Array, router: jax.Array | StackSlice) -> jax.Array:
-    """`x [N, D] @ router` in float32. A router in its stack is read there by the CPU kernel for up to
-    `KERNEL_ROWS` rows (decode; slicing it out of the stack, a copy, cost more than the product),
-    else sliced out."""
+    """`x [N, D] @ router` in float32. A float32 router in its stack is read there by the CPU kernel for
+    up to `KERNEL_ROWS` rows (decode; slicing it out of the stack, a copy, cost more than the
+    product), else sliced out."""
     x = x.astype(jnp.float32)
     if isinstance(router, StackSlice):
-        if x.shape[0] <= cpu_kernels.KERNEL_ROWS:
+        if x.shape[0] <= cpu_kernels.KERNEL_ROWS and router.stack.dtype == jnp.float32:
             return cpu_kernels.rows_matmul(x, router.stack, router.index)
         router = router.stack[router.index]
     return jnp.matmul(x, router, precision=jax.lax.Precision.HIGHEST)
