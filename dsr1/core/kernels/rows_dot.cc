@@ -1,8 +1,9 @@
 // dsr1's CPU kernel for decode products: y[g, r, o] = sum_i x[g, r, i] * w[index, g, o, i], or
 // w[index[g], o, i] (the `_each` handlers: each group of rows its own matrix, an expert loop's blocks;
 // `dsr1_bf16_rows_dot_*`: bf16 rows with `vdpbf16ps`; `dsr1_swiglu_rows_dot`, `dsr1_combine_rows_dot`:
-// an expert loop's three products in two calls; `dsr1_rows_dot_each_amx`: blocks of many bf16 rows, a
-// prefill's, on AMX tiles, at the end).
+// an expert loop's three products in two calls; `dsr1_mla_decode_context` (and `_bf16_`): decode
+// attention; `dsr1_rows_matmul_f32`: the router's logits; `dsr1_rows_dot_each_amx`: blocks of many bf16
+// rows, a prefill's, on AMX tiles, at the end).
 //
 // A few float32 rows (a decode batch, an expert's block of rows) against one matrix of a stack
 // whose values are bf16 bits (uint16) or int8, stored transposed (`[..., out, in]`); `g` counts
@@ -995,7 +996,8 @@ void add_values_bf16(const float* s, int64_t n, int64_t keys, const uint16_t* c,
 
 // Heads [0, n) of one row: `q [n, r]`, `q_pe [n, rope]` against the cache's `len` positions `c [S, r]`,
 // `pe [S, rope]` and the own key `own_c [r]`, `own_pe [rope]` (bf16 bits, one more key of each) into
-// `ctx [n, r]`; `s` holds n x (len + 1) scores, `tile` the widened latents of `kValueTile` keys.
+// `ctx [n, r]`; `s` holds n x (len + 1) scores, `tile` the widened latents of `kValueTile` keys (or the
+// bf16 path's sums).
 template <typename X>
 void attend_heads(const X* q, const X* q_pe, const uint16_t* c, const uint16_t* pe, const uint16_t* own_c,
                   const uint16_t* own_pe, float* ctx, std::vector<float>& s, std::vector<float>& tile, int64_t n,
