@@ -337,3 +337,19 @@ def test_cli_attention_times_every_implementation_against_xlas(tmp_path, capsys)
         assert row["max_rel_diff"] < {"xla": 1e-7, "cpu kernel": 1e-5}.get(row["implementation"], 1e-2)
     with pytest.raises(SystemExit):
         cli.main(["attention", "--tilings", "32x64x4"])
+
+
+def test_cli_attention_reports_a_tiling_that_fails(tmp_path, capsys, monkeypatch):
+    """A tiling the device cannot run is reported and skipped; the others still run."""
+    def flash(x, scale, tiling, interpret=False):
+        raise RuntimeError(f"out of shared memory for {tiling}")
+
+    monkeypatch.setattr(decode_attention, "flash_context", flash)
+    out = tmp_path / "attention.json"
+    assert cli.main(["attention", "--rows", "1", "--positions", "8", "--heads", "16", "--rank", "32", "--rope", "16",
+                     "--tilings", "16x32x4x1", "--interpret", "--calls", "1", "--repeats", "1", "--json",
+                     str(out)]) == 0
+    assert "failed: flash 16x32x4x1 at 1 rows x 8 positions: RuntimeError: out of shared memory" in \
+        capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert [r["implementation"] for r in result["rows"]][0] == "xla" and len(result["failed"]) == 1
