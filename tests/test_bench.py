@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import dsr1
-from dsr1.bench import accounting, bandwidth, cli, compare_hf, decode_attention, prefill, serve, timing
+from dsr1.bench import accounting, bandwidth, cli, compare_hf, decode_attention, prefill, report, serve, timing
 from dsr1.core import cpu_kernels, quant
 
 # The tiny preset with a small vocabulary: every test here stays fast.
@@ -159,6 +159,8 @@ def test_compare_row_puts_dsr1_decode_against_the_read_floor():
     assert row["pct_of_read_bw"] == pytest.approx(50.0) and row["dsr1_mb_per_step"] == pytest.approx(20.0)
     assert row["ratio"] == pytest.approx(5.0) and row["ratio_at_floor"] == pytest.approx(10.0)
     assert row["prefill_ratio"] == pytest.approx(2.0) and row["prefill_pct_of_peak"] == pytest.approx(20.0)
+    cells = [c.strip() for c in report.compare_floor_table([row]).splitlines()[-1].split("|")[1:-1]]
+    assert row["read_gbs"] == 4.0 and cells[:5] == ["2", "20.0", "4.00", "10.00", "5.00"]
 
 
 def test_cli_decode_writes_json(tmp_path, config_file, capsys):
@@ -244,19 +246,20 @@ def test_cli_compare_hf(tmp_path, config_file, capsys):
                        "--prompt-len", "6", "--repeats", "1", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "dsr1 / HF" in printed and "dsr1 / HF at the floor" in printed
-    report = json.loads(out.read_text())
-    rows = report["rows"]
-    assert report["matmul_peak_flop_s"] > 0 and report["read_gbs"] > 0
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert result["matmul_peak_flop_s"] > 0 and "read GB/s" in printed
     assert [r["batch"] for r in rows] == [2]
     for row in rows:
         assert row["dsr1_tok_s"] > 0 and row["hf_tok_s"] > 0
         assert row["ratio"] == pytest.approx(row["dsr1_tok_s"] / row["hf_tok_s"])
         assert row["dsr1_mb_per_step"] > 0
-        assert row["floor_step_ms"] == pytest.approx(row["dsr1_mb_per_step"] / report["read_gbs"])
+        assert row["read_gbs"] > 0
+        assert row["floor_step_ms"] == pytest.approx(row["dsr1_mb_per_step"] / row["read_gbs"])
         flop = prefill.prefill_flops(CFG, 2, 6)
         assert row["prefill_gflop_s"] == pytest.approx(flop / row["dsr1_prefill_s"] / 1e9)
         assert row["prefill_pct_of_peak"] == pytest.approx(100 * flop / row["dsr1_prefill_s"]
-                                                           / report["matmul_peak_flop_s"])
+                                                           / result["matmul_peak_flop_s"])
         # The same weights: the prefill's greedy token agrees (a different checkpoint would agree
         # with probability ~1/512 per row).
         assert row["same_first_token"] >= 0.5

@@ -36,9 +36,9 @@ generate(N), clocked by a streamer; prefill time = generate(1). dsr1: prefill, t
 same first token: rows whose first greedy token (from the prefill) agrees; bf16 rounding differs between the
 two, so later tokens may diverge.
 Decode against the memory: MB read/step as `decode` counts it, for dsr1's decode loop (prompt + generated
-  positions, the experts its tokens hit); floor ms = MB read/step / the read bandwidth measured in this run
-  ({read_gbs:.2f} GB/s, a jitted max over {read_mb:.0f} MB of bfloat16): a step cannot stream its bytes faster
-  (caches aside).
+  positions, the experts its tokens hit); floor ms = MB read/step / read GB/s, the read bandwidth measured just before
+  and just after dsr1's runs of that batch (the faster of the two; a jitted max over {read_mb:.0f} MB of bfloat16):
+  a step cannot stream its bytes faster (caches aside).
   dsr1 / HF at the floor = HF ms/step / floor ms: the most a decode bound by this memory can gain on HF."""
 
 
@@ -93,9 +93,10 @@ def compare_table(rows: Sequence[dict[str, Any]]) -> str:
 
 def compare_floor_table(rows: Sequence[dict[str, Any]]) -> str:
     """The `compare-hf` command's second table: dsr1's decode step against the read bandwidth."""
-    headers = ("batch", "MB read/step", "dsr1 ms/step", "floor ms/step", "% of read BW", "HF ms/step",
+    headers = ("batch", "MB read/step", "read GB/s", "dsr1 ms/step", "floor ms/step", "% of read BW", "HF ms/step",
                "dsr1 / HF", "dsr1 / HF at the floor")
-    cells = [(str(r["batch"]), f"{r['dsr1_mb_per_step']:.1f}", f"{r['dsr1_step_ms']:.2f}", f"{r['floor_step_ms']:.2f}",
+    cells = [(str(r["batch"]), f"{r['dsr1_mb_per_step']:.1f}", f"{r['read_gbs']:.2f}", f"{r['dsr1_step_ms']:.2f}",
+              f"{r['floor_step_ms']:.2f}",
               f"{r['pct_of_read_bw']:.1f}%", f"{r['hf_step_ms']:.2f}", f"{r['ratio']:.2f}x",
               f"{r['ratio_at_floor']:.2f}x") for r in rows]
     return markdown_table(headers, cells)
