@@ -8,7 +8,8 @@
 - `attend_extend`: T new tokens per row against that row's pages of a `PagedKVCache` plus the new
   tokens themselves (causal), in either form (`use_absorbed` picks the cheaper one for T). Pages are
   read block by block with an online softmax (flash-decoding style), for as many blocks as the
-  longest row actually holds.
+  longest row actually holds; one token per row on one CPU device: dsr1's kernel reads the pages in
+  place.
 
 All three share the pieces below: a `Query` and `Keys` in one form, `scores`, `weighted_values`,
 `attention_output`. Scores are `q_nope . k_nope + q_pe . k_pe`, two products, not a concatenation.
@@ -218,11 +219,12 @@ def attend_cached(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache, l
 CACHE_BLOCK = 256  # cached positions per step of `_fold_cache`; a cache of at most this many: one softmax
 
 
-def _kernel_attends(cache: KVCache, queries: int, one_device: bool) -> bool:
+def _kernel_attends(cache: KVCache | PagedKVCache, queries: int, one_device: bool) -> bool:
     """Whether dsr1's CPU kernel computes a decode step's attention (`cpu_kernels.mla_decode_context`):
-    one query per row against a cache of bf16 bits (a CPU's, `cache.stores_bits`), unscaled, whole on
-    one device (XLA would gather a sharded operand of a custom call). Every cache length in one
-    softmax, as `_cache_softmax` (the XLA path folds caches of more than `CACHE_BLOCK` positions)."""
+    one query per row against a cache (contiguous or paged) of bf16 bits (a CPU's, `cache.stores_bits`),
+    unscaled, whole on one device (XLA would gather a sharded operand of a custom call). Every cache
+    length in one softmax, as `_cache_softmax` (the XLA path folds caches of more than `CACHE_BLOCK`
+    positions, and page pools a block of pages at a time)."""
     return (one_device and queries == 1 and cache.c_kv.dtype == jnp.uint16 and cache.c_scale is None
             and cpu_kernels.available())
 
@@ -372,19 +374,26 @@ def _fold_blocks(state: PartialSoftmax, p: dict, q: Query, steps: jax.Array, rea
 
 
 def attend_extend(p: dict, x: jax.Array, positions: jax.Array, context: PagedContext, layer: jax.Array,
-                  cfg: Config, *, absorbed: bool):
+                  cfg: Config, *, absorbed: bool, one_device: bool = False):
     """T new tokens per row, `x [B, T, D]` at `positions [B, T]` (`context.cached[b] + t`), attending
     to their row's cached tokens in `layer` of the page pool and causally to each other.
 
     The new tokens' latents join the softmax directly (the pool is only read here); the caller writes
     the returned `(c_kv [B, T, r], k_pe [B, T, rope])` for all layers at once. `absorbed` picks the
-    form (see `use_absorbed`). Returns `(out [B, T, D], (c_kv, k_pe))`.
+    form (see `use_absorbed`). `one_device`: the pool is whole on one device, so with one new token per
+    row dsr1's CPU kernel may attend (`_kernel_attends`). Returns `(out [B, T, D], (c_kv, k_pe))`.
     """
     with jax.named_scope("mla_extend"):
         q_nope, q_pe = queries(p, x, positions, cfg)
         c_new, pe_new = latents(p, x, positions, cfg)
         dt = q_nope.dtype
         q = make_query(p, q_nope, q_pe, absorbed)
+        if absorbed and _kernel_attends(context.cache, x.shape[1], one_device):
+            own = make_keys(p, c_new, None, pe_new, absorbed=True, dtype=dt)
+            ctx = cpu_kernels.mla_decode_context(q.main[:, 0], q.pe[:, 0], context.cache.c_kv, context.cache.k_pe,
+                                                 layer, context.cached, own.values[:, 0], own.pe[:, 0],
+                                                 cfg.softmax_scale, page_table=context.page_table)
+            return attention_output(p, ctx[:, :, None], absorbed=True, dtype=dt), (c_new, pe_new)
         with jax.named_scope("new_tokens"):
             state = fold_keys(None, q, make_keys(p, c_new, None, pe_new, absorbed, dt), _causal(x.shape[1]), cfg)
         with jax.named_scope("cached_pages"):

@@ -286,7 +286,7 @@ def extend(params: Params, cache: PagedKVCache, tokens: jax.Array, starts: jax.A
     x = keep_replicated(_embed(params, tokens), mesh)
 
     def attend(p, h, i):
-        return attend_extend(p, h, positions, context, i, cfg, absorbed=absorbed)
+        return attend_extend(p, h, positions, context, i, cfg, absorbed=absorbed, one_device=mesh.size == 1)
 
     x, (c_new, pe_new), _ = _run_layers(params, x, attend, cfg, mesh, rules)
     with jax.named_scope("write_pages"):

@@ -731,11 +731,13 @@ ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
-// Absorbed MLA attention of one new token per row (decode) against a contiguous cache of bf16
-// latents held as bits, read in place (`c_kv [layers, B, S, r]`, `k_pe [layers, B, S, rope]`, the
-// layer by index), with the new token's own latent as one more key: one call per layer instead of
-// XLA's score and value products, each of which widened its block of the cache to float32 first
-// (~0.14 ms of a batch-8 step's layer at 49 positions, Zen 5). The same steps as the XLA path
+// Absorbed MLA attention of one new token per row (decode) against a cache of bf16 latents held as
+// bits, read in place in its pages (`c_kv [layers, pages, page_size, r]`, `k_pe [layers, pages,
+// page_size, rope]`, the layer by index, row b's pages `table[b]`: a serving engine's page pool, or a
+// contiguous cache `[layers, B, S, r]` as B pages of S positions), with the new token's own latent as
+// one more key: one call per layer instead of XLA's score and value products, each of which widened
+// its block of the cache to float32 first (~0.14 ms of a batch-8 step's layer at 49 positions, Zen 5),
+// or of a gather of each block of pages and an online softmax over them. The same steps as the XLA path
 // (`attention._cache_softmax`): float32 scores `(q . c + q_pe . pe) * scale` of the first
 // `lengths[b]` positions and the own key, one softmax, the probabilities rounded to bf16 (the cache's
 // dtype, as HF rounds them), then their float32 sum over the latents; sums in another order.
@@ -758,12 +760,22 @@ inline float round_bf16(float v) {  // to the nearest bf16, ties to even (finite
 // 4,096 positions: 4 MB of float32 latents, read again from L3 by every head.)
 constexpr int64_t kValueTile = 32;
 
-// Keys [j0, j1) of one row widened to float32 `[j1 - j0, r]`: cached positions below `len`, the own
-// latent `own_c` at `len`.
-void widen_keys(const uint16_t* c, const uint16_t* own_c, int64_t len, int64_t r, int64_t j0, int64_t j1,
-                float* tile) {
+// One row's keys, where each one's latents are: `at[j]` for its cached positions j < len (each in its
+// page), the own key's at `len`.
+void find_keys(const uint16_t* pool, const int32_t* table, int64_t pages, int64_t page_size, int64_t len,
+               const uint16_t* own, int64_t width, std::vector<const uint16_t*>& at) {
+  at.resize(len + 1);
+  for (int64_t j = 0; j < len; ++j) {
+    const int64_t page = std::clamp<int64_t>(table[j / page_size], 0, pages - 1);
+    at[j] = pool + (page * page_size + j % page_size) * width;
+  }
+  at[len] = own;
+}
+
+// Keys [j0, j1) of one row (`c`: `find_keys`) widened to float32 `[j1 - j0, r]`.
+void widen_keys(const uint16_t* const* c, int64_t r, int64_t j0, int64_t j1, float* tile) {
   for (int64_t j = j0; j < j1; ++j) {
-    const uint16_t* from = j < len ? c + j * r : own_c;
+    const uint16_t* from = c[j];
     float* to = tile + (j - j0) * r;
     int64_t k = 0;
     for (; k + kLanes <= r; k += kLanes) store(to + k, widen_lanes(from + k));
@@ -863,18 +875,18 @@ template <int N>
 #endif
 }
 
-// Scores `s [N, keys]` of heads [0, N) of one row: `(q . c + q_pe . pe) * scale` for the cache's
-// first `len` positions, then the own key (`own_c`, `own_pe`) as key `len`; one float32 sum per score.
+// Scores `s [N, keys]` of heads [0, N) of one row: `(q . c + q_pe . pe) * scale` for its `len + 1`
+// keys (`c`, `pe`: `find_keys`, the own key last); one float32 sum per score.
 template <int N, typename X>
-void score_keys(const X* q, const X* q_pe, const uint16_t* c, const uint16_t* pe, const uint16_t* own_c,
-                const uint16_t* own_pe, int64_t len, int64_t r, int64_t rope, float scale, float* s) {
+void score_keys(const X* q, const X* q_pe, const uint16_t* const* c, const uint16_t* const* pe, int64_t len,
+                int64_t r, int64_t rope, float scale, float* s) {
   const int64_t keys = len + 1;
   for (int64_t j0 = 0; j0 < keys; j0 += kPassKeys) {
     const uint16_t *latent[kPassKeys], *rotary[kPassKeys];
     for (int p = 0; p < kPassKeys; ++p) {  // past the last key: the last key again, its sums unused
       const int64_t j = std::min(j0 + p, len);
-      latent[p] = j < len ? c + j * r : own_c;
-      rotary[p] = j < len ? pe + j * rope : own_pe;
+      latent[p] = c[j];
+      rotary[p] = pe[j];
     }
     Vec acc[kLanes];
     float rest[kLanes] = {}, sums[kLanes];
@@ -888,12 +900,11 @@ void score_keys(const X* q, const X* q_pe, const uint16_t* c, const uint16_t* pe
 }
 
 template <typename X, int N = kMaxBlockRows>
-void score_heads(int64_t n, const X* q, const X* q_pe, const uint16_t* c, const uint16_t* pe,
-                 const uint16_t* own_c, const uint16_t* own_pe, int64_t len, int64_t r, int64_t rope, float scale,
-                 float* s) {
+void score_heads(int64_t n, const X* q, const X* q_pe, const uint16_t* const* c, const uint16_t* const* pe,
+                 int64_t len, int64_t r, int64_t rope, float scale, float* s) {
   if constexpr (N > 0) {
-    if (n != N) return score_heads<X, N - 1>(n, q, q_pe, c, pe, own_c, own_pe, len, r, rope, scale, s);
-    score_keys<N>(q, q_pe, c, pe, own_c, own_pe, len, r, rope, scale, s);
+    if (n != N) return score_heads<X, N - 1>(n, q, q_pe, c, pe, len, r, rope, scale, s);
+    score_keys<N>(q, q_pe, c, pe, len, r, rope, scale, s);
   }
 }
 
@@ -931,9 +942,8 @@ constexpr int64_t kPairTile = 32;  // key pairs per tile of the bf16 value sums:
 // low and high half; past the last key 0). Sums go to `sums [N, r]` in the shuffles' lane order
 // (`unshuffle_pairs` puts them back), a tile of key pairs at a time.
 template <int N>
-void add_pairs(const uint32_t* prob, int64_t pairs, const uint16_t* c, const uint16_t* own_c, int64_t len,
-               int64_t r, float* sums) {
-  const auto key = [&](int64_t j) { return j < len ? c + j * r : own_c; };  // past the own key: weight 0
+void add_pairs(const uint32_t* prob, int64_t pairs, const uint16_t* const* c, int64_t len, int64_t r, float* sums) {
+  const auto key = [&](int64_t j) { return c[std::min(j, len)]; };  // past the own key: weight 0
   for (int64_t i0 = 0; i0 < pairs; i0 += kPairTile) {
     const int64_t i1 = std::min(pairs, i0 + kPairTile);
     for (int64_t k0 = 0; k0 < r; k0 += 32) {
@@ -957,11 +967,11 @@ void add_pairs(const uint32_t* prob, int64_t pairs, const uint16_t* c, const uin
 }
 
 template <int N = kMaxBlockRows>
-void add_pairs_heads(int64_t n, const uint32_t* prob, int64_t pairs, const uint16_t* c, const uint16_t* own_c,
-                     int64_t len, int64_t r, float* sums) {
+void add_pairs_heads(int64_t n, const uint32_t* prob, int64_t pairs, const uint16_t* const* c, int64_t len,
+                     int64_t r, float* sums) {
   if constexpr (N > 0) {
-    if (n != N) return add_pairs_heads<N - 1>(n, prob, pairs, c, own_c, len, r, sums);
-    add_pairs<N>(prob, pairs, c, own_c, len, r, sums);
+    if (n != N) return add_pairs_heads<N - 1>(n, prob, pairs, c, len, r, sums);
+    add_pairs<N>(prob, pairs, c, len, r, sums);
   }
 }
 
@@ -977,8 +987,8 @@ void unshuffle_pairs(const float* sums, float* ctx, int64_t count) {
 }
 
 // The value sums of `n` heads from their bf16 probabilities `s [n, keys]` with `vdpbf16ps`.
-void add_values_bf16(const float* s, int64_t n, int64_t keys, const uint16_t* c, const uint16_t* own_c, int64_t len,
-                     int64_t r, float* ctx, std::vector<float>& scratch) {
+void add_values_bf16(const float* s, int64_t n, int64_t keys, const uint16_t* const* c, int64_t len, int64_t r,
+                     float* ctx, std::vector<float>& scratch) {
   thread_local std::vector<uint32_t> prob;
   const int64_t pairs = (keys + 1) / 2;
   prob.assign(n * pairs, 0);
@@ -989,32 +999,31 @@ void add_values_bf16(const float* s, int64_t n, int64_t keys, const uint16_t* c,
       prob[h * pairs + j / 2] |= (bits >> 16) << (16 * (j % 2));
     }
   scratch.assign(n * r, 0.0f);
-  add_pairs_heads(n, prob.data(), pairs, c, own_c, len, r, scratch.data());
+  add_pairs_heads(n, prob.data(), pairs, c, len, r, scratch.data());
   unshuffle_pairs(scratch.data(), ctx, n * r);
 }
 #endif
 
-// Heads [0, n) of one row: `q [n, r]`, `q_pe [n, rope]` against the cache's `len` positions `c [S, r]`,
-// `pe [S, rope]` and the own key `own_c [r]`, `own_pe [rope]` (bf16 bits, one more key of each) into
-// `ctx [n, r]`; `s` holds n x (len + 1) scores, `tile` the widened latents of `kValueTile` keys (or the
-// bf16 path's sums).
+// Heads [0, n) of one row: `q [n, r]`, `q_pe [n, rope]` against its `len` cached positions and its own
+// key (`c` [r] and `pe` [rope] bf16 bits per key: `find_keys`) into `ctx [n, r]`; `s` holds
+// n x (len + 1) scores, `tile` the widened latents of `kValueTile` keys (or the bf16 path's sums).
 template <typename X>
-void attend_heads(const X* q, const X* q_pe, const uint16_t* c, const uint16_t* pe, const uint16_t* own_c,
-                  const uint16_t* own_pe, float* ctx, std::vector<float>& s, std::vector<float>& tile, int64_t n,
-                  int64_t len, int64_t r, int64_t rope, float scale) {
+void attend_heads(const X* q, const X* q_pe, const uint16_t* const* c, const uint16_t* const* pe, float* ctx,
+                  std::vector<float>& s, std::vector<float>& tile, int64_t n, int64_t len, int64_t r, int64_t rope,
+                  float scale) {
   const int64_t keys = len + 1;
   s.resize(n * keys);
   tile.resize(kValueTile * r);
-  score_heads(n, q, q_pe, c, pe, own_c, own_pe, len, r, rope, scale, s.data());
+  score_heads(n, q, q_pe, c, pe, len, r, rope, scale, s.data());
   for (int64_t h = 0; h < n; ++h) softmax_to_bf16(s.data() + h * keys, keys);
 #if defined(__AVX512BF16__)
   if (std::is_same_v<X, uint16_t> && r % 32 == 0)  // bf16 queries: `vdpbf16ps` where the CPU runs it fast
-    return add_values_bf16(s.data(), n, keys, c, own_c, len, r, ctx, tile);
+    return add_values_bf16(s.data(), n, keys, c, len, r, ctx, tile);
 #endif
   std::fill(ctx, ctx + n * r, 0.0f);
   for (int64_t j0 = 0; j0 < keys; j0 += kValueTile) {  // the own key last, as XLA's path adds it
     const int64_t j1 = std::min(keys, j0 + kValueTile);
-    widen_keys(c, own_c, len, r, j0, j1, tile.data());
+    widen_keys(c, r, j0, j1, tile.data());
     add_heads(n, s.data(), keys, tile.data(), ctx, j0, j1, r);
   }
 }
@@ -1023,43 +1032,48 @@ void attend_heads(const X* q, const X* q_pe, const uint16_t* c, const uint16_t* 
 template <ffi::DataType XD, typename X>
 ffi::Error MlaDecodeContext(ffi::ThreadPool pool, ffi::Buffer<XD> q, ffi::Buffer<XD> q_pe,
                             ffi::Buffer<ffi::U16> c_kv, ffi::Buffer<ffi::U16> k_pe, ffi::Buffer<ffi::S32> layer,
-                            ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::U16> own_c, ffi::Buffer<ffi::U16> own_pe,
-                            ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> ctx) {
+                            ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::U16> own_c,
+                            ffi::Buffer<ffi::U16> own_pe, ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> ctx) {
   const auto qd = q.dimensions(), pd = q_pe.dimensions(), cd = c_kv.dimensions(), ed = k_pe.dimensions();
-  if (qd.size() != 3 || pd.size() != 3 || cd.size() != 4 || ed.size() != 4 || pd[0] != qd[0] || pd[1] != qd[1] ||
-      cd[1] != qd[0] || cd[3] != qd[2] || ed[0] != cd[0] || ed[1] != cd[1] || ed[2] != cd[2] || ed[3] != pd[2] ||
-      layer.element_count() != 1 || int64_t(lengths.element_count()) != qd[0] ||
+  const auto td = table.dimensions();
+  if (qd.size() != 3 || pd.size() != 3 || cd.size() != 4 || ed.size() != 4 || td.size() != 2 || pd[0] != qd[0] ||
+      pd[1] != qd[1] || td[0] != qd[0] || cd[3] != qd[2] || ed[0] != cd[0] || ed[1] != cd[1] || ed[2] != cd[2] ||
+      ed[3] != pd[2] || layer.element_count() != 1 || int64_t(lengths.element_count()) != qd[0] ||
       int64_t(own_c.element_count()) != qd[0] * qd[2] || int64_t(own_pe.element_count()) != qd[0] * pd[2] ||
       scale.element_count() != 1 || int64_t(ctx->element_count()) != qd[0] * qd[1] * qd[2])
     return ffi::Error::InvalidArgument(
-        "mla_decode_context: q [B, H, r], q_pe [B, H, rope], c_kv [layers, B, S, r], k_pe [layers, B, S, rope], "
-        "layer [1], lengths [B], own_c [B, r], own_pe [B, rope], scale [1] -> [B, H, r]");
-  const int64_t rows = qd[0], heads = qd[1], r = qd[2], rope = pd[2], positions = cd[2];
+        "mla_decode_context: q [B, H, r], q_pe [B, H, rope], c_kv [layers, pages, page_size, r], k_pe [layers, "
+        "pages, page_size, rope], layer [1], lengths [B], table [B, P], own_c [B, r], own_pe [B, rope], scale [1] "
+        "-> [B, H, r]");
+  const int64_t rows = qd[0], heads = qd[1], r = qd[2], rope = pd[2], pages = cd[1], page_size = cd[2];
+  const int64_t row_pages = td[1];
   const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, cd[0] - 1);
-  const uint16_t* cl = reinterpret_cast<const uint16_t*>(c_kv.typed_data()) + l * rows * positions * r;
-  const uint16_t* el = reinterpret_cast<const uint16_t*>(k_pe.typed_data()) + l * rows * positions * rope;
+  const uint16_t* cl = reinterpret_cast<const uint16_t*>(c_kv.typed_data()) + l * pages * page_size * r;
+  const uint16_t* el = reinterpret_cast<const uint16_t*>(k_pe.typed_data()) + l * pages * page_size * rope;
   const X *qp = reinterpret_cast<const X*>(q.typed_data()), *pp = reinterpret_cast<const X*>(q_pe.typed_data());
   const uint16_t* oc = reinterpret_cast<const uint16_t*>(own_c.typed_data());
   const uint16_t* op = reinterpret_cast<const uint16_t*>(own_pe.typed_data());
-  const int32_t* held = lengths.typed_data();
+  const int32_t *held = lengths.typed_data(), *tp = table.typed_data();
   const float sc = scale.typed_data()[0];
   float* out = ctx->typed_data();
   // A part takes a range of one row's blocks of heads: as few parts per row as keep every worker busy,
   // so that a row's keys, read again by each of its blocks, are read on one core.
   if (rows == 0 || heads == 0) return ffi::Error::Success();
+  if (pages == 0 || page_size == 0) return ffi::Error::InvalidArgument("mla_decode_context: a cache without pages");
   const int64_t blocks = (heads + kMaxBlockRows - 1) / kMaxBlockRows;
   const int64_t workers = Helpers::get(pool.num_threads()).workers();
   const int64_t per_row = std::clamp<int64_t>((workers + rows - 1) / rows, 1, blocks);
   run_parts(pool, rows * per_row, [=](int64_t part) {
     const int64_t b = part / per_row, j = part % per_row;
-    const int64_t len = std::clamp<int64_t>(held[b], 0, positions);
-    const uint16_t *c = cl + b * positions * r, *pe = el + b * positions * rope;
+    const int64_t len = std::clamp<int64_t>(held[b], 0, row_pages * page_size);
+    thread_local std::vector<const uint16_t*> c, pe;
+    find_keys(cl, tp + b * row_pages, pages, page_size, len, oc + b * r, r, c);
+    find_keys(el, tp + b * row_pages, pages, page_size, len, op + b * rope, rope, pe);
     thread_local std::vector<float> s, tile;
     for (int64_t block = blocks * j / per_row; block < blocks * (j + 1) / per_row; ++block) {
       const int64_t h0 = block * kMaxBlockRows, n = std::min<int64_t>(kMaxBlockRows, heads - h0);
       const int64_t at = b * heads + h0;
-      attend_heads(qp + at * r, pp + at * rope, c, pe, oc + b * r, op + b * rope, out + at * r, s, tile, n, len, r,
-                   rope, sc);
+      attend_heads(qp + at * r, pp + at * rope, c.data(), pe.data(), out + at * r, s, tile, n, len, r, rope, sc);
     }
   });
   return ffi::Error::Success();
@@ -1230,13 +1244,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_matmul_f32, RowsMatmul, (Signature<ffi::
 // (x, matrix, gate, up) -> SiLU(x . gate) * (x . up) per pair; (h, matrix, weight, down) -> sums per token.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_swiglu_pairs, SwigluPairs, (Signature<ffi::F32, ffi::S32, ffi::U16, ffi::U16>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_combine_pairs, CombinePairs, (Signature<ffi::F32, ffi::S32, ffi::F32, ffi::U16>()));
-// (q, q_pe, c_kv, k_pe, layer, lengths, own_c, own_pe, scale) -> the attention context.
+// (q, q_pe, c_kv, k_pe, layer, lengths, table, own_c, own_pe, scale) -> the attention context.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_mla_decode_context, (MlaDecodeContext<ffi::F32, float>),
-                              (Signature<ffi::F32, ffi::F32, ffi::U16, ffi::U16, ffi::S32, ffi::S32, ffi::U16, ffi::U16,
-                                         ffi::F32>()));
+                              (Signature<ffi::F32, ffi::F32, ffi::U16, ffi::U16, ffi::S32, ffi::S32, ffi::S32, ffi::U16,
+                                         ffi::U16, ffi::F32>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_bf16_mla_decode_context, (MlaDecodeContext<ffi::U16, uint16_t>),
-                              (Signature<ffi::U16, ffi::U16, ffi::U16, ffi::U16, ffi::S32, ffi::S32, ffi::U16, ffi::U16,
-                                         ffi::F32>()));
+                              (Signature<ffi::U16, ffi::U16, ffi::U16, ffi::U16, ffi::S32, ffi::S32, ffi::S32, ffi::U16,
+                                         ffi::U16, ffi::F32>()));
 
 #if defined(__AVX512BF16__)
 // Seconds for `n` rounds of 12 independent multiply-add chains of `op` (registers only: enough chains
