@@ -414,17 +414,23 @@ def _attention_inputs(rank: int, heads: int, rng: np.random.Generator, rope: int
             _bf16((3, b, s, rope), rng), _bf16((b, rank), rng), _bf16((b, rope), rng), np.array([0, 1, 17, s, s - 7]))
 
 
-def _attention_float64(q, q_pe, c_kv, k_pe, own_c, own_pe, lengths, layer: int, scale: float) -> np.ndarray:
-    """`mla_decode_context`'s steps in float64, the probabilities rounded to bf16 from float32."""
+def _attention_float64(q, q_pe, c_kv, k_pe, own_c, own_pe, lengths, layer: int, scale: float,
+                       c_scale: np.ndarray | None = None) -> np.ndarray:
+    """`mla_decode_context`'s steps in float64, the probabilities rounded to bf16 from float32 (an int8
+    cache's scales multiply the latent products, and the probabilities before they are rounded)."""
     f64 = np.float64
+
+    def bf16(x):
+        return x.astype(np.float32).astype(jnp.bfloat16).astype(f64)
+
     want = np.zeros(q.shape)
     for row, n in enumerate(lengths):
         keys = np.concatenate([c_kv[layer, row, :n], own_c[row][None]]).astype(f64)
         rotary = np.concatenate([k_pe[layer, row, :n], own_pe[row][None]]).astype(f64)
-        scores = (q[row].astype(f64) @ keys.T + q_pe[row].astype(f64) @ rotary.T) * scale
+        key_scale = np.ones(n + 1) if c_scale is None else np.append(c_scale[layer, row, :n], 1.0)
+        scores = (q[row].astype(f64) @ keys.T * key_scale + q_pe[row].astype(f64) @ rotary.T) * scale
         probs = np.exp(scores - scores.max(-1, keepdims=True))
-        probs = (probs / probs.sum(-1, keepdims=True)).astype(np.float32).astype(jnp.bfloat16).astype(f64)
-        want[row] = probs @ keys
+        want[row] = bf16((probs / probs.sum(-1, keepdims=True)).astype(np.float32) * key_scale) @ keys
     return want
 
 
@@ -500,6 +506,31 @@ def test_mla_decode_context_reads_a_page_pool(query_dtype, page_size):
 
 
 @needs_kernel
+@pytest.mark.parametrize("query_dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("page_size", [None, 8])
+def test_mla_decode_context_reads_an_int8_cache(query_dtype, page_size):
+    """An int8 latent cache (a float32 scale per position; `k_pe` and the own key bf16), contiguous or in
+    pages: the scales multiply the latent products and the probabilities, as XLA's path does."""
+    rng = np.random.default_rng(11)
+    q, q_pe, _, k_pe, own_c, own_pe, lengths = _attention_inputs(64, 11, rng, s=48)
+    c_kv = rng.integers(-127, 128, (3, 5, 48, 64)).astype(np.int8)
+    c_scale = rng.uniform(0.005, 0.03, (3, 5, 48)).astype(np.float32)
+    table = None
+    cache = (c_kv, _bits(k_pe), c_scale)
+    if page_size:
+        (c_pool, table), (pe_pool, _) = (_paged(x, page_size, np.random.default_rng(1)) for x in (c_kv, k_pe))
+        scale_pool, _ = _paged(c_scale[..., None], page_size, np.random.default_rng(1))
+        cache = (c_pool, _bits(pe_pool), scale_pool[..., 0])
+        table = jnp.asarray(table, jnp.int32)
+    run = jax.jit(cpu_kernels.mla_decode_context, static_argnums=8)
+    args = (*(jnp.asarray(x, query_dtype) for x in (q, q_pe)), jnp.asarray(cache[0]), cache[1], 2,
+            jnp.asarray(lengths), jnp.asarray(own_c), jnp.asarray(own_pe), 0.3, table, jnp.asarray(cache[2]))
+    assert "dsr1_int8_mla_decode_context" in run.lower(*args).as_text()
+    want = _attention_float64(q, q_pe, c_kv, k_pe, own_c, own_pe, lengths, 2, 0.3, c_scale)
+    _assert_attention_close(np.asarray(run(*args)), want)
+
+
+@needs_kernel
 def test_mla_decode_context_splits_one_rows_heads_between_workers():
     """One row of 20 heads (blocks of 8, 8 and 4), which the workers share in ranges of blocks, each
     widening the row's latents itself; and an empty batch."""
@@ -532,21 +563,27 @@ def test_mla_decode_context_names_what_is_wrong():
         cpu_kernels.mla_decode_context(q, jnp.zeros((2, 4, 16)), cache, jnp.zeros((3, 2, 8, 16), jnp.uint16), 0,
                                        jnp.zeros(2, jnp.int32), jnp.zeros((2, 32)), jnp.zeros((2, 16)), 1.0,
                                        page_table=jnp.zeros((3, 4), jnp.int32))
+    with pytest.raises(ValueError, match="int8 latents take a scale per position"):
+        cpu_kernels.mla_decode_context(q, jnp.zeros((2, 4, 16)), cache.astype(jnp.int8),
+                                       jnp.zeros((3, 2, 8, 16), jnp.uint16), 0, jnp.zeros(2, jnp.int32),
+                                       jnp.zeros((2, 32)), jnp.zeros((2, 16)), 1.0)
     with pytest.raises(ValueError, match="contiguous cache"):  # no table: a cache of one row per query row
         cpu_kernels.mla_decode_context(q, jnp.zeros((2, 4, 16)), cache[:, :1], jnp.zeros((3, 1, 8, 16), jnp.uint16),
                                        0, jnp.zeros(2, jnp.int32), jnp.zeros((2, 32)), jnp.zeros((2, 16)), 1.0)
 
 
 @needs_kernel
-def test_decode_attention_by_the_kernel_equals_xlas():
-    """`attend_decode` of a bf16 model on one device against its prefilled cache (bits; rows of
-    different lengths) computes the attention in one kernel call, with the XLA path's result: the same
-    bf16 outputs but where float32 summation order flips a rounding. An int8 cache, or the cache on
-    several devices (`one_device=False`), keeps the XLA path."""
+@pytest.mark.parametrize("kv_cache_dtype", [None, "int8"])
+def test_decode_attention_by_the_kernel_equals_xlas(kv_cache_dtype):
+    """`attend_decode` of a bf16 model on one device against its prefilled cache (bits, or int8 latents;
+    rows of different lengths) computes the attention in one kernel call, with the XLA path's result:
+    the same bf16 outputs but where float32 summation order flips a rounding. The cache on several
+    devices (`one_device=False`) keeps the XLA path."""
     cfg = dsr1.Config.preset("tiny")
-    model = dsr1.init_random(cfg, seed=1, dtype="bfloat16")
+    model = dsr1.init_random(cfg, seed=1, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype)
     tokens = np.random.default_rng(0).integers(2, cfg.vocab_size, (3, 6))
     _, cache = model.prefill(tokens, lengths=np.array([6, 2, 4]), max_len=9)
+    assert (cache.c_scale is not None) == (kv_cache_dtype == "int8")
     p = jax.tree.map(lambda a: a[1], compute_view(model.params, cfg)["moe_layers"])
     x = jnp.asarray(np.random.default_rng(1).standard_normal((3, cfg.hidden_size)), jnp.bfloat16)
 
@@ -561,9 +598,6 @@ def test_decode_attention_by_the_kernel_equals_xlas():
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert np.mean(got == want) > 0.99  # (all equal here)
     np.testing.assert_allclose(got, want, rtol=0, atol=2 ** -8 * np.abs(want).max())  # a rounding flip at most
-    int8 = dsr1.init_random(cfg, seed=1, dtype="bfloat16", kv_cache_dtype="int8")
-    _, scaled = int8.prefill(tokens, max_len=9)
-    assert "mla_decode_context" not in attend(True).lower(p, x, scaled).as_text()
 
 
 def _paged_cache(cache, page_size: int) -> tuple[PagedKVCache, np.ndarray]:
@@ -571,22 +605,27 @@ def _paged_cache(cache, page_size: int) -> tuple[PagedKVCache, np.ndarray]:
     order = np.random.default_rng(0).permutation(cache.c_kv.shape[1] * cache.max_len // page_size)
 
     def pool(a):
-        pages = a.reshape(a.shape[0], -1, page_size, a.shape[-1])
+        if a is None:
+            return None
+        pages = a.reshape(a.shape[0], -1, page_size, *a.shape[3:])
         return jnp.zeros_like(pages).at[:, order].set(pages)
 
-    return PagedKVCache(pool(cache.c_kv), pool(cache.k_pe), None), order.reshape(cache.c_kv.shape[1], -1)
+    return (PagedKVCache(pool(cache.c_kv), pool(cache.k_pe), pool(cache.c_scale)),
+            order.reshape(cache.c_kv.shape[1], -1))
 
 
 @needs_kernel
-def test_paged_decode_attention_by_the_kernel_equals_contiguous():
+@pytest.mark.parametrize("kv_cache_dtype", [None, "int8"])
+def test_paged_decode_attention_by_the_kernel_equals_contiguous(kv_cache_dtype):
     """`attend_extend` with one new token per row (a serving engine's decode) of a bf16 model on one
-    device reads the page pool in place in one kernel call: the contiguous kernel's result exactly
+    device (bf16 or int8 latents) reads the page pool in place in one kernel call: the contiguous
+    kernel's result exactly
     (the same keys, found through the page table), so XLA's contiguous path's but where float32
     summation order flips a rounding. (XLA's page-by-page fold, which more tokens per row or several
     devices keep, rounds the probabilities before they are normalized: ~0.1% off the contiguous path
     on average here.)"""
     cfg = dsr1.Config.preset("tiny")
-    model = dsr1.init_random(cfg, seed=1, dtype="bfloat16")
+    model = dsr1.init_random(cfg, seed=1, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype)
     tokens = np.random.default_rng(0).integers(2, cfg.vocab_size, (3, 6))
     _, cache = model.prefill(tokens, lengths=np.array([6, 2, 4]), max_len=9)
     pool, table = _paged_cache(cache, page_size=3)
@@ -640,7 +679,8 @@ def test_the_avx2_build_computes_the_same(dtype, tmp_path, monkeypatch):
         jax.ffi.register_ffi_target("mla_avx2_test", jax.ffi.pycapsule(library.dsr1_mla_decode_context), platform="cpu")
         q, q_pe, c_kv, k_pe, own_c, own_pe, lengths = _attention_inputs(36, 11, rng, rope=12)
         call = jax.ffi.ffi_call("mla_avx2_test", jax.ShapeDtypeStruct(q.shape, jnp.float32))
-        got = call(*(jnp.asarray(a, jnp.float32) for a in (q, q_pe)), _bits(c_kv), _bits(k_pe), jnp.ones(1, jnp.int32),
+        got = call(*(jnp.asarray(a, jnp.float32) for a in (q, q_pe)), _bits(c_kv), _bits(k_pe),
+                   jnp.zeros(0, jnp.float32), jnp.ones(1, jnp.int32),
                    jnp.asarray(lengths, jnp.int32), jnp.arange(len(lengths), dtype=jnp.int32)[:, None], _bits(own_c),
                    _bits(own_pe), jnp.full(1, 0.3, jnp.float32))
         want = _attention_float64(q, q_pe, c_kv, k_pe, own_c, own_pe, lengths, 1, 0.3)

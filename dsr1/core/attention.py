@@ -202,7 +202,8 @@ def attend_cached(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache, l
         own = make_keys(p, c_new, None, pe_new, absorbed=True, dtype=dt)
         if query_at is None and _kernel_attends(cache, t, one_device):
             ctx = cpu_kernels.mla_decode_context(q.main[:, 0], q.pe[:, 0], cache.c_kv, cache.k_pe, layer,
-                                                 cache.lengths, own.values[:, 0], own.pe[:, 0], cfg.softmax_scale)
+                                                 cache.lengths, own.values[:, 0], own.pe[:, 0], cfg.softmax_scale,
+                                                 c_scale=cache.c_scale)
             return attention_output(p, ctx[:, :, None], absorbed=True, dtype=dt), (c_new, pe_new)
         if flash_decode.applies(q.main.shape[2], q.main.shape[3], q.pe.shape[3], t, cache.c_kv.dtype,
                                 cache.c_scale is not None):
@@ -222,11 +223,12 @@ CACHE_BLOCK = 256  # cached positions per step of `_fold_cache`; a cache of at m
 def _kernel_attends(cache: KVCache | PagedKVCache, queries: int, one_device: bool) -> bool:
     """Whether dsr1's CPU kernel computes a decode step's attention (`cpu_kernels.mla_decode_context`):
     one query per row against a cache (contiguous or paged) of bf16 bits (a CPU's, `cache.stores_bits`),
-    unscaled, whole on one device (XLA would gather a sharded operand of a custom call). Every cache
-    length in one softmax, as `_cache_softmax` (the XLA path folds caches of more than `CACHE_BLOCK`
-    positions, and page pools a block of pages at a time)."""
-    return (one_device and queries == 1 and cache.c_kv.dtype == jnp.uint16 and cache.c_scale is None
-            and cpu_kernels.available())
+    or of int8 latents beside bf16 bits of `k_pe`, whole on one device (XLA would gather a sharded
+    operand of a custom call). Every cache length in one softmax, as `_cache_softmax` (the XLA path
+    folds caches of more than `CACHE_BLOCK` positions, and page pools a block of pages at a time)."""
+    bits = cache.c_kv.dtype == jnp.uint16 and cache.c_scale is None
+    int8 = cache.c_kv.dtype == jnp.int8 and cache.c_scale is not None and cache.k_pe.dtype == jnp.uint16
+    return one_device and queries == 1 and (bits or int8) and cpu_kernels.available()
 
 
 def _cache_softmax(p: dict, q: Query, own: Keys, own_mask: jax.Array, cache: KVCache, layer: jax.Array,
@@ -392,7 +394,8 @@ def attend_extend(p: dict, x: jax.Array, positions: jax.Array, context: PagedCon
             own = make_keys(p, c_new, None, pe_new, absorbed=True, dtype=dt)
             ctx = cpu_kernels.mla_decode_context(q.main[:, 0], q.pe[:, 0], context.cache.c_kv, context.cache.k_pe,
                                                  layer, context.cached, own.values[:, 0], own.pe[:, 0],
-                                                 cfg.softmax_scale, page_table=context.page_table)
+                                                 cfg.softmax_scale, page_table=context.page_table,
+                                                 c_scale=context.cache.c_scale)
             return attention_output(p, ctx[:, :, None], absorbed=True, dtype=dt), (c_new, pe_new)
         with jax.named_scope("new_tokens"):
             state = fold_keys(None, q, make_keys(p, c_new, None, pe_new, absorbed, dt), _causal(x.shape[1]), cfg)

@@ -200,17 +200,20 @@ def rows_matmul(x: jax.Array, w: jax.Array, index: jax.Array | int = 0) -> jax.A
 
 def mla_decode_context(q: jax.Array, q_pe: jax.Array, c_kv: jax.Array, k_pe: jax.Array, layer: jax.Array | int,
                        lengths: jax.Array, own_c: jax.Array, own_pe: jax.Array, scale: float,
-                       page_table: jax.Array | None = None) -> jax.Array:
+                       page_table: jax.Array | None = None, c_scale: jax.Array | None = None) -> jax.Array:
     """Absorbed MLA attention of one new token per row: the context `[B, H, r]` (float32) of queries
     `q [B, H, r]`, `q_pe [B, H, rope]` over the first `lengths[b]` positions of layer `layer` of a
     cache of bf16 bits (uint16), read in place, and the new token's own latent `own_c [B, r]`,
     `own_pe [B, rope]` (bf16 values) as one more key. The cache is contiguous, `c_kv [layers, B, S, r]`,
     `k_pe [layers, B, S, rope]`, or (given `page_table [B, P]`, row b's pages in order) a page pool
-    `c_kv [layers, pages, page_size, r]`, `k_pe [layers, pages, page_size, rope]`.
+    `c_kv [layers, pages, page_size, r]`, `k_pe [layers, pages, page_size, rope]`; an int8 cache's
+    `c_kv` is int8 with a float32 scale per position `c_scale` (`c_kv`'s shape but the last axis).
     Scores `(q . c + q_pe . pe) * scale`, one softmax, the probabilities rounded to bf16 before their
-    sum over the latents, as `attention`'s XLA path computes them. bf16 queries are scored, and (at
-    latent widths of multiples of 32) the values summed, as bf16 with `vdpbf16ps` where `bf16_rows()`
-    (the same products, summed in another order), others in float32. Needs `available()`."""
+    sum over the latents, as `attention`'s XLA path computes them (an int8 cache's scales multiply
+    the latent products and the probabilities, those rounded to bf16 again). bf16 queries against a
+    bf16 cache are scored, and (at latent widths of multiples of 32) the values summed, as bf16 with
+    `vdpbf16ps` where `bf16_rows()` (the same products, summed in another order), others in float32.
+    Needs `available()`."""
     b, h, r = q.shape if q.ndim == 3 else (0, 0, 0)
     rope = q_pe.shape[-1]
     if page_table is None:  # a contiguous cache: B pages of S positions, one per row
@@ -218,21 +221,30 @@ def mla_decode_context(q: jax.Array, q_pe: jax.Array, c_kv: jax.Array, k_pe: jax
         if c_kv.ndim == 4 and c_kv.shape[1] != b:
             raise ValueError(f"mla_decode_context: a contiguous cache c_kv {c_kv.shape} holds {c_kv.shape[1]} rows "
                              f"for queries q {q.shape} of {b}")
-    if (q.ndim != 3 or c_kv.dtype != jnp.uint16 or k_pe.dtype != jnp.uint16 or q_pe.shape != (b, h, rope)
+    int8 = c_kv.dtype == jnp.int8
+    if int8 != (c_scale is not None) or (int8 and c_scale.shape != c_kv.shape[:3]):
+        raise ValueError(f"mla_decode_context: c_kv {c_kv.shape} {c_kv.dtype} with c_scale "
+                         f"{None if c_scale is None else c_scale.shape}: int8 latents take a scale per position "
+                         "(c_scale [layers, pages, page_size]), bf16 bits none")
+    if (q.ndim != 3 or c_kv.dtype not in (jnp.uint16, jnp.int8) or k_pe.dtype != jnp.uint16
+            or q_pe.shape != (b, h, rope)
             or c_kv.ndim != 4 or c_kv.shape[3] != r or k_pe.shape != (*c_kv.shape[:3], rope)
             or jnp.shape(lengths) != (b,) or jnp.ndim(page_table) != 2 or jnp.shape(page_table)[0] != b
             or own_c.shape != (b, r) or own_pe.shape != (b, rope)):
-        raise ValueError(f"mla_decode_context: q {q.shape}, q_pe {q_pe.shape}, bf16 bits c_kv {c_kv.shape} "
+        raise ValueError(f"mla_decode_context: q {q.shape}, q_pe {q_pe.shape}, c_kv {c_kv.shape} "
                          f"{c_kv.dtype} and k_pe {k_pe.shape} {k_pe.dtype}, lengths {jnp.shape(lengths)}, page_table "
                          f"{jnp.shape(page_table)}, own_c {own_c.shape}, own_pe {own_pe.shape}: q [B, H, r], q_pe "
                          "[B, H, rope], c_kv [layers, pages, page_size, r], k_pe [layers, pages, page_size, rope], "
-                         "lengths [B], page_table [B, P], own_c [B, r], own_pe [B, rope]")
+                         "lengths [B], page_table [B, P], own_c [B, r], own_pe [B, rope] (c_kv bf16 bits or int8, "
+                         "k_pe bf16 bits)")
     f32 = jnp.float32
-    as_bf16 = q.dtype == q_pe.dtype == jnp.bfloat16 and bf16_rows()
-    call = jax.ffi.ffi_call(f"dsr1_{'bf16_' if as_bf16 else ''}mla_decode_context", jax.ShapeDtypeStruct(q.shape, f32),
+    as_bf16 = not int8 and q.dtype == q_pe.dtype == jnp.bfloat16 and bf16_rows()
+    name = "int8_" if int8 else "bf16_" if as_bf16 else ""
+    call = jax.ffi.ffi_call(f"dsr1_{name}mla_decode_context", jax.ShapeDtypeStruct(q.shape, f32),
                             vmap_method="sequential")
     queries = [_bits(x) if as_bf16 else x.astype(f32) for x in (q, q_pe)]
-    return call(*queries, c_kv, k_pe, jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(lengths, jnp.int32),
+    scales = c_scale.astype(f32) if int8 else jnp.zeros((0,), f32)
+    return call(*queries, c_kv, k_pe, scales, jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(lengths, jnp.int32),
                 jnp.asarray(page_table, jnp.int32), _bits(own_c), _bits(own_pe), jnp.full((1,), scale, f32))
 
 
@@ -290,6 +302,7 @@ def _registered() -> ctypes.CDLL | None:
     targets += [_target("bf16", each, bf16=True) for each in (False, True)]
     fused = ["dsr1_swiglu_rows_dot", "dsr1_combine_rows_dot", "dsr1_bf16_combine_rows_dot", "dsr1_rows_dot_each_amx",
              "dsr1_swiglu_pairs", "dsr1_combine_pairs", "dsr1_mla_decode_context", "dsr1_bf16_mla_decode_context",
+             "dsr1_int8_mla_decode_context",
              "dsr1_rows_matmul_f32"]
     for target in [*targets, *fused]:
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")

@@ -760,26 +760,35 @@ inline float round_bf16(float v) {  // to the nearest bf16, ties to even (finite
 // 4,096 positions: 4 MB of float32 latents, read again from L3 by every head.)
 constexpr int64_t kValueTile = 32;
 
-// One row's keys, where each one's latents are: `at[j]` for its cached positions j < len (each in its
-// page), the own key's at `len`.
-void find_keys(const uint16_t* pool, const int32_t* table, int64_t pages, int64_t page_size, int64_t len,
-               const uint16_t* own, int64_t width, std::vector<const uint16_t*>& at) {
-  at.resize(len + 1);
+// Where a row's cached positions j < len are in the pool `[pages, page_size, width]`: `at[j]`, in page
+// `table[j / page_size]`.
+template <typename T>
+void find_keys(const T* pool, const int32_t* table, int64_t pages, int64_t page_size, int64_t len, int64_t width,
+               std::vector<const T*>& at) {
+  at.resize(len);
   for (int64_t j = 0; j < len; ++j) {
     const int64_t page = std::clamp<int64_t>(table[j / page_size], 0, pages - 1);
     at[j] = pool + (page * page_size + j % page_size) * width;
   }
-  at[len] = own;
 }
 
-// Keys [j0, j1) of one row (`c`: `find_keys`) widened to float32 `[j1 - j0, r]`.
-void widen_keys(const uint16_t* const* c, int64_t r, int64_t j0, int64_t j1, float* tile) {
+template <typename T>
+void widen_row(const T* from, int64_t r, float* to) {
+  int64_t k = 0;
+  for (; k + kLanes <= r; k += kLanes) store(to + k, widen_lanes(from + k));
+  for (; k < r; ++k) to[k] = widen(from[k]);
+}
+
+// Keys [j0, j1) of one row widened to float32 `[j1 - j0, r]`: its `cached` keys `c[j]`, then the own
+// key `own` (bf16 bits; part of `c` for a bf16 cache, `cached` then counting it).
+template <typename T>
+void widen_keys(const T* const* c, int64_t cached, const uint16_t* own, int64_t r, int64_t j0, int64_t j1,
+                float* tile) {
   for (int64_t j = j0; j < j1; ++j) {
-    const uint16_t* from = c[j];
-    float* to = tile + (j - j0) * r;
-    int64_t k = 0;
-    for (; k + kLanes <= r; k += kLanes) store(to + k, widen_lanes(from + k));
-    for (; k < r; ++k) to[k] = widen(from[k]);
+    if (j < cached)
+      widen_row(c[j], r, tile + (j - j0) * r);
+    else
+      widen_row(own, r, tile + (j - j0) * r);
   }
 }
 
@@ -832,14 +841,14 @@ constexpr int kPassKeys = kLanes / kMaxBlockRows;
 // The sums `acc[p * 8 + h]` (`rest`: widths past the last whole vector) += `x[h] . keys[p]` for heads
 // h < N and the pass's keys p: each key widened once for all heads, each query row loaded once for all
 // keys. Inlined, so that the sums stay in registers.
-template <int N>
-[[gnu::always_inline]] inline void dot_keys(const float* x, const uint16_t* const (&keys)[kPassKeys],
-                                            int64_t width, Vec (&acc)[kLanes], float (&rest)[kLanes]) {
+template <int N, typename T>
+[[gnu::always_inline]] inline void dot_keys(const float* x, const T* const (&keys)[kPassKeys], int64_t width,
+                                            Vec (&acc)[kLanes], float (&rest)[kLanes]) {
   int64_t k = 0;
   for (; k + kLanes <= width; k += kLanes) {
     Vec key[kPassKeys];
     for (int p = 0; p < kPassKeys; ++p) {
-      if (k * int64_t(sizeof(uint16_t)) % 64 == 0)  // once per cache line: the line 4 KB ahead
+      if (k * int64_t(sizeof(T)) % 64 == 0)  // once per cache line: the line 4 KB ahead
         _mm_prefetch(reinterpret_cast<const char*>(keys[p] + k) + kPrefetchBytes, _MM_HINT_T1);
       key[p] = widen_lanes(keys[p] + k);
     }
@@ -875,41 +884,52 @@ template <int N>
 #endif
 }
 
-// Scores `s [N, keys]` of heads [0, N) of one row: `(q . c + q_pe . pe) * scale` for its `len + 1`
-// keys (`c`, `pe`: `find_keys`, the own key last); one float32 sum per score.
-template <int N, typename X>
-void score_keys(const X* q, const X* q_pe, const uint16_t* const* c, const uint16_t* const* pe, int64_t len,
-                int64_t r, int64_t rope, float scale, float* s) {
-  const int64_t keys = len + 1;
-  for (int64_t j0 = 0; j0 < keys; j0 += kPassKeys) {
-    const uint16_t *latent[kPassKeys], *rotary[kPassKeys];
+// Scores `s[h * stride + j]` of heads h < N of one row: `(q . c + q_pe . pe) * scale` for its keys
+// j < count (`c[j]`, `pe[j]`); with `key_scale` (an int8 cache's), `(key_scale[j] q . c + q_pe . pe) *
+// scale`, as XLA's path scales the latent product. One float32 sum per score.
+template <int N, typename X, typename T>
+void score_keys(const X* q, const X* q_pe, const T* const* c, const uint16_t* const* pe, const float* key_scale,
+                int64_t count, int64_t r, int64_t rope, float scale, float* s, int64_t stride) {
+  for (int64_t j0 = 0; j0 < count; j0 += kPassKeys) {
+    const T* latent[kPassKeys];
+    const uint16_t* rotary[kPassKeys];
+    float lanes[kLanes];
     for (int p = 0; p < kPassKeys; ++p) {  // past the last key: the last key again, its sums unused
-      const int64_t j = std::min(j0 + p, len);
+      const int64_t j = std::min(j0 + p, count - 1);
       latent[p] = c[j];
       rotary[p] = pe[j];
+      if (key_scale) std::fill(lanes + p * kMaxBlockRows, lanes + (p + 1) * kMaxBlockRows, key_scale[j]);
     }
     Vec acc[kLanes];
-    float rest[kLanes] = {}, sums[kLanes];
+    float rest[kLanes] = {};
     for (Vec& a : acc) a = zeros();
     dot_keys<N>(q, latent, r, acc, rest);
+    Vec scaled = zeros();
+    if (key_scale) {  // the latent sums times their keys' scales, then the rotary sums anew
+      scaled = mul(add(lane_sums(acc), load(rest)), load(lanes));
+      std::fill(rest, rest + kLanes, 0.0f);
+      for (Vec& a : acc) a = zeros();
+    }
     dot_keys<N>(q_pe, rotary, rope, acc, rest);
-    store(sums, mul(add(lane_sums(acc), load(rest)), broadcast(scale)));
-    for (int p = 0; p < kPassKeys && j0 + p < keys; ++p)
-      for (int h = 0; h < N; ++h) s[h * keys + j0 + p] = sums[p * kMaxBlockRows + h];
+    store(lanes, mul(add(scaled, add(lane_sums(acc), load(rest))), broadcast(scale)));
+    for (int p = 0; p < kPassKeys && j0 + p < count; ++p)
+      for (int h = 0; h < N; ++h) s[h * stride + j0 + p] = lanes[p * kMaxBlockRows + h];
   }
 }
 
-template <typename X, int N = kMaxBlockRows>
-void score_heads(int64_t n, const X* q, const X* q_pe, const uint16_t* const* c, const uint16_t* const* pe,
-                 int64_t len, int64_t r, int64_t rope, float scale, float* s) {
+template <typename X, typename T, int N = kMaxBlockRows>
+void score_heads(int64_t n, const X* q, const X* q_pe, const T* const* c, const uint16_t* const* pe,
+                 const float* key_scale, int64_t count, int64_t r, int64_t rope, float scale, float* s,
+                 int64_t stride) {
   if constexpr (N > 0) {
-    if (n != N) return score_heads<X, N - 1>(n, q, q_pe, c, pe, len, r, rope, scale, s);
-    score_keys<N>(q, q_pe, c, pe, len, r, rope, scale, s);
+    if (n != N) return score_heads<X, T, N - 1>(n, q, q_pe, c, pe, key_scale, count, r, rope, scale, s, stride);
+    score_keys<N>(q, q_pe, c, pe, key_scale, count, r, rope, scale, s, stride);
   }
 }
 
-// One head's scores `x [n]` -> their softmax, each probability rounded to bf16 (as `_cache_softmax`).
-void softmax_to_bf16(float* x, int64_t n) {
+// One head's scores `x [n]` -> their softmax, each probability (times `weight[j]`, an int8 cache's
+// scales, where given) rounded to bf16 (as `_cache_softmax` and `weighted_values`).
+void softmax_to_bf16(float* x, int64_t n, const float* weight) {
   Vec top_lanes = broadcast(-INFINITY);
   const int64_t whole = n - n % kLanes;
   for (int64_t j = 0; j < whole; j += kLanes) top_lanes = max(top_lanes, load(x + j));
@@ -929,6 +949,12 @@ void softmax_to_bf16(float* x, int64_t n) {
   store(lanes, exp_lanes(sub(load(lanes), broadcast(top))));
   float total = sum(total_lanes);
   for (int64_t j = whole; j < n; ++j) total += (x[j] = lanes[j - whole]);
+  if (weight) {
+    for (int64_t j = 0; j < whole; j += kLanes)
+      store(x + j, round_bf16_lanes(mul(div(load(x + j), broadcast(total)), load(weight + j))));
+    for (int64_t j = whole; j < n; ++j) x[j] = round_bf16(x[j] / total * weight[j]);
+    return;
+  }
   for (int64_t j = 0; j < whole; j += kLanes) store(x + j, round_bf16_lanes(div(load(x + j), broadcast(total))));
   for (int64_t j = whole; j < n; ++j) x[j] = round_bf16(x[j] / total);
 }
@@ -1004,52 +1030,65 @@ void add_values_bf16(const float* s, int64_t n, int64_t keys, const uint16_t* co
 }
 #endif
 
+// A bf16 cache's keys are the own key's type: it is scored and summed as one more of them.
+template <typename T>
+constexpr bool kOwnInline = std::is_same_v<T, uint16_t>;
+
 // Heads [0, n) of one row: `q [n, r]`, `q_pe [n, rope]` against its `len` cached positions and its own
-// key (`c` [r] and `pe` [rope] bf16 bits per key: `find_keys`) into `ctx [n, r]`; `s` holds
-// n x (len + 1) scores, `tile` the widened latents of `kValueTile` keys (or the bf16 path's sums).
-template <typename X>
-void attend_heads(const X* q, const X* q_pe, const uint16_t* const* c, const uint16_t* const* pe, float* ctx,
-                  std::vector<float>& s, std::vector<float>& tile, int64_t n, int64_t len, int64_t r, int64_t rope,
-                  float scale) {
-  const int64_t keys = len + 1;
+// key into `ctx [n, r]`. `c`: the cached latents (`find_keys`; for a bf16 cache the own key's appended),
+// `pe`: the rotary parts, the own key's appended, `key_scale`: an int8 cache's scales, the own key's 1
+// appended (else null);
+// `own_c`, `own_pe`: the own key (bf16 bits). `s` holds n x (len + 1) scores, `tile` the widened
+// latents of `kValueTile` keys (or the bf16 path's sums).
+template <typename X, typename T>
+void attend_heads(const X* q, const X* q_pe, const T* const* c, const uint16_t* const* pe, const float* key_scale,
+                  const uint16_t* own_c, float* ctx, std::vector<float>& s, std::vector<float>& tile, int64_t n,
+                  int64_t len, int64_t r, int64_t rope, float scale) {
+  const int64_t keys = len + 1, cached = kOwnInline<T> ? keys : len;
   s.resize(n * keys);
   tile.resize(kValueTile * r);
-  score_heads(n, q, q_pe, c, pe, len, r, rope, scale, s.data());
-  for (int64_t h = 0; h < n; ++h) softmax_to_bf16(s.data() + h * keys, keys);
+  if (cached > 0) score_heads(n, q, q_pe, c, pe, key_scale, cached, r, rope, scale, s.data(), keys);
+  if (cached < keys) score_heads(n, q, q_pe, &own_c, pe + len, nullptr, 1, r, rope, scale, s.data() + len, keys);
+  for (int64_t h = 0; h < n; ++h) softmax_to_bf16(s.data() + h * keys, keys, key_scale);
 #if defined(__AVX512BF16__)
-  if (std::is_same_v<X, uint16_t> && r % 32 == 0)  // bf16 queries: `vdpbf16ps` where the CPU runs it fast
-    return add_values_bf16(s.data(), n, keys, c, len, r, ctx, tile);
+  if constexpr (std::is_same_v<X, uint16_t> && kOwnInline<T>)  // bf16 queries: `vdpbf16ps` where it runs fast
+    if (r % 32 == 0) return add_values_bf16(s.data(), n, keys, c, len, r, ctx, tile);
 #endif
   std::fill(ctx, ctx + n * r, 0.0f);
   for (int64_t j0 = 0; j0 < keys; j0 += kValueTile) {  // the own key last, as XLA's path adds it
     const int64_t j1 = std::min(keys, j0 + kValueTile);
-    widen_keys(c, r, j0, j1, tile.data());
+    widen_keys(c, cached, own_c, r, j0, j1, tile.data());
     add_heads(n, s.data(), keys, tile.data(), ctx, j0, j1, r);
   }
 }
 
-// float32 queries, or (`X` uint16_t) bf16 ones as bits, scored with `vdpbf16ps` (`dot_keys`).
-template <ffi::DataType XD, typename X>
-ffi::Error MlaDecodeContext(ffi::ThreadPool pool, ffi::Buffer<XD> q, ffi::Buffer<XD> q_pe,
-                            ffi::Buffer<ffi::U16> c_kv, ffi::Buffer<ffi::U16> k_pe, ffi::Buffer<ffi::S32> layer,
+// float32 queries, or (`X` uint16_t) bf16 ones as bits, scored with `vdpbf16ps` (`dot_keys`), against
+// a cache of bf16 bits (`T` uint16_t) or of int8 latents (`T` int8_t) with a float32 scale per
+// position `c_scale [layers, pages, page_size]` (for bf16 caches: empty, unused).
+template <ffi::DataType XD, typename X, ffi::DataType CD, typename T>
+ffi::Error MlaDecodeContext(ffi::ThreadPool pool, ffi::Buffer<XD> q, ffi::Buffer<XD> q_pe, ffi::Buffer<CD> c_kv,
+                            ffi::Buffer<ffi::U16> k_pe, ffi::Buffer<ffi::F32> c_scale, ffi::Buffer<ffi::S32> layer,
                             ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::U16> own_c,
                             ffi::Buffer<ffi::U16> own_pe, ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> ctx) {
   const auto qd = q.dimensions(), pd = q_pe.dimensions(), cd = c_kv.dimensions(), ed = k_pe.dimensions();
-  const auto td = table.dimensions();
+  const auto td = table.dimensions(), sd = c_scale.dimensions();
+  const bool scaled = !kOwnInline<T>;
   if (qd.size() != 3 || pd.size() != 3 || cd.size() != 4 || ed.size() != 4 || td.size() != 2 || pd[0] != qd[0] ||
       pd[1] != qd[1] || td[0] != qd[0] || cd[3] != qd[2] || ed[0] != cd[0] || ed[1] != cd[1] || ed[2] != cd[2] ||
       ed[3] != pd[2] || layer.element_count() != 1 || int64_t(lengths.element_count()) != qd[0] ||
       int64_t(own_c.element_count()) != qd[0] * qd[2] || int64_t(own_pe.element_count()) != qd[0] * pd[2] ||
-      scale.element_count() != 1 || int64_t(ctx->element_count()) != qd[0] * qd[1] * qd[2])
+      scale.element_count() != 1 || int64_t(ctx->element_count()) != qd[0] * qd[1] * qd[2] ||
+      (scaled && (sd.size() != 3 || sd[0] != cd[0] || sd[1] != cd[1] || sd[2] != cd[2])))
     return ffi::Error::InvalidArgument(
         "mla_decode_context: q [B, H, r], q_pe [B, H, rope], c_kv [layers, pages, page_size, r], k_pe [layers, "
-        "pages, page_size, rope], layer [1], lengths [B], table [B, P], own_c [B, r], own_pe [B, rope], scale [1] "
-        "-> [B, H, r]");
+        "pages, page_size, rope], c_scale [layers, pages, page_size] (int8 c_kv), layer [1], lengths [B], table "
+        "[B, P], own_c [B, r], own_pe [B, rope], scale [1] -> [B, H, r]");
   const int64_t rows = qd[0], heads = qd[1], r = qd[2], rope = pd[2], pages = cd[1], page_size = cd[2];
   const int64_t row_pages = td[1];
   const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, cd[0] - 1);
-  const uint16_t* cl = reinterpret_cast<const uint16_t*>(c_kv.typed_data()) + l * pages * page_size * r;
+  const T* cl = reinterpret_cast<const T*>(c_kv.typed_data()) + l * pages * page_size * r;
   const uint16_t* el = reinterpret_cast<const uint16_t*>(k_pe.typed_data()) + l * pages * page_size * rope;
+  const float* sl = scaled ? c_scale.typed_data() + l * pages * page_size : nullptr;
   const X *qp = reinterpret_cast<const X*>(q.typed_data()), *pp = reinterpret_cast<const X*>(q_pe.typed_data());
   const uint16_t* oc = reinterpret_cast<const uint16_t*>(own_c.typed_data());
   const uint16_t* op = reinterpret_cast<const uint16_t*>(own_pe.typed_data());
@@ -1066,14 +1105,26 @@ ffi::Error MlaDecodeContext(ffi::ThreadPool pool, ffi::Buffer<XD> q, ffi::Buffer
   run_parts(pool, rows * per_row, [=](int64_t part) {
     const int64_t b = part / per_row, j = part % per_row;
     const int64_t len = std::clamp<int64_t>(held[b], 0, row_pages * page_size);
-    thread_local std::vector<const uint16_t*> c, pe;
-    find_keys(cl, tp + b * row_pages, pages, page_size, len, oc + b * r, r, c);
-    find_keys(el, tp + b * row_pages, pages, page_size, len, op + b * rope, rope, pe);
-    thread_local std::vector<float> s, tile;
+    const int32_t* row_table = tp + b * row_pages;
+    thread_local std::vector<const T*> c;
+    thread_local std::vector<const uint16_t*> pe;
+    thread_local std::vector<const float*> scale_at;
+    thread_local std::vector<float> key_scale, s, tile;
+    find_keys(cl, row_table, pages, page_size, len, r, c);
+    if constexpr (kOwnInline<T>) c.push_back(oc + b * r);
+    find_keys(el, row_table, pages, page_size, len, rope, pe);
+    pe.push_back(op + b * rope);
+    if (scaled) {
+      find_keys(sl, row_table, pages, page_size, len, 1, scale_at);
+      key_scale.resize(len + 1);
+      for (int64_t k = 0; k < len; ++k) key_scale[k] = *scale_at[k];
+      key_scale[len] = 1.0f;  // the own key's latent is not quantized
+    }
     for (int64_t block = blocks * j / per_row; block < blocks * (j + 1) / per_row; ++block) {
       const int64_t h0 = block * kMaxBlockRows, n = std::min<int64_t>(kMaxBlockRows, heads - h0);
       const int64_t at = b * heads + h0;
-      attend_heads(qp + at * r, pp + at * rope, c.data(), pe.data(), out + at * r, s, tile, n, len, r, rope, sc);
+      attend_heads(qp + at * r, pp + at * rope, c.data(), pe.data(), scaled ? key_scale.data() : nullptr, oc + b * r,
+                   out + at * r, s, tile, n, len, r, rope, sc);
     }
   });
   return ffi::Error::Success();
@@ -1244,13 +1295,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_rows_matmul_f32, RowsMatmul, (Signature<ffi::
 // (x, matrix, gate, up) -> SiLU(x . gate) * (x . up) per pair; (h, matrix, weight, down) -> sums per token.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_swiglu_pairs, SwigluPairs, (Signature<ffi::F32, ffi::S32, ffi::U16, ffi::U16>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_combine_pairs, CombinePairs, (Signature<ffi::F32, ffi::S32, ffi::F32, ffi::U16>()));
-// (q, q_pe, c_kv, k_pe, layer, lengths, table, own_c, own_pe, scale) -> the attention context.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_mla_decode_context, (MlaDecodeContext<ffi::F32, float>),
-                              (Signature<ffi::F32, ffi::F32, ffi::U16, ffi::U16, ffi::S32, ffi::S32, ffi::S32, ffi::U16,
-                                         ffi::U16, ffi::F32>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_bf16_mla_decode_context, (MlaDecodeContext<ffi::U16, uint16_t>),
-                              (Signature<ffi::U16, ffi::U16, ffi::U16, ffi::U16, ffi::S32, ffi::S32, ffi::S32, ffi::U16,
-                                         ffi::U16, ffi::F32>()));
+// (q, q_pe, c_kv, k_pe, c_scale, layer, lengths, table, own_c, own_pe, scale) -> the attention context.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_mla_decode_context, (MlaDecodeContext<ffi::F32, float, ffi::U16, uint16_t>),
+                              (Signature<ffi::F32, ffi::F32, ffi::U16, ffi::U16, ffi::F32, ffi::S32, ffi::S32, ffi::S32,
+                                         ffi::U16, ffi::U16, ffi::F32>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_bf16_mla_decode_context, (MlaDecodeContext<ffi::U16, uint16_t, ffi::U16, uint16_t>),
+                              (Signature<ffi::U16, ffi::U16, ffi::U16, ffi::U16, ffi::F32, ffi::S32, ffi::S32, ffi::S32,
+                                         ffi::U16, ffi::U16, ffi::F32>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_int8_mla_decode_context, (MlaDecodeContext<ffi::F32, float, ffi::S8, int8_t>),
+                              (Signature<ffi::F32, ffi::F32, ffi::S8, ffi::U16, ffi::F32, ffi::S32, ffi::S32, ffi::S32,
+                                         ffi::U16, ffi::U16, ffi::F32>()));
 
 #if defined(__AVX512BF16__)
 // Seconds for `n` rounds of 12 independent multiply-add chains of `op` (registers only: enough chains
