@@ -766,9 +766,9 @@ template <typename T>
 void find_keys(const T* pool, const int32_t* table, int64_t pages, int64_t page_size, int64_t len, int64_t width,
                std::vector<const T*>& at) {
   at.resize(len);
-  for (int64_t j = 0; j < len; ++j) {
-    const int64_t page = std::clamp<int64_t>(table[j / page_size], 0, pages - 1);
-    at[j] = pool + (page * page_size + j % page_size) * width;
+  for (int64_t j = 0, i = 0; j < len; ++i) {  // page by page: no division per key
+    const T* page = pool + std::clamp<int64_t>(table[i], 0, pages - 1) * page_size * width;
+    for (int64_t slot = 0; slot < page_size && j < len; ++slot, ++j) at[j] = page + slot * width;
   }
 }
 
