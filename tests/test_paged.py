@@ -1,6 +1,7 @@
 """`extend` over the paged latent cache against the contiguous model: chunked prefill equals
 `Model.forward`, paged decode (T = 1) equals `Model.decode` (float32 and int8 caches), nothing
-compiles again after warm-up, and 8 fake devices give the 1-device logits.
+compiles again after warm-up, 8 fake devices give the 1-device logits, and a bf16 model's paged
+decode runs dsr1's CPU attention kernel.
 
 Rows sit in batch slots among idle ones (count 0, whose page tables point at live pages: a stray
 read or write would show), join late, finish early, and own interleaved, out-of-order pages of a
@@ -19,6 +20,7 @@ import pytest
 
 import dsr1
 from dsr1 import programs
+from dsr1.core import cpu_kernels
 from dsr1.core.attention import absorbed_crossover, use_absorbed
 from dsr1.core.cache import SCRATCH_PAGE
 from dsr1.core.sharding import put_replicated, to_host
@@ -179,3 +181,20 @@ def test_absorbed_crossover_follows_the_flop_count():
     assert absorbed_crossover(r1) == pytest.approx(512 * 256 / 768)
     assert use_absorbed(r1, 1) and use_absorbed(r1, 170) and not use_absorbed(r1, 171)
     assert SCRATCH_PAGE == 0
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="dsr1's CPU kernel is not built here")
+def test_bf16_paged_decode_reads_the_pages_with_the_kernel(fx):
+    """A bf16 model on one CPU device: `extend` with one token per row (paged decode) is one kernel call
+    per layer reading the pool through the page tables (`cpu_kernels.mla_decode_context`; its output
+    against the contiguous kernel's and XLA's: tests/test_cpu_kernels.py), where chunks of several
+    tokens keep XLA's page loop."""
+    bf16 = dsr1.load(fx.folder, dtype="bfloat16", progress=False)
+    cache = new_cache(bf16)
+    for chunk, kernel in ((1, True), (7, False)):
+        args = put_replicated((np.zeros((SLOTS, chunk), np.int32), np.full(SLOTS, 3, np.int32),
+                               np.ones(SLOTS, np.int32), np.ones((SLOTS, WIDTH), np.int32),
+                               np.zeros((SLOTS, 1), np.int32)), bf16.mesh)
+        lowered = programs.extend.lower(bf16.params, cache, *args, **bf16.program_kwargs, absorbed=True,
+                                        block_pages=3)
+        assert ("mla_decode_context" in lowered.as_text()) == kernel
