@@ -210,7 +210,7 @@ def mla_decode_context(q: jax.Array, q_pe: jax.Array, c_kv: jax.Array, k_pe: jax
     `c_kv` is int8 with a float32 scale per position `c_scale` (`c_kv`'s shape but the last axis).
     Scores `(q . c + q_pe . pe) * scale`, one softmax, the probabilities rounded to bf16 before their
     sum over the latents, as `attention`'s XLA path computes them (an int8 cache's scales multiply
-    the latent products and the probabilities, those rounded to bf16 again). bf16 queries against a
+    the latent products, and the probabilities before they are rounded). bf16 queries against a
     bf16 cache are scored, and (at latent widths of multiples of 32) the values summed, as bf16 with
     `vdpbf16ps` where `bf16_rows()` (the same products, summed in another order), others in float32.
     Needs `available()`."""

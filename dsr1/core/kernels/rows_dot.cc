@@ -1,9 +1,9 @@
 // dsr1's CPU kernel for decode products: y[g, r, o] = sum_i x[g, r, i] * w[index, g, o, i], or
 // w[index[g], o, i] (the `_each` handlers: each group of rows its own matrix, an expert loop's blocks;
 // `dsr1_bf16_rows_dot_*`: bf16 rows with `vdpbf16ps`; `dsr1_swiglu_rows_dot`, `dsr1_combine_rows_dot`:
-// an expert loop's three products in two calls; `dsr1_mla_decode_context` (and `_bf16_`): decode
-// attention; `dsr1_rows_matmul_f32`: the router's logits; `dsr1_rows_dot_each_amx`: blocks of many bf16
-// rows, a prefill's, on AMX tiles, at the end).
+// an expert loop's three products in two calls; `dsr1_mla_decode_context` (and `_bf16_`, `_int8_`):
+// decode attention; `dsr1_rows_matmul_f32`: the router's logits; `dsr1_rows_dot_each_amx`: blocks of
+// many bf16 rows, a prefill's, on AMX tiles, at the end).
 //
 // A few float32 rows (a decode batch, an expert's block of rows) against one matrix of a stack
 // whose values are bf16 bits (uint16) or int8, stored transposed (`[..., out, in]`); `g` counts
@@ -737,7 +737,8 @@ ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 // contiguous cache `[layers, B, S, r]` as B pages of S positions), with the new token's own latent as
 // one more key: one call per layer instead of XLA's score and value products, each of which widened
 // its block of the cache to float32 first (~0.14 ms of a batch-8 step's layer at 49 positions, Zen 5),
-// or of a gather of each block of pages and an online softmax over them. The same steps as the XLA path
+// or of a gather of each block of pages and an online softmax over them; an int8 cache's latents with
+// their scale per position (`MlaDecodeContext`). The same steps as the XLA path
 // (`attention._cache_softmax`): float32 scores `(q . c + q_pe . pe) * scale` of the first
 // `lengths[b]` positions and the own key, one softmax, the probabilities rounded to bf16 (the cache's
 // dtype, as HF rounds them), then their float32 sum over the latents; sums in another order.
