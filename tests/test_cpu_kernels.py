@@ -660,7 +660,7 @@ def test_paged_decode_attention_by_the_kernel_equals_contiguous(kv_cache_dtype):
 def test_the_avx2_build_computes_the_same(dtype, tmp_path, monkeypatch):
     """The kernel's AVX2 variant (8-lane vectors: CPUs without AVX-512, e.g. AMD Zen 3), built here with
     AVX-512 turned off and registered under its own names, equals float64 for every block size (and
-    in the decode attention)."""
+    in the decode attention, against a bf16 or an int8 cache)."""
     import ctypes
 
     monkeypatch.setenv("DSR1_KERNEL_CACHE", str(tmp_path))
@@ -675,16 +675,22 @@ def test_the_avx2_build_computes_the_same(dtype, tmp_path, monkeypatch):
         got = np.asarray(call(jnp.asarray(x), jnp.asarray(w), jnp.int32(2)))[0]
         want = x[0].astype(np.float64) @ _values(w[2]).T
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=str(rows))
-    if dtype == "bf16":  # the decode attention too: 8-lane vectors and single widths (rope 12)
-        jax.ffi.register_ffi_target("mla_avx2_test", jax.ffi.pycapsule(library.dsr1_mla_decode_context), platform="cpu")
-        q, q_pe, c_kv, k_pe, own_c, own_pe, lengths = _attention_inputs(36, 11, rng, rope=12)
-        call = jax.ffi.ffi_call("mla_avx2_test", jax.ShapeDtypeStruct(q.shape, jnp.float32))
-        got = call(*(jnp.asarray(a, jnp.float32) for a in (q, q_pe)), _bits(c_kv), _bits(k_pe),
-                   jnp.zeros(0, jnp.float32), jnp.ones(1, jnp.int32),
-                   jnp.asarray(lengths, jnp.int32), jnp.arange(len(lengths), dtype=jnp.int32)[:, None], _bits(own_c),
-                   _bits(own_pe), jnp.full(1, 0.3, jnp.float32))
-        want = _attention_float64(q, q_pe, c_kv, k_pe, own_c, own_pe, lengths, 1, 0.3)
-        _assert_attention_close(np.asarray(got), want)
+    # The decode attention too, against a cache of the same dtype: 8-lane vectors, single widths (rope 12)
+    handler = "dsr1_mla_decode_context" if dtype == "bf16" else "dsr1_int8_mla_decode_context"
+    jax.ffi.register_ffi_target(f"mla_{dtype}_avx2_test", jax.ffi.pycapsule(getattr(library, handler)), platform="cpu")
+    q, q_pe, c_kv, k_pe, own_c, own_pe, lengths = _attention_inputs(36, 11, rng, rope=12)
+    c_scale = None
+    if dtype == "int8":
+        c_kv = rng.integers(-127, 128, c_kv.shape).astype(np.int8)
+        c_scale = rng.uniform(0.005, 0.03, c_kv.shape[:3]).astype(np.float32)
+    call = jax.ffi.ffi_call(f"mla_{dtype}_avx2_test", jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    got = call(*(jnp.asarray(a, jnp.float32) for a in (q, q_pe)), jnp.asarray(c_kv) if c_scale is not None else
+               _bits(c_kv), _bits(k_pe), jnp.zeros(0, jnp.float32) if c_scale is None else jnp.asarray(c_scale),
+               jnp.ones(1, jnp.int32), jnp.asarray(lengths, jnp.int32),
+               jnp.arange(len(lengths), dtype=jnp.int32)[:, None], _bits(own_c), _bits(own_pe),
+               jnp.full(1, 0.3, jnp.float32))
+    want = _attention_float64(q, q_pe, c_kv, k_pe, own_c, own_pe, lengths, 1, 0.3, c_scale)
+    _assert_attention_close(np.asarray(got), want)
 
 
 @needs_kernel
