@@ -1038,9 +1038,8 @@ constexpr bool kOwnInline = std::is_same_v<T, uint16_t>;
 // Heads [0, n) of one row: `q [n, r]`, `q_pe [n, rope]` against its `len` cached positions and its own
 // key into `ctx [n, r]`. `c`: the cached latents (`find_keys`; for a bf16 cache the own key's appended),
 // `pe`: the rotary parts, the own key's appended, `key_scale`: an int8 cache's scales, the own key's 1
-// appended (else null);
-// `own_c`, `own_pe`: the own key (bf16 bits). `s` holds n x (len + 1) scores, `tile` the widened
-// latents of `kValueTile` keys (or the bf16 path's sums).
+// appended (else null), `own_c`: the own key's latent (bf16 bits). `s` holds n x (len + 1) scores,
+// `tile` the widened latents of `kValueTile` keys (or the bf16 path's sums).
 template <typename X, typename T>
 void attend_heads(const X* q, const X* q_pe, const T* const* c, const uint16_t* const* pe, const float* key_scale,
                   const uint16_t* own_c, float* ctx, std::vector<float>& s, std::vector<float>& tile, int64_t n,
