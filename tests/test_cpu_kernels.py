@@ -484,7 +484,7 @@ def _paged(cache: np.ndarray, page_size: int, rng: np.random.Generator) -> tuple
     layers, b, s, k = cache.shape
     per_row = s // page_size
     order = rng.permutation(b * per_row + 1)
-    pool = rng.standard_normal((layers, len(order), page_size, k)).astype(cache.dtype)
+    pool = rng.integers(0, 128, (layers, len(order), page_size, k)).astype(cache.dtype)  # noise of any dtype
     pool[:, order[:-1]] = cache.reshape(layers, b * per_row, page_size, k)
     return pool, order[:-1].reshape(b, per_row)
 
@@ -601,17 +601,17 @@ def test_decode_attention_by_the_kernel_equals_xlas(kv_cache_dtype):
 
 
 def _paged_cache(cache, page_size: int) -> tuple[PagedKVCache, np.ndarray]:
-    """A contiguous cache's latents as a page pool whose pages are shuffled, and the rows' page tables."""
-    order = np.random.default_rng(0).permutation(cache.c_kv.shape[1] * cache.max_len // page_size)
-
+    """A contiguous cache's latents as a shuffled page pool (`_paged`), and the rows' page tables."""
     def pool(a):
         if a is None:
             return None
-        pages = a.reshape(a.shape[0], -1, page_size, *a.shape[3:])
-        return jnp.zeros_like(pages).at[:, order].set(pages)
+        a = np.asarray(a)
+        pages, table = _paged(a.reshape(*a.shape[:3], -1), page_size, np.random.default_rng(0))
+        return jnp.asarray(pages.reshape(*pages.shape[:3], *a.shape[3:])), table
 
-    return (PagedKVCache(pool(cache.c_kv), pool(cache.k_pe), pool(cache.c_scale)),
-            order.reshape(cache.c_kv.shape[1], -1))
+    (c_kv, table), (k_pe, _) = pool(cache.c_kv), pool(cache.k_pe)
+    c_scale = pool(cache.c_scale)
+    return PagedKVCache(c_kv, k_pe, None if c_scale is None else c_scale[0]), table
 
 
 @needs_kernel
