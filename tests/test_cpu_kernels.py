@@ -602,16 +602,14 @@ def test_decode_attention_by_the_kernel_equals_xlas(kv_cache_dtype):
 
 def _paged_cache(cache, page_size: int) -> tuple[PagedKVCache, np.ndarray]:
     """A contiguous cache's latents as a shuffled page pool (`_paged`), and the rows' page tables."""
-    def pool(a):
-        if a is None:
-            return None
+    def pool(a):  # the same shuffle for every array (one seed): one page table
         a = np.asarray(a)
-        pages, table = _paged(a.reshape(*a.shape[:3], -1), page_size, np.random.default_rng(0))
-        return jnp.asarray(pages.reshape(*pages.shape[:3], *a.shape[3:])), table
+        pages, _ = _paged(a.reshape(*a.shape[:3], -1), page_size, np.random.default_rng(0))
+        return jnp.asarray(pages.reshape(*pages.shape[:3], *a.shape[3:]))
 
-    (c_kv, table), (k_pe, _) = pool(cache.c_kv), pool(cache.k_pe)
-    c_scale = pool(cache.c_scale)
-    return PagedKVCache(c_kv, k_pe, None if c_scale is None else c_scale[0]), table
+    _, table = _paged(np.asarray(cache.k_pe), page_size, np.random.default_rng(0))
+    scales = None if cache.c_scale is None else pool(cache.c_scale)
+    return PagedKVCache(pool(cache.c_kv), pool(cache.k_pe), scales), table
 
 
 @needs_kernel
@@ -619,9 +617,8 @@ def _paged_cache(cache, page_size: int) -> tuple[PagedKVCache, np.ndarray]:
 def test_paged_decode_attention_by_the_kernel_equals_contiguous(kv_cache_dtype):
     """`attend_extend` with one new token per row (a serving engine's decode) of a bf16 model on one
     device (bf16 or int8 latents) reads the page pool in place in one kernel call: the contiguous
-    kernel's result exactly
-    (the same keys, found through the page table), so XLA's contiguous path's but where float32
-    summation order flips a rounding. (XLA's page-by-page fold, which more tokens per row or several
+    kernel's result exactly (the same keys, found through the page table), so XLA's contiguous path's
+    but where float32 summation order flips a rounding. (XLA's page-by-page fold, which more tokens per row or several
     devices keep, rounds the probabilities before they are normalized: ~0.1% off the contiguous path
     on average here.)"""
     cfg = dsr1.Config.preset("tiny")

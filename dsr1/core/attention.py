@@ -201,10 +201,7 @@ def attend_cached(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache, l
         q = make_query(p, q_nope, q_pe, absorbed=True)
         own = make_keys(p, c_new, None, pe_new, absorbed=True, dtype=dt)
         if query_at is None and _kernel_attends(cache, t, one_device):
-            ctx = cpu_kernels.mla_decode_context(q.main[:, 0], q.pe[:, 0], cache.c_kv, cache.k_pe, layer,
-                                                 cache.lengths, own.values[:, 0], own.pe[:, 0], cfg.softmax_scale,
-                                                 c_scale=cache.c_scale)
-            return attention_output(p, ctx[:, :, None], absorbed=True, dtype=dt), (c_new, pe_new)
+            return _attend_by_kernel(p, q, own, cache, layer, cache.lengths, dt, cfg), (c_new, pe_new)
         if flash_decode.applies(q.main.shape[2], q.main.shape[3], q.pe.shape[3], t, cache.c_kv.dtype,
                                 cache.c_scale is not None):
             ctx = _flash_context(q, own, cache.c_kv[layer], cache.k_pe[layer], cache.lengths, cfg)
@@ -229,6 +226,18 @@ def _kernel_attends(cache: KVCache | PagedKVCache, queries: int, one_device: boo
     bits = cache.c_kv.dtype == jnp.uint16 and cache.c_scale is None
     int8 = cache.c_kv.dtype == jnp.int8 and cache.c_scale is not None and cache.k_pe.dtype == jnp.uint16
     return one_device and queries == 1 and (bits or int8) and cpu_kernels.available()
+
+
+def _attend_by_kernel(p: dict, q: Query, own: Keys, cache: KVCache | PagedKVCache, layer: jax.Array,
+                      lengths: jax.Array, dtype: jnp.dtype, cfg: Config,
+                      page_table: jax.Array | None = None) -> jax.Array:
+    """The attention output `[B, 1, D]` of one absorbed query per row against `lengths[b]` cached
+    positions of `layer` (a page pool: through `page_table`) and its own key `own`, by dsr1's CPU
+    kernel (`_kernel_attends`)."""
+    ctx = cpu_kernels.mla_decode_context(q.main[:, 0], q.pe[:, 0], cache.c_kv, cache.k_pe, layer, lengths,
+                                         own.values[:, 0], own.pe[:, 0], cfg.softmax_scale, page_table=page_table,
+                                         c_scale=cache.c_scale)
+    return attention_output(p, ctx[:, :, None], absorbed=True, dtype=dtype)
 
 
 def _cache_softmax(p: dict, q: Query, own: Keys, own_mask: jax.Array, cache: KVCache, layer: jax.Array,
@@ -392,11 +401,8 @@ def attend_extend(p: dict, x: jax.Array, positions: jax.Array, context: PagedCon
         q = make_query(p, q_nope, q_pe, absorbed)
         if absorbed and _kernel_attends(context.cache, x.shape[1], one_device):
             own = make_keys(p, c_new, None, pe_new, absorbed=True, dtype=dt)
-            ctx = cpu_kernels.mla_decode_context(q.main[:, 0], q.pe[:, 0], context.cache.c_kv, context.cache.k_pe,
-                                                 layer, context.cached, own.values[:, 0], own.pe[:, 0],
-                                                 cfg.softmax_scale, page_table=context.page_table,
-                                                 c_scale=context.cache.c_scale)
-            return attention_output(p, ctx[:, :, None], absorbed=True, dtype=dt), (c_new, pe_new)
+            return (_attend_by_kernel(p, q, own, context.cache, layer, context.cached, dt, cfg, context.page_table),
+                    (c_new, pe_new))
         with jax.named_scope("new_tokens"):
             state = fold_keys(None, q, make_keys(p, c_new, None, pe_new, absorbed, dt), _causal(x.shape[1]), cfg)
         with jax.named_scope("cached_pages"):
