@@ -506,15 +506,17 @@ def test_mla_decode_context_reads_a_page_pool(query_dtype, page_size):
 
 
 @needs_kernel
+# bf16 queries: int8 latents made bf16 for vdpbf16ps where it runs (latent width 64: the value sums too,
+# over three tiles of key pairs; 48: a masked last part of the scores' widths)
 @pytest.mark.parametrize("query_dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("page_size", [None, 8])
-def test_mla_decode_context_reads_an_int8_cache(query_dtype, page_size):
+@pytest.mark.parametrize(("page_size", "rank"), [(None, 64), (8, 64), (None, 48)])
+def test_mla_decode_context_reads_an_int8_cache(query_dtype, page_size, rank):
     """An int8 latent cache (a float32 scale per position; `k_pe` and the own key bf16), contiguous or in
     pages: the scales multiply the latent products and the probabilities, as XLA's path does."""
     rng = np.random.default_rng(11)
-    q, q_pe, _, k_pe, own_c, own_pe, lengths = _attention_inputs(64, 11, rng, s=48)
-    c_kv = rng.integers(-127, 128, (3, 5, 48, 64)).astype(np.int8)
-    c_scale = rng.uniform(0.005, 0.03, (3, 5, 48)).astype(np.float32)
+    q, q_pe, _, k_pe, own_c, own_pe, lengths = _attention_inputs(rank, 11, rng, s=152)
+    c_kv = rng.integers(-128, 128, (3, 5, 152, rank)).astype(np.int8)
+    c_scale = rng.uniform(0.005, 0.03, (3, 5, 152)).astype(np.float32)
     table = None
     cache = (c_kv, _bits(k_pe), c_scale)
     if page_size:
@@ -525,7 +527,8 @@ def test_mla_decode_context_reads_an_int8_cache(query_dtype, page_size):
     run = jax.jit(cpu_kernels.mla_decode_context, static_argnums=8)
     args = (*(jnp.asarray(x, query_dtype) for x in (q, q_pe)), jnp.asarray(cache[0]), cache[1], 2,
             jnp.asarray(lengths), jnp.asarray(own_c), jnp.asarray(own_pe), 0.3, table, jnp.asarray(cache[2]))
-    assert "dsr1_int8_mla_decode_context" in run.lower(*args).as_text()
+    handler = "bf16_int8" if query_dtype == "bfloat16" and cpu_kernels.bf16_rows() else "int8"
+    assert f"dsr1_{handler}_mla_decode_context" in run.lower(*args).as_text()
     want = _attention_float64(q, q_pe, c_kv, k_pe, own_c, own_pe, lengths, 2, 0.3, c_scale)
     _assert_attention_close(np.asarray(run(*args)), want)
 

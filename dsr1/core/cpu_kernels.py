@@ -210,9 +210,10 @@ def mla_decode_context(q: jax.Array, q_pe: jax.Array, c_kv: jax.Array, k_pe: jax
     `c_kv` is int8 with a float32 scale per position `c_scale` (`c_kv`'s shape but the last axis).
     Scores `(q . c + q_pe . pe) * scale`, one softmax, the probabilities rounded to bf16 before their
     sum over the latents, as `attention`'s XLA path computes them (an int8 cache's scales multiply
-    the latent products, and the probabilities before they are rounded). bf16 queries against a
-    bf16 cache are scored, and (at latent widths of multiples of 32) the values summed, as bf16 with
-    `vdpbf16ps` where `bf16_rows()` (the same products, summed in another order), others in float32.
+    the latent products, and the probabilities before they are rounded). bf16 queries are scored, and
+    (at latent widths of multiples of 32) the values summed, as bf16 with `vdpbf16ps` where
+    `bf16_rows()` (int8 latents made bf16 exactly: the same products, summed in another order), others
+    in float32.
     Needs `available()`."""
     b, h, r = q.shape if q.ndim == 3 else (0, 0, 0)
     rope = q_pe.shape[-1]
@@ -238,8 +239,8 @@ def mla_decode_context(q: jax.Array, q_pe: jax.Array, c_kv: jax.Array, k_pe: jax
                          "lengths [B], page_table [B, P], own_c [B, r], own_pe [B, rope] (c_kv bf16 bits or int8, "
                          "k_pe bf16 bits)")
     f32 = jnp.float32
-    as_bf16 = not int8 and q.dtype == q_pe.dtype == jnp.bfloat16 and bf16_rows()
-    name = "int8_" if int8 else "bf16_" if as_bf16 else ""
+    as_bf16 = q.dtype == q_pe.dtype == jnp.bfloat16 and bf16_rows()
+    name = ("bf16_" if as_bf16 else "") + ("int8_" if int8 else "")
     call = jax.ffi.ffi_call(f"dsr1_{name}mla_decode_context", jax.ShapeDtypeStruct(q.shape, f32),
                             vmap_method="sequential")
     queries = [_bits(x) if as_bf16 else x.astype(f32) for x in (q, q_pe)]
@@ -302,8 +303,7 @@ def _registered() -> ctypes.CDLL | None:
     targets += [_target("bf16", each, bf16=True) for each in (False, True)]
     fused = ["dsr1_swiglu_rows_dot", "dsr1_combine_rows_dot", "dsr1_bf16_combine_rows_dot", "dsr1_rows_dot_each_amx",
              "dsr1_swiglu_pairs", "dsr1_combine_pairs", "dsr1_mla_decode_context", "dsr1_bf16_mla_decode_context",
-             "dsr1_int8_mla_decode_context",
-             "dsr1_rows_matmul_f32"]
+             "dsr1_int8_mla_decode_context", "dsr1_bf16_int8_mla_decode_context", "dsr1_rows_matmul_f32"]
     for target in [*targets, *fused]:
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
     return lib

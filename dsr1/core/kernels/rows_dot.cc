@@ -212,6 +212,18 @@ inline __m512bh bf16_lanes(const uint16_t* p, __mmask32 mask) {
   return reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(mask, p));
 }
 
+// 32 int8 values as bf16, exactly (8 significant bits hold every int8): widened to float32, whose high
+// halves are then their bf16 bits (one shuffle; `vcvtne2ps2bf16`'s rounding cost ~4% more, Zen 5).
+inline __m512bh bf16_lanes(const int8_t* p, __mmask32 mask) {
+  const __m256i v = _mm256_maskz_loadu_epi8(mask, p);
+  const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+  const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+  const __m512i odd_words = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29,
+                                              27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  return reinterpret_cast<__m512bh>(
+      _mm512_permutex2var_epi16(_mm512_castps_si512(low), odd_words, _mm512_castps_si512(high)));
+}
+
 template <int R>
 void bf16_rows_block(const uint16_t* x, const uint16_t* w, float* y, int64_t in, int64_t out, int64_t o0,
                      int64_t o1) {
@@ -863,17 +875,19 @@ template <int N, typename T>
       for (int h = 0; h < N; ++h) rest[p * kMaxBlockRows + h] += x[h * width + k] * widen(keys[p][k]);
 }
 
-// The same with bf16 queries (their bits; a bf16 model's) against the bf16 keys with `vdpbf16ps`: 32
-// multiply-adds per instruction, no widening; a last part vector masked (zeros add nothing).
-template <int N>
-[[gnu::always_inline]] inline void dot_keys(const uint16_t* x, const uint16_t* const (&keys)[kPassKeys],
-                                            int64_t width, Vec (&acc)[kLanes], float (&)[kLanes]) {
+// The same with bf16 queries (their bits; a bf16 model's) against bf16 keys (or int8 ones, made bf16 in
+// registers) with `vdpbf16ps`: 32 multiply-adds per instruction; a last part vector masked (zeros add
+// nothing).
+template <int N, typename T>
+[[gnu::always_inline]] inline void dot_keys(const uint16_t* x, const T* const (&keys)[kPassKeys], int64_t width,
+                                            Vec (&acc)[kLanes], float (&)[kLanes]) {
 #if defined(__AVX512BF16__)
   for (int64_t k = 0; k < width; k += 32) {
     const __mmask32 mask = width - k >= 32 ? ~__mmask32(0) : (__mmask32(1) << (width - k)) - 1;
     __m512bh key[kPassKeys];
-    for (int p = 0; p < kPassKeys; ++p) {  // 64 bytes: a cache line
-      _mm_prefetch(reinterpret_cast<const char*>(keys[p] + k) + kPrefetchBytes, _MM_HINT_T1);
+    for (int p = 0; p < kPassKeys; ++p) {
+      if (k * int64_t(sizeof(T)) % 64 == 0)  // once per cache line: the line 4 KB ahead
+        _mm_prefetch(reinterpret_cast<const char*>(keys[p] + k) + kPrefetchBytes, _MM_HINT_T1);
       key[p] = bf16_lanes(keys[p] + k, mask);
     }
     for (int h = 0; h < N; ++h) {
@@ -963,42 +977,61 @@ void softmax_to_bf16(float* x, int64_t n, const float* weight) {
 #if defined(__AVX512BF16__)
 constexpr int64_t kPairTile = 32;  // key pairs per tile of the bf16 value sums: 64 keys, 32 KB at r 256
 
-// The value sums of heads [0, N) with `vdpbf16ps` (bf16 queries, latent width a multiple of 32): keys
-// two at a time, their latents interleaved in pairs (two shuffles per 32 widths, shared by the heads)
-// against each head's two probabilities, already bf16 (`prob[h * pairs + i]`: keys 2i and 2i + 1 in the
-// low and high half; past the last key 0). Sums go to `sums [N, r]` in the shuffles' lane order
-// (`unshuffle_pairs` puts them back), a tile of key pairs at a time.
+// The value sums of heads [0, N) with `vdpbf16ps` (bf16 queries, latent width a multiple of 32) over
+// the key pairs [i0, i1): keys two at a time (`key[2 (i - i0)]` and the next: bf16 bits), their latents
+// interleaved in pairs (two shuffles per 32 widths, shared by the heads) against each head's two
+// probabilities, already bf16 (`prob[h * pairs + i]`: keys 2i and 2i + 1 in the low and high half;
+// past the last key 0). Sums go to `sums [N, r]` in the shuffles' lane order (`unshuffle_pairs` puts
+// them back).
 template <int N>
-void add_pairs(const uint32_t* prob, int64_t pairs, const uint16_t* const* c, int64_t len, int64_t r, float* sums) {
-  const auto key = [&](int64_t j) { return c[std::min(j, len)]; };  // past the own key: weight 0
-  for (int64_t i0 = 0; i0 < pairs; i0 += kPairTile) {
-    const int64_t i1 = std::min(pairs, i0 + kPairTile);
-    for (int64_t k0 = 0; k0 < r; k0 += 32) {
-      __m512 acc[N][2];
-      for (int h = 0; h < N; ++h)
-        for (int v = 0; v < 2; ++v) acc[h][v] = _mm512_loadu_ps(sums + h * r + k0 + 16 * v);
-      for (int64_t i = i0; i < i1; ++i) {
-        const __m512i a = _mm512_loadu_si512(key(2 * i) + k0), b = _mm512_loadu_si512(key(2 * i + 1) + k0);
-        const __m512bh low = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(a, b));
-        const __m512bh high = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(a, b));
-        for (int h = 0; h < N; ++h) {
-          const __m512bh p = reinterpret_cast<__m512bh>(_mm512_set1_epi32(int32_t(prob[h * pairs + i])));
-          acc[h][0] = _mm512_dpbf16_ps(acc[h][0], low, p);
-          acc[h][1] = _mm512_dpbf16_ps(acc[h][1], high, p);
-        }
+void add_pairs(const uint32_t* prob, int64_t pairs, int64_t i0, int64_t i1, const uint16_t* const* key, int64_t r,
+               float* sums) {
+  for (int64_t k0 = 0; k0 < r; k0 += 32) {
+    __m512 acc[N][2];
+    for (int h = 0; h < N; ++h)
+      for (int v = 0; v < 2; ++v) acc[h][v] = _mm512_loadu_ps(sums + h * r + k0 + 16 * v);
+    for (int64_t i = i0; i < i1; ++i) {
+      const __m512i a = _mm512_loadu_si512(key[2 * (i - i0)] + k0), b = _mm512_loadu_si512(key[2 * (i - i0) + 1] + k0);
+      const __m512bh low = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(a, b));
+      const __m512bh high = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(a, b));
+      for (int h = 0; h < N; ++h) {
+        const __m512bh p = reinterpret_cast<__m512bh>(_mm512_set1_epi32(int32_t(prob[h * pairs + i])));
+        acc[h][0] = _mm512_dpbf16_ps(acc[h][0], low, p);
+        acc[h][1] = _mm512_dpbf16_ps(acc[h][1], high, p);
       }
-      for (int h = 0; h < N; ++h)
-        for (int v = 0; v < 2; ++v) _mm512_storeu_ps(sums + h * r + k0 + 16 * v, acc[h][v]);
     }
+    for (int h = 0; h < N; ++h)
+      for (int v = 0; v < 2; ++v) _mm512_storeu_ps(sums + h * r + k0 + 16 * v, acc[h][v]);
   }
 }
 
 template <int N = kMaxBlockRows>
-void add_pairs_heads(int64_t n, const uint32_t* prob, int64_t pairs, const uint16_t* const* c, int64_t len,
-                     int64_t r, float* sums) {
+void add_pairs_heads(int64_t n, const uint32_t* prob, int64_t pairs, int64_t i0, int64_t i1,
+                     const uint16_t* const* key, int64_t r, float* sums) {
   if constexpr (N > 0) {
-    if (n != N) return add_pairs_heads<N - 1>(n, prob, pairs, c, len, r, sums);
-    add_pairs<N>(prob, pairs, c, len, r, sums);
+    if (n != N) return add_pairs_heads<N - 1>(n, prob, pairs, i0, i1, key, r, sums);
+    add_pairs<N>(prob, pairs, i0, i1, key, r, sums);
+  }
+}
+
+// Keys [j0, j1) of one row as bf16 bits for `add_pairs`, `key[j - j0]`: a bf16 cache's where they lie
+// (`c`, the own key appended), an int8 cache's made bf16 (exact) into `tile [j1 - j0, r]`, the own key's
+// `own` (bf16 bits) after its `len` cached ones; past the own key, the own key again (weight 0).
+template <typename T>
+void bf16_keys(const T* const* c, int64_t len, const uint16_t* own, int64_t r, int64_t j0, int64_t j1,
+               uint16_t* tile, const uint16_t** key) {
+  for (int64_t j = j0; j < j1; ++j) {
+    const int64_t at = std::min(j, len);
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      key[j - j0] = c[at];
+    } else if (at == len) {
+      key[j - j0] = own;
+    } else {
+      uint16_t* to = tile + (j - j0) * r;
+      for (int64_t k = 0; k < r; k += 32)
+        _mm512_storeu_si512(to + k, reinterpret_cast<__m512i>(bf16_lanes(c[at] + k, ~__mmask32(0))));
+      key[j - j0] = to;
+    }
   }
 }
 
@@ -1013,10 +1046,14 @@ void unshuffle_pairs(const float* sums, float* ctx, int64_t count) {
   }
 }
 
-// The value sums of `n` heads from their bf16 probabilities `s [n, keys]` with `vdpbf16ps`.
-void add_values_bf16(const float* s, int64_t n, int64_t keys, const uint16_t* const* c, int64_t len, int64_t r,
-                     float* ctx, std::vector<float>& scratch) {
+// The value sums of `n` heads from their bf16 probabilities `s [n, keys]` with `vdpbf16ps`, a tile of
+// `kPairTile` key pairs at a time (`bf16_keys`), against a bf16 or an int8 cache's latents `c`
+// (`len` of them; the own key `own`).
+template <typename T>
+void add_values_bf16(const float* s, int64_t n, int64_t keys, const T* const* c, int64_t len, const uint16_t* own,
+                     int64_t r, float* ctx, std::vector<float>& scratch) {
   thread_local std::vector<uint32_t> prob;
+  thread_local std::vector<uint16_t> tile;
   const int64_t pairs = (keys + 1) / 2;
   prob.assign(n * pairs, 0);
   for (int64_t h = 0; h < n; ++h)
@@ -1025,8 +1062,14 @@ void add_values_bf16(const float* s, int64_t n, int64_t keys, const uint16_t* co
       std::memcpy(&bits, s + h * keys + j, sizeof bits);
       prob[h * pairs + j / 2] |= (bits >> 16) << (16 * (j % 2));
     }
+  if constexpr (!std::is_same_v<T, uint16_t>) tile.resize(2 * kPairTile * r);
+  const uint16_t* key[2 * kPairTile];
   scratch.assign(n * r, 0.0f);
-  add_pairs_heads(n, prob.data(), pairs, c, len, r, scratch.data());
+  for (int64_t i0 = 0; i0 < pairs; i0 += kPairTile) {
+    const int64_t i1 = std::min(pairs, i0 + kPairTile);
+    bf16_keys(c, len, own, r, 2 * i0, 2 * i1, tile.data(), key);
+    add_pairs_heads(n, prob.data(), pairs, i0, i1, key, r, scratch.data());
+  }
   unshuffle_pairs(scratch.data(), ctx, n * r);
 }
 #endif
@@ -1051,8 +1094,8 @@ void attend_heads(const X* q, const X* q_pe, const T* const* c, const uint16_t* 
   if (cached < keys) score_heads(n, q, q_pe, &own_c, pe + len, nullptr, 1, r, rope, scale, s.data() + len, keys);
   for (int64_t h = 0; h < n; ++h) softmax_to_bf16(s.data() + h * keys, keys, key_scale);
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<X, uint16_t> && kOwnInline<T>)  // bf16 queries: `vdpbf16ps` where it runs fast
-    if (r % 32 == 0) return add_values_bf16(s.data(), n, keys, c, len, r, ctx, tile);
+  if constexpr (std::is_same_v<X, uint16_t>)  // bf16 queries: `vdpbf16ps` where it runs fast
+    if (r % 32 == 0) return add_values_bf16(s.data(), n, keys, c, len, own_c, r, ctx, tile);
 #endif
   std::fill(ctx, ctx + n * r, 0.0f);
   for (int64_t j0 = 0; j0 < keys; j0 += kValueTile) {  // the own key last, as XLA's path adds it
@@ -1304,6 +1347,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_bf16_mla_decode_context, (MlaDecodeContext<ff
                                          ffi::U16, ffi::U16, ffi::F32>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_int8_mla_decode_context, (MlaDecodeContext<ffi::F32, float, ffi::S8, int8_t>),
                               (Signature<ffi::F32, ffi::F32, ffi::S8, ffi::U16, ffi::F32, ffi::S32, ffi::S32, ffi::S32,
+                                         ffi::U16, ffi::U16, ffi::F32>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dsr1_bf16_int8_mla_decode_context,
+                              (MlaDecodeContext<ffi::U16, uint16_t, ffi::S8, int8_t>),
+                              (Signature<ffi::U16, ffi::U16, ffi::S8, ffi::U16, ffi::F32, ffi::S32, ffi::S32, ffi::S32,
                                          ffi::U16, ffi::U16, ffi::F32>()));
 
 #if defined(__AVX512BF16__)
