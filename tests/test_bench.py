@@ -342,6 +342,44 @@ def test_cli_attention_times_every_implementation_against_xlas(tmp_path, capsys)
         cli.main(["attention", "--tilings", "32x64x4"])
 
 
+def test_cli_attention_with_an_int8_cache(tmp_path):
+    """`--kv-cache-dtype int8`: XLA's path with the scales and the CPU kernel (where built), close to it;
+    no flash kernel (bf16 caches only), even in the interpreter; the cache read counts 1 byte a latent
+    and 4 a scale."""
+    out = tmp_path / "attention.json"
+    assert cli.main(["attention", "--rows", "2", "--positions", "70", "--heads", "16", "--rank", "64", "--rope",
+                     "16", "--kv-cache-dtype", "int8", "--interpret", "--calls", "2", "--repeats", "1", "--json",
+                     str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["kv_cache_dtype"] == "int8"
+    rows = result["rows"]
+    assert [r["implementation"] for r in rows] == ["xla"] + (["cpu kernel"] if cpu_kernels.available() else [])
+    for row in rows:
+        bytes_read = row["cache_gbs"] * 1e9 * row["ms"] / 1e3
+        assert bytes_read == pytest.approx(2 * 70 * (64 + 2 * 16 + 4), rel=1e-6)
+        # The kernel sums scores in another order: a probability at a bf16 rounding tie may round the
+        # other way (here one head's, 1.9e-4), every other output equal.
+        assert row["max_rel_diff"] < {"xla": 1e-7, "cpu kernel": 2 ** -8}[row["implementation"]]
+
+
+def test_int8_reference_scales_scores_and_probabilities():
+    """The bench's XLA reference with an int8 cache equals float64 of dequantized keys: the scales
+    multiply the latent scores, then the probabilities before the bf16 rounding (1 for the own key)."""
+    x = decode_attention.random_inputs(2, 9, 4, 32, 8, seed=3, kv_cache_dtype="int8")
+    assert x.c.dtype == jnp.int8 and x.c_scale.shape == (2, 9)
+    f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    key_scale = np.concatenate([f64(x.c_scale), np.ones((2, 1))], axis=1)[:, None]
+    keys = np.concatenate([f64(x.c), f64(x.own_c)[:, None]], axis=1)
+    rotary = np.concatenate([f64(x.pe), f64(x.own_pe)[:, None]], axis=1)
+    s = (np.einsum("bhr,bsr->bhs", f64(x.q), keys) * key_scale + np.einsum("bhp,bsp->bhs", f64(x.q_pe), rotary)) * 0.2
+    probs = np.exp(s - s.max(-1, keepdims=True))
+    probs = (probs / probs.sum(-1, keepdims=True) * key_scale).astype(np.float32).astype(jnp.bfloat16)
+    want = np.einsum("bhs,bsr->bhr", f64(probs), keys)
+    got = f64(decode_attention.xla_context(x, 0.2))
+    assert np.quantile(np.abs(got - want), 0.999) < 1e-6 * np.abs(want).max()
+    assert np.abs(got - want).max() < 2 ** -8 * np.abs(want).max()  # a probability at a bf16 rounding tie at most
+
+
 def test_cli_attention_reports_a_tiling_that_fails(tmp_path, capsys, monkeypatch):
     """A tiling the device cannot run is reported and skipped; the others still run."""
     def flash(x, scale, tiling, interpret=False):

@@ -5,6 +5,7 @@ transformers.
     python -m dsr1.bench prefill --batch 1 --tokens 512,4096 [--preset deepseek-r1 --layers 4]
     python -m dsr1.bench moe --tokens 1,8,64,512 [--kernels ragged_dot,loop,gather,capacity,dense]
     python -m dsr1.bench attention --rows 1,8,32 --positions 32768 [--tilings 32x64x4x2,16x64x4x2]
+        [--kv-cache-dtype int8]
     python -m dsr1.bench compare-hf [--preset bench] [--batch 1,8] [--new-tokens 32]
     python -m dsr1.bench serve --preset tiny --dtype float32 [--requests 64] [--rate 100] [--prefix-ttft 2000]
     python -m dsr1.bench plan --preset deepseek-r1 --quant int8 [--target 8xH100|8xH200|v5e-64|v5p-64]

@@ -1,11 +1,12 @@
 """Absorbed-MLA decode attention alone: one new token per row against `positions` cached latents
 (plus its own key), by every implementation that runs here, on random bf16 inputs of the asked
-widths (R1's by default). XLA's path (one softmax, float32 scores, the probabilities rounded to
-bf16: `attention._cache_softmax`'s steps) is the reference; the GPU flash-decoding kernel runs
-under each asked tiling (`flash_decode.Tiling`; `--interpret` runs it on any backend, slowly: for
-tests); dsr1's CPU kernel (`cpu_kernels.mla_decode_context`) where it is built. Per call: ms, the
-cache read (latents once) in GB/s, the products' TFLOP/s and the error against the reference. The
-flash kernel's tiling table in docs/performance.md ("Second GPU session") came from this loop."""
+widths (R1's by default), the cache bf16 or (`--kv-cache-dtype int8`) int8 latents with a float32
+scale per position. XLA's path (one softmax, float32 scores, the probabilities rounded to bf16:
+`attention._cache_softmax`'s steps) is the reference; the GPU flash-decoding kernel (bf16 caches)
+runs under each asked tiling (`flash_decode.Tiling`; `--interpret` runs it on any backend, slowly:
+for tests); dsr1's CPU kernel (`cpu_kernels.mla_decode_context`) where it is built. Per call: ms,
+the cache read (latents once) in GB/s, the products' TFLOP/s and the error against the reference.
+The flash kernel's tiling table in docs/performance.md ("Second GPU session") came from this loop."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core import cpu_kernels, flash_decode
+from ..core.cache import KV_CACHE_DTYPES, quantize_latent
 from ..options import positive_int, positive_ints
 from .bandwidth import device_description, with_final_load
 from .report import device_line, markdown_table
@@ -33,8 +35,8 @@ SCALE = 192**-0.5  # R1's softmax scale, 1/sqrt(qk_nope_head_dim + qk_rope_head_
 
 class Inputs(NamedTuple):
     """One decode step's attention inputs (bf16): queries `q [B, H, r]`, `q_pe [B, H, rope]`, the
-    cache `c [B, S, r]`, `pe [B, S, rope]` (every row `S` long) and the new tokens' own latents
-    `own_c [B, r]`, `own_pe [B, rope]`."""
+    cache `c [B, S, r]`, `pe [B, S, rope]` (every row `S` long), the new tokens' own latents
+    `own_c [B, r]`, `own_pe [B, rope]`; for an int8 cache `c` is int8, `c_scale [B, S]` its scales."""
 
     q: jax.Array
     q_pe: jax.Array
@@ -42,30 +44,44 @@ class Inputs(NamedTuple):
     pe: jax.Array
     own_c: jax.Array
     own_pe: jax.Array
+    c_scale: jax.Array | None = None
 
     @property
     def lengths(self) -> jax.Array:
         return jnp.full(self.c.shape[0], self.c.shape[1], jnp.int32)
 
 
-def random_inputs(rows: int, positions: int, heads: int, rank: int, rope: int, seed: int = 0) -> Inputs:
-    """Unit-normal bf16 inputs of the given sizes."""
+def random_inputs(rows: int, positions: int, heads: int, rank: int, rope: int, seed: int = 0,
+                  kv_cache_dtype: str | None = None) -> Inputs:
+    """Unit-normal bf16 inputs of the given sizes; `kv_cache_dtype="int8"`: the cached latents
+    quantized as a model's cache stores them (`cache.quantize_latent`)."""
     keys = jax.random.split(jax.random.key(seed), 6)
     shapes = [(rows, heads, rank), (rows, heads, rope), (rows, positions, rank), (rows, positions, rope),
               (rows, rank), (rows, rope)]
-    return Inputs(*(jax.random.normal(k, s, jnp.bfloat16) for k, s in zip(keys, shapes)))
+    x = Inputs(*(jax.random.normal(k, s, jnp.bfloat16) for k, s in zip(keys, shapes)))
+    if kv_cache_dtype == "int8":
+        c, c_scale = quantize_latent(x.c.astype(jnp.float32))
+        x = x._replace(c=c, c_scale=c_scale)
+    return x
 
 
 def xla_context(x: Inputs, scale: float) -> jax.Array:
     """The reference context `[B, H, r]` (float32): the own key appended to the cache, float32 scores,
-    one softmax, the probabilities rounded to bf16 before their sum over the latents."""
+    one softmax, the probabilities rounded to bf16 before their sum over the latents (an int8 cache's
+    scales multiply its keys' latent products and probabilities, as `attention.scores` and
+    `weighted_values`; the own key's is 1)."""
     f32 = jnp.float32
-    keys = jnp.concatenate([x.c, x.own_c[:, None]], axis=1)
+    keys = jnp.concatenate([x.c.astype(x.own_c.dtype), x.own_c[:, None]], axis=1)
     rotary = jnp.concatenate([x.pe, x.own_pe[:, None]], axis=1)
-    s = (jnp.einsum("bhr,bsr->bhs", x.q, keys, preferred_element_type=f32)
-         + jnp.einsum("bhp,bsp->bhs", x.q_pe, rotary, preferred_element_type=f32)) * scale
-    probs = jax.nn.softmax(s, axis=-1).astype(keys.dtype)
-    return jnp.einsum("bhs,bsr->bhr", probs, keys, preferred_element_type=f32)
+    s = jnp.einsum("bhr,bsr->bhs", x.q, keys, preferred_element_type=f32)
+    key_scale = None if x.c_scale is None else jnp.pad(x.c_scale, ((0, 0), (0, 1)), constant_values=1)[:, None]
+    if key_scale is not None:
+        s = s * key_scale
+    s = (s + jnp.einsum("bhp,bsp->bhs", x.q_pe, rotary, preferred_element_type=f32)) * scale
+    probs = jax.nn.softmax(s, axis=-1)
+    if key_scale is not None:
+        probs = probs * key_scale
+    return jnp.einsum("bhs,bsr->bhr", probs.astype(keys.dtype), keys, preferred_element_type=f32)
 
 
 def flash_context(x: Inputs, scale: float, tiling: flash_decode.Tiling, interpret: bool = False) -> jax.Array:
@@ -79,9 +95,11 @@ def flash_context(x: Inputs, scale: float, tiling: flash_decode.Tiling, interpre
 
 
 def cpu_kernel_context(x: Inputs, scale: float) -> jax.Array:
-    """dsr1's CPU kernel's context, the cache as the bits of one layer."""
+    """dsr1's CPU kernel's context, the cache as one layer of bf16 bits (or of int8 latents)."""
     bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16)[None]  # noqa: E731
-    return cpu_kernels.mla_decode_context(x.q, x.q_pe, bits(x.c), bits(x.pe), 0, x.lengths, x.own_c, x.own_pe, scale)
+    c, c_scale = (bits(x.c), None) if x.c_scale is None else (x.c[None], x.c_scale[None])
+    return cpu_kernels.mla_decode_context(x.q, x.q_pe, c, bits(x.pe), 0, x.lengths, x.own_c, x.own_pe, scale,
+                                          c_scale=c_scale)
 
 
 def time_calls(context: Callable[[Inputs], jax.Array], x: Inputs, calls: int, repeats: int) -> tuple[float, jax.Array]:
@@ -110,19 +128,20 @@ def attention_row(name: str, x: Inputs, seconds: float, out: jax.Array, referenc
     """One line of the table: time per call, cache GB/s, TFLOP/s and the error against `reference`."""
     rows, heads, rank = x.q.shape
     positions, rope = x.c.shape[1], x.pe.shape[-1]
+    per_position = rank * x.c.dtype.itemsize + rope * x.pe.dtype.itemsize + (0 if x.c_scale is None else 4)
     ref = np.asarray(reference, np.float64)
     return {"implementation": name, "rows": rows, "positions": positions, "ms": 1e3 * seconds,
-            "cache_gbs": rows * positions * (rank + rope) * 2 / seconds / 1e9,
+            "cache_gbs": rows * positions * per_position / seconds / 1e9,
             "tflop_s": 2 * rows * heads * (positions + 1) * (2 * rank + rope) / seconds / 1e12,
             "max_rel_diff": float(np.abs(np.asarray(out, np.float64) - ref).max() / np.abs(ref).max())}
 
 
-def implementations(tilings: list[flash_decode.Tiling], interpret: bool,
-                    scale: float) -> dict[str, Callable[[Inputs], jax.Array]]:
+def implementations(tilings: list[flash_decode.Tiling], interpret: bool, scale: float,
+                    kv_cache_dtype: str | None = None) -> dict[str, Callable[[Inputs], jax.Array]]:
     """What runs here, by name: XLA's path first (the reference), the flash kernel per tiling on a GPU
-    (or with `interpret`), the CPU kernel where it is built."""
+    (or with `interpret`; bf16 caches only), the CPU kernel where it is built."""
     found = {"xla": lambda x: xla_context(x, scale)}
-    if jax.default_backend() == "gpu" or interpret:
+    if (jax.default_backend() == "gpu" or interpret) and kv_cache_dtype is None:
         for t in tilings:
             found[f"flash {tiling_name(t)}"] = lambda x, t=t: flash_context(x, scale, t, interpret)
     if cpu_kernels.available():
@@ -159,6 +178,9 @@ def add_attention_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tilings", type=parse_tilings, default=parse_tilings(",".join(TILINGS)),
                    help="the flash kernel's tilings, HEADSxKEYSxWARPSxSTAGES, comma-separated (default: the 14 the "
                         "second GPU session swept, the default tiling first)")
+    p.add_argument("--kv-cache-dtype", choices=[d for d in KV_CACHE_DTYPES if d],
+                   help="int8 cached latents with a float32 scale per position (default: bf16; the flash kernel "
+                        "reads bf16 caches only)")
     p.add_argument("--interpret", action="store_true",
                    help="also run the flash kernel off a GPU, in Pallas' interpreter (slow: small sizes only)")
     p.add_argument("--calls", type=positive_int, default=20, help="calls per timed loop (default: 20)")
@@ -171,11 +193,11 @@ def add_attention_options(p: argparse.ArgumentParser) -> None:
 def run_attention(args: argparse.Namespace) -> dict[str, Any]:
     """The `attention` command: every implementation at each (rows, positions), against XLA's."""
     dev = device_description()
-    found = implementations(args.tilings, args.interpret, SCALE)
+    found = implementations(args.tilings, args.interpret, SCALE, args.kv_cache_dtype)
     rows, failed = [], []
     for batch in args.rows:
         for positions in args.positions:
-            x = random_inputs(batch, positions, args.heads, args.rank, args.rope, args.seed)
+            x = random_inputs(batch, positions, args.heads, args.rank, args.rope, args.seed, args.kv_cache_dtype)
             reference = None
             for name, context in found.items():
                 print(f"{name}: {batch} rows x {positions} positions ...", file=sys.stderr, flush=True)
@@ -192,17 +214,19 @@ def run_attention(args: argparse.Namespace) -> dict[str, Any]:
                 rows.append(attention_row(name, x, seconds, out, reference))
     dev = with_final_load(dev)
     print(device_line(dev))
-    print(f"absorbed MLA decode attention: {args.heads} heads, latent {args.rank}, rope {args.rope}, bf16; "
+    cache = "int8 latents (a float32 scale each), bf16 rope" if args.kv_cache_dtype else "bf16"
+    print(f"absorbed MLA decode attention: {args.heads} heads, latent {args.rank}, rope {args.rope}, bf16 queries, "
+          f"{cache} cache; "
           f"{args.calls} calls per timed loop, the fastest of {args.repeats} loops\n")
     print(attention_table(rows))
     for f in failed:
         print(f"\nfailed: {f['implementation']} at {f['rows']} rows x {f['positions']} positions: {f['error']}")
-    print("\ncache GB/s: the cached latents and rotary keys read once per call; TFLOP/s: scores and values, 2 per "
-          "multiply-add;\nrel. diff: max |out - xla's| / max |xla's| (float32 contexts; the probabilities rounded "
-          "to bf16 in each).")
+    print("\ncache GB/s: the cached latents (int8: and their scales) and rotary keys read once per call; TFLOP/s: "
+          "scores and values, 2 per multiply-add;\nrel. diff: max |out - xla's| / max |xla's| (float32 contexts; "
+          "the probabilities rounded to bf16 in each).")
     return {"command": "attention", "device": dev, "heads": args.heads, "rank": args.rank, "rope": args.rope,
-            "calls": args.calls, "repeats": args.repeats, "columns": list(ATTENTION_COLUMNS), "rows": rows,
-            "failed": failed}
+            "kv_cache_dtype": args.kv_cache_dtype, "calls": args.calls, "repeats": args.repeats,
+            "columns": list(ATTENTION_COLUMNS), "rows": rows, "failed": failed}
 
 
 def attention_table(rows: list[dict[str, Any]]) -> str:
