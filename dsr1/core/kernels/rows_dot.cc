@@ -1,9 +1,9 @@
 // dsr1's CPU kernel for decode products: y[g, r, o] = sum_i x[g, r, i] * w[index, g, o, i], or
 // w[index[g], o, i] (the `_each` handlers: each group of rows its own matrix, an expert loop's blocks;
 // `dsr1_bf16_rows_dot_*`: bf16 rows with `vdpbf16ps`; `dsr1_swiglu_rows_dot`, `dsr1_combine_rows_dot`:
-// an expert loop's three products in two calls; `dsr1_mla_decode_context` (and `_bf16_`, `_int8_`):
-// decode attention; `dsr1_rows_matmul_f32`: the router's logits; `dsr1_rows_dot_each_amx`: blocks of
-// many bf16 rows, a prefill's, on AMX tiles, at the end).
+// an expert loop's three products in two calls; `dsr1_mla_decode_context` (and `_bf16_`, `_int8_`,
+// `_bf16_int8_`): decode attention; `dsr1_rows_matmul_f32`: the router's logits;
+// `dsr1_rows_dot_each_amx`: blocks of many bf16 rows, a prefill's, on AMX tiles, at the end).
 //
 // A few float32 rows (a decode batch, an expert's block of rows) against one matrix of a stack
 // whose values are bf16 bits (uint16) or int8, stored transposed (`[..., out, in]`); `g` counts
@@ -991,7 +991,8 @@ void add_pairs(const uint32_t* prob, int64_t pairs, int64_t i0, int64_t i1, cons
     for (int h = 0; h < N; ++h)
       for (int v = 0; v < 2; ++v) acc[h][v] = _mm512_loadu_ps(sums + h * r + k0 + 16 * v);
     for (int64_t i = i0; i < i1; ++i) {
-      const __m512i a = _mm512_loadu_si512(key[2 * (i - i0)] + k0), b = _mm512_loadu_si512(key[2 * (i - i0) + 1] + k0);
+      const uint16_t* const* pair = key + 2 * (i - i0);
+      const __m512i a = _mm512_loadu_si512(pair[0] + k0), b = _mm512_loadu_si512(pair[1] + k0);
       const __m512bh low = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(a, b));
       const __m512bh high = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(a, b));
       for (int h = 0; h < N; ++h) {
