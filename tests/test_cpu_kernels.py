@@ -534,18 +534,30 @@ def test_mla_decode_context_reads_an_int8_cache(query_dtype, page_size, rank):
 
 
 @needs_kernel
-def test_mla_decode_context_splits_one_rows_heads_between_workers():
-    """One row of 20 heads (blocks of 8, 8 and 4), which the workers share in ranges of blocks, each
-    widening the row's latents itself; and an empty batch."""
-    inputs = _attention_inputs(64, 20, np.random.default_rng(7))
+# 20 heads: blocks of 8, 8 and 4, shared by the workers; 40: 5 blocks, more than a part takes (4)
+@pytest.mark.parametrize("heads", [20, 40])
+@pytest.mark.parametrize("cache_dtype", ["bf16", "int8"])
+def test_mla_decode_context_splits_one_rows_heads_between_workers(heads, cache_dtype):
+    """One row's blocks of heads in parts, which the workers share, each reading the row's keys (an
+    int8 cache's made bf16) itself; and an empty batch."""
+    rng = np.random.default_rng(7)
+    inputs = _attention_inputs(64, heads, rng)
     q, q_pe, c_kv, k_pe, own_c, own_pe, lengths = (x[:, 3:4] if x.ndim == 4 else x[3:4] for x in inputs)
+    c_scale = cache = None
+    if cache_dtype == "int8":
+        c_kv = rng.integers(-128, 128, c_kv.shape).astype(np.int8)
+        c_scale = rng.uniform(0.005, 0.03, c_kv.shape[:3]).astype(np.float32)
+        cache = jnp.asarray(c_kv)
     run = jax.jit(cpu_kernels.mla_decode_context, static_argnums=8)
-    got = run(jnp.asarray(q), jnp.asarray(q_pe), _bits(c_kv), _bits(k_pe), 1, jnp.asarray(lengths),
-              jnp.asarray(own_c), jnp.asarray(own_pe), 0.3)
-    _assert_attention_close(np.asarray(got), _attention_float64(q, q_pe, c_kv, k_pe, own_c, own_pe, lengths, 1, 0.3))
-    empty = run(*(jnp.asarray(x[:0]) for x in (q, q_pe)), *(_bits(x[:, :0]) for x in (c_kv, k_pe)), 1,
-                *(jnp.asarray(x[:0]) for x in (lengths, own_c, own_pe)), 0.3)
-    assert empty.shape == (0, 20, 64)
+    got = run(*(jnp.asarray(x, jnp.bfloat16) for x in (q, q_pe)), _bits(c_kv) if cache is None else cache,
+              _bits(k_pe), 1, jnp.asarray(lengths), jnp.asarray(own_c), jnp.asarray(own_pe), 0.3,
+              c_scale=None if c_scale is None else jnp.asarray(c_scale))
+    want = _attention_float64(q, q_pe, c_kv, k_pe, own_c, own_pe, lengths, 1, 0.3, c_scale)
+    _assert_attention_close(np.asarray(got), want)
+    if cache_dtype == "bf16":
+        empty = run(*(jnp.asarray(x[:0]) for x in (q, q_pe)), *(_bits(x[:, :0]) for x in (c_kv, k_pe)), 1,
+                    *(jnp.asarray(x[:0]) for x in (lengths, own_c, own_pe)), 0.3)
+        assert empty.shape == (0, heads, 64)
 
 
 @needs_kernel

@@ -69,6 +69,9 @@ inline Vec round_bf16_lanes(Vec a) {  // to the nearest bf16, ties to even (fini
   const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
   return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(int32_t(0xffff0000u))));
 }
+inline void store_high_halves(uint16_t* p, Vec a) {  // each lane's high 16 bits (a bf16 value's bits)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(a), 16)));
+}
 // Lane i of the result = the sum of acc[i]'s lanes: 16 sums in 15 adds of whole vectors and their
 // shuffles, where 16 reductions one by one take ~8 instructions each.
 inline Vec lane_sums(const Vec (&acc)[kLanes]) {
@@ -124,6 +127,11 @@ inline Vec round_bf16_lanes(Vec a) {  // to the nearest bf16, ties to even (fini
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
   const __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
   return _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(int32_t(0xffff0000u))));
+}
+inline void store_high_halves(uint16_t* p, Vec a) {  // each lane's high 16 bits (a bf16 value's bits)
+  const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(a), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1)));
 }
 // Lane i of the result = the sum of acc[i]'s lanes (as the AVX-512 variant, 8 vectors).
 inline Vec lane_sums(const Vec (&acc)[kLanes]) {
@@ -210,18 +218,6 @@ constexpr bool kBf16Dot = true;
 
 inline __m512bh bf16_lanes(const uint16_t* p, __mmask32 mask) {
   return reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(mask, p));
-}
-
-// 32 int8 values as bf16, exactly (8 significant bits hold every int8): widened to float32, whose high
-// halves are then their bf16 bits (one shuffle; `vcvtne2ps2bf16`'s rounding cost ~4% more, Zen 5).
-inline __m512bh bf16_lanes(const int8_t* p, __mmask32 mask) {
-  const __m256i v = _mm256_maskz_loadu_epi8(mask, p);
-  const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
-  const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
-  const __m512i odd_words = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29,
-                                              27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-  return reinterpret_cast<__m512bh>(
-      _mm512_permutex2var_epi16(_mm512_castps_si512(low), odd_words, _mm512_castps_si512(high)));
 }
 
 template <int R>
@@ -759,7 +755,9 @@ ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 // of widened keys at a time, each latent loaded once for the block; bf16 queries (a bf16 model's) score
 // and sum with `vdpbf16ps` where the CPU runs it fast. Against widening the row's whole cache first and
 // summing one head at a time: 1 row x 4,096 positions 313 -> 124 us, R1's widths 4.6x, the bench
-// preset's 8 rows x 49 positions 39 -> 16 us (Zen 5).
+// preset's 8 rows x 49 positions 39 -> 16 us (Zen 5). The blocks of a part (up to 4: R1's 128 heads
+// in 4 parts per row) take each chunk of keys in turn, an int8 cache's made bf16 once for them all:
+// R1's widths, 1 row x 4,096 positions, int8 cache 3.5 -> 2.1 ms, bf16 1.76 -> 1.70 ms (Zen 5).
 inline float round_bf16(float v) {  // to the nearest bf16, ties to even (finite values)
   uint32_t bits;
   std::memcpy(&bits, &v, sizeof bits);
@@ -769,7 +767,7 @@ inline float round_bf16(float v) {  // to the nearest bf16, ties to even (finite
 }
 
 // Cached positions whose latents the value sums widen to float32 at a time: a tile (32 KB at r 256)
-// stays in L1 while every head of a block reads it. (Widening a row's whole cache first cost ~4x at
+// stays in L1 while every head of a part's blocks reads it. (Widening a row's whole cache first cost ~4x at
 // 4,096 positions: 4 MB of float32 latents, read again from L3 by every head.)
 constexpr int64_t kValueTile = 32;
 
@@ -792,16 +790,35 @@ void widen_row(const T* from, int64_t r, float* to) {
   for (; k < r; ++k) to[k] = widen(from[k]);
 }
 
-// Keys [j0, j1) of one row widened to float32 `[j1 - j0, r]`: its `cached` keys `c[j]`, then the own
-// key `own` (bf16 bits; part of `c` for a bf16 cache, `cached` then counting it).
+// The bf16 bits of `r` int8 values, exactly (8 significant bits hold every int8): their float32's high
+// halves.
+void bf16_bits_of(const int8_t* from, int64_t r, uint16_t* to) {
+  int64_t k = 0;
+  for (; k + kLanes <= r; k += kLanes) store_high_halves(to + k, widen_lanes(from + k));
+  for (; k < r; ++k) {
+    const float value = widen(from[k]);
+    uint32_t bits;
+    std::memcpy(&bits, &value, sizeof bits);
+    to[k] = uint16_t(bits >> 16);
+  }
+}
+
+// Keys [j0, j1) of one row as bf16 bits, `key[j - j0]`: a bf16 cache's where they lie (`c[j]`), an int8
+// cache's made bf16 into `buffer` (once for all of a part's blocks of heads); key `len` is the own key
+// `own`, and keys past it the own key again (the value sums' last pair: weight 0).
 template <typename T>
-void widen_keys(const T* const* c, int64_t cached, const uint16_t* own, int64_t r, int64_t j0, int64_t j1,
-                float* tile) {
+void bf16_keys(const T* const* c, int64_t len, const uint16_t* own, int64_t r, int64_t j0, int64_t j1,
+               std::vector<uint16_t>& buffer, const uint16_t** key) {
+  if constexpr (!std::is_same_v<T, uint16_t>) buffer.resize((j1 - j0) * r);
   for (int64_t j = j0; j < j1; ++j) {
-    if (j < cached)
-      widen_row(c[j], r, tile + (j - j0) * r);
-    else
-      widen_row(own, r, tile + (j - j0) * r);
+    if (j >= len) {
+      key[j - j0] = own;
+    } else if constexpr (std::is_same_v<T, uint16_t>) {
+      key[j - j0] = c[j];
+    } else {
+      bf16_bits_of(c[j], r, buffer.data() + (j - j0) * r);
+      key[j - j0] = buffer.data() + (j - j0) * r;
+    }
   }
 }
 
@@ -875,19 +892,17 @@ template <int N, typename T>
       for (int h = 0; h < N; ++h) rest[p * kMaxBlockRows + h] += x[h * width + k] * widen(keys[p][k]);
 }
 
-// The same with bf16 queries (their bits; a bf16 model's) against bf16 keys (or int8 ones, made bf16 in
-// registers) with `vdpbf16ps`: 32 multiply-adds per instruction; a last part vector masked (zeros add
-// nothing).
-template <int N, typename T>
-[[gnu::always_inline]] inline void dot_keys(const uint16_t* x, const T* const (&keys)[kPassKeys], int64_t width,
-                                            Vec (&acc)[kLanes], float (&)[kLanes]) {
+// The same with bf16 queries (their bits; a bf16 model's) against the bf16 keys with `vdpbf16ps`: 32
+// multiply-adds per instruction, no widening; a last part vector masked (zeros add nothing).
+template <int N>
+[[gnu::always_inline]] inline void dot_keys(const uint16_t* x, const uint16_t* const (&keys)[kPassKeys],
+                                            int64_t width, Vec (&acc)[kLanes], float (&)[kLanes]) {
 #if defined(__AVX512BF16__)
   for (int64_t k = 0; k < width; k += 32) {
     const __mmask32 mask = width - k >= 32 ? ~__mmask32(0) : (__mmask32(1) << (width - k)) - 1;
     __m512bh key[kPassKeys];
-    for (int p = 0; p < kPassKeys; ++p) {
-      if (k * int64_t(sizeof(T)) % 64 == 0)  // once per cache line: the line 4 KB ahead
-        _mm_prefetch(reinterpret_cast<const char*>(keys[p] + k) + kPrefetchBytes, _MM_HINT_T1);
+    for (int p = 0; p < kPassKeys; ++p) {  // 64 bytes: a cache line
+      _mm_prefetch(reinterpret_cast<const char*>(keys[p] + k) + kPrefetchBytes, _MM_HINT_T1);
       key[p] = bf16_lanes(keys[p] + k, mask);
     }
     for (int h = 0; h < N; ++h) {
@@ -1015,27 +1030,6 @@ void add_pairs_heads(int64_t n, const uint32_t* prob, int64_t pairs, int64_t i0,
   }
 }
 
-// Keys [j0, j1) of one row as bf16 bits for `add_pairs`, `key[j - j0]`: a bf16 cache's where they lie
-// (`c`, the own key appended), an int8 cache's made bf16 (exact) into `tile [j1 - j0, r]`, the own key's
-// `own` (bf16 bits) after its `len` cached ones; past the own key, the own key again (weight 0).
-template <typename T>
-void bf16_keys(const T* const* c, int64_t len, const uint16_t* own, int64_t r, int64_t j0, int64_t j1,
-               uint16_t* tile, const uint16_t** key) {
-  for (int64_t j = j0; j < j1; ++j) {
-    const int64_t at = std::min(j, len);
-    if constexpr (std::is_same_v<T, uint16_t>) {
-      key[j - j0] = c[at];
-    } else if (at == len) {
-      key[j - j0] = own;
-    } else {
-      uint16_t* to = tile + (j - j0) * r;
-      for (int64_t k = 0; k < r; k += 32)
-        _mm512_storeu_si512(to + k, reinterpret_cast<__m512i>(bf16_lanes(c[at] + k, ~__mmask32(0))));
-      key[j - j0] = to;
-    }
-  }
-}
-
 // `add_pairs`' sums in width order: per 32 widths, its low vector holds widths 8L + {0..3} in 128-bit
 // lane L, its high vector 8L + {4..7}.
 void unshuffle_pairs(const float* sums, float* ctx, int64_t count) {
@@ -1047,62 +1041,77 @@ void unshuffle_pairs(const float* sums, float* ctx, int64_t count) {
   }
 }
 
-// The value sums of `n` heads from their bf16 probabilities `s [n, keys]` with `vdpbf16ps`, a tile of
-// `kPairTile` key pairs at a time (`bf16_keys`), against a bf16 or an int8 cache's latents `c`
-// (`len` of them; the own key `own`).
+// The value sums of `heads` heads (blocks of `kMaxBlockRows`) from their bf16 probabilities `s [heads,
+// keys]` with `vdpbf16ps`, a tile of `kPairTile` key pairs at a time (`bf16_keys`, shared by the blocks),
+// against a bf16 or an int8 cache's latents `c` (`len` of them; the own key `own`).
 template <typename T>
-void add_values_bf16(const float* s, int64_t n, int64_t keys, const T* const* c, int64_t len, const uint16_t* own,
-                     int64_t r, float* ctx, std::vector<float>& scratch) {
+void add_values_bf16(const float* s, int64_t heads, int64_t keys, const T* const* c, int64_t len,
+                     const uint16_t* own, int64_t r, float* ctx) {
   thread_local std::vector<uint32_t> prob;
-  thread_local std::vector<uint16_t> tile;
+  thread_local std::vector<uint16_t> buffer;
+  thread_local std::vector<float> sums;
   const int64_t pairs = (keys + 1) / 2;
-  prob.assign(n * pairs, 0);
-  for (int64_t h = 0; h < n; ++h)
+  prob.assign(heads * pairs, 0);
+  for (int64_t h = 0; h < heads; ++h)
     for (int64_t j = 0; j < keys; ++j) {
       uint32_t bits;
       std::memcpy(&bits, s + h * keys + j, sizeof bits);
       prob[h * pairs + j / 2] |= (bits >> 16) << (16 * (j % 2));
     }
-  if constexpr (!std::is_same_v<T, uint16_t>) tile.resize(2 * kPairTile * r);
   const uint16_t* key[2 * kPairTile];
-  scratch.assign(n * r, 0.0f);
+  sums.assign(heads * r, 0.0f);
   for (int64_t i0 = 0; i0 < pairs; i0 += kPairTile) {
     const int64_t i1 = std::min(pairs, i0 + kPairTile);
-    bf16_keys(c, len, own, r, 2 * i0, 2 * i1, tile.data(), key);
-    add_pairs_heads(n, prob.data(), pairs, i0, i1, key, r, scratch.data());
+    bf16_keys(c, len, own, r, 2 * i0, 2 * i1, buffer, key);
+    for (int64_t h0 = 0; h0 < heads; h0 += kMaxBlockRows)
+      add_pairs_heads(std::min<int64_t>(kMaxBlockRows, heads - h0), prob.data() + h0 * pairs, pairs, i0, i1, key, r,
+                      sums.data() + h0 * r);
   }
-  unshuffle_pairs(scratch.data(), ctx, n * r);
+  unshuffle_pairs(sums.data(), ctx, heads * r);
 }
 #endif
 
-// A bf16 cache's keys are the own key's type: it is scored and summed as one more of them.
-template <typename T>
-constexpr bool kOwnInline = std::is_same_v<T, uint16_t>;
+// Keys scored per step for all of a part's blocks of heads: their bf16 bits (an int8 cache's made so
+// once) stay in L2 while every block reads them, where each block streaming the row's keys on its own
+// read R1's 4.7 MB per row at 4,096 positions 16 times over.
+constexpr int64_t kScoreChunk = 64;
+constexpr int64_t kMaxPartBlocks = 4;  // blocks of heads per part at most: R1's 128 heads in 4 parts
 
-// Heads [0, n) of one row: `q [n, r]`, `q_pe [n, rope]` against its `len` cached positions and its own
-// key into `ctx [n, r]`. `c`: the cached latents (`find_keys`; for a bf16 cache the own key's appended),
-// `pe`: the rotary parts, the own key's appended, `key_scale`: an int8 cache's scales, the own key's 1
-// appended (else null), `own_c`: the own key's latent (bf16 bits). `s` holds n x (len + 1) scores,
-// `tile` the widened latents of `kValueTile` keys (or the bf16 path's sums).
+// Heads [0, heads) of one row, in blocks of `kMaxBlockRows`: `q [heads, r]`, `q_pe [heads, rope]` against
+// its `len` cached positions and its own key into `ctx [heads, r]`. `c`: the cached latents
+// (`find_keys`), `pe`: the rotary parts, the own key's appended, `key_scale`: an int8 cache's scales, the
+// own key's 1 appended (else null), `own_c`: the own key's latent (bf16 bits), scored and summed as one
+// more key, the last (as XLA's path adds it).
 template <typename X, typename T>
 void attend_heads(const X* q, const X* q_pe, const T* const* c, const uint16_t* const* pe, const float* key_scale,
-                  const uint16_t* own_c, float* ctx, std::vector<float>& s, std::vector<float>& tile, int64_t n,
-                  int64_t len, int64_t r, int64_t rope, float scale) {
-  const int64_t keys = len + 1, cached = kOwnInline<T> ? keys : len;
-  s.resize(n * keys);
-  tile.resize(kValueTile * r);
-  if (cached > 0) score_heads(n, q, q_pe, c, pe, key_scale, cached, r, rope, scale, s.data(), keys);
-  if (cached < keys) score_heads(n, q, q_pe, &own_c, pe + len, nullptr, 1, r, rope, scale, s.data() + len, keys);
-  for (int64_t h = 0; h < n; ++h) softmax_to_bf16(s.data() + h * keys, keys, key_scale);
+                  const uint16_t* own_c, float* ctx, int64_t heads, int64_t len, int64_t r, int64_t rope,
+                  float scale) {
+  thread_local std::vector<float> s, tile;
+  thread_local std::vector<uint16_t> buffer;
+  const int64_t keys = len + 1;
+  s.resize(heads * keys);
+  const uint16_t* key[std::max(kScoreChunk, kValueTile)];
+  for (int64_t j0 = 0; j0 < keys; j0 += kScoreChunk) {
+    const int64_t j1 = std::min(keys, j0 + kScoreChunk);
+    bf16_keys(c, len, own_c, r, j0, j1, buffer, key);
+    for (int64_t h0 = 0; h0 < heads; h0 += kMaxBlockRows)
+      score_heads(std::min<int64_t>(kMaxBlockRows, heads - h0), q + h0 * r, q_pe + h0 * rope, key, pe + j0,
+                  key_scale ? key_scale + j0 : nullptr, j1 - j0, r, rope, scale, s.data() + h0 * keys + j0, keys);
+  }
+  for (int64_t h = 0; h < heads; ++h) softmax_to_bf16(s.data() + h * keys, keys, key_scale);
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<X, uint16_t>)  // bf16 queries: `vdpbf16ps` where it runs fast
-    if (r % 32 == 0) return add_values_bf16(s.data(), n, keys, c, len, own_c, r, ctx, tile);
+    if (r % 32 == 0) return add_values_bf16(s.data(), heads, keys, c, len, own_c, r, ctx);
 #endif
-  std::fill(ctx, ctx + n * r, 0.0f);
-  for (int64_t j0 = 0; j0 < keys; j0 += kValueTile) {  // the own key last, as XLA's path adds it
+  std::fill(ctx, ctx + heads * r, 0.0f);
+  tile.resize(kValueTile * r);
+  for (int64_t j0 = 0; j0 < keys; j0 += kValueTile) {
     const int64_t j1 = std::min(keys, j0 + kValueTile);
-    widen_keys(c, cached, own_c, r, j0, j1, tile.data());
-    add_heads(n, s.data(), keys, tile.data(), ctx, j0, j1, r);
+    bf16_keys(c, len, own_c, r, j0, j1, buffer, key);
+    for (int64_t j = j0; j < j1; ++j) widen_row(key[j - j0], r, tile.data() + (j - j0) * r);
+    for (int64_t h0 = 0; h0 < heads; h0 += kMaxBlockRows)
+      add_heads(std::min<int64_t>(kMaxBlockRows, heads - h0), s.data() + h0 * keys, keys, tile.data(),
+                ctx + h0 * r, j0, j1, r);
   }
 }
 
@@ -1116,7 +1125,7 @@ ffi::Error MlaDecodeContext(ffi::ThreadPool pool, ffi::Buffer<XD> q, ffi::Buffer
                             ffi::Buffer<ffi::U16> own_pe, ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> ctx) {
   const auto qd = q.dimensions(), pd = q_pe.dimensions(), cd = c_kv.dimensions(), ed = k_pe.dimensions();
   const auto td = table.dimensions(), sd = c_scale.dimensions();
-  const bool scaled = !kOwnInline<T>;
+  constexpr bool scaled = std::is_same_v<T, int8_t>;
   if (qd.size() != 3 || pd.size() != 3 || cd.size() != 4 || ed.size() != 4 || td.size() != 2 || pd[0] != qd[0] ||
       pd[1] != qd[1] || td[0] != qd[0] || cd[3] != qd[2] || ed[0] != cd[0] || ed[1] != cd[1] || ed[2] != cd[2] ||
       ed[3] != pd[2] || layer.element_count() != 1 || int64_t(lengths.element_count()) != qd[0] ||
@@ -1140,12 +1149,14 @@ ffi::Error MlaDecodeContext(ffi::ThreadPool pool, ffi::Buffer<XD> q, ffi::Buffer
   const float sc = scale.typed_data()[0];
   float* out = ctx->typed_data();
   // A part takes a range of one row's blocks of heads: as few parts per row as keep every worker busy,
-  // so that a row's keys, read again by each of its blocks, are read on one core.
+  // so that a row's keys are read (an int8 cache's made bf16) on one core, but at most
+  // `kMaxPartBlocks` blocks, whose scores `[heads, keys]` a part holds at once.
   if (rows == 0 || heads == 0) return ffi::Error::Success();
   if (pages == 0 || page_size == 0) return ffi::Error::InvalidArgument("mla_decode_context: a cache without pages");
   const int64_t blocks = (heads + kMaxBlockRows - 1) / kMaxBlockRows;
   const int64_t workers = Helpers::get(pool.num_threads()).workers();
-  const int64_t per_row = std::clamp<int64_t>((workers + rows - 1) / rows, 1, blocks);
+  const int64_t per_row = std::clamp<int64_t>(
+      std::max((workers + rows - 1) / rows, (blocks + kMaxPartBlocks - 1) / kMaxPartBlocks), 1, blocks);
   run_parts(pool, rows * per_row, [=](int64_t part) {
     const int64_t b = part / per_row, j = part % per_row;
     const int64_t len = std::clamp<int64_t>(held[b], 0, row_pages * page_size);
@@ -1153,23 +1164,20 @@ ffi::Error MlaDecodeContext(ffi::ThreadPool pool, ffi::Buffer<XD> q, ffi::Buffer
     thread_local std::vector<const T*> c;
     thread_local std::vector<const uint16_t*> pe;
     thread_local std::vector<const float*> scale_at;
-    thread_local std::vector<float> key_scale, s, tile;
+    thread_local std::vector<float> key_scale;
     find_keys(cl, row_table, pages, page_size, len, r, c);
-    if constexpr (kOwnInline<T>) c.push_back(oc + b * r);
     find_keys(el, row_table, pages, page_size, len, rope, pe);
     pe.push_back(op + b * rope);
-    if (scaled) {
+    if constexpr (scaled) {
       find_keys(sl, row_table, pages, page_size, len, 1, scale_at);
       key_scale.resize(len + 1);
       for (int64_t k = 0; k < len; ++k) key_scale[k] = *scale_at[k];
       key_scale[len] = 1.0f;  // the own key's latent is not quantized
     }
-    for (int64_t block = blocks * j / per_row; block < blocks * (j + 1) / per_row; ++block) {
-      const int64_t h0 = block * kMaxBlockRows, n = std::min<int64_t>(kMaxBlockRows, heads - h0);
-      const int64_t at = b * heads + h0;
-      attend_heads(qp + at * r, pp + at * rope, c.data(), pe.data(), scaled ? key_scale.data() : nullptr, oc + b * r,
-                   out + at * r, s, tile, n, len, r, rope, sc);
-    }
+    const int64_t h0 = blocks * j / per_row * kMaxBlockRows;
+    const int64_t h1 = std::min(heads, blocks * (j + 1) / per_row * kMaxBlockRows), at = b * heads + h0;
+    attend_heads(qp + at * r, pp + at * rope, c.data(), pe.data(), scaled ? key_scale.data() : nullptr, oc + b * r,
+                 out + at * r, h1 - h0, len, r, rope, sc);
   });
   return ffi::Error::Success();
 }
