@@ -534,8 +534,8 @@ def test_mla_decode_context_reads_an_int8_cache(query_dtype, page_size, rank):
 
 
 @needs_kernel
-# 20 heads: blocks of 8, 8 and 4, shared by the workers; 40: 5 blocks, more than a part takes (4)
-@pytest.mark.parametrize("heads", [20, 40])
+# 20 heads: blocks of 8, 8 and 4, shared by the workers; 80: 10 blocks, in 3 parts or more (a part takes 4)
+@pytest.mark.parametrize("heads", [20, 80])
 @pytest.mark.parametrize("cache_dtype", ["bf16", "int8"])
 def test_mla_decode_context_splits_one_rows_heads_between_workers(heads, cache_dtype):
     """One row's blocks of heads in parts, which the workers share, each reading the row's keys (an

@@ -216,8 +216,7 @@ def run_attention(args: argparse.Namespace) -> dict[str, Any]:
     print(device_line(dev))
     cache = "int8 latents (a float32 scale each), bf16 rope" if args.kv_cache_dtype else "bf16"
     print(f"absorbed MLA decode attention: {args.heads} heads, latent {args.rank}, rope {args.rope}, bf16 queries, "
-          f"{cache} cache; "
-          f"{args.calls} calls per timed loop, the fastest of {args.repeats} loops\n")
+          f"{cache} cache; {args.calls} calls per timed loop, the fastest of {args.repeats} loops\n")
     print(attention_table(rows))
     for f in failed:
         print(f"\nfailed: {f['implementation']} at {f['rows']} rows x {f['positions']} positions: {f['error']}")

@@ -213,8 +213,7 @@ def mla_decode_context(q: jax.Array, q_pe: jax.Array, c_kv: jax.Array, k_pe: jax
     the latent products, and the probabilities before they are rounded). bf16 queries are scored, and
     (at latent widths of multiples of 32) the values summed, as bf16 with `vdpbf16ps` where
     `bf16_rows()` (int8 latents made bf16 exactly: the same products, summed in another order), others
-    in float32.
-    Needs `available()`."""
+    in float32. Needs `available()`."""
     b, h, r = q.shape if q.ndim == 3 else (0, 0, 0)
     rope = q_pe.shape[-1]
     if page_table is None:  # a contiguous cache: B pages of S positions, one per row
