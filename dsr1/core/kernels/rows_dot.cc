@@ -70,7 +70,8 @@ inline Vec round_bf16_lanes(Vec a) {  // to the nearest bf16, ties to even (fini
   return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(int32_t(0xffff0000u))));
 }
 inline void store_high_halves(uint16_t* p, Vec a) {  // each lane's high 16 bits (a bf16 value's bits)
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(a), 16)));
+  const __m512i high = _mm512_srli_epi32(_mm512_castps_si512(a), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(high));
 }
 // Lane i of the result = the sum of acc[i]'s lanes: 16 sums in 15 adds of whole vectors and their
 // shuffles, where 16 reductions one by one take ~8 instructions each.
