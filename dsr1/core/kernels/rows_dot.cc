@@ -784,8 +784,7 @@ void find_keys(const T* pool, const int32_t* table, int64_t pages, int64_t page_
   }
 }
 
-template <typename T>
-void widen_row(const T* from, int64_t r, float* to) {
+void widen_row(const uint16_t* from, int64_t r, float* to) {
   int64_t k = 0;
   for (; k + kLanes <= r; k += kLanes) store(to + k, widen_lanes(from + k));
   for (; k < r; ++k) to[k] = widen(from[k]);
@@ -870,16 +869,16 @@ void add_heads(int64_t n, const float* p, int64_t keys, const float* tile, float
 constexpr int kPassKeys = kLanes / kMaxBlockRows;
 
 // The sums `acc[p * 8 + h]` (`rest`: widths past the last whole vector) += `x[h] . keys[p]` for heads
-// h < N and the pass's keys p: each key widened once for all heads, each query row loaded once for all
-// keys. Inlined, so that the sums stay in registers.
-template <int N, typename T>
-[[gnu::always_inline]] inline void dot_keys(const float* x, const T* const (&keys)[kPassKeys], int64_t width,
-                                            Vec (&acc)[kLanes], float (&rest)[kLanes]) {
+// h < N and the pass's keys p (bf16 bits): each key widened once for all heads, each query row loaded
+// once for all keys. Inlined, so that the sums stay in registers.
+template <int N>
+[[gnu::always_inline]] inline void dot_keys(const float* x, const uint16_t* const (&keys)[kPassKeys],
+                                            int64_t width, Vec (&acc)[kLanes], float (&rest)[kLanes]) {
   int64_t k = 0;
   for (; k + kLanes <= width; k += kLanes) {
     Vec key[kPassKeys];
     for (int p = 0; p < kPassKeys; ++p) {
-      if (k * int64_t(sizeof(T)) % 64 == 0)  // once per cache line: the line 4 KB ahead
+      if (k % 32 == 0)  // once per cache line: the line 4 KB ahead
         _mm_prefetch(reinterpret_cast<const char*>(keys[p] + k) + kPrefetchBytes, _MM_HINT_T1);
       key[p] = widen_lanes(keys[p] + k);
     }
@@ -918,11 +917,12 @@ template <int N>
 // Scores `s[h * stride + j]` of heads h < N of one row: `(q . c + q_pe . pe) * scale` for its keys
 // j < count (`c[j]`, `pe[j]`); with `key_scale` (an int8 cache's), `(key_scale[j] q . c + q_pe . pe) *
 // scale`, as XLA's path scales the latent product. One float32 sum per score.
-template <int N, typename X, typename T>
-void score_keys(const X* q, const X* q_pe, const T* const* c, const uint16_t* const* pe, const float* key_scale,
-                int64_t count, int64_t r, int64_t rope, float scale, float* s, int64_t stride) {
+template <int N, typename X>
+void score_keys(const X* q, const X* q_pe, const uint16_t* const* c, const uint16_t* const* pe,
+                const float* key_scale, int64_t count, int64_t r, int64_t rope, float scale, float* s,
+                int64_t stride) {
   for (int64_t j0 = 0; j0 < count; j0 += kPassKeys) {
-    const T* latent[kPassKeys];
+    const uint16_t* latent[kPassKeys];
     const uint16_t* rotary[kPassKeys];
     float lanes[kLanes];
     for (int p = 0; p < kPassKeys; ++p) {  // past the last key: the last key again, its sums unused
@@ -948,12 +948,12 @@ void score_keys(const X* q, const X* q_pe, const T* const* c, const uint16_t* co
   }
 }
 
-template <typename X, typename T, int N = kMaxBlockRows>
-void score_heads(int64_t n, const X* q, const X* q_pe, const T* const* c, const uint16_t* const* pe,
+template <typename X, int N = kMaxBlockRows>
+void score_heads(int64_t n, const X* q, const X* q_pe, const uint16_t* const* c, const uint16_t* const* pe,
                  const float* key_scale, int64_t count, int64_t r, int64_t rope, float scale, float* s,
                  int64_t stride) {
   if constexpr (N > 0) {
-    if (n != N) return score_heads<X, T, N - 1>(n, q, q_pe, c, pe, key_scale, count, r, rope, scale, s, stride);
+    if (n != N) return score_heads<X, N - 1>(n, q, q_pe, c, pe, key_scale, count, r, rope, scale, s, stride);
     score_keys<N>(q, q_pe, c, pe, key_scale, count, r, rope, scale, s, stride);
   }
 }
