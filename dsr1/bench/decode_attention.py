@@ -2,11 +2,12 @@
 (plus its own key), by every implementation that runs here, on random bf16 inputs of the asked
 widths (R1's by default), the cache bf16 or (`--kv-cache-dtype int8`) int8 latents with a float32
 scale per position. XLA's path (one softmax, float32 scores, the probabilities rounded to bf16:
-`attention._cache_softmax`'s steps) is the reference; the GPU flash-decoding kernel (bf16 caches)
-runs under each asked tiling (`flash_decode.Tiling`; `--interpret` runs it on any backend, slowly:
-for tests); dsr1's CPU kernel (`cpu_kernels.mla_decode_context`) where it is built. Per call: ms,
+`attention._cache_softmax`'s steps) is the reference; the GPU flash-decoding kernel runs under
+each asked tiling (`flash_decode.Tiling`; `--interpret` runs it on any backend, slowly: for tests);
+dsr1's CPU kernel (`cpu_kernels.mla_decode_context`) where it is built. Per call: ms,
 the cache read (latents once) in GB/s, the products' TFLOP/s and the error against the reference.
-The flash kernel's tiling table in docs/performance.md ("Second GPU session") came from this loop."""
+The flash kernel's tiling tables in docs/performance.md ("Second GPU session", "Third GPU session") came
+from this loop."""
 
 from __future__ import annotations
 
@@ -26,9 +27,10 @@ from ..options import positive_int, positive_ints
 from .bandwidth import device_description, with_final_load
 from .report import device_line, markdown_table
 
-# The tilings the second GPU session swept (docs/performance.md), the default first.
-TILINGS = ("32x64x4x2", "16x64x4x2", "64x64x8x2", "64x32x4x2", "64x32x8x2", "32x32x4x2", "64x64x4x2", "32x64x4x3",
-           "64x64x8x3", "128x32x8x1", "128x16x8x2", "16x128x4x2", "16x32x4x2", "16x64x4x3")
+# The tilings the GPU sessions swept (docs/performance.md), the defaults (bf16 cache, int8 cache) first.
+TILINGS = ("32x64x4x2", "64x64x8x1", "16x64x4x2", "64x64x8x2", "64x32x4x2", "64x32x8x2", "32x32x4x2", "64x64x4x2",
+           "32x64x4x3", "32x64x8x2", "64x64x8x3", "128x32x8x1", "128x16x8x2", "16x128x4x2", "16x32x4x2", "16x64x4x3",
+           "32x64x4x2t", "64x64x8x2t")
 ATTENTION_COLUMNS = ("implementation", "rows", "positions", "ms", "cache_gbs", "tflop_s", "max_rel_diff")
 SCALE = 192**-0.5  # R1's softmax scale, 1/sqrt(qk_nope_head_dim + qk_rope_head_dim), without YaRN's factor
 
@@ -87,8 +89,8 @@ def xla_context(x: Inputs, scale: float) -> jax.Array:
 def flash_context(x: Inputs, scale: float, tiling: flash_decode.Tiling, interpret: bool = False) -> jax.Array:
     """The GPU kernel's context: its splits' partials folded with the own key's score and latent."""
     f32 = jnp.float32
-    acc, run_max, run_sum = flash_decode.cached_context(x.q, x.q_pe, x.c, x.pe, x.lengths, scale, interpret=interpret,
-                                                        tiling=tiling)
+    acc, run_max, run_sum = flash_decode.cached_context(x.q, x.q_pe, x.c, x.pe, x.lengths, scale, x.c_scale,
+                                                        interpret=interpret, tiling=tiling)
     own = (jnp.einsum("bhr,br->bh", x.q, x.own_c, preferred_element_type=f32)
            + jnp.einsum("bhp,bp->bh", x.q_pe, x.own_pe, preferred_element_type=f32)) * scale
     return flash_decode.combine(acc, run_max, run_sum, own, x.own_c)
@@ -136,12 +138,12 @@ def attention_row(name: str, x: Inputs, seconds: float, out: jax.Array, referenc
             "max_rel_diff": float(np.abs(np.asarray(out, np.float64) - ref).max() / np.abs(ref).max())}
 
 
-def implementations(tilings: list[flash_decode.Tiling], interpret: bool, scale: float,
-                    kv_cache_dtype: str | None = None) -> dict[str, Callable[[Inputs], jax.Array]]:
+def implementations(tilings: list[flash_decode.Tiling], interpret: bool,
+                    scale: float) -> dict[str, Callable[[Inputs], jax.Array]]:
     """What runs here, by name: XLA's path first (the reference), the flash kernel per tiling on a GPU
-    (or with `interpret`; bf16 caches only), the CPU kernel where it is built."""
+    (or with `interpret`), the CPU kernel where it is built."""
     found = {"xla": lambda x: xla_context(x, scale)}
-    if (jax.default_backend() == "gpu" or interpret) and kv_cache_dtype is None:
+    if jax.default_backend() == "gpu" or interpret:
         for t in tilings:
             found[f"flash {tiling_name(t)}"] = lambda x, t=t: flash_context(x, scale, t, interpret)
     if cpu_kernels.available():
@@ -150,18 +152,21 @@ def implementations(tilings: list[flash_decode.Tiling], interpret: bool, scale: 
 
 
 def tiling_name(t: flash_decode.Tiling) -> str:
-    return f"{t.heads}x{t.keys}x{t.warps}x{t.stages}"
+    return f"{t.heads}x{t.keys}x{t.warps}x{t.stages}{'t' if t.transposed else ''}"
 
 
 def parse_tilings(text: str) -> list[flash_decode.Tiling]:
-    """`HEADSxKEYSxWARPSxSTAGES,...` -> tilings."""
+    """`HEADSxKEYSxWARPSxSTAGES[t],...` -> tilings (a trailing `t`: the transposed products)."""
     tilings = []
     for item in text.split(","):
-        parts = item.strip().split("x")
+        item = item.strip()
+        transposed = item.endswith("t")
+        parts = item.removesuffix("t").split("x")
         if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise argparse.ArgumentTypeError(f"expected tilings as HEADSxKEYSxWARPSxSTAGES (e.g. 32x64x4x2), "
-                                             f"comma-separated; got {item!r}")
-        tilings.append(flash_decode.Tiling(*map(int, parts)))
+            raise argparse.ArgumentTypeError(f"expected tilings as HEADSxKEYSxWARPSxSTAGES, a trailing t for the "
+                                             f"transposed products (e.g. 32x64x4x2, 32x64x4x2t), comma-separated; "
+                                             f"got {item!r}")
+        tilings.append(flash_decode.Tiling(*map(int, parts), transposed=transposed))
     return tilings
 
 
@@ -176,11 +181,11 @@ def add_attention_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rope", type=positive_int, default=64,
                    help="rotary key width, qk_rope_head_dim (default: 64, R1's)")
     p.add_argument("--tilings", type=parse_tilings, default=parse_tilings(",".join(TILINGS)),
-                   help="the flash kernel's tilings, HEADSxKEYSxWARPSxSTAGES, comma-separated (default: the 14 the "
-                        "second GPU session swept, the default tiling first)")
+                   help="the flash kernel's tilings, HEADSxKEYSxWARPSxSTAGES (a trailing t: the transposed products, "
+                        "keys as the tiles' rows), comma-separated (default: the 18 the GPU sessions swept, the "
+                        "defaults for bf16 and int8 caches first)")
     p.add_argument("--kv-cache-dtype", choices=[d for d in KV_CACHE_DTYPES if d],
-                   help="int8 cached latents with a float32 scale per position (default: bf16; the flash kernel "
-                        "reads bf16 caches only)")
+                   help="int8 cached latents with a float32 scale per position (default: bf16)")
     p.add_argument("--interpret", action="store_true",
                    help="also run the flash kernel off a GPU, in Pallas' interpreter (slow: small sizes only)")
     p.add_argument("--calls", type=positive_int, default=20, help="calls per timed loop (default: 20)")
@@ -193,7 +198,7 @@ def add_attention_options(p: argparse.ArgumentParser) -> None:
 def run_attention(args: argparse.Namespace) -> dict[str, Any]:
     """The `attention` command: every implementation at each (rows, positions), against XLA's."""
     dev = device_description()
-    found = implementations(args.tilings, args.interpret, SCALE, args.kv_cache_dtype)
+    found = implementations(args.tilings, args.interpret, SCALE)
     rows, failed = [], []
     for batch in args.rows:
         for positions in args.positions:

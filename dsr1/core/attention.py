@@ -204,7 +204,8 @@ def attend_cached(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache, l
             return _attend_by_kernel(p, q, own, cache, layer, cache.lengths, dt, cfg), (c_new, pe_new)
         if flash_decode.applies(q.main.shape[2], q.main.shape[3], q.pe.shape[3], t, cache.c_kv.dtype,
                                 cache.c_scale is not None):
-            ctx = _flash_context(q, own, cache.c_kv[layer], cache.k_pe[layer], cache.lengths, cfg)
+            c_scale = None if cache.c_scale is None else cache.c_scale[layer]
+            ctx = _flash_context(q, own, cache.c_kv[layer], cache.k_pe[layer], c_scale, cache.lengths, cfg)
             return attention_output(p, ctx, absorbed=True, dtype=dt), (c_new, pe_new)
         if cache.max_len <= CACHE_BLOCK:
             ctx = _cache_softmax(p, q, own, own_mask, cache, layer, dt, cfg)
@@ -273,12 +274,13 @@ def _fold_cache(state: PartialSoftmax, p: dict, q: Query, cache: KVCache, layer:
     return _fold_blocks(state, p, q, (jnp.max(cache.lengths) + n - 1) // n, read, dtype, cfg)
 
 
-def _flash_context(q: Query, own: Keys, c_cache: jax.Array, pe_cache: jax.Array, lengths: jax.Array, cfg: Config,
-                   interpret: bool = False) -> jax.Array:
+def _flash_context(q: Query, own: Keys, c_cache: jax.Array, pe_cache: jax.Array, c_scale: jax.Array | None,
+                   lengths: jax.Array, cfg: Config, interpret: bool = False) -> jax.Array:
     """`attend_cached`'s context `[B, H, 1, r]` for one query per row by the GPU kernel
-    (`flash_decode`): the cache read in blocks, scores kept on chip, the new token's own key folded in after."""
+    (`flash_decode`): the cache (int8: with its scales `c_scale`) read in blocks, scores kept on chip,
+    the new token's own key folded in after."""
     acc, run_max, run_sum = flash_decode.cached_context(q.main[:, 0], q.pe[:, 0], c_cache, pe_cache, lengths,
-                                                        cfg.softmax_scale, interpret=interpret)
+                                                        cfg.softmax_scale, c_scale, interpret=interpret)
     own_score = scores(q, own, cfg)[:, :, 0, 0]  # [B, H]
     return flash_decode.combine(acc, run_max, run_sum, own_score, own.values[:, 0])[:, :, None]
 

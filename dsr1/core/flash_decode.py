@@ -11,10 +11,12 @@ partial context with its running max and sum; `combine` folds the splits and the
 key. Each head block reads its split's latents again (4 blocks of 32 for R1's 128 heads): a block of
 all heads needs 256 KB of shared memory (an H200 has 227). With 128 heads the products bound the
 step, not memory: ~240 FLOP per cached byte, above an H200's ~210 at its peak; the kernel's products
-(32-row tiles through Triton's mma) reached 198 TFLOP/s, 1.05-1.3x an XLA softmax at 8 and 32 rows
-of 32,768 positions, 0.8x at one row, where launches bound both (docs/performance.md, "GPU").
+(32-row tiles through Triton's mma) reached 211-234 TFLOP/s at 8 and 32 rows of 32,768 positions,
+4x XLA's single softmax, 2.4x at one row (docs/performance.md, "Third GPU session"). An int8 cache
+runs at about half the bf16 cache's rate (its latents made bf16 in every program), 2.7-2.8x XLA's.
 
-Used where it applies (`applies`: one GPU, one query per row, bf16/f16 cache, head count and widths
+Used where it applies (`applies`: one GPU, one query per row, a bf16/f16 cache or an int8 one (its
+latents made bf16 on chip, its scales applied to scores and probabilities), head count and widths
 the kernel tiles); everywhere else the XLA path runs. `interpret=True` runs the kernel on any backend
 (the tests, on CPU).
 """
@@ -39,18 +41,24 @@ MAX_SPLITS = 32
 class Tiling:
     """How programs tile one row's attention: `heads` per program (a power of two from `BLOCK_HEADS`,
     fewer where the head count needs; a [heads, r] float32 context stays in registers), `keys`
-    cached positions per loop step, and Triton's `warps` per program and pipeline `stages`. The
-    default measured best of 14 tilings at 32 rows of 32,768 positions on an H200 and within 3% of the
-    best at 8; at 1 row, where launches bound every tiling, 0.21 ms against the best's 0.16
-    (docs/performance.md, "GPU")."""
+    cached positions per loop step, and Triton's `warps` per program and pipeline `stages`;
+    `transposed` computes the products with the keys (and for the values the latents) as the tiles'
+    rows: Hopper's `wgmma` wants 64 rows per warpgroup, which 64 keys or 512 latents have and 32 heads
+    do not (Triton then uses the older `mma`); it measured 0.75-0.8x the default at 8 and 32 rows on an
+    H200, 1.2x at one row. The default measured best of 14 tilings at 32 rows of 32,768 positions on
+    an H200 and within 3% of the best at 8 (docs/performance.md, "GPU")."""
 
     heads: int = 32
     keys: int = 64
     warps: int = 4
     stages: int = 2
+    transposed: bool = False
 
 
 DEFAULT_TILING = Tiling()
+# An int8 cache's latents are made bf16 on chip by every program that reads them: 64 heads per program
+# halve those conversions; at 8 and 32 rows of 32,768 positions on an H200 1.3x the default tiling.
+INT8_TILING = Tiling(heads=64, keys=64, warps=8, stages=1)
 
 
 def _power_of_two(n: int) -> bool:
@@ -60,14 +68,16 @@ def _power_of_two(n: int) -> bool:
 def applies(heads: int, rank: int, rope: int, queries: int, cache_dtype: jnp.dtype, scaled: bool,
             backend: str | None = None, devices: int | None = None) -> bool:
     """Whether the kernel runs this decode step: on one GPU, one query per row, an unscaled 16-bit
-    cache, heads a multiple of `BLOCK_HEADS`, latent and rope widths powers of two (Triton tiles).
+    cache or an int8 one with its scales, heads a multiple of `BLOCK_HEADS`, latent and rope widths
+    powers of two (Triton tiles).
     On several devices the XLA path runs: the kernel is not yet split over the tensor axis's heads
     (XLA's partitioner would run every head on every device). `backend`, `devices`: JAX's by default."""
     backend = backend or jax.default_backend()
     devices = jax.device_count() if devices is None else devices
-    return (backend == "gpu" and devices == 1 and queries == 1 and not scaled
-            and jnp.dtype(cache_dtype).itemsize == 2 and heads % BLOCK_HEADS == 0 and _power_of_two(rank)
-            and _power_of_two(rope))
+    cache_dtype = jnp.dtype(cache_dtype)
+    stored = cache_dtype == jnp.int8 if scaled else cache_dtype.itemsize == 2
+    return (backend == "gpu" and devices == 1 and queries == 1 and stored and heads % BLOCK_HEADS == 0
+            and _power_of_two(rank) and _power_of_two(rope))
 
 
 def split_length(cache_len: int, keys: int = DEFAULT_TILING.keys) -> int:
@@ -79,59 +89,85 @@ def split_length(cache_len: int, keys: int = DEFAULT_TILING.keys) -> int:
     return keys * -(-blocks // splits)
 
 
-def _kernel(length_ref, q_ref, qpe_ref, c_ref, pe_ref, acc_ref, max_ref, sum_ref, *, split_len: int,
-            keys: int, scale: float):
-    """One program: a block of heads of one row against one split of its cached positions."""
+def _kernel(length_ref, q_ref, qpe_ref, c_ref, pe_ref, *refs, split_len: int, keys: int, scale: float,
+            transposed: bool, scaled: bool):
+    """One program: a block of heads of one row against one split of its cached positions. Scores are
+    `[heads, keys]` and the context `[heads, r]`, or `[keys, heads]` and `[r, heads]` if `transposed`.
+    `scaled`: the latents are int8 with a scale per position (`refs` begin with the scales), made
+    the queries' dtype on chip (exact in bf16); the scales multiply the latents' scores and the
+    probabilities, as `attention.scores` and `weighted_values` apply them."""
+    scale_ref, (acc_ref, max_ref, sum_ref) = (refs[0], refs[1:]) if scaled else (None, refs)
     f32 = jnp.float32
     first = pl.program_id(1) * split_len
     end = jnp.minimum(jnp.minimum(first + split_len, length_ref[()]), c_ref.shape[0])
     q, qpe = q_ref[...], qpe_ref[...]
     offsets = jnp.arange(keys)
+    key_axis = 0 if transposed else 1
+    per_head = (lambda v: v[None, :]) if transposed else (lambda v: v[:, None])  # a [heads] vector against a tile
+    per_key = (lambda v: v[:, None]) if transposed else (lambda v: v[None, :])
+
+    def product(queries, cached):  # the scores of one part of the keys: latents or rotary
+        return (plgpu.dot(cached, queries, trans_b=True) if transposed else plgpu.dot(queries, cached, trans_b=True)
+                ).astype(f32)
+
+    def values(probs, c):
+        return (plgpu.dot(c, probs, trans_a=True) if transposed else plgpu.dot(probs, c)).astype(f32)
 
     def block(i, carry):
         acc, run_max, run_sum = carry
         start = first + i * keys
         valid = start + offsets < end
         rows = pl.ds(start, keys)
-        c = plgpu.load(c_ref.at[rows, :], mask=valid[:, None], other=0.0)
+        c = plgpu.load(c_ref.at[rows, :], mask=valid[:, None], other=0).astype(q.dtype)
         pe = plgpu.load(pe_ref.at[rows, :], mask=valid[:, None], other=0.0)
-        s = (plgpu.dot(q, c, trans_b=True).astype(f32) + plgpu.dot(qpe, pe, trans_b=True).astype(f32)) * scale
-        s = jnp.where(valid[None, :], s, -jnp.inf)  # every block run holds a valid position
-        new_max = jnp.maximum(run_max, s.max(axis=1))
+        latent = product(q, c)
+        if scaled:
+            key_scale = per_key(plgpu.load(scale_ref.at[rows], mask=valid, other=0.0))
+            latent = latent * key_scale
+        s = (latent + product(qpe, pe)) * scale
+        s = jnp.where(per_key(valid), s, -jnp.inf)  # every block run holds a valid position
+        new_max = jnp.maximum(run_max, s.max(axis=key_axis))
         rescale = jnp.exp(run_max - new_max)
-        probs = jnp.exp(s - new_max[:, None])
-        acc = acc * rescale[:, None] + plgpu.dot(probs.astype(c.dtype), c).astype(f32)
-        return acc, new_max, run_sum * rescale + probs.sum(axis=1)
+        probs = jnp.exp(s - per_head(new_max))
+        weights = probs * key_scale if scaled else probs
+        acc = acc * per_head(rescale) + values(weights.astype(c.dtype), c)
+        return acc, new_max, run_sum * rescale + probs.sum(axis=key_axis)
 
     n_blocks = (jnp.maximum(end - first, 0) + keys - 1) // keys
-    init = (jnp.zeros(acc_ref.shape, f32), jnp.full(max_ref.shape, -jnp.inf, f32), jnp.zeros(sum_ref.shape, f32))
+    acc_shape = acc_ref.shape[::-1] if transposed else acc_ref.shape
+    init = (jnp.zeros(acc_shape, f32), jnp.full(max_ref.shape, -jnp.inf, f32), jnp.zeros(sum_ref.shape, f32))
     acc, run_max, run_sum = jax.lax.fori_loop(0, n_blocks, block, init)
-    acc_ref[...] = acc
+    acc_ref[...] = acc.T if transposed else acc
     max_ref[...] = run_max
     sum_ref[...] = run_sum
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "tiling"))
 def cached_context(q: jax.Array, q_pe: jax.Array, c_cache: jax.Array, pe_cache: jax.Array, lengths: jax.Array,
-                   scale: float, interpret: bool = False,
-                   tiling: Tiling = DEFAULT_TILING) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   scale: float, c_scale: jax.Array | None = None, interpret: bool = False,
+                   tiling: Tiling | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Partial attention of `q [B, H, r]`, `q_pe [B, H, rope]` over the first `lengths[b]` cached
     latents `c_cache [B, S, r]`, `pe_cache [B, S, rope]`, per split of the positions: the unnormalized
-    context `[B, splits, H, r]`, the running max and the sum of exponentials `[B, splits, H]` (float32)."""
+    context `[B, splits, H, r]`, the running max and the sum of exponentials `[B, splits, H]` (float32).
+    An int8 cache comes with its scales `c_scale [B, S]` (float32); the queries take `pe_cache`'s dtype.
+    `tiling`: by default `INT8_TILING` for an int8 cache, else `DEFAULT_TILING`."""
+    scaled = c_scale is not None
+    tiling = tiling or (INT8_TILING if scaled else DEFAULT_TILING)
     b, h, rank = q.shape
     cache_len, rope = c_cache.shape[1], pe_cache.shape[-1]
     split_len = split_length(cache_len, tiling.keys)
     splits = -(-cache_len // split_len)
     heads = math.gcd(h, tiling.heads)  # `applies`: >= BLOCK_HEADS on GPU; interpret mode takes any
-    q, q_pe = q.astype(c_cache.dtype), q_pe.astype(pe_cache.dtype)
+    q, q_pe = q.astype(pe_cache.dtype), q_pe.astype(pe_cache.dtype)
     row = lambda shape: pl.BlockSpec((None, *shape), lambda i, j, k: (k, *(0,) * len(shape)))  # noqa: E731
     heads_of = lambda width: pl.BlockSpec((None, heads, width), lambda i, j, k: (k, i, 0))  # noqa: E731
     f32 = jnp.float32
     return pl.pallas_call(
-        functools.partial(_kernel, split_len=split_len, keys=tiling.keys, scale=scale),
+        functools.partial(_kernel, split_len=split_len, keys=tiling.keys, scale=scale, transposed=tiling.transposed,
+                          scaled=scaled),
         grid=(h // heads, splits, b),  # head blocks vary fastest, each re-reading its split's latents
         in_specs=[pl.BlockSpec((None,), lambda i, j, k: (k,)), heads_of(rank), heads_of(rope),
-                  row((cache_len, rank)), row((cache_len, rope))],
+                  row((cache_len, rank)), row((cache_len, rope))] + ([row((cache_len,))] if scaled else []),
         out_specs=[pl.BlockSpec((None, None, heads, rank), lambda i, j, k: (k, j, i, 0)),
                    pl.BlockSpec((None, None, heads), lambda i, j, k: (k, j, i)),
                    pl.BlockSpec((None, None, heads), lambda i, j, k: (k, j, i))],
@@ -140,7 +176,7 @@ def cached_context(q: jax.Array, q_pe: jax.Array, c_cache: jax.Array, pe_cache: 
         compiler_params=plgpu.CompilerParams(num_warps=tiling.warps, num_stages=tiling.stages),
         interpret=interpret,
         name="mla_flash_decode",
-    )(lengths.astype(jnp.int32), q, q_pe, c_cache, pe_cache)
+    )(lengths.astype(jnp.int32), q, q_pe, c_cache, pe_cache, *([c_scale.astype(f32)] if scaled else []))
 
 
 def combine(acc: jax.Array, run_max: jax.Array, run_sum: jax.Array, own_score: jax.Array,
