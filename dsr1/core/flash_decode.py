@@ -13,7 +13,7 @@ all heads needs 256 KB of shared memory (an H200 has 227). With 128 heads the pr
 step, not memory: ~240 FLOP per cached byte, above an H200's ~210 at its peak; the kernel's products
 (32-row tiles through Triton's mma) reached 211-234 TFLOP/s at 8 and 32 rows of 32,768 positions,
 4x XLA's single softmax, 2.4x at one row (docs/performance.md, "Third GPU session"). An int8 cache
-runs at about half the bf16 cache's rate (its latents made bf16 in every program), 2.7-2.8x XLA's.
+runs at 0.6-0.67x the bf16 cache's rate (its latents made bf16 in every program), 2.7-2.8x XLA's.
 
 Used where it applies (`applies`: one GPU, one query per row, a bf16/f16 cache or an int8 one (its
 latents made bf16 on chip, its scales applied to scores and probabilities), head count and widths
@@ -69,9 +69,9 @@ def applies(heads: int, rank: int, rope: int, queries: int, cache_dtype: jnp.dty
             backend: str | None = None, devices: int | None = None) -> bool:
     """Whether the kernel runs this decode step: on one GPU, one query per row, an unscaled 16-bit
     cache or an int8 one with its scales, heads a multiple of `BLOCK_HEADS`, latent and rope widths
-    powers of two (Triton tiles).
-    On several devices the XLA path runs: the kernel is not yet split over the tensor axis's heads
-    (XLA's partitioner would run every head on every device). `backend`, `devices`: JAX's by default."""
+    powers of two (Triton tiles). On several devices the XLA path runs: the kernel is not yet split
+    over the tensor axis's heads (XLA's partitioner would run every head on every device). `backend`,
+    `devices`: JAX's by default."""
     backend = backend or jax.default_backend()
     devices = jax.device_count() if devices is None else devices
     cache_dtype = jnp.dtype(cache_dtype)
