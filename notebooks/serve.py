@@ -273,6 +273,51 @@ assert completion_tokens <= last["dsr1_engine_generated_tokens_total"] <= comple
 assert last["dsr1_prefix_hit_tokens_total"] > 0 and last["dsr1_requests_finished_total"] == len(calls)
 
 # %% [markdown]
+# ## Tool calls and structured outputs
+# The server parses DeepSeek-V3/R1's tool-call format into OpenAI's `tool_calls`. With `tool_choice`
+# "required" (or a named function) the engine constrains the reply with a grammar built from the
+# tools' JSON schemas, so even this small demo model (which never saw a tool) writes a call whose
+# arguments parse and validate. The tool's result goes back as a `tool` message, which the chat
+# template renders for the model's answer. `response_format` with a JSON schema constrains an answer
+# the same way.
+
+# %%
+import json
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather forecast of a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city", "days"], "additionalProperties": False}}}
+question = [{"role": "user", "content": "Will it rain in Verona these three days?"}]
+reply = client.chat.completions.create(model=MODEL_NAME, messages=question, tools=[WEATHER], tool_choice="required",
+                                       max_tokens=120, temperature=0.0)
+call = reply.choices[0].message.tool_calls[0]
+arguments = json.loads(call.function.arguments)
+print(reply.choices[0].finish_reason, call.function.name, arguments)
+assert reply.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+assert set(arguments) == {"city", "days"} and 1 <= arguments["days"] <= 7
+turns = question + [reply.choices[0].message.model_dump(include={"role", "content", "tool_calls"}),
+                    {"role": "tool", "tool_call_id": call.id, "content": '{"forecast": "rain, then sun"}'}]
+answer = client.chat.completions.create(model=MODEL_NAME, messages=turns, tools=[WEATHER], max_tokens=40,
+                                        temperature=0.0)
+print("answer:", repr(answer.choices[0].message.content))
+assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+
+# %%
+CHARACTER = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                              "role": {"enum": ["king", "queen", "fool", "lover"]},
+                                              "age": {"type": "integer", "minimum": 1, "maximum": 99}},
+             "required": ["name", "role", "age"], "additionalProperties": False}
+structured = client.chat.completions.create(
+    model=MODEL_NAME, messages=[{"role": "user", "content": "Describe a character of the play."}], max_tokens=80,
+    temperature=0.0, response_format={"type": "json_schema",
+                                      "json_schema": {"name": "character", "schema": CHARACTER, "strict": True}})
+character = json.loads(structured.choices[0].message.content)
+print(character)
+assert set(character) == {"name", "role", "age"} and character["role"] in ("king", "queen", "fool", "lover")
+
+# %% [markdown]
 # ## Stop cleanly
 # Process 0 stops the HTTP server gracefully (no new connections; requests still in flight get
 # `shutdown_timeout` seconds, then are cancelled; the engine's loop ends), then calls `engine.close()`,

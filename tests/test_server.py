@@ -39,7 +39,7 @@ from dsr1.server.lifecycle import free_port
 from dsr1.server.options import bind_refusal
 from dsr1.server.protocol import parse_request
 from dsr1.server.reasoning import ReasoningSplitter, split_reply
-from dsr1.server.runner import EngineFailed, EngineRunner, QueueFull, Update
+from dsr1.server.runner import ABORT, EngineFailed, EngineRunner, QueueFull, Update
 from dsr1.serving import Engine, EngineStats, Request
 
 SHAPES = dict(max_seqs=16, page_size=16, num_pages=256, prefill_chunk=32, prefill_rows=2, max_seq_len=256)
@@ -363,7 +363,7 @@ def test_killed_clients_are_cancelled_and_free_their_pages(served, client, refs)
         other = ("dsr1_requests_finished_total", (("endpoint", "completions"), ("finish_reason", reason)))
         return sum(after.get(k, 0) - before.get(k, 0) for k in (key, other))
 
-    assert delta("cancelled") == len(killed)
+    assert delta("abort") == len(killed)
     assert delta("length") + delta("stop") == 64 - len(killed)
     steps = after[("dsr1_engine_steps_total", ())] - before[("dsr1_engine_steps_total", ())]
     assert steps < LONG_BUDGET, f"{steps} steps in {elapsed:.1f} s: the killed requests ran on"
@@ -377,7 +377,7 @@ def test_a_non_streaming_client_that_leaves_is_cancelled(served, client):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(served.url + TEXT, json=with_(OK_TEXT, max_tokens=240), timeout=httpx.Timeout(60.0, read=0.2))
     served.wait_idle(timeout=20.0)
-    key = ("dsr1_requests_finished_total", (("endpoint", "completions"), ("finish_reason", "cancelled")))
+    key = ("dsr1_requests_finished_total", (("endpoint", "completions"), ("finish_reason", "abort")))
     assert served.metrics()[key] - before.get(key, 0) == 1
 
 
@@ -448,9 +448,30 @@ BAD_REQUESTS: list[tuple[str, str, str, Any, int, str | None]] = [
     ("empty stop string", "POST", CHAT, with_(OK_CHAT, stop=["ok", ""]), 400, "stop[1]"),
     ("stop of the wrong type", "POST", CHAT, with_(OK_CHAT, stop=[1, 2]), 400, "stop[0]"),
     ("seed out of range", "POST", CHAT, with_(OK_CHAT, seed=2**64), 400, "seed"),
-    ("tools", "POST", CHAT, with_(OK_CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
-    ("json response format", "POST", CHAT, with_(OK_CHAT, response_format={"type": "json_object"}), 400,
-     "response_format"),
+    ("a tool without a name", "POST", CHAT, with_(OK_CHAT, tools=[{"type": "function", "function": {}}]), 400,
+     "tools[0].function.name"),
+    ("tool_choice naming no tool", "POST", CHAT, with_(OK_CHAT, tools=[{"type": "function", "function": {
+        "name": "f"}}], tool_choice={"type": "function", "function": {"name": "g"}}), 400, "tool_choice"),
+    ("tool_choice required without tools", "POST", CHAT, with_(OK_CHAT, tool_choice="required"), 400, "tool_choice"),
+    ("unknown response format", "POST", CHAT, with_(OK_CHAT, response_format={"type": "yaml"}), 400,
+     "response_format.type"),
+    ("two output constraints", "POST", CHAT, with_(OK_CHAT, response_format={"type": "json_object"},
+                                                   guided_regex="[a-z]+"), 400, "guided_regex"),
+    ("chat max_tokens 0", "POST", CHAT, with_(OK_CHAT, max_tokens=0), 400, "max_tokens"),
+    ("chat echo", "POST", CHAT, with_(OK_CHAT, echo=True), 400, "echo"),
+    ("beam search", "POST", CHAT, with_(OK_CHAT, use_beam_search=True), 400, "use_beam_search"),
+    ("length_penalty", "POST", TEXT, with_(OK_TEXT, length_penalty=0.5), 400, "length_penalty"),
+    ("best_of other than n", "POST", TEXT, with_(OK_TEXT, best_of=3), 400, "best_of"),
+    ("logits_processors", "POST", TEXT, with_(OK_TEXT, logits_processors=["x"]), 400, "logits_processors"),
+    ("spaces_between_special_tokens", "POST", TEXT, with_(OK_TEXT, spaces_between_special_tokens=False), 400,
+     "spaces_between_special_tokens"),
+    ("min_tokens over max_tokens", "POST", TEXT, with_(OK_TEXT, min_tokens=5), 400, "min_tokens"),
+    ("stop_token_ids outside the vocabulary", "POST", TEXT, with_(OK_TEXT, stop_token_ids=[10**7]), 400,
+     "stop_token_ids"),
+    ("logit_bias key not a token id", "POST", TEXT, with_(OK_TEXT, logit_bias={"abc": 1}), 400, "logit_bias.abc"),
+    ("logit_bias out of range", "POST", TEXT, with_(OK_TEXT, logit_bias={"5": 101}), 400, "logit_bias.5"),
+    ("n x prompts over what the server admits", "POST", TEXT, with_(OK_TEXT, prompt=["a", "b", "c", "d", "e"],
+                                                                    n=64), 400, "n"),
     ("top_logprobs without logprobs", "POST", CHAT, with_(OK_CHAT, top_logprobs=2), 400, "top_logprobs"),
     ("top_logprobs over 20", "POST", CHAT, with_(OK_CHAT, logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     ("completions: missing prompt", "POST", TEXT, {"model": MODEL}, 400, "prompt"),
@@ -462,7 +483,7 @@ BAD_REQUESTS: list[tuple[str, str, str, Any, int, str | None]] = [
      "prompt"),
     ("completions: prompt + max_tokens over the context", "POST", TEXT, with_(OK_TEXT, max_tokens=255), 400,
      "max_tokens"),
-    ("completions: echo", "POST", TEXT, with_(OK_TEXT, echo=True), 400, "echo"),
+    ("completions: max_tokens 0 without echo", "POST", TEXT, with_(OK_TEXT, max_tokens=0), 400, "max_tokens"),
     ("completions: logprobs over 20", "POST", TEXT, with_(OK_TEXT, logprobs=21), 400, "logprobs"),
     ("completions: unknown model", "POST", TEXT, with_(OK_TEXT, model="davinci"), 404, "model"),
     ("unknown path", "POST", "/v1/embeddings", OK_TEXT, 404, None),
@@ -598,7 +619,7 @@ def test_drain_refuses_new_requests_and_cancels_after_the_timeout(tiny, tokenize
         stopping.start()
         finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
         stopping.join(30)
-        assert finishes == ["cancelled"] and not stopping.is_alive()
+        assert finishes == ["abort"] and not stopping.is_alive()
     finally:
         served.stop()
     served.engine.check()
@@ -628,7 +649,7 @@ def test_a_failing_engine_ends_its_requests_and_refuses_new_ones():
     runner.start()
     try:
         (request,) = runner.submit([[1, 2]], [Sampling()], updates.append)
-        assert request.wait(10.0) and request.finish_reason == "cancelled"
+        assert request.wait(10.0) and request.finish_reason == ABORT
         assert updates[-1].done and isinstance(runner.error, RuntimeError)
         with pytest.raises(EngineFailed):
             runner.submit([[1]], [Sampling()], updates.append)
@@ -662,7 +683,7 @@ def test_sigterm_drains_cancels_and_exits_0(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "DSR1_API_KEY"}
     cmd = [sys.executable, "-m", "dsr1", "serve", "--preset", "tiny", "--dtype", "float32", "--port", str(port),
            "--max-seqs", "4", "--page-size", "16", "--num-pages", "64", "--prefill-chunk", "32",
-           "--max-seq-len", "256", "--shutdown-timeout", "0.3", "--log-level", "warning"]  # before 200 tokens
+           "--max-seq-len", "256", "--shutdown-timeout", "0.5", "--log-level", "warning"]  # before 200 tokens
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         wait_for_health(url, proc, timeout=180)
@@ -671,12 +692,15 @@ def test_sigterm_drains_cancels_and_exits_0(tmp_path):
         chunks = iter(stream)
         first = next(chunks)
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
-        with pytest.raises((openai.APIConnectionError, openai.InternalServerError)):
-            client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)  # refused or 503
+        time.sleep(0.05)
+        # Draining: the listener stays open while the stream runs on; load balancers see 503 "draining".
+        health = httpx.get(url + "/health", timeout=5)
+        assert health.status_code == 503 and health.json()["status"] == "draining"
+        with pytest.raises(openai.InternalServerError):
+            client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)  # 503
         rest = list(chunks)
         text = first.choices[0].text + "".join(c.choices[0].text for c in rest if c.choices)
-        assert rest[-1].choices[0].finish_reason == "cancelled" and text
+        assert rest[-1].choices[0].finish_reason == "abort" and text
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:

@@ -6,11 +6,16 @@ engine's thread and stops it (cancelling whatever is left). Routes:
 
 - `POST /v1/chat/completions`, `POST /v1/completions`: `completions.CompletionService`.
 - `GET /v1/models`, `GET /v1/models/{id}`: the one model served.
-- `GET /health`: 200 while serving; 503 while draining or after an engine failure (no key needed,
+- `POST /tokenize`, `POST /detokenize` (vLLM's): a prompt's or chat's token ids, and ids' text.
+- `GET /version`: dsr1's version.
+- `GET /health`: 200 while serving; 503 while draining, after an engine failure, or while the
+  engine has had work and finished no step for `ServerConfig.stall_timeout` seconds (no key needed,
   for load balancers).
-- `GET /metrics`: Prometheus text (`metrics.Metrics`).
+- `GET /metrics`: Prometheus text (`metrics.Metrics`), vLLM's `vllm:*` names and dsr1's own.
 
-With `ServerConfig.api_key` set, every route but `/health` needs `Authorization: Bearer <key>`.
+With `ServerConfig.api_key` set, every route but `/health` and `/version` needs
+`Authorization: Bearer <key>`. With `ServerConfig.allowed_origins`, browsers on those origins may
+call the API (CORS, preflights included).
 """
 
 from __future__ import annotations
@@ -22,17 +27,20 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
 from fastapi import Request as HTTPRequest
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
 
-from ..generation.tokenizer import load_tokenizer
+from .. import __version__
+from ..generation.tokenizer import Tokenizer, load_tokenizer
 from ..serving import Engine
-from .completions import CompletionService
+from .completions import CompletionService, read_body
 from .errors import APIError, install_error_handlers
 from .metrics import HTTPMetricsMiddleware, Metrics
 from .options import ServerConfig
-from .prepare import Limits
-from .protocol import ModelCard, ModelList
+from .prepare import Limits, plan_tokenize
+from .protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest, parse_request
 from .runner import EngineRunner
 
 __all__ = ["create_app"]
@@ -45,11 +53,11 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     if engine.tokenizer is None:
         engine.tokenizer = load_tokenizer()
     runner = EngineRunner(engine, capacity=engine.config.slots + config.max_waiting)
-    metrics = Metrics(lambda: runner.stats, lambda: runner.in_flight)
+    metrics = Metrics(lambda: runner.stats, lambda: runner.in_flight, model_name=config.model_name)
     # A request can hold at most max_seq_len tokens, and no more than the page pool (less its scratch page).
     pool_tokens = (engine.config.num_pages - 1) * engine.config.page_size
     limits = Limits(config.model_name, min(engine.config.max_seq_len, pool_tokens), engine.model.cfg.vocab_size,
-                    config.default_max_tokens)
+                    config.default_max_tokens, max_token_bytes(engine.tokenizer))
     service = CompletionService(runner, engine.tokenizer, limits, metrics)
 
     @asynccontextmanager
@@ -85,11 +93,38 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             raise APIError(404, f"the model '{model_id}' does not exist", param="model", code="model_not_found")
         return JSONResponse(card.model_dump())
 
+    @app.post("/tokenize", dependencies=guarded)
+    async def tokenize(request: HTTPRequest) -> JSONResponse:
+        body = parse_request(await read_body(request), TokenizeRequest)
+        tokens = await run_in_threadpool(plan_tokenize, body, engine.tokenizer, limits)
+        strs = [engine.tokenizer.token_bytes(t).decode("utf-8", errors="replace") for t in tokens] \
+            if body.return_token_strs else None
+        return JSONResponse({"count": len(tokens), "max_model_len": limits.context, "tokens": tokens,
+                             "token_strs": strs})
+
+    @app.post("/detokenize", dependencies=guarded)
+    async def detokenize(request: HTTPRequest) -> JSONResponse:
+        body = parse_request(await read_body(request), DetokenizeRequest)
+        if body.model is not None and body.model != config.model_name:
+            raise APIError(404, f"the model '{body.model}' does not exist", param="model", code="model_not_found")
+        bad = next((t for t in body.tokens if not 0 <= t < limits.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})", param="tokens",
+                           code="invalid_value")
+        return JSONResponse({"prompt": await run_in_threadpool(engine.tokenizer.decode, body.tokens)})
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
     @app.get("/health")
     async def health() -> JSONResponse:
         stats = runner.stats
         if runner.error is not None:
             return JSONResponse({"status": "failed", "error": repr(runner.error)}, status_code=503)
+        if runner.stalled(config.stall_timeout):
+            return JSONResponse({"status": "stalled", "error": f"the engine has had work and finished no step for "
+                                                               f"more than {config.stall_timeout} s"}, status_code=503)
         status = "draining" if runner.draining else "ok"
         return JSONResponse({"status": status, "running": stats.running, "waiting": stats.waiting,
                              "in_flight": runner.in_flight}, status_code=503 if runner.draining else 200)
@@ -100,7 +135,17 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     routes = {route.path for route in app.routes}
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics, endpoints=lambda: routes)
+    if config.allowed_origins:
+        # Outermost, so that preflights are answered before the key check (browsers send them without it).
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials="*" not in config.allowed_origins)
     return app
+
+
+def max_token_bytes(tokenizer: Tokenizer) -> int:
+    """The most UTF-8 bytes one token of the vocabulary stands for (an upper bound: byte-level
+    pieces count their characters' bytes), for refusing a prompt by its size before tokenizing it."""
+    return max(len(piece.encode()) for piece in tokenizer.backend.get_vocab(with_added_tokens=True))
 
 
 def _bearer_check(api_key: str | None):

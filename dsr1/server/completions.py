@@ -3,7 +3,13 @@
 with the whole result or stream it as server-sent events ending with `data: [DONE]`.
 
 Log-probabilities, when asked for, are the engine's (`Request.logprobs`) in OpenAI's forms
-(`logprobs`), whole or a step's new tokens per chunk.
+(`logprobs`), whole or a step's new tokens per chunk; the prompt's (`echo` with `logprobs`, vLLM's
+`prompt_logprobs`) are `Request.prompt_logprobs`, computed during prefill. A chat reply that calls
+tools has them parsed out of its text (`tools`) as `tool_calls`, with finish reason "tool_calls".
+
+The body is read as it streams in and refused (413) once it passes `MAX_BODY_BYTES`; a prompt that
+cannot fit the context is refused by its size before tokenization (`prepare.check_size`), and the
+tokenization runs on a worker thread, so the event loop (other streams, `/health`) never waits on it.
 
 Updates come from the engine's thread (`runner.Update`, once per step per changed request) and
 are handed to the event loop through an asyncio queue, so no coroutine ever waits on the engine.
@@ -25,13 +31,20 @@ from typing import Any
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from ..generation.tokenizer import Tokenizer
 from ..serving import Request
 from .errors import APIError
-from .logprobs import LogprobCursor, chat_logprobs, completion_logprobs
+from .logprobs import (
+    LogprobCursor,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs_entries,
+    vllm_prompt_logprobs,
+)
 from .metrics import Metrics, RequestClock
-from .prepare import Limits, Plan, plan_chat, plan_completion
+from .prepare import Limits, Plan, check_size, plan_chat, plan_completion
 from .protocol import (
     AssistantMessage,
     ChatChoice,
@@ -40,17 +53,40 @@ from .protocol import (
     CompletionRequest,
     TextChoice,
     TextCompletion,
+    ToolCall,
     Usage,
     parse_request,
 )
 from .reasoning import ReasoningSplitter, split_reply
-from .runner import Draining, EngineFailed, EngineRunner, QueueFull, Update
+from .runner import ABORT, Draining, EngineFailed, EngineRunner, QueueFull, Update
+from .tools import ToolCallSplitter, split_tool_calls
 
-__all__ = ["CompletionService", "Submission"]
+__all__ = ["CompletionService", "Submission", "finish_reason", "read_body"]
 
 DISCONNECT_POLL = 0.5  # seconds between checks that a non-streaming client is still there
 MAX_BODY_BYTES = 64 << 20  # a request body beyond this is refused (413) before it is parsed
 RETRY_AFTER = "1"  # seconds, for a full queue or a draining server
+
+
+def finish_reason(request: Request) -> str | None:
+    """The request's finish reason as OpenAI spells it ("stop", "length", "abort")."""
+    reason = request.finish_reason
+    return "abort" if reason == ABORT else reason
+
+
+async def read_body(http: HTTPRequest, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The request body, read as it arrives; 413 as soon as it (or its Content-Length) passes `limit`."""
+    declared = http.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body has {declared} bytes, more than the {limit} accepted",
+                       code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"the request body has more than the {limit} bytes accepted", code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class Submission:
@@ -125,8 +161,8 @@ class CompletionService:
 
     async def chat(self, http: HTTPRequest) -> Response:
         """Answer `POST /v1/chat/completions`."""
-        body = self._parse(await http.body(), ChatCompletionRequest)
-        plan = self._checked(lambda: plan_chat(body, self.tokenizer, self.limits))
+        body = await self._parse(http, ChatCompletionRequest)
+        plan = await self._plan(plan_chat, body)
         submission = self._submit("chat", plan)
         reply = _Reply("chatcmpl", self.limits.model_name)
         if plan.stream:
@@ -136,8 +172,8 @@ class CompletionService:
 
     async def complete(self, http: HTTPRequest) -> Response:
         """Answer `POST /v1/completions`."""
-        body = self._parse(await http.body(), CompletionRequest)
-        plan = self._checked(lambda: plan_completion(body, self.tokenizer, self.limits))
+        body = await self._parse(http, CompletionRequest)
+        plan = await self._plan(plan_completion, body)
         submission = self._submit("completions", plan)
         reply = _Reply("cmpl", self.limits.model_name)
         if plan.stream:
@@ -146,12 +182,22 @@ class CompletionService:
         return JSONResponse(self._text_result(submission, plan, reply).model_dump())
 
     # ---- admission -----------------------------------------------------------------------------
-    def _parse(self, body: bytes, model: type[Any]) -> Any:
-        if len(body) > MAX_BODY_BYTES:
+    async def _parse(self, http: HTTPRequest, model: type[Any]) -> Any:
+        try:
+            body = await read_body(http)
+        except APIError:
             self.metrics.rejected.labels("invalid").inc()
-            raise APIError(413, f"the request body has {len(body)} bytes, more than the {MAX_BODY_BYTES} accepted",
-                           code="request_too_large")
+            raise
         return self._checked(lambda: parse_request(body, model))
+
+    async def _plan(self, plan: Callable[..., Plan], body: Any) -> Plan:
+        """Check the request's size here, then tokenize and check it on a worker thread."""
+        self._checked(lambda: check_size(body, self.limits))
+        try:
+            return await run_in_threadpool(plan, body, self.tokenizer, self.limits)
+        except APIError:
+            self.metrics.rejected.labels("invalid").inc()
+            raise
 
     def _checked(self, check: Callable[[], Any]) -> Any:
         """Run a check, counting the request as rejected ("invalid") when it fails."""
@@ -163,10 +209,12 @@ class CompletionService:
 
     def _submit(self, endpoint: str, plan: Plan) -> Submission:
         """Submit every choice of `plan` (all or none), or raise the fitting `APIError`."""
+        self._check_capacity(plan)
         submission = Submission(endpoint, self.metrics, asyncio.get_running_loop())
         try:
             submission.requests = self.runner.submit(plan.choice_prompts(), plan.samplings, submission.listener,
-                                                     logprobs=plan.top_logprobs)
+                                                     logprobs=plan.top_logprobs, grammars=plan.choice_grammars(),
+                                                     prompt_logprobs=plan.prompt_logprobs)
         except QueueFull as e:
             self.metrics.rejected.labels("queue_full").inc()
             raise APIError(429, f"the server is busy ({e}); retry later", code="queue_full",
@@ -185,34 +233,80 @@ class CompletionService:
         self.metrics.prompt_tokens.labels(endpoint).inc(sum(len(p) for p in plan.prompts))
         return submission
 
+    def _check_capacity(self, plan: Plan) -> None:
+        """400 (not 429) for what could never run: more choices than the server admits at once, or a
+        feature this engine lacks."""
+        if len(plan.samplings) > self.runner.capacity:
+            self.metrics.rejected.labels("invalid").inc()
+            raise APIError(400, f"the request has {len(plan.samplings)} choices ({len(plan.prompts)} prompts x n="
+                                f"{plan.n}); this server admits at most {self.runner.capacity} at once",
+                           param="n", code="invalid_value")
+        for option, param, wanted in (("grammar", "response_format", any(plan.grammars)),
+                                      ("prompt_logprobs", "prompt_logprobs", plan.prompt_logprobs is not None)):
+            if wanted and not self.runner.supports(option):
+                self.metrics.rejected.labels("invalid").inc()
+                raise APIError(400, f"{param}: this engine cannot constrain or score prompts ({option})",
+                               param=param, code="unsupported_parameter")
+
     # ---- whole results -------------------------------------------------------------------------
     def _chat_result(self, submission: Submission, plan: Plan, reply: _Reply) -> ChatCompletion:
         choices = []
         for i, request in enumerate(submission.requests):
             reasoning, content = split_reply(request.text, request.thinking)
-            message = AssistantMessage(content=content,
+            calls, finish = [], finish_reason(request)
+            if plan.calls_tools and (parsed := split_tool_calls(content)) is not None:
+                content, found = parsed
+                calls = [ToolCall(id=c.id, function={"name": c.name, "arguments": c.arguments}) for c in found]
+                finish = "tool_calls" if finish == "stop" else finish
+            message = AssistantMessage(content=content if content or not calls else None, tool_calls=calls,
                                        reasoning_content=reasoning if request.thinking or reasoning else None)
             logprobs = None if request.logprobs is None else chat_logprobs(self.tokenizer, request.logprobs)
-            choices.append(ChatChoice(index=i, message=message, logprobs=logprobs, finish_reason=request.finish_reason))
+            choices.append(ChatChoice(index=i, message=message, logprobs=logprobs, finish_reason=finish))
         return ChatCompletion(id=reply.id, created=reply.created, model=reply.model, choices=choices,
-                              usage=_usage(submission, plan))
+                              usage=_usage(submission, plan),
+                              prompt_logprobs=self._prompt_logprobs(plan, submission.requests[0]))
 
     def _text_result(self, submission: Submission, plan: Plan, reply: _Reply) -> TextCompletion:
-        choices = [TextChoice(index=i, text=r.text, finish_reason=r.finish_reason,
-                              logprobs=None if r.logprobs is None else completion_logprobs(self.tokenizer, r.logprobs))
-                   for i, r in enumerate(submission.requests)]
+        choices = []
+        for i, request in enumerate(submission.requests):
+            prefix, prompt_entries = self._echo(plan, i, request)
+            text = prefix + ("" if plan.discard_output else request.text)
+            logprobs = None
+            if request.logprobs is not None:
+                output = [] if plan.discard_output else request.logprobs
+                logprobs = completion_logprobs(self.tokenizer, prompt_entries + output)
+            choices.append(TextChoice(index=i, text=text, finish_reason="length" if plan.discard_output
+                                      else finish_reason(request), logprobs=logprobs,
+                                      prompt_logprobs=self._prompt_logprobs(plan, request)))
         return TextCompletion(id=reply.id, created=reply.created, model=reply.model, choices=choices,
                               usage=_usage(submission, plan))
 
+    def _echo(self, plan: Plan, i: int, request: Request) -> tuple[str, list[Any]]:
+        """The prompt text choice `i` repeats (`echo`) and its prompt tokens' log-probability entries
+        (with `logprobs`; the first token's is None)."""
+        if plan.echo is None:
+            return "", []
+        entries = []
+        if request.top_logprobs is not None and plan.prompt_logprobs is not None:
+            entries = prompt_logprobs_entries(request.prompt, request.prompt_logprobs)
+        return plan.echo[i // plan.n], entries
+
+    def _prompt_logprobs(self, plan: Plan, request: Request) -> list[Any] | None:
+        """vLLM's `prompt_logprobs` of a choice (None when not asked for)."""
+        if not plan.report_prompt_logprobs:
+            return None
+        return vllm_prompt_logprobs(self.tokenizer, request.prompt_logprobs)
+
     # ---- streams -------------------------------------------------------------------------------
     async def _chat_events(self, submission: Submission, plan: Plan, reply: _Reply) -> AsyncIterator[str]:
-        """The chat stream: a role chunk per choice, reasoning and content deltas as they come (the
-        new tokens' log-probabilities on the step's last delta, if asked for), a finish chunk per
+        """The chat stream: a role chunk per choice, reasoning, content and tool-call deltas as they come
+        (the new tokens' log-probabilities on the step's last delta, if asked for), a finish chunk per
         choice, the usage chunk when asked for, then [DONE]."""
         try:
             for i in range(len(submission.requests)):
                 yield reply.chat_chunk(plan, i, {"role": "assistant", "content": ""})
             splitters = [ReasoningSplitter(r.thinking) for r in submission.requests]
+            callers = [ToolCallSplitter() if plan.calls_tools else None for _ in submission.requests]
             cursors = [LogprobCursor(self.tokenizer, chat=True) for _ in submission.requests]
             async for update in submission.updates():
                 i = submission.index(update.request)
@@ -220,14 +314,21 @@ class CompletionService:
                 if update.done:
                     rest = splitters[i].finish()
                     reasoning, content = reasoning + rest[0], content + rest[1]
+                calls: list[dict[str, Any]] = []
+                if callers[i] is not None:
+                    content, calls = callers[i].push(content, final=update.done)
                 logprobs = cursors[i].take(update.request, update.tokens)
-                deltas = [{"reasoning_content": reasoning}] if reasoning else []
-                if content or (logprobs and not deltas):  # tokens whose text is held back still send theirs
+                deltas: list[dict[str, Any]] = [{"reasoning_content": reasoning}] if reasoning else []
+                if content or (logprobs and not deltas and not calls):  # tokens whose text is held back send theirs
                     deltas.append({"content": content})
+                deltas += [{"tool_calls": [call]} for call in calls]
                 for k, delta in enumerate(deltas):
                     yield reply.chat_chunk(plan, i, delta, logprobs=logprobs if k == len(deltas) - 1 else None)
                 if update.done:
-                    yield reply.chat_chunk(plan, i, {}, update.request.finish_reason)
+                    finish = finish_reason(update.request)
+                    if callers[i] is not None and callers[i].calls and finish == "stop":
+                        finish = "tool_calls"
+                    yield reply.chat_chunk(plan, i, {}, finish)
             if plan.include_usage:
                 yield reply.usage_chunk("chat.completion.chunk", _usage(submission, plan))
             yield _sse("[DONE]")
@@ -235,17 +336,27 @@ class CompletionService:
             submission.cancel()  # the client went away (or the stream failed): free its requests now
 
     async def _text_events(self, submission: Submission, plan: Plan, reply: _Reply) -> AsyncIterator[str]:
-        """The completions stream: text deltas (with the new tokens' log-probabilities, if asked for), a
-        finish chunk per choice, usage when asked for, [DONE]."""
+        """The completions stream: with `echo`, each choice's prompt first; text deltas (with the new
+        tokens' log-probabilities, if asked for), a finish chunk per choice, usage when asked for, [DONE]."""
         try:
             cursors = [LogprobCursor(self.tokenizer, chat=False) for _ in submission.requests]
+            echoed = [plan.echo is None for _ in submission.requests]
             async for update in submission.updates():
                 i = submission.index(update.request)
-                logprobs = cursors[i].take(update.request, update.tokens)
-                if update.text or logprobs:
-                    yield reply.text_chunk(plan, i, update.text, logprobs=logprobs)
+                request = update.request
+                if not echoed[i] and (update.tokens or update.done):  # the prompt's log-probabilities are in
+                    echoed[i] = True
+                    prefix, entries = self._echo(plan, i, request)
+                    logprobs = completion_logprobs(self.tokenizer, entries) if request.top_logprobs is not None \
+                        else None
+                    cursors[i].offset = len(prefix)
+                    yield reply.text_chunk(plan, i, prefix, logprobs=logprobs)
+                if not plan.discard_output:
+                    logprobs = cursors[i].take(request, update.tokens)
+                    if update.text or logprobs:
+                        yield reply.text_chunk(plan, i, update.text, logprobs=logprobs)
                 if update.done:
-                    yield reply.text_chunk(plan, i, "", update.request.finish_reason)
+                    yield reply.text_chunk(plan, i, "", "length" if plan.discard_output else finish_reason(request))
             if plan.include_usage:
                 yield reply.usage_chunk("text_completion", _usage(submission, plan))
             yield _sse("[DONE]")
@@ -268,7 +379,7 @@ class _Reply:
             chunk["usage"] = None  # OpenAI's stream: null on every chunk but the last
         return _sse(json.dumps(chunk, ensure_ascii=False))
 
-    def chat_chunk(self, plan: Plan, index: int, delta: dict[str, str], finish_reason: str | None = None, *,
+    def chat_chunk(self, plan: Plan, index: int, delta: dict[str, Any], finish_reason: str | None = None, *,
                    logprobs: dict[str, Any] | None = None) -> str:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._chunk("chat.completion.chunk", plan, [choice])
@@ -288,7 +399,7 @@ def _usage(submission: Submission, plan: Plan) -> Usage:
     tokens (a stop token excluded), and the prompt tokens the prefix cache served."""
     firsts = submission.requests[::plan.n]
     return Usage.of(prompt_tokens=sum(len(p) for p in plan.prompts),
-                    completion_tokens=sum(len(r.tokens) for r in submission.requests),
+                    completion_tokens=0 if plan.discard_output else sum(len(r.tokens) for r in submission.requests),
                     cached_tokens=sum(r.cached_tokens for r in firsts))
 
 

@@ -1,12 +1,13 @@
 """Running the app under uvicorn: in the foreground with a graceful SIGTERM (`serve`), or on a
 background thread (`BackgroundServer`, for tests and notebooks).
 
-Graceful shutdown, on SIGTERM or SIGINT (or `BackgroundServer.stop()`): uvicorn stops accepting
-connections and closes idle ones; at the same moment the runner stops admitting (a request that
-still arrives on an open connection is answered 503 with `Retry-After`). Requests in flight get
-`shutdown_timeout` seconds to finish; those still running are then cancelled and end with
-finish reason "cancelled" (streams still end with `data: [DONE]`). Then the engine's thread is
-stopped and `serve` returns (exit status 0).
+Graceful shutdown, on SIGTERM or SIGINT (or `BackgroundServer.stop()`): the runner stops
+admitting, while the listener stays open: a new request is answered 503 with `Retry-After`, and
+`/health` answers 503 "draining", so a load balancer takes the server out of rotation. Requests in
+flight get `shutdown_timeout` seconds to finish; those still running are then cancelled and end
+with finish reason "abort" (streams still end with `data: [DONE]`). Once none is left, uvicorn
+closes the listener and the connections; then the engine's thread is stopped and `serve` returns
+(exit status 0).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .runner import EngineRunner
 __all__ = ["BackgroundServer", "GracefulServer", "free_port", "serve"]
 
 _BACKSTOP = 10.0  # seconds after the cancellations before uvicorn cancels the response tasks itself
+_DRAIN_POLL = 0.05  # seconds between checks that the requests in flight are done
 
 
 class GracefulServer(uvicorn.Server):
@@ -39,12 +41,14 @@ class GracefulServer(uvicorn.Server):
         self.shutdown_timeout = shutdown_timeout
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """Drain with the listener still open, cancel what outlives `shutdown_timeout`, then close."""
         self.runner.drain()
-        cancel = asyncio.get_running_loop().call_later(self.shutdown_timeout, self.runner.cancel_all)
-        try:
-            await super().shutdown(sockets)
-        finally:
-            cancel.cancel()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.shutdown_timeout
+        while self.runner.in_flight and loop.time() < deadline:
+            await asyncio.sleep(_DRAIN_POLL)
+        self.runner.cancel_all()
+        await super().shutdown(sockets)
 
 
 def serve(app: FastAPI, *, host: str, port: int, shutdown_timeout: float, log_level: str = "info") -> None:

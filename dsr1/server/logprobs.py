@@ -17,7 +17,8 @@ from ..generation.output import TokenLogprob
 from ..generation.tokenizer import Tokenizer
 from ..serving.request import Request
 
-__all__ = ["LogprobCursor", "chat_logprobs", "completion_logprobs"]
+__all__ = ["LogprobCursor", "chat_logprobs", "completion_logprobs", "prompt_logprobs_entries",
+           "vllm_prompt_logprobs"]
 
 _FLOOR = -9999.0
 
@@ -43,17 +44,51 @@ def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprob]) -> dict
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprob | int], offset: int = 0) -> dict[str, Any]:
     """A completions choice's (or chunk's) `logprobs` for `entries`, the first token's text at
-    character `offset` of the completion."""
-    tokens, offsets = [], []
+    character `offset` of the completion. A bare token id (an echoed prompt's first token, which
+    has no log-probability) reads None, as OpenAI's echo writes it."""
+    tokens, offsets, values, tops = [], [], [], []
     for e in entries:
         offsets.append(offset)
-        tokens.append(_token(tokenizer, e.token)[0])
+        tokens.append(_token(tokenizer, e if isinstance(e, int) else e.token)[0])
         offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [_value(e.logprob) for e in entries],
-            "top_logprobs": [{_token(tokenizer, t)[0]: _value(lp) for t, lp in e.top} for e in entries],
-            "text_offset": offsets}
+        values.append(None if isinstance(e, int) else _value(e.logprob))
+        tops.append(None if isinstance(e, int) else {_token(tokenizer, t)[0]: _value(lp) for t, lp in e.top})
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs_entries(prompt: Sequence[int], entries: Sequence[TokenLogprob | None] | None
+                            ) -> list[TokenLogprob | int]:
+    """An echoed prompt's entries for `completion_logprobs`: the first token bare (it has no
+    log-probability), the others the engine's. For OpenAI's echo the top alternatives include the
+    prompt's own token, as OpenAI's do."""
+    entries = list(entries or [None] * len(prompt))
+    out: list[TokenLogprob | int] = []
+    for token, e in zip(prompt, entries, strict=True):
+        if e is None:
+            out.append(token)
+            continue
+        top = dict(e.top)
+        top.setdefault(e.token, e.logprob)
+        out.append(TokenLogprob(e.token, e.logprob, tuple(top.items())))
+    return out
+
+
+def vllm_prompt_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprob | None]) -> list[Any]:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {"logprob", "rank",
+    "decoded_token"}} for the prompt's token and its top alternatives (rank 1 is the most likely;
+    the prompt's token has None when it is not among the alternatives)."""
+    out: list[Any] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        ranks = {t: k + 1 for k, (t, _) in enumerate(e.top)}
+        alternatives = [(e.token, e.logprob), *((t, lp) for t, lp in e.top if t != e.token)]
+        out.append({str(t): {"logprob": _value(lp), "rank": ranks.get(t), "decoded_token": _token(tokenizer, t)[0]}
+                    for t, lp in alternatives})
+    return out
 
 
 class LogprobCursor:

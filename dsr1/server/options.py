@@ -7,9 +7,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import ipaddress
+import json
 import os
 
-__all__ = ["API_KEY_ENV", "ServerConfig", "add_serve_arguments", "bind_refusal", "is_loopback"]
+__all__ = ["API_KEY_ENV", "ServerConfig", "add_serve_arguments", "bind_refusal", "is_loopback", "origins"]
 
 API_KEY_ENV = "DSR1_API_KEY"
 
@@ -25,6 +26,8 @@ class ServerConfig:
       default_max_tokens: a chat request's budget when it sets none (capped by the context left);
         `/v1/completions` defaults to 16, as OpenAI's does.
       shutdown_timeout: seconds in-flight requests get to finish after SIGTERM before they are cancelled.
+      allowed_origins: browser origins allowed by CORS (`"*"`: any); empty: no CORS headers.
+      stall_timeout: seconds the engine may have work without finishing a step before `/health` fails.
     """
 
     model_name: str
@@ -32,6 +35,8 @@ class ServerConfig:
     max_waiting: int = 256
     default_max_tokens: int = 4096
     shutdown_timeout: float = 30.0
+    allowed_origins: tuple[str, ...] = ()
+    stall_timeout: float = 120.0
 
     def __post_init__(self) -> None:
         if self.max_waiting < 0:
@@ -40,6 +45,21 @@ class ServerConfig:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.stall_timeout <= 0:
+            raise ValueError(f"stall_timeout must be > 0, got {self.stall_timeout}")
+
+
+def origins(text: str) -> list[str]:
+    """`--allowed-origins`: a JSON list (vLLM's spelling, e.g. '["*"]') or comma-separated origins."""
+    if text.strip().startswith("["):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list of origins: {e}") from None
+        if not isinstance(value, list) or not all(isinstance(o, str) for o in value):
+            raise argparse.ArgumentTypeError("a JSON list of origin strings is expected")
+        return value
+    return [o.strip() for o in text.split(",") if o.strip()]
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,6 +74,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     http.add_argument("--served-model-name", metavar="NAME",
                       help="the model id clients use (default: the checkpoint folder's name or the preset)")
     http.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    http.add_argument("--allowed-origins", type=origins, default=[], metavar="ORIGINS",
+                      help="CORS: browser origins allowed to call the API, as a JSON list ('[\"*\"]' for any) or "
+                           "comma-separated (default: none, no CORS headers)")
     engine = p.add_argument_group("engine")
     engine.add_argument("--max-seqs", type=int, default=8,
                         help="decode rows: requests decoding at once; --prefill-rows more are prefilled ahead "
@@ -84,6 +107,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                              "reserves pages for its prompt and its whole budget, so size --num-pages to match")
     limits.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish after SIGTERM (default: 30)")
+    limits.add_argument("--health-stall-timeout", type=float, default=120.0, metavar="SECONDS",
+                        help="/health answers 503 once the engine has had work this long without finishing a step "
+                             "(default: 120; the first steps may compile when --no-warmup)")
 
 
 def is_loopback(host: str) -> bool:

@@ -1,12 +1,18 @@
-"""From a parsed request to what the engine runs: prompt token ids and one `Sampling` per choice,
-after every check that needs the tokenizer, the model or the server's limits (unknown model,
-unsupported features, empty or malformed messages,
-log-probabilities asked for wrongly, token ids outside the vocabulary, a prompt or a
-budget that does not fit the context). Each failure is an `APIError` naming the field.
+"""From a parsed request to what the engine runs: prompt token ids, one `Sampling` per choice and
+the output grammar of each prompt, after every check that needs the tokenizer, the model or the
+server's limits (unknown model, unsupported features, empty or malformed messages, tools and
+output constraints, log-probabilities asked for wrongly, token ids outside the vocabulary, a
+prompt or a budget that does not fit the context). Each failure is an `APIError` naming the field.
 
 Defaults follow OpenAI's API: temperature 1 and top_p 1; `/v1/completions` generates 16 tokens
 unless told otherwise; a chat request without a budget gets `ServerConfig.default_max_tokens`,
-capped by the context left after its prompt.
+capped by the context left after its prompt. vLLM's sampling parameters are honoured as vLLM
+does (`bad_words` tokenized with and without a leading space) or refused by name
+(`use_beam_search`, `length_penalty`, `logits_processors`, `best_of` other than `n`, ...).
+
+`check_size` runs on the event loop before any tokenization: a text whose bytes could not fit the
+context even at the vocabulary's longest token is refused at once, so a huge prompt costs nothing.
+The planning itself (tokenization, grammars) runs on a worker thread (`completions`).
 """
 
 from __future__ import annotations
@@ -14,31 +20,40 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ..generation.output import opens_thinking
 from ..generation.sampling import Sampling
 from ..generation.tokenizer import Tokenizer
 from .errors import APIError
-from .protocol import MAX_STOP_STRINGS, ChatCompletionRequest, ChatMessage, CompletionRequest
+from .guided import constraint_of
+from .protocol import MAX_STOP_STRINGS, ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeRequest
+from .tools import ToolSpec, parse_tool_choice, parse_tools, tool_call_grammar, tools_system_prompt
 
-__all__ = ["COMPLETIONS_DEFAULT_MAX_TOKENS", "Limits", "Plan", "plan_chat", "plan_completion"]
+__all__ = ["COMPLETIONS_DEFAULT_MAX_TOKENS", "Limits", "Plan", "check_size", "plan_chat", "plan_completion",
+           "plan_tokenize"]
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's: a bias in [-100, 100]
 
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
     """What requests are checked against: the model's id, the context (prompt + output tokens a
-    request may hold), the vocabulary, and the default budget of a chat request."""
+    request may hold), the vocabulary, the default budget of a chat request, and the most bytes
+    one token of the vocabulary stands for (for `check_size`)."""
 
     model_name: str
     context: int
     vocab_size: int
     default_max_tokens: int
+    max_token_bytes: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """A checked request: its prompts' token ids and `n` settings per prompt (prompt-major: choice
-    `i` runs prompt `i // n`)."""
+    `i` runs prompt `i // n`), each prompt's output grammar (None: free), the tools a chat reply may
+    call (`tool_choice` "none", "auto", "required" or a function's name), and what of the prompt the
+    reply repeats (`echo`: its text; `prompt_logprobs`: alternatives per prompt token)."""
 
     prompts: list[list[int]]
     samplings: list[Sampling]
@@ -46,47 +61,127 @@ class Plan:
     stream: bool
     include_usage: bool
     top_logprobs: int | None = None  # None: no log-probabilities; else alternatives per output token
+    grammars: tuple[str | None, ...] = ()
+    tools: tuple[ToolSpec, ...] = ()
+    tool_choice: str = "none"
+    echo: tuple[str, ...] | None = None  # each prompt's text, repeated before its choices' outputs
+    prompt_logprobs: int | None = None  # alternatives per prompt token the engine records (None: none)
+    report_prompt_logprobs: bool = False  # vLLM's `prompt_logprobs` field in the reply (not only echo's)
+    discard_output: bool = False  # max_tokens 0 with echo: the one token generated is not returned
 
     def choice_prompts(self) -> list[list[int]]:
         """The prompt of every choice."""
         return [self.prompts[i // self.n] for i in range(len(self.samplings))]
 
+    def choice_grammars(self) -> list[str | None]:
+        """The output grammar of every choice."""
+        return [self.grammars[i // self.n] if self.grammars else None for i in range(len(self.samplings))]
+
+    @property
+    def calls_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+def check_size(body: ChatCompletionRequest | CompletionRequest, limits: Limits) -> None:
+    """Refuse, before tokenizing it, a prompt whose UTF-8 bytes need more tokens than the context
+    holds even if every token were the vocabulary's longest."""
+    if isinstance(body, ChatCompletionRequest):
+        texts = [(f"messages[{i}].content", m.text() or "") for i, m in enumerate(body.messages)]
+        size, param = sum(len(t.encode()) for _, t in texts), "messages"
+    else:
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        size = max((len(p.encode()) for p in prompts if isinstance(p, str)), default=0)
+        param = "prompt"
+    least = -(-size // max(limits.max_token_bytes, 1))
+    if least > limits.context:
+        raise APIError(400, f"the prompt has {size} bytes, at least {least} tokens, but this model's context is "
+                            f"{limits.context} tokens (prompt and output together); shorten the prompt",
+                       param=param, code="context_length_exceeded")
+
 
 def plan_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits) -> Plan:
-    """Check a chat request and encode its messages with R1's chat template."""
+    """Check a chat request and encode its messages (and tools) with R1's chat template."""
     _check_common(body, limits)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
-    if body.tools:
-        raise APIError(400, "tools (function calling) are not supported", param="tools", code="unsupported_parameter")
-    if body.response_format is not None and body.response_format.get("type", "text") != "text":
-        raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format",
-                       code="unsupported_parameter")
+    if body.echo:
+        raise APIError(400, "echo is not supported on chat completions", param="echo", code="unsupported_parameter")
+    if body.token_budget == 0:
+        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        raise APIError(400, f"{param} must be at least 1", param=param, code="invalid_value")
     if not body.messages:
         raise APIError(400, "messages must contain at least one message", param="messages", code="invalid_value")
+    tools = parse_tools(body.tools or [])
+    choice = parse_tool_choice(body.tool_choice, tools)
+    messages = _template_messages(body.messages)
+    if tools and choice != "none":
+        messages.append({"role": "system", "content": tools_system_prompt(tools)})
     try:
-        prompt = tokenizer.apply_chat_template(_template_messages(body.messages))
+        prompt = tokenizer.apply_chat_template(messages)
     except ValueError as e:
         raise APIError(400, f"messages cannot be rendered: {e}", param="messages", code="invalid_value") from None
+    prompt = _truncated(prompt, body.truncate_prompt_tokens)
+    constraint = constraint_of(body)
+    thinking = opens_thinking(prompt, tokenizer)
+    if choice not in ("none", "auto"):
+        if constraint is not None:
+            raise APIError(400, f"tool_choice {body.tool_choice!r} and {constraint.param} both constrain the reply; "
+                                "send one", param=constraint.param, code="invalid_value")
+        grammar = tool_call_grammar(tools, choice, tokenizer, thinking)
+    else:
+        grammar = constraint.grammar(tokenizer, thinking) if constraint is not None else None
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     budget = _budget(len(prompt), body.token_budget, limits.default_max_tokens, limits.context, "messages", param)
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return Plan([prompt], _samplings(body, [budget]), body.n, body.stream, body.include_usage, top_logprobs)
+    # The reply's markers (tool calls, and R1's </think> where the vocabulary makes it special) must reach the parsers.
+    keep_special = (tools and choice != "none") or thinking
+    return Plan([prompt], _samplings(body, [budget], tokenizer, limits, keep_special=bool(keep_special)), body.n,
+                body.stream, body.include_usage, top_logprobs, grammars=(grammar,), tools=tuple(tools),
+                tool_choice=choice, prompt_logprobs=body.prompt_logprobs,
+                report_prompt_logprobs=body.prompt_logprobs is not None)
 
 
 def plan_completion(body: CompletionRequest, tokenizer: Tokenizer, limits: Limits) -> Plan:
     """Check a completions request and encode its prompt(s) (text with BOS, or token ids as given)."""
     _check_common(body, limits)
-    if body.echo:
-        raise APIError(400, "echo is not supported", param="echo", code="unsupported_parameter")
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
-    if body.best_of is not None and body.best_of != body.n:
-        raise APIError(400, "best_of other than n is not supported", param="best_of", code="unsupported_parameter")
-    prompts = [_encode(p, tokenizer, limits) for p in _prompt_list(body.prompt)]
-    budgets = [_budget(len(p), body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, limits.context, "prompt", "max_tokens")
-               for p in prompts]
-    return Plan(prompts, _samplings(body, budgets), body.n, body.stream, body.include_usage, body.logprobs)
+    given = _prompt_list(body.prompt)
+    prompts = [_truncated(_encode(p, tokenizer, limits), body.truncate_prompt_tokens) for p in given]
+    discard = body.max_tokens == 0
+    if discard and not body.echo:
+        raise APIError(400, "max_tokens 0 needs echo: true (the reply is then the prompt alone)", param="max_tokens",
+                       code="invalid_value")
+    budgets = [_budget(len(p), 1 if discard else body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, limits.context,
+                       "prompt", "max_tokens") for p in prompts]
+    constraint = constraint_of(body)
+    grammars = tuple(None if constraint is None else constraint.grammar(tokenizer, opens_thinking(p, tokenizer))
+                     for p in prompts)
+    echo = tuple(p if isinstance(p, str) and body.truncate_prompt_tokens is None else tokenizer.decode(q)
+                 for p, q in zip(given, prompts)) if body.echo else None
+    # echo with logprobs: the prompt's tokens get theirs too (OpenAI's legacy API, lm-evaluation-harness).
+    prompt_logprobs = body.prompt_logprobs
+    if body.echo and body.logprobs is not None:
+        prompt_logprobs = max(body.logprobs, prompt_logprobs or 0)
+    return Plan(prompts, _samplings(body, budgets, tokenizer, limits), body.n, body.stream, body.include_usage,
+                body.logprobs, grammars=grammars, echo=echo, prompt_logprobs=prompt_logprobs,
+                report_prompt_logprobs=body.prompt_logprobs is not None, discard_output=discard)
+
+
+def plan_tokenize(body: TokenizeRequest, tokenizer: Tokenizer, limits: Limits) -> list[int]:
+    """`/tokenize`'s token ids: a text prompt (with BOS when `add_special_tokens`) or chat messages
+    rendered by the template."""
+    if body.model is not None and body.model != limits.model_name:
+        raise APIError(404, f"the model '{body.model}' does not exist; this server serves '{limits.model_name}'",
+                       param="model", code="model_not_found")
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "send either prompt or messages", param="prompt", code="invalid_value")
+    if body.prompt is not None:
+        return tokenizer.encode(body.prompt, add_bos=body.add_special_tokens)
+    try:
+        return tokenizer.apply_chat_template(_template_messages(body.messages), body.add_generation_prompt)
+    except ValueError as e:
+        raise APIError(400, f"messages cannot be rendered: {e}", param="messages", code="invalid_value") from None
 
 
 # ---- checks ----------------------------------------------------------------------------------------
@@ -97,8 +192,19 @@ def _check_common(body: ChatCompletionRequest | CompletionRequest, limits: Limit
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options",
                        code="invalid_value")
-    if body.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported_parameter")
+    refused = [("use_beam_search", body.use_beam_search, "beam search is not supported"),
+               ("length_penalty", body.length_penalty != 1.0, "length_penalty applies to beam search only"),
+               ("logits_processors", bool(body.logits_processors), "custom logits processors are not supported"),
+               ("spaces_between_special_tokens", not body.spaces_between_special_tokens,
+                "special tokens are always decoded without spaces between them"),
+               ("best_of", body.best_of is not None and body.best_of != body.n,
+                "best_of other than n is not supported")]
+    for param, refuse, why in refused:
+        if refuse:
+            raise APIError(400, f"{param}: {why}", param=param, code="unsupported_parameter")
+    if body.min_tokens and body.token_budget is not None and body.min_tokens > body.token_budget:
+        raise APIError(400, f"min_tokens ({body.min_tokens}) must be at most max_tokens ({body.token_budget})",
+                       param="min_tokens", code="invalid_value")
     for i, stop in enumerate(body.stop_strings()):
         if not stop:
             raise APIError(400, "stop strings must not be empty", param=f"stop[{i}]", code="invalid_value")
@@ -166,9 +272,71 @@ def _budget(prompt_tokens: int, requested: int | None, default: int, context: in
     return requested
 
 
-def _samplings(body: ChatCompletionRequest | CompletionRequest, budgets: list[int]) -> list[Sampling]:
+def _truncated(prompt: list[int], keep: int | None) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens."""
+    return prompt if keep is None else prompt[-keep:]
+
+
+def _token_ids(ids: list[int] | None, param: str, limits: Limits) -> tuple[int, ...]:
+    bad = next((t for t in ids or () if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})", param=param,
+                       code="invalid_value")
+    return tuple(ids or ())
+
+
+def _logit_bias(bias: dict[str, float] | None, limits: Limits) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias` (token id strings to a bias in [-100, 100]) as (id, bias) pairs."""
+    out = []
+    for key, value in (bias or {}).items():
+        param = f"logit_bias.{key}"
+        if not key.isdigit() or not 0 <= int(key) < limits.vocab_size:
+            raise APIError(400, f"logit_bias keys are token ids in [0, {limits.vocab_size}), got {key!r}", param=param,
+                           code="invalid_value")
+        if not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:
+            raise APIError(400, f"a logit bias is in [-100, 100], got {value}", param=param, code="invalid_value")
+        out.append((int(key), float(value)))
+    return tuple(out)
+
+
+def bad_words_ids(words: list[str] | None, tokenizer: Tokenizer) -> tuple[tuple[int, ...], ...]:
+    """vLLM's `bad_words` as token sequences: each word as written and, when that makes other
+    tokens of the same count, with a leading space (the word inside a text)."""
+    out: list[tuple[int, ...]] = []
+    for i, word in enumerate(words or ()):
+        if not word.strip():
+            raise APIError(400, "bad words must not be empty", param=f"bad_words[{i}]", code="invalid_value")
+        plain = tuple(tokenizer.encode(word.lstrip()))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip()))
+        out.append(plain)
+        if spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return tuple(out)
+
+
+# Sampling's fields beyond the basic ones, with the value that leaves the output unchanged.
+_NEUTRAL: dict[str, Any] = {"min_tokens": 0, "ignore_eos": False, "logit_bias": (), "allowed_token_ids": (),
+                            "bad_words_ids": (), "include_stop_str_in_output": False, "skip_special_tokens": False}
+_REQUEST_PARAM = {"bad_words_ids": "bad_words"}
+
+
+def _engine_fields(fields: dict[str, Any], requested: set[str]) -> dict[str, Any]:
+    """`fields` less the ones this engine's `Sampling` lacks; a 400 naming the request parameter when
+    one of those is `requested` with anything but its neutral value."""
+    known = {f.name for f in dataclasses.fields(Sampling)}
+    for name in [n for n in fields if n not in known]:
+        if fields.pop(name) != _NEUTRAL[name] and _REQUEST_PARAM.get(name, name) in requested:
+            param = _REQUEST_PARAM.get(name, name)
+            raise APIError(400, f"{param} is not supported by this engine", param=param,
+                           code="unsupported_parameter")
+    return fields
+
+
+def _samplings(body: ChatCompletionRequest | CompletionRequest, budgets: list[int], tokenizer: Tokenizer,
+               limits: Limits, *, keep_special: bool = False) -> list[Sampling]:
     """`n` settings per prompt: the request's sampling fields, its stops, the prompt's budget, and
-    seeds `seed + i` so seeded choices differ from one another and repeat across calls."""
+    seeds `seed + i` so seeded choices differ from one another and repeat across calls.
+    `keep_special`: decode special tokens whatever the request says (the reply's parsers read them)."""
     fields = dict(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
@@ -178,7 +346,16 @@ def _samplings(body: ChatCompletionRequest | CompletionRequest, budgets: list[in
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
         stop_strings=body.stop_strings(),
+        stop_token_ids=_token_ids(body.stop_token_ids, "stop_token_ids", limits),
+        min_tokens=body.min_tokens,
+        ignore_eos=body.ignore_eos,
+        logit_bias=_logit_bias(body.logit_bias, limits),
+        allowed_token_ids=_token_ids(body.allowed_token_ids, "allowed_token_ids", limits),
+        bad_words_ids=bad_words_ids(body.bad_words, tokenizer),
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens and not keep_special,
     )
+    fields = _engine_fields(fields, body.model_fields_set)
     seeds = [None if body.seed is None else (body.seed + i) % 2**64 for i in range(body.n)]
     try:
         return [Sampling(**fields, seed=seed, max_new_tokens=budget) for budget in budgets for seed in seeds]

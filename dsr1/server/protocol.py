@@ -5,9 +5,11 @@ Requests are parsed by `parse_request`, which turns malformed JSON and every val
 an `APIError` (400) naming the field (`param`, e.g. `messages[0].role`). Range checks that depend
 on the model or the server (context length, queue) are `completions.py`'s.
 
-Fields outside OpenAI's API that vLLM and SGLang also accept (`top_k`, `min_p`,
-`repetition_penalty`) are accepted; unknown fields are ignored, as vLLM does, so clients that send
-vendor extensions keep working.
+Fields outside OpenAI's API that vLLM also accepts (`top_k`, `min_p`, `repetition_penalty`,
+`min_tokens`, `ignore_eos`, `stop_token_ids`, `bad_words`, `allowed_token_ids`,
+`include_stop_str_in_output`, `skip_special_tokens`, `prompt_logprobs`, the structured-output
+fields...) are parsed here and each one honoured or refused by name in `prepare`; unknown fields
+are ignored, as vLLM does, so clients that send other vendor extensions keep working.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ class _SamplingFields(_Strict):
     """The sampling and output fields shared by chat completions and completions."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)  # 0: completions with echo only (the prompt's log-probabilities)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # -1 or 0: off (vLLM's convention and dsr1's)
@@ -82,6 +84,28 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's sampling parameters
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    best_of: int | None = Field(None, ge=1)
+    logits_processors: list[Any] | None = None
+    # structured outputs: OpenAI's response_format (chat), vLLM's structured_outputs and guided_*
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -99,9 +123,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    echo: bool = False
 
     @property
     def token_budget(self) -> int | None:
@@ -117,7 +142,6 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # OpenAI stops at 5; vLLM, like us, at 20
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = Field(None, ge=1)
 
     @property
     def token_budget(self) -> int | None:
@@ -184,10 +208,22 @@ class Usage(BaseModel):
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     reasoning_content: str | None = None  # R1's thinking, as DeepSeek's API returns it
+    tool_calls: list[ToolCall] = []
 
 
 class ChatChoice(BaseModel):
@@ -205,6 +241,7 @@ class ChatCompletion(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    prompt_logprobs: Any = None  # vLLM's, when asked for: one entry per prompt token (None for the first)
 
 
 class Delta(BaseModel):
@@ -235,6 +272,7 @@ class TextChoice(BaseModel):
     text: str
     logprobs: Any = None
     finish_reason: str | None
+    prompt_logprobs: Any = None  # vLLM's: one entry per prompt token (None for the first) when asked for
 
 
 class TextCompletion(BaseModel):
@@ -260,3 +298,21 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's `POST /tokenize`: a text `prompt`, or chat `messages` rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # a text prompt gets BOS
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's `POST /detokenize`."""
+
+    model: str | None = None
+    tokens: list[int]

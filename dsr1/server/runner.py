@@ -7,13 +7,17 @@ draining), gets `Update`s through its listener on the engine thread, and reads e
 from the snapshot the runner refreshes between steps.
 
 Shutdown: `drain()` refuses new requests; `cancel_all()` cancels the ones in flight (they finish
-as "cancelled" at the next step, their pages freed); `stop()` cancels what is left, steps until
+as "abort" at the next step, their pages freed); `stop()` cancels what is left, steps until
 the engine is idle and joins the thread.
+
+Health: `stalled(after)` is true when the engine has had work for `after` seconds without
+finishing a step (a hung device, a deadlock), which `/health` reports as a failure.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import threading
 import time
@@ -21,12 +25,14 @@ from collections.abc import Callable, Sequence
 
 from ..generation.sampling import Sampling
 from ..serving import Engine, EngineStats, Request
+from ..serving.request import FINISH_REASONS
 
 __all__ = ["Draining", "EngineFailed", "EngineRunner", "QueueFull", "Update"]
 
 log = logging.getLogger("dsr1.server")
 
 STATS_INTERVAL = 0.2  # seconds between statistics snapshots while stepping
+ABORT = "abort" if "abort" in FINISH_REASONS else FINISH_REASONS[-1]  # the finish reason of a cancelled request
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +47,7 @@ class Update:
     tokens: int
     done: bool
     at: float
+    scheduled: bool = False  # the request was admitted to the batch in this step (for its queue time)
 
 
 Listener = Callable[[Update], None]  # called on the engine thread: must be quick and must not block
@@ -67,6 +74,7 @@ class _Tracked:
     request: Request | None = None
     pieces: list[str] = dataclasses.field(default_factory=list)
     tokens: int = 0
+    scheduled: bool = False
 
 
 class EngineRunner:
@@ -86,6 +94,8 @@ class EngineRunner:
         self._error: BaseException | None = None
         self._stats = engine.stats()
         self._stats_at = 0.0
+        self._progress_at = time.monotonic()  # the last finished step, or when work arrived at an idle engine
+        self._submit_options = set(inspect.signature(engine.submit).parameters)
         self._thread = threading.Thread(target=self._loop, name="dsr1-engine", daemon=True)
 
     # ---- the HTTP side -------------------------------------------------------------------------
@@ -112,11 +122,23 @@ class EngineRunner:
         """The engine's statistics as of the latest snapshot (at most `STATS_INTERVAL` old while busy)."""
         return self._stats
 
+    def stalled(self, after: float) -> bool:
+        """The engine has work and has finished no step for `after` seconds."""
+        return self.engine.has_work and time.monotonic() - self._progress_at > after
+
+    def supports(self, option: str) -> bool:
+        """Whether the engine's `submit` takes `option` (e.g. "grammar", "prompt_logprobs")."""
+        return option in self._submit_options
+
     def submit(self, prompts: Sequence[list[int]], samplings: Sequence[Sampling], listener: Listener, *,
-               logprobs: int | None = None) -> list[Request]:
+               logprobs: int | None = None, grammars: Sequence[str | None] | None = None,
+               prompt_logprobs: int | None = None) -> list[Request]:
         """Submit one request per (prompt, sampling), all or none, each recording `logprobs` alternatives
-        per token if not None; `listener` receives their updates. Raises `Draining`, `EngineFailed`,
-        `QueueFull`, or the engine's ValueError for a request that can never run."""
+        per token if not None, constrained by its grammar (`grammars`, llguidance's; None: free) and
+        recording `prompt_logprobs` alternatives per prompt token if not None; `listener` receives
+        their updates. Raises `Draining`, `EngineFailed`, `QueueFull`, or the engine's ValueError for a
+        request that can never run."""
+        grammars = list(grammars) if grammars is not None else [None] * len(prompts)
         with self._lock:
             if self._error is not None:
                 raise EngineFailed(f"the engine stopped: {self._error!r}")
@@ -124,17 +146,22 @@ class EngineRunner:
                 raise Draining("the server is shutting down")
             if len(self._tracked) + len(prompts) > self.capacity:
                 raise QueueFull(f"{len(self._tracked)} requests in flight; the server admits {self.capacity}")
+            if not self.engine.has_work:
+                self._progress_at = time.monotonic()  # an idle engine's stall clock starts now
             requests = []
             try:
-                for prompt, sampling in zip(prompts, samplings, strict=True):
+                for prompt, sampling, grammar in zip(prompts, samplings, grammars, strict=True):
                     tracked = _Tracked(listener)
+                    options = {"grammar": grammar} if grammar is not None else {}
+                    if prompt_logprobs is not None:
+                        options["prompt_logprobs"] = prompt_logprobs
                     tracked.request = self.engine.submit(prompt, sampling=sampling, on_text=tracked.pieces.append,
-                                                         logprobs=logprobs)
+                                                         logprobs=logprobs, **options)
                     self._tracked.append(tracked)
                     requests.append(tracked.request)
             except BaseException:
                 for request in requests:
-                    request.cancel()  # the engine drops them at its next step; the listener hears "cancelled"
+                    request.cancel()  # the engine drops them at its next step; the listener hears "abort"
                 raise
         self._wake.set()
         return requests
@@ -182,6 +209,7 @@ class EngineRunner:
             self._error = e
             self._fail_all()
             return
+        self._progress_at = time.monotonic()
         self._publish(time.perf_counter())
         self._refresh_stats(force=False)
 
@@ -193,12 +221,13 @@ class EngineRunner:
         for t in tracked:
             request = t.request
             done, tokens = request.done, len(request.tokens)
-            if not (t.pieces or tokens != t.tokens or done):
+            scheduled = not t.scheduled and request.scheduled_at is not None
+            if not (t.pieces or tokens != t.tokens or done or scheduled):
                 continue
             text = "".join(t.pieces)
             t.pieces.clear()
-            t.tokens = tokens
-            self._notify(t, Update(request, text, tokens, done, now))
+            t.tokens, t.scheduled = tokens, t.scheduled or scheduled
+            self._notify(t, Update(request, text, tokens, done, now, scheduled))
             if done:
                 finished.append(t)
         if finished:
@@ -206,11 +235,11 @@ class EngineRunner:
                 self._tracked = [t for t in self._tracked if t not in finished]
 
     def _fail_all(self) -> None:
-        """The engine is broken: finish every request in flight as cancelled and tell its listener."""
+        """The engine is broken: finish every request in flight as aborted and tell its listener."""
         with self._lock:
             tracked, self._tracked = self._tracked, []
         for t in tracked:
-            t.request.finish("cancelled")
+            t.request.finish(ABORT)
             self._notify(t, Update(t.request, "".join(t.pieces), len(t.request.tokens), True, time.perf_counter()))
 
     @staticmethod

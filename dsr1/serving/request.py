@@ -41,6 +41,7 @@ class Request:
         self.thinking = thinking  # the prompt opened R1's <think> block
         self.submitted_at = time.perf_counter()
         self.cached_tokens = 0  # prompt tokens served from the prefix cache (set at admission)
+        self.scheduled_at: float | None = None  # when the scheduler admitted it to the batch (perf_counter)
         self.drafted_tokens = 0  # with MTP drafts: drafts verified for this request
         self.accepted_drafts = 0  # ... and accepted (each an output token that cost no step of its own)
         self.first_token_at: float | None = None

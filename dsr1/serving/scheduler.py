@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import time
 from collections import deque
 from collections.abc import Sequence
 
@@ -331,6 +332,7 @@ class Scheduler:
             self._waiting.popleft()
             pages = self.prefix_cache.acquire(match)
             request.cached_tokens = match.tokens
+            request.scheduled_at = time.perf_counter()
             prefill_end = len(prompt) - self.config.last_prompt_token_decodes
             seq = Running(request, self._free_slots.pop(0), pages, reserved, fed=match.tokens, tokens=list(prompt),
                           prefill_end=prefill_end)
