@@ -97,7 +97,7 @@ def lab(tmp_path):
              "--allow-root", "--LabApp.expose_app_in_browser=True", "--LabApp.news_url=",
              "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
             env=env, cwd=served, stdout=log, stderr=subprocess.STDOUT)
-        wait_for_http(f"http://127.0.0.1:{port}/api/status?token={token}", timeout=60)
+        wait_for_http(f"http://127.0.0.1:{port}/api/status?token={token}", timeout=180)
         yield f"http://127.0.0.1:{port}/lab/tree/main.ipynb?token={token}"
     finally:
         if server is not None:
