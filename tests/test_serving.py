@@ -382,7 +382,7 @@ def test_sixteen_slots_decode_in_narrower_calls_without_compiling(tiny, make_eng
 def test_step_rows_pack_round_trip():
     import jax
 
-    from dsr1.programs import StepRows
+    from dsr1.serving.step import StepRows
 
     rng = np.random.default_rng(0)
     rows = StepRows(slots=np.array([2, 4, 0], np.int32), tokens=rng.integers(0, 1000, (3, 5), dtype=np.int32),
@@ -399,7 +399,7 @@ def test_step_rows_pack_round_trip():
 def test_sampled_pack_round_trip():
     import jax
 
-    from dsr1.programs import Sampled
+    from dsr1.serving.step import Sampled
 
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, 1000, 3).astype(np.int32)

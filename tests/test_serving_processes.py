@@ -13,7 +13,7 @@ import pytest
 
 import dsr1
 from dsr1.generation.sampling import Sampling
-from dsr1.programs import StepRows
+from dsr1.serving.step import StepRows
 from dsr1.serving import Engine
 from dsr1.serving.broadcast import decode_work, encode_work, payload_bucket
 from dsr1.serving.page_pool import PageOp

@@ -25,8 +25,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from ..generation.sampling import SamplingArrays
-from ..programs import StepRows
 from .page_pool import PAGE_OP_KINDS, PageOp
+from .step import StepRows
 from .work import Admission, StepWork
 
 __all__ = ["MIN_PAYLOAD", "StepChannel", "decode_work", "encode_work"]

@@ -68,13 +68,14 @@ from ..core.sharding import to_host
 from ..generation.output import Prompt, encode_prompt, needs_tokenizer, opens_thinking, request_sampling
 from ..generation.sampling import TOP_LOGPROBS, Sampling
 from ..generation.tokenizer import Tokenizer, load_tokenizer
-from ..programs import Sampled
 from .broadcast import StepChannel
+from .draft_step import mtp_paged_cache, unpack_verified
 from .page_pool import PageLog, PagePool, warm_up_ops
 from .pages import PageAllocator
 from .prefix_cache import PrefixCache
 from .request import Request, TextCallback
 from .scheduler import Lane, Scheduler, SchedulerConfig, StepPlan, lane_rows, reserved_pages
+from .step import Sampled
 from .work import Admission, DeviceRunner, StepWork, host_sampling
 
 __all__ = ["Engine", "EngineStats"]
@@ -167,7 +168,7 @@ class Engine:
         sizes = dict(cfg=model.cfg, mesh=model.mesh, num_pages=num_pages, page_size=page_size, dtype=model.dtype,
                      kv_cache_dtype=model.kv_cache_dtype)
         pool = PagePool(programs.paged_cache(**sizes), model.mesh,
-                        mtp_cache=programs.mtp_paged_cache(**sizes) if draft_tokens else None)
+                        mtp_cache=mtp_paged_cache(**sizes) if draft_tokens else None)
         self._runner = DeviceRunner(model, pool, slots=self.config.slots, max_seq_len=max_seq_len,
                                     decode_steps=decode_steps, draft_tokens=draft_tokens)
         # Several processes: process 0 decides and broadcasts each step's work; the others follow.
@@ -336,7 +337,7 @@ class Engine:
     def _unpack(self, packed: np.ndarray) -> tuple[Sampled, np.ndarray | None]:
         """One step of a call's output: what was sampled, and (with drafts) which tokens are accepted drafts."""
         if self.config.draft_tokens:
-            return programs.unpack_verified(packed)
+            return unpack_verified(packed)
         return Sampled.unpack(packed), None
 
     def _record(self, elapsed: float, waited: float, counted: bool) -> None:

@@ -12,7 +12,7 @@ of the queue also waits while a running prompt is about to write pages of its pr
 prefix cache does not hold yet (requests sharing a system prompt often arrive together), so the
 prefix is computed once.
 
-**Steps.** Each step makes at most two calls of one program (`dsr1.programs.serve_step`), with
+**Steps.** Each step makes at most two calls of one program (`dsr1.serving.step.serve_step`), with
 fixed shapes: a *prefill* call of `prefill_rows` rows of `prefill_chunk` tokens (the next chunk
 of up to that many prompts, in admission order) and a *decode* call of `decode_steps` tokens per
 decoding request (see "Multi-step decode"; the fewest rows of `SchedulerConfig.decode_shapes`
@@ -60,7 +60,7 @@ late (those tokens are discarded, as above); a prompt advances one chunk per `de
 decode steps.
 
 **MTP drafts** (`draft_tokens=k`). A decode call then runs draft-verify-accept iterations
-(`dsr1.programs.serve_draft_step`) and keeps 1..k+1 tokens per row per iteration, decided on
+(`dsr1.serving.draft_step.serve_draft_step`) and keeps 1..k+1 tokens per row per iteration, decided on
 device: the host plans without knowing how far a row got, so it bounds it. `Running.sampled`
 counts one token per dispatched iteration (a lower bound, corrected when the tokens are read) and
 `Running.fed` the most positions the dispatched iterations may have written (k+1 per iteration,
@@ -83,10 +83,10 @@ import numpy as np
 
 from ..core.cache import SCRATCH_PAGE
 from ..generation.output import TokenLogprob
-from ..programs import Sampled, StepRows
 from .pages import PageAllocator, pages_needed
 from .prefix_cache import PrefixCache
 from .request import Request
+from .step import Sampled, StepRows
 
 __all__ = ["Lane", "Running", "Scheduler", "SchedulerConfig", "StepPlan"]
 

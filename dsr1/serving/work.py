@@ -12,8 +12,8 @@ with this process's host copies of offloaded pages) and the per-slot `SlotState`
 
 With MTP drafts (`draft_tokens=k`) the runner carries a `DraftSlotState` and the pool's MTP pages,
 and runs the draft programs instead: a call of one-token rows is a decode call
-(`programs.serve_draft_step`), any wider one a prefill call whose rows carry one lookahead token
-(`programs.serve_draft_prefill`). The call's shape alone decides, so the broadcast `StepWork`
+(`draft_step.serve_draft_step`), any wider one a prefill call whose rows carry one lookahead token
+(`draft_step.serve_draft_prefill`). The call's shape alone decides, so the broadcast `StepWork`
 needs nothing more.
 """
 
@@ -25,12 +25,12 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from .. import programs
 from ..api import Model
 from ..core.sharding import put_replicated
 from ..generation.sampling import KEY_IMPL, Sampling, SamplingArrays, host_sampling_arrays
-from ..programs import StepRows
+from . import draft_step, step
 from .page_pool import PageOp, PagePool
+from .step import StepRows
 
 __all__ = ["Admission", "DeviceRunner", "StepWork", "device_sampling", "host_sampling"]
 
@@ -83,10 +83,10 @@ class DeviceRunner:
         self.draft_tokens = draft_tokens
         idle = device_sampling(host_sampling([Sampling(seed=0)] * slots), model.mesh)
         if draft_tokens:
-            self.state = programs.draft_slot_state(idle, mesh=model.mesh, vocab_size=model.cfg.vocab_size,
+            self.state = draft_step.draft_slot_state(idle, mesh=model.mesh, vocab_size=model.cfg.vocab_size,
                                                    hidden_size=model.cfg.hidden_size)
         else:
-            self.state = programs.slot_state(idle, mesh=model.mesh, vocab_size=model.cfg.vocab_size)
+            self.state = step.slot_state(idle, mesh=model.mesh, vocab_size=model.cfg.vocab_size)
 
     def run(self, work: StepWork) -> tuple[jax.Array, ...]:
         """Dispatch the step (returns at once); the sampled tokens `[rows]` of each call, on device."""
@@ -94,10 +94,10 @@ class DeviceRunner:
             self.pool.apply(op)
         # One transfer for the step: each admission, the page table and each call's rows packed in
         # one int32 array apiece (every array put costs a fraction of a millisecond on the host).
-        admissions = [programs.pack_admission(a.slot, a.sampling, a.prompt, self.max_seq_len) for a in work.admissions]
+        admissions = [step.pack_admission(a.slot, a.sampling, a.prompt, self.max_seq_len) for a in work.admissions]
         calls = [work.page_table, *(rows.pack() for rows in work.calls)] if work.calls else []
         placed = put_replicated([*admissions, *calls], self.model.mesh) if admissions or calls else []
-        admit = programs.admit_draft_slot if self.draft_tokens else programs.admit_slot
+        admit = draft_step.admit_draft_slot if self.draft_tokens else step.admit_slot
         for packed in placed[:len(admissions)]:
             with jax.named_scope("admit"):  # a slot's sampling settings and prompt (for penalties)
                 self.state = admit(self.state, packed, mesh=self.model.mesh)
@@ -116,7 +116,7 @@ class DeviceRunner:
         if self.draft_tokens:
             return self._serve_drafts(packed_rows, table, steps, decode)
         with jax.named_scope("serve"):
-            tokens, self.pool.cache, self.state = programs.serve_step(
+            tokens, self.pool.cache, self.state = step.serve_step(
                 self.model.params, self.pool.cache, self.state, packed_rows, table, steps=steps,
                 **self.model.program_kwargs)
         return tokens
@@ -126,11 +126,11 @@ class DeviceRunner:
         pool, kwargs = self.pool, self.model.program_kwargs
         if decode:
             with jax.named_scope("serve_drafts"):
-                tokens, pool.cache, pool.mtp_cache, self.state = programs.serve_draft_step(
+                tokens, pool.cache, pool.mtp_cache, self.state = draft_step.serve_draft_step(
                     self.model.params, pool.cache, pool.mtp_cache, self.state, packed_rows, table,
                     draft_tokens=self.draft_tokens, steps=steps, **kwargs)
             return tokens
         with jax.named_scope("serve_prefill"):
-            tokens, pool.cache, pool.mtp_cache, self.state = programs.serve_draft_prefill(
+            tokens, pool.cache, pool.mtp_cache, self.state = draft_step.serve_draft_prefill(
                 self.model.params, pool.cache, pool.mtp_cache, self.state, packed_rows, table, **kwargs)
         return tokens
