@@ -165,7 +165,7 @@ def test_no_compilation_after_warm_up_during_200_steps(make_engine):
     print(f"\n[engine] {len(requests)} requests, {stats.steps} steps, {len(compiled)} compilations: {stats}")
     assert compiled == [], f"compiled after warm-up: {compiled}"
     assert stats.steps >= 200 and stats.offloaded_pages > 0 and stats.reloaded_pages > 0
-    assert all(r.done for r in requests) and any(r.finish_reason == "cancelled" for r in requests)
+    assert all(r.done for r in requests) and any(r.finish_reason == "abort" for r in requests)
 
 
 def test_out_of_pages_requests_wait_and_all_complete(make_engine):
@@ -195,7 +195,7 @@ def test_cancel_frees_pages_and_slots(make_engine):
     running.cancel()
     waiting.cancel()
     engine.step()
-    assert running.finish_reason == waiting.finish_reason == "cancelled"
+    assert running.finish_reason == waiting.finish_reason == "abort"
     assert 0 < len(running.tokens) < 16 and waiting.tokens == []
     assert engine.allocator.used_count < used, "the cancelled request's pages are free again"
     engine.check()

@@ -30,7 +30,7 @@ from .output import (
     request_sampling,
     split_reasoning,
 )
-from .sampling import Sampling, batch_sampling
+from .sampling import Sampling, batch_sampling, host_token_rules
 from .tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:  # `dsr1.api` imports `dsr1.programs`, which imports this package
@@ -123,17 +123,18 @@ def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | N
                          f"{model.cfg.max_position_embeddings}")
     tokens, lengths = model.check_prompt(tokens, lengths)
     arrays = put_replicated(batch_sampling(settings, stop_width=STOP_WIDTH), model.mesh)
+    rule_rows = put_replicated(host_token_rules(settings), model.mesh)
     rows = [RowOutput(tokenizer, s) for s in settings]
     thinking = [opens_thinking(p, tokenizer) for p in encoded]
 
     start = time.perf_counter()
     if draft_tokens:
         # Room for a verification step's k + 1 positions past the last token that may be emitted.
-        state, first = decoding.speculative_start(model.params, tokens, lengths, arrays, **model.program_kwargs,
-                                                  max_len=max_len + draft_tokens + 1,
+        state, first = decoding.speculative_start(model.params, tokens, lengths, arrays, rule_rows,
+                                                  **model.program_kwargs, max_len=max_len + draft_tokens + 1,
                                                   kv_cache_dtype=model.kv_cache_dtype, draft_tokens=draft_tokens)
     else:
-        state, first = decoding.generate_start(model.params, tokens, lengths, arrays, **model.program_kwargs,
+        state, first = decoding.generate_start(model.params, tokens, lengths, arrays, rule_rows, **model.program_kwargs,
                                                max_len=max_len, kv_cache_dtype=model.kv_cache_dtype)
     chunk = to_host(first)[:, None]
     prefill_seconds = time.perf_counter() - start

@@ -19,7 +19,18 @@ from ..core.config import Config
 from ..core.params import Params
 from ..core.sharding import ShardingRules
 from . import speculative
-from .sampling import SamplingArrays, init_counts, is_stop_token, sample, update_counts
+from .sampling import (
+    SamplingArrays,
+    TokenRuleRows,
+    TokenRules,
+    init_counts,
+    is_stop_token,
+    no_recent,
+    push_recent,
+    sample,
+    token_rules,
+    update_counts,
+)
 
 _MODEL = ("cfg", "mesh", "rules")  # the static arguments every program shares
 
@@ -42,6 +53,8 @@ class DecodeState:
     generated: jax.Array  # [B] tokens produced so far (the sampling step index)
     prompt_seen: jax.Array  # [B, V] bool
     counts: jax.Array  # [B, V] int32 output token counts
+    token_rules: TokenRules  # each row's logit bias, allowed tokens, bad words, min_tokens
+    recent: jax.Array  # [B, H] int32 the row's last generated tokens (bad words)
 
 
 def _advance(state: DecodeState, logits: jax.Array, sampling: SamplingArrays,
@@ -49,25 +62,28 @@ def _advance(state: DecodeState, logits: jax.Array, sampling: SamplingArrays,
     """Sample each active row's next token from `logits` and update the row's progress; the
     recorded token is -1 for rows that were already done."""
     active = ~state.done
-    token = sample(logits, sampling, state.prompt_seen, state.counts, state.generated)
+    token = sample(logits, sampling, state.prompt_seen, state.counts, state.generated, rules=state.token_rules,
+                   recent=state.recent)
     generated = state.generated + active
     done = state.done | (active & (is_stop_token(token, sampling) | (generated >= sampling.max_new_tokens)))
     new = DecodeState(cache, jnp.where(active, token, state.last), done, generated, state.prompt_seen,
-                      update_counts(state.counts, token, active))
+                      update_counts(state.counts, token, active), state.token_rules,
+                      push_recent(state.recent, token, active))
     return new, jnp.where(active, token, -1)
 
 
 @functools.partial(jax.jit, static_argnames=(*_MODEL, "max_len", "kv_cache_dtype"))
-def generate_start(params: Params, tokens: jax.Array, lengths: jax.Array, sampling: SamplingArrays, *, cfg: Config,
-                   mesh: Mesh, rules: ShardingRules, max_len: int,
+def generate_start(params: Params, tokens: jax.Array, lengths: jax.Array, sampling: SamplingArrays,
+                   rule_rows: TokenRuleRows, *, cfg: Config, mesh: Mesh, rules: ShardingRules, max_len: int,
                    kv_cache_dtype: str | None) -> tuple[DecodeState, jax.Array]:
-    """Prefill and sample the first token of every row: the loop state and the tokens `[B]`."""
+    """Prefill and sample the first token of every row: the loop state and the tokens `[B]`.
+    `rule_rows`: each row's token rules (`host_token_rules`), expanded here once."""
     logits, cache = model.prefill(params, tokens, lengths, cfg=cfg, mesh=mesh, rules=rules, max_len=max_len,
                                   kv_cache_dtype=kv_cache_dtype)
     prompt_seen, counts = init_counts(tokens, lengths, cfg.vocab_size)
     b = tokens.shape[0]
     state = DecodeState(cache, jnp.zeros(b, jnp.int32), jnp.zeros(b, bool), jnp.zeros(b, jnp.int32), prompt_seen,
-                        counts)
+                        counts, token_rules(rule_rows, cfg.vocab_size), no_recent(b))
     return _advance(state, logits, sampling, cache)
 
 

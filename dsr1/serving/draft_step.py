@@ -29,7 +29,8 @@ from ..core.mtp import mtp_logits, mtp_module, mtp_step
 from ..core.params import Params
 from ..core.sharding import ShardingRules, keep_replicated
 from ..generation import speculative
-from ..generation.sampling import TOP_LOGPROBS, SamplingArrays, token_logprobs
+from ..generation.sampling import TOP_LOGPROBS, SamplingArrays, TokenRuleRows, token_logprobs
+from .grammar import apply_masks
 from .step import Sampled, SlotState, StepRows, admit_slot, sample_rows, slot_rows, slot_state
 
 _MODEL = ("cfg", "mesh", "rules")  # the static arguments every program shares
@@ -66,13 +67,14 @@ def draft_slot_state(sampling: SamplingArrays, *, mesh: Mesh, vocab_size: int, h
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
-def admit_draft_slot(state: DraftSlotState, packed: jax.Array, *, mesh: Mesh) -> DraftSlotState:
+def admit_draft_slot(state: DraftSlotState, packed: jax.Array, rule_rows: TokenRuleRows, *,
+                     mesh: Mesh) -> DraftSlotState:
     """`admit_slot` for a `DraftSlotState` (its length, count and MTP output start from zero)."""
     slot = packed[0]
     with jax.named_scope("admit_draft_slot"):
         reset = jax.tree.map(lambda a: a.at[slot].set(0, mode="drop"),
                              (state.lengths, state.generated, state.mtp_hidden))
-        state = DraftSlotState(admit_slot(state.slots, packed, mesh=mesh), *reset)
+        state = DraftSlotState(admit_slot(state.slots, packed, rule_rows, mesh=mesh), *reset)
     return jax.tree.map(lambda a: keep_replicated(a, mesh), state)
 
 
@@ -123,7 +125,8 @@ def _verified_pack(tokens: jax.Array, logits: jax.Array, wanted: jax.Array, acce
 
 @functools.partial(jax.jit, static_argnames=_MODEL, donate_argnames=("cache", "mtp_cache", "state"))
 def serve_draft_prefill(params: Params, cache: PagedKVCache, mtp_cache: PagedKVCache, state: DraftSlotState,
-                        packed_rows: jax.Array, page_table: jax.Array, *, cfg: Config, mesh: Mesh,
+                        packed_rows: jax.Array, page_table: jax.Array, masks: jax.Array | None = None, *,
+                        cfg: Config, mesh: Mesh,
                         rules: ShardingRules) -> tuple[jax.Array, PagedKVCache, PagedKVCache, DraftSlotState]:
     """`serve_step` for prompt chunks with drafts on: rows of `T + 1` tokens, `T` new ones and, in column
     `counts[b]`, the prompt's token after the chunk (the lookahead; a chunk that ends the prompt samples
@@ -144,7 +147,7 @@ def serve_draft_prefill(params: Params, cache: PagedKVCache, mtp_cache: PagedKVC
                                          cfg=cfg, mesh=mesh, rules=rules,
                                          hidden_at=jnp.broadcast_to(jnp.arange(chunk), tokens.shape))
     logits = logits[:, 0]
-    out, slots, token = sample_rows(logits, state.slots, rows, safe, sampling)
+    out, slots, token = sample_rows(logits, state.slots, rows, safe, sampling, masks)
     sampled = rows.sample & (rows.counts > 0)
     with jax.named_scope("mtp_prefill"):
         after = rows.tokens[:, 1:]
@@ -163,8 +166,8 @@ def serve_draft_prefill(params: Params, cache: PagedKVCache, mtp_cache: PagedKVC
 @functools.partial(jax.jit, static_argnames=(*_MODEL, "draft_tokens", "steps"),
                    donate_argnames=("cache", "mtp_cache", "state"))
 def serve_draft_step(params: Params, cache: PagedKVCache, mtp_cache: PagedKVCache, state: DraftSlotState,
-                     packed_rows: jax.Array, page_table: jax.Array, *, cfg: Config, mesh: Mesh, rules: ShardingRules,
-                     draft_tokens: int, steps: int = 1
+                     packed_rows: jax.Array, page_table: jax.Array, masks: jax.Array | None = None, *, cfg: Config,
+                     mesh: Mesh, rules: ShardingRules, draft_tokens: int, steps: int = 1
                      ) -> tuple[jax.Array, PagedKVCache, PagedKVCache, DraftSlotState]:
     """The decode call with drafts: `steps` draft-verify-accept iterations (`_draft_verify`) for every
     decode row (one-token `StepRows`; row b runs its first `rows.steps[b]`), each keeping 1..k+1
@@ -178,8 +181,8 @@ def serve_draft_step(params: Params, cache: PagedKVCache, mtp_cache: PagedKVCach
     def step(i, carry):
         cache, mtp_cache, state, outs = carry
         active = (rows.counts > 0) & (i < rows.steps)
-        out, cache, mtp_cache, state = _draft_verify(params, cache, mtp_cache, state, rows, active, page_table, cfg,
-                                                     mesh, rules, draft_tokens)
+        out, cache, mtp_cache, state = _draft_verify(params, cache, mtp_cache, state, rows, active, page_table, masks,
+                                                     cfg, mesh, rules, draft_tokens)
         return cache, mtp_cache, state, jax.lax.dynamic_update_slice_in_dim(outs, out, i * width, axis=0)
 
     outs = jnp.zeros((steps * width, rows.slots.shape[0], VERIFIED_WIDTH), jnp.int32)
@@ -189,7 +192,8 @@ def serve_draft_step(params: Params, cache: PagedKVCache, mtp_cache: PagedKVCach
 
 
 def _draft_verify(params: Params, cache: PagedKVCache, mtp_cache: PagedKVCache, state: DraftSlotState,
-                  rows: StepRows, active: jax.Array, page_table: jax.Array, cfg: Config, mesh: Mesh,
+                  rows: StepRows, active: jax.Array, page_table: jax.Array, masks: jax.Array | None, cfg: Config,
+                  mesh: Mesh,
                   rules: ShardingRules, k: int) -> tuple[jax.Array, PagedKVCache, PagedKVCache, DraftSlotState]:
     """One iteration (`dsr1.generation.speculative`'s steps 2-4 and its catch-up, on pages) for the `active`
     rows, each at its slot's `L = lengths` with last token `t_L`:
@@ -203,14 +207,21 @@ def _draft_verify(params: Params, cache: PagedKVCache, mtp_cache: PagedKVCache, 
        latents written past it are never read, and overwritten later);
     4. catch the MTP pool up: the module on `L..L+e-1` with the model's hidden states there and the
        kept tokens, its output at `L+e-1` kept for the next iteration's first draft.
+
+    A row with a grammar mask (`rows.mask_row`) verifies `t_L` alone and samples under its mask, taking
+    no draft: its next mask needs the token, which only the host's matcher can check.
     """
     num_slots = state.lengths.shape[0]
     with jax.named_scope("step_inputs"):
         safe, sampling, last = slot_rows(state.slots, rows.slots)
         seen, counts = state.slots.prompt_seen[safe], state.slots.counts[safe]
+        token_rules = jax.tree.map(lambda a: a[safe], state.slots.token_rules)
+        recent = state.slots.recent[safe]
         starts, generated = state.lengths[safe], state.generated[safe]
         active = active & (generated < sampling.max_new_tokens)
-        width = jnp.where(active, jnp.minimum(k + 1, sampling.max_new_tokens - generated), 0)
+        constrained = jnp.zeros_like(active) if masks is None else rows.mask_row >= 0
+        width = jnp.where(active, jnp.minimum(jnp.where(constrained, 1, k + 1), sampling.max_new_tokens - generated),
+                          0)
         table = page_table[jnp.minimum(rows.slots, page_table.shape[0] - 1)]
     with jax.named_scope("draft"):
         module, _ = mtp_module(params, speculative.MTP_MODULE)
@@ -226,13 +237,15 @@ def _draft_verify(params: Params, cache: PagedKVCache, mtp_cache: PagedKVCache, 
             return q[:, 0], x[:, 0]
 
         drafts, qs = speculative.draft_tokens_recursively(mtp_logits(module, h, cfg), h, recurse, k, sampling, seen,
-                                                          counts, generated)
+                                                          counts, generated, token_rules, recent)
     fed = jnp.stack([last, *drafts], axis=1)
     logits, hidden, cache = model.extend(params, cache, fed, starts, width, table,
                                          jnp.broadcast_to(jnp.arange(k + 1), fed.shape), cfg=cfg, mesh=mesh,
                                          rules=rules)
     with jax.named_scope("accept"):
-        verdict = speculative.accept_drafts(logits, drafts, qs, sampling, seen, counts, generated, active)
+        checked = logits if masks is None else logits.at[:, 0].set(apply_masks(logits[:, 0], masks, rows.mask_row))
+        verdict = speculative.accept_drafts(checked, drafts, qs, sampling, seen, counts, generated, active,
+                                            token_rules, recent, plain=constrained)
     with jax.named_scope("mtp_catch_up"):
         _, x, mtp_cache = _paged_mtp(params, mtp_cache, hidden, jnp.maximum(verdict.tokens, 0), starts,
                                      verdict.emitted, table, cfg, mesh, rules)
@@ -241,7 +254,8 @@ def _draft_verify(params: Params, cache: PagedKVCache, mtp_cache: PagedKVCache, 
         target = jnp.where(kept, rows.slots, num_slots)  # out of range: dropped
         slots = state.slots
         slots = SlotState(slots.sampling, slots.last.at[target].set(verdict.last_token(), mode="drop"),
-                          slots.prompt_seen, slots.counts.at[target].set(verdict.counts, mode="drop"))
+                          slots.prompt_seen, slots.counts.at[target].set(verdict.counts, mode="drop"),
+                          slots.token_rules, slots.recent.at[target].set(verdict.recent, mode="drop"))
         state = DraftSlotState(slots, state.lengths.at[target].set(starts + verdict.emitted, mode="drop"),
                                state.generated.at[target].set(verdict.generated, mode="drop"),
                                state.mtp_hidden.at[target].set(_at(x, jnp.maximum(verdict.emitted - 1, 0)),

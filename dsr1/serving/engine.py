@@ -58,6 +58,7 @@ import secrets
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -70,13 +71,23 @@ from ..generation.sampling import TOP_LOGPROBS, Sampling
 from ..generation.tokenizer import Tokenizer, load_tokenizer
 from .broadcast import StepChannel
 from .draft_step import mtp_paged_cache, unpack_verified
+from .grammar import Grammar, grammar_tokenizer
 from .page_pool import PageLog, PagePool, warm_up_ops
 from .pages import PageAllocator
 from .prefix_cache import PrefixCache
 from .request import Request, TextCallback
-from .scheduler import Lane, Scheduler, SchedulerConfig, StepPlan, lane_rows, reserved_pages
+from .scheduler import (
+    Lane,
+    Scheduler,
+    SchedulerConfig,
+    StepPlan,
+    lane_masks,
+    lane_rows,
+    reserved_pages,
+    wants_prompt_logprobs,
+)
 from .step import Sampled
-from .work import Admission, DeviceRunner, StepWork, host_sampling
+from .work import Admission, DeviceRunner, StepWork, host_rules, host_sampling
 
 __all__ = ["Engine", "EngineStats"]
 
@@ -186,21 +197,29 @@ class Engine:
         self._next_id = 0
         self._in_flight: deque[_InFlight] = deque()
         self._timing = _Timing()
+        self._last_step_time: float | None = None
+        self._ll_tokenizer: tuple[Tokenizer, object] | None = None  # llguidance's form of the tokenizer
 
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, prompt: Prompt, *, sampling: Sampling | None = None, max_new_tokens: int | None = None,
-               chat: bool = False, on_text: TextCallback | None = None, logprobs: int | None = None) -> Request:
+               chat: bool = False, on_text: TextCallback | None = None, logprobs: int | None = None,
+               grammar: str | None = None, prompt_logprobs: int | None = None) -> Request:
         """Queue a prompt (token ids, text, or chat messages, as `dsr1.generate` takes them) and return its
         `Request`. Thread-safe. `max_new_tokens` overrides `sampling.max_new_tokens`; the model's EOS
         always stops; a request without a seed gets a random one now. `on_text(piece)` receives the
         output text as it streams, on the engine's thread. `logprobs=k` (0 to `TOP_LOGPROBS`) records
-        each output token's log-probability and the k most likely tokens (`Request.logprobs`).
+        each output token's log-probability and the k most likely tokens (`Request.logprobs`);
+        `prompt_logprobs=k` the same for each prompt token (`Request.prompt_logprobs`, computed while
+        the prompt is prefilled; such a prompt is prefilled in full, never read from the prefix cache).
+        `grammar`: an llguidance grammar (`llguidance.LLMatcher.grammar_from_json_schema`, `..._regex`,
+        `..._lark`) the output must follow; the request stops when the grammar is complete.
         Raises ValueError for a prompt that could never run (bad token, longer than `max_seq_len`,
-        more pages than the pool holds) or a bad `logprobs`."""
+        more pages than the pool holds), a bad `logprobs` or `prompt_logprobs`, or a bad grammar."""
         self._require_leader("submit")
-        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
-                                     or not 0 <= logprobs <= TOP_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an integer in [0, {TOP_LOGPROBS}], got {logprobs!r}")
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value <= TOP_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {TOP_LOGPROBS}], got {value!r}")
         tokenizer = self._tokenizer_for(prompt, sampling)
         tokens = encode_prompt(prompt, tokenizer, chat)
         eos = tokenizer.eos_id if tokenizer else self.model.cfg.eos_token_id
@@ -208,12 +227,25 @@ class Engine:
         if settings.seed is None:
             settings = dataclasses.replace(settings, seed=secrets.randbits(64))
         self._check_fits(tokens, settings.max_new_tokens)
+        host_rules([settings])  # refuses what the slot state cannot hold
+        if prompt_logprobs is not None and self.config.draft_tokens:
+            raise ValueError("prompt_logprobs needs an engine without draft_tokens")
+        matcher = None if grammar is None else self._grammar(grammar, tokenizer)
         with self._submit_lock:
             request = Request(self._next_id, tokens, settings, tokenizer, thinking=opens_thinking(tokens, tokenizer),
-                              on_text=on_text, top_logprobs=logprobs)
+                              on_text=on_text, top_logprobs=logprobs, prompt_top_logprobs=prompt_logprobs,
+                              matcher=matcher)
             self._next_id += 1
             self._submitted.append(request)
         return request
+
+    def _grammar(self, grammar: str, tokenizer: Tokenizer | None) -> Grammar:
+        """A matcher of `grammar` on the engine's tokenizer (its llguidance form built once)."""
+        if tokenizer is None:
+            tokenizer = self.tokenizer = self.tokenizer or load_tokenizer()
+        if self._ll_tokenizer is None or self._ll_tokenizer[0] is not tokenizer:
+            self._ll_tokenizer = (tokenizer, grammar_tokenizer(tokenizer, self.model.cfg.vocab_size))
+        return Grammar(self._ll_tokenizer[1], grammar)
 
     def _tokenizer_for(self, prompt: Prompt, sampling: Sampling | None) -> Tokenizer | None:
         """The engine's tokenizer, loaded on the first text prompt (as `dsr1.generate` does)."""
@@ -238,6 +270,16 @@ class Engine:
                              f"{self.allocator.capacity}")
 
     # ---- the loop ------------------------------------------------------------------------------
+    @property
+    def kv_cache_usage(self) -> float:
+        """The share of the pool's pages in use (0..1): held by requests or by the prefix cache."""
+        return self.allocator.used_count / max(self.allocator.capacity, 1)
+
+    @property
+    def last_step_time(self) -> float | None:
+        """`time.monotonic()` when the last step completed (None before any)."""
+        return self._last_step_time
+
     @property
     def has_work(self) -> bool:
         """Requests are waiting, running, or have tokens not read yet."""
@@ -267,6 +309,7 @@ class Engine:
                 waited += self._read(self._in_flight.popleft())
             self._runner.pool.settle(everything=not self._in_flight)
             self._record(time.perf_counter() - start, waited, counted=not plan.empty or waited > 0)
+            self._last_step_time = time.monotonic()
             return self.has_work
 
     def run(self) -> None:
@@ -305,11 +348,14 @@ class Engine:
         each to its shape."""
         cfg = self.config
         admissions = tuple(Admission(seq.slot, host_sampling([seq.request.sampling]),
-                                     np.asarray(seq.request.prompt, np.int32)) for seq in plan.admitted)
+                                     np.asarray(seq.request.prompt, np.int32), host_rules([seq.request.sampling]))
+                           for seq in plan.admitted)
         calls = tuple(lane_rows(lanes, *shape, cfg.slots) for lanes, shape in
-                      ((plan.prefill, _widened(cfg.prefill_shape(plan.prefill), cfg) if plan.prefill else None),
+                      ((plan.prefill, _widened(cfg.prefill_shape(plan.prefill), cfg, plan.prefill) if plan.prefill
+                        else None),
                        (plan.decode, (cfg.decode_shape(plan.decode), 1) if plan.decode else None)) if lanes)
-        return StepWork(self._log.take(), admissions, calls, plan.page_table if calls else None)
+        masks = tuple(lane_masks(lanes, len(rows.slots)) for lanes, rows in zip(_lane_groups(plan), calls))
+        return StepWork(self._log.take(), admissions, calls, plan.page_table if calls else None, masks)
 
     def _launch(self, work: StepWork) -> tuple[jax.Array, ...]:
         """Send the work to the other processes (if any), then dispatch it here; each call's tokens
@@ -331,6 +377,9 @@ class Engine:
         self._timing.last_ready = ready
         for (lanes, _), steps in zip(step.calls, results):
             sampled, accepted = zip(*steps)
+            if wants_prompt_logprobs(lanes) and not self.config.draft_tokens:  # then one entry per position
+                self.scheduler.complete_prompt(lanes, sampled[1:])
+                sampled = sampled[:1]
             self.scheduler.complete(lanes, sampled, accepted if self.config.draft_tokens else None)
         return ready - start
 
@@ -356,7 +405,8 @@ class Engine:
         cfg = self.config
         with self._step_lock:
             warm_up_ops(self._log)
-            admit = Admission(cfg.slots, host_sampling([Sampling(seed=0)]), np.zeros(1, np.int32))  # dropped
+            idle = [Sampling(seed=0)]
+            admit = Admission(cfg.slots, host_sampling(idle), np.zeros(1, np.int32), host_rules(idle))  # dropped
             shapes = (*(_widened(shape, cfg) for shape in cfg.prefill_shapes),
                       *((rows, 1) for rows in cfg.decode_shapes))
             calls = [lane_rows((), rows, chunk, cfg.slots) for rows, chunk in shapes]
@@ -400,10 +450,11 @@ def _check_draft_tokens(model: Model, draft_tokens: int) -> None:
                          "(or dsr1.init_random(..., mtp=True) with num_nextn_predict_layers >= 1)")
 
 
-def _widened(shape: tuple[int, int], cfg: SchedulerConfig) -> tuple[int, int]:
-    """A prefill call's `(rows, chunk)` as its rows' width: with drafts, one lookahead token more."""
+def _widened(shape: tuple[int, int], cfg: SchedulerConfig, lanes: Sequence[Lane] = ()) -> tuple[int, int]:
+    """A prefill call's `(rows, chunk)` as its rows' width: with drafts, or when a lane wants prompt
+    log-probabilities, one lookahead token more (the prompt's token after the chunk)."""
     rows, chunk = shape
-    return rows, chunk + cfg.prefill_width
+    return rows, chunk + max(cfg.prefill_width, int(wants_prompt_logprobs(lanes)))
 
 
 def _lane_groups(plan: StepPlan) -> tuple[tuple[Lane, ...], ...]:

@@ -88,7 +88,8 @@ from .prefix_cache import PrefixCache
 from .request import Request
 from .step import Sampled, StepRows
 
-__all__ = ["Lane", "Running", "Scheduler", "SchedulerConfig", "StepPlan"]
+__all__ = ["Lane", "Running", "Scheduler", "SchedulerConfig", "StepPlan", "lane_masks", "lane_rows",
+           "wants_prompt_logprobs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,6 +229,12 @@ class Lane:
     sample_index: int  # tokens the request sampled before this one
     feed_last: bool
     steps: int = 1  # decode steps of a multi-step call (a token sampled after each)
+    mask: np.ndarray | None = None  # the grammar's bitmask for the sampled token (one step only)
+
+    @property
+    def prompt_logprobs(self) -> bool:
+        """A prompt chunk whose request wants its prompt tokens' log-probabilities."""
+        return not self.feed_last and self.seq.request.prompt_top_logprobs is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,15 +252,36 @@ class StepPlan:
         return not (self.admitted or self.prefill or self.decode)
 
 
+def wants_prompt_logprobs(lanes: Sequence[Lane]) -> bool:
+    """Some lane of a call wants prompt log-probabilities: the call carries each prompt's next token."""
+    return any(lane.prompt_logprobs for lane in lanes)
+
+
+def lane_masks(lanes: Sequence[Lane], rows: int) -> np.ndarray | None:
+    """The grammar bitmasks of a call `[rows, words]` (row i: lane i's), or None when no lane has one."""
+    masks = [lane.mask for lane in lanes if lane.mask is not None]
+    if not masks:
+        return None
+    out = np.full((rows, masks[0].shape[0]), -1, np.int32)
+    for i, lane in enumerate(lanes):
+        if lane.mask is not None:
+            out[i] = lane.mask
+    return out
+
+
 def lane_rows(lanes: Sequence[Lane], rows: int, chunk: int, idle_slot: int) -> StepRows:
     """The host arrays of one call: `lanes` in the first rows, the rest idle (slot `idle_slot`, count 0)."""
     out = StepRows(slots=np.full(rows, idle_slot, np.int32), tokens=np.zeros((rows, chunk), np.int32),
                    starts=np.zeros(rows, np.int32), counts=np.zeros(rows, np.int32),
                    feed_last=np.zeros(rows, bool), sample=np.zeros(rows, bool), sample_index=np.zeros(rows, np.int32),
-                   logprobs=np.zeros(rows, bool), steps=np.ones(rows, np.int32))
+                   logprobs=np.zeros(rows, bool), steps=np.ones(rows, np.int32),
+                   prompt_logprobs=np.zeros(rows, bool), mask_row=np.full(rows, -1, np.int32))
     for i, lane in enumerate(lanes):
         out.slots[i], out.starts[i], out.counts[i] = lane.seq.slot, lane.start, lane.count
-        out.tokens[i, :len(lane.tokens)] = lane.tokens
+        tokens = lane.tokens[:chunk]  # a prompt's next token only when the call carries it
+        out.tokens[i, :len(tokens)] = tokens
+        out.prompt_logprobs[i] = lane.prompt_logprobs
+        out.mask_row[i] = i if lane.mask is not None else -1
         out.feed_last[i], out.sample[i], out.sample_index[i] = lane.feed_last, lane.sample, lane.sample_index
         out.logprobs[i] = lane.sample and lane.seq.request.top_logprobs is not None
         out.steps[i] = lane.steps
@@ -307,9 +335,9 @@ class Scheduler:
         for request in [r for r in self._waiting if r.cancel_requested]:
             self._waiting.remove(request)
             self.finished += 1
-            request.finish("cancelled")
+            request.finish("abort")
         for seq in [s for s in self._running if s.request.cancel_requested]:
-            self._finish(seq, "cancelled")
+            self._finish(seq, "abort")
 
     def _outstanding(self) -> int:
         """Pages reserved by running requests and not allocated yet."""
@@ -320,7 +348,8 @@ class Scheduler:
         while self._waiting and self._free_slots:
             request = self._waiting[0]
             prompt = request.prompt
-            match = self.prefix_cache.match(prompt, len(prompt) - 1)  # the last prompt token always runs
+            # The last prompt token always runs; a request wanting prompt log-probabilities runs them all.
+            match = self.prefix_cache.match(prompt, 0 if request.prompt_top_logprobs is not None else len(prompt) - 1)
             reserved = reserved_pages(len(prompt), request.sampling.max_new_tokens, self.config.page_size)
             need = reserved - (len(match.nodes) - match.offloaded)
             # Free pages first; the rest from evicting cached pages other than the match's.
@@ -371,9 +400,10 @@ class Scheduler:
             start, count = seq.fed, min(self.config.prefill_chunk, seq.prefill_end - seq.fed)
             self._grow(seq, start + count)
             last = start + count == seq.prompt_len
-            width = count + self.config.prefill_width  # with drafts, the prompt's next token too (if any)
-            lanes.append(Lane(seq, start, count, tuple(seq.tokens[start:start + width]), sample=last, sample_index=0,
-                              feed_last=False))
+            # The prompt's next token too (if any): with drafts, or for prompt log-probabilities.
+            mask = seq.request.matcher.mask() if last and seq.request.matcher is not None else None
+            lanes.append(Lane(seq, start, count, tuple(seq.tokens[start:start + count + 1]), sample=last,
+                              sample_index=0, feed_last=False, mask=mask))
             seq.fed += count
             seq.sampled += last
             # Its full prompt pages are written by the call being planned: later requests may share them.
@@ -387,12 +417,16 @@ class Scheduler:
                 break  # the oldest decode; the rest wait for a row
             if not seq.decoding:
                 continue
-            runs = min(steps, seq.request.sampling.max_new_tokens - seq.sampled)
+            matcher = seq.request.matcher
+            if matcher is not None and seq.sampled > len(seq.tokens) - seq.prompt_len:
+                continue  # its grammar's next mask needs the token still in flight
+            runs = 1 if matcher is not None else min(steps, seq.request.sampling.max_new_tokens - seq.sampled)
             # With drafts an iteration writes up to k+1 positions, never past the request's last one.
             fed = min(seq.fed + runs * (self.config.draft_tokens + 1),
                       seq.prompt_len + seq.request.sampling.max_new_tokens - 1)
             self._grow(seq, fed)
-            lanes.append(Lane(seq, seq.fed, 1, (), sample=True, sample_index=seq.sampled, feed_last=True, steps=runs))
+            lanes.append(Lane(seq, seq.fed, 1, (), sample=True, sample_index=seq.sampled, feed_last=True, steps=runs,
+                              mask=None if matcher is None else matcher.mask()))
             seq.fed = fed
             seq.sampled += runs
         return lanes
@@ -441,10 +475,22 @@ class Scheduler:
         if not seq.finished:
             seq.sampled += kept - lane.steps  # the plan counted one token per iteration
 
+    def complete_prompt(self, lanes: Sequence[Lane], positions: Sequence[Sampled]) -> None:
+        """Hand a prefill call's prompt log-probabilities (`positions[t]`: each row's token after chunk
+        position t) to the requests that asked for them."""
+        for row, lane in enumerate(lanes):
+            top = lane.seq.request.prompt_top_logprobs
+            if lane.prompt_logprobs and not lane.seq.finished:
+                count = min(lane.count, lane.seq.prompt_len - 1 - lane.start)
+                lane.seq.request.add_prompt_logprobs([positions[t].logprob(row, top) for t in range(count)])
+
     def _deliver(self, seq: Running, token: int, logprob: TokenLogprob | None) -> None:
         seq.tokens.append(token)
         self.generated_tokens += 1
-        if seq.request.add_tokens([token], None if logprob is None else [logprob]):
+        matcher = seq.request.matcher
+        stop_token = token in seq.request.sampling.stop_token_ids
+        complete = matcher is not None and not stop_token and matcher.advance(token)
+        if seq.request.add_tokens([token], None if logprob is None else [logprob]) or complete:
             self._finish(seq, "stop")
         elif len(seq.tokens) - seq.prompt_len >= seq.request.sampling.max_new_tokens:
             self._finish(seq, "length")
