@@ -1,46 +1,6 @@
-"""The serving engine: continuous batching over the paged latent cache, driven by an event loop that
-leans on JAX's asynchronous dispatch.
-
-Each `step()`:
-
-1. takes the requests submitted since the last step (from any thread);
-2. plans the step on the host (`Scheduler.schedule`: cancellations, admissions, prefix-cache hits
-   and reloads, prompt chunks, decode rows, pages) and turns the plan into a `StepWork`: the
-   host arrays of everything the device must run, in order (page copies the prefix cache
-   recorded, slot admissions, the prefill and decode `serve_step` calls);
-3. dispatches it (`DeviceRunner.run`). Dispatch returns at once; the device queues the work behind
-   the previous step;
-4. reads the *previous* step's sampled tokens — the only place the host waits, while the device
-   already runs this step — and hands them to their requests (streaming, stop strings, budgets).
-
-So the host's planning of step n+1 overlaps the device's step n, with no threads for the model.
-
-**MTP speculative decoding** (`draft_tokens=k`, a model loaded with its MTP module): each decode
-iteration drafts k tokens with the MTP module, verifies `[last token, d_1..d_k]` in one `extend`
-against the row's pages and keeps 1..k+1 of them (`dsr1.generation.speculative`'s acceptance:
-greedy rows give exactly the tokens they give without drafts, sampled rows follow the model's
-distribution). The MTP module's latents live in a one-layer pool under the same page ids, filled
-by every prefill chunk and every iteration as far as the model's (`dsr1.programs`, "serving with
-MTP drafts"). Prefix-cache pages carry them: a request served from the cache reads the MTP
-latents of the request that wrote the pages, nothing is recomputed. One caveat: the MTP latent
-at a page's last position read the token after the page in the writer's sequence; a request that
-diverges from it exactly there reads that one latent as the writer computed it. This can only
-change which drafts are proposed (acceptance), never the output: greedy tokens are the model's,
-and sampled ones follow its distribution whatever the drafter proposes. `stats().draft_acceptance`
-and `Request.draft_acceptance` report the share of drafts accepted.
-A decoding row's next input is its slot's last sampled token, kept on device, so planning needs no
-token from the step still running. `stats()` reports the host's time per step (planning,
-dispatch, reading tokens) next to the device's.
-
-**Several JAX processes.** Every process builds the same `Engine` (same model and arguments) and
-every process runs the same programs; process 0 decides. Process 0 submits, steps and runs as
-above, and broadcasts each step's `StepWork` before dispatching it (`dsr1.serving.broadcast`,
-over `jax.experimental.multihost_utils`); the other processes call `follow()`, which receives each
-step's work and dispatches it, until process 0 calls `close()`. Followers keep no requests,
-scheduler or prefix-cache state: only the device state the programs carry (page pool, slot
-state) and their own host copies of offloaded pages, named by process 0's ids. The cost: the
-broadcast is a collective, so process 0 dispatches step n+1 only once step n's programs have run
-on every process (planning still overlaps the device).
+"""The serving engine: continuous batching over the paged latent cache, driven by a host event loop
+that plans step n+1 while the device runs step n (JAX's asynchronous dispatch, no threads for the
+model). Design: docs/serving.md.
 
     engine = Engine(model, ...)         # on every process
     if jax.process_index() == 0:
@@ -142,7 +102,7 @@ class _Timing:
 
 
 class Engine:
-    """Serve many requests at once on `model`; see the module docstring.
+    """Serve many requests at once on `model`; see docs/serving.md.
 
     Args:
       max_seqs: decode rows (requests decoding at once).
@@ -153,7 +113,7 @@ class Engine:
         `prefill_rows x prefill_chunk` tokens; see `SchedulerConfig.prefill_shapes`); as many more
         requests than `max_seqs` hold batch slots, prefilled ahead of a free decode row.
       host_cache_bytes: host memory for prefix-cache pages evicted from the device (0: no offload).
-      decode_steps: decode steps per decode call (see the scheduler's "Multi-step decode"): fewer
+      decode_steps: decode steps per decode call (docs/serving.md, "Multi-step decode"): fewer
         dispatches and read-backs, coarser streaming and admission.
       max_seq_len: the longest prompt + output (default: the model's limit, or the pool's size).
       prefix_caching: reuse cached prefixes (False: every prompt is prefilled in full).

@@ -1,75 +1,12 @@
 """Host-side decisions of the serving engine, one step at a time: which requests join the batch,
 which tokens each row runs, which pages it gets, and what the sampled tokens mean.
 
-**Continuous batching.** A waiting request takes a free batch slot at any step (first come, first
-served: the head of the queue is never overtaken) and leaves it when done. There are
-`max_seqs + prefill_rows` slots (`SchedulerConfig.slots`) for `max_seqs` decode rows: up to
-`prefill_rows` requests are prefilled *ahead* of a free decode row, so a prompt being prefilled
-does not hold a row that could decode (with `max_seqs` slots in all, 2 of 8 rows were idle on
-average while the queue was full: docs/performance.md, "Serving"). The oldest requests decode;
-one whose prompt is prefilled while every row decodes waits for the next row that frees. The head
-of the queue also waits while a running prompt is about to write pages of its prefix that the
-prefix cache does not hold yet (requests sharing a system prompt often arrive together), so the
-prefix is computed once.
-
-**Steps.** Each step makes at most two calls of one program (`dsr1.serving.step.serve_step`), with
-fixed shapes: a *prefill* call of `prefill_rows` rows of `prefill_chunk` tokens (the next chunk
-of up to that many prompts, in admission order) and a *decode* call of `decode_steps` tokens per
-decoding request (see "Multi-step decode"; the fewest rows of `SchedulerConfig.decode_shapes`
-that hold the decoding requests). The prefill call takes the smallest of a few shapes that holds
-its rows (`SchedulerConfig.prefill_shapes`: one row or `prefill_rows`, the full chunk or a
-quarter of it), since a lone prompt or a short last chunk is common and the call's cost grows
-with its rows x chunk. So a long prompt is prefilled a chunk per step while the
-decoding rows keep producing `decode_steps` tokens every step; the per-step token budget is
-`prefill_rows * prefill_chunk` prompt tokens plus `decode_steps` tokens per decoding row. Two calls instead
-of one `[max_seqs, prefill_chunk]` call with one real token in each decoding row: decode is
-bound by reading the weights, so the extra call costs about one weight read, while padding every
-decoding row to the chunk would multiply the step's FLOPs by up to `max_seqs` (16 slots, 256-token
-chunks: 4,096 token-rows for ~270 real tokens).
-
-**A prompt's last token is its first decode input.** Prefill calls run every prompt token but the
-last, which admission makes the slot's last token: the decode call feeds it and samples the
-request's first token, in the step that prefills the prompt's last chunk when a decode row is free.
-So no prefill call computes logits (it skips the lm_head's product, a quarter of a `[4, 64]` call
-on the tiny preset), and a prompt joins decoding at the cost of one more row in a decode call that
-reads the weights anyway. With MTP drafts the prefill call still samples the first token (the MTP
-module's first draft needs the model's hidden state at the prompt's last position).
-
-**Pages: requests wait, never preempted.** A request is admitted only when the pages it may ever
-need (prompt + `max_new_tokens`, less the cached prefix it shares) are available: free, or
-evictable from the prefix cache, after what the running requests have reserved. Pages are still
-allocated lazily, a page at a time as a row grows, so unused reservations keep cached prefixes
-alive. A running request therefore never runs out of pages and nothing is recomputed; the cost is
-admitting fewer requests when budgets are generous. A request that could never fit is refused
-at submission (`Engine.submit`).
-
-**Asynchronous steps.** The engine dispatches step n+1 before it reads step n's tokens, so the
-host plans a step without knowing the previous step's tokens: a decoding row's input is its
-slot's last sampled token, which stays on device. The budget is known at planning time; a stop
-token or string is seen one step late, and the extra token already dispatched for that request is
-discarded (its write lands in the request's own pages, before anyone else can be given them).
-
-**Multi-step decode.** The decode call runs `decode_steps` steps (each row at most its remaining
-budget), so the dispatch, the transfers and the read-back are paid once per `decode_steps` tokens
-per row, as `dsr1.generate` pays them once per chunk; beside a prefill call too, so that a step
-with prompt work is one prefill call per `decode_steps` decode steps rather than per decode step
-(with one step there, a decoding row's inter-token latency was 1.5-2x static batching's while
-prompts arrived: docs/performance.md, "Serving"). The price: a request that arrives, or a slot
-freed by a stop, waits until the call ends, and a stop is seen up to `2 * decode_steps - 1` tokens
-late (those tokens are discarded, as above); a prompt advances one chunk per `decode_steps`
-decode steps.
-
-**MTP drafts** (`draft_tokens=k`). A decode call then runs draft-verify-accept iterations
-(`dsr1.serving.draft_step.serve_draft_step`) and keeps 1..k+1 tokens per row per iteration, decided on
-device: the host plans without knowing how far a row got, so it bounds it. `Running.sampled`
-counts one token per dispatched iteration (a lower bound, corrected when the tokens are read) and
-`Running.fed` the most positions the dispatched iterations may have written (k+1 per iteration,
-never past the request's last position), which is what pages are allocated for; the verified
-positions never go past a request's budget, so its reservation is unchanged. A call's output holds
-k+1 entries per iteration, -1 where nothing was kept. Prompt chunks carry one more token, the
-prompt's token after the chunk (the MTP module's input at the chunk's last position). A finished
-request's pages enter the prefix cache up to its last known token but one: every position before
-it is written in both pools, whatever the in-flight calls do.
+Continuous batching with `max_seqs + prefill_rows` slots (prompts prefilled ahead of a free decode
+row); at most two calls per step, a prefill call and a multi-step decode call, of bucketed shapes;
+requests admitted only when every page they may need is available, never preempted; a decoding
+row's input is its slot's last token on device, so a stop is seen a step late and the extra
+token discarded. With MTP drafts the host bounds what the device may have kept. Design:
+docs/serving.md.
 """
 
 from __future__ import annotations
@@ -120,7 +57,7 @@ class SchedulerConfig:
     @property
     def slots(self) -> int:
         """Batch slots: `max_seqs` decoding requests, and `prefill_rows` more whose prompts are
-        prefilled ahead of a free decode row (see the module docstring)."""
+        prefilled ahead of a free decode row (docs/serving.md, "Slots")."""
         return self.max_seqs + self.prefill_rows
 
     @property
@@ -140,10 +77,9 @@ class SchedulerConfig:
     def decode_shapes(self) -> tuple[int, ...]:
         """The decode call's row counts, all compiled at warm-up: `max_seqs` and its halvings down to
         8 rows, and one row. A call reads every weight whatever its rows, but the lm_head's product,
-        the sampling and the attention grow with them: on the tiny preset (2-core CPU) a decode step
-        of 8 rows costs 6.9 ms, of one row 2.9 ms, what a lone request (a single user, the last long
-        request of a busy period) runs at. Two and four rows cost as much as eight
-        there (XLA:CPU's lm_head product of a few rows is slow), so they get no shape of their own."""
+        the sampling and the attention grow with them, so a lone request (a single user, the last
+        long request of a busy period) gets a one-row call; two and four rows cost about as much as
+        eight on CPU (XLA:CPU's lm_head product of a few rows), so they get no shape of their own."""
         rows, half = {1, self.max_seqs}, self.max_seqs // 2
         while half >= 8:
             rows.add(half)
@@ -157,13 +93,13 @@ class SchedulerConfig:
     @property
     def last_prompt_token_decodes(self) -> bool:
         """A prompt's last token runs as its request's first decode input, not in a prefill call
-        (see the module docstring); with MTP drafts the prefill call samples the first token."""
+        (docs/serving.md, "Two calls per step"); with MTP drafts the prefill call samples the first token."""
         return not self.draft_tokens
 
     @property
     def prefill_width(self) -> int:
         """Token columns a prefill row carries beyond its chunk: 1 with drafts (the prompt's token after
-        the chunk, see the module docstring), else 0."""
+        the chunk, see docs/serving.md), else 0."""
         return 1 if self.draft_tokens else 0
 
     @property
