@@ -28,7 +28,7 @@ def pytest_configure(config) -> None:
 
 @pytest.fixture(scope="session")
 def all_fixtures(tmp_path_factory) -> dict[str, Fixture]:
-    """Every reference variant, built once per session; the R1-like one carries an MTP layer."""
+    """Every reference variant, built once per pytest run; the R1-like one carries an MTP layer."""
     root = tmp_path_factory.mktemp("ckpt")
     return {name: build_fixture(root, name, mtp=name == "grouped_qlora") for name in sorted(CONFIGS)}
 
