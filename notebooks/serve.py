@@ -279,7 +279,9 @@ assert last["dsr1_prefix_hit_tokens_total"] > 0 and last["dsr1_requests_finished
 # tools' JSON schemas, so even this small demo model (which never saw a tool) writes a call whose
 # arguments parse and validate. The tool's result goes back as a `tool` message, which the chat
 # template renders for the model's answer. `response_format` with a JSON schema constrains an answer
-# the same way.
+# the same way. R1's reasoning comes first and stays free, but within a budget (`max_reasoning_tokens`,
+# at most half of `max_tokens`) after which `</think>` is forced: this demo model never closes its
+# reasoning on its own, and the constrained answer must still come.
 
 # %%
 import json
@@ -312,7 +314,8 @@ CHARACTER = {"type": "object", "properties": {"name": {"type": "string", "maxLen
 structured = client.chat.completions.create(
     model=MODEL_NAME, messages=[{"role": "user", "content": "Describe a character of the play."}], max_tokens=80,
     temperature=0.0, response_format={"type": "json_schema",
-                                      "json_schema": {"name": "character", "schema": CHARACTER, "strict": True}})
+                                      "json_schema": {"name": "character", "schema": CHARACTER, "strict": True}},
+    extra_body={"max_reasoning_tokens": 16})
 character = json.loads(structured.choices[0].message.content)
 print(character)
 assert set(character) == {"name", "role", "age"} and character["role"] in ("king", "queen", "fool", "lover")

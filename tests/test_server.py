@@ -677,6 +677,7 @@ def wait_for_health(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise AssertionError(f"the server did not come up within {timeout} s")
 
 
+@pytest.mark.slow
 def test_sigterm_drains_cancels_and_exits_0(tmp_path):
     port = free_port("127.0.0.1")
     url = f"http://127.0.0.1:{port}"

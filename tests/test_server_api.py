@@ -33,7 +33,7 @@ import dsr1
 from dsr1.generation.sampling import Sampling
 from dsr1.generation.tokenizer import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, TOOL_SEP
 from dsr1.server import BackgroundServer, ServerConfig, create_app
-from dsr1.server.guided import constraint_of
+from dsr1.server.guided import constraint_of, reasoning_budget
 from dsr1.server.options import origins
 from dsr1.server.prepare import bad_words_ids
 from dsr1.server.protocol import ChatCompletionRequest
@@ -135,7 +135,7 @@ def test_grammars_only_allow_valid_calls_and_json():
     tools = parse_tools(TOOLS)
     for seed in range(20):
         choice = "required" if seed % 2 else "lookup"
-        text = masked_walk(tokenizer, tool_call_grammar(tools, choice, tokenizer, thinking=True), seed)
+        text = masked_walk(tokenizer, tool_call_grammar(tools, choice, tokenizer, reasoning=16), seed)
         reasoning, _, answer = text.partition("</think>")
         content, calls = split_tool_calls(answer.lstrip("\n"))
         assert content == "" and calls and (choice == "required" or [c.name for c in calls] == ["lookup"])
@@ -144,11 +144,36 @@ def test_grammars_only_allow_valid_calls_and_json():
     body = ChatCompletionRequest(model="m", messages=ASK, response_format={
         "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
     for seed in range(20):
-        text = masked_walk(tokenizer, constraint_of(body).grammar(tokenizer, thinking=False), seed)
+        text = masked_walk(tokenizer, constraint_of(body).grammar(tokenizer, None), seed)
         jsonschema.validate(json.loads(text), PERSON)
     choice = ChatCompletionRequest(model="m", messages=ASK, guided_choice=["yes", "no"])
-    assert {masked_walk(tokenizer, constraint_of(choice).grammar(tokenizer, False), s) for s in range(8)} <= {
+    assert {masked_walk(tokenizer, constraint_of(choice).grammar(tokenizer, None), s) for s in range(8)} <= {
         "yes", "no"}
+
+
+def test_reasoning_is_bounded_so_the_constrained_answer_always_comes():
+    """A model that never closes its reasoning (the demo model) still answers: `</think>` is forced
+    after the budget; budget 0 forces it first."""
+    from llguidance import LLMatcher, LLTokenizer
+
+    tokenizer = dsr1.load_tokenizer(dsr1.demo_checkpoint())
+    lltok = LLTokenizer(str(dsr1.demo_checkpoint() / "tokenizer.json"))
+    body = ChatCompletionRequest(model="m", messages=ASK, guided_choice=["yes", "no"])
+    for budget in (0, 1, 9):
+        matcher = LLMatcher(lltok, constraint_of(body).grammar(tokenizer, budget))
+        rng, out = np.random.default_rng(0), []
+        while not matcher.is_stopped():
+            allowed = np.flatnonzero(np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8),
+                                                   bitorder="little")[:lltok.vocab_size])
+            shunned = allowed[(allowed != tokenizer.think_end_id) & (allowed != lltok.eos_token)]
+            token = int(rng.choice(shunned if len(shunned) else allowed))  # reason as long as allowed
+            assert matcher.consume_token(token), matcher.get_error()
+            out.append(token)
+            assert len(out) < 64
+        assert out.index(tokenizer.think_end_id) == budget
+        assert tokenizer.decode(out[budget + 1:]).strip("\n") in ("yes", "no")
+    assert reasoning_budget(None, 512, 200) == 100 and reasoning_budget(7, 512, 200) == 7
+    assert reasoning_budget(None, 16, 200) == 16 and reasoning_budget(0, 512, 200) == 0
 
 
 def test_bad_words_are_tokenized_as_vllm_does():
@@ -272,9 +297,10 @@ def test_cors_preflight_and_headers(demo):
     assert listed.headers["access-control-allow-origin"] == "http://notebook.example"
 
 
+@pytest.mark.slow
 def test_a_huge_prompt_is_refused_without_stalling_the_server(demo):
     """8 MB of prompt: refused by its size before tokenization; /health answers fast meanwhile."""
-    body = {"model": MODEL, "prompt": "word " * (8 << 20 // 5), "max_tokens": 1}
+    body = {"model": MODEL, "prompt": "word " * ((8 << 20) // 5), "max_tokens": 1}
     result: dict[str, httpx.Response] = {}
     sender = threading.Thread(target=lambda: result.setdefault("r", httpx.post(demo.url + "/v1/completions",
                                                                                json=body, timeout=120)))
@@ -499,6 +525,7 @@ def test_tool_round_trip(demo, stream):
     assert answer.usage.prompt_tokens > tokens  # the rendered turns plus the tools' description
 
 
+@pytest.mark.slow
 @needs_grammar
 def test_required_and_named_calls_validate_50_of_50(demo):
     client = demo.client()
@@ -521,6 +548,7 @@ def test_required_and_named_calls_validate_50_of_50(demo):
 FREE = ["ROMEO:\n", "First Citizen:\n", "HAMLET:\nTo be", "JULIET:\nO Romeo"]
 
 
+@pytest.mark.slow
 @needs_grammar
 @pytest.mark.parametrize("which", ["demo", "noise"])
 def test_json_schema_validates_50_of_50_beside_unchanged_free_requests(request, which):
@@ -558,6 +586,7 @@ def test_vllm_guided_fields(demo, field):
         assert text in ("Romeo", "Juliet")
 
 
+@pytest.mark.slow
 @needs_grammar
 @needs_prompt_logprobs
 def test_64_concurrent_streams_mix_tools_schemas_echo_and_chat(demo, tokenizer):

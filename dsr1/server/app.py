@@ -57,7 +57,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     # A request can hold at most max_seq_len tokens, and no more than the page pool (less its scratch page).
     pool_tokens = (engine.config.num_pages - 1) * engine.config.page_size
     limits = Limits(config.model_name, min(engine.config.max_seq_len, pool_tokens), engine.model.cfg.vocab_size,
-                    config.default_max_tokens, max_token_bytes(engine.tokenizer))
+                    config.default_max_tokens, max_token_bytes(engine.tokenizer), config.max_reasoning_tokens)
     service = CompletionService(runner, engine.tokenizer, limits, metrics)
 
     @asynccontextmanager

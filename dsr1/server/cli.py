@@ -65,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_REFUSED
     config = ServerConfig(model_name=model_name(args), api_key=args.api_key or None, max_waiting=args.max_waiting,
                           default_max_tokens=args.default_max_tokens, shutdown_timeout=args.shutdown_timeout,
-                          allowed_origins=tuple(args.allowed_origins), stall_timeout=args.health_stall_timeout)
+                          allowed_origins=tuple(args.allowed_origins), stall_timeout=args.health_stall_timeout,
+                          max_reasoning_tokens=args.max_reasoning_tokens)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine = build_engine(args)
     if not engine.is_leader:

@@ -188,7 +188,12 @@ class CompletionService:
         except APIError:
             self.metrics.rejected.labels("invalid").inc()
             raise
-        return self._checked(lambda: parse_request(body, model))
+        # Parsing megabytes of JSON takes long enough to stall every stream: a worker thread does it.
+        try:
+            return await run_in_threadpool(parse_request, body, model)
+        except APIError:
+            self.metrics.rejected.labels("invalid").inc()
+            raise
 
     async def _plan(self, plan: Callable[..., Plan], body: Any) -> Plan:
         """Check the request's size here, then tokenize and check it on a worker thread."""

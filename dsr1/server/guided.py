@@ -10,8 +10,10 @@ Accepted spellings, at most one per request:
 
 A chat prompt that opens R1's `<think>` gets the constraint after the reasoning: any text, then
 `</think>`, then the constrained answer (as vLLM does with a reasoning parser), so the reasoning
-goes to `reasoning_content` and the answer to `content`. JSON is compact (no free whitespace):
-a model cannot spend its budget on blank space.
+goes to `reasoning_content` and the answer to `content`. The reasoning is free but bounded: after
+its budget of tokens (`reasoning_budget`) the grammar forces `</think>`, so a model that would
+reason past the request's `max_tokens` still gives the constrained answer. JSON is compact (no
+free whitespace): a model cannot spend its budget on blank space.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 from ..generation.tokenizer import THINK_END, Tokenizer
 from .errors import APIError
 
-__all__ = ["Constraint", "checked_grammar", "constraint_of", "output_grammar", "special_token"]
+__all__ = ["Constraint", "checked_grammar", "constraint_of", "output_grammar", "reasoning_budget", "special_token"]
 
 _COMPACT = {"whitespace_flexible": False}
 
@@ -38,11 +40,12 @@ class Constraint:
     param: str
     user_grammar: bool = False
 
-    def grammar(self, tokenizer: Tokenizer, thinking: bool) -> str:
-        """The output's grammar for a prompt that opened R1's `<think>` (`thinking`) or not."""
+    def grammar(self, tokenizer: Tokenizer, reasoning: int | None) -> str:
+        """The output's grammar for a prompt that opened R1's `<think>` (`reasoning`: the most tokens
+        the reasoning may take) or not (None)."""
         if not self.user_grammar:
-            return output_grammar(self.body, tokenizer, thinking, param=self.param)
-        if thinking:
+            return output_grammar(self.body, tokenizer, reasoning, param=self.param)
+        if reasoning is not None:
             raise APIError(400, f"{self.param} applies to the whole output, and this prompt opens R1's reasoning: "
                                 "use it with /v1/completions, or use a JSON schema, regex or choice",
                            param=self.param, code="unsupported_parameter")
@@ -148,16 +151,31 @@ def special_token(tokenizer: Tokenizer, text: str, param: str) -> str:
     return f"<[{token_id}]>"
 
 
-def output_grammar(answer: str, tokenizer: Tokenizer, thinking: bool, *, rules: Sequence[str] = (),
+def reasoning_budget(requested: int | None, default: int, max_tokens: int) -> int:
+    """The most tokens a constrained reply's reasoning may take: the request's `max_reasoning_tokens`
+    (else the server's `default`), and at most half its `max_tokens`, so the answer has the rest."""
+    return min(default if requested is None else requested, max_tokens // 2)
+
+
+def output_grammar(answer: str, tokenizer: Tokenizer, reasoning: int | None, *, rules: Sequence[str] = (),
                    param: str | None = None) -> str:
     """The whole output's grammar (llguidance's serialized form): an answer matching the lark
-    expression `answer` (with extra `rules`), after free reasoning and `</think>` when `thinking`.
-    Raises `APIError` (400, naming `param`) when llguidance rejects it."""
+    expression `answer` (with extra `rules`), after free reasoning of at most `reasoning` tokens and
+    `</think>` (None: the prompt opened no reasoning; 0: `</think>` first). Raises `APIError` (400,
+    naming `param`) when llguidance rejects it."""
     from llguidance import LLMatcher
 
-    prefix = f"REASONING {special_token(tokenizer, THINK_END, param or 'messages')} /\\n*/ " if thinking else ""
-    lark = "\n".join([f"start: {prefix}{answer}", *rules, *(["REASONING: /(?s:.*)/"] if thinking else [])])
-    return checked_grammar(LLMatcher.grammar_from_lark(lark), param)
+    lines = [f"start: {answer}", *rules]
+    if reasoning is not None:
+        if reasoning < 0:
+            raise ValueError(f"reasoning budget must be >= 0, got {reasoning}")
+        think_end = special_token(tokenizer, THINK_END, param or "messages")
+        free = "reasoning " if reasoning else ""
+        # At most two newlines after </think> (R1 writes two): unbounded blank lines could eat the budget.
+        lines[0] = f"start: {free}{think_end} /\\n{{0,2}}/ {answer}"
+        if reasoning:
+            lines.append(f"reasoning[max_tokens={reasoning}]: /(?s:.*)/")
+    return checked_grammar(LLMatcher.grammar_from_lark("\n".join(lines)), param)
 
 
 def checked_grammar(grammar: str, param: str | None) -> str:

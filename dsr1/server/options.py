@@ -28,6 +28,10 @@ class ServerConfig:
       shutdown_timeout: seconds in-flight requests get to finish after SIGTERM before they are cancelled.
       allowed_origins: browser origins allowed by CORS (`"*"`: any); empty: no CORS headers.
       stall_timeout: seconds the engine may have work without finishing a step before `/health` fails.
+      max_reasoning_tokens: the reasoning budget of a constrained reply (tool_choice `required` or
+        named, structured outputs) to a prompt that opens R1's `<think>`, when the request sets no
+        `max_reasoning_tokens`: `</think>` is then forced, so the constrained answer always comes.
+        At most half the request's `max_tokens` in any case.
     """
 
     model_name: str
@@ -37,6 +41,7 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     allowed_origins: tuple[str, ...] = ()
     stall_timeout: float = 120.0
+    max_reasoning_tokens: int = 512
 
     def __post_init__(self) -> None:
         if self.max_waiting < 0:
@@ -47,6 +52,8 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.stall_timeout <= 0:
             raise ValueError(f"stall_timeout must be > 0, got {self.stall_timeout}")
+        if self.max_reasoning_tokens < 0:
+            raise ValueError(f"max_reasoning_tokens must be >= 0, got {self.max_reasoning_tokens}")
 
 
 def origins(text: str) -> list[str]:
@@ -105,6 +112,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     limits.add_argument("--default-max-tokens", type=int, default=4096,
                         help="a chat request's token budget when it sets none (default: 4096); a request "
                              "reserves pages for its prompt and its whole budget, so size --num-pages to match")
+    limits.add_argument("--max-reasoning-tokens", type=int, default=512, metavar="N",
+                        help="reasoning budget of a constrained reply (tool_choice required or named, structured "
+                             "outputs) when the request sets no max_reasoning_tokens: </think> is forced after N "
+                             "tokens, and after half the request's max_tokens in any case (default: 512)")
     limits.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish after SIGTERM (default: 30)")
     limits.add_argument("--health-stall-timeout", type=float, default=120.0, metavar="SECONDS",

@@ -24,7 +24,7 @@ from ..generation.output import opens_thinking
 from ..generation.sampling import Sampling
 from ..generation.tokenizer import Tokenizer
 from .errors import APIError
-from .guided import constraint_of
+from .guided import constraint_of, reasoning_budget
 from .protocol import MAX_STOP_STRINGS, ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeRequest
 from .tools import ToolSpec, parse_tool_choice, parse_tools, tool_call_grammar, tools_system_prompt
 
@@ -38,14 +38,16 @@ LOGIT_BIAS_RANGE = 100.0  # OpenAI's: a bias in [-100, 100]
 @dataclasses.dataclass(frozen=True)
 class Limits:
     """What requests are checked against: the model's id, the context (prompt + output tokens a
-    request may hold), the vocabulary, the default budget of a chat request, and the most bytes
-    one token of the vocabulary stands for (for `check_size`)."""
+    request may hold), the vocabulary, the default budget of a chat request, the most bytes one
+    token of the vocabulary stands for (for `check_size`), and the default reasoning budget of a
+    constrained reply to a prompt that opens R1's `<think>` (`guided.reasoning_budget`)."""
 
     model_name: str
     context: int
     vocab_size: int
     default_max_tokens: int
     max_token_bytes: int = 1
+    max_reasoning_tokens: int = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,15 +125,16 @@ def plan_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits)
     prompt = _truncated(prompt, body.truncate_prompt_tokens)
     constraint = constraint_of(body)
     thinking = opens_thinking(prompt, tokenizer)
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    budget = _budget(len(prompt), body.token_budget, limits.default_max_tokens, limits.context, "messages", param)
+    reasoning = reasoning_budget(body.max_reasoning_tokens, limits.max_reasoning_tokens, budget) if thinking else None
     if choice not in ("none", "auto"):
         if constraint is not None:
             raise APIError(400, f"tool_choice {body.tool_choice!r} and {constraint.param} both constrain the reply; "
                                 "send one", param=constraint.param, code="invalid_value")
-        grammar = tool_call_grammar(tools, choice, tokenizer, thinking)
+        grammar = tool_call_grammar(tools, choice, tokenizer, reasoning)
     else:
-        grammar = constraint.grammar(tokenizer, thinking) if constraint is not None else None
-    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    budget = _budget(len(prompt), body.token_budget, limits.default_max_tokens, limits.context, "messages", param)
+        grammar = constraint.grammar(tokenizer, reasoning) if constraint is not None else None
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     # The reply's markers (tool calls, and R1's </think> where the vocabulary makes it special) must reach the parsers.
     keep_special = (tools and choice != "none") or thinking
@@ -155,8 +158,9 @@ def plan_completion(body: CompletionRequest, tokenizer: Tokenizer, limits: Limit
     budgets = [_budget(len(p), 1 if discard else body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, limits.context,
                        "prompt", "max_tokens") for p in prompts]
     constraint = constraint_of(body)
-    grammars = tuple(None if constraint is None else constraint.grammar(tokenizer, opens_thinking(p, tokenizer))
-                     for p in prompts)
+    grammars = tuple(None if constraint is None else constraint.grammar(tokenizer, reasoning_budget(
+        body.max_reasoning_tokens, limits.max_reasoning_tokens, b) if opens_thinking(p, tokenizer) else None)
+                     for p, b in zip(prompts, budgets))
     echo = tuple(p if isinstance(p, str) and body.truncate_prompt_tokens is None else tokenizer.decode(q)
                  for p, q in zip(given, prompts)) if body.echo else None
     # echo with logprobs: the prompt's tokens get theirs too (OpenAI's legacy API, lm-evaluation-harness).

@@ -95,6 +95,8 @@ class _SamplingFields(_Strict):
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     truncate_prompt_tokens: int | None = Field(None, ge=1)
+    # A constrained reply's reasoning budget (tool_choice required/named, structured outputs): </think> forced after it
+    max_reasoning_tokens: int | None = Field(None, ge=0)
     use_beam_search: bool = False
     length_penalty: float = 1.0
     best_of: int | None = Field(None, ge=1)

@@ -108,10 +108,11 @@ def tools_system_prompt(tools: list[ToolSpec]) -> str:
     return "\n".join(lines)
 
 
-def tool_call_grammar(tools: list[ToolSpec], choice: str, tokenizer: Tokenizer, thinking: bool) -> str:
+def tool_call_grammar(tools: list[ToolSpec], choice: str, tokenizer: Tokenizer, reasoning: int | None) -> str:
     """The llguidance grammar of a reply that must call tools: one or more calls of any of `tools`
     (`choice` "required") or exactly one of the named function, each call's arguments valid
-    against its schema. `thinking`: the prompt opened R1's `<think>`, so the reply reasons first."""
+    against its schema. `reasoning`: the prompt opened R1's `<think>`, so the reply reasons first, for
+    at most that many tokens (None: it did not)."""
 
     def special(text: str) -> str:
         return special_token(tokenizer, text, "tools")
@@ -123,7 +124,7 @@ def tool_call_grammar(tools: list[ToolSpec], choice: str, tokenizer: Tokenizer, 
     alternatives = " | ".join(f"call_{i}" for i in range(len(chosen)))
     rules.append(f'call: {special(CALL_BEGIN)} "function" {special(TOOL_SEP)} ({alternatives})')
     calls = 'call ("\\n" call)*' if choice == "required" else "call"
-    return output_grammar(f"{special(CALLS_BEGIN)} {calls} {special(CALLS_END)}", tokenizer, thinking, rules=rules,
+    return output_grammar(f"{special(CALLS_BEGIN)} {calls} {special(CALLS_END)}", tokenizer, reasoning, rules=rules,
                           param="tools")
 
 
