@@ -300,18 +300,21 @@ def test_cors_preflight_and_headers(demo):
 @pytest.mark.slow
 def test_a_huge_prompt_is_refused_without_stalling_the_server(demo):
     """8 MB of prompt: refused by its size before tokenization; /health answers fast meanwhile."""
-    body = {"model": MODEL, "prompt": "word " * ((8 << 20) // 5), "max_tokens": 1}
+    body = json.dumps({"model": MODEL, "prompt": "word " * ((8 << 20) // 5), "max_tokens": 1}).encode()
     result: dict[str, httpx.Response] = {}
-    sender = threading.Thread(target=lambda: result.setdefault("r", httpx.post(demo.url + "/v1/completions",
-                                                                               json=body, timeout=120)))
+    sender = threading.Thread(target=lambda: result.setdefault("r", httpx.post(
+        demo.url + "/v1/completions", content=body, headers={"Content-Type": "application/json"}, timeout=120)))
+    probe = httpx.Client(base_url=demo.url, timeout=10)  # connected before the prompt is sent
+    assert probe.get("/health").status_code == 200
     sender.start()
     latencies = []
     while sender.is_alive():
         start = time.perf_counter()
-        assert httpx.get(demo.url + "/health", timeout=10).status_code == 200
+        assert probe.get("/health").status_code == 200
         latencies.append(time.perf_counter() - start)
         time.sleep(0.01)
     sender.join()
+    probe.close()
     assert result["r"].status_code == 400 and result["r"].json()["error"]["code"] == "context_length_exceeded"
     assert max(latencies) < 0.1, latencies
 

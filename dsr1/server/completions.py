@@ -196,10 +196,14 @@ class CompletionService:
             raise
 
     async def _plan(self, plan: Callable[..., Plan], body: Any) -> Plan:
-        """Check the request's size here, then tokenize and check it on a worker thread."""
-        self._checked(lambda: check_size(body, self.limits))
+        """On a worker thread: check the request's size (before tokenizing), then tokenize and check it."""
+
+        def sized_plan() -> Plan:
+            check_size(body, self.limits)
+            return plan(body, self.tokenizer, self.limits)
+
         try:
-            return await run_in_threadpool(plan, body, self.tokenizer, self.limits)
+            return await run_in_threadpool(sized_plan)
         except APIError:
             self.metrics.rejected.labels("invalid").inc()
             raise
