@@ -26,7 +26,7 @@
 # simulated cluster the kernel needs the engines' fake CPU devices, set before JAX starts its backend.
 import os
 
-from dsr1.workbench import cluster as mcjax
+import dsr1.workbench as mcjax
 
 info = mcjax.cluster_info()
 if info.get("provider") == "local":
@@ -46,7 +46,7 @@ assert sorted([PROCESS_ID, *(e.process_id for e in layout.engines)]) == list(ran
 # Runs on every engine (submitted without blocking) and here: initialize waits for all N processes.
 import jax
 
-from dsr1.workbench import cluster as mcjax
+import dsr1.workbench as mcjax
 
 mcjax.initialize(PROCESS_ID, NUM_PROCESSES, COORDINATOR)
 assert jax.process_count() == NUM_PROCESSES and jax.process_index() == PROCESS_ID

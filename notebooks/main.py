@@ -35,7 +35,7 @@
 # simulated cluster the kernel needs the engines' fake CPU devices, set before JAX starts its backend.
 import os
 
-from dsr1.workbench import cluster as mcjax
+import dsr1.workbench as mcjax
 
 info = mcjax.cluster_info()
 if info.get("provider") == "local":
@@ -63,7 +63,7 @@ print("checkpoint:", CHECKPOINT or "none: the embedded demo model")
 # Runs on every engine (submitted without blocking) and here: initialize waits for all N processes.
 import jax
 
-from dsr1.workbench import cluster as mcjax
+import dsr1.workbench as mcjax
 
 mcjax.initialize(PROCESS_ID, NUM_PROCESSES, COORDINATOR)
 assert jax.process_count() == NUM_PROCESSES and jax.process_index() == PROCESS_ID

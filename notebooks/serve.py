@@ -33,7 +33,7 @@
 # simulated cluster the kernel needs the engines' fake CPU devices, set before JAX starts its backend.
 import os
 
-from dsr1.workbench import cluster as mcjax
+import dsr1.workbench as mcjax
 
 info = mcjax.cluster_info()
 if info.get("provider") == "local":
@@ -84,7 +84,7 @@ print(f"model {MODEL_NAME!r} ({CHECKPOINT or 'the embedded demo model'}); proces
 # Runs on every engine (submitted without blocking) and here: initialize waits for all N processes.
 import jax
 
-from dsr1.workbench import cluster as mcjax
+import dsr1.workbench as mcjax
 
 mcjax.initialize(PROCESS_ID, NUM_PROCESSES, COORDINATOR)
 assert jax.process_count() == NUM_PROCESSES and jax.process_index() == PROCESS_ID

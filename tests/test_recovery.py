@@ -27,7 +27,7 @@ PROCESSES = 4
 
 SETUP = """
 import os
-from dsr1.workbench import cluster as mcjax
+import dsr1.workbench as mcjax
 info = mcjax.cluster_info()
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={info['local_devices']}"
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -40,7 +40,7 @@ mcjax.activate(cluster)
 # The notebook's cells from "Initialize" on (notebooks/main.py), with the tiny random model.
 INITIALIZE = """%%everywhere
 import jax
-from dsr1.workbench import cluster as mcjax
+import dsr1.workbench as mcjax
 mcjax.initialize(PROCESS_ID, NUM_PROCESSES, COORDINATOR, timeout=120)
 assert jax.process_count() == NUM_PROCESSES and jax.process_index() == PROCESS_ID
 """

@@ -5,7 +5,7 @@ through ipyparallel's ``apply``, the notebook kernel calls them directly.
 - :func:`initialize`: ``jax.distributed.initialize`` with a timeout that raises instead of hanging;
 - :func:`prepare_process`, :func:`shutdown_here`, :func:`reset_here`: the per-process steps of
   ``assign_process_ids``, ``shutdown_everywhere``, ``clear_hung_initialize`` and ``reset_engines``
-  in :mod:`dsr1.workbench.cluster`.
+  in :mod:`dsr1.workbench`.
 """
 
 from __future__ import annotations
@@ -242,7 +242,7 @@ def initialize(process_id: int, num_processes: int, coordinator: str | None = No
                 f"{num_processes} processes joined. Usual causes: an engine is dead or busy (health_check, "
                 f"cluster_status), the engines ran it blocking before the kernel (use %%px --local or "
                 f"initialize_everywhere), a wrong NUM_PROCESSES, or the coordinator port is blocked or in "
-                f"use. Then call dsr1.workbench.cluster.clear_hung_initialize(cluster) and initialize with a "
+                f"use. Then call dsr1.workbench.clear_hung_initialize(cluster) and initialize with a "
                 f"new port.")
     if init.error is not None:
         raise ClusterError(f"jax.distributed.initialize failed in {where}: {init.error}; call "
@@ -276,7 +276,7 @@ def _start_initialize(args: tuple, platform: str, where: str) -> _Init:
             raise ClusterError(
                 f"jax.distributed.initialize {state} in this process as process {init.args[0]} of "
                 f"{init.args[1]} (coordinator {init.args[2]}): call "
-                f"dsr1.workbench.cluster.clear_hung_initialize() first (or restart the process) to "
+                f"dsr1.workbench.clear_hung_initialize() first (or restart the process) to "
                 f"initialize as {where}.")
         if init is not None:
             return init
