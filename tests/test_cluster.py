@@ -169,6 +169,61 @@ def test_watchdog_ends_a_stuck_call_when_an_engine_is_dead():
         run_watched(lambda: 1 / 0, list, lambda d: RuntimeError("no"))
 
 
+def test_watch_ends_the_cell_when_an_engine_raises_while_the_kernel_is_stuck():
+    """An engine's exception while this kernel waits for it in a collective (here: forever) ends
+    the call after the settle time, naming the engine with its traceback and the kernel as stuck;
+    an error of every process alike is the kernel's own."""
+    import threading
+
+    from dsr1.workbench.connection import Cluster
+    from dsr1.workbench.engines import watch
+
+    class Remote(Exception):
+        ename, evalue = "ValueError", "no weights on this host"
+        traceback = ("\x1b[31mTraceback (most recent call last)\x1b[0m\n  File \"<cell>\", line 3\n"
+                     "ValueError: no weights")
+
+    class Result:
+        def __init__(self, error=None, value=None):
+            self.error, self.value = error, value
+
+        def ready(self):
+            return True
+
+        def get(self, timeout=None):
+            if self.error is not None:
+                raise self.error
+            return self.value
+
+    class Client:
+        ids = [4, 5]
+
+    cluster = Cluster(client=Client(), info={"provider": "ssh"})
+    stuck = threading.Event()
+    start = time.monotonic()
+    with pytest.raises(mcjax_error()) as error:
+        watch(cluster, {4: Result(Remote()), 5: Result(value=1)}, stuck.wait, None, settle=0.5)
+    assert time.monotonic() - start < 5
+    message = str(error.value)
+    assert message.startswith("engine 4 raised ValueError: no weights on this host"), message
+    assert "this kernel is still in the cell" in message and "reset_engines" in message
+    assert "--- engine 4:\nTraceback (most recent call last)\n  File" in message  # its traceback, colours removed
+    stuck.set()
+
+    def mistake():
+        raise Remote()
+
+    with pytest.raises(Remote):  # the same error everywhere: the cell's own mistake, raised as it is
+        watch(cluster, {4: Result(Remote())}, mistake, None, settle=0.5)
+    assert watch(cluster, {4: Result(value=7), 5: Result(value=8)}, lambda: 9, None) == ({4: 7, 5: 8}, 9)
+
+
+def mcjax_error() -> type:
+    from dsr1.workbench import ClusterError
+
+    return ClusterError
+
+
 def test_engine_calls_skip_an_engine_that_unregisters_meanwhile():
     """A killed engine leaves `client.ids` when the hub notices, possibly between reading the ids and
     a call on them (ipyparallel raises KeyError for its id): the call goes to the engines left."""
@@ -312,7 +367,7 @@ def test_real_cluster_pieces_on_one_machine(tmp_path):
         assert info["profile_dir"] == str(profile) and info["provider"] == "ssh" and info["engines"] == 2
         assert json.loads((profile / "security" / f"ipcontroller-{cluster_id}-engine.json").read_text())[
             "interface"] == "tcp://127.0.0.1"
-        cluster = mcjax.connect(state=tmp_path / "state0", cluster_id=cluster_id, timeout=30)
+        cluster = mcjax.connect_controller(state=tmp_path / "state0", cluster_id=cluster_id, timeout=30)
         try:
             layout = mcjax.assign_process_ids(cluster, namespace={})
             assert [(e.host_index, e.process_id) for e in layout.engines] == [(1, 0), (2, 1)]
@@ -415,7 +470,7 @@ def test_local_setup_starts_engines_and_a_second_run_is_clean(local_cluster):
     pids = local_cluster.pids()
     assert sorted(pids) == ["controller", "engine-1", "engine-2"]
     assert all(alive(p) for p in pids.values())
-    cluster = mcjax.connect(state=local_cluster.state, timeout=30)
+    cluster = mcjax.connect_controller(state=local_cluster.state, timeout=30)
     try:
         assert cluster.controller_ip == "127.0.0.1" and cluster.info["provider"] == "local"
         assert len(mcjax.wait_for_engines(cluster, N - 1, timeout=60)) == N - 1
@@ -470,7 +525,7 @@ def test_px_local_initializes_jax_distributed_across_processes(local_cluster):
 def test_killed_engine_gives_a_clear_error_and_cluster_restart_brings_it_back(local_cluster):
     import dsr1.workbench as mcjax
 
-    cluster = mcjax.connect(state=local_cluster.state, timeout=30)
+    cluster = mcjax.connect_controller(state=local_cluster.state, timeout=30)
     client = cluster.client
     try:
         layout = mcjax.assign_process_ids(cluster, namespace={})
@@ -509,7 +564,7 @@ def test_killed_engine_gives_a_clear_error_and_cluster_restart_brings_it_back(lo
 def test_hung_initialize_is_cleared_then_initialize_everywhere_works(local_cluster):
     import dsr1.workbench as mcjax
 
-    cluster = mcjax.connect(state=local_cluster.state, timeout=30)
+    cluster = mcjax.connect_controller(state=local_cluster.state, timeout=30)
     try:
         before = local_cluster.pids()
         new = mcjax.reset_engines(cluster, timeout=120, namespace={})  # fresh engines: JAX not started yet
@@ -567,7 +622,7 @@ RESULT = dict(index=jax.process_index(), count=jax.process_count(), devices=jax.
 
 mode, ports = sys.argv[1], [int(p) for p in sys.argv[2:]]
 out = {}
-cluster = mcjax.connect(timeout=30)
+cluster = mcjax.connect_controller(timeout=30)
 client = cluster.client
 mcjax.wait_for_engines(cluster, 2, timeout=60)
 if mode == "px-local":

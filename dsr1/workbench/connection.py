@@ -67,7 +67,8 @@ class Cluster:
     ``cluster.client[:]`` for a view of every engine); ``info``: what the setup scripts recorded in
     ``cluster.json``; ``controller_ip``: the controller's address, from its connection file;
     ``layout``: the process numbering of :func:`assign_process_ids` (None before it, and after
-    :func:`reset_engines`).
+    :func:`reset_engines`). On a single host (``MCJAX_SINGLE=1``) there is no controller:
+    ``client`` is :class:`~dsr1.workbench.single.NoEngines` and ``single`` is true.
     """
     client: ipyparallel.Client
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -78,14 +79,35 @@ class Cluster:
         """``engine 3 (process 1, host h1, pid 123)`` once numbered, else ``engine 3``."""
         return self.layout.describe(engine_id) if self.layout else f"engine {engine_id}"
 
+    def summary(self) -> str:
+        """One line: how many processes, the numbering, where the kernel and each engine are."""
+        layout = self.layout
+        if layout is None:
+            return f"{len(self.client.ids)} engines, not numbered yet"
+        if self.single:
+            return "a single host: this kernel is the only process (process 0 of 1), no engines"
+        return (f"{layout.num_processes} processes, {layout.numbering} numbering: the kernel is process "
+                f"{layout.kernel_process_id}; " + "; ".join(e.describe() for e in layout.engines))
+
+    @property
+    def single(self) -> bool:
+        """A single host: this kernel is the only process, every cell runs here alone."""
+        return self.info.get("provider") == "single"
+
+    def push(self, names: dict[str, Any]) -> None:
+        """Define ``names`` in every engine's namespace (the kernel keeps its own)."""
+        if not self.single:
+            self.client[:].push(names, block=True)
+
     def close(self) -> None:
         """Close the connection (the cluster keeps running)."""
         self.client.close()
 
 
-def connect(profile: str | os.PathLike | None = None, cluster_id: str | None = None,
+def connect_controller(profile: str | os.PathLike | None = None, cluster_id: str | None = None,
             timeout: float = 30.0, *, state: str | os.PathLike | None = None) -> Cluster:
-    """Connect to the controller that ``mcjax_setup.sh`` (or ``--local N``) started.
+    """Connect to the controller that ``mcjax_setup.sh`` (or ``--local N``) started: the
+    connection alone (see :func:`dsr1.workbench.connect` for the notebook's first cell).
 
     Waits up to ``timeout`` seconds for the connection file, then for the controller to answer;
     raises ClusterError saying how to start or restart the cluster otherwise.

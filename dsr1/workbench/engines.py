@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -94,10 +95,13 @@ def aborted(ids: list[int], results: Any) -> list[int]:
     return [e for e, r in zip(ids, results) if isinstance(r, ipp.error.TaskAborted)]
 
 
+SETTLE_SECONDS = 10.0
+
+
 def call_everywhere(cluster: Cluster, calls: dict[int, Callable[[], Any]], timeout: float | None,
-                     local: Callable[[], Any] | None = None) -> tuple[dict[int, Any], Any]:
+                    local: Callable[[], Any] | None = None) -> tuple[dict[int, Any], Any]:
     """Call ``calls[e]()`` on each engine ``e`` (ipyparallel's apply: a module function or a
-    partial of one), all submitted before ``local()`` (if given) runs here, then wait for them.
+    partial of one), all submitted before ``local()`` (if given) runs here, under :func:`watch`.
     Returns (each engine's return value by engine id, ``local()``'s value).
 
     An engine drops the requests that reach it while it handles an error in an earlier one
@@ -111,12 +115,10 @@ def call_everywhere(cluster: Cluster, calls: dict[int, Callable[[], Any]], timeo
     todo = dict(calls)
     for attempt in range(5):
         pending = {e: cluster.client[e].apply_async(call) for e, call in todo.items()}
-        if attempt == 0 and local is not None:
-            mine = local()
-        for e, ar in pending.items():
-            value = wait_result(cluster, ar, [e], timeout)
-            if not aborted([e], [value]):
-                results[e] = value
+        done, value = watch(cluster, pending, local if attempt == 0 else None, timeout)
+        if attempt == 0:
+            mine = value
+        results.update({e: v for e, v in done.items() if not aborted([e], [v])})
         todo = {e: call for e, call in todo.items() if e not in results}
         if not todo:
             return results, mine
@@ -124,8 +126,152 @@ def call_everywhere(cluster: Cluster, calls: dict[int, Callable[[], Any]], timeo
     raise ClusterError(f"engines {sorted(todo)} keep aborting requests: call abort_stale(cluster) and try again")
 
 
+def watch(cluster: Cluster, pending: dict[int, Any], local: Callable[[], Any] | None, timeout: float | None, *,
+          settle: float = SETTLE_SECONDS, what: str = "the cell") -> tuple[dict[int, Any], Any]:
+    """Wait for the engines' tasks ``pending`` (engine id -> its AsyncResult) while ``local()`` runs
+    here in a worker thread (:class:`~dsr1.workbench.watchdog.Task`), watching the results as well
+    as the engines' liveness. Returns (each engine's result, ``local()``'s value); an engine's
+    aborted task comes back as its TaskAborted.
+
+    - An engine dies: ClusterError naming it at once (:func:`dead_error`).
+    - A process raises (an engine, or ``local``): the others get ``settle`` seconds to finish (they
+      raise the same error, or finish); then the error is raised naming the process, with its
+      traceback, and naming the processes still inside ``what``: those wait in a collective for
+      the failed one, which never comes, so the error says how to restart them. The kernel's own
+      error alone (every engine finished) is raised as it is.
+    - ``timeout`` seconds pass (None: no limit) with no failure: ClusterError naming the processes
+      still busy.
+    """
+    from .watchdog import POLL_SECONDS, Task
+
+    task = Task(local) if local is not None else None
+    start = time.monotonic()
+    failed_at = None
+    while True:
+        finished = {e for e, ar in pending.items() if ar.ready()}
+        running = [e for e in pending if e not in finished]
+        dead = dead_engines(cluster, running)
+        if dead:
+            error = dead_error(cluster, dead)
+            raise error from task.error if task is not None and task.failed else error
+        kernel_done = task is None or task.done.is_set()
+        if not running and kernel_done:
+            break
+        failures = [e for e in finished if _raised(pending[e]) is not None]
+        if failures or (task is not None and task.failed):
+            failed_at = failed_at or time.monotonic()
+            if time.monotonic() - failed_at > settle:
+                break
+        elif timeout is not None and time.monotonic() - start > timeout:
+            busy = [cluster.describe(e) for e in running] + ([] if kernel_done else ["this kernel"])
+            raise ClusterError(
+                f"{', '.join(busy)} did not finish {what} within {timeout:.0f}s. If it waits for the other "
+                f"processes (a collective, or jax.distributed.initialize), one of them did not take part. "
+                f"Interrupt it with dsr1.workbench.abort_stale(cluster, interrupt=True); after a hung initialize "
+                f"call clear_hung_initialize(cluster); if it stays busy, {RESTART_HINT}.")
+        if task is not None and not task.done.is_set():
+            task.done.wait(POLL_SECONDS)
+        else:
+            time.sleep(POLL_SECONDS)
+    raised = {e: error for e in finished if (error := _raised(pending[e])) is not None}
+    stuck = [e for e in pending if e not in finished]
+    kernel_stuck = task is not None and not task.done.is_set()
+    if raised or stuck or kernel_stuck:
+        kernel_error = task.error if task is not None else None
+        same = all(_summary(error) == _summary(kernel_error) for error in raised.values())
+        if not stuck and not kernel_stuck and kernel_error is not None and same:
+            raise kernel_error  # every process raised the same (a mistake in the cell): the kernel's own error
+        raise failure_error(cluster, raised, stuck, kernel_stuck, kernel_error, what) from kernel_error
+    if task is not None and task.error is not None:
+        raise task.error
+    return {e: _value(ar) for e, ar in pending.items()}, task.value if task is not None else None
+
+
+def _raised(ar: Any) -> BaseException | None:
+    """The error an engine's finished task raised (None when it succeeded or was aborted)."""
+    import ipyparallel as ipp
+
+    try:
+        ar.get(0)
+    except ipp.error.TaskAborted:
+        return None
+    except Exception as e:  # noqa: BLE001 - the engine's error, reported by the caller
+        return e
+    return None
+
+
+def _summary(error: BaseException | None) -> tuple[str, str]:
+    """An error's type name and message, for a kernel's and an engine's (RemoteError) alike."""
+    return (getattr(error, "ename", None) or type(error).__name__, str(getattr(error, "evalue", None) or error))
+
+
+def _value(ar: Any) -> Any:
+    """A finished task's value (its TaskAborted when it was aborted)."""
+    import ipyparallel as ipp
+
+    try:
+        return ar.get(0)
+    except ipp.error.TaskAborted as e:
+        return e
+    except ipp.error.EngineError as e:
+        raise ClusterError(f"an engine died while running its task: {e}; {RESTART_HINT}") from e
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def remote_traceback(error: BaseException) -> str:
+    """An engine's error as text: its traceback as the engine printed it (colours removed), else
+    ``Type: message``."""
+    trace = getattr(error, "traceback", None) or ""
+    if isinstance(trace, list):
+        trace = "\n".join(trace)
+    text = _ANSI.sub("", trace).strip()
+    name, value = _summary(error)
+    return text or f"{name}: {value}"
+
+
+def failure_error(cluster: Cluster, raised: dict[int, BaseException], stuck: list[int], kernel_stuck: bool,
+                  kernel_error: BaseException | None, what: str = "the cell") -> ClusterError:
+    """The error of a process that raised while others were (or still are) in ``what``: who
+    raised, each traceback, and who is still inside it."""
+    parts = []
+    for e, error in raised.items():
+        name, value = _summary(error)
+        parts.append(f"{cluster.describe(e)} raised {name}: {value}")
+    if kernel_error is not None:
+        parts.append(f"this kernel{_kernel_process(cluster)} raised {type(kernel_error).__name__}: {kernel_error}")
+    message = "; ".join(parts)
+    kernel = [f"this kernel{_kernel_process(cluster)}"] if kernel_stuck else []
+    waiting = [cluster.describe(e) for e in stuck] + kernel
+    if waiting:
+        message += (f".\n{', '.join(waiting)} {'is' if len(waiting) == 1 else 'are'} still in {what}: waiting in a "
+                    f"collective for the process that failed, which will not come. Their JAX state is lost: "
+                    f"{RESTART_HINT} (or run the notebook's first cell again: connect() restarts such engines).")
+    for e, error in raised.items():
+        message += f"\n\n--- {cluster.describe(e)}:\n{remote_traceback(error)}"
+    return ClusterError(message)
+
+
+def _kernel_process(cluster: Cluster) -> str:
+    layout = cluster.layout
+    return f" (process {layout.kernel_process_id})" if layout is not None else ""
+
+
+def busy_engines(cluster: Cluster, engine_ids: list[int]) -> list[int]:
+    """Engines among ``engine_ids`` whose queue, as the controller counts it, holds a task (an
+    earlier cell still running there, perhaps stuck in a collective)."""
+    if not engine_ids:
+        return []
+    status = cluster.client.queue_status(targets=engine_ids, verbose=False)
+    return [e for e in engine_ids if (status.get(e) or {}).get("queue", 0)]
+
+
 def engine_targets(cluster: Cluster, targets: list[int] | None) -> list[int]:
-    """``targets``, else the numbered engines, else every registered one; raises if one is dead."""
+    """``targets``, else the numbered engines, else every registered one; raises if one is dead.
+    On a single host (no engines) there are none."""
+    if cluster.single:
+        return []
     if targets is None:
         targets = cluster.layout.engine_ids if cluster.layout else cluster.client.ids
     ids = sorted(targets)

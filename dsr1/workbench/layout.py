@@ -133,8 +133,10 @@ def assign_process_ids(cluster: Cluster, *, port: int | None = None, timeout: fl
     kernel's (``namespace``, else IPython's user namespace), so one ``%%everywhere`` cell reads the
     right values everywhere; turns on JAX's compilation cache in cluster.json's ``jax_cache_dir``
     everywhere; keeps the layout in ``cluster.layout``. Run it again after engines were restarted
-    (:func:`reset_engines` does).
+    (:func:`reset_engines` does). On a single host the kernel is the only process: its layout stays.
     """
+    if cluster.single and cluster.layout is not None:
+        return cluster.layout
     ids = sorted(cluster.client.ids)
     if not ids:
         raise ClusterError(f"no engines are registered with the controller: {RESTART_HINT}")

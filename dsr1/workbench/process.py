@@ -109,7 +109,8 @@ def probe(controller_ip: str, devices: bool, namespace: dict | None = None) -> d
     """Who and what this process is: host, pid, Python environment and version, the versions of
     dsr1, jax, jaxlib and ipyparallel, the accelerator, the address on which it reaches the
     controller at ``controller_ip`` (where process 0's coordinator listens), the ``PROCESS_ID`` /
-    ``NUM_PROCESSES`` of its user namespace and, with ``devices``, its JAX devices.
+    ``NUM_PROCESSES`` of its user namespace, whether JAX was started here (``jax_started``) and,
+    with ``devices``, its JAX devices.
 
     Devices are only read once JAX is initialized (``jax.distributed`` or a computation): reading
     them earlier would start JAX's backend and make ``jax.distributed.initialize`` impossible here.
@@ -123,9 +124,21 @@ def probe(controller_ip: str, devices: bool, namespace: dict | None = None) -> d
         "address": _address_towards(controller_ip), "accelerator": detect_platform(),
     }
     info.update({name: _version(name) for name in ("dsr1", "jax", "jaxlib", "ipyparallel")})
+    info["jax_started"] = jax_started()
     if devices:
         info.update(_devices_if_started())
     return info
+
+
+def jax_started() -> bool:
+    """Whether this process has joined ``jax.distributed`` (or begun to) or started JAX's devices:
+    then it cannot join a new group of processes without a restart."""
+    import jax
+
+    from . import jax_internals
+
+    return (_INIT is not None or jax.distributed.is_initialized() or jax_internals.has_distributed_state()
+            or jax_internals.backends_are_initialized())
 
 
 def _address_towards(ip: str) -> str:
@@ -231,6 +244,8 @@ def initialize(process_id: int, num_processes: int, coordinator: str | None = No
     the same arguments (the first attempt may still complete), or call ``clear_hung_initialize``
     and start over with a new port.
     """
+    if num_processes == 1 and process_id == 0:
+        return  # a single host: no other process to join, JAX runs as it is
     args = (process_id, num_processes, coordinator)
     where = f"process {process_id} of {num_processes} (coordinator {coordinator or 'auto'})"
     init = _start_initialize(args, (platform or detect_platform()).lower(), where)

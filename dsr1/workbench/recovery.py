@@ -71,8 +71,12 @@ def reset_engines(cluster: Cluster, *, n: int | None = None, timeout: float = 18
     4. re-read cluster.json and number the processes again (:func:`assign_process_ids`) with a new
        coordinator ``port`` (default: a free one on a local cluster, else the previous one + 1).
 
-    Then re-run the notebook from "Initialize". Returns the new engines' ids.
+    Then re-run the notebook from "Initialize". Returns the new engines' ids. On a single host
+    (no engines) only this kernel's JAX state is reset.
     """
+    if cluster.single:
+        reset_here()
+        return []
     client, info, layout = cluster.client, cluster.info or cluster_info(), cluster.layout
     old = set(client.ids)
     n = n or (len(layout.engines) if layout else 0) or int(info.get("engines") or 0) or len(old)
