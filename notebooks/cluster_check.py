@@ -24,7 +24,7 @@
 # Connects to the cluster (cluster.json): restarts engines that cannot join this kernel (after "Restart
 # kernel"), numbers the processes (PROCESS_ID, NUM_PROCESSES, COORDINATOR everywhere: kernel-last, the
 # kernel last; platform on TPU pods and Slurm, JAX numbers them and the kernel is process 0) and defines
-# %%everywhere. With MCJAX_SINGLE=1 (one host) this kernel is the only process.
+# the `%%everywhere` magic. With MCJAX_SINGLE=1 (one host) this kernel is the only process.
 import dsr1.workbench as mcjax
 
 cluster = mcjax.connect()

@@ -127,8 +127,10 @@ class Kernel:
                 on_output()
             if kind == "status" and content["execution_state"] == "idle":
                 break
-        reply = self.client.get_shell_msg(timeout=30)
-        return reply["content"], "".join(text)
+        while True:  # skip replies to earlier requests (wait_for_ready's kernel_info)
+            reply = self.client.get_shell_msg(timeout=30)
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return reply["content"], "".join(text)
 
     def ok(self, code: str, timeout: float = 420) -> str:
         reply, text = self.run(code, timeout)

@@ -195,6 +195,10 @@ def _raised(ar: Any) -> BaseException | None:
         ar.get(0)
     except ipp.error.TaskAborted:
         return None
+    except ipp.error.CompositeError as e:  # one engine's error, wrapped when its task was one of several
+        if len(e.elist) == 1:
+            return ipp.error.RemoteError(*e.elist[0])
+        return e
     except Exception as e:  # noqa: BLE001 - the engine's error, reported by the caller
         return e
     return None

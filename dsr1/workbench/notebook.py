@@ -16,6 +16,7 @@ from .magics import activate, ipython_shell
 from .process import ClusterError, jax_started, probe, user_namespace
 from .recovery import reset_engines
 from .single import connect_single, single_host_requested
+from .watchdog import stuck_tasks
 
 
 def connect(*, state: str | os.PathLike | None = None, timeout: float = 30.0, probe_timeout: float = 20.0,
@@ -31,8 +32,9 @@ def connect(*, state: str | os.PathLike | None = None, timeout: float = 30.0, pr
        scripts' ``cluster_restart``) when they cannot join a new ``jax.distributed`` group with this
        kernel: fewer are registered than cluster.json records (they died, e.g. with the previous
        kernel when it ran JAX's coordinator), one does not answer within ``probe_timeout`` seconds
-       (stuck in a collective of an earlier cell), or JAX was started in some processes but not in
-       others (the kernel was restarted while the engines kept their ``jax.distributed`` group).
+       (stuck in a collective of an earlier cell), a cell of this kernel is still stuck in one, or
+       JAX was started in some processes but not in others (the kernel was restarted while the
+       engines kept their ``jax.distributed`` group).
        So "Restart kernel and run all" works under both numberings. When JAX runs everywhere
        (the cell is run again in the same kernel), nothing is restarted. ``restart=False``:
        raise a ClusterError saying what is wrong instead.
@@ -80,8 +82,11 @@ def _use_fake_devices(count: int) -> None:
 
 def stale_engines(cluster: Cluster, expected: int, timeout: float) -> str | None:
     """Why the registered engines cannot join a new group with this kernel, or None when they can:
-    fewer than ``expected`` within a few seconds, one that does not answer within ``timeout``
-    seconds, or JAX started in some processes and not in others."""
+    a cell of this kernel still stuck in a collective, fewer than ``expected`` engines within a few
+    seconds, one that does not answer within ``timeout`` seconds, or JAX started in some processes
+    and not in others."""
+    if stuck_tasks():
+        return "a cell of this kernel is stuck in a collective with a process that failed"
     client = cluster.client
     deadline = time.monotonic() + min(timeout, 10.0)
     while len(client.ids) < expected and time.monotonic() < deadline:

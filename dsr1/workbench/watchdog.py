@@ -21,12 +21,21 @@ from typing import Any
 POLL_SECONDS = 0.25
 
 
+TASK_THREAD = "mcjax-cell"
+
+
+def stuck_tasks() -> int:
+    """How many :class:`Task` threads of this process still run: after a watched call ended with an
+    error, a task left running is stuck (in a collective with a process that failed)."""
+    return sum(1 for thread in threading.enumerate() if thread.name == TASK_THREAD and thread.is_alive())
+
+
 class Task:
     """``work()`` running in a daemon worker thread with the caller's context variables (so a
     kernel routes its output to the current cell): ``done`` is set when it returned or raised,
     then ``value`` or ``error`` holds the outcome."""
 
-    def __init__(self, work: Callable[[], Any], name: str = "mcjax-cell"):
+    def __init__(self, work: Callable[[], Any], name: str = TASK_THREAD):
         self.done = threading.Event()
         self.value: Any = None
         self.error: BaseException | None = None
