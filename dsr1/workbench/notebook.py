@@ -13,7 +13,7 @@ from .connection import Cluster, cluster_info, connect_controller
 from .engines import call_everywhere, engine_targets
 from .layout import assign_process_ids
 from .magics import activate, ipython_shell
-from .process import ClusterError, jax_started, probe, user_namespace
+from .process import ClusterError, initialized_port, jax_started, probe, user_namespace
 from .recovery import reset_engines
 from .single import connect_single, single_host_requested
 from .watchdog import stuck_tasks
@@ -59,8 +59,8 @@ def connect(*, state: str | os.PathLike | None = None, timeout: float = 30.0, pr
         if reason:
             print(f"restarting the engines: {reason}", flush=True)
             reset_engines(cluster, n=expected, namespace=namespace)
-        else:
-            assign_process_ids(cluster, namespace=namespace)
+        else:  # the group this kernel is in keeps its port (a first run: cluster.json's)
+            assign_process_ids(cluster, port=initialized_port(), namespace=namespace)
     if namespace is None and ipython_shell() is not None:
         activate(cluster)
     return cluster

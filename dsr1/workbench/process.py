@@ -265,6 +265,17 @@ def initialize(process_id: int, num_processes: int, coordinator: str | None = No
     _check_numbering(process_id, num_processes)
 
 
+def initialized_port() -> int | None:
+    """The coordinator port of this process's ``initialize`` (None before one): from its
+    coordinator's address (kernel-last), else ``JAX_COORDINATOR_PORT`` (platform numbering)."""
+    init = _INIT
+    if init is None:
+        return None
+    coordinator = init.args[2]
+    port = coordinator.rsplit(":", 1)[1] if coordinator else os.environ.get("JAX_COORDINATOR_PORT")
+    return int(port) if port else None
+
+
 def _check_numbering(process_id: int, num_processes: int) -> None:
     """The ids JAX gave (the platform's numbering) are those of the layout."""
     import jax
