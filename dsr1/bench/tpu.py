@@ -255,6 +255,9 @@ def tpu_report(plan: dict[str, Any], top: int = 12) -> str:
               f"- per device: {_gib(plan['fixed_bytes'])} GiB fixed + {plan['bytes_per_cached_token']:,.0f} bytes "
               f"per cached token: **{plan['max_cached_tokens']:,} cached tokens** fit; max batch "
               + ", ".join(f"{int(c):,}: {b:,}" for c, b in plan["max_batch"].items())]
+    if plan["compiled"][0]["refused"]:
+        lines.append("- the serving step was refused, so there is no compiled HLO to read: a smaller --batch or "
+                     "--context shows its bytes per step and collectives")
     if plan["bytes_accessed_per_step"] is not None:
         lines += [f"- bytes accessed per serving step (HLO walked with loop trip counts): "
                   f"**{_gib(plan['bytes_accessed_per_step'])} GiB per device** -> {plan['step_time_s'] * 1e3:.2f} ms "
