@@ -22,6 +22,10 @@ silently be replicated fails the plan, naming the tensor and the axis.
 Caveat: the temporaries are XLA:CPU's. CPU has no bf16 matmul, so it converts some bf16 operands to
 float32 (the gathered lm_head, the cache), which a GPU or TPU does not: the "with temp" fit is a
 lower bound, the "weights + cache" fit an upper bound.
+
+`--compiler tpu` asks XLA:TPU itself instead (`dsr1.bench.tpu`): the serving step and prefill compiled
+with libtpu for a TPU slice's real topology, with its memory analysis, the bytes a step reads and
+writes, and every collective of the step.
 """
 
 from __future__ import annotations

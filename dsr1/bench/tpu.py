@@ -122,7 +122,7 @@ def expert_stack_dims(weights: Any) -> list[tuple[int, ...]]:
     for name in ("gate", "up", "down"):
         for leaf in jax.tree.leaves(weights["moe_layers"]["moe"][name]):
             shard = tuple(leaf.sharding.shard_shape(leaf.shape))
-            if len(shard) >= 3:
+            if len(shard) == 4:  # [layers, experts, in, out]; not the int8 scales
                 dims += [shard, shard[1:]]
     return dims
 
