@@ -68,6 +68,9 @@ def topology_mesh(slice_: Slice, sizes: dict[str, int]) -> Mesh:
     from jax.experimental import topologies
 
     os.environ[TARGET_PLATFORM] = "tpu"
+    # libtpu locks /tmp/libtpu_lockfile so that one process owns a host's TPU; nothing is opened here,
+    # so plans may compile side by side.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     devices = topologies.get_topology_desc(platform="tpu", topology_name=slice_.topology,
                                            chip_config_name="default", chips_per_host_bounds=slice_.chips_per_host,
                                            num_slices=1).devices
