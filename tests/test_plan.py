@@ -254,7 +254,7 @@ def test_scaled_down_serving_step_compiled_by_xla_tpu_for_v5e(tmp_path):
     batch, context = 8, 64
     proc = _plan("--compiler", "tpu", "--config", str(tmp_path), "--target", "v5e-4", "--quant", "int8",
                  "--batch", str(batch), "--context", str(context), "--prefill-len", "32", "--json", str(out),
-                 timeout=1800)  # three XLA:TPU compiles: about two minutes on two idle cores
+                 timeout=1800)  # three XLA:TPU compiles, on a machine other jobs may share
     assert proc.returncode == 0, proc.stderr[-3000:]
     plan = json.loads(out.read_text())
     for key in ("max_cached_tokens", "max_batch", "bytes_accessed_per_step", "collectives", "fits"):
