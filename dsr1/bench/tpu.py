@@ -3,7 +3,7 @@
 libtpu compiles for a TPU topology on a host without a TPU: `jax.experimental.topologies` describes
 the slice's devices, the mesh is made of them, and the real programs are lowered with abstract,
 sharded arguments and compiled by XLA:TPU (the runtime stays on CPU; nothing runs). Compiled are the
-serving engine's step (`dsr1.programs.serve_step`: one decode token per row against a page pool, the
+serving engine's step (`dsr1.serving.step.serve_step`: one decode token per row against a page pool, the
 program the server runs), at the asked batch x context and at twice the context, and
 `dsr1.programs.prefill` of one prompt. From each:
 
@@ -22,6 +22,7 @@ fixed + per cached token, fitted through both and held to the chip's HBM.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import math
 import os
@@ -39,6 +40,7 @@ from ..core.config import Config
 from ..core.model import default_block_pages
 from ..core.sharding import ShardingRules, make_mesh, replicated_sharding
 from ..generation.sampling import Sampling, batch_sampling
+from ..serving import step as serving
 from . import hlo
 from .chips import SLICES, Slice
 
@@ -103,10 +105,8 @@ def serving_args(cfg: Config, mesh: Mesh, batch: int, context: int, dtype: Any, 
                                                      cfg.kv_lora_rank, cfg.qk_rope_head_dim, jnp.dtype(dtype),
                                                      kv_cache_dtype))
     sampling = batch_sampling([Sampling()] * batch)
-    state = jax.eval_shape(lambda s: programs.SlotState(s, jnp.zeros(batch, jnp.int32),
-                                                        jnp.zeros((batch, cfg.vocab_size), bool),
-                                                        jnp.zeros((batch, cfg.vocab_size), jnp.int32)), sampling)
-    rows = jax.ShapeDtypeStruct((batch, len(programs.StepRows._COLUMNS) + 1), jnp.int32)
+    state = jax.eval_shape(functools.partial(serving.slot_state, mesh=mesh, vocab_size=cfg.vocab_size), sampling)
+    rows = jax.ShapeDtypeStruct((batch, len(serving.StepRows._COLUMNS) + 1), jnp.int32)
     table = jax.ShapeDtypeStruct((batch, pages), jnp.int32)
     return _replicated((cache, state, rows, table), mesh)
 
@@ -193,9 +193,10 @@ def compile_tpu(program: str, shape: str, jitted: Any, args: tuple, kwargs: dict
 
 def compile_serve_step(weights: Any, cfg: Config, mesh: Mesh, rules: ShardingRules, batch: int, context: int,
                        dtype: Any, kv_cache_dtype: str | None) -> TpuCompiled:
-    """`dsr1.programs.serve_step`: one decode token for each of `batch` slots holding `context` positions."""
+    """The serving engine's step (`dsr1.serving.step.serve_step`): one decode token for each of `batch`
+    slots holding `context` positions."""
     args = serving_args(cfg, mesh, batch, context, dtype, kv_cache_dtype)
-    return compile_tpu("serve_step", f"batch {batch}, cache {context}", programs.serve_step, (weights, *args),
+    return compile_tpu("serve_step", f"batch {batch}, cache {context}", serving.serve_step, (weights, *args),
                        dict(cfg=cfg, mesh=mesh, rules=rules), expert_stack_dims(weights), page_loop_trips(context))
 
 
