@@ -167,7 +167,8 @@ HLO = """HloModule walk
   %param_0 = bf16[5,64,32]{2,1,0} parameter(0)
   %param_1 = s32[] parameter(1)
   %zero = s32[] constant(0)
-  %ds = bf16[1,64,32]{2,1,0} dynamic-slice(%param_0, %param_1, %zero, %zero), dynamic_slice_sizes={1,64,32}
+  %view = bf16[5,64,32]{2,1,0} bitcast(%param_0)
+  %ds = bf16[1,64,32]{2,1,0} dynamic-slice(%view, %param_1, %zero, %zero), dynamic_slice_sizes={1,64,32}
   ROOT %b = bf16[64,32]{1,0} bitcast(%ds)
 }
 

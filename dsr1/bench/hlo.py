@@ -211,11 +211,21 @@ def _fusion_reads(fused: Computation, operand_bytes: list[int]) -> int:
     for ins in fused.instructions:
         for o in ins.operands:
             users.setdefault(o, []).append(ins)
+    def uses_of(name: str) -> list[Instruction]:  # through free reshapes, to the instructions that read
+        found = []
+        for u in users.get(name, []):
+            found += uses_of(u.name) if u.opcode in ("bitcast", "reshape") else [u]
+        return found
+
+    def slices(name: str, uses: list[Instruction]) -> bool:
+        return all(u.opcode in ("dynamic-slice", "slice", "gather") and (u.operands[0] == name or u.operands[0] in
+                   {v.name for v in fused.instructions if v.opcode in ("bitcast", "reshape")}) for u in uses)
+
     total = 0
     for pname, index in params.items():
         full = operand_bytes[index] if index < len(operand_bytes) else 0
-        uses = users.get(pname, [])
-        if uses and all(u.opcode in ("dynamic-slice", "slice", "gather") and u.operands[0] == pname for u in uses):
+        uses = uses_of(pname)
+        if uses and slices(pname, uses):
             total += min(full, sum(shape_bytes(u.shape) for u in uses))
         elif uses and all(u.opcode == "dynamic-update-slice" and u.operands[0] == pname for u in uses):
             total += 0  # written in place: the update is counted with the result

@@ -449,7 +449,8 @@ def make_tpu_plan(spec: PlanSpec, mesh: Mesh, rules: ShardingRules = DEFAULT_RUL
     available = next((c.hbm_available_bytes for c in compiled if c.hbm_available_bytes), None)
     budget = available or (spec.hbm_gib if spec.hbm_gib is not None else chip.hbm_gib) * GIB
     tokens = spec.batch * spec.context
-    fitted = tpu.fit(compiled[0], compiled[1], tokens, 2 * tokens, budget, fit_contexts(cfg))
+    fitted = tpu.fit(compiled[0], compiled[1], tokens, 2 * tokens, budget, fit_contexts(cfg),
+                     cache_bytes_per_token(cfg, dtype, spec.kv_cache_dtype))
     per_step = step.bytes_accessed_per_step
     return {
         "model": spec.name, "compiler": "tpu", "devices": spec.devices, "mesh": spec.mesh, "target": spec.target,

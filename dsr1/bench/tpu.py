@@ -214,12 +214,13 @@ def compile_prefill_tpu(weights: Any, cfg: Config, mesh: Mesh, rules: ShardingRu
 # ---- the fit -------------------------------------------------------------------------------------
 
 def fit(small: TpuCompiled, large: TpuCompiled, small_tokens: int, large_tokens: int, budget: float,
-        contexts: list[int]) -> dict[str, Any]:
+        contexts: list[int], cache_token_bytes: int) -> dict[str, Any]:
     """The bytes a device needs, fixed + per cached token, through the two serving-step compiles (XLA's
-    peak, or the figure of its refusal); the most cached tokens within `budget` and the batch per context."""
-    per_token = max(0.0, (large.peak_bytes - small.peak_bytes) / (large_tokens - small_tokens))
+    peak, or the figure of its refusal; per token at least the page pool's `cache_token_bytes`, which
+    small pools' padding can hide); the most cached tokens within `budget` and the batch per context."""
+    per_token = max(cache_token_bytes, (large.peak_bytes - small.peak_bytes) / (large_tokens - small_tokens))
     fixed = small.peak_bytes - per_token * small_tokens
-    tokens = 0 if fixed > budget or per_token == 0 else int((budget - fixed) // per_token)
+    tokens = 0 if fixed > budget else int((budget - fixed) // per_token)
     return {"fixed_bytes": fixed, "bytes_per_cached_token": per_token, "max_cached_tokens": tokens,
             "max_batch": {str(c): tokens // c for c in contexts}}
 
