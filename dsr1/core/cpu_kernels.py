@@ -44,9 +44,15 @@ KERNEL_ROWS = 8  # the kernel's block: more rows re-read the weight per block (p
 _WEIGHTS = {jnp.dtype(jnp.uint16): "bf16", jnp.dtype(jnp.int8): "int8"}  # the handlers' names end so
 
 
+def target_platform() -> str:
+    """The platform programs are built for: JAX's default backend, unless `DSR1_TARGET_PLATFORM` names
+    another (a CPU host compiling for TPU devices: `python -m dsr1.bench plan --compiler tpu`)."""
+    return os.environ.get("DSR1_TARGET_PLATFORM") or jax.default_backend()
+
+
 def available() -> bool:
     """Whether `rows_dot` runs here: on CPU, unless `DSR1_CPU_KERNELS=0`, once the kernel is built."""
-    return jax.default_backend() == "cpu" and library() is not None
+    return target_platform() == "cpu" and library() is not None
 
 
 # vdpbf16ps per float32 FMA from which bf16 rows pay off: each does twice the multiply-adds and needs

@@ -343,7 +343,7 @@ def default_kernel(n_pairs: int, n_local: int, backend: str | None = None) -> Ex
     gathers the pairs' experts while they are fewer than half of the experts (`gather_experts`), and
     more pairs run through per-expert buffers (`capacity_experts`). TPU keeps `ragged_dot`.
     `backend`: JAX's default backend unless given."""
-    backend = backend or jax.default_backend()
+    backend = backend or cpu_kernels.target_platform()
     if backend == "cpu":
         return loop_experts
     if backend != "gpu":

@@ -171,7 +171,7 @@ def quantize(w: Any, input_axes: tuple[int, ...]) -> Int8Weight:
 def widens_on_use() -> bool:
     """Whether weights are widened to float32 where they are used: on CPU (see the module doc).
     GPU and TPU compute bf16 and int8 operands directly."""
-    return jax.default_backend() == "cpu"
+    return cpu_kernels.target_platform() == "cpu"
 
 
 @jax.tree_util.register_dataclass
