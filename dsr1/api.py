@@ -16,10 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from . import programs
+from . import cpu, programs
 from .core.cache import KVCache, check_kv_cache_dtype
 from .core.config import Config
-from .core.huge_pages import on_huge_pages
 from .core.params import Params, compute_view, init_params
 from .core.quant import Int8Weight, check_quant
 from .core.sharding import DEFAULT_RULES, ShardingRules, make_mesh, put_replicated, to_host
@@ -137,8 +136,8 @@ def init_random(cfg: Config, *, seed: int = 0, mesh: Mesh | None = None, dtype: 
     mesh, dtype = _resolve(mesh, dtype)
     if mtp and not cfg.num_nextn_predict_layers:
         raise ValueError("init_random(mtp=True) needs a config with num_nextn_predict_layers > 0")
-    params = compute_view(init_params(cfg, mesh, rules, seed=seed, dtype=dtype, quant=quant, mtp=mtp), cfg)
-    return Model(cfg, on_huge_pages(params), mesh, kv_cache_dtype, rules)
+    params = compute_view(init_params(cfg, mesh, rules, seed=seed, dtype=dtype, quant=quant, mtp=mtp), cfg, mesh)
+    return Model(cfg, cpu.held(params, mesh), mesh, kv_cache_dtype, rules)
 
 
 def load(path: str | Path, *, mesh: Mesh | None = None, dtype: Any = "bfloat16", quant: str | None = None,
@@ -161,4 +160,4 @@ def load(path: str | Path, *, mesh: Mesh | None = None, dtype: Any = "bfloat16",
     cfg = Config.from_hf(path)
     params, read = load_params(path, cfg, mesh, rules, dtype, quant=check_quant(quant), mtp=mtp, progress=progress)
     log.info("loaded %s: read %s", path, read, extra={"throughput": read})
-    return Model(cfg, on_huge_pages(compute_view(params, cfg)), mesh, kv_cache_dtype, rules)
+    return Model(cfg, cpu.held(compute_view(params, cfg, mesh), mesh), mesh, kv_cache_dtype, rules)

@@ -4,7 +4,7 @@ widths (R1's by default), the cache bf16 or (`--kv-cache-dtype int8`) int8 laten
 scale per position. XLA's path (one softmax, float32 scores, the probabilities rounded to bf16:
 `attention._cache_softmax`'s steps) is the reference; the GPU flash-decoding kernel runs under
 each asked tiling (`flash_decode.Tiling`; `--interpret` runs it on any backend, slowly: for tests);
-dsr1's CPU kernel (`cpu_kernels.mla_decode_context`) where it is built. Per call: ms,
+dsr1's CPU kernel (`dsr1.cpu.ffi.mla_decode_context`) where it is built. Per call: ms,
 the cache read (latents once) in GB/s, the products' TFLOP/s and the error against the reference.
 The flash kernel's tiling tables in docs/performance.md ("Second GPU session", "Third GPU session") came
 from this loop."""
@@ -21,8 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..core import cpu_kernels, flash_decode
+from .. import cpu
+from ..core import flash_decode
 from ..core.cache import KV_CACHE_DTYPES, quantize_latent
+from ..cpu import ffi as cpu_kernels
 from ..options import positive_int, positive_ints
 from .bandwidth import device_description, with_final_load
 from .report import device_line, markdown_table
@@ -146,7 +148,7 @@ def implementations(tilings: list[flash_decode.Tiling], interpret: bool,
     if jax.default_backend() == "gpu" or interpret:
         for t in tilings:
             found[f"flash {tiling_name(t)}"] = lambda x, t=t: flash_context(x, scale, t, interpret)
-    if cpu_kernels.available():
+    if cpu.enabled(jax.devices()):
         found["cpu kernel"] = lambda x: cpu_kernel_context(x, scale)
     return found
 

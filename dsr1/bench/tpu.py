@@ -46,7 +46,6 @@ from .chips import SLICES, Slice
 
 GIB = 2**30
 PAGE_SIZE = 16  # the serving engine's default page size
-TARGET_PLATFORM = "DSR1_TARGET_PLATFORM"  # read by dsr1.core when choosing per-platform paths
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _REFUSAL = re.compile(r"\(?(\d+(?:\.\d+)?)([KMGT]?)\)?\s+exceeds available HBM \((\d+(?:\.\d+)?)([KMGT]?)\)")
 
@@ -64,12 +63,11 @@ def check_libtpu() -> None:
 
 
 def topology_mesh(slice_: Slice, sizes: dict[str, int]) -> Mesh:
-    """A mesh of the slice's TPU devices (described, not opened) with the given axis sizes. The
-    per-platform paths of dsr1 follow `DSR1_TARGET_PLATFORM`, set here to "tpu" for this process."""
+    """A mesh of the slice's TPU devices (described, not opened) with the given axis sizes. dsr1 picks
+    its per-platform paths from the mesh's devices, so this CPU host compiles what a TPU would run."""
     check_libtpu()
     from jax.experimental import topologies
 
-    os.environ[TARGET_PLATFORM] = "tpu"
     # libtpu locks /tmp/libtpu_lockfile so that one process owns a host's TPU; nothing is opened here,
     # so plans may compile side by side.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
