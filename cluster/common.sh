@@ -71,6 +71,15 @@ mcjax_private_dirs() {
   chmod 700 "$MCJAX_STATE" "$@"
 }
 
+# The working directory of every process the scripts start (controller, engines, Jupyter, the
+# smoke check): a folder of their own on the host's disk. The shared folder holds the source
+# tree as dsr1/ (the repository root, no __init__.py): a process started there would import that
+# folder as an empty namespace package instead of the installed dsr1.
+mcjax_run_dir() {
+  mcjax_private_dirs "$MCJAX_STATE/run"
+  echo "$MCJAX_STATE/run"
+}
+
 # True when PID is a live process (a zombie is not).
 mcjax_pid_alive() {
   local pid=$1 stat
@@ -93,8 +102,9 @@ mcjax_running_pid() {
   fi
 }
 
-# Start CMD... in the background in a session of its own, as NAME, logging to LOG; the pid file
-# is written by the process itself (a tiny Python launcher that execs CMD), so it is exact.
+# Start CMD... in the background in a session of its own, as NAME, logging to LOG, in the run
+# folder (mcjax_run_dir); the pid file is written by the process itself (a tiny Python launcher
+# that execs CMD), so it is exact.
 # usage: mcjax_start_bg NAME LOG CMD...
 mcjax_start_bg() {
   local name=$1 log=$2 pidfile py pid i
@@ -102,6 +112,7 @@ mcjax_start_bg() {
   pidfile=$(mcjax_pidfile "$name")
   py=$(mcjax_python)
   mcjax_private_dirs "$(dirname "$pidfile")" "$(dirname "$log")"
+  cd "$(mcjax_run_dir)" || mcjax_die "cannot enter $MCJAX_STATE/run"
   rm -f "$pidfile"
   # The log may hold secrets (Jupyter's token): mode 600, in a mode 700 folder.
   (umask 077 && : >>"$log")
@@ -233,8 +244,11 @@ mcjax_controller_start() {
 }
 
 # The environment every JAX process gets (engines here, Jupyter and so the kernel on host 0), as
-# NAME=VALUE lines: the shared compilation cache and, when one is asked for, the coordinator port.
+# NAME=VALUE lines: Python's safe-path mode (no working directory or script folder on sys.path:
+# dsr1 is always the installed package), the shared compilation cache and, when one is asked for,
+# the coordinator port.
 mcjax_process_env() {
+  echo "PYTHONSAFEPATH=1"
   if [ "$MCJAX_JAX_CACHE" != off ]; then
     echo "JAX_COMPILATION_CACHE_DIR=$MCJAX_JAX_CACHE"
     echo "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=$MCJAX_JAX_CACHE_MIN_SECS"
@@ -308,7 +322,7 @@ mcjax_engine_stale() {
 mcjax_wait_engines() {
   local n=$1 timeout=${2:-$MCJAX_START_TIMEOUT} py
   py=$(mcjax_python)
-  "$py" - "$(mcjax_client_json)" "$n" "$timeout" <<'EOF'
+  "$py" -P - "$(mcjax_client_json)" "$n" "$timeout" <<'EOF'
 import sys
 import ipyparallel as ipp
 
