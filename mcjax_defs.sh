@@ -59,7 +59,13 @@ fi
 : "${MCJAX_UV_VERSION:=0.13.9}"               # uv, from PyPI (pip download uv==VERSION)
 : "${MCJAX_HOST_PYTHON:=3.12}"                # the CPython uv installs (its newest 3.12.x known to that uv)
 : "${MCJAX_UV_DIR:=$HOME/.mcjax-uv}"          # where the uv binary goes on each host
-: "${MCJAX_JAX_SPEC:=}"                       # extra pip requirement for jax (default by provider, see below)
+: "${MCJAX_LOCK_PLATFORM:=}"                  # the platform extra of the lock: cpu, tpu or cuda12 (empty: tpu for
+                                              #   gcloud, cuda12 for ssh and slurm, cpu for local)
+: "${MCJAX_LOCK:=}"                           # the requirements lock (exact versions, hashes) every host's venv is
+                                              #   synced to (uv pip sync) and the smoke check compares against; empty:
+                                              #   $MCJAX_REPO_DIR/cluster/locks/$MCJAX_LOCK_PLATFORM.txt (local: off);
+                                              #   off: no lock (pyproject's ranges plus MCJAX_JAX_SPEC)
+: "${MCJAX_JAX_SPEC:=}"                       # without a lock: extra pip requirement for jax (default by provider)
 : "${MCJAX_PROFILE:=mcjax}"                   # ipyparallel profile name
 : "${MCJAX_PROFILE_DIR:=}"                    # ipyparallel profile dir (default below)
 : "${MCJAX_CLUSTER_ID:=mcjax}"                # ipyparallel cluster id (names the connection files)
@@ -100,8 +106,13 @@ case "$MCJAX_PROVIDER" in
 esac
 _mcjax_derive MCJAX_REPO_DIR "$MCJAX_NFS_DIR/dsr1"   # the dsr1 source on the shared folder
 case "$MCJAX_PROVIDER" in
-  gcloud) _mcjax_derive MCJAX_JAX_SPEC "jax[tpu]" ;;
-  ssh | slurm) _mcjax_derive MCJAX_JAX_SPEC "jax[cuda12]" ;;
+  gcloud) _mcjax_derive MCJAX_JAX_SPEC "jax[tpu]"; _mcjax_derive MCJAX_LOCK_PLATFORM tpu ;;
+  ssh | slurm) _mcjax_derive MCJAX_JAX_SPEC "jax[cuda12]"; _mcjax_derive MCJAX_LOCK_PLATFORM cuda12 ;;
+  *) _mcjax_derive MCJAX_LOCK_PLATFORM cpu ;;
+esac
+case "$MCJAX_PROVIDER" in
+  local) _mcjax_derive MCJAX_LOCK off ;;  # the local cluster runs your own environment
+  *) _mcjax_derive MCJAX_LOCK "$MCJAX_REPO_DIR/cluster/locks/$MCJAX_LOCK_PLATFORM.txt" ;;
 esac
 case "$MCJAX_PROVIDER" in
   gcloud | slurm) _mcjax_derive MCJAX_NUMBERING platform ;;
@@ -134,7 +145,7 @@ fi
 MCJAX_SETTINGS="MCJAX_PROVIDER MCJAX_CLUSTER MCJAX_ZONE MCJAX_PROJECT MCJAX_GCLOUD_SSH MCJAX_HOSTS \
 MCJAX_HOST_LIST MCJAX_INTERNAL_IPS MCJAX_USER MCJAX_CONNECT_TIMEOUT MCJAX_SSH_OPTS MCJAX_TRANSPORT \
 MCJAX_SLURM_JOB_ID MCJAX_SRUN_OPTS MCJAX_NFS_DIR MCJAX_BUCKET MCJAX_BUCKET_DIR MCJAX_VENV \
-MCJAX_UV_VERSION MCJAX_HOST_PYTHON MCJAX_UV_DIR MCJAX_REPO_DIR MCJAX_JAX_SPEC MCJAX_STATE \
+MCJAX_UV_VERSION MCJAX_HOST_PYTHON MCJAX_UV_DIR MCJAX_REPO_DIR MCJAX_LOCK_PLATFORM MCJAX_LOCK MCJAX_JAX_SPEC MCJAX_STATE \
 MCJAX_PROFILE MCJAX_PROFILE_DIR MCJAX_CLUSTER_ID MCJAX_PYTHON MCJAX_LOCAL_DEVICES MCJAX_NUMBERING \
 MCJAX_COORDINATOR_PORT MCJAX_JAX_CACHE MCJAX_JAX_CACHE_MIN_SECS MCJAX_JUPYTER_PORT MCJAX_REMOTE_DIR \
 MCJAX_START_TIMEOUT MCJAX_STOP_TIMEOUT"

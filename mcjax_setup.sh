@@ -4,7 +4,7 @@
 set -euo pipefail
 
 SETUP_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-ALL_STEPS="check push keys nfs gcsfuse code venv ipcluster jupyter"
+ALL_STEPS="check push keys nfs gcsfuse code venv ipcluster jupyter smoke"
 
 usage() {
   cat <<'EOF'
@@ -20,6 +20,9 @@ mcjax_setup.sh: prepare a cluster for the multi-host JAX notebook (settings: mcj
                                                 controller, engines and Jupyter); never one chosen by
                                                 $MCJAX_PROVIDER, and nothing when the folder records none
   ./mcjax_setup.sh --status                     the same choice: the cluster $MCJAX_STATE records
+  ./mcjax_setup.sh --check                      the smoke check of that cluster (setup's last step): every engine
+                                                imports dsr1, versions against the lock, one psum across all
+                                                processes; a report per host, exit status 1 on any mismatch
   ./mcjax_setup.sh --stop|--status --provider P the cluster that the MCJAX_* settings describe, with provider P
                                                 (a cluster set up from another machine or state folder)
   ./mcjax_setup.sh --local-stop                 stop the local cluster of $MCJAX_STATE
@@ -42,6 +45,7 @@ Steps (default: all, in this order; every one is idempotent, so rerunning setup 
   venv       uv with CPython $MCJAX_HOST_PYTHON, a venv $MCJAX_VENV per host with dsr1[notebook] (+ $MCJAX_JAX_SPEC)
   ipcluster  ipyparallel controller on host 0 (bound to its internal IP), one engine on hosts 1..N-1
   jupyter    Jupyter on host 0, bound to 127.0.0.1 (reach it with cluster_port_forward)
+  smoke      the smoke check (./mcjax_setup.sh --check): imports, versions, one psum across every process
 EOF
 }
 
@@ -84,6 +88,7 @@ while [ "$#" -gt 0 ]; do
     --stop) mode=stop ;;
     --local-stop) mode=local-stop ;;
     --status) mode=status ;;
+    --check) mode=check ;;
     --print-exports) mode=exports ;;
     --print-env) mode=print-env ;;
     --steps)
@@ -136,13 +141,15 @@ case "$mode" in
     exec bash "$SETUP_DIR/cluster/local.sh" start "$local_n"
     ;;
   local-stop) exec bash "$SETUP_DIR/cluster/local.sh" stop ;;
-  stop | status)
+  stop | status | check)
     if [ "$provider" = local ] || { [ -z "$provider" ] && local_recorded; }; then
+      local_cmd=$mode
+      [ "$mode" != check ] || local_cmd=smoke
       if [ "${MCJAX_DRY_RUN:-0}" = 1 ]; then
-        printf '+ %s\n' "bash $SETUP_DIR/cluster/local.sh $mode"
+        printf '+ %s\n' "bash $SETUP_DIR/cluster/local.sh $local_cmd"
         exit 0
       fi
-      exec bash "$SETUP_DIR/cluster/local.sh" "$mode"
+      exec bash "$SETUP_DIR/cluster/local.sh" "$local_cmd"
     fi
     if [ -z "$provider" ]; then
       if [ ! -f "$RECORD" ]; then
@@ -249,9 +256,28 @@ write_env() {
 
 dry() { [ "$MCJAX_DRY_RUN" = 1 ]; }
 
+# The smoke check on host 0 (where the kernel runs). Slurm: in a step with MCJAX_SRUN_OPTS, as the
+# engines and Jupyter get, so that its JAX process sees the node's GPUs.
+run_smoke() {
+  local cmd line
+  cmd=$(remote ipcluster.sh smoke)
+  if [ "$MCJAX_PROVIDER" != slurm ] || [ -z "$MCJAX_SRUN_OPTS" ]; then
+    cluster_exec 0 0 "$cmd"
+    return
+  fi
+  # shellcheck disable=SC2086  # several options
+  line=$(_mcjax_srun_line 0 $MCJAX_SRUN_OPTS bash -c "cd || exit 1; export MCJAX_HOST_INDEX=0; $cmd") || return 1
+  if dry; then printf '+ %s\n' "$line"; else eval "$line"; fi
+}
+
 case "$mode" in
   print-env) write_env hosts; exit ;;
   status) cluster_status; exit ;;
+  check)
+    step "check: the smoke check of the $MCJAX_PROVIDER cluster '$MCJAX_CLUSTER_ID' (on host 0)"
+    run_smoke || mcjax_die "the smoke check failed (see the report above)"
+    exit 0
+    ;;
   stop)
     step "stop: Jupyter and the controller on host 0, the engines on hosts 1..$LAST ($MCJAX_PROVIDER cluster '$MCJAX_CLUSTER_ID')"
     rc=0
@@ -431,6 +457,10 @@ for s in $steps; do
       else
         cluster_exec 0 0 "$(remote ipcluster.sh jupyter start)" || mcjax_die "Jupyter did not start"
       fi
+      ;;
+    smoke)
+      step "smoke: every engine imports dsr1, versions against the lock ($MCJAX_LOCK), one psum across the $N processes"
+      run_smoke || mcjax_die "the smoke check failed (see the report above): fix the hosts it names, then ./mcjax_setup.sh --check"
       ;;
   esac
 done

@@ -52,6 +52,12 @@ mcjax_apt_install() {
     install -y -qq "$@"
 }
 
+# The lock file the venvs are synced to and the smoke check compares against (nothing when
+# MCJAX_LOCK is off).
+mcjax_lock_file() {
+  if [ -n "$MCJAX_LOCK" ] && [ "$MCJAX_LOCK" != off ]; then echo "$MCJAX_LOCK"; fi
+}
+
 # The Python that runs the controller and the engines on this host.
 mcjax_python() {
   if [ "$MCJAX_PROVIDER" = local ]; then

@@ -195,15 +195,16 @@ cmd_restart() {
 # The smoke check (dsr1.workbench.smoke) from host 0's place: this machine, with the engines' JAX
 # settings (CPU, the same device count) and the lock MCJAX_LOCK when one is set.
 cmd_smoke() {
-  local n line
+  local n line lock
   n=$(recorded_hosts) || true
   [ -n "$n" ] || mcjax_die "no local cluster recorded in $MCJAX_STATE: start one with ./mcjax_setup.sh --local N"
   load_recorded
+  lock=$(mcjax_lock_file)
   set --
   while IFS= read -r line; do set -- "$@" "$line"; done < <(mcjax_process_env)
   cd "$(mcjax_run_dir)" || mcjax_die "cannot enter $MCJAX_STATE/run"
   env "$@" JAX_PLATFORMS=cpu XLA_FLAGS="$(engine_xla_flags)" MCJAX_HOST_INDEX=0 \
-    "$MCJAX_PYTHON" -P -m dsr1.workbench.smoke --state "$MCJAX_STATE" ${MCJAX_LOCK:+--lock "$MCJAX_LOCK"}
+    "$MCJAX_PYTHON" -P -m dsr1.workbench.smoke --state "$MCJAX_STATE" ${lock:+--lock "$lock"}
 }
 
 cmd_status() {
