@@ -418,11 +418,17 @@ for s in $steps; do
         cluster_exec 0 0 "$untar" || mcjax_die "copying the code to host 0 failed"
       ;;
     venv)
-      step "venv: uv $MCJAX_UV_VERSION, CPython $MCJAX_HOST_PYTHON, $MCJAX_VENV with dsr1[notebook] ${MCJAX_JAX_SPEC} on every host"
+      if [ "$MCJAX_LOCK" = off ]; then what="dsr1[notebook] $MCJAX_JAX_SPEC (no lock)"; else what="the lock $MCJAX_LOCK"; fi
+      step "venv: uv $MCJAX_UV_VERSION, CPython $MCJAX_HOST_PYTHON, $MCJAX_VENV with $what on every host"
       if dry; then
+        if [ "$MCJAX_LOCK" = off ]; then
+          deps="uv pip install -r $MCJAX_REPO_DIR/pyproject.toml --extra notebook $MCJAX_JAX_SPEC"
+        else
+          deps="uv pip sync --require-hashes $MCJAX_LOCK"
+        fi
         echo "# venv.sh on a host: install|deps: uv $MCJAX_UV_VERSION from its PyPI wheel into $MCJAX_UV_DIR/$MCJAX_UV_VERSION/uv;" \
           "uv python install $MCJAX_HOST_PYTHON; uv venv --seed --managed-python --python $MCJAX_HOST_PYTHON $MCJAX_VENV;" \
-          "uv pip install -r $MCJAX_REPO_DIR/pyproject.toml --extra notebook $MCJAX_JAX_SPEC; install|project: uv pip install --no-deps -e $MCJAX_REPO_DIR"
+          "$deps; install|project: uv pip install --no-deps -e $MCJAX_REPO_DIR; check: the venv against the lock"
       fi
       # Host 0 first, alone: its editable install writes build metadata into the shared source.
       cluster_exec 0 0 "$(remote venv.sh install)" || mcjax_die "venv setup on host 0 failed"

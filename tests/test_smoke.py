@@ -240,3 +240,50 @@ def test_smoke_check_passes_under_platform_numbering(tmp_path):
     finally:
         _setup(env, "--stop", timeout=120)
         _kill_leftovers(tmp_path / "state", cluster_id)
+
+
+# ----------------------------------------------------------------------------- the lock
+
+def test_the_locks_pin_one_jax_for_every_platform_and_the_hosts_python():
+    from dsr1.workbench import smoke
+
+    host_python = re.search(r'MCJAX_HOST_PYTHON:=([0-9.]+)', (ROOT / "mcjax_defs.sh").read_text()).group(1)
+    pins = {p: smoke.read_lock(ROOT / "cluster" / "locks" / f"{p}.txt") for p in ("cpu", "tpu", "cuda12")}
+    assert len({(v["jax"], v["jaxlib"]) for v in pins.values()}) == 1, pins
+    assert {v["python"] for v in pins.values()} == {host_python}
+    assert "libtpu" in pins["tpu"] and "jax-cuda12-plugin" in pins["cuda12"] and "ipyparallel" in pins["cpu"]
+    for p in ("cpu", "tpu", "cuda12"):  # every requirement carries its hashes
+        text = (ROOT / "cluster" / "locks" / f"{p}.txt").read_text()
+        assert text.count("--hash=sha256:") >= len(pins[p]) - 1
+
+
+def test_venv_syncs_to_the_lock_and_check_names_what_differs(tmp_path):
+    """venv.sh deps installs with `uv pip sync --require-hashes LOCK` (a venv with other versions is
+    brought to the lock), and venv.sh check fails on what a sync would still change."""
+    log = tmp_path / "uv.log"
+    uv_dir = tmp_path / "uv"
+    (uv_dir / "0.13.9").mkdir(parents=True)
+    uv = uv_dir / "0.13.9" / "uv"
+    uv.write_text(f'#!/bin/sh\necho "$*" >>"{log}"\ncase "$*" in --version) echo "uv 0.13.9";; '
+                  '*"--dry-run"*) printf " - dsr1==0.1.0\\n - jax==0.9.0\\n + jax==0.10.2\\n" >&2;; esac\nexit 0\n')
+    uv.chmod(0o755)
+    venv = _venv(tmp_path)
+    repo = tmp_path / "repo"
+    (repo / "cluster" / "locks").mkdir(parents=True)
+    (repo / "pyproject.toml").write_text("")
+    (repo / "cluster" / "locks" / "cuda12.txt").write_text(LOCK)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MCJAX_")}
+    env.update(MCJAX_PROVIDER="ssh", MCJAX_UV_DIR=str(uv_dir), MCJAX_VENV=str(venv), MCJAX_REPO_DIR=str(repo),
+               MCJAX_STATE=str(tmp_path / "state"), MCJAX_HOST_PYTHON=".".join(map(str, sys.version_info[:2])))
+    deps = subprocess.run(["bash", str(ROOT / "cluster" / "venv.sh"), "deps"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert deps.returncode == 0, deps.stdout + deps.stderr
+    lock = repo / "cluster" / "locks" / "cuda12.txt"
+    assert f"pip sync --quiet --require-hashes --python {venv}/bin/python {lock}" in log.read_text().splitlines()
+    check = subprocess.run(["bash", str(ROOT / "cluster" / "venv.sh"), "check"], env=env, capture_output=True,
+                           text=True, timeout=60)
+    assert check.returncode == 1 and f"differs from the lock {lock}" in check.stderr, check.stdout + check.stderr
+    assert " + jax==0.10.2" in check.stderr and "dsr1" not in check.stderr.split("lock")[-1]
+    off = subprocess.run(["bash", str(ROOT / "cluster" / "venv.sh"), "deps"], env=dict(env, MCJAX_LOCK="off"),
+                         capture_output=True, text=True, timeout=60)
+    assert off.returncode == 0 and "pip install --quiet" in log.read_text().splitlines()[-1], off.stderr
