@@ -15,6 +15,9 @@ mcjax_setup.sh: prepare a cluster for the multi-host JAX notebook (settings: mcj
   ./mcjax_setup.sh --local N [--numbering M]    a simulated cluster here: controller + N-1 engines on 127.0.0.1;
                                                 M: kernel-last (default: the kernel is process N-1) or platform
                                                 (Slurm-style variables, JAX numbers the processes, kernel = 0)
+  ./mcjax_setup.sh --single                     this one machine's accelerators (a one-host TPU VM, one GPU box, or
+                                                this CPU machine): no controller, no engines; records it in
+                                                $MCJAX_STATE/single.env and starts Jupyter with MCJAX_SINGLE=1
   ./mcjax_setup.sh --stop [--dry-run]           stop the cluster that $MCJAX_STATE records: the local cluster
                                                 started with it, or the real cluster set up from it (its
                                                 controller, engines and Jupyter); never one chosen by
@@ -77,6 +80,7 @@ while [ "$#" -gt 0 ]; do
       [ "$#" -ge 2 ] || mcjax_usage_error "--local needs N, the number of processes"
       mode=local; local_n=$2; shift ;;
     --local=*) mode=local; local_n=${1#--local=} ;;
+    --single) mode=single ;;
     --numbering)
       [ "$#" -ge 2 ] || mcjax_usage_error "--numbering needs kernel-last or platform"
       numbering=$2; shift ;;
@@ -116,8 +120,8 @@ case "$provider" in
   '' | gcloud | ssh | slurm | local) ;;
   *) mcjax_usage_error "--provider takes gcloud, ssh, slurm or local, not '$provider'" ;;
 esac
-if [ -n "$provider" ] && [ "$mode" = local ]; then
-  mcjax_usage_error "--provider does not go with --local"
+if [ -n "$provider" ] && { [ "$mode" = local ] || [ "$mode" = single ]; }; then
+  mcjax_usage_error "--provider does not go with --$mode"
 fi
 if [ "$mode" = setup ]; then
   for s in $steps; do
@@ -134,14 +138,34 @@ local_recorded() {
   [ -f "$STATE/local.env" ] || { [ ! -f "$RECORD" ] && compgen -G "$STATE/pids/*.pid" >/dev/null; }
 }
 
+SINGLE="$STATE/single.env"
 case "$mode" in
+  single)
+    if [ "${MCJAX_DRY_RUN:-0}" = 1 ]; then
+      printf '+ %s\n' "bash $SETUP_DIR/cluster/single.sh start"
+      exit 0
+    fi
+    exec bash "$SETUP_DIR/cluster/single.sh" start
+    ;;
   local)
+    [ ! -f "$SINGLE" ] || mcjax_die "MCJAX_STATE=$STATE records this machine's single-host workbench: stop it first (./mcjax_setup.sh --stop) or use another MCJAX_STATE"
     [ ! -f "$RECORD" ] || mcjax_die "MCJAX_STATE=$STATE records the $(sed -n '/MCJAX_PROVIDER=/{s/.*MCJAX_PROVIDER=\([a-z]*\).*/\1/p;q;}' "$RECORD") cluster set up from here: use another MCJAX_STATE for a local cluster (or stop that one first: ./mcjax_setup.sh --stop)"
     [ -z "$numbering" ] || export MCJAX_NUMBERING="$numbering"
     exec bash "$SETUP_DIR/cluster/local.sh" start "$local_n"
     ;;
   local-stop) exec bash "$SETUP_DIR/cluster/local.sh" stop ;;
   stop | status | check)
+    if [ -z "$provider" ] && [ -f "$SINGLE" ]; then
+      if [ "$mode" = check ]; then
+        echo "mcjax_setup.sh: MCJAX_STATE=$STATE records a single machine: no engines to check (the notebook's first cells check this process)"
+        exit 0
+      fi
+      if [ "${MCJAX_DRY_RUN:-0}" = 1 ]; then
+        printf '+ %s\n' "bash $SETUP_DIR/cluster/single.sh $mode"
+        exit 0
+      fi
+      exec bash "$SETUP_DIR/cluster/single.sh" "$mode"
+    fi
     if [ "$provider" = local ] || { [ -z "$provider" ] && local_recorded; }; then
       local_cmd=$mode
       [ "$mode" != check ] || local_cmd=smoke
@@ -297,6 +321,7 @@ esac
 # finds what a failed setup left).
 if ! dry; then
   [ ! -f "$STATE/local.env" ] || mcjax_die "MCJAX_STATE=$STATE holds a local cluster: stop it (./mcjax_setup.sh --stop) or use another MCJAX_STATE"
+  [ ! -f "$SINGLE" ] || mcjax_die "MCJAX_STATE=$STATE holds a single-machine workbench: stop it (./mcjax_setup.sh --stop) or use another MCJAX_STATE"
   mkdir -p "$STATE"
   chmod 700 "$STATE"
   (umask 077 && write_env record >"$RECORD.tmp" && mv "$RECORD.tmp" "$RECORD")

@@ -295,6 +295,31 @@ mcjax_platform_env() {
   if [ -n "$MCJAX_COORDINATOR_PORT" ]; then echo "JAX_COORDINATOR_PORT=$MCJAX_COORDINATOR_PORT"; fi
 }
 
+# 0 when nothing listens on 127.0.0.1:PORT (and we may bind it).
+port_free() {
+  "$(mcjax_python)" - "$1" <<'EOF'
+import socket, sys
+s = socket.socket()
+try:
+    s.bind(("127.0.0.1", int(sys.argv[1])))
+except OSError:
+    sys.exit(1)
+finally:
+    s.close()
+EOF
+}
+
+# 0 when something accepts connections on 127.0.0.1:PORT.
+port_listening() {
+  "$(mcjax_python)" - "$1" <<'EOF'
+import socket, sys
+try:
+    socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=2).close()
+except OSError:
+    sys.exit(1)
+EOF
+}
+
 # Which controller a process belongs to: a checksum of the engine connection file it started with.
 mcjax_controller_fingerprint() {
   cksum <"$(mcjax_engine_json)" 2>/dev/null | awk '{ print $1 "-" $2 }'

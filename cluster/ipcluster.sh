@@ -133,31 +133,6 @@ engine() {
   esac
 }
 
-# 0 when nothing listens on 127.0.0.1:PORT (and we may bind it).
-port_free() {
-  "$(mcjax_python)" - "$1" <<'EOF'
-import socket, sys
-s = socket.socket()
-try:
-    s.bind(("127.0.0.1", int(sys.argv[1])))
-except OSError:
-    sys.exit(1)
-finally:
-    s.close()
-EOF
-}
-
-# 0 when something accepts connections on 127.0.0.1:PORT.
-port_listening() {
-  "$(mcjax_python)" - "$1" <<'EOF'
-import socket, sys
-try:
-    socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=2).close()
-except OSError:
-    sys.exit(1)
-EOF
-}
-
 # The kernel "mcjax (dsr1 venv)": the venv's Python in safe-path mode (-P, PYTHONSAFEPATH) and
 # IPython's ignore_cwd, so a notebook anywhere under Jupyter's root (the shared folder, which
 # holds the source tree as dsr1/) imports the installed dsr1, never that folder.
@@ -182,7 +157,7 @@ EOF
 }
 
 jupyter() {
-  local action=$1 pid marker="--port=$MCJAX_JUPYTER_PORT" i line
+  local action=$1 pid marker="--port=$MCJAX_JUPYTER_PORT" i line root
   case "$action" in
     check-port)
       if [ -n "$(mcjax_running_pid jupyter "$marker")" ]; then return 0; fi
@@ -196,13 +171,15 @@ jupyter() {
       else
         jupyter check-port
         kernelspec
+        root=""
+        if [ "$(id -u)" -eq 0 ]; then root=--allow-root; fi  # containers run as root; Jupyter refuses it otherwise
         set --
         while IFS= read -r line; do set -- "$@" "$line"; done < <(mcjax_process_env)
         # --ServerApp.port_retries=0: a taken port is an error, never a silent move to the next one
         # (the port-forward points at this one).
         mcjax_start_bg jupyter "$MCJAX_STATE/logs/jupyter.log" env MCJAX_STATE="$MCJAX_STATE" "$@" \
           "$MCJAX_VENV/bin/python" -m jupyter lab --no-browser --ip=127.0.0.1 --port="$MCJAX_JUPYTER_PORT" \
-          --ServerApp.port_retries=0 --notebook-dir="$MCJAX_NFS_DIR"
+          --ServerApp.port_retries=0 --notebook-dir="$MCJAX_NFS_DIR" ${root:+"$root"}
         jupyter wait
       fi
       mcjax_log "Jupyter on host 0 at 127.0.0.1:$MCJAX_JUPYTER_PORT: run cluster_port_forward on your machine; token: $MCJAX_VENV/bin/jupyter server list"

@@ -31,6 +31,7 @@ HELP = {
     "cluster/nfs.sh": ("nfs.sh exports IP...", "nfs.sh --help", "never a network range or '*'"),
     "cluster/quickstart.sh": ("cluster/quickstart.sh ", "cluster/quickstart.sh --help",
                               "jupyter lab notebooks/main.ipynb"),
+    "cluster/single.sh": ("single.sh start", "single.sh --help", "CPU devices (XLA_FLAGS)"),
     "cluster/ssh.sh": ("ssh.sh key", "ssh.sh --help", "never trusts a key on first use"),
     "cluster/venv.sh": ("venv.sh [install]", "venv.sh --help", "venv.sh check"),
 }

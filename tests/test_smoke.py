@@ -287,3 +287,50 @@ def test_venv_syncs_to_the_lock_and_check_names_what_differs(tmp_path):
     off = subprocess.run(["bash", str(ROOT / "cluster" / "venv.sh"), "deps"], env=dict(env, MCJAX_LOCK="off"),
                          capture_output=True, text=True, timeout=60)
     assert off.returncode == 0 and "pip install --quiet" in log.read_text().splitlines()[-1], off.stderr
+
+
+# ----------------------------------------------------------------------------- one machine
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_single_records_the_machine_and_starts_jupyter_with_mcjax_single(tmp_path):
+    """--single on this CPU machine: no controller or engines; single.env and cluster.json record
+    it; Jupyter runs from the run folder with MCJAX_SINGLE=1, safe-path mode and CPU devices; a
+    local cluster is refused while it runs; --stop stops it and forgets the record."""
+    pytest.importorskip("jupyterlab")
+    port = _free_port()
+    env = _local_env(tmp_path, f"single-{os.getpid()}", MCJAX_JUPYTER_PORT=str(port), MCJAX_LOCAL_DEVICES="4")
+    state = tmp_path / "state"
+    dry = _setup(dict(env, MCJAX_DRY_RUN="1"), "--single")
+    assert dry.stdout == f"+ bash {ROOT}/cluster/single.sh start\n" and not state.exists()
+    try:
+        done = _setup(env, "--single", timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        record = dict(line.split("=", 1) for line in (state / "single.env").read_text().splitlines())
+        assert record["MCJAX_SINGLE"] == "1" and record["MCJAX_PLATFORM"] == "cpu"
+        assert record["MCJAX_JUPYTER_PORT"] == str(port)
+        info = json.loads((state / "cluster.json").read_text())
+        assert info["single"] is True and info["engines"] == 0 and info["local_devices"] == 4
+        assert not list((state / "pids").glob("controller*")) and not list((state / "pids").glob("engine*"))
+        pid = int((state / "pids" / "jupyter.pid").read_text())
+        environ = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+                       if "=" in item)
+        assert environ["MCJAX_SINGLE"] == "1" and environ["PYTHONSAFEPATH"] == "1"
+        assert environ["JAX_PLATFORMS"] == "cpu" and "device_count=4" in environ["XLA_FLAGS"]
+        assert os.readlink(f"/proc/{pid}/cwd") == str(state / "run")
+        assert _setup(env, "--status").returncode == 0
+        local = _setup(env, "--local", "2")
+        assert local.returncode == 1 and "single-host workbench" in local.stderr
+        stop = _setup(env, "--stop", timeout=120)
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        assert not (state / "single.env").exists() and not (state / "cluster.json").exists()
+        assert _setup(env, "--status").returncode == 1
+    finally:
+        _kill_leftovers(state, f"--port={port}")
