@@ -28,6 +28,11 @@ mcjax_setup.sh: prepare a cluster for the multi-host JAX notebook (settings: mcj
                                                 processes; a report per host, exit status 1 on any mismatch
   ./mcjax_setup.sh --stop|--status --provider P the cluster that the MCJAX_* settings describe, with provider P
                                                 (a cluster set up from another machine or state folder)
+  ./mcjax_setup.sh --name NAME ...              any of the above for the cluster NAME: its own state folder
+                                                $MCJAX_STATE/clusters/NAME (and cluster id), so several clusters
+                                                are kept side by side
+  ./mcjax_setup.sh --forget                     forget the real cluster $MCJAX_STATE records (hosts gone: allocation
+                                                ended, TPU deleted), after printing what it forgets; stops nothing
   ./mcjax_setup.sh --local-stop                 stop the local cluster of $MCJAX_STATE
   ./mcjax_setup.sh --print-exports              print the NFS export lines host 0 would get (changes nothing)
   ./mcjax_setup.sh --print-env                  print the settings file (mcjax.env) the hosts would get
@@ -71,6 +76,7 @@ step() {
 
 steps=$ALL_STEPS
 mode=setup
+name=""
 local_n=""
 numbering=""
 provider=""
@@ -90,6 +96,11 @@ while [ "$#" -gt 0 ]; do
       provider=$2; shift ;;
     --provider=*) provider=${1#--provider=} ;;
     --stop) mode=stop ;;
+    --forget) mode=forget ;;
+    --name)
+      [ "$#" -ge 2 ] || mcjax_usage_error "--name needs NAME"
+      name=$2; shift ;;
+    --name=*) name=${1#--name=} ;;
     --local-stop) mode=local-stop ;;
     --status) mode=status ;;
     --check) mode=check ;;
@@ -116,6 +127,12 @@ if [ -n "$numbering" ]; then
     *) mcjax_usage_error "--numbering takes kernel-last or platform, not '$numbering'" ;;
   esac
 fi
+if [ -n "$name" ]; then
+  [[ $name =~ ^[A-Za-z0-9][A-Za-z0-9_.-]*$ ]] || mcjax_usage_error "--name takes letters, digits, '.', '_' and '-', not '$name'"
+  # The named cluster's own state folder (and cluster id): its record, pid files and logs.
+  export MCJAX_STATE="${MCJAX_STATE:-$HOME/.mcjax}/clusters/$name"
+  export MCJAX_CLUSTER_ID="${MCJAX_CLUSTER_ID:-$name}"
+fi
 case "$provider" in
   '' | gcloud | ssh | slurm | local) ;;
   *) mcjax_usage_error "--provider takes gcloud, ssh, slurm or local, not '$provider'" ;;
@@ -139,7 +156,39 @@ local_recorded() {
 }
 
 SINGLE="$STATE/single.env"
+# MCJAX_PROVIDER, MCJAX_CLUSTER, ... of the record, one line: which cluster it is.
+recorded_identity() {
+  (
+    for var in $(compgen -v MCJAX_); do case "$var" in MCJAX_STATE) ;; *) unset "$var" ;; esac; done
+    # shellcheck source=/dev/null
+    . "$RECORD"
+    identity
+  )
+}
+identity() {
+  echo "$MCJAX_PROVIDER cluster=$MCJAX_CLUSTER zone=$MCJAX_ZONE project=$MCJAX_PROJECT hosts=$MCJAX_HOST_LIST job=$MCJAX_SLURM_JOB_ID"
+}
 case "$mode" in
+  forget)
+    if [ ! -f "$RECORD" ]; then
+      echo "mcjax_setup.sh: MCJAX_STATE=$STATE records no real cluster: nothing to forget"
+      exit 0
+    fi
+    echo "mcjax_setup.sh: forgetting the cluster MCJAX_STATE=$STATE records (nothing is stopped; if its hosts still run, stop them yourself):"
+    (
+      for var in $(compgen -v MCJAX_); do case "$var" in MCJAX_STATE) ;; *) unset "$var" ;; esac; done
+      # shellcheck source=/dev/null
+      . "$RECORD"
+      echo "  provider $MCJAX_PROVIDER, cluster id $MCJAX_CLUSTER_ID"
+      [ -z "$MCJAX_CLUSTER" ] || [ "$MCJAX_PROVIDER" != gcloud ] || echo "  TPU VM $MCJAX_CLUSTER (zone ${MCJAX_ZONE:-default}, project ${MCJAX_PROJECT:-default})"
+      [ -z "$MCJAX_HOST_LIST" ] || echo "  hosts $MCJAX_HOST_LIST"
+      [ -z "$MCJAX_INTERNAL_IPS" ] || echo "  internal IPs $MCJAX_INTERNAL_IPS"
+      [ -z "$MCJAX_SLURM_JOB_ID" ] || [ "$MCJAX_PROVIDER" != slurm ] || echo "  Slurm job $MCJAX_SLURM_JOB_ID"
+    )
+    rm -f "$RECORD"
+    echo "mcjax_setup.sh: removed $RECORD"
+    exit 0
+    ;;
   single)
     if [ "${MCJAX_DRY_RUN:-0}" = 1 ]; then
       printf '+ %s\n' "bash $SETUP_DIR/cluster/single.sh start"
@@ -308,7 +357,7 @@ case "$mode" in
     [ "$N" -lt 2 ] || cluster_exec 1 "$LAST" "$(remote ipcluster.sh engine stop)" || rc=$?
     cluster_exec 0 0 "$(remote ipcluster.sh jupyter stop) && $(remote ipcluster.sh controller stop)" || rc=$?
     if [ "$rc" -ne 0 ]; then
-      mcjax_die "stopping failed on some hosts (see above); $RECORD kept: run --stop again"
+      mcjax_die "stopping failed on some hosts (see above); $RECORD kept: run --stop again (hosts gone for good: --forget)"
     fi
     if ! dry && [ -f "$RECORD" ] && [ -z "$provider" ]; then
       rm -f "$RECORD"
@@ -324,6 +373,9 @@ if ! dry; then
   [ ! -f "$SINGLE" ] || mcjax_die "MCJAX_STATE=$STATE holds a single-machine workbench: stop it (./mcjax_setup.sh --stop) or use another MCJAX_STATE"
   mkdir -p "$STATE"
   chmod 700 "$STATE"
+  if [ -f "$RECORD" ] && [ "$(recorded_identity)" != "$(identity)" ]; then
+    mcjax_die "MCJAX_STATE=$STATE records another cluster ($(recorded_identity)): stop it (./mcjax_setup.sh --stop), forget it if its hosts are gone (--forget), or keep both: --name NAME"
+  fi
   (umask 077 && write_env record >"$RECORD.tmp" && mv "$RECORD.tmp" "$RECORD")
 fi
 
