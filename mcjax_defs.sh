@@ -38,7 +38,7 @@ fi
 : "${MCJAX_INTERNAL_IPS:=}"                   # internal IPs, host 0 first (empty: from the provider)
 : "${MCJAX_USER:=${USER:-$(id -un)}}"         # remote user (ssh provider)
 : "${MCJAX_CONNECT_TIMEOUT:=20}"              # seconds an ssh connection may take to open (ssh, gcloud ssh)
-: "${MCJAX_SSH_OPTS:=-o BatchMode=yes -o ConnectTimeout=$MCJAX_CONNECT_TIMEOUT}"  # extra ssh options (ssh)
+: "${MCJAX_SSH_OPTS:=-o BatchMode=yes -o ConnectTimeout=$MCJAX_CONNECT_TIMEOUT -o ServerAliveInterval=15 -o ServerAliveCountMax=4}"  # ssh options (ssh): a dead host ends the call in ~1 min
 : "${MCJAX_TRANSPORT:=}"                      # how cluster_exec reaches a host; empty: the provider's way. The
                                               #   mcjax.env of the hosts sets ssh: host 0 reaches the others over
                                               #   their internal IPs with the key that setup's `keys` step made
@@ -251,7 +251,7 @@ _mcjax_gcloud_ssh_line() {
   esac
   set -- gcloud compute tpus tpu-vm ssh "$MCJAX_CLUSTER" ${MCJAX_ZONE:+"--zone=$MCJAX_ZONE"} \
     ${MCJAX_PROJECT:+"--project=$MCJAX_PROJECT"} "--worker=$i" --quiet ${net:+"$net"} \
-    "--ssh-flag=-o ConnectTimeout=$MCJAX_CONNECT_TIMEOUT" "$@"
+    "--ssh-flag=-o ConnectTimeout=$MCJAX_CONNECT_TIMEOUT -o ServerAliveInterval=15 -o ServerAliveCountMax=4" "$@"
   _mcjax_q "$@"
 }
 
@@ -348,7 +348,8 @@ cluster_internal_ips() {
       # TPU's networkEndpoints lists every network interface, several per worker on TPUs with
       # more than one network, so it is only the fallback.
       line=$(_mcjax_gcloud_ssh_line 0 "--command=curl -fsS -H Metadata-Flavor:Google http://metadata.google.internal/computeMetadata/v1/instance/attributes/worker-network-endpoints") || return 1
-      ips=$(eval "$line" 2>/dev/null | tr ',' '\n' | awk -F: 'NF >= 3 && $3 != "" { print $3 }') || true
+      # Entries are name:id:ip, or the address alone (no colon) on some TPU images.
+      ips=$(eval "$line" 2>/dev/null | tr ',' '\n' | awk -F: 'NF >= 3 && $3 != "" { print $3 } NF == 1 && $1 ~ /^[0-9.]+$/ { print $1 }') || true
       if [ -n "$ips" ]; then
         printf '%s\n' "$ips"
         return 0

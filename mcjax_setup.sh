@@ -279,7 +279,7 @@ export MCJAX_HOSTS MCJAX_INTERNAL_IPS MCJAX_HOST_LIST
 # trust on first use). Slurm: srun, as from here.
 # shellcheck disable=SC2088  # ssh expands the ~ (on host 0)
 HOST_KEY='~/.ssh/mcjax_ed25519'
-HOST_SSH_OPTS="-i $HOST_KEY -o IdentitiesOnly=yes -o UserKnownHostsFile=~/.ssh/mcjax_known_hosts -o StrictHostKeyChecking=yes -o BatchMode=yes -o ConnectTimeout=$MCJAX_CONNECT_TIMEOUT"
+HOST_SSH_OPTS="-i $HOST_KEY -o IdentitiesOnly=yes -o UserKnownHostsFile=~/.ssh/mcjax_known_hosts -o StrictHostKeyChecking=yes -o BatchMode=yes -o ConnectTimeout=$MCJAX_CONNECT_TIMEOUT -o ServerAliveInterval=15 -o ServerAliveCountMax=4"
 
 # The hosts' internal IPs as host 0 addresses them (user@IP where the host list names a user).
 host_side_list() {

@@ -178,7 +178,8 @@ def test_dry_run_commands_survive_the_quoting(provider, tmp_path):
     assert [s[2] for s in venv] == ["install", "deps", "deps", "project", "project", "check", "check", "check"]
     assert "uv 0.13.9 from its PyPI wheel" in setup and "uv python install 3.12" in setup
     if provider == "gcloud":
-        assert all("--tunnel-through-iap" in c and "--ssh-flag=-o ConnectTimeout=20" in c for c in cmds)
+        assert all("--tunnel-through-iap" in c and "--ssh-flag=-o ConnectTimeout=20 -o ServerAliveInterval=15 "
+                   "-o ServerAliveCountMax=4" in c for c in cmds)
         code = next(line for line in setup.splitlines() if line.startswith("+ tar -C '<repo>'"))
         untar = remote_words(shlex.split(code.split(" | ", 1)[1]))
         assert untar[:3] == ["mkdir", "-p", "/mnt/mcjax/dsr1 o'brien"] and untar[-1] == "/mnt/mcjax/dsr1 o'brien"
