@@ -66,7 +66,7 @@ def host_report(controller_ip: str = "127.0.0.1") -> dict[str, Any]:
 
 
 def _jax_started() -> bool:
-    """Whether JAX has started its backends in this process (a notebook session uses it)."""
+    """Whether JAX has started its backends in this process (a notebook uses it)."""
     if "jax" not in sys.modules:
         return False
     from .jax_internals import backends_are_initialized
