@@ -2,12 +2,19 @@
 
 Before a notebook's first cell, `./mcjax_setup.sh --local N --numbering NUMBERING` starts a
 controller and N-1 engines; after its last cell, and in any case when pytest ends, the cluster is
-stopped. NUMBERING is `$MCJAX_TEST_NUMBERING`: `kernel-last` (default; the nbval kernel is process
-N-1, with explicit ids) or `platform` (Slurm-style variables, the kernel is process 0 and JAX
-numbers the processes itself, as on TPU pods). tests/test_notebooks.py runs cluster_check.ipynb
-again under the other numbering, and tests/test_browser.py main.ipynb (in JupyterLab). A fresh
-cluster per notebook because a JAX process cannot join a second `jax.distributed` group: engines
-initialized with one kernel cannot serve the next; one compilation cache for all of them.
+stopped. N is `$MCJAX_TEST_PROCESSES` (default 2: the kernel and one engine, which is all a
+notebook needs to run every cell across processes; more processes on a small machine only share
+its cores, while the tests of the numbering itself run in tests/test_cluster.py). NUMBERING is
+`$MCJAX_TEST_NUMBERING`: `kernel-last` (default; the nbval kernel is process N-1, with explicit
+ids) or `platform` (Slurm-style variables, the kernel is process 0 and JAX numbers the processes
+itself, as on TPU pods). tests/test_notebooks.py runs cluster_check.ipynb again under the other
+numbering, and tests/test_browser.py main.ipynb up to its widget (in JupyterLab).
+
+A fresh cluster per notebook, not one shared: a JAX process cannot join a second
+`jax.distributed` group, so the engines that one notebook's kernel initialized must be restarted
+for the next anyway, and restarting them costs nearly all that starting a cluster does. What the
+notebooks share is one compilation cache: a later cluster reads the programs an earlier one
+compiled. The notebooks are marked `slow` (`pytest -m "not slow"` leaves them out).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[1]
-PROCESSES = int(os.environ.get("MCJAX_TEST_PROCESSES", "4"))
+PROCESSES = int(os.environ.get("MCJAX_TEST_PROCESSES", "2"))
 NUMBERING = os.environ.get("MCJAX_TEST_NUMBERING", "kernel-last")
 _running: dict[str, Path] = {}
 
@@ -56,13 +63,21 @@ def _start(notebook: Path) -> None:
 
 
 def pytest_configure(config) -> None:
-    """One JAX compilation cache for every notebook cluster of this pytest, and for the rerun under
-    the other numbering (tests/test_notebooks.py): a later run reads the programs an earlier one
-    compiled (main.ipynb: ~20% of its time here) instead of compiling them again. Removed at exit."""
+    """One JAX compilation cache for every notebook cluster of this pytest, for the rerun under the
+    other numbering (tests/test_notebooks.py) and, with tests/, for the browser test's cluster
+    (tests/conftest.py sets the same variable first): a later run reads the programs an earlier one
+    compiled instead of compiling them again. Removed at exit."""
     if "MCJAX_JAX_CACHE" not in os.environ:
         cache = tempfile.mkdtemp(prefix="mcjax-jax-cache-")
         os.environ["MCJAX_JAX_CACHE"] = cache
         atexit.register(shutil.rmtree, cache, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Every notebook cell is `slow`: it runs on a simulated cluster of several processes."""
+    for item in items:
+        if Path(str(item.fspath)).suffix == ".ipynb":
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.hookimpl(tryfirst=True)  # before nbval starts the notebook's kernel, which inherits the environment

@@ -2,15 +2,33 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
+
 import pytest
 
 from .harness import Fixture, build_fixture
 from .reference import CONFIGS
 
 
+def pytest_configure(config) -> None:
+    """One JAX compilation cache for this pytest's subprocesses (`harness.subprocess_env`) and
+    simulated clusters (`mcjax_setup.sh` reads $MCJAX_JAX_CACHE): a program that one of them compiled
+    is read, not compiled again, by the next that runs it (the same mesh in another test, the same
+    notebook cells under another numbering). Per run, so nothing stale from an earlier checkout is
+    read; removed at exit. The pytest process itself keeps JAX's in-memory cache only: it compiles
+    each of its programs once, and writing them all to disk would cost more than it saves."""
+    if "MCJAX_JAX_CACHE" not in os.environ:
+        cache = tempfile.mkdtemp(prefix="dsr1-test-jax-cache-")
+        os.environ["MCJAX_JAX_CACHE"] = cache
+        atexit.register(shutil.rmtree, cache, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def all_fixtures(tmp_path_factory) -> dict[str, Fixture]:
-    """Every reference variant, built once per session; the R1-like one carries an MTP layer."""
+    """Every reference variant, built once per pytest run; the R1-like one carries an MTP layer."""
     root = tmp_path_factory.mktemp("ckpt")
     return {name: build_fixture(root, name, mtp=name == "grouped_qlora") for name in sorted(CONFIGS)}
 

@@ -87,9 +87,13 @@ def relative_error(ours: np.ndarray, ref: np.ndarray) -> float:
 
 
 def subprocess_env(devices: int) -> dict[str, str]:
+    """The environment of a JAX subprocess with `devices` fake CPU devices, reading and writing the
+    run's compilation cache ($MCJAX_JAX_CACHE, tests/conftest.py) whatever a program took to compile."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     env["JAX_PLATFORMS"] = "cpu"
+    if cache := os.environ.get("MCJAX_JAX_CACHE"):
+        env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
     return env
 

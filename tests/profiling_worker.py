@@ -1,10 +1,9 @@
 """Profile the tiny model's decode (`profile_decode`: step latencies, throughput by batch, device
 time by block from a `jax.profiler` trace, bandwidth) and plot it; prints the figures as JSON.
 
-Used by test_profiling.py in a subprocess: in the pytest process, after ~200 earlier tests had
-compiled their programs, XLA:CPU (jax 0.10.2) segfaulted compiling this decode step, twice in a row
-at the same call, while the same test passes in a fresh process (not root-caused; see the stop note
-of 2026-11-25). A fresh process also keeps earlier tests' programs out of the trace.
+Used by test_profiling.py in a subprocess: a fresh process keeps earlier tests' programs out of the
+trace, and XLA:CPU has crashed compiling this decode step in a pytest process that had compiled many
+earlier tests' programs, while it passes in a fresh one (not root-caused).
 """
 
 from __future__ import annotations

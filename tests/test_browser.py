@@ -1,9 +1,12 @@
 """notebooks/main.ipynb in JupyterLab, driven by a real headless browser (Debian's Chromium through
-Playwright's Python API) against a simulated cluster: every cell runs top to bottom, the
-generation widget renders (no "Error displaying widget"), and a click on Generate streams text
-into its output box. The cluster numbers its processes as a platform does (the kernel is process
-0): this is main.ipynb's run under that numbering (`pytest --nbval-lax notebooks` runs it
-kernel-last), so CI runs the notebook twice, not three times.
+Playwright's Python API) against a simulated cluster: the notebook's cells up to its generation
+widget run top to bottom (connect, initialize, load the demo model, the cluster's logits against
+one process's, the widget), the widget renders (no "Error displaying widget"), and a click on
+Generate streams text into its output box. The cluster numbers its processes as a platform does
+(the kernel is process 0); `pytest --nbval-lax notebooks` runs every cell of main.ipynb, kernel-last,
+so the cells after the widget (MTP, serving, the decode profile: minutes of CPU) run there only.
+Both read and write the run's compilation cache ($MCJAX_JAX_CACHE, tests/conftest.py) on clusters
+of the same shape, so the second run of the model's programs compiles nothing.
 
 Needs ``chromium`` (``tests/install_browser.sh``) and the ``playwright`` package; without them the
 test is skipped, except under ``CI=true`` where it fails: CI must run it.
@@ -25,7 +28,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = os.environ.get("MCJAX_TEST_CHROMIUM", "/usr/bin/chromium")
-PROCESSES = 2  # minutes of CPU per process on a small CI machine: one engine and the kernel (4 devices)
+PROCESSES = 2  # one engine and the kernel, as the notebooks' clusters under nbval (notebooks/conftest.py)
+WIDGET = "GenerationWidget("  # the code cell that makes the generation widget: the last one run here
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
@@ -67,6 +71,8 @@ def lab(tmp_path):
     except ImportError:
         missing_or_skip("the playwright package is not installed")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MCJAX_", "SLURM_", "JAX_")) and k != "XLA_FLAGS"}
+    if "MCJAX_JAX_CACHE" in os.environ:  # the run's compilation cache, shared with the notebooks' clusters
+        env["MCJAX_JAX_CACHE"] = os.environ["MCJAX_JAX_CACHE"]
     env.update(MCJAX_STATE=str(tmp_path / "state"), MCJAX_CLUSTER_ID=f"browser-{uuid.uuid4().hex[:6]}",
                MCJAX_PYTHON=sys.executable, MCJAX_START_TIMEOUT="90", MCJAX_STOP_TIMEOUT="3",
                MCJAX_COORDINATOR_PORT=str(free_port()), JUPYTER_CONFIG_DIR=str(tmp_path / "jupyter-config"),
@@ -77,7 +83,7 @@ def lab(tmp_path):
     port, token = free_port(), uuid.uuid4().hex
     served = tmp_path / "lab"  # a copy: JupyterLab saves the notebook it runs, outputs and all
     served.mkdir()
-    shutil.copy(ROOT / "notebooks" / "main.ipynb", served)
+    up_to_the_widget(ROOT / "notebooks" / "main.ipynb", served / "main.ipynb")
     server = None
     try:
         # Platform numbering (the kernel is process 0): main.ipynb's run under it; nbval runs it kernel-last.
@@ -91,7 +97,7 @@ def lab(tmp_path):
              "--allow-root", "--LabApp.expose_app_in_browser=True", "--LabApp.news_url=",
              "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
             env=env, cwd=served, stdout=log, stderr=subprocess.STDOUT)
-        wait_for_http(f"http://127.0.0.1:{port}/api/status?token={token}", timeout=60)
+        wait_for_http(f"http://127.0.0.1:{port}/api/status?token={token}", timeout=180)
         yield f"http://127.0.0.1:{port}/lab/tree/main.ipynb?token={token}"
     finally:
         if server is not None:
@@ -101,6 +107,17 @@ def lab(tmp_path):
             except subprocess.TimeoutExpired:
                 server.kill()
         subprocess.run([*setup, "--stop"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def up_to_the_widget(notebook: Path, copy: Path) -> None:
+    """Write `notebook`'s cells up to and including the code cell that makes the generation widget."""
+    import nbformat
+
+    nb = nbformat.read(notebook, as_version=4)
+    widget = [i for i, cell in enumerate(nb.cells) if cell.cell_type == "code" and WIDGET in cell.source]
+    assert widget, f"{notebook.name} has no code cell making the widget ({WIDGET!r})"
+    nb.cells = nb.cells[: widget[0] + 1]
+    nbformat.write(nb, copy)
 
 
 # Each code cell of the open notebook, from JupyterLab's model (the page only renders the visible
@@ -147,6 +164,7 @@ def lab_settings(folder: Path) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_main_notebook_runs_in_jupyterlab_and_the_widget_streams(lab, tmp_path):
     from playwright.sync_api import sync_playwright
 
@@ -165,7 +183,7 @@ def test_main_notebook_runs_in_jupyterlab_and_the_widget_streams(lab, tmp_path):
             # not awaited: its promise ends with the last cell.
             page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
             deadline = time.monotonic() + 900
-            while True:  # every code cell ran (an error stops "run all": its later cells stay unrun)
+            while True:  # every code cell of the copy ran (an error stops "run all": its later cells stay unrun)
                 accept_kernel_dialog(page)
                 cells = page.evaluate(CODE_CELLS)
                 # Which cell failed, and where: an assert without a message reads "AssertionError: " alone.

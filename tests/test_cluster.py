@@ -268,6 +268,7 @@ def test_probe_describes_this_process():
     assert set(mcjax.probe("127.0.0.1", devices=False, namespace={})) >= {"hostname", "accelerator", "jaxlib"}
 
 
+@pytest.mark.slow
 def test_real_cluster_pieces_on_one_machine(tmp_path):
     """cluster/ipcluster.sh as mcjax_setup.sh runs it on each host (from ~/.mcjax-setup with the
     mcjax.env of --print-env), here with this machine playing host 0 and two engine hosts."""
@@ -407,6 +408,7 @@ def local_cluster(tmp_path_factory):
                 pass
 
 
+@pytest.mark.slow
 def test_local_setup_starts_engines_and_a_second_run_is_clean(local_cluster):
     from dsr1.workbench import cluster as mcjax
 
@@ -429,6 +431,7 @@ def test_local_setup_starts_engines_and_a_second_run_is_clean(local_cluster):
         cluster.close()
 
 
+@pytest.mark.slow
 def test_local_controller_listens_on_localhost_only(local_cluster):
     import psutil
 
@@ -446,6 +449,7 @@ def test_local_controller_listens_on_localhost_only(local_cluster):
     assert {a.ip for a in listening} == {"127.0.0.1"}, listening
 
 
+@pytest.mark.slow
 def test_px_local_initializes_jax_distributed_across_processes(local_cluster):
     """The notebook's %%px --local cell, run by an IPython shell in the kernel process."""
     out = local_cluster.kernel("px-local", free_port())
@@ -465,6 +469,7 @@ def test_px_local_initializes_jax_distributed_across_processes(local_cluster):
     assert out["listen"] and {ip.removeprefix("::ffff:") for ip in out["listen"]} == {"127.0.0.1"}, out["listen"]
 
 
+@pytest.mark.slow
 def test_killed_engine_gives_a_clear_error_and_cluster_restart_brings_it_back(local_cluster):
     from dsr1.workbench import cluster as mcjax
 
@@ -504,6 +509,7 @@ def test_killed_engine_gives_a_clear_error_and_cluster_restart_brings_it_back(lo
         cluster.close()
 
 
+@pytest.mark.slow
 def test_hung_initialize_is_cleared_then_initialize_everywhere_works(local_cluster):
     from dsr1.workbench import cluster as mcjax
 
@@ -528,6 +534,7 @@ def test_hung_initialize_is_cleared_then_initialize_everywhere_works(local_clust
     assert out["problems"] == []
 
 
+@pytest.mark.slow
 def test_stop_leaves_no_process_of_the_cluster(local_cluster):
     pids = local_cluster.pids()
     everything = family(pids.values())  # with the controller's schedulers and the engines' nannies

@@ -52,13 +52,14 @@ def test_notebook_matches_its_jupytext_source(source: Path):
         f"`jupytext --sync notebooks/{source.name}` and commit both files")
 
 
-# Run again under the platform's numbering: the cluster check. main.ipynb runs under it in JupyterLab
-# (tests/test_browser.py); serve.ipynb runs once, under kernel-last, where process 0 (which serves
-# HTTP) is an engine rather than the kernel: each run of a notebook on a simulated cluster costs
-# minutes of CI (main.ipynb ~8 on 4 processes).
+# Run again under the platform's numbering: the cluster check. main.ipynb runs under it, up to its
+# widget, in JupyterLab (tests/test_browser.py); serve.ipynb runs once, under kernel-last, where
+# process 0 (which serves HTTP) is an engine rather than the kernel: each run of a notebook on a
+# simulated cluster costs minutes of CPU.
 PLATFORM_NUMBERED = ("cluster_check.ipynb",)
 
 
+@pytest.mark.slow
 def test_notebooks_pass_under_platform_numbering():
     """`pytest --nbval-lax notebooks` runs them with kernel-last numbering (notebooks/conftest.py);
     here the cluster check runs again, in a pytest of their own, with the platform's numbering

@@ -10,6 +10,8 @@ import types
 import zipfile
 from pathlib import Path
 
+import pytest
+
 import dsr1
 
 EVERYDAY = ("load", "init_random", "Config", "make_mesh", "Model", "KVCache", "generate", "Sampling",
@@ -51,6 +53,7 @@ def test_license_is_shipped():
     assert "Apache License" in text and "Version 2.0" in text
 
 
+@pytest.mark.slow
 def test_the_wheel_ships_the_demo_model(tmp_path):
     """The demo model is package data: a wheel built from this tree holds its whole folder."""
     root, src = Path(__file__).parents[1], tmp_path / "src"  # a copy: the build leaves build/ behind

@@ -107,6 +107,7 @@ def _plan(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_scaled_down_plan_compiles_on_eight_fake_devices(tmp_path):
     """R1's structure (q_lora, grouped routing, a dense then a MoE layer) at toy size, from a config.json."""
     small = dataclasses.replace(TINY, vocab_size=1024, num_hidden_layers=2)

@@ -40,6 +40,7 @@ def test_block_times_are_per_device_and_per_step():
     assert got == pytest.approx({"routed experts": 0.15, "other": 0.02}, rel=1e-12)
 
 
+@pytest.mark.slow
 def test_profile_decode(tmp_path):
     """`profile_decode` and its plot, in a process of their own (see tests/profiling_worker.py)."""
     from .harness import subprocess_env

@@ -131,6 +131,7 @@ def engine_pids(state: Path) -> dict[int, int]:
 NUMBERINGS = os.environ.get("MCJAX_TEST_RECOVERY_NUMBERINGS", "platform").split()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("numbering", NUMBERINGS)
 def test_engine_killed_mid_collective_fails_the_cell_then_recovery_generates(numbering, tmp_path):
     pytest.importorskip("ipyparallel")

@@ -164,6 +164,7 @@ print(json.dumps([[c.tokens for c in plain.completions], [c.tokens for c in draf
 """
 
 
+@pytest.mark.slow
 def test_greedy_with_drafts_on_a_mesh():
     """8 fake devices (2-way expert x 4-way tensor parallel), int8 cache: drafts change nothing."""
     import json
