@@ -165,7 +165,7 @@ def test_no_compilation_after_warm_up_during_200_steps(make_engine):
     print(f"\n[engine] {len(requests)} requests, {stats.steps} steps, {len(compiled)} compilations: {stats}")
     assert compiled == [], f"compiled after warm-up: {compiled}"
     assert stats.steps >= 200 and stats.offloaded_pages > 0 and stats.reloaded_pages > 0
-    assert all(r.done for r in requests) and any(r.finish_reason == "cancelled" for r in requests)
+    assert all(r.done for r in requests) and any(r.finish_reason == "abort" for r in requests)
 
 
 def test_out_of_pages_requests_wait_and_all_complete(make_engine):
@@ -195,7 +195,7 @@ def test_cancel_frees_pages_and_slots(make_engine):
     running.cancel()
     waiting.cancel()
     engine.step()
-    assert running.finish_reason == waiting.finish_reason == "cancelled"
+    assert running.finish_reason == waiting.finish_reason == "abort"
     assert 0 < len(running.tokens) < 16 and waiting.tokens == []
     assert engine.allocator.used_count < used, "the cancelled request's pages are free again"
     engine.check()
@@ -382,7 +382,7 @@ def test_sixteen_slots_decode_in_narrower_calls_without_compiling(tiny, make_eng
 def test_step_rows_pack_round_trip():
     import jax
 
-    from dsr1.programs import StepRows
+    from dsr1.serving.step import StepRows
 
     rng = np.random.default_rng(0)
     rows = StepRows(slots=np.array([2, 4, 0], np.int32), tokens=rng.integers(0, 1000, (3, 5), dtype=np.int32),
@@ -399,7 +399,7 @@ def test_step_rows_pack_round_trip():
 def test_sampled_pack_round_trip():
     import jax
 
-    from dsr1.programs import Sampled
+    from dsr1.serving.step import Sampled
 
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, 1000, 3).astype(np.int32)

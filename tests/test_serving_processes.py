@@ -13,12 +13,12 @@ import pytest
 
 import dsr1
 from dsr1.generation.sampling import Sampling
-from dsr1.programs import StepRows
 from dsr1.serving import Engine
 from dsr1.serving.broadcast import decode_work, encode_work, payload_bucket
 from dsr1.serving.page_pool import PageOp
 from dsr1.serving.scheduler import lane_rows
-from dsr1.serving.work import Admission, StepWork, host_sampling
+from dsr1.serving.step import StepRows
+from dsr1.serving.work import Admission, StepWork, host_rules, host_sampling
 
 from . import serving_worker
 from .harness import free_port, start_processes, wait_processes
@@ -39,12 +39,13 @@ def assert_same_work(got: StepWork, want: StepWork) -> None:
 def test_step_work_survives_the_wire():
     rows = lane_rows((), 2, 8, 4)
     rows = dataclasses.replace(rows, tokens=np.arange(16, dtype=np.int32).reshape(2, 8), sample=np.array([1, 0], bool))
+    settings = Sampling(temperature=0.7, top_p=0.9, seed=2**40 + 3, logit_bias={5: 2.5}, bad_words_ids=[[3, 4]],
+                        min_tokens=2, stop_token_ids=[1])
     work = StepWork(
         page_ops=(PageOp("save", np.array([3, 4], np.int32), np.array([0, 1], np.int32)),
                   PageOp("restore", np.array([5], np.int32), np.array([0], np.int32)),
                   PageOp("release", np.zeros(0, np.int32), np.array([0, 1], np.int32))),
-        admissions=(Admission(2, host_sampling([Sampling(temperature=0.7, top_p=0.9, seed=2**40 + 3)]),
-                              np.array([9, 8, 7], np.int32)),),
+        admissions=(Admission(2, host_sampling([settings]), np.array([9, 8, 7], np.int32), host_rules([settings])),),
         calls=(rows, lane_rows((), 4, 1, 4)),
         page_table=np.arange(12, dtype=np.int32).reshape(4, 3))
     data = encode_work(work)

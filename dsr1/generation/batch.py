@@ -1,6 +1,6 @@
 """Text generation: prefill the batch, then decode on device in chunks of steps.
 
-One `jax.lax.while_loop` (`dsr1.programs.generate_chunk`) runs up to `chunk_size` decode steps
+One `jax.lax.while_loop` (`dsr1.generation.decoding.generate_chunk`) runs up to `chunk_size` decode steps
 without returning to the host: decode, sample (per-row settings, `dsr1.generation.sampling`),
 record, stop rows that hit a stop token or their token budget, and leave early when every row is
 done. Between chunks the host detokenizes the new tokens, streams text, and looks for stop
@@ -14,12 +14,12 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .. import programs
-from ..api import Model
 from ..core.sharding import put_replicated, to_host
+from . import decoding
 from .output import (
     Completion,
     Prompt,
@@ -30,8 +30,11 @@ from .output import (
     split_reasoning,
     text_tokenizer,
 )
-from .sampling import Sampling, batch_sampling
+from .sampling import Sampling, batch_sampling, host_token_rules
 from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # `dsr1.api` imports `dsr1.programs`, which imports this package
+    from ..api import Model
 
 __all__ = ["STOP_WIDTH", "Completion", "GenerationResult", "Prompt", "generate", "split_reasoning"]
 
@@ -121,17 +124,18 @@ def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | N
                          f"{model.cfg.max_position_embeddings}")
     tokens, lengths = model.check_prompt(tokens, lengths)
     arrays = put_replicated(batch_sampling(settings, stop_width=STOP_WIDTH), model.mesh)
+    rule_rows = put_replicated(host_token_rules(settings), model.mesh)
     rows = [RowOutput(tokenizer, s) for s in settings]
     thinking = [opens_thinking(p, tokenizer) for p in encoded]
 
     start = time.perf_counter()
     if draft_tokens:
         # Room for a verification step's k + 1 positions past the last token that may be emitted.
-        state, first = programs.speculative_start(model.params, tokens, lengths, arrays, **model.program_kwargs,
-                                                  max_len=max_len + draft_tokens + 1,
+        state, first = decoding.speculative_start(model.params, tokens, lengths, arrays, rule_rows,
+                                                  **model.program_kwargs, max_len=max_len + draft_tokens + 1,
                                                   kv_cache_dtype=model.kv_cache_dtype, draft_tokens=draft_tokens)
     else:
-        state, first = programs.generate_start(model.params, tokens, lengths, arrays, **model.program_kwargs,
+        state, first = decoding.generate_start(model.params, tokens, lengths, arrays, rule_rows, **model.program_kwargs,
                                                max_len=max_len, kv_cache_dtype=model.kv_cache_dtype)
     chunk = to_host(first)[:, None]
     prefill_seconds = time.perf_counter() - start
@@ -144,11 +148,11 @@ def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | N
         if to_host(state.done).all():
             break
         if draft_tokens:
-            state, out = programs.speculative_chunk(model.params, state, arrays, **model.program_kwargs,
+            state, out = decoding.speculative_chunk(model.params, state, arrays, **model.program_kwargs,
                                                     steps=max(1, chunk_size // (draft_tokens + 1)),
                                                     draft_tokens=draft_tokens)
         else:
-            state, out = programs.generate_chunk(model.params, state, arrays, **model.program_kwargs,
+            state, out = decoding.generate_chunk(model.params, state, arrays, **model.program_kwargs,
                                                  steps=chunk_size)
         chunk = to_host(out)
         chunks += 1

@@ -44,7 +44,7 @@ class Completion:
     text: str
     reasoning: str  # R1's thinking, between <think> and </think>
     answer: str  # what follows </think> (all of `text` when the model does not think)
-    finish_reason: str  # "stop" (stop token or string) or "length" (or "cancelled" in serving)
+    finish_reason: str  # "stop" (stop token or string) or "length" (or "abort" in serving)
     prompt_tokens: int
 
 
@@ -89,9 +89,12 @@ def encode_prompt(prompt: Prompt, tokenizer: Tokenizer | None, chat: bool) -> li
 
 
 def request_sampling(sampling: Sampling, eos_id: int, max_new_tokens: int | None) -> Sampling:
-    """`sampling` with the model's EOS among its stop tokens and `max_new_tokens` (when given) as budget."""
-    return dataclasses.replace(sampling, stop_token_ids=tuple(dict.fromkeys((*sampling.stop_token_ids, eos_id))),
-                               max_new_tokens=max_new_tokens or sampling.max_new_tokens)
+    """`sampling` with the model's EOS among its stop tokens (unless `ignore_eos`) and `max_new_tokens`
+    (when given) as budget."""
+    stops = sampling.stop_token_ids if sampling.ignore_eos else (*sampling.stop_token_ids, eos_id)
+    budget = max_new_tokens or sampling.max_new_tokens
+    return dataclasses.replace(sampling, stop_token_ids=tuple(dict.fromkeys(stops)), max_new_tokens=budget,
+                               min_tokens=min(sampling.min_tokens, budget))
 
 
 def opens_thinking(prompt: Sequence[int], tokenizer: Tokenizer | None) -> bool:
@@ -142,8 +145,9 @@ class RowOutput:
         self.shown = 0  # characters of `visible_text` already returned by `displayable`
         self.stopped_by_token = False
         self.stopped_by_string = False
-        self.decoder = StreamDecoder(tokenizer) if tokenizer else None
+        self.decoder = StreamDecoder(tokenizer, settings.skip_special_tokens) if tokenizer else None
         self.stops = settings.stop_strings
+        self.keep_stop_string = settings.include_stop_str_in_output
         self.stop_ids = set(settings.stop_token_ids)
 
     @property
@@ -152,7 +156,8 @@ class RowOutput:
         return self.stopped_by_token or self.stopped_by_string
 
     def add(self, new: Iterable[int]) -> None:
-        """Append tokens, one by one, until a stop token (not kept) or a stop string (text cut right before it)."""
+        """Append tokens, one by one, until a stop token (not kept) or a stop string (text cut right before
+        it, or right after it with `include_stop_str_in_output`)."""
         for token in new:
             if self.stopped:
                 return
@@ -166,6 +171,8 @@ class RowOutput:
             self.text += self.decoder.push(token)
             cut = find_stop_string(self.text, self.stops, start=before) if self.stops else None
             if cut is not None:
+                if self.keep_stop_string:
+                    cut += len(next(stop for stop in self.stops if self.text.startswith(stop, cut)))
                 self.text, self.stopped_by_string = self.text[:cut], True
 
     def finish(self) -> None:

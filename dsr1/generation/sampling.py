@@ -37,6 +37,8 @@ import numpy as np
 _SEED_LIMIT = 2**64
 _PENALTY_LIMIT = 2.0  # OpenAI's documented range for presence/frequency penalties
 KEY_IMPL = "threefry2x32"  # the PRNG of every row's key
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for logit_bias values
+BAD_WORD_TOKENS = 8  # the longest bad word: the device keeps each row's last BAD_WORD_TOKENS - 1 tokens
 
 
 def _check_real(name: str, value: object) -> float:
@@ -72,10 +74,18 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     max_new_tokens: int = 256  # >= 1
+    min_tokens: int = 0  # stop tokens (EOS included) cannot be sampled before this many tokens
+    ignore_eos: bool = False  # the model's EOS neither stops the output nor is masked
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits, clipped to [-100, 100]
+    allowed_token_ids: tuple[int, ...] = ()  # only these may be sampled (empty: all)
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # a sequence's last token is banned after the others
+    include_stop_str_in_output: bool = False  # keep a matched stop string at the end of the text
+    skip_special_tokens: bool = True  # special tokens (BOS, EOS, markers) are left out of the text
 
     def __post_init__(self) -> None:
         self._validate_numbers()
         self._normalize_stops()
+        self._normalize_token_rules()
 
     def _validate_numbers(self) -> None:
         """Range checks for every numeric field, each error naming the field and the value."""
@@ -112,9 +122,52 @@ class Sampling:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
         object.__setattr__(self, "stop_strings", strings)
 
+    def _normalize_token_rules(self) -> None:
+        """Store `logit_bias` (a dict or pairs), `allowed_token_ids` and `bad_words_ids` as sorted,
+        hashable tuples; reject bad ids, biases, flags, and a `min_tokens` above `max_new_tokens`."""
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Sampling.{name} must be True or False, got {getattr(self, name)!r}")
+        if _check_int("min_tokens", self.min_tokens) < 0 or self.min_tokens > self.max_new_tokens:
+            raise ValueError(f"Sampling.min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                             f"got {self.min_tokens!r}")
+        bias = self.logit_bias
+        pairs = bias.items() if isinstance(bias, dict) else bias
+        try:
+            pairs = [(token, value) for token, value in pairs]
+        except (TypeError, ValueError):
+            raise ValueError(f"Sampling.logit_bias must map token ids to numbers, got {bias!r}") from None
+        checked = {}
+        for token, value in pairs:
+            if _check_int("logit_bias", token) < 0:
+                raise ValueError(f"Sampling.logit_bias: token ids must be >= 0, got {token!r}")
+            checked[int(token)] = min(max(_check_real("logit_bias", value), -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT)
+        allowed = tuple(int(t) for t in self.allowed_token_ids)
+        for token in self.allowed_token_ids:
+            if _check_int("allowed_token_ids", token) < 0:
+                raise ValueError(f"Sampling.allowed_token_ids must be token ids >= 0, got {token!r}")
+        words = []
+        for word in self.bad_words_ids:
+            word = (word,) if isinstance(word, numbers.Integral) else tuple(word)
+            if not word or len(word) > BAD_WORD_TOKENS:
+                raise ValueError(f"Sampling.bad_words_ids: each sequence must have 1 to {BAD_WORD_TOKENS} tokens, "
+                                 f"got {word!r}")
+            for token in word:
+                if _check_int("bad_words_ids", token) < 0:
+                    raise ValueError(f"Sampling.bad_words_ids must hold token ids >= 0, got {token!r}")
+            words.append(tuple(int(t) for t in word))
+        object.__setattr__(self, "logit_bias", tuple(sorted(checked.items())))
+        object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(allowed))))
+        object.__setattr__(self, "bad_words_ids", tuple(dict.fromkeys(words)))
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def restricts_tokens(self) -> bool:
+        """Some rule changes the logits before sampling (`TokenRules`)."""
+        return bool(self.min_tokens or self.logit_bias or self.allowed_token_ids or self.bad_words_ids)
 
 
 @jax.tree_util.register_dataclass
@@ -202,6 +255,120 @@ def batch_sampling(settings: Sequence[Sampling], stop_width: int | None = None) 
     host = host_sampling_arrays(settings, stop_width)
     arrays = jax.tree.map(jnp.asarray, dataclasses.replace(host, keys=np.zeros(0)))
     return dataclasses.replace(arrays, keys=jax.random.wrap_key_data(host.keys, impl=KEY_IMPL))
+
+
+def _bucket(n: int) -> int:
+    """Widths of the rule arrays: powers of two (at least 1), so few shapes ever compile."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenRuleRows:
+    """Each row's token rules, sparse (host numpy arrays or device arrays), padded with -1 to
+    power-of-two widths: what `token_rules` expands once per request into dense `TokenRules`."""
+
+    bias_ids: np.ndarray  # [B, W] int32 logit_bias ids, then one-token bad words
+    bias_values: np.ndarray  # [B, W] float32 their biases (-inf for bad words)
+    allowed: np.ndarray  # [B, A] int32 allowed_token_ids (row all -1: every token allowed)
+    stops: np.ndarray  # [B, S] int32 the stop ids that min_tokens holds back
+    min_tokens: np.ndarray  # [B] int32
+    bad_prefix: np.ndarray  # [B, N, H] int32 a bad word's tokens but the last, right-aligned (-1 before)
+    bad_last: np.ndarray  # [B, N] int32 its last token (-1: no word)
+
+
+def host_token_rules(settings: Sequence[Sampling]) -> TokenRuleRows:
+    """`TokenRuleRows` of `settings` (each with its stop ids final: the EOS among them unless ignored)."""
+    history = BAD_WORD_TOKENS - 1
+    singles = [[w[0] for w in s.bad_words_ids if len(w) == 1] for s in settings]
+    longer = [[w for w in s.bad_words_ids if len(w) > 1] for s in settings]
+    width = _bucket(max(len(s.logit_bias) + len(b) for s, b in zip(settings, singles)))
+    allowed_width = _bucket(max(len(s.allowed_token_ids) for s in settings))
+    stop_width = _bucket(max(len(s.stop_token_ids) for s in settings))
+    words = _bucket(max(len(w) for w in longer))
+    rows = len(settings)
+    out = TokenRuleRows(np.full((rows, width), -1, np.int32), np.zeros((rows, width), np.float32),
+                        np.full((rows, allowed_width), -1, np.int32), np.full((rows, stop_width), -1, np.int32),
+                        np.array([s.min_tokens for s in settings], np.int32),
+                        np.full((rows, words, history), -1, np.int32), np.full((rows, words), -1, np.int32))
+    for row, (s, single, multi) in enumerate(zip(settings, singles, longer)):
+        pairs = [*s.logit_bias, *((token, -np.inf) for token in single)]
+        out.bias_ids[row, :len(pairs)] = [token for token, _ in pairs]
+        out.bias_values[row, :len(pairs)] = [value for _, value in pairs]
+        out.allowed[row, :len(s.allowed_token_ids)] = s.allowed_token_ids
+        out.stops[row, :len(s.stop_token_ids)] = s.stop_token_ids
+        for i, word in enumerate(multi):
+            out.bad_prefix[row, i, history - len(word) + 1:] = word[:-1]
+            out.bad_last[row, i] = word[-1]
+    return out
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenRules:
+    """Each row's rules on its next token, dense over the vocabulary (`token_rules`), applied by
+    `restrict` before penalties: logit_bias, allowed_token_ids, bad_words_ids and min_tokens."""
+
+    bias: jax.Array  # [B, V] float32 added to the logits; -inf bans
+    stops: jax.Array  # [B, V] bool banned while fewer than `min_tokens` tokens were generated
+    min_tokens: jax.Array  # [B] int32
+    bad_prefix: jax.Array  # [B, N, H] int32 (`TokenRuleRows`)
+    bad_last: jax.Array  # [B, N] int32
+    active: jax.Array  # [B] bool the row has some rule
+
+
+def token_rules(rows: TokenRuleRows, vocab_size: int) -> TokenRules:
+    """(In a program) the dense rules of `rows`; ids outside the vocabulary are ignored."""
+    batch = rows.min_tokens.shape[0]
+    index = jnp.arange(batch)[:, None]
+
+    def column(ids: jax.Array) -> jax.Array:  # padding and out-of-vocabulary ids go to a dropped column
+        return jnp.where((ids >= 0) & (ids < vocab_size), ids, vocab_size)
+
+    restricted = jnp.any(rows.allowed >= 0, axis=1)
+    allowed = jnp.zeros((batch, vocab_size + 1), bool).at[index, column(rows.allowed)].set(True)[:, :vocab_size]
+    bias = jnp.where(restricted[:, None] & ~allowed, -jnp.inf, 0.0)
+    bias = jnp.pad(bias, ((0, 0), (0, 1))).at[index, column(rows.bias_ids)].add(rows.bias_values)[:, :vocab_size]
+    stops = jnp.zeros((batch, vocab_size + 1), bool).at[index, column(rows.stops)].set(True)[:, :vocab_size]
+    active = (restricted | jnp.any(rows.bias_ids >= 0, axis=1) | (rows.min_tokens > 0)
+              | jnp.any(rows.bad_last >= 0, axis=1))
+    return TokenRules(bias.astype(jnp.float32), stops, jnp.asarray(rows.min_tokens, jnp.int32),
+                      jnp.asarray(rows.bad_prefix, jnp.int32), jnp.asarray(rows.bad_last, jnp.int32), active)
+
+
+def no_recent(batch: int) -> jax.Array:
+    """`[B, BAD_WORD_TOKENS - 1]` int32: no token generated yet (what `restrict` compares bad words with)."""
+    return jnp.full((batch, BAD_WORD_TOKENS - 1), -1, jnp.int32)
+
+
+def push_recent(recent: jax.Array, tokens: jax.Array, active: jax.Array | None = None) -> jax.Array:
+    """Each row's last generated tokens with `tokens [B]` appended (rows with `active` False unchanged)."""
+    pushed = jnp.concatenate([recent[:, 1:], tokens[:, None].astype(jnp.int32)], axis=1)
+    return pushed if active is None else jnp.where(active[:, None], pushed, recent)
+
+
+def restrict(logits: jax.Array, rules: TokenRules | None, generated: jax.Array, recent: jax.Array | None,
+             rows: jax.Array | None = None) -> jax.Array:
+    """`logits [B, V]` (float32) with each row's rules applied: bias added, stop tokens banned while
+    `generated [B]` < min_tokens, and a bad word's last token banned where its other tokens are the
+    row's last generated ones (`recent [B, H]`, oldest first). `rows`: the rules are `[S, ...]` and row
+    b's are `rows[b]`. Skipped (no vocabulary-sized work) when no row has a rule."""
+    logits = logits.astype(jnp.float32)
+    if rules is None:
+        return logits
+
+    def apply(x: jax.Array) -> jax.Array:
+        r = rules if rows is None else jax.tree.map(lambda a: a[rows], rules)
+        x = x + r.bias
+        x = jnp.where(r.stops & (generated < r.min_tokens)[:, None], -jnp.inf, x)
+        prefix = r.bad_prefix
+        matches = jnp.all((prefix < 0) | (prefix == recent[:, None, :]), axis=-1) & (r.bad_last >= 0)
+        banned = jnp.where(matches, r.bad_last, x.shape[1])
+        index = jnp.arange(x.shape[0])[:, None]
+        return jnp.pad(x, ((0, 0), (0, 1))).at[index, banned].set(-jnp.inf)[:, :-1]
+
+    active = rules.active if rows is None else rules.active[rows]
+    return jax.lax.cond(jnp.any(active), apply, lambda x: x, logits)
 
 
 def init_counts(
@@ -329,11 +496,12 @@ def argmax(x: jax.Array) -> jax.Array:
 
 def sample(
     logits: jax.Array, sampling: SamplingArrays, prompt_seen: jax.Array, output_counts: jax.Array, step: jax.Array,
-    rows: jax.Array | None = None,
+    rows: jax.Array | None = None, rules: TokenRules | None = None, recent: jax.Array | None = None,
 ) -> jax.Array:
     """Next token per row, int32 [B].
 
-    Order: penalties (repetition on prompt_seen | output_counts>0, presence and frequency on
+    Order: the row's `rules` (`restrict`: logit bias, allowed tokens, bad words against `recent`,
+    min_tokens against `step`) -> penalties (repetition on prompt_seen | output_counts>0, presence and frequency on
     output_counts) -> greedy rows take argmax -> temperature -> top-k -> top-p -> min-p ->
     categorical draw with key fold_in(keys[b], step).
 
@@ -342,8 +510,11 @@ def sample(
 
     `rows` `[B]`: `prompt_seen` and `output_counts` are `[S, V]` and row b's are their row `rows[b]`
     (e.g. the serving engine's slots), gathered only when some row has penalties; None: they are
-    `[B, V]`, one per row.
+    `[B, V]`, one per row (the same for `rules`).
     """
+    generated = jnp.broadcast_to(jnp.asarray(step, jnp.int32), sampling.temperature.shape)
+    logits = restrict(logits, rules, generated, recent, rows)
+
     def penalize(x: jax.Array) -> jax.Array:
         seen, counts = (prompt_seen, output_counts) if rows is None else (prompt_seen[rows], output_counts[rows])
         return apply_penalties(x, sampling, seen, counts)

@@ -41,12 +41,18 @@ from ..core.params import Params
 from ..core.sharding import ShardingRules, keep_replicated
 from .sampling import (
     SamplingArrays,
+    TokenRuleRows,
+    TokenRules,
     apply_filters,
     apply_penalties,
     argmax,
     init_counts,
     is_stop_token,
+    no_recent,
+    push_recent,
+    restrict,
     sample,
+    token_rules,
     update_counts,
 )
 
@@ -71,6 +77,8 @@ class SpecState:
     counts: jax.Array  # [B, V] int32 output token counts
     drafted: jax.Array  # [] int32 drafts made for active rows
     accepted: jax.Array  # [] int32 drafts accepted (and emitted)
+    token_rules: TokenRules  # each row's logit bias, allowed tokens, bad words, min_tokens
+    recent: jax.Array  # [B, H] int32 the row's last generated tokens (bad words)
 
 
 def _key(sampling: SamplingArrays, index: jax.Array, stream: int) -> jax.Array:
@@ -96,11 +104,13 @@ def _if_sampling(sampling: SamplingArrays, draw, greedy_result, *operands):
 
 
 def draft_token(q_logits: jax.Array, sampling: SamplingArrays, seen: jax.Array, counts: jax.Array,
-                index: jax.Array) -> tuple[jax.Array, jax.Array]:
+                index: jax.Array, rules: TokenRules | None = None,
+                recent: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """A draft `[B]` from the MTP module's logits (argmax for greedy rows, else a draw from `q`) and the
     penalized logits `[B, V]` that `q` derives from (`_distribution`; derived again where a verification
-    needs it, so that all-greedy steps never compute a distribution)."""
-    penalized = apply_penalties(q_logits, sampling, seen, counts)
+    needs it, so that all-greedy steps never compute a distribution). `rules` and `recent`: the rows'
+    token rules (`restrict`), with `index` tokens generated before."""
+    penalized = apply_penalties(restrict(q_logits, rules, index, recent), sampling, seen, counts)
     greedy = argmax(penalized)
     drawn = _if_sampling(sampling, lambda x: _categorical(_key(sampling, index, _DRAFT), _distribution(x, sampling)),
                          greedy, penalized)
@@ -109,11 +119,12 @@ def draft_token(q_logits: jax.Array, sampling: SamplingArrays, seen: jax.Array, 
 
 def verify_token(p_logits: jax.Array, draft: jax.Array | None, q_penalized: jax.Array | None,
                  sampling: SamplingArrays, seen: jax.Array, counts: jax.Array,
-                 index: jax.Array) -> tuple[jax.Array, jax.Array]:
+                 index: jax.Array, rules: TokenRules | None = None,
+                 recent: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The token emitted at one verified position and whether it is the draft (`[B]`, `[B]` bool).
     `q_penalized`: what `draft_token` returned with `draft`. `draft` None: the bonus position after
     k acceptances (a plain draw from `p`)."""
-    penalized = apply_penalties(p_logits, sampling, seen, counts)
+    penalized = apply_penalties(restrict(p_logits, rules, index, recent), sampling, seen, counts)
     greedy = argmax(penalized)
     if draft is None:
         drawn = _if_sampling(sampling, lambda x: _categorical(_key(sampling, index, _CORRECT),
@@ -141,7 +152,8 @@ def verify_token(p_logits: jax.Array, draft: jax.Array | None, q_penalized: jax.
 def draft_tokens_recursively(q_logits: jax.Array, h: jax.Array,
                              recurse: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]], k: int,
                              sampling: SamplingArrays, seen: jax.Array, counts: jax.Array,
-                             generated: jax.Array) -> tuple[list[jax.Array], list[jax.Array]]:
+                             generated: jax.Array, rules: TokenRules | None = None,
+                             recent: jax.Array | None = None) -> tuple[list[jax.Array], list[jax.Array]]:
     """Step 2 of the module doc: `k` drafts `[B]` and the penalized logits `[B, V]` of the distributions
     `q` they came from (`draft_token`), from the module's logits `q_logits [B, V]` and output `h [B, D]`
     at the row's last caught-up position.
@@ -151,8 +163,9 @@ def draft_tokens_recursively(q_logits: jax.Array, h: jax.Array,
     for j in range(k):
         if j:
             q_logits, h = recurse(h, drafts[-1])
-        d, q = draft_token(q_logits, sampling, seen, counts, generated + j)
+        d, q = draft_token(q_logits, sampling, seen, counts, generated + j, rules, recent)
         counts = update_counts(counts, d)
+        recent = None if recent is None else push_recent(recent, d)
         drafts.append(d)
         qs.append(q)
     return drafts, qs
@@ -169,6 +182,7 @@ class Verdict:
     generated: jax.Array  # [B] int32 tokens produced so far, these included
     counts: jax.Array  # [B, V] int32 output token counts, these included
     stopped: jax.Array  # [B] bool a stop token or the budget ended the row
+    recent: jax.Array | None  # [B, H] int32 the row's last generated tokens, these included (None: no rules)
 
     def last_token(self) -> jax.Array:
         """Each row's last emitted token `[B]` (-1 where none was)."""
@@ -176,18 +190,25 @@ class Verdict:
 
 
 def accept_drafts(logits: jax.Array, drafts: list[jax.Array], qs: list[jax.Array], sampling: SamplingArrays,
-                  seen: jax.Array, counts: jax.Array, generated: jax.Array, active: jax.Array) -> Verdict:
+                  seen: jax.Array, counts: jax.Array, generated: jax.Array, active: jax.Array,
+                  rules: TokenRules | None = None, recent: jax.Array | None = None,
+                  plain: jax.Array | None = None) -> Verdict:
     """Step 4 of the module doc for `active [B]` rows: walk the verified positions (`logits [B, k+1, V]`
     of `[t_L, d_1..d_k]`), keeping each draft `drafts[j]` (drawn from the `q` whose penalized logits
     are `qs[j]`, as `draft_tokens_recursively` returns them) while it is accepted and emitting the
     correction or bonus token where the walk ends; a stop token or the budget
-    (`sampling.max_new_tokens`, counting `generated`) ends a row at once."""
+    (`sampling.max_new_tokens`, counting `generated`) ends a row at once. Rows with `plain [B]` set take
+    no draft: their first position is a plain sample from `p` (as without drafts), and they stop there."""
     k = len(drafts)
     done, alive = jnp.zeros_like(active), active
     out, ok_out, emitted = [], [], jnp.zeros_like(generated)
     for j in range(k + 1):
         draft, q = (drafts[j], qs[j]) if j < k else (None, None)
-        token, ok = verify_token(logits[:, j], draft, q, sampling, seen, counts, generated)
+        token, ok = verify_token(logits[:, j], draft, q, sampling, seen, counts, generated, rules, recent)
+        if j == 0 and plain is not None:
+            alone, _ = verify_token(logits[:, 0], None, None, sampling, seen, counts, generated, rules, recent)
+            token, ok = jnp.where(plain, alone, token), ok & ~plain
+        recent = None if recent is None else push_recent(recent, token, alive)
         out.append(jnp.where(alive, token, -1))
         ok_out.append(alive & ok)
         counts = update_counts(counts, token, alive)
@@ -196,7 +217,7 @@ def accept_drafts(logits: jax.Array, drafts: list[jax.Array], qs: list[jax.Array
         stop = alive & (is_stop_token(token, sampling) | (generated >= sampling.max_new_tokens))
         done = done | stop
         alive = alive & ok & ~stop
-    return Verdict(jnp.stack(out, axis=1), jnp.stack(ok_out, axis=1), emitted, generated, counts, done)
+    return Verdict(jnp.stack(out, axis=1), jnp.stack(ok_out, axis=1), emitted, generated, counts, done, recent)
 
 
 def _mtp_attend(cache: KVCache, positions: jax.Array, cfg: Config):
@@ -219,7 +240,8 @@ def run_mtp(params: Params, cache: KVCache, hidden: jax.Array, next_tokens: jax.
     return logits[:, 0], x[:, 0], jax.tree.map(lambda a: keep_replicated(a, mesh), cache)
 
 
-def speculative_start(params: Params, tokens: jax.Array, lengths: jax.Array, sampling: SamplingArrays, *,
+def speculative_start(params: Params, tokens: jax.Array, lengths: jax.Array, sampling: SamplingArrays,
+                      rule_rows: TokenRuleRows, *,
                       cfg: Config, mesh: Mesh, rules: ShardingRules, max_len: int, kv_cache_dtype: str | None,
                       draft_tokens: int) -> tuple[SpecState, jax.Array]:
     """Prefill the model and the MTP module, and sample every row's first token (as `generate_start`).
@@ -228,7 +250,8 @@ def speculative_start(params: Params, tokens: jax.Array, lengths: jax.Array, sam
                                                  max_len=max_len, kv_cache_dtype=kv_cache_dtype)
     b, width = tokens.shape
     seen, counts = init_counts(tokens, lengths, cfg.vocab_size)
-    first = sample(logits, sampling, seen, counts, 0)  # as without drafts
+    rules_b = token_rules(rule_rows, cfg.vocab_size)
+    first = sample(logits, sampling, seen, counts, 0, rules=rules_b, recent=no_recent(b))  # as without drafts
     # The MTP prefill over the prompt: position i reads h_i and token i + 1 (padding past n - 2).
     next_tokens = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
     positions = jnp.broadcast_to(jnp.arange(width), tokens.shape)
@@ -243,7 +266,7 @@ def speculative_start(params: Params, tokens: jax.Array, lengths: jax.Array, sam
     done = is_stop_token(first, sampling) | (generated >= sampling.max_new_tokens)
     state = SpecState(cache, mtp_cache, first, pending_hidden, pending_tokens, jnp.ones(b, jnp.int32), done,
                       generated, seen, update_counts(counts, first), jnp.zeros((), jnp.int32),
-                      jnp.zeros((), jnp.int32))
+                      jnp.zeros((), jnp.int32), rules_b, push_recent(no_recent(b), first))
     return jax.tree.map(lambda a: keep_replicated(a, mesh), state), first
 
 
@@ -266,20 +289,21 @@ def speculative_step(params: Params, state: SpecState, sampling: SamplingArrays,
             return q_step, h_step
 
         drafts, qs = draft_tokens_recursively(q_logits, h, recurse, k, sampling, state.prompt_seen, state.counts,
-                                              state.generated)
+                                              state.generated, state.token_rules, state.recent)
         mtp_cache = dataclasses.replace(mtp_cache, lengths=caught_up)  # the recursive latents are provisional
     fed = jnp.stack([state.last, *drafts], axis=1)
     logits, hidden, cache = model.verify(params, state.cache, fed, cfg=cfg, mesh=mesh, rules=rules)
     with jax.named_scope("accept"):
         verdict = accept_drafts(logits, drafts, qs, sampling, state.prompt_seen, state.counts, state.generated,
-                                active)
+                                active, state.token_rules, state.recent)
         new_last = verdict.last_token()
         cache = dataclasses.replace(cache, lengths=state.cache.lengths + verdict.emitted)
         out, emitted, generated, counts = verdict.tokens, verdict.emitted, verdict.generated, verdict.counts
         done, accepted = state.done | verdict.stopped, jnp.sum(verdict.accepted)
     new = SpecState(cache, mtp_cache, jnp.where(emitted > 0, new_last, state.last), hidden, jnp.maximum(out, 0),
                     emitted, done, generated, state.prompt_seen, counts,
-                    state.drafted + k * jnp.sum(active), state.accepted + accepted)
+                    state.drafted + k * jnp.sum(active), state.accepted + accepted, state.token_rules,
+                    verdict.recent)
     return jax.tree.map(lambda a: keep_replicated(a, mesh), new), out
 
 

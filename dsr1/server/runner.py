@@ -210,7 +210,7 @@ class EngineRunner:
         with self._lock:
             tracked, self._tracked = self._tracked, []
         for t in tracked:
-            t.request.finish("cancelled")
+            t.request.finish("abort")
             self._notify(t, Update(t.request, "".join(t.pieces), len(t.request.tokens), True, time.perf_counter()))
 
     @staticmethod

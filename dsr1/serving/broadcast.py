@@ -24,9 +24,9 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from ..generation.sampling import SamplingArrays
-from ..programs import StepRows
+from ..generation.sampling import SamplingArrays, TokenRuleRows
 from .page_pool import PAGE_OP_KINDS, PageOp
+from .step import StepRows
 from .work import Admission, StepWork
 
 __all__ = ["MIN_PAYLOAD", "StepChannel", "decode_work", "encode_work"]
@@ -42,17 +42,19 @@ def _treedef(cls: type) -> jax.tree_util.PyTreeDef:
 
 def work_arrays(work: StepWork) -> list[np.ndarray]:
     """`work` as a flat list of arrays: a counts header `[ops, admissions, calls, op kinds...]`,
-    then each op's pages and ids, each admission's slot, prompt and sampling leaves, each call's
-    rows, and the page table when there are calls."""
+    then each op's pages and ids, each admission's slot, prompt, sampling and rule leaves, each call's
+    rows and grammar masks, and the page table when there are calls."""
     head = [len(work.page_ops), len(work.admissions), len(work.calls)]
     head += [PAGE_OP_KINDS.index(op.kind) for op in work.page_ops]
     arrays = [np.array(head, np.int32)]
     for op in work.page_ops:
         arrays += [op.pages, op.ids]
     for admission in work.admissions:
-        arrays += [np.array([admission.slot], np.int32), admission.prompt, *jax.tree.leaves(admission.sampling)]
-    for rows in work.calls:
-        arrays += jax.tree.leaves(rows)
+        arrays += [np.array([admission.slot], np.int32), admission.prompt, *jax.tree.leaves(admission.sampling),
+                   *jax.tree.leaves(admission.rules)]
+    for rows, masks in zip(work.calls, work.masks or (None,) * len(work.calls)):
+        arrays += [*jax.tree.leaves(rows), np.array([masks is not None], np.int32)]
+        arrays += [] if masks is None else [masks]
     if work.calls:
         arrays.append(work.page_table)
     return [np.asarray(a) for a in arrays]
@@ -63,16 +65,20 @@ def work_from_arrays(arrays: Sequence[np.ndarray]) -> StepWork:
     it: Iterator[np.ndarray] = iter(arrays)
     head = next(it).tolist()
     n_ops, n_admissions, n_calls, kinds = head[0], head[1], head[2], head[3:]
-    sampling, rows = _treedef(SamplingArrays), _treedef(StepRows)
+    sampling, rows, rules = _treedef(SamplingArrays), _treedef(StepRows), _treedef(TokenRuleRows)
     ops = tuple(PageOp(PAGE_OP_KINDS[kind], next(it), next(it)) for kind in kinds[:n_ops])
 
     def admission() -> Admission:
         slot, prompt = int(next(it)[0]), next(it)
-        return Admission(slot, jax.tree.unflatten(sampling, [next(it) for _ in range(sampling.num_leaves)]), prompt)
+        settings = jax.tree.unflatten(sampling, [next(it) for _ in range(sampling.num_leaves)])
+        return Admission(slot, settings, prompt, jax.tree.unflatten(rules, [next(it) for _ in range(rules.num_leaves)]))
 
     admissions = tuple(admission() for _ in range(n_admissions))
-    calls = tuple(jax.tree.unflatten(rows, [next(it) for _ in range(rows.num_leaves)]) for _ in range(n_calls))
-    return StepWork(ops, admissions, calls, next(it) if calls else None)
+    calls, masks = [], []
+    for _ in range(n_calls):
+        calls.append(jax.tree.unflatten(rows, [next(it) for _ in range(rows.num_leaves)]))
+        masks.append(next(it) if next(it)[0] else None)
+    return StepWork(ops, admissions, tuple(calls), next(it) if calls else None, tuple(masks))
 
 
 def pack(arrays: Sequence[np.ndarray]) -> np.ndarray:

@@ -1,46 +1,6 @@
-"""The serving engine: continuous batching over the paged latent cache, driven by an event loop that
-leans on JAX's asynchronous dispatch.
-
-Each `step()`:
-
-1. takes the requests submitted since the last step (from any thread);
-2. plans the step on the host (`Scheduler.schedule`: cancellations, admissions, prefix-cache hits
-   and reloads, prompt chunks, decode rows, pages) and turns the plan into a `StepWork`: the
-   host arrays of everything the device must run, in order (page copies the prefix cache
-   recorded, slot admissions, the prefill and decode `serve_step` calls);
-3. dispatches it (`DeviceRunner.run`). Dispatch returns at once; the device queues the work behind
-   the previous step;
-4. reads the *previous* step's sampled tokens — the only place the host waits, while the device
-   already runs this step — and hands them to their requests (streaming, stop strings, budgets).
-
-So the host's planning of step n+1 overlaps the device's step n, with no threads for the model.
-
-**MTP speculative decoding** (`draft_tokens=k`, a model loaded with its MTP module): each decode
-iteration drafts k tokens with the MTP module, verifies `[last token, d_1..d_k]` in one `extend`
-against the row's pages and keeps 1..k+1 of them (`dsr1.generation.speculative`'s acceptance:
-greedy rows give exactly the tokens they give without drafts, sampled rows follow the model's
-distribution). The MTP module's latents live in a one-layer pool under the same page ids, filled
-by every prefill chunk and every iteration as far as the model's (`dsr1.programs`, "serving with
-MTP drafts"). Prefix-cache pages carry them: a request served from the cache reads the MTP
-latents of the request that wrote the pages, nothing is recomputed. One caveat: the MTP latent
-at a page's last position read the token after the page in the writer's sequence; a request that
-diverges from it exactly there reads that one latent as the writer computed it. This can only
-change which drafts are proposed (acceptance), never the output: greedy tokens are the model's,
-and sampled ones follow its distribution whatever the drafter proposes. `stats().draft_acceptance`
-and `Request.draft_acceptance` report the share of drafts accepted.
-A decoding row's next input is its slot's last sampled token, kept on device, so planning needs no
-token from the step still running. `stats()` reports the host's time per step (planning,
-dispatch, reading tokens) next to the device's.
-
-**Several JAX processes.** Every process builds the same `Engine` (same model and arguments) and
-every process runs the same programs; process 0 decides. Process 0 submits, steps and runs as
-above, and broadcasts each step's `StepWork` before dispatching it (`dsr1.serving.broadcast`,
-over `jax.experimental.multihost_utils`); the other processes call `follow()`, which receives each
-step's work and dispatches it, until process 0 calls `close()`. Followers keep no requests,
-scheduler or prefix-cache state: only the device state the programs carry (page pool, slot
-state) and their own host copies of offloaded pages, named by process 0's ids. The cost: the
-broadcast is a collective, so process 0 dispatches step n+1 only once step n's programs have run
-on every process (planning still overlaps the device).
+"""The serving engine: continuous batching over the paged latent cache, driven by a host event loop
+that plans step n+1 while the device runs step n (JAX's asynchronous dispatch, no threads for the
+model). Design: docs/serving.md.
 
     engine = Engine(model, ...)         # on every process
     if jax.process_index() == 0:
@@ -58,6 +18,7 @@ import secrets
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -68,14 +29,25 @@ from ..core.sharding import to_host
 from ..generation.output import Prompt, encode_prompt, needs_tokenizer, opens_thinking, request_sampling
 from ..generation.sampling import TOP_LOGPROBS, Sampling
 from ..generation.tokenizer import Tokenizer, load_tokenizer
-from ..programs import Sampled
 from .broadcast import StepChannel
+from .draft_step import mtp_paged_cache, unpack_verified
+from .grammar import Grammar, grammar_tokenizer
 from .page_pool import PageLog, PagePool, warm_up_ops
 from .pages import PageAllocator
 from .prefix_cache import PrefixCache
 from .request import Request, TextCallback
-from .scheduler import Lane, Scheduler, SchedulerConfig, StepPlan, lane_rows, reserved_pages
-from .work import Admission, DeviceRunner, StepWork, host_sampling
+from .scheduler import (
+    Lane,
+    Scheduler,
+    SchedulerConfig,
+    StepPlan,
+    lane_masks,
+    lane_rows,
+    reserved_pages,
+    wants_prompt_logprobs,
+)
+from .step import Sampled
+from .work import Admission, DeviceRunner, StepWork, host_rules, host_sampling
 
 __all__ = ["Engine", "EngineStats"]
 
@@ -130,7 +102,7 @@ class _Timing:
 
 
 class Engine:
-    """Serve many requests at once on `model`; see the module docstring.
+    """Serve many requests at once on `model`; see docs/serving.md.
 
     Args:
       max_seqs: decode rows (requests decoding at once).
@@ -141,7 +113,7 @@ class Engine:
         `prefill_rows x prefill_chunk` tokens; see `SchedulerConfig.prefill_shapes`); as many more
         requests than `max_seqs` hold batch slots, prefilled ahead of a free decode row.
       host_cache_bytes: host memory for prefix-cache pages evicted from the device (0: no offload).
-      decode_steps: decode steps per decode call (see the scheduler's "Multi-step decode"): fewer
+      decode_steps: decode steps per decode call (docs/serving.md, "Multi-step decode"): fewer
         dispatches and read-backs, coarser streaming and admission.
       max_seq_len: the longest prompt + output (default: the model's limit, or the pool's size).
       prefix_caching: reuse cached prefixes (False: every prompt is prefilled in full).
@@ -168,7 +140,7 @@ class Engine:
         sizes = dict(cfg=model.cfg, mesh=model.mesh, num_pages=num_pages, page_size=page_size, dtype=model.dtype,
                      kv_cache_dtype=model.kv_cache_dtype)
         pool = PagePool(programs.paged_cache(**sizes), model.mesh,
-                        mtp_cache=programs.mtp_paged_cache(**sizes) if draft_tokens else None)
+                        mtp_cache=mtp_paged_cache(**sizes) if draft_tokens else None)
         self._runner = DeviceRunner(model, pool, slots=self.config.slots, max_seq_len=max_seq_len,
                                     decode_steps=decode_steps, draft_tokens=draft_tokens)
         # Several processes: process 0 decides and broadcasts each step's work; the others follow.
@@ -186,21 +158,29 @@ class Engine:
         self._next_id = 0
         self._in_flight: deque[_InFlight] = deque()
         self._timing = _Timing()
+        self._last_step_time: float | None = None
+        self._ll_tokenizer: tuple[Tokenizer, object] | None = None  # llguidance's form of the tokenizer
 
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, prompt: Prompt, *, sampling: Sampling | None = None, max_new_tokens: int | None = None,
-               chat: bool = False, on_text: TextCallback | None = None, logprobs: int | None = None) -> Request:
+               chat: bool = False, on_text: TextCallback | None = None, logprobs: int | None = None,
+               grammar: str | None = None, prompt_logprobs: int | None = None) -> Request:
         """Queue a prompt (token ids, text, or chat messages, as `dsr1.generate` takes them) and return its
         `Request`. Thread-safe. `max_new_tokens` overrides `sampling.max_new_tokens`; the model's EOS
         always stops; a request without a seed gets a random one now. `on_text(piece)` receives the
         output text as it streams, on the engine's thread. `logprobs=k` (0 to `TOP_LOGPROBS`) records
-        each output token's log-probability and the k most likely tokens (`Request.logprobs`).
+        each output token's log-probability and the k most likely tokens (`Request.logprobs`);
+        `prompt_logprobs=k` the same for each prompt token (`Request.prompt_logprobs`, computed while
+        the prompt is prefilled; such a prompt is prefilled in full, never read from the prefix cache).
+        `grammar`: an llguidance grammar (`llguidance.LLMatcher.grammar_from_json_schema`, `..._regex`,
+        `..._lark`) the output must follow; the request stops when the grammar is complete.
         Raises ValueError for a prompt that could never run (bad token, longer than `max_seq_len`,
-        more pages than the pool holds) or a bad `logprobs`."""
+        more pages than the pool holds), a bad `logprobs` or `prompt_logprobs`, or a bad grammar."""
         self._require_leader("submit")
-        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
-                                     or not 0 <= logprobs <= TOP_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an integer in [0, {TOP_LOGPROBS}], got {logprobs!r}")
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value <= TOP_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {TOP_LOGPROBS}], got {value!r}")
         tokenizer = self._tokenizer_for(prompt, sampling)
         tokens = encode_prompt(prompt, tokenizer, chat)
         eos = tokenizer.eos_id if tokenizer else self.model.cfg.eos_token_id
@@ -208,12 +188,25 @@ class Engine:
         if settings.seed is None:
             settings = dataclasses.replace(settings, seed=secrets.randbits(64))
         self._check_fits(tokens, settings.max_new_tokens)
+        host_rules([settings])  # refuses what the slot state cannot hold
+        if prompt_logprobs is not None and self.config.draft_tokens:
+            raise ValueError("prompt_logprobs needs an engine without draft_tokens")
+        matcher = None if grammar is None else self._grammar(grammar, tokenizer)
         with self._submit_lock:
             request = Request(self._next_id, tokens, settings, tokenizer, thinking=opens_thinking(tokens, tokenizer),
-                              on_text=on_text, top_logprobs=logprobs)
+                              on_text=on_text, top_logprobs=logprobs, prompt_top_logprobs=prompt_logprobs,
+                              matcher=matcher)
             self._next_id += 1
             self._submitted.append(request)
         return request
+
+    def _grammar(self, grammar: str, tokenizer: Tokenizer | None) -> Grammar:
+        """A matcher of `grammar` on the engine's tokenizer (its llguidance form built once)."""
+        if tokenizer is None:
+            tokenizer = self.tokenizer = self.tokenizer or load_tokenizer()
+        if self._ll_tokenizer is None or self._ll_tokenizer[0] is not tokenizer:
+            self._ll_tokenizer = (tokenizer, grammar_tokenizer(tokenizer, self.model.cfg.vocab_size))
+        return Grammar(self._ll_tokenizer[1], grammar)
 
     def _tokenizer_for(self, prompt: Prompt, sampling: Sampling | None) -> Tokenizer | None:
         """The engine's tokenizer, loaded on the first text prompt (as `dsr1.generate` does)."""
@@ -238,6 +231,16 @@ class Engine:
                              f"{self.allocator.capacity}")
 
     # ---- the loop ------------------------------------------------------------------------------
+    @property
+    def kv_cache_usage(self) -> float:
+        """The share of the pool's pages in use (0..1): held by requests or by the prefix cache."""
+        return self.allocator.used_count / max(self.allocator.capacity, 1)
+
+    @property
+    def last_step_time(self) -> float | None:
+        """`time.monotonic()` when the last step completed (None before any)."""
+        return self._last_step_time
+
     @property
     def has_work(self) -> bool:
         """Requests are waiting, running, or have tokens not read yet."""
@@ -267,6 +270,7 @@ class Engine:
                 waited += self._read(self._in_flight.popleft())
             self._runner.pool.settle(everything=not self._in_flight)
             self._record(time.perf_counter() - start, waited, counted=not plan.empty or waited > 0)
+            self._last_step_time = time.monotonic()
             return self.has_work
 
     def run(self) -> None:
@@ -305,11 +309,14 @@ class Engine:
         each to its shape."""
         cfg = self.config
         admissions = tuple(Admission(seq.slot, host_sampling([seq.request.sampling]),
-                                     np.asarray(seq.request.prompt, np.int32)) for seq in plan.admitted)
+                                     np.asarray(seq.request.prompt, np.int32), host_rules([seq.request.sampling]))
+                           for seq in plan.admitted)
         calls = tuple(lane_rows(lanes, *shape, cfg.slots) for lanes, shape in
-                      ((plan.prefill, _widened(cfg.prefill_shape(plan.prefill), cfg) if plan.prefill else None),
+                      ((plan.prefill, _widened(cfg.prefill_shape(plan.prefill), cfg, plan.prefill) if plan.prefill
+                        else None),
                        (plan.decode, (cfg.decode_shape(plan.decode), 1) if plan.decode else None)) if lanes)
-        return StepWork(self._log.take(), admissions, calls, plan.page_table if calls else None)
+        masks = tuple(lane_masks(lanes, len(rows.slots)) for lanes, rows in zip(_lane_groups(plan), calls))
+        return StepWork(self._log.take(), admissions, calls, plan.page_table if calls else None, masks)
 
     def _launch(self, work: StepWork) -> tuple[jax.Array, ...]:
         """Send the work to the other processes (if any), then dispatch it here; each call's tokens
@@ -331,13 +338,16 @@ class Engine:
         self._timing.last_ready = ready
         for (lanes, _), steps in zip(step.calls, results):
             sampled, accepted = zip(*steps)
+            if wants_prompt_logprobs(lanes) and not self.config.draft_tokens:  # then one entry per position
+                self.scheduler.complete_prompt(lanes, sampled[1:])
+                sampled = sampled[:1]
             self.scheduler.complete(lanes, sampled, accepted if self.config.draft_tokens else None)
         return ready - start
 
     def _unpack(self, packed: np.ndarray) -> tuple[Sampled, np.ndarray | None]:
         """One step of a call's output: what was sampled, and (with drafts) which tokens are accepted drafts."""
         if self.config.draft_tokens:
-            return programs.unpack_verified(packed)
+            return unpack_verified(packed)
         return Sampled.unpack(packed), None
 
     def _record(self, elapsed: float, waited: float, counted: bool) -> None:
@@ -356,7 +366,8 @@ class Engine:
         cfg = self.config
         with self._step_lock:
             warm_up_ops(self._log)
-            admit = Admission(cfg.slots, host_sampling([Sampling(seed=0)]), np.zeros(1, np.int32))  # dropped
+            idle = [Sampling(seed=0)]
+            admit = Admission(cfg.slots, host_sampling(idle), np.zeros(1, np.int32), host_rules(idle))  # dropped
             shapes = (*(_widened(shape, cfg) for shape in cfg.prefill_shapes),
                       *((rows, 1) for rows in cfg.decode_shapes))
             calls = [lane_rows((), rows, chunk, cfg.slots) for rows, chunk in shapes]
@@ -400,10 +411,11 @@ def _check_draft_tokens(model: Model, draft_tokens: int) -> None:
                          "(or dsr1.init_random(..., mtp=True) with num_nextn_predict_layers >= 1)")
 
 
-def _widened(shape: tuple[int, int], cfg: SchedulerConfig) -> tuple[int, int]:
-    """A prefill call's `(rows, chunk)` as its rows' width: with drafts, one lookahead token more."""
+def _widened(shape: tuple[int, int], cfg: SchedulerConfig, lanes: Sequence[Lane] = ()) -> tuple[int, int]:
+    """A prefill call's `(rows, chunk)` as its rows' width: with drafts, or when a lane wants prompt
+    log-probabilities, one lookahead token more (the prompt's token after the chunk)."""
     rows, chunk = shape
-    return rows, chunk + cfg.prefill_width
+    return rows, chunk + max(cfg.prefill_width, int(wants_prompt_logprobs(lanes)))
 
 
 def _lane_groups(plan: StepPlan) -> tuple[tuple[Lane, ...], ...]:

@@ -33,9 +33,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from .. import programs
 from ..core.cache import SCRATCH_PAGE, PagedKVCache
 from ..core.sharding import put_replicated, to_host
+from .step import copy_pages, restore_pages
 
 __all__ = ["COPY_BATCH", "PAGE_OP_KINDS", "HostPage", "PageLog", "PageOp", "PagePool", "warm_up_ops"]
 
@@ -162,14 +162,14 @@ class PagePool:
 
     def _save(self, pages: np.ndarray, ids: np.ndarray) -> None:
         placed = put_replicated(_padded(pages), self.mesh)
-        copied = _Copied(tuple(programs.copy_pages(pool, placed, mesh=self.mesh) for pool in self.pools))
+        copied = _Copied(tuple(copy_pages(pool, placed, mesh=self.mesh) for pool in self.pools))
         for index, copy_id in enumerate(ids.tolist()):
             self.copies[copy_id] = HostPage(copied, index)
             self._this_step.append(self.copies[copy_id])
 
     def _restore(self, pages: np.ndarray, copies: Sequence[HostPage]) -> None:
         placed = put_replicated(_padded(pages), self.mesh)
-        pools = [programs.restore_pages(pool, placed, put_replicated(_stacked([c.arrays()[i] for c in copies]),
+        pools = [restore_pages(pool, placed, put_replicated(_stacked([c.arrays()[i] for c in copies]),
                                                                      self.mesh), mesh=self.mesh)
                  for i, pool in enumerate(self.pools)]
         self.cache = pools[0]

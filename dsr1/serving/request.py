@@ -16,10 +16,11 @@ from collections.abc import Callable, Iterator, Sequence
 from ..generation.output import Completion, RowOutput, TokenLogprob
 from ..generation.sampling import Sampling
 from ..generation.tokenizer import Tokenizer
+from .grammar import Grammar
 
 __all__ = ["FINISH_REASONS", "Request", "TextCallback"]
 
-FINISH_REASONS = ("stop", "length", "cancelled")  # stop token or string; token budget; cancel()
+FINISH_REASONS = ("stop", "length", "abort")  # stop token, string or completed grammar; token budget; cancel()
 TextCallback = Callable[[str], None]  # receives each new piece of streamable text, on the engine's thread
 
 
@@ -29,15 +30,19 @@ class Request:
     Read `tokens`, `text`, `done`, `finish_reason` at any time; `wait()` blocks until done;
     `stream()` (or iterating the request) yields new text as it comes; `on_text` (given to
     `Engine.submit`) is called with the same pieces on the engine's thread. `cancel()` stops it:
-    it leaves the batch (its pages freed) at the engine's next step, finishing as "cancelled".
+    it leaves the batch (its pages freed) at the engine's next step, finishing as "abort".
     """
 
     def __init__(self, request_id: int, prompt: Sequence[int], sampling: Sampling, tokenizer: Tokenizer | None, *,
-                 thinking: bool = False, on_text: TextCallback | None = None, top_logprobs: int | None = None):
+                 thinking: bool = False, on_text: TextCallback | None = None, top_logprobs: int | None = None,
+                 prompt_top_logprobs: int | None = None, matcher: Grammar | None = None):
         self.id = request_id
         self.prompt = list(prompt)
         self.sampling = sampling  # with its seed resolved and the EOS among its stop tokens
         self.top_logprobs = top_logprobs  # None: no log-probabilities; else alternatives per token (0..20)
+        self.prompt_top_logprobs = prompt_top_logprobs  # the same for the prompt's tokens
+        self.matcher = matcher  # the grammar the output follows (None: free)
+        self._prompt_logprobs: list[TokenLogprob | None] = [None]  # the first prompt token has none
         self.thinking = thinking  # the prompt opened R1's <think> block
         self.submitted_at = time.perf_counter()
         self.cached_tokens = 0  # prompt tokens served from the prefix cache (set at admission)
@@ -72,6 +77,16 @@ class Request:
             return None
         with self._changed:
             return list(self._logprobs)
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """One entry per prompt token (None for the first), each the token's log-probability given the
+        tokens before it and the `prompt_logprobs` most likely tokens there; None when not asked for
+        (`Engine.submit(..., prompt_logprobs=...)`). Complete once the first output token arrived."""
+        if self.prompt_top_logprobs is None:
+            return None
+        with self._changed:
+            return list(self._prompt_logprobs)
 
     def logprobs_between(self, start: int, stop: int) -> list[TokenLogprob]:
         """`logprobs[start:stop]` without copying the rest (a stream takes each step's new entries)."""
@@ -152,6 +167,11 @@ class Request:
             stopped = self._output.stopped
         self._notify(piece)
         return stopped
+
+    def add_prompt_logprobs(self, logprobs: Sequence[TokenLogprob]) -> None:
+        """(Engine) The next prompt tokens' log-probabilities, in order, as prefill computed them."""
+        with self._changed:
+            self._prompt_logprobs += logprobs
 
     def count_drafts(self, drafted: int, accepted: int) -> None:
         """(Engine) One draft-verify iteration verified `drafted` MTP drafts and kept `accepted` of them."""

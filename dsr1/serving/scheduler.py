@@ -1,75 +1,12 @@
 """Host-side decisions of the serving engine, one step at a time: which requests join the batch,
 which tokens each row runs, which pages it gets, and what the sampled tokens mean.
 
-**Continuous batching.** A waiting request takes a free batch slot at any step (first come, first
-served: the head of the queue is never overtaken) and leaves it when done. There are
-`max_seqs + prefill_rows` slots (`SchedulerConfig.slots`) for `max_seqs` decode rows: up to
-`prefill_rows` requests are prefilled *ahead* of a free decode row, so a prompt being prefilled
-does not hold a row that could decode (with `max_seqs` slots in all, 2 of 8 rows were idle on
-average while the queue was full: docs/performance.md, "Serving"). The oldest requests decode;
-one whose prompt is prefilled while every row decodes waits for the next row that frees. The head
-of the queue also waits while a running prompt is about to write pages of its prefix that the
-prefix cache does not hold yet (requests sharing a system prompt often arrive together), so the
-prefix is computed once.
-
-**Steps.** Each step makes at most two calls of one program (`dsr1.programs.serve_step`), with
-fixed shapes: a *prefill* call of `prefill_rows` rows of `prefill_chunk` tokens (the next chunk
-of up to that many prompts, in admission order) and a *decode* call of `decode_steps` tokens per
-decoding request (see "Multi-step decode"; the fewest rows of `SchedulerConfig.decode_shapes`
-that hold the decoding requests). The prefill call takes the smallest of a few shapes that holds
-its rows (`SchedulerConfig.prefill_shapes`: one row or `prefill_rows`, the full chunk or a
-quarter of it), since a lone prompt or a short last chunk is common and the call's cost grows
-with its rows x chunk. So a long prompt is prefilled a chunk per step while the
-decoding rows keep producing `decode_steps` tokens every step; the per-step token budget is
-`prefill_rows * prefill_chunk` prompt tokens plus `decode_steps` tokens per decoding row. Two calls instead
-of one `[max_seqs, prefill_chunk]` call with one real token in each decoding row: decode is
-bound by reading the weights, so the extra call costs about one weight read, while padding every
-decoding row to the chunk would multiply the step's FLOPs by up to `max_seqs` (16 slots, 256-token
-chunks: 4,096 token-rows for ~270 real tokens).
-
-**A prompt's last token is its first decode input.** Prefill calls run every prompt token but the
-last, which admission makes the slot's last token: the decode call feeds it and samples the
-request's first token, in the step that prefills the prompt's last chunk when a decode row is free.
-So no prefill call computes logits (it skips the lm_head's product, a quarter of a `[4, 64]` call
-on the tiny preset), and a prompt joins decoding at the cost of one more row in a decode call that
-reads the weights anyway. With MTP drafts the prefill call still samples the first token (the MTP
-module's first draft needs the model's hidden state at the prompt's last position).
-
-**Pages: requests wait, never preempted.** A request is admitted only when the pages it may ever
-need (prompt + `max_new_tokens`, less the cached prefix it shares) are available: free, or
-evictable from the prefix cache, after what the running requests have reserved. Pages are still
-allocated lazily, a page at a time as a row grows, so unused reservations keep cached prefixes
-alive. A running request therefore never runs out of pages and nothing is recomputed; the cost is
-admitting fewer requests when budgets are generous. A request that could never fit is refused
-at submission (`Engine.submit`).
-
-**Asynchronous steps.** The engine dispatches step n+1 before it reads step n's tokens, so the
-host plans a step without knowing the previous step's tokens: a decoding row's input is its
-slot's last sampled token, which stays on device. The budget is known at planning time; a stop
-token or string is seen one step late, and the extra token already dispatched for that request is
-discarded (its write lands in the request's own pages, before anyone else can be given them).
-
-**Multi-step decode.** The decode call runs `decode_steps` steps (each row at most its remaining
-budget), so the dispatch, the transfers and the read-back are paid once per `decode_steps` tokens
-per row, as `dsr1.generate` pays them once per chunk; beside a prefill call too, so that a step
-with prompt work is one prefill call per `decode_steps` decode steps rather than per decode step
-(with one step there, a decoding row's inter-token latency was 1.5-2x static batching's while
-prompts arrived: docs/performance.md, "Serving"). The price: a request that arrives, or a slot
-freed by a stop, waits until the call ends, and a stop is seen up to `2 * decode_steps - 1` tokens
-late (those tokens are discarded, as above); a prompt advances one chunk per `decode_steps`
-decode steps.
-
-**MTP drafts** (`draft_tokens=k`). A decode call then runs draft-verify-accept iterations
-(`dsr1.programs.serve_draft_step`) and keeps 1..k+1 tokens per row per iteration, decided on
-device: the host plans without knowing how far a row got, so it bounds it. `Running.sampled`
-counts one token per dispatched iteration (a lower bound, corrected when the tokens are read) and
-`Running.fed` the most positions the dispatched iterations may have written (k+1 per iteration,
-never past the request's last position), which is what pages are allocated for; the verified
-positions never go past a request's budget, so its reservation is unchanged. A call's output holds
-k+1 entries per iteration, -1 where nothing was kept. Prompt chunks carry one more token, the
-prompt's token after the chunk (the MTP module's input at the chunk's last position). A finished
-request's pages enter the prefix cache up to its last known token but one: every position before
-it is written in both pools, whatever the in-flight calls do.
+Continuous batching with `max_seqs + prefill_rows` slots (prompts prefilled ahead of a free decode
+row); at most two calls per step, a prefill call and a multi-step decode call, of bucketed shapes;
+requests admitted only when every page they may need is available, never preempted; a decoding
+row's input is its slot's last token on device, so a stop is seen a step late and the extra
+token discarded. With MTP drafts the host bounds what the device may have kept. Design:
+docs/serving.md.
 """
 
 from __future__ import annotations
@@ -83,12 +20,13 @@ import numpy as np
 
 from ..core.cache import SCRATCH_PAGE
 from ..generation.output import TokenLogprob
-from ..programs import Sampled, StepRows
 from .pages import PageAllocator, pages_needed
 from .prefix_cache import PrefixCache
 from .request import Request
+from .step import Sampled, StepRows
 
-__all__ = ["Lane", "Running", "Scheduler", "SchedulerConfig", "StepPlan"]
+__all__ = ["Lane", "Running", "Scheduler", "SchedulerConfig", "StepPlan", "lane_masks", "lane_rows",
+           "wants_prompt_logprobs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +57,7 @@ class SchedulerConfig:
     @property
     def slots(self) -> int:
         """Batch slots: `max_seqs` decoding requests, and `prefill_rows` more whose prompts are
-        prefilled ahead of a free decode row (see the module docstring)."""
+        prefilled ahead of a free decode row (docs/serving.md, "Slots")."""
         return self.max_seqs + self.prefill_rows
 
     @property
@@ -139,10 +77,9 @@ class SchedulerConfig:
     def decode_shapes(self) -> tuple[int, ...]:
         """The decode call's row counts, all compiled at warm-up: `max_seqs` and its halvings down to
         8 rows, and one row. A call reads every weight whatever its rows, but the lm_head's product,
-        the sampling and the attention grow with them: on the tiny preset (2-core CPU) a decode step
-        of 8 rows costs 6.9 ms, of one row 2.9 ms, what a lone request (a single user, the last long
-        request of a busy period) runs at. Two and four rows cost as much as eight
-        there (XLA:CPU's lm_head product of a few rows is slow), so they get no shape of their own."""
+        the sampling and the attention grow with them, so a lone request (a single user, the last
+        long request of a busy period) gets a one-row call; two and four rows cost about as much as
+        eight on CPU (XLA:CPU's lm_head product of a few rows), so they get no shape of their own."""
         rows, half = {1, self.max_seqs}, self.max_seqs // 2
         while half >= 8:
             rows.add(half)
@@ -156,13 +93,13 @@ class SchedulerConfig:
     @property
     def last_prompt_token_decodes(self) -> bool:
         """A prompt's last token runs as its request's first decode input, not in a prefill call
-        (see the module docstring); with MTP drafts the prefill call samples the first token."""
+        (docs/serving.md, "Two calls per step"); with MTP drafts the prefill call samples the first token."""
         return not self.draft_tokens
 
     @property
     def prefill_width(self) -> int:
         """Token columns a prefill row carries beyond its chunk: 1 with drafts (the prompt's token after
-        the chunk, see the module docstring), else 0."""
+        the chunk, see docs/serving.md), else 0."""
         return 1 if self.draft_tokens else 0
 
     @property
@@ -228,6 +165,12 @@ class Lane:
     sample_index: int  # tokens the request sampled before this one
     feed_last: bool
     steps: int = 1  # decode steps of a multi-step call (a token sampled after each)
+    mask: np.ndarray | None = None  # the grammar's bitmask for the sampled token (one step only)
+
+    @property
+    def prompt_logprobs(self) -> bool:
+        """A prompt chunk whose request wants its prompt tokens' log-probabilities."""
+        return not self.feed_last and self.seq.request.prompt_top_logprobs is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,15 +188,36 @@ class StepPlan:
         return not (self.admitted or self.prefill or self.decode)
 
 
+def wants_prompt_logprobs(lanes: Sequence[Lane]) -> bool:
+    """Some lane of a call wants prompt log-probabilities: the call carries each prompt's next token."""
+    return any(lane.prompt_logprobs for lane in lanes)
+
+
+def lane_masks(lanes: Sequence[Lane], rows: int) -> np.ndarray | None:
+    """The grammar bitmasks of a call `[rows, words]` (row i: lane i's), or None when no lane has one."""
+    masks = [lane.mask for lane in lanes if lane.mask is not None]
+    if not masks:
+        return None
+    out = np.full((rows, masks[0].shape[0]), -1, np.int32)
+    for i, lane in enumerate(lanes):
+        if lane.mask is not None:
+            out[i] = lane.mask
+    return out
+
+
 def lane_rows(lanes: Sequence[Lane], rows: int, chunk: int, idle_slot: int) -> StepRows:
     """The host arrays of one call: `lanes` in the first rows, the rest idle (slot `idle_slot`, count 0)."""
     out = StepRows(slots=np.full(rows, idle_slot, np.int32), tokens=np.zeros((rows, chunk), np.int32),
                    starts=np.zeros(rows, np.int32), counts=np.zeros(rows, np.int32),
                    feed_last=np.zeros(rows, bool), sample=np.zeros(rows, bool), sample_index=np.zeros(rows, np.int32),
-                   logprobs=np.zeros(rows, bool), steps=np.ones(rows, np.int32))
+                   logprobs=np.zeros(rows, bool), steps=np.ones(rows, np.int32),
+                   prompt_logprobs=np.zeros(rows, bool), mask_row=np.full(rows, -1, np.int32))
     for i, lane in enumerate(lanes):
         out.slots[i], out.starts[i], out.counts[i] = lane.seq.slot, lane.start, lane.count
-        out.tokens[i, :len(lane.tokens)] = lane.tokens
+        tokens = lane.tokens[:chunk]  # a prompt's next token only when the call carries it
+        out.tokens[i, :len(tokens)] = tokens
+        out.prompt_logprobs[i] = lane.prompt_logprobs
+        out.mask_row[i] = i if lane.mask is not None else -1
         out.feed_last[i], out.sample[i], out.sample_index[i] = lane.feed_last, lane.sample, lane.sample_index
         out.logprobs[i] = lane.sample and lane.seq.request.top_logprobs is not None
         out.steps[i] = lane.steps
@@ -307,9 +271,9 @@ class Scheduler:
         for request in [r for r in self._waiting if r.cancel_requested]:
             self._waiting.remove(request)
             self.finished += 1
-            request.finish("cancelled")
+            request.finish("abort")
         for seq in [s for s in self._running if s.request.cancel_requested]:
-            self._finish(seq, "cancelled")
+            self._finish(seq, "abort")
 
     def _outstanding(self) -> int:
         """Pages reserved by running requests and not allocated yet."""
@@ -320,7 +284,8 @@ class Scheduler:
         while self._waiting and self._free_slots:
             request = self._waiting[0]
             prompt = request.prompt
-            match = self.prefix_cache.match(prompt, len(prompt) - 1)  # the last prompt token always runs
+            # The last prompt token always runs; a request wanting prompt log-probabilities runs them all.
+            match = self.prefix_cache.match(prompt, 0 if request.prompt_top_logprobs is not None else len(prompt) - 1)
             reserved = reserved_pages(len(prompt), request.sampling.max_new_tokens, self.config.page_size)
             need = reserved - (len(match.nodes) - match.offloaded)
             # Free pages first; the rest from evicting cached pages other than the match's.
@@ -371,9 +336,10 @@ class Scheduler:
             start, count = seq.fed, min(self.config.prefill_chunk, seq.prefill_end - seq.fed)
             self._grow(seq, start + count)
             last = start + count == seq.prompt_len
-            width = count + self.config.prefill_width  # with drafts, the prompt's next token too (if any)
-            lanes.append(Lane(seq, start, count, tuple(seq.tokens[start:start + width]), sample=last, sample_index=0,
-                              feed_last=False))
+            # The prompt's next token too (if any): with drafts, or for prompt log-probabilities.
+            mask = seq.request.matcher.mask() if last and seq.request.matcher is not None else None
+            lanes.append(Lane(seq, start, count, tuple(seq.tokens[start:start + count + 1]), sample=last,
+                              sample_index=0, feed_last=False, mask=mask))
             seq.fed += count
             seq.sampled += last
             # Its full prompt pages are written by the call being planned: later requests may share them.
@@ -387,12 +353,16 @@ class Scheduler:
                 break  # the oldest decode; the rest wait for a row
             if not seq.decoding:
                 continue
-            runs = min(steps, seq.request.sampling.max_new_tokens - seq.sampled)
+            matcher = seq.request.matcher
+            if matcher is not None and seq.sampled > len(seq.tokens) - seq.prompt_len:
+                continue  # its grammar's next mask needs the token still in flight
+            runs = 1 if matcher is not None else min(steps, seq.request.sampling.max_new_tokens - seq.sampled)
             # With drafts an iteration writes up to k+1 positions, never past the request's last one.
             fed = min(seq.fed + runs * (self.config.draft_tokens + 1),
                       seq.prompt_len + seq.request.sampling.max_new_tokens - 1)
             self._grow(seq, fed)
-            lanes.append(Lane(seq, seq.fed, 1, (), sample=True, sample_index=seq.sampled, feed_last=True, steps=runs))
+            lanes.append(Lane(seq, seq.fed, 1, (), sample=True, sample_index=seq.sampled, feed_last=True, steps=runs,
+                              mask=None if matcher is None else matcher.mask()))
             seq.fed = fed
             seq.sampled += runs
         return lanes
@@ -441,10 +411,22 @@ class Scheduler:
         if not seq.finished:
             seq.sampled += kept - lane.steps  # the plan counted one token per iteration
 
+    def complete_prompt(self, lanes: Sequence[Lane], positions: Sequence[Sampled]) -> None:
+        """Hand a prefill call's prompt log-probabilities (`positions[t]`: each row's token after chunk
+        position t) to the requests that asked for them."""
+        for row, lane in enumerate(lanes):
+            top = lane.seq.request.prompt_top_logprobs
+            if lane.prompt_logprobs and not lane.seq.finished:
+                count = min(lane.count, lane.seq.prompt_len - 1 - lane.start)
+                lane.seq.request.add_prompt_logprobs([positions[t].logprob(row, top) for t in range(count)])
+
     def _deliver(self, seq: Running, token: int, logprob: TokenLogprob | None) -> None:
         seq.tokens.append(token)
         self.generated_tokens += 1
-        if seq.request.add_tokens([token], None if logprob is None else [logprob]):
+        matcher = seq.request.matcher
+        stop_token = token in seq.request.sampling.stop_token_ids
+        complete = matcher is not None and not stop_token and matcher.advance(token)
+        if seq.request.add_tokens([token], None if logprob is None else [logprob]) or complete:
             self._finish(seq, "stop")
         elif len(seq.tokens) - seq.prompt_len >= seq.request.sampling.max_new_tokens:
             self._finish(seq, "length")

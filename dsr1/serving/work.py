@@ -12,8 +12,8 @@ with this process's host copies of offloaded pages) and the per-slot `SlotState`
 
 With MTP drafts (`draft_tokens=k`) the runner carries a `DraftSlotState` and the pool's MTP pages,
 and runs the draft programs instead: a call of one-token rows is a decode call
-(`programs.serve_draft_step`), any wider one a prefill call whose rows carry one lookahead token
-(`programs.serve_draft_prefill`). The call's shape alone decides, so the broadcast `StepWork`
+(`draft_step.serve_draft_step`), any wider one a prefill call whose rows carry one lookahead token
+(`draft_step.serve_draft_prefill`). The call's shape alone decides, so the broadcast `StepWork`
 needs nothing more.
 """
 
@@ -25,14 +25,21 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from .. import programs
 from ..api import Model
 from ..core.sharding import put_replicated
-from ..generation.sampling import KEY_IMPL, Sampling, SamplingArrays, host_sampling_arrays
-from ..programs import StepRows
+from ..generation.sampling import (
+    KEY_IMPL,
+    Sampling,
+    SamplingArrays,
+    TokenRuleRows,
+    host_sampling_arrays,
+    host_token_rules,
+)
+from . import draft_step, step
 from .page_pool import PageOp, PagePool
+from .step import StepRows
 
-__all__ = ["Admission", "DeviceRunner", "StepWork", "device_sampling", "host_sampling"]
+__all__ = ["Admission", "DeviceRunner", "StepWork", "device_sampling", "host_rules", "host_sampling"]
 
 @dataclasses.dataclass(frozen=True)
 class Admission:
@@ -41,6 +48,7 @@ class Admission:
     slot: int
     sampling: SamplingArrays
     prompt: np.ndarray  # int32 [n]
+    rules: TokenRuleRows  # its token rules (`slot_rule_rows` of `host_token_rules`, one row)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +60,7 @@ class StepWork:
     admissions: tuple[Admission, ...] = ()
     calls: tuple[StepRows, ...] = ()
     page_table: np.ndarray | None = None
+    masks: tuple[np.ndarray | None, ...] = ()  # per call: its grammar bitmasks `[rows, words]`, or None
 
     @property
     def empty(self) -> bool:
@@ -63,6 +72,12 @@ def host_sampling(settings: Sequence[Sampling]) -> SamplingArrays:
     be broadcast). Stops are checked on the host, so none go to the device (one fixed column: the
     arrays' shapes never change)."""
     return host_sampling_arrays([dataclasses.replace(s, stop_token_ids=()) for s in settings], stop_width=1)
+
+
+def host_rules(settings: Sequence[Sampling]) -> TokenRuleRows:
+    """Token rules for the slot state as numpy arrays (`host_token_rules`, bad words padded to the
+    slot state's width; ValueError for more than it holds)."""
+    return step.slot_rule_rows(host_token_rules(settings))
 
 
 def device_sampling(host: SamplingArrays, mesh: jax.sharding.Mesh) -> SamplingArrays:
@@ -83,10 +98,10 @@ class DeviceRunner:
         self.draft_tokens = draft_tokens
         idle = device_sampling(host_sampling([Sampling(seed=0)] * slots), model.mesh)
         if draft_tokens:
-            self.state = programs.draft_slot_state(idle, mesh=model.mesh, vocab_size=model.cfg.vocab_size,
+            self.state = draft_step.draft_slot_state(idle, mesh=model.mesh, vocab_size=model.cfg.vocab_size,
                                                    hidden_size=model.cfg.hidden_size)
         else:
-            self.state = programs.slot_state(idle, mesh=model.mesh, vocab_size=model.cfg.vocab_size)
+            self.state = step.slot_state(idle, mesh=model.mesh, vocab_size=model.cfg.vocab_size)
 
     def run(self, work: StepWork) -> tuple[jax.Array, ...]:
         """Dispatch the step (returns at once); the sampled tokens `[rows]` of each call, on device."""
@@ -94,43 +109,50 @@ class DeviceRunner:
             self.pool.apply(op)
         # One transfer for the step: each admission, the page table and each call's rows packed in
         # one int32 array apiece (every array put costs a fraction of a millisecond on the host).
-        admissions = [programs.pack_admission(a.slot, a.sampling, a.prompt, self.max_seq_len) for a in work.admissions]
+        admissions = [step.pack_admission(a.slot, a.sampling, a.prompt, self.max_seq_len) for a in work.admissions]
         calls = [work.page_table, *(rows.pack() for rows in work.calls)] if work.calls else []
-        placed = put_replicated([*admissions, *calls], self.model.mesh) if admissions or calls else []
-        admit = programs.admit_draft_slot if self.draft_tokens else programs.admit_slot
-        for packed in placed[:len(admissions)]:
-            with jax.named_scope("admit"):  # a slot's sampling settings and prompt (for penalties)
-                self.state = admit(self.state, packed, mesh=self.model.mesh)
+        rules = [a.rules for a in work.admissions]
+        placed = put_replicated([*admissions, *calls, *rules], self.model.mesh) if admissions or calls else []
+        admit = draft_step.admit_draft_slot if self.draft_tokens else step.admit_slot
+        for packed, rule_rows in zip(placed[:len(admissions)], placed[len(admissions) + len(calls):]):
+            with jax.named_scope("admit"):  # a slot's sampling settings, prompt (for penalties) and token rules
+                self.state = admit(self.state, packed, rule_rows, mesh=self.model.mesh)
         if not work.calls:
             return ()
-        table, *rows = placed[len(admissions):]
-        return tuple(self._serve(packed, table, self.call_steps(call), decode=call.tokens.shape[1] == 1)
-                     for packed, call in zip(rows, work.calls))
+        table, *rows = placed[len(admissions):len(admissions) + len(calls)]
+        masks = work.masks or (None,) * len(work.calls)
+        return tuple(self._serve(packed, table, self.call_steps(call), decode=call.tokens.shape[1] == 1,
+                                 masks=None if m is None else put_replicated(m, self.model.mesh),
+                                 prompt_logprobs=bool(np.any(call.prompt_logprobs)) and not self.draft_tokens)
+                     for packed, call, m in zip(rows, work.calls, masks))
 
     def call_steps(self, rows: StepRows) -> int:
         """The call's decode steps: `decode_steps` for a multi-step call (some row runs more than one;
         every process derives the same from the same rows), else 1."""
         return self.decode_steps if int(np.max(rows.steps)) > 1 else 1
 
-    def _serve(self, packed_rows: jax.Array, table: jax.Array, steps: int, decode: bool) -> jax.Array:
+    def _serve(self, packed_rows: jax.Array, table: jax.Array, steps: int, decode: bool, masks: jax.Array | None,
+               prompt_logprobs: bool) -> jax.Array:
         if self.draft_tokens:
-            return self._serve_drafts(packed_rows, table, steps, decode)
+            return self._serve_drafts(packed_rows, table, steps, decode, masks)
         with jax.named_scope("serve"):
-            tokens, self.pool.cache, self.state = programs.serve_step(
-                self.model.params, self.pool.cache, self.state, packed_rows, table, steps=steps,
-                **self.model.program_kwargs)
+            tokens, self.pool.cache, self.state = step.serve_step(
+                self.model.params, self.pool.cache, self.state, packed_rows, table, masks, steps=steps,
+                prompt_logprobs=prompt_logprobs, **self.model.program_kwargs)
         return tokens
 
-    def _serve_drafts(self, packed_rows: jax.Array, table: jax.Array, steps: int, decode: bool) -> jax.Array:
+    def _serve_drafts(self, packed_rows: jax.Array, table: jax.Array, steps: int, decode: bool,
+                      masks: jax.Array | None) -> jax.Array:
         """A call with drafts on: `decode` (one-token rows) drafts, verifies and accepts; else a prefill."""
         pool, kwargs = self.pool, self.model.program_kwargs
         if decode:
             with jax.named_scope("serve_drafts"):
-                tokens, pool.cache, pool.mtp_cache, self.state = programs.serve_draft_step(
+                tokens, pool.cache, pool.mtp_cache, self.state = draft_step.serve_draft_step(
                     self.model.params, pool.cache, pool.mtp_cache, self.state, packed_rows, table,
-                    draft_tokens=self.draft_tokens, steps=steps, **kwargs)
+                    masks, draft_tokens=self.draft_tokens, steps=steps, **kwargs)
             return tokens
         with jax.named_scope("serve_prefill"):
-            tokens, pool.cache, pool.mtp_cache, self.state = programs.serve_draft_prefill(
-                self.model.params, pool.cache, pool.mtp_cache, self.state, packed_rows, table, **kwargs)
+            tokens, pool.cache, pool.mtp_cache, self.state = draft_step.serve_draft_prefill(
+                self.model.params, pool.cache, pool.mtp_cache, self.state, packed_rows, table, masks,
+                **kwargs)
         return tokens

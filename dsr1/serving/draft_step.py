@@ -1,0 +1,266 @@
+"""The serving engine's programs with MTP drafts (`dsr1.serving.Engine(..., draft_tokens=k)`).
+
+The MTP module keeps its own one-layer page pool, under the same page ids and tables as the
+model's: page p of a sequence holds both pools' latents for the same positions, so whatever
+shares, offloads or reloads a page moves both. Both pools always hold the same positions of a
+slot, `< lengths[slot]`: MTP position i reads the model's hidden `h_i` and the token `t_{i+1}`,
+so every call runs the module on the positions its model call just ran, with the token after
+each (the next prompt token, or the token sampled or kept after the last one): nothing is ever
+pending between calls. The module's output at the last position (`mtp_hidden`) gives the next
+call its first draft.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from ..core import model
+from ..core.attention import PagedContext, attend_extend, use_absorbed
+from ..core.cache import PagedKVCache, empty_paged_cache, token_slots, write_tokens
+from ..core.config import Config
+from ..core.mtp import mtp_logits, mtp_module, mtp_step
+from ..core.params import Params
+from ..core.sharding import ShardingRules, keep_replicated
+from ..generation import speculative
+from ..generation.sampling import TOP_LOGPROBS, SamplingArrays, TokenRuleRows, token_logprobs
+from .grammar import apply_masks
+from .step import Sampled, SlotState, StepRows, admit_slot, sample_rows, slot_rows, slot_state
+
+_MODEL = ("cfg", "mesh", "rules")  # the static arguments every program shares
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DraftSlotState:
+    """`SlotState` plus what drafting keeps per slot. With drafts a decode call keeps 1..k+1 tokens per
+    row, decided on device, so the slot's length and sample count live here (the host only bounds them)."""
+
+    slots: SlotState
+    lengths: jax.Array  # [S] int32 positions cached in both pools (the last token's position)
+    generated: jax.Array  # [S] int32 tokens sampled so far (the random stream's index; the budget)
+    mtp_hidden: jax.Array  # [S, D] float32 the MTP module's output at position lengths - 1
+
+
+VERIFIED_WIDTH = 3 + 2 * TOP_LOGPROBS  # a draft call's packed token: `Sampled.pack`, then "an accepted draft"
+
+
+def unpack_verified(packed: np.ndarray) -> tuple[Sampled, np.ndarray]:
+    """(Host) one step of a draft program's output `[B, VERIFIED_WIDTH]`: the tokens (-1 where none was
+    emitted) with their log-probabilities, and whether each is an accepted draft `[B]` bool."""
+    packed = np.asarray(packed, np.int32)
+    return Sampled.unpack(packed[:, :-1]), packed[:, -1] != 0
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "vocab_size", "hidden_size"))
+def draft_slot_state(sampling: SamplingArrays, *, mesh: Mesh, vocab_size: int, hidden_size: int) -> DraftSlotState:
+    """Fresh `DraftSlotState` for `sampling.batch_size` slots."""
+    slots = sampling.batch_size
+    state = DraftSlotState(slot_state(sampling, mesh=mesh, vocab_size=vocab_size), jnp.zeros(slots, jnp.int32),
+                           jnp.zeros(slots, jnp.int32), jnp.zeros((slots, hidden_size), jnp.float32))
+    return jax.tree.map(lambda a: keep_replicated(a, mesh), state)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
+def admit_draft_slot(state: DraftSlotState, packed: jax.Array, rule_rows: TokenRuleRows, *,
+                     mesh: Mesh) -> DraftSlotState:
+    """`admit_slot` for a `DraftSlotState` (its length, count and MTP output start from zero)."""
+    slot = packed[0]
+    with jax.named_scope("admit_draft_slot"):
+        reset = jax.tree.map(lambda a: a.at[slot].set(0, mode="drop"),
+                             (state.lengths, state.generated, state.mtp_hidden))
+        state = DraftSlotState(admit_slot(state.slots, packed, rule_rows, mesh=mesh), *reset)
+    return jax.tree.map(lambda a: keep_replicated(a, mesh), state)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "num_pages", "page_size", "dtype", "kv_cache_dtype"))
+def mtp_paged_cache(*, cfg: Config, mesh: Mesh, num_pages: int, page_size: int, dtype: Any,
+                    kv_cache_dtype: str | None) -> PagedKVCache:
+    """`paged_cache` for the MTP module: one layer, the same pages."""
+    cache = empty_paged_cache(1, num_pages, page_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim, jnp.dtype(dtype),
+                              kv_cache_dtype)
+    return jax.tree.map(lambda a: keep_replicated(a, mesh), cache)
+
+
+def _paged_mtp(params: Params, pool: PagedKVCache, hidden: jax.Array, next_tokens: jax.Array, starts: jax.Array,
+               counts: jax.Array, table: jax.Array, cfg: Config, mesh: Mesh,
+               rules: ShardingRules) -> tuple[jax.Array, jax.Array, PagedKVCache]:
+    """The MTP module on T positions per row from `starts` (`hidden [B, T, D]`, `next_tokens [B, T]`), attending
+    to the row's positions `< starts` in the MTP pool (`table [B, P]`) and causally to each other, as
+    `extend` runs the model: its logits `[B, T, V]`, its output `[B, T, D]` and the pool with the
+    latents of each row's first `counts` positions written (the rest go to the scratch page)."""
+    chunk = hidden.shape[1]
+    cached = jnp.where(counts > 0, starts, 0)
+    context = PagedContext(pool, table, cached, model.default_block_pages(pool.page_size, table.shape[1], chunk))
+    positions = cached[:, None] + jnp.arange(chunk)
+    layer = jnp.zeros((), jnp.int32)
+
+    def attend(p: dict, h: jax.Array):
+        return attend_extend(p, h, positions, context, layer, cfg, absorbed=use_absorbed(cfg, chunk),
+                             one_device=mesh.size == 1)
+
+    logits, x, (c_kv, k_pe) = mtp_step(params, hidden, next_tokens, attend, cfg=cfg, mesh=mesh, rules=rules,
+                                       index=speculative.MTP_MODULE)
+    with jax.named_scope("write_mtp_pages"):
+        pages, slots = token_slots(table, cached, counts, chunk, pool.page_size)
+        pool = write_tokens(pool, c_kv[None], k_pe[None], pages, slots)
+    return logits, x, jax.tree.map(lambda a: keep_replicated(a, mesh), pool)
+
+
+def _at(x: jax.Array, index: jax.Array) -> jax.Array:
+    """Row b's entry `index[b]` of `x [B, T, ...]`: `[B, ...]`."""
+    return jnp.take_along_axis(x, index.reshape(-1, *([1] * (x.ndim - 1))), axis=1)[:, 0]
+
+
+def _verified_pack(tokens: jax.Array, logits: jax.Array, wanted: jax.Array, accepted: jax.Array) -> jax.Array:
+    """`Sampled.pack` of `tokens [B]` (-1: none) with their log-probabilities where `wanted`, then `accepted`."""
+    packed = Sampled.pack(tokens, *token_logprobs(logits, jnp.maximum(tokens, 0), wanted & (tokens >= 0)))
+    return jnp.concatenate([packed, accepted.astype(jnp.int32)[:, None]], axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=_MODEL, donate_argnames=("cache", "mtp_cache", "state"))
+def serve_draft_prefill(params: Params, cache: PagedKVCache, mtp_cache: PagedKVCache, state: DraftSlotState,
+                        packed_rows: jax.Array, page_table: jax.Array, masks: jax.Array | None = None, *,
+                        cfg: Config, mesh: Mesh,
+                        rules: ShardingRules) -> tuple[jax.Array, PagedKVCache, PagedKVCache, DraftSlotState]:
+    """`serve_step` for prompt chunks with drafts on: rows of `T + 1` tokens, `T` new ones and, in column
+    `counts[b]`, the prompt's token after the chunk (the lookahead; a chunk that ends the prompt samples
+    its first token instead). The model runs the chunk (`extend`), rows ending their prompt sample
+    their first token as `serve_step` does, and the MTP module runs the chunk's positions with their
+    next tokens, filling its pool as far as the model's. Returns `[1, B, VERIFIED_WIDTH]`, both pools
+    and the state (sampling rows' slots: last token, counts, length = prompt, one token sampled)."""
+    rows = StepRows.unpack(packed_rows)
+    chunk = rows.tokens.shape[1] - 1
+    with jax.named_scope("step_inputs"):
+        safe, sampling, _ = slot_rows(state.slots, rows.slots)
+        table = page_table[jnp.minimum(rows.slots, page_table.shape[0] - 1)]
+        tokens = rows.tokens[:, :chunk]
+        last = jnp.maximum(rows.counts - 1, 0)
+    # Hidden states at every position (the MTP module reads them all); logits at `last` of sampling rows only.
+    logits_at = jnp.where(rows.sample, last, chunk)[:, None]
+    logits, hidden, cache = model.extend(params, cache, tokens, rows.starts, rows.counts, table, logits_at,
+                                         cfg=cfg, mesh=mesh, rules=rules,
+                                         hidden_at=jnp.broadcast_to(jnp.arange(chunk), tokens.shape))
+    logits = logits[:, 0]
+    out, slots, token = sample_rows(logits, state.slots, rows, safe, sampling, masks)
+    sampled = rows.sample & (rows.counts > 0)
+    with jax.named_scope("mtp_prefill"):
+        after = rows.tokens[:, 1:]
+        after = jnp.where(sampled[:, None] & (jnp.arange(chunk) == last[:, None]), token[:, None], after)
+        _, x, mtp_cache = _paged_mtp(params, mtp_cache, hidden, after, rows.starts, rows.counts, table, cfg, mesh,
+                                     rules)
+    with jax.named_scope("slot_progress"):
+        target = jnp.where(sampled, rows.slots, state.lengths.shape[0])  # out of range: dropped
+        state = DraftSlotState(slots, state.lengths.at[target].set(rows.starts + rows.counts, mode="drop"),
+                               state.generated.at[target].set(1, mode="drop"),
+                               state.mtp_hidden.at[target].set(_at(x, last), mode="drop"))
+    out = jnp.concatenate([out, jnp.zeros((out.shape[0], 1), jnp.int32)], axis=1)
+    return (keep_replicated(out[None], mesh), cache, mtp_cache, jax.tree.map(lambda a: keep_replicated(a, mesh), state))
+
+
+@functools.partial(jax.jit, static_argnames=(*_MODEL, "draft_tokens", "steps"),
+                   donate_argnames=("cache", "mtp_cache", "state"))
+def serve_draft_step(params: Params, cache: PagedKVCache, mtp_cache: PagedKVCache, state: DraftSlotState,
+                     packed_rows: jax.Array, page_table: jax.Array, masks: jax.Array | None = None, *, cfg: Config,
+                     mesh: Mesh, rules: ShardingRules, draft_tokens: int, steps: int = 1
+                     ) -> tuple[jax.Array, PagedKVCache, PagedKVCache, DraftSlotState]:
+    """The decode call with drafts: `steps` draft-verify-accept iterations (`_draft_verify`) for every
+    decode row (one-token `StepRows`; row b runs its first `rows.steps[b]`), each keeping 1..k+1
+    tokens. Where a row is and how many tokens it sampled are read from `state`, not from the rows.
+
+    Returns `[steps * (k+1), B, VERIFIED_WIDTH]`: iteration i's verified position j at `i * (k+1) + j`
+    (token -1 where nothing was emitted), both pools and the state."""
+    rows = StepRows.unpack(packed_rows)
+    width = draft_tokens + 1
+
+    def step(i, carry):
+        cache, mtp_cache, state, outs = carry
+        active = (rows.counts > 0) & (i < rows.steps)
+        out, cache, mtp_cache, state = _draft_verify(params, cache, mtp_cache, state, rows, active, page_table, masks,
+                                                     cfg, mesh, rules, draft_tokens)
+        return cache, mtp_cache, state, jax.lax.dynamic_update_slice_in_dim(outs, out, i * width, axis=0)
+
+    outs = jnp.zeros((steps * width, rows.slots.shape[0], VERIFIED_WIDTH), jnp.int32)
+    carry = (cache, mtp_cache, state, outs)
+    cache, mtp_cache, state, outs = step(0, carry) if steps == 1 else jax.lax.fori_loop(0, steps, step, carry)
+    return keep_replicated(outs, mesh), cache, mtp_cache, state
+
+
+def _draft_verify(params: Params, cache: PagedKVCache, mtp_cache: PagedKVCache, state: DraftSlotState,
+                  rows: StepRows, active: jax.Array, page_table: jax.Array, masks: jax.Array | None, cfg: Config,
+                  mesh: Mesh,
+                  rules: ShardingRules, k: int) -> tuple[jax.Array, PagedKVCache, PagedKVCache, DraftSlotState]:
+    """One iteration (`dsr1.generation.speculative`'s steps 2-4 and its catch-up, on pages) for the `active`
+    rows, each at its slot's `L = lengths` with last token `t_L`:
+
+    1. draft `d_1` from the module's logits at `L - 1` (`mtp_hidden`), then `d_2..d_k` by applying it
+       recursively at `L..L+k-2` (provisional latents, written to the row's MTP pages and overwritten
+       by step 4);
+    2. verify `[t_L, d_1..d_k]` at `L..L+k` with `extend` — only the first `min(k+1, budget left)`
+       positions, so nothing is written past the pages the request reserved;
+    3. accept (`speculative.accept_drafts`): e tokens kept, the row's length becomes `L + e` (the
+       latents written past it are never read, and overwritten later);
+    4. catch the MTP pool up: the module on `L..L+e-1` with the model's hidden states there and the
+       kept tokens, its output at `L+e-1` kept for the next iteration's first draft.
+
+    A row with a grammar mask (`rows.mask_row`) verifies `t_L` alone and samples under its mask, taking
+    no draft: its next mask needs the token, which only the host's matcher can check.
+    """
+    num_slots = state.lengths.shape[0]
+    with jax.named_scope("step_inputs"):
+        safe, sampling, last = slot_rows(state.slots, rows.slots)
+        seen, counts = state.slots.prompt_seen[safe], state.slots.counts[safe]
+        token_rules = jax.tree.map(lambda a: a[safe], state.slots.token_rules)
+        recent = state.slots.recent[safe]
+        starts, generated = state.lengths[safe], state.generated[safe]
+        active = active & (generated < sampling.max_new_tokens)
+        constrained = jnp.zeros_like(active) if masks is None else rows.mask_row >= 0
+        width = jnp.where(active, jnp.minimum(jnp.where(constrained, 1, k + 1), sampling.max_new_tokens - generated),
+                          0)
+        table = page_table[jnp.minimum(rows.slots, page_table.shape[0] - 1)]
+    with jax.named_scope("draft"):
+        module, _ = mtp_module(params, speculative.MTP_MODULE)
+        h = state.mtp_hidden[safe]
+        applied = 0
+
+        def recurse(h: jax.Array, previous: jax.Array) -> tuple[jax.Array, jax.Array]:
+            nonlocal mtp_cache, applied
+            written = (applied < width).astype(jnp.int32)  # within the verified positions: pages exist
+            q, x, mtp_cache = _paged_mtp(params, mtp_cache, h[:, None], previous[:, None], starts + applied, written,
+                                         table, cfg, mesh, rules)
+            applied += 1
+            return q[:, 0], x[:, 0]
+
+        drafts, qs = speculative.draft_tokens_recursively(mtp_logits(module, h, cfg), h, recurse, k, sampling, seen,
+                                                          counts, generated, token_rules, recent)
+    fed = jnp.stack([last, *drafts], axis=1)
+    logits, hidden, cache = model.extend(params, cache, fed, starts, width, table,
+                                         jnp.broadcast_to(jnp.arange(k + 1), fed.shape), cfg=cfg, mesh=mesh,
+                                         rules=rules)
+    with jax.named_scope("accept"):
+        checked = logits if masks is None else logits.at[:, 0].set(apply_masks(logits[:, 0], masks, rows.mask_row))
+        verdict = speculative.accept_drafts(checked, drafts, qs, sampling, seen, counts, generated, active,
+                                            token_rules, recent, plain=constrained)
+    with jax.named_scope("mtp_catch_up"):
+        _, x, mtp_cache = _paged_mtp(params, mtp_cache, hidden, jnp.maximum(verdict.tokens, 0), starts,
+                                     verdict.emitted, table, cfg, mesh, rules)
+    with jax.named_scope("slot_progress"):
+        kept = verdict.emitted > 0
+        target = jnp.where(kept, rows.slots, num_slots)  # out of range: dropped
+        slots = state.slots
+        slots = SlotState(slots.sampling, slots.last.at[target].set(verdict.last_token(), mode="drop"),
+                          slots.prompt_seen, slots.counts.at[target].set(verdict.counts, mode="drop"),
+                          slots.token_rules, slots.recent.at[target].set(verdict.recent, mode="drop"))
+        state = DraftSlotState(slots, state.lengths.at[target].set(starts + verdict.emitted, mode="drop"),
+                               state.generated.at[target].set(verdict.generated, mode="drop"),
+                               state.mtp_hidden.at[target].set(_at(x, jnp.maximum(verdict.emitted - 1, 0)),
+                                                               mode="drop"))
+    with jax.named_scope("logprobs"):
+        out = jnp.stack([_verified_pack(verdict.tokens[:, j], logits[:, j], rows.logprobs, verdict.accepted[:, j])
+                         for j in range(k + 1)])
+    return out, cache, mtp_cache, jax.tree.map(lambda a: keep_replicated(a, mesh), state)
