@@ -339,3 +339,51 @@ def test_bf16_products_of_many_rows_compute_in_bf16():
             lhs = np.asarray(x.astype(jnp.bfloat16) if rows >= n else x, np.float64)
             want = lhs @ np.asarray(small, np.float64)
             np.testing.assert_allclose(np.asarray(jax.jit(product)(x, small)), want, rtol=1e-5, atol=1e-4)
+
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return dsr1.load(dsr1.demo_checkpoint(), progress=False)
+
+
+def test_a_loaded_model_carries_its_checkpoint_tokenizer(demo):
+    """The demo folder's own 4,096-token BPE comes with the model and is the default of `generate` and
+    the serving engine: its text continues in English, not R1's ids read as the demo vocabulary's."""
+    assert demo.tokenizer is not None and demo.tokenizer.vocab_size == demo.cfg.vocab_size == 4096
+    prompt = "To be, or not to be,"
+    c = dsr1.generate(demo, [prompt], max_new_tokens=16).completions[0]
+    assert c.prompt_tokens == len(demo.tokenizer.encode(prompt, add_bos=True))
+    assert c.text == demo.tokenizer.decode(c.tokens) and c.text.isascii()
+    words = c.text.split()
+    assert len(words) >= 3 and sum(w.strip(",.;:!?'").isalpha() for w in words) >= len(words) - 1, c.text
+    assert dsr1.serving.Engine(demo, num_pages=8).tokenizer is demo.tokenizer
+
+
+def test_r1_tokenizer_is_the_default_without_one_and_is_refused_by_a_smaller_vocabulary(demo, model, tmp_path):
+    """Random weights and folders without a tokenizer.json use R1's tokenizer; a model whose vocabulary
+    cannot hold R1's ids refuses it with a clear error instead of generating noise."""
+    from dsr1.generation.tokenizer import checkpoint_tokenizer
+    from dsr1.weights.convert import convert
+
+    assert model.tokenizer is None and checkpoint_tokenizer(tmp_path) is None
+    assert checkpoint_tokenizer(dsr1.demo_checkpoint() / "config.json").vocab_size == 4096
+    converted = convert(dsr1.demo_checkpoint(), tmp_path / "converted", progress=False)
+    assert checkpoint_tokenizer(converted).vocab_size == 4096  # a converted folder keeps the release's tokenizer
+    bare = dataclasses.replace(demo, tokenizer=None)  # what a folder without tokenizer.json loads as
+    with pytest.raises(ValueError, match="tokenizer has 128815 token ids but the model's vocabulary holds 4096"):
+        dsr1.generate(bare, ["To be, or not to be,"], max_new_tokens=2)
+    ids = dsr1.generate(bare, [[0, 5, 6]], max_new_tokens=2).completions[0]
+    assert ids.text == "" and len(ids.tokens) == 2  # token ids in, token ids out
+    assert dsr1.generate(model, ["Hi"], max_new_tokens=2).completions[0].prompt_tokens == 2  # R1's BOS + "Hi"
+
+
+def test_demo_chat_shows_no_reasoning_markers(demo):
+    """The demo model answers R1's chat template inside a `<think>` block it closes: the streamed and
+    the final text show its reasoning and answer without the markers (never a bare `</think>`)."""
+    pieces: list[str] = []
+    result = dsr1.generate(demo, ["Good morrow, my lord. What news from the court?"], chat=True, max_new_tokens=24,
+                           chunk_size=4, stream=lambda row, text: pieces.append(text))
+    c = result.completions[0]
+    assert "</think>" in demo.tokenizer.decode(c.tokens) and "think>" not in c.text
+    assert "".join(pieces) == c.text == "\n\n".join(part for part in (c.reasoning, c.answer) if part)
