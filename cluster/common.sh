@@ -369,7 +369,7 @@ print(f"[mcjax] {n} engines registered")
 EOF
 }
 
-# Write $MCJAX_STATE/cluster.json, which dsr1.workbench.cluster.connect() reads: where the
+# Write $MCJAX_STATE/cluster.json, which dsr1.workbench.connect() reads: where the
 # controller is, how many engines, and how the processes are numbered. "numbering":
 # "kernel-last" (the notebook gives the ids; the kernel is process N-1) or "platform" (JAX finds
 # them itself; the kernel on host 0 is process 0). "kernel_env": the variables the kernel sets in

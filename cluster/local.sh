@@ -28,7 +28,7 @@ SLURM_PROCID=i, SLURM_LOCALID=i, SLURM_STEP_NUM_NODES=N) and JAX_COORDINATOR_POR
 the processes itself as on a real platform, and the kernel, process 0, takes the same from
 cluster.json's kernel_env. Every process gets JAX_COMPILATION_CACHE_DIR=$MCJAX_JAX_CACHE, which
 outlives the cluster. Everything lives under $MCJAX_STATE (mode 700): pid files, logs, the
-ipyparallel profile (connection files) and cluster.json for dsr1.workbench.cluster.connect().
+ipyparallel profile (connection files) and cluster.json for dsr1.workbench.connect().
 EOF
 }
 
@@ -146,7 +146,7 @@ cmd_start() {
     }
   fi
   mcjax_write_cluster_json $((n - 1)) 127.0.0.1
-  [ -n "$reused" ] || mcjax_log "ready: in Python, cluster = dsr1.workbench.cluster.connect() (MCJAX_STATE=$MCJAX_STATE)"
+  [ -n "$reused" ] || mcjax_log "ready: in Python, cluster = dsr1.workbench.connect() (MCJAX_STATE=$MCJAX_STATE)"
   if [ "$MCJAX_JAX_CACHE" != off ]; then
     mcjax_log "compilation cache: $MCJAX_JAX_CACHE; for your own kernel (e.g. jupyter lab): export JAX_COMPILATION_CACHE_DIR=$MCJAX_JAX_CACHE JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=$MCJAX_JAX_CACHE_MIN_SECS"
   fi

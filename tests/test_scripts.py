@@ -27,7 +27,7 @@ HELP = {
     "cluster/gcsfuse.sh": ("gcsfuse.sh mount", "gcsfuse.sh --help", "Does nothing when MCJAX_BUCKET is empty"),
     "cluster/ipcluster.sh": ("ipcluster.sh controller start|stop|restart|run [IP]", "ipcluster.sh --help",
                              "only those are ever stopped"),
-    "cluster/local.sh": ("local.sh start N", "local.sh --help", "dsr1.workbench.cluster.connect()"),
+    "cluster/local.sh": ("local.sh start N", "local.sh --help", "dsr1.workbench.connect()"),
     "cluster/nfs.sh": ("nfs.sh exports IP...", "nfs.sh --help", "never a network range or '*'"),
     "cluster/quickstart.sh": ("cluster/quickstart.sh ", "cluster/quickstart.sh --help",
                               "jupyter lab notebooks/main.ipynb"),
