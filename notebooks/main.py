@@ -122,7 +122,7 @@ assert 0 < len(completion.tokens) <= 48
 # The model's multi-token-prediction module drafts k tokens per step (k > 1 applies it recursively)
 # and the model verifies them in one multi-token step against its cache: greedy output is the same
 # token for token, and every accepted draft is a token that cost no decode step of its own.
-# `python -m dsr1.bench quality` measures the same on one process (docs/performance.md).
+# `python -m dsr1.bench quality` measures the same on one process (docs/benchmarks.md).
 
 # %%
 # %%everywhere

@@ -413,7 +413,7 @@ def _read_into(out: np.ndarray, index: CheckpointIndex, src: Source, name: str, 
             scale = index.mapped(index.info(name + "_scale_inv"))
             dequantize_fp8_into(out.T, stored, scale, (region[1], region[0]), f"{info.file.name}: {name}")
             return
-        if stored.dtype == out.dtype:  # an output head: numpy copies a transposed view at ~0.55 GB/s, this ~6-7
+        if stored.dtype == out.dtype:  # an output head: a blocked transpose, far faster than numpy's copy of a view
             host_copy.transpose_into(out, stored[region[1], region[0]])
             return
     out[...] = src.to_ours(index.read(name)).reshape(shape)[region]
