@@ -38,7 +38,7 @@ fi
 : "${MCJAX_INTERNAL_IPS:=}"                   # internal IPs, host 0 first (empty: from the provider)
 : "${MCJAX_USER:=${USER:-$(id -un)}}"         # remote user (ssh provider)
 : "${MCJAX_CONNECT_TIMEOUT:=20}"              # seconds an ssh connection may take to open (ssh, gcloud ssh)
-: "${MCJAX_SSH_OPTS:=-o BatchMode=yes -o ConnectTimeout=$MCJAX_CONNECT_TIMEOUT}"  # extra ssh options (ssh)
+: "${MCJAX_SSH_OPTS:=-o BatchMode=yes -o ConnectTimeout=$MCJAX_CONNECT_TIMEOUT -o ServerAliveInterval=15 -o ServerAliveCountMax=4}"  # ssh options (ssh): a dead host ends the call in ~1 min
 : "${MCJAX_TRANSPORT:=}"                      # how cluster_exec reaches a host; empty: the provider's way. The
                                               #   mcjax.env of the hosts sets ssh: host 0 reaches the others over
                                               #   their internal IPs with the key that setup's `keys` step made
@@ -59,7 +59,13 @@ fi
 : "${MCJAX_UV_VERSION:=0.13.9}"               # uv, from PyPI (pip download uv==VERSION)
 : "${MCJAX_HOST_PYTHON:=3.12}"                # the CPython uv installs (its newest 3.12.x known to that uv)
 : "${MCJAX_UV_DIR:=$HOME/.mcjax-uv}"          # where the uv binary goes on each host
-: "${MCJAX_JAX_SPEC:=}"                       # extra pip requirement for jax (default by provider, see below)
+: "${MCJAX_LOCK_PLATFORM:=}"                  # the platform extra of the lock: cpu, tpu or cuda12 (empty: tpu for
+                                              #   gcloud, cuda12 for ssh and slurm, cpu for local)
+: "${MCJAX_LOCK:=}"                           # the requirements lock (exact versions, hashes) every host's venv is
+                                              #   synced to (uv pip sync) and the smoke check compares against; empty:
+                                              #   $MCJAX_REPO_DIR/cluster/locks/$MCJAX_LOCK_PLATFORM.txt (local: off);
+                                              #   off: no lock (pyproject's ranges plus MCJAX_JAX_SPEC)
+: "${MCJAX_JAX_SPEC:=}"                       # without a lock: extra pip requirement for jax (default by provider)
 : "${MCJAX_PROFILE:=mcjax}"                   # ipyparallel profile name
 : "${MCJAX_PROFILE_DIR:=}"                    # ipyparallel profile dir (default below)
 : "${MCJAX_CLUSTER_ID:=mcjax}"                # ipyparallel cluster id (names the connection files)
@@ -100,8 +106,13 @@ case "$MCJAX_PROVIDER" in
 esac
 _mcjax_derive MCJAX_REPO_DIR "$MCJAX_NFS_DIR/dsr1"   # the dsr1 source on the shared folder
 case "$MCJAX_PROVIDER" in
-  gcloud) _mcjax_derive MCJAX_JAX_SPEC "jax[tpu]" ;;
-  ssh | slurm) _mcjax_derive MCJAX_JAX_SPEC "jax[cuda12]" ;;
+  gcloud) _mcjax_derive MCJAX_JAX_SPEC "jax[tpu]"; _mcjax_derive MCJAX_LOCK_PLATFORM tpu ;;
+  ssh | slurm) _mcjax_derive MCJAX_JAX_SPEC "jax[cuda12]"; _mcjax_derive MCJAX_LOCK_PLATFORM cuda12 ;;
+  *) _mcjax_derive MCJAX_LOCK_PLATFORM cpu ;;
+esac
+case "$MCJAX_PROVIDER" in
+  local) _mcjax_derive MCJAX_LOCK off ;;  # the local cluster runs your own environment
+  *) _mcjax_derive MCJAX_LOCK "$MCJAX_REPO_DIR/cluster/locks/$MCJAX_LOCK_PLATFORM.txt" ;;
 esac
 case "$MCJAX_PROVIDER" in
   gcloud | slurm) _mcjax_derive MCJAX_NUMBERING platform ;;
@@ -134,7 +145,7 @@ fi
 MCJAX_SETTINGS="MCJAX_PROVIDER MCJAX_CLUSTER MCJAX_ZONE MCJAX_PROJECT MCJAX_GCLOUD_SSH MCJAX_HOSTS \
 MCJAX_HOST_LIST MCJAX_INTERNAL_IPS MCJAX_USER MCJAX_CONNECT_TIMEOUT MCJAX_SSH_OPTS MCJAX_TRANSPORT \
 MCJAX_SLURM_JOB_ID MCJAX_SRUN_OPTS MCJAX_NFS_DIR MCJAX_BUCKET MCJAX_BUCKET_DIR MCJAX_VENV \
-MCJAX_UV_VERSION MCJAX_HOST_PYTHON MCJAX_UV_DIR MCJAX_REPO_DIR MCJAX_JAX_SPEC MCJAX_STATE \
+MCJAX_UV_VERSION MCJAX_HOST_PYTHON MCJAX_UV_DIR MCJAX_REPO_DIR MCJAX_LOCK_PLATFORM MCJAX_LOCK MCJAX_JAX_SPEC MCJAX_STATE \
 MCJAX_PROFILE MCJAX_PROFILE_DIR MCJAX_CLUSTER_ID MCJAX_PYTHON MCJAX_LOCAL_DEVICES MCJAX_NUMBERING \
 MCJAX_COORDINATOR_PORT MCJAX_JAX_CACHE MCJAX_JAX_CACHE_MIN_SECS MCJAX_JUPYTER_PORT MCJAX_REMOTE_DIR \
 MCJAX_START_TIMEOUT MCJAX_STOP_TIMEOUT"
@@ -240,7 +251,7 @@ _mcjax_gcloud_ssh_line() {
   esac
   set -- gcloud compute tpus tpu-vm ssh "$MCJAX_CLUSTER" ${MCJAX_ZONE:+"--zone=$MCJAX_ZONE"} \
     ${MCJAX_PROJECT:+"--project=$MCJAX_PROJECT"} "--worker=$i" --quiet ${net:+"$net"} \
-    "--ssh-flag=-o ConnectTimeout=$MCJAX_CONNECT_TIMEOUT" "$@"
+    "--ssh-flag=-o ConnectTimeout=$MCJAX_CONNECT_TIMEOUT -o ServerAliveInterval=15 -o ServerAliveCountMax=4" "$@"
   _mcjax_q "$@"
 }
 
@@ -337,7 +348,8 @@ cluster_internal_ips() {
       # TPU's networkEndpoints lists every network interface, several per worker on TPUs with
       # more than one network, so it is only the fallback.
       line=$(_mcjax_gcloud_ssh_line 0 "--command=curl -fsS -H Metadata-Flavor:Google http://metadata.google.internal/computeMetadata/v1/instance/attributes/worker-network-endpoints") || return 1
-      ips=$(eval "$line" 2>/dev/null | tr ',' '\n' | awk -F: 'NF >= 3 && $3 != "" { print $3 }') || true
+      # Entries are name:id:ip, or the address alone (no colon) on some TPU images.
+      ips=$(eval "$line" 2>/dev/null | tr ',' '\n' | awk -F: 'NF >= 3 && $3 != "" { print $3 } NF == 1 && $1 ~ /^[0-9.]+$/ { print $1 }') || true
       if [ -n "$ips" ]; then
         printf '%s\n' "$ips"
         return 0

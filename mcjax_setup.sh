@@ -4,7 +4,7 @@
 set -euo pipefail
 
 SETUP_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-ALL_STEPS="check push keys nfs gcsfuse code venv ipcluster jupyter"
+ALL_STEPS="check push keys nfs gcsfuse code venv ipcluster jupyter smoke"
 
 usage() {
   cat <<'EOF'
@@ -15,13 +15,24 @@ mcjax_setup.sh: prepare a cluster for the multi-host JAX notebook (settings: mcj
   ./mcjax_setup.sh --local N [--numbering M]    a simulated cluster here: controller + N-1 engines on 127.0.0.1;
                                                 M: kernel-last (default: the kernel is process N-1) or platform
                                                 (Slurm-style variables, JAX numbers the processes, kernel = 0)
+  ./mcjax_setup.sh --single                     this one machine's accelerators (a one-host TPU VM, one GPU box, or
+                                                this CPU machine): no controller, no engines; records it in
+                                                $MCJAX_STATE/single.env and starts Jupyter with MCJAX_SINGLE=1
   ./mcjax_setup.sh --stop [--dry-run]           stop the cluster that $MCJAX_STATE records: the local cluster
                                                 started with it, or the real cluster set up from it (its
                                                 controller, engines and Jupyter); never one chosen by
                                                 $MCJAX_PROVIDER, and nothing when the folder records none
   ./mcjax_setup.sh --status                     the same choice: the cluster $MCJAX_STATE records
+  ./mcjax_setup.sh --check                      the smoke check of that cluster (setup's last step): every engine
+                                                imports dsr1, versions against the lock, one psum across all
+                                                processes; a report per host, exit status 1 on any mismatch
   ./mcjax_setup.sh --stop|--status --provider P the cluster that the MCJAX_* settings describe, with provider P
                                                 (a cluster set up from another machine or state folder)
+  ./mcjax_setup.sh --name NAME ...              any of the above for the cluster NAME: its own state folder
+                                                $MCJAX_STATE/clusters/NAME (and cluster id), so several clusters
+                                                are kept side by side
+  ./mcjax_setup.sh --forget                     forget the real cluster $MCJAX_STATE records (hosts gone: allocation
+                                                ended, TPU deleted), after printing what it forgets; stops nothing
   ./mcjax_setup.sh --local-stop                 stop the local cluster of $MCJAX_STATE
   ./mcjax_setup.sh --print-exports              print the NFS export lines host 0 would get (changes nothing)
   ./mcjax_setup.sh --print-env                  print the settings file (mcjax.env) the hosts would get
@@ -42,6 +53,7 @@ Steps (default: all, in this order; every one is idempotent, so rerunning setup 
   venv       uv with CPython $MCJAX_HOST_PYTHON, a venv $MCJAX_VENV per host with dsr1[notebook] (+ $MCJAX_JAX_SPEC)
   ipcluster  ipyparallel controller on host 0 (bound to its internal IP), one engine on hosts 1..N-1
   jupyter    Jupyter on host 0, bound to 127.0.0.1 (reach it with cluster_port_forward)
+  smoke      the smoke check (./mcjax_setup.sh --check): imports, versions, one psum across every process
 EOF
 }
 
@@ -64,6 +76,7 @@ step() {
 
 steps=$ALL_STEPS
 mode=setup
+name=""
 local_n=""
 numbering=""
 provider=""
@@ -73,6 +86,7 @@ while [ "$#" -gt 0 ]; do
       [ "$#" -ge 2 ] || mcjax_usage_error "--local needs N, the number of processes"
       mode=local; local_n=$2; shift ;;
     --local=*) mode=local; local_n=${1#--local=} ;;
+    --single) mode=single ;;
     --numbering)
       [ "$#" -ge 2 ] || mcjax_usage_error "--numbering needs kernel-last or platform"
       numbering=$2; shift ;;
@@ -82,8 +96,14 @@ while [ "$#" -gt 0 ]; do
       provider=$2; shift ;;
     --provider=*) provider=${1#--provider=} ;;
     --stop) mode=stop ;;
+    --forget) mode=forget ;;
+    --name)
+      [ "$#" -ge 2 ] || mcjax_usage_error "--name needs NAME"
+      name=$2; shift ;;
+    --name=*) name=${1#--name=} ;;
     --local-stop) mode=local-stop ;;
     --status) mode=status ;;
+    --check) mode=check ;;
     --print-exports) mode=exports ;;
     --print-env) mode=print-env ;;
     --steps)
@@ -107,12 +127,18 @@ if [ -n "$numbering" ]; then
     *) mcjax_usage_error "--numbering takes kernel-last or platform, not '$numbering'" ;;
   esac
 fi
+if [ -n "$name" ]; then
+  [[ $name =~ ^[A-Za-z0-9][A-Za-z0-9_.-]*$ ]] || mcjax_usage_error "--name takes letters, digits, '.', '_' and '-', not '$name'"
+  # The named cluster's own state folder (and cluster id): its record, pid files and logs.
+  export MCJAX_STATE="${MCJAX_STATE:-$HOME/.mcjax}/clusters/$name"
+  export MCJAX_CLUSTER_ID="${MCJAX_CLUSTER_ID:-$name}"
+fi
 case "$provider" in
   '' | gcloud | ssh | slurm | local) ;;
   *) mcjax_usage_error "--provider takes gcloud, ssh, slurm or local, not '$provider'" ;;
 esac
-if [ -n "$provider" ] && [ "$mode" = local ]; then
-  mcjax_usage_error "--provider does not go with --local"
+if [ -n "$provider" ] && { [ "$mode" = local ] || [ "$mode" = single ]; }; then
+  mcjax_usage_error "--provider does not go with --$mode"
 fi
 if [ "$mode" = setup ]; then
   for s in $steps; do
@@ -129,20 +155,74 @@ local_recorded() {
   [ -f "$STATE/local.env" ] || { [ ! -f "$RECORD" ] && compgen -G "$STATE/pids/*.pid" >/dev/null; }
 }
 
+SINGLE="$STATE/single.env"
+# MCJAX_PROVIDER, MCJAX_CLUSTER, ... of the record, one line: which cluster it is.
+recorded_identity() {
+  (
+    for var in $(compgen -v MCJAX_); do case "$var" in MCJAX_STATE) ;; *) unset "$var" ;; esac; done
+    # shellcheck source=/dev/null
+    . "$RECORD"
+    identity
+  )
+}
+identity() {
+  echo "$MCJAX_PROVIDER cluster=$MCJAX_CLUSTER zone=$MCJAX_ZONE project=$MCJAX_PROJECT hosts=$MCJAX_HOST_LIST job=$MCJAX_SLURM_JOB_ID"
+}
 case "$mode" in
+  forget)
+    if [ ! -f "$RECORD" ]; then
+      echo "mcjax_setup.sh: MCJAX_STATE=$STATE records no real cluster: nothing to forget"
+      exit 0
+    fi
+    echo "mcjax_setup.sh: forgetting the cluster MCJAX_STATE=$STATE records (nothing is stopped; if its hosts still run, stop them yourself):"
+    (
+      for var in $(compgen -v MCJAX_); do case "$var" in MCJAX_STATE) ;; *) unset "$var" ;; esac; done
+      # shellcheck source=/dev/null
+      . "$RECORD"
+      echo "  provider $MCJAX_PROVIDER, cluster id $MCJAX_CLUSTER_ID"
+      [ -z "$MCJAX_CLUSTER" ] || [ "$MCJAX_PROVIDER" != gcloud ] || echo "  TPU VM $MCJAX_CLUSTER (zone ${MCJAX_ZONE:-default}, project ${MCJAX_PROJECT:-default})"
+      [ -z "$MCJAX_HOST_LIST" ] || echo "  hosts $MCJAX_HOST_LIST"
+      [ -z "$MCJAX_INTERNAL_IPS" ] || echo "  internal IPs $MCJAX_INTERNAL_IPS"
+      [ -z "$MCJAX_SLURM_JOB_ID" ] || [ "$MCJAX_PROVIDER" != slurm ] || echo "  Slurm job $MCJAX_SLURM_JOB_ID"
+    )
+    rm -f "$RECORD"
+    echo "mcjax_setup.sh: removed $RECORD"
+    exit 0
+    ;;
+  single)
+    if [ "${MCJAX_DRY_RUN:-0}" = 1 ]; then
+      printf '+ %s\n' "bash $SETUP_DIR/cluster/single.sh start"
+      exit 0
+    fi
+    exec bash "$SETUP_DIR/cluster/single.sh" start
+    ;;
   local)
+    [ ! -f "$SINGLE" ] || mcjax_die "MCJAX_STATE=$STATE records this machine's single-host workbench: stop it first (./mcjax_setup.sh --stop) or use another MCJAX_STATE"
     [ ! -f "$RECORD" ] || mcjax_die "MCJAX_STATE=$STATE records the $(sed -n '/MCJAX_PROVIDER=/{s/.*MCJAX_PROVIDER=\([a-z]*\).*/\1/p;q;}' "$RECORD") cluster set up from here: use another MCJAX_STATE for a local cluster (or stop that one first: ./mcjax_setup.sh --stop)"
     [ -z "$numbering" ] || export MCJAX_NUMBERING="$numbering"
     exec bash "$SETUP_DIR/cluster/local.sh" start "$local_n"
     ;;
   local-stop) exec bash "$SETUP_DIR/cluster/local.sh" stop ;;
-  stop | status)
-    if [ "$provider" = local ] || { [ -z "$provider" ] && local_recorded; }; then
-      if [ "${MCJAX_DRY_RUN:-0}" = 1 ]; then
-        printf '+ %s\n' "bash $SETUP_DIR/cluster/local.sh $mode"
+  stop | status | check)
+    if [ -z "$provider" ] && [ -f "$SINGLE" ]; then
+      if [ "$mode" = check ]; then
+        echo "mcjax_setup.sh: MCJAX_STATE=$STATE records a single machine: no engines to check (the notebook's first cells check this process)"
         exit 0
       fi
-      exec bash "$SETUP_DIR/cluster/local.sh" "$mode"
+      if [ "${MCJAX_DRY_RUN:-0}" = 1 ]; then
+        printf '+ %s\n' "bash $SETUP_DIR/cluster/single.sh $mode"
+        exit 0
+      fi
+      exec bash "$SETUP_DIR/cluster/single.sh" "$mode"
+    fi
+    if [ "$provider" = local ] || { [ -z "$provider" ] && local_recorded; }; then
+      local_cmd=$mode
+      [ "$mode" != check ] || local_cmd=smoke
+      if [ "${MCJAX_DRY_RUN:-0}" = 1 ]; then
+        printf '+ %s\n' "bash $SETUP_DIR/cluster/local.sh $local_cmd"
+        exit 0
+      fi
+      exec bash "$SETUP_DIR/cluster/local.sh" "$local_cmd"
     fi
     if [ -z "$provider" ]; then
       if [ ! -f "$RECORD" ]; then
@@ -199,7 +279,7 @@ export MCJAX_HOSTS MCJAX_INTERNAL_IPS MCJAX_HOST_LIST
 # trust on first use). Slurm: srun, as from here.
 # shellcheck disable=SC2088  # ssh expands the ~ (on host 0)
 HOST_KEY='~/.ssh/mcjax_ed25519'
-HOST_SSH_OPTS="-i $HOST_KEY -o IdentitiesOnly=yes -o UserKnownHostsFile=~/.ssh/mcjax_known_hosts -o StrictHostKeyChecking=yes -o BatchMode=yes -o ConnectTimeout=$MCJAX_CONNECT_TIMEOUT"
+HOST_SSH_OPTS="-i $HOST_KEY -o IdentitiesOnly=yes -o UserKnownHostsFile=~/.ssh/mcjax_known_hosts -o StrictHostKeyChecking=yes -o BatchMode=yes -o ConnectTimeout=$MCJAX_CONNECT_TIMEOUT -o ServerAliveInterval=15 -o ServerAliveCountMax=4"
 
 # The hosts' internal IPs as host 0 addresses them (user@IP where the host list names a user).
 host_side_list() {
@@ -249,16 +329,35 @@ write_env() {
 
 dry() { [ "$MCJAX_DRY_RUN" = 1 ]; }
 
+# The smoke check on host 0 (where the kernel runs). Slurm: in a step with MCJAX_SRUN_OPTS, as the
+# engines and Jupyter get, so that its JAX process sees the node's GPUs.
+run_smoke() {
+  local cmd line
+  cmd=$(remote ipcluster.sh smoke)
+  if [ "$MCJAX_PROVIDER" != slurm ] || [ -z "$MCJAX_SRUN_OPTS" ]; then
+    cluster_exec 0 0 "$cmd"
+    return
+  fi
+  # shellcheck disable=SC2086  # several options
+  line=$(_mcjax_srun_line 0 $MCJAX_SRUN_OPTS bash -c "cd || exit 1; export MCJAX_HOST_INDEX=0; $cmd") || return 1
+  if dry; then printf '+ %s\n' "$line"; else eval "$line"; fi
+}
+
 case "$mode" in
   print-env) write_env hosts; exit ;;
   status) cluster_status; exit ;;
+  check)
+    step "check: the smoke check of the $MCJAX_PROVIDER cluster '$MCJAX_CLUSTER_ID' (on host 0)"
+    run_smoke || mcjax_die "the smoke check failed (see the report above)"
+    exit 0
+    ;;
   stop)
     step "stop: Jupyter and the controller on host 0, the engines on hosts 1..$LAST ($MCJAX_PROVIDER cluster '$MCJAX_CLUSTER_ID')"
     rc=0
     [ "$N" -lt 2 ] || cluster_exec 1 "$LAST" "$(remote ipcluster.sh engine stop)" || rc=$?
     cluster_exec 0 0 "$(remote ipcluster.sh jupyter stop) && $(remote ipcluster.sh controller stop)" || rc=$?
     if [ "$rc" -ne 0 ]; then
-      mcjax_die "stopping failed on some hosts (see above); $RECORD kept: run --stop again"
+      mcjax_die "stopping failed on some hosts (see above); $RECORD kept: run --stop again (hosts gone for good: --forget)"
     fi
     if ! dry && [ -f "$RECORD" ] && [ -z "$provider" ]; then
       rm -f "$RECORD"
@@ -271,8 +370,12 @@ esac
 # finds what a failed setup left).
 if ! dry; then
   [ ! -f "$STATE/local.env" ] || mcjax_die "MCJAX_STATE=$STATE holds a local cluster: stop it (./mcjax_setup.sh --stop) or use another MCJAX_STATE"
+  [ ! -f "$SINGLE" ] || mcjax_die "MCJAX_STATE=$STATE holds a single-machine workbench: stop it (./mcjax_setup.sh --stop) or use another MCJAX_STATE"
   mkdir -p "$STATE"
   chmod 700 "$STATE"
+  if [ -f "$RECORD" ] && [ "$(recorded_identity)" != "$(identity)" ]; then
+    mcjax_die "MCJAX_STATE=$STATE records another cluster ($(recorded_identity)): stop it (./mcjax_setup.sh --stop), forget it if its hosts are gone (--forget), or keep both: --name NAME"
+  fi
   (umask 077 && write_env record >"$RECORD.tmp" && mv "$RECORD.tmp" "$RECORD")
 fi
 
@@ -392,11 +495,17 @@ for s in $steps; do
         cluster_exec 0 0 "$untar" || mcjax_die "copying the code to host 0 failed"
       ;;
     venv)
-      step "venv: uv $MCJAX_UV_VERSION, CPython $MCJAX_HOST_PYTHON, $MCJAX_VENV with dsr1[notebook] ${MCJAX_JAX_SPEC} on every host"
+      if [ "$MCJAX_LOCK" = off ]; then what="dsr1[notebook] $MCJAX_JAX_SPEC (no lock)"; else what="the lock $MCJAX_LOCK"; fi
+      step "venv: uv $MCJAX_UV_VERSION, CPython $MCJAX_HOST_PYTHON, $MCJAX_VENV with $what on every host"
       if dry; then
+        if [ "$MCJAX_LOCK" = off ]; then
+          deps="uv pip install -r $MCJAX_REPO_DIR/pyproject.toml --extra notebook $MCJAX_JAX_SPEC"
+        else
+          deps="uv pip sync --require-hashes $MCJAX_LOCK"
+        fi
         echo "# venv.sh on a host: install|deps: uv $MCJAX_UV_VERSION from its PyPI wheel into $MCJAX_UV_DIR/$MCJAX_UV_VERSION/uv;" \
           "uv python install $MCJAX_HOST_PYTHON; uv venv --seed --managed-python --python $MCJAX_HOST_PYTHON $MCJAX_VENV;" \
-          "uv pip install -r $MCJAX_REPO_DIR/pyproject.toml --extra notebook $MCJAX_JAX_SPEC; install|project: uv pip install --no-deps -e $MCJAX_REPO_DIR"
+          "$deps; install|project: uv pip install --no-deps -e $MCJAX_REPO_DIR; check: the venv against the lock"
       fi
       # Host 0 first, alone: its editable install writes build metadata into the shared source.
       cluster_exec 0 0 "$(remote venv.sh install)" || mcjax_die "venv setup on host 0 failed"
@@ -431,6 +540,10 @@ for s in $steps; do
       else
         cluster_exec 0 0 "$(remote ipcluster.sh jupyter start)" || mcjax_die "Jupyter did not start"
       fi
+      ;;
+    smoke)
+      step "smoke: every engine imports dsr1, versions against the lock ($MCJAX_LOCK), one psum across the $N processes"
+      run_smoke || mcjax_die "the smoke check failed (see the report above): fix the hosts it names, then ./mcjax_setup.sh --check"
       ;;
   esac
 done

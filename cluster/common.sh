@@ -52,6 +52,12 @@ mcjax_apt_install() {
     install -y -qq "$@"
 }
 
+# The lock file the venvs are synced to and the smoke check compares against (nothing when
+# MCJAX_LOCK is off).
+mcjax_lock_file() {
+  if [ -n "$MCJAX_LOCK" ] && [ "$MCJAX_LOCK" != off ]; then echo "$MCJAX_LOCK"; fi
+}
+
 # The Python that runs the controller and the engines on this host.
 mcjax_python() {
   if [ "$MCJAX_PROVIDER" = local ]; then
@@ -69,6 +75,15 @@ mcjax_pidfile() {
 mcjax_private_dirs() {
   mkdir -p "$MCJAX_STATE" "$@"
   chmod 700 "$MCJAX_STATE" "$@"
+}
+
+# The working directory of every process the scripts start (controller, engines, Jupyter, the
+# smoke check): a folder of their own on the host's disk. The shared folder holds the source
+# tree as dsr1/ (the repository root, no __init__.py): a process started there would import that
+# folder as an empty namespace package instead of the installed dsr1.
+mcjax_run_dir() {
+  mcjax_private_dirs "$MCJAX_STATE/run"
+  echo "$MCJAX_STATE/run"
 }
 
 # True when PID is a live process (a zombie is not).
@@ -93,8 +108,9 @@ mcjax_running_pid() {
   fi
 }
 
-# Start CMD... in the background in a session of its own, as NAME, logging to LOG; the pid file
-# is written by the process itself (a tiny Python launcher that execs CMD), so it is exact.
+# Start CMD... in the background in a session of its own, as NAME, logging to LOG, in the run
+# folder (mcjax_run_dir); the pid file is written by the process itself (a tiny Python launcher
+# that execs CMD), so it is exact.
 # usage: mcjax_start_bg NAME LOG CMD...
 mcjax_start_bg() {
   local name=$1 log=$2 pidfile py pid i
@@ -102,6 +118,7 @@ mcjax_start_bg() {
   pidfile=$(mcjax_pidfile "$name")
   py=$(mcjax_python)
   mcjax_private_dirs "$(dirname "$pidfile")" "$(dirname "$log")"
+  cd "$(mcjax_run_dir)" || mcjax_die "cannot enter $MCJAX_STATE/run"
   rm -f "$pidfile"
   # The log may hold secrets (Jupyter's token): mode 600, in a mode 700 folder.
   (umask 077 && : >>"$log")
@@ -233,8 +250,11 @@ mcjax_controller_start() {
 }
 
 # The environment every JAX process gets (engines here, Jupyter and so the kernel on host 0), as
-# NAME=VALUE lines: the shared compilation cache and, when one is asked for, the coordinator port.
+# NAME=VALUE lines: Python's safe-path mode (no working directory or script folder on sys.path:
+# dsr1 is always the installed package), the shared compilation cache and, when one is asked for,
+# the coordinator port.
 mcjax_process_env() {
+  echo "PYTHONSAFEPATH=1"
   if [ "$MCJAX_JAX_CACHE" != off ]; then
     echo "JAX_COMPILATION_CACHE_DIR=$MCJAX_JAX_CACHE"
     echo "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=$MCJAX_JAX_CACHE_MIN_SECS"
@@ -275,6 +295,31 @@ mcjax_platform_env() {
   if [ -n "$MCJAX_COORDINATOR_PORT" ]; then echo "JAX_COORDINATOR_PORT=$MCJAX_COORDINATOR_PORT"; fi
 }
 
+# 0 when nothing listens on 127.0.0.1:PORT (and we may bind it).
+port_free() {
+  "$(mcjax_python)" - "$1" <<'EOF'
+import socket, sys
+s = socket.socket()
+try:
+    s.bind(("127.0.0.1", int(sys.argv[1])))
+except OSError:
+    sys.exit(1)
+finally:
+    s.close()
+EOF
+}
+
+# 0 when something accepts connections on 127.0.0.1:PORT.
+port_listening() {
+  "$(mcjax_python)" - "$1" <<'EOF'
+import socket, sys
+try:
+    socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=2).close()
+except OSError:
+    sys.exit(1)
+EOF
+}
+
 # Which controller a process belongs to: a checksum of the engine connection file it started with.
 mcjax_controller_fingerprint() {
   cksum <"$(mcjax_engine_json)" 2>/dev/null | awk '{ print $1 "-" $2 }'
@@ -308,7 +353,7 @@ mcjax_engine_stale() {
 mcjax_wait_engines() {
   local n=$1 timeout=${2:-$MCJAX_START_TIMEOUT} py
   py=$(mcjax_python)
-  "$py" - "$(mcjax_client_json)" "$n" "$timeout" <<'EOF'
+  "$py" -P - "$(mcjax_client_json)" "$n" "$timeout" <<'EOF'
 import sys
 import ipyparallel as ipp
 
@@ -324,7 +369,7 @@ print(f"[mcjax] {n} engines registered")
 EOF
 }
 
-# Write $MCJAX_STATE/cluster.json, which dsr1.workbench.cluster.connect() reads: where the
+# Write $MCJAX_STATE/cluster.json, which dsr1.workbench.connect() reads: where the
 # controller is, how many engines, and how the processes are numbered. "numbering":
 # "kernel-last" (the notebook gives the ids; the kernel is process N-1) or "platform" (JAX finds
 # them itself; the kernel on host 0 is process 0). "kernel_env": the variables the kernel sets in

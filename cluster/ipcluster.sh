@@ -18,7 +18,10 @@ through cluster_exec.
   ipcluster.sh engine check                             could this host start its engine? (venv, connection file)
   ipcluster.sh wait N                                   wait until N engines are registered (host 0); rewrites cluster.json
   ipcluster.sh jupyter start|stop|run|wait|check-port   Jupyter on 127.0.0.1:$MCJAX_JUPYTER_PORT (host 0)
+  ipcluster.sh jupyter kernel                           (re)install the kernel "mcjax (dsr1 venv)" (start does it too)
   ipcluster.sh status
+  ipcluster.sh smoke                                    host 0: the smoke check of the running cluster (imports,
+                                                        versions against the lock, one psum across every process)
   ipcluster.sh --help                                   this text
 
 "start" keeps a running process (idempotent) and returns; "restart" replaces it; "run" starts it
@@ -27,7 +30,9 @@ engine that joined a controller which was replaced since is replaced too. Proces
 in pid files under $MCJAX_STATE/pids (mode 700, as are the logs) and only those are ever stopped.
 Every process gets JAX_COMPILATION_CACHE_DIR ($MCJAX_JAX_CACHE) and, when MCJAX_COORDINATOR_PORT
 is set, JAX_COORDINATOR_PORT; Slurm engines also the variables from which JAX numbers them.
-Jupyter fails at once when its port is taken (it never moves to another one).
+Jupyter fails at once when its port is taken (it never moves to another one). Every process
+starts in $MCJAX_STATE/run with PYTHONSAFEPATH=1, and the kernel runs `python -P` with IPython's
+ignore_cwd: none of them imports the source tree that the shared folder holds as dsr1/.
 EOF
 }
 
@@ -112,8 +117,6 @@ engine() {
         fi
       fi
       mcjax_stop "engine-$i"
-      mkdir -p "$MCJAX_NFS_DIR"
-      cd "$MCJAX_NFS_DIR" || mcjax_die "cannot enter $MCJAX_NFS_DIR"
       set --
       if [ "$MCJAX_PROVIDER" = slurm ] && [ "$MCJAX_NUMBERING" = platform ]; then
         while IFS= read -r line; do set -- "$@" "$line"; done < <(mcjax_platform_env "$i" "$(cluster_host_count)")
@@ -130,33 +133,31 @@ engine() {
   esac
 }
 
-# 0 when nothing listens on 127.0.0.1:PORT (and we may bind it).
-port_free() {
-  "$(mcjax_python)" - "$1" <<'EOF'
-import socket, sys
-s = socket.socket()
-try:
-    s.bind(("127.0.0.1", int(sys.argv[1])))
-except OSError:
-    sys.exit(1)
-finally:
-    s.close()
-EOF
-}
+# The kernel "mcjax (dsr1 venv)": the venv's Python in safe-path mode (-P, PYTHONSAFEPATH) and
+# IPython's ignore_cwd, so a notebook anywhere under Jupyter's root (the shared folder, which
+# holds the source tree as dsr1/) imports the installed dsr1, never that folder.
+kernelspec() {
+  local dir
+  dir=$(cd "$(mcjax_run_dir)" && "$MCJAX_VENV/bin/python" -P -m ipykernel install --user --name mcjax \
+    --display-name "mcjax (dsr1 venv)" 2>&1 | sed -n 's/^Installed kernelspec mcjax in //p')
+  [ -n "$dir" ] && [ -f "$dir/kernel.json" ] || mcjax_die "ipykernel could not install the kernel 'mcjax'"
+  "$MCJAX_VENV/bin/python" -P - "$dir/kernel.json" "$MCJAX_VENV/bin/python" <<'EOF'
+import json, os, sys
 
-# 0 when something accepts connections on 127.0.0.1:PORT.
-port_listening() {
-  "$(mcjax_python)" - "$1" <<'EOF'
-import socket, sys
-try:
-    socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=2).close()
-except OSError:
-    sys.exit(1)
+path, python = sys.argv[1], sys.argv[2]
+with open(path) as f:
+    spec = json.load(f)
+spec["argv"] = [python, "-P", "-m", "ipykernel_launcher", "--IPKernelApp.ignore_cwd=True", "-f", "{connection_file}"]
+spec["env"] = {**spec.get("env", {}), "PYTHONSAFEPATH": "1"}
+with open(path + ".tmp", "w") as f:
+    json.dump(spec, f, indent=1)
+os.replace(path + ".tmp", path)
 EOF
+  mcjax_log "kernel 'mcjax (dsr1 venv)': $dir/kernel.json"
 }
 
 jupyter() {
-  local action=$1 pid marker="--port=$MCJAX_JUPYTER_PORT" i line
+  local action=$1 pid marker="--port=$MCJAX_JUPYTER_PORT" i line root
   case "$action" in
     check-port)
       if [ -n "$(mcjax_running_pid jupyter "$marker")" ]; then return 0; fi
@@ -169,15 +170,16 @@ jupyter() {
         mcjax_log "Jupyter is already running (pid $pid)"
       else
         jupyter check-port
-        "$MCJAX_VENV/bin/python" -m ipykernel install --user --name mcjax --display-name "mcjax (dsr1 venv)" >/dev/null
-        cd "$MCJAX_NFS_DIR" || mcjax_die "cannot enter $MCJAX_NFS_DIR"
+        kernelspec
+        root=""
+        if [ "$(id -u)" -eq 0 ]; then root=--allow-root; fi  # containers run as root; Jupyter refuses it otherwise
         set --
         while IFS= read -r line; do set -- "$@" "$line"; done < <(mcjax_process_env)
         # --ServerApp.port_retries=0: a taken port is an error, never a silent move to the next one
         # (the port-forward points at this one).
         mcjax_start_bg jupyter "$MCJAX_STATE/logs/jupyter.log" env MCJAX_STATE="$MCJAX_STATE" "$@" \
           "$MCJAX_VENV/bin/python" -m jupyter lab --no-browser --ip=127.0.0.1 --port="$MCJAX_JUPYTER_PORT" \
-          --ServerApp.port_retries=0 --notebook-dir="$MCJAX_NFS_DIR"
+          --ServerApp.port_retries=0 --notebook-dir="$MCJAX_NFS_DIR" ${root:+"$root"}
         jupyter wait
       fi
       mcjax_log "Jupyter on host 0 at 127.0.0.1:$MCJAX_JUPYTER_PORT: run cluster_port_forward on your machine; token: $MCJAX_VENV/bin/jupyter server list"
@@ -198,8 +200,22 @@ jupyter() {
       mcjax_die "Jupyter is not listening on 127.0.0.1:$MCJAX_JUPYTER_PORT (log: $MCJAX_STATE/logs/jupyter.log)"
       ;;
     stop) mcjax_stop jupyter "$marker" ;;
-    *) mcjax_usage_error "jupyter needs start, stop, run, wait or check-port, not '$action'" ;;
+    kernel) kernelspec ;;
+    *) mcjax_usage_error "jupyter needs start, stop, run, wait, check-port or kernel, not '$action'" ;;
   esac
+}
+
+# The smoke check (dsr1.workbench.smoke) on host 0, where the kernel runs: every engine imports
+# dsr1 and reports its versions (against the lock the venvs were installed from), then one psum
+# across every process in fresh Pythons. Its exit status is the verdict.
+smoke() {
+  local line lock
+  lock=$(mcjax_lock_file)
+  [ -s "$MCJAX_STATE/cluster.json" ] || mcjax_die "no $MCJAX_STATE/cluster.json on host 0: is the controller running? (cluster_status)"
+  set --
+  while IFS= read -r line; do set -- "$@" "$line"; done < <(mcjax_process_env)
+  cd "$(mcjax_run_dir)" || mcjax_die "cannot enter $MCJAX_STATE/run"
+  env "$@" "$(mcjax_python)" -P -m dsr1.workbench.smoke --state "$MCJAX_STATE" ${lock:+--lock "$lock"}
 }
 
 status() {
@@ -230,7 +246,8 @@ case "${1:-}" in
     ;;
   jupyter) jupyter "${2:-}" ;;
   status) status ;;
+  smoke) smoke ;;
   -h | --help) usage ;;
-  '') mcjax_usage_error "no command given (controller, engine, wait, jupyter or status)" ;;
+  '') mcjax_usage_error "no command given (controller, engine, wait, jupyter, status or smoke)" ;;
   *) mcjax_usage_error "unknown command '$1'" ;;
 esac

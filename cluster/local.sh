@@ -16,6 +16,7 @@ local.sh: a simulated cluster on this machine (what ./mcjax_setup.sh --local N r
   local.sh stop               stop exactly the processes this script started (pid files)
   local.sh restart [engines|all|check]   check: only whether a restart could succeed
   local.sh status             exit status 0 when the controller and every engine are running
+  local.sh smoke              the smoke check (python -m dsr1.workbench.smoke) of the running cluster
   local.sh --help             this text
 
 Each engine is an ipyparallel engine with JAX_PLATFORMS=cpu and
@@ -27,7 +28,7 @@ SLURM_PROCID=i, SLURM_LOCALID=i, SLURM_STEP_NUM_NODES=N) and JAX_COORDINATOR_POR
 the processes itself as on a real platform, and the kernel, process 0, takes the same from
 cluster.json's kernel_env. Every process gets JAX_COMPILATION_CACHE_DIR=$MCJAX_JAX_CACHE, which
 outlives the cluster. Everything lives under $MCJAX_STATE (mode 700): pid files, logs, the
-ipyparallel profile (connection files) and cluster.json for dsr1.workbench.cluster.connect().
+ipyparallel profile (connection files) and cluster.json for dsr1.workbench.connect().
 EOF
 }
 
@@ -114,8 +115,9 @@ cmd_start() {
   esac
   [ ! -f "$MCJAX_STATE/setup.env" ] ||
     mcjax_die "$MCJAX_STATE records a real cluster (setup.env): use another MCJAX_STATE for a local cluster"
-  "$MCJAX_PYTHON" -c 'import ipyparallel, jax' 2>/dev/null ||
-    mcjax_die "$MCJAX_PYTHON cannot import ipyparallel and jax: pip install -e '.[notebook]' (or set MCJAX_PYTHON)"
+  # As the engines will: from the run folder, in safe-path mode (dsr1 installed, not found by chance).
+  (cd "$(mcjax_run_dir)" && "$MCJAX_PYTHON" -P -c 'import ipyparallel, jax, dsr1') 2>/dev/null ||
+    mcjax_die "$MCJAX_PYTHON cannot import ipyparallel, jax and dsr1: pip install -e '.[notebook]' (or set MCJAX_PYTHON)"
   if [ "$MCJAX_NUMBERING" = platform ]; then
     mcjax_log "local cluster: $n processes ($((n - 1)) engines + the notebook kernel, process 0; Slurm-style numbering), $MCJAX_LOCAL_DEVICES CPU devices each; state in $MCJAX_STATE"
   else
@@ -136,8 +138,6 @@ cmd_start() {
     mcjax_private_dirs "$MCJAX_STATE/pids" "$MCJAX_STATE/logs"
     printf 'MCJAX_HOSTS=%s\nMCJAX_LOCAL_DEVICES=%s\nMCJAX_CLUSTER_ID=%s\nMCJAX_NUMBERING=%s\nMCJAX_JAX_CACHE=%s\nMCJAX_COORDINATOR_PORT=%s\n' \
       "$n" "$MCJAX_LOCAL_DEVICES" "$MCJAX_CLUSTER_ID" "$MCJAX_NUMBERING" "$MCJAX_JAX_CACHE" "$MCJAX_COORDINATOR_PORT" >"$LOCAL_ENV"
-    # Engines import from the repository root, like the notebook next to it.
-    cd "$MCJAX_ROOT" || mcjax_die "cannot enter $MCJAX_ROOT"
     mcjax_controller_start 127.0.0.1
     start_engines "$n"
     mcjax_wait_engines $((n - 1)) || {
@@ -146,7 +146,7 @@ cmd_start() {
     }
   fi
   mcjax_write_cluster_json $((n - 1)) 127.0.0.1
-  [ -n "$reused" ] || mcjax_log "ready: in Python, cluster = dsr1.workbench.cluster.connect() (MCJAX_STATE=$MCJAX_STATE)"
+  [ -n "$reused" ] || mcjax_log "ready: in Python, cluster = dsr1.workbench.connect() (MCJAX_STATE=$MCJAX_STATE)"
   if [ "$MCJAX_JAX_CACHE" != off ]; then
     mcjax_log "compilation cache: $MCJAX_JAX_CACHE; for your own kernel (e.g. jupyter lab): export JAX_COMPILATION_CACHE_DIR=$MCJAX_JAX_CACHE JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=$MCJAX_JAX_CACHE_MIN_SECS"
   fi
@@ -187,10 +187,24 @@ cmd_restart() {
     return
   fi
   stop_engines
-  cd "$MCJAX_ROOT" || mcjax_die "cannot enter $MCJAX_ROOT"
   start_engines "$n"
   mcjax_wait_engines $((n - 1)) || mcjax_die "the engines did not register again (logs: $MCJAX_STATE/logs)"
   mcjax_write_cluster_json $((n - 1)) 127.0.0.1
+}
+
+# The smoke check (dsr1.workbench.smoke) from host 0's place: this machine, with the engines' JAX
+# settings (CPU, the same device count) and the lock MCJAX_LOCK when one is set.
+cmd_smoke() {
+  local n line lock
+  n=$(recorded_hosts) || true
+  [ -n "$n" ] || mcjax_die "no local cluster recorded in $MCJAX_STATE: start one with ./mcjax_setup.sh --local N"
+  load_recorded
+  lock=$(mcjax_lock_file)
+  set --
+  while IFS= read -r line; do set -- "$@" "$line"; done < <(mcjax_process_env)
+  cd "$(mcjax_run_dir)" || mcjax_die "cannot enter $MCJAX_STATE/run"
+  env "$@" JAX_PLATFORMS=cpu XLA_FLAGS="$(engine_xla_flags)" MCJAX_HOST_INDEX=0 \
+    "$MCJAX_PYTHON" -P -m dsr1.workbench.smoke --state "$MCJAX_STATE" ${lock:+--lock "$lock"}
 }
 
 cmd_status() {
@@ -219,7 +233,8 @@ case "${1:-}" in
   stop) cmd_stop ;;
   restart) cmd_restart "${2:-engines}" ;;
   status) cmd_status ;;
+  smoke) cmd_smoke ;;
   -h | --help) usage ;;
-  '') mcjax_usage_error "no command given (start, stop, restart or status)" ;;
+  '') mcjax_usage_error "no command given (start, stop, restart, status or smoke)" ;;
   *) mcjax_usage_error "unknown command '$1'" ;;
 esac

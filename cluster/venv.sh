@@ -7,8 +7,11 @@
 usage() {
   cat <<'EOF'
 venv.sh: the Python venv $MCJAX_VENV on this host, with dsr1 (editable, from the shared folder
-$MCJAX_REPO_DIR) and its notebook extra (jupyter, ipyparallel), plus $MCJAX_JAX_SPEC (jax[tpu] on
-TPU VMs, jax[cuda12] on GPU hosts).
+$MCJAX_REPO_DIR) and exactly the versions of the lock $MCJAX_LOCK (default
+$MCJAX_REPO_DIR/cluster/locks/$MCJAX_LOCK_PLATFORM.txt: dsr1's dependencies with the notebook
+extra and jax[tpu] (tpu), jax[cuda12] (cuda12) or jax (cpu), every file's hash), installed with
+`uv pip sync --require-hashes`: every host and every rebuild gets the same versions, and a venv
+that has others is brought to the lock. MCJAX_LOCK=off: pyproject's ranges plus $MCJAX_JAX_SPEC.
 
 The host's own python3 only fetches uv: uv $MCJAX_UV_VERSION, one binary taken from its PyPI wheel
 (checked against PyPI's sha256) into $MCJAX_UV_DIR. uv then installs CPython $MCJAX_HOST_PYTHON
@@ -20,7 +23,10 @@ installs the packages. Idempotent: what is there at the right version is kept.
   venv.sh deps       other hosts (in parallel): uv, CPython, the venv and the dependencies; nothing
                      when the venv is host 0's (a home folder shared with host 0)
   venv.sh project    other hosts (one at a time): dsr1 itself, editable, without dependencies
-  venv.sh check      print the versions the notebook's health check compares
+  venv.sh check      print the versions; fail when the venv differs from the lock
+  venv.sh lock [PLATFORM...]  in the repository: write cluster/locks/PLATFORM.txt (cpu, tpu, cuda12; default
+                     all) from pyproject.toml and cluster/locks/PLATFORM.in with uv pip compile --universal
+                     --generate-hashes for Python $MCJAX_HOST_PYTHON
   venv.sh --help     this text
 EOF
 }
@@ -93,10 +99,21 @@ ensure_venv() {
   fi
 }
 
-# dsr1's dependencies (read from its pyproject.toml, without building it) and $MCJAX_JAX_SPEC.
+# The lock's exact versions (uv pip sync: what the lock does not list is removed, hashes are
+# checked); without a lock, dsr1's dependencies (read from its pyproject.toml, without building
+# it) and $MCJAX_JAX_SPEC.
 install_deps() {
+  local lock
   [ -f "$MCJAX_REPO_DIR/pyproject.toml" ] ||
     mcjax_die "no dsr1 source at $MCJAX_REPO_DIR (the 'code' step of mcjax_setup.sh copies it there)"
+  lock=$(mcjax_lock_file)
+  if [ -n "$lock" ]; then
+    [ -s "$lock" ] || mcjax_die "no lock $lock (the 'code' step copies cluster/locks/ with the source; MCJAX_LOCK=off installs without one)"
+    mcjax_log "uv pip sync --require-hashes $lock"
+    "$UV" pip sync --quiet --require-hashes --python "$MCJAX_VENV/bin/python" "$lock" ||
+      mcjax_die "installing the lock $lock failed"
+    return
+  fi
   mcjax_log "uv pip install -r $MCJAX_REPO_DIR/pyproject.toml --extra notebook $MCJAX_JAX_SPEC"
   set -- -r "$MCJAX_REPO_DIR/pyproject.toml" --extra notebook
   if [ -n "$MCJAX_JAX_SPEC" ]; then set -- "$@" "$MCJAX_JAX_SPEC"; fi
@@ -139,11 +156,36 @@ cmd_project() {
 }
 
 cmd_check() {
-  "$MCJAX_VENV/bin/python" -c '
+  local lock changes
+  "$MCJAX_VENV/bin/python" -P -c '
 import sys, jax, ipyparallel, dsr1
 print(f"[mcjax] python {sys.executable} {sys.version.split()[0]}; dsr1 {dsr1.__version__}; "
       f"jax {jax.__version__}; ipyparallel {ipyparallel.__version__}")
 ' || mcjax_die "the venv $MCJAX_VENV cannot import dsr1, jax and ipyparallel"
+  lock=$(mcjax_lock_file)
+  [ -n "$lock" ] || return 0
+  ensure_uv
+  # What a sync would change, but dsr1 itself (installed on top of the lock).
+  changes=$("$UV" pip sync --dry-run --python "$MCJAX_VENV/bin/python" "$lock" 2>&1 | grep -E '^ [-+] ' | grep -v '^ - dsr1==' || true)
+  [ -z "$changes" ] || mcjax_die "the venv $MCJAX_VENV differs from the lock $lock (./mcjax_setup.sh --steps push,code,venv brings it there):
+$changes"
+  mcjax_log "the venv matches the lock $lock"
+}
+
+# In the repository: the locks, from pyproject.toml (dsr1's dependencies, notebook extra) and
+# cluster/locks/PLATFORM.in (which jax), for every platform the hosts may run.
+cmd_lock() {
+  local platform
+  [ -f "$MCJAX_ROOT/pyproject.toml" ] || mcjax_die "run this in the repository (no $MCJAX_ROOT/pyproject.toml)"
+  if command -v uv >/dev/null 2>&1 && uv --version | grep -F " $MCJAX_UV_VERSION" >/dev/null; then UV=uv; else ensure_uv; fi
+  [ "$#" -gt 0 ] || set -- cpu tpu cuda12
+  for platform in "$@"; do
+    [ -f "$MCJAX_ROOT/cluster/locks/$platform.in" ] || mcjax_usage_error "no cluster/locks/$platform.in (platforms: cpu, tpu, cuda12)"
+    mcjax_log "cluster/locks/$platform.txt"
+    (cd "$MCJAX_ROOT" && "$UV" pip compile --quiet pyproject.toml "cluster/locks/$platform.in" --extra notebook \
+      --generate-hashes --universal --python-version "$MCJAX_HOST_PYTHON" -o "cluster/locks/$platform.txt") ||
+      mcjax_die "uv pip compile failed for $platform"
+  done
 }
 
 case "${1:-install}" in
@@ -151,6 +193,7 @@ case "${1:-install}" in
   deps) cmd_deps ;;
   project) cmd_project ;;
   check) cmd_check ;;
+  lock) shift; cmd_lock "$@" ;;
   -h | --help) usage ;;
   *) mcjax_usage_error "unknown command '$1'" ;;
 esac

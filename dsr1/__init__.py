@@ -6,6 +6,9 @@ The everyday API::
     model = dsr1.load(dsr1.demo_checkpoint())   # the embedded demo model; or a release folder, e.g. /ckpt/DeepSeek-R1
     out = dsr1.generate(model, ["Why is the sky blue?"], chat=True, sampling=dsr1.Sampling(temperature=0.6))
 
+A loaded model carries its folder's tokenizer (`model.tokenizer`), which `generate` and
+`serving.Engine` use by default.
+
 The package reads as the data flow: `core` (the model as pure functions on a mesh), `weights`
 (checkpoints on disk), `programs` (the jitted entry points), `api` (`Model`, `load`,
 `init_random`), `generation` (tokenizer, sampling, generate), `serving` (`dsr1.serving.Engine`:

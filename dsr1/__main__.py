@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 
-from .options import add_model_options, checkpoint_from_options, model_from_options
+from .options import add_model_options, model_from_options
 from .server.options import add_serve_arguments
 from .weights import convert
 
@@ -66,12 +66,6 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _load(args: argparse.Namespace):
-    from dsr1.generation.tokenizer import load_tokenizer
-
-    model = model_from_options(args, mtp=getattr(args, "draft_tokens", 0) > 0)
-    return model, load_tokenizer(checkpoint_from_options(args))
-
 
 def _sampling(args: argparse.Namespace):
     from dsr1.generation.sampling import Sampling
@@ -96,10 +90,10 @@ def _speed(result: Any) -> str:
 def run_generate(args: argparse.Namespace) -> int:
     from dsr1.generation.batch import generate
 
-    model, tokenizer = _load(args)
+    model = model_from_options(args, mtp=args.draft_tokens > 0)  # text in and out with the model's own tokenizer
     prompts = args.prompt or ["Why is the sky blue?"]
     sampling = _sampling(args)
-    kwargs = dict(sampling=sampling, tokenizer=tokenizer, chat=args.chat, draft_tokens=args.draft_tokens)
+    kwargs = dict(sampling=sampling, chat=args.chat, draft_tokens=args.draft_tokens)
     if not args.no_warmup:
         generate(model, prompts, **kwargs)  # compiles the programs this run uses
     result = generate(model, prompts, stream=_echo, **kwargs)
@@ -118,7 +112,7 @@ def run_generate(args: argparse.Namespace) -> int:
 def run_chat(args: argparse.Namespace, stdin=sys.stdin) -> int:
     from dsr1.generation.batch import generate
 
-    model, tokenizer = _load(args)
+    model = model_from_options(args)
     sampling = _sampling(args)
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict[str, str]] = []
@@ -133,11 +127,23 @@ def run_chat(args: argparse.Namespace, stdin=sys.stdin) -> int:
             continue
         history.append({"role": "user", "content": line.rstrip("\n")})
         print("r1> ", end="", file=sys.stderr, flush=True)
-        result = generate(model, [system + history], sampling=sampling, tokenizer=tokenizer, stream=_echo)
+        result = generate(model, [system + history], sampling=sampling, stream=_echo)
         print()
-        # The template drops earlier turns' reasoning itself, so the whole text is kept.
-        history.append({"role": "assistant", "content": result.completions[0].text})
+        # Earlier turns go back without their reasoning, as R1's chat template renders them.
+        history.append({"role": "assistant", "content": result.completions[0].answer})
         print(f"[{_speed(result)}]", file=sys.stderr)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from .server.cli import run  # FastAPI, uvicorn and prometheus_client load only to serve
+    except ModuleNotFoundError as e:
+        if e.name not in ("fastapi", "uvicorn", "prometheus_client", "pydantic", "starlette"):
+            raise
+        print(f"error: serving needs the server extra ({e.name} is missing): pip install 'dsr1[server]'",
+              file=sys.stderr)
+        return 1
+    return run(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,9 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         return convert.run(ap, args)
     try:
         if args.command == "serve":
-            from .server.cli import run as run_serve  # FastAPI and uvicorn load only to serve
-
-            return run_serve(args)
+            return _serve(args)
         return run_generate(args) if args.command == "generate" else run_chat(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

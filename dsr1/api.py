@@ -1,7 +1,8 @@
 """The public entry points: `load`, `init_random` and the `Model` facade over the jitted programs.
 
-`Model` holds the config, the mesh, the sharding rules and the sharded weights; its methods check
-their inputs on the host (clear errors instead of silent garbage) and call `dsr1.programs`.
+`Model` holds the config, the mesh, the sharding rules, the sharded weights and the checkpoint's
+tokenizer; its methods check their inputs on the host (clear errors instead of silent garbage) and
+call `dsr1.programs`.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from . import programs
+from . import cpu, programs
 from .core.cache import KVCache, check_kv_cache_dtype
 from .core.config import Config
-from .core.huge_pages import on_huge_pages
 from .core.params import Params, compute_view, init_params
 from .core.quant import Int8Weight, check_quant
 from .core.sharding import DEFAULT_RULES, ShardingRules, make_mesh, put_replicated, to_host
+from .generation.tokenizer import Tokenizer, checkpoint_tokenizer
 from .weights.loading import load_params
 
 DEFAULT_DECODE_ROOM = 256
@@ -34,13 +35,17 @@ class Model:
     """A DeepSeek-V3-architecture model placed on a mesh. Methods take numpy or jax int32 tokens.
 
     `kv_cache_dtype`: None keeps the decode cache in the model's dtype; "int8" stores the latent
-    `c_kv` as int8 with per-token scales. `rules`: how logical axes map onto the mesh."""
+    `c_kv` as int8 with per-token scales. `rules`: how logical axes map onto the mesh.
+    `tokenizer`: the checkpoint's own (`tokenizer.json` in the folder `dsr1.load` read), which
+    `dsr1.generate` and `dsr1.serving.Engine` use unless given another; None for random weights and
+    folders without one, which then use R1's."""
 
     cfg: Config
     params: Params
     mesh: Mesh
     kv_cache_dtype: str | None = None
     rules: ShardingRules = DEFAULT_RULES
+    tokenizer: Tokenizer | None = None
 
     def __post_init__(self):
         check_kv_cache_dtype(self.kv_cache_dtype)
@@ -137,8 +142,8 @@ def init_random(cfg: Config, *, seed: int = 0, mesh: Mesh | None = None, dtype: 
     mesh, dtype = _resolve(mesh, dtype)
     if mtp and not cfg.num_nextn_predict_layers:
         raise ValueError("init_random(mtp=True) needs a config with num_nextn_predict_layers > 0")
-    params = compute_view(init_params(cfg, mesh, rules, seed=seed, dtype=dtype, quant=quant, mtp=mtp), cfg)
-    return Model(cfg, on_huge_pages(params), mesh, kv_cache_dtype, rules)
+    params = compute_view(init_params(cfg, mesh, rules, seed=seed, dtype=dtype, quant=quant, mtp=mtp), cfg, mesh)
+    return Model(cfg, cpu.held(params, mesh), mesh, kv_cache_dtype, rules)
 
 
 def load(path: str | Path, *, mesh: Mesh | None = None, dtype: Any = "bfloat16", quant: str | None = None,
@@ -149,7 +154,8 @@ def load(path: str | Path, *, mesh: Mesh | None = None, dtype: Any = "bfloat16",
 
     `quant="int8"` holds the matmul weights as int8 with per-output-channel scales (embeddings,
     norms, router and lm_head stay in `dtype`); a converted int8 checkpoint is int8 already.
-    `mtp=True` also loads the multi-token-prediction module as `params["mtp"]`.
+    `mtp=True` also loads the multi-token-prediction module as `params["mtp"]`. The folder's
+    `tokenizer.json`, when it has one, becomes `Model.tokenizer`.
 
     Throughput: the progress bar shows bytes read and GB/s as it goes; at the end the logger
     `dsr1.weights` logs (INFO) a `dsr1.weights.throughput.Throughput` as the record's `throughput`
@@ -161,4 +167,5 @@ def load(path: str | Path, *, mesh: Mesh | None = None, dtype: Any = "bfloat16",
     cfg = Config.from_hf(path)
     params, read = load_params(path, cfg, mesh, rules, dtype, quant=check_quant(quant), mtp=mtp, progress=progress)
     log.info("loaded %s: read %s", path, read, extra={"throughput": read})
-    return Model(cfg, on_huge_pages(compute_view(params, cfg)), mesh, kv_cache_dtype, rules)
+    params = cpu.held(compute_view(params, cfg, mesh), mesh)
+    return Model(cfg, params, mesh, kv_cache_dtype, rules, checkpoint_tokenizer(path))

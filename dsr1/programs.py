@@ -87,7 +87,8 @@ def random_cache(key: jax.Array, *, cfg: Config, mesh: Mesh, batch: int, context
     c_kv = jax.random.normal(k_lat, (layers, batch, max_len, cfg.kv_lora_rank), jnp.float32)
     pe = jax.random.normal(k_pe, (layers, batch, max_len, cfg.qk_rope_head_dim), jnp.float32).astype(dtype)
     c_kv, c_scale = quantize_latent(c_kv) if kv_cache_dtype == "int8" else (c_kv.astype(dtype), None)
-    cache = KVCache(to_stored(c_kv), to_stored(pe), c_scale, jnp.full((batch,), context, jnp.int32))
+    platform = mesh.devices.flat[0].platform
+    cache = KVCache(to_stored(c_kv, platform), to_stored(pe, platform), c_scale, jnp.full((batch,), context, jnp.int32))
     return jax.tree.map(lambda a: keep_replicated(a, mesh), cache)
 
 
@@ -100,6 +101,6 @@ def paged_cache(*, cfg: Config, mesh: Mesh, num_pages: int, page_size: int, dtyp
     layer, in the model's `dtype` (or int8 latents with per-token scales), replicated over the mesh
     like the contiguous cache."""
     cache = empty_paged_cache(cfg.num_hidden_layers, num_pages, page_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
-                              jnp.dtype(dtype), kv_cache_dtype)
+                              jnp.dtype(dtype), kv_cache_dtype, mesh.devices.flat[0].platform)
     return jax.tree.map(lambda a: keep_replicated(a, mesh), cache)
 

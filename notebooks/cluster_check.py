@@ -21,34 +21,21 @@
 # (`./mcjax_setup.sh`, or `./mcjax_setup.sh --local 4`).
 
 # %%
-# The platform numbers the processes (cluster.json's "numbering"): kernel-last (the kernel is the last
-# process) or platform (TPU pods, Slurm: JAX numbers them itself, the kernel is process 0). On a
-# simulated cluster the kernel needs the engines' fake CPU devices, set before JAX starts its backend.
-import os
+# Connects to the cluster (cluster.json): restarts engines that cannot join this kernel (after "Restart
+# kernel"), numbers the processes (PROCESS_ID, NUM_PROCESSES, COORDINATOR everywhere: kernel-last, the
+# kernel last; platform on TPU pods and Slurm, JAX numbers them and the kernel is process 0) and defines
+# the `%%everywhere` magic. With MCJAX_SINGLE=1 (one host) this kernel is the only process.
+import dsr1.workbench as mcjax
 
-from dsr1.workbench import cluster as mcjax
-
-info = mcjax.cluster_info()
-if info.get("provider") == "local":
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={info['local_devices']}"
-    os.environ["JAX_PLATFORMS"] = "cpu"
-cluster = mcjax.connect()                     # the ipyparallel client, cluster.json and the process layout
-engines = mcjax.wait_for_engines(cluster, info.get("engines") or len(cluster.client.ids))
-layout = mcjax.assign_process_ids(cluster)    # PROCESS_ID, NUM_PROCESSES, COORDINATOR everywhere
-mcjax.activate(cluster)                       # %px / %%px on all engines, and %%everywhere
-print(f"{NUM_PROCESSES} processes, {layout.numbering} numbering: the kernel is process {PROCESS_ID}; "
-      + "; ".join(e.describe() for e in layout.engines))
-assert NUM_PROCESSES == len(engines) + 1 and PROCESS_ID == layout.kernel_process_id
-assert sorted([PROCESS_ID, *(e.process_id for e in layout.engines)]) == list(range(NUM_PROCESSES))
+cluster = mcjax.connect()
+layout = cluster.layout
+print(cluster.summary())
+assert NUM_PROCESSES == len(layout.engines) + 1 and PROCESS_ID == layout.kernel_process_id
 
 # %%
-# %%everywhere
-# Runs on every engine (submitted without blocking) and here: initialize waits for all N processes.
 import jax
 
-from dsr1.workbench import cluster as mcjax
-
-mcjax.initialize(PROCESS_ID, NUM_PROCESSES, COORDINATOR)
+mcjax.initialize_everywhere(cluster)   # on every engine (submitted first) and here; waits for all N processes
 assert jax.process_count() == NUM_PROCESSES and jax.process_index() == PROCESS_ID
 print(f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} local devices, "
       f"{jax.device_count()} in all")
@@ -72,10 +59,10 @@ assert all(len(v) == 1 for v in versions.values()), f"version mismatch: {version
 skews = mcjax.clock_skew(cluster)
 for who, (skew, uncertainty) in skews.items():
     print(f"{who}: clock {skew * 1e3:+.1f} ms (+/- {uncertainty * 1e3:.1f} ms) against host 0")
-assert len(skews) == len(engines)
+assert len(skews) == len(layout.engines)
 worst = max(abs(s) - u for s, u in skews.values())
 print(f"largest skew beyond the measurement's uncertainty: {max(worst, 0) * 1e3:.1f} ms")
-if info.get("provider") == "local":
+if cluster.info.get("provider") == "local":
     assert worst < 0.5  # one machine, one clock
 
 storage = mcjax.storage_everywhere(cluster)
@@ -85,7 +72,7 @@ for who, entries in storage.items():
         print(f"{who}: {e['path']} on {e['mount']} ({e['fstype']} from {e['source']}), {free}")
 assert all(e["exists"] and e["free_bytes"] > 0 for entries in storage.values() for e in entries)
 LOCAL_FILESYSTEMS = ("ext4", "xfs", "btrfs", "overlay", "tmpfs")  # not shared between hosts
-if info.get("provider") not in ("local", None):  # the engines' hosts must see host 0's folders over the network
+if cluster.info.get("provider") not in ("local", "single", None):  # engines' hosts must see host 0's folders
     unshared = [f"{who}: {e['path']} ({e['fstype']})" for who, entries in storage.items() if who != "kernel"
                 for e in entries if e["fstype"] in LOCAL_FILESYSTEMS]
     print("not on a shared mount:", "; ".join(unshared) or "none")
@@ -99,6 +86,7 @@ if info.get("provider") not in ("local", None):  # the engines' hosts must see h
 # %%everywhere
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding

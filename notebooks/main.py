@@ -18,73 +18,58 @@
 #
 # DeepSeek-V3/R1 in JAX across the hosts of a cluster. The notebook kernel runs on host 0; every
 # `%%everywhere` cell runs the same code on the engines (hosts 1..N-1) **and** here, so all JAX
-# processes execute the same programs (`%%px --local` with a watchdog: an engine that dies during
-# the cell ends it with an error naming the engine; see "Recovery" below).
+# processes execute the same programs (`%%px --local` with a watchdog: an engine that dies or raises
+# during the cell ends it with an error naming the engine and showing its traceback; see "Recovery"
+# below).
 #
 # Start the cluster first: `./mcjax_setup.sh` on a real cluster (see `cluster/README.md`), or a
 # simulated one on this machine with `./mcjax_setup.sh --local 4` (a controller, 3 engines and this
-# kernel, each process with fake CPU devices). Stop it with `./mcjax_setup.sh --stop`.
+# kernel, each process with fake CPU devices). Stop it with `./mcjax_setup.sh --stop`. On one host
+# (a TPU VM, a GPU box) `./mcjax_setup.sh --single` runs the same notebook with no engines
+# (`MCJAX_SINGLE=1`: every cell runs in this kernel alone). "Restart kernel and run all" works as it
+# is: the first cell restarts engines that cannot join the new kernel.
 #
 # Parameters: set `DSR1_CHECKPOINT` to a release or converted checkpoint folder on the shared disk;
 # unset, the embedded demo model runs (`dsr1.demo_checkpoint()`: a small DeepSeek-V3 with an MTP
 # module, trained on Shakespeare by `python -m dsr1.train`, shipped inside the package).
 
 # %%
-# The platform numbers the processes (cluster.json's "numbering"): kernel-last (the kernel is the last
-# process) or platform (TPU pods, Slurm: JAX numbers them itself, the kernel is process 0). On a
-# simulated cluster the kernel needs the engines' fake CPU devices, set before JAX starts its backend.
+# Connects to the cluster (cluster.json): restarts engines that cannot join this kernel (after "Restart
+# kernel"), numbers the processes (PROCESS_ID, NUM_PROCESSES, COORDINATOR everywhere: kernel-last, the
+# kernel last; platform on TPU pods and Slurm, JAX numbers them and the kernel is process 0) and defines
+# the `%%everywhere` magic. With MCJAX_SINGLE=1 (one host) this kernel is the only process.
 import os
 
-from dsr1.workbench import cluster as mcjax
+import dsr1.workbench as mcjax
 
-info = mcjax.cluster_info()
-if info.get("provider") == "local":
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={info['local_devices']}"
-    os.environ["JAX_PLATFORMS"] = "cpu"
-cluster = mcjax.connect()                     # the ipyparallel client, cluster.json and the process layout
-engines = mcjax.wait_for_engines(cluster, info.get("engines") or len(cluster.client.ids))
-layout = mcjax.assign_process_ids(cluster)    # PROCESS_ID, NUM_PROCESSES, COORDINATOR everywhere
-mcjax.activate(cluster)                       # %px / %%px on all engines, and %%everywhere
-print(f"{NUM_PROCESSES} processes, {layout.numbering} numbering: the kernel is process {PROCESS_ID}; "
-      + "; ".join(e.describe() for e in layout.engines))
-assert NUM_PROCESSES == len(engines) + 1 and PROCESS_ID == layout.kernel_process_id
+cluster = mcjax.connect()
+layout = cluster.layout
+print(cluster.summary())
+assert NUM_PROCESSES == len(layout.engines) + 1 and PROCESS_ID == layout.kernel_process_id
 assert sorted([PROCESS_ID, *(e.process_id for e in layout.engines)]) == list(range(NUM_PROCESSES))
-
-# %%
-CHECKPOINT = os.environ.get("DSR1_CHECKPOINT")   # None: the embedded demo model
-cluster.client[:].push({"CHECKPOINT": CHECKPOINT}, block=True)
-print("checkpoint:", CHECKPOINT or "none: the embedded demo model")
 
 # %% [markdown]
 # ## Initialize `jax.distributed` in every process
 
 # %%
-# %%everywhere
-# Runs on every engine (submitted without blocking) and here: initialize waits for all N processes.
 import jax
 
-from dsr1.workbench import cluster as mcjax
-
-mcjax.initialize(PROCESS_ID, NUM_PROCESSES, COORDINATOR)
+mcjax.initialize_everywhere(cluster)   # on every engine (submitted first) and here; waits for all N processes
 assert jax.process_count() == NUM_PROCESSES and jax.process_index() == PROCESS_ID
 print(f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} local devices, "
       f"{jax.device_count()} in all")
 
 # %% [markdown]
 # ## Mesh and model
-# One mesh over every device of every process; weights are created (or read) directly into their shards.
+# One mesh over every device of every process; weights are created (or read) directly into their shards,
+# in every process (`mesh`, `model` and `tokenizer` are defined everywhere for the `%%everywhere` cells).
 
 # %%
-# %%everywhere
-import dsr1
-
-mesh = dsr1.make_mesh()
-path = CHECKPOINT or dsr1.demo_checkpoint()      # the package ships the demo model on every host
-model = dsr1.load(path, mesh=mesh, mtp=True, progress=PROCESS_ID == KERNEL_PROCESS_ID)
-tokenizer = dsr1.load_tokenizer(path)
+CHECKPOINT = os.environ.get("DSR1_CHECKPOINT")   # None: the embedded demo model, shipped on every host
+model, tokenizer = mcjax.load_everywhere(cluster, CHECKPOINT, mtp=True)
 gate = model.params["moe_layers"]["moe"]["gate"]
-print(f"mesh {dict(mesh.shape)}; this process holds {len(gate.addressable_shards)} expert shards of shape "
-      f"{gate.addressable_shards[0].data.shape}")
+print(f"checkpoint: {CHECKPOINT or 'none: the embedded demo model'}; mesh {dict(mesh.shape)}; this process holds "
+      f"{len(gate.addressable_shards)} expert shards of shape {gate.addressable_shards[0].data.shape}")
 assert gate.shape[1] == model.cfg.n_routed_experts
 assert gate.addressable_shards[0].data.shape[1] == model.cfg.n_routed_experts // mesh.shape["expert"]
 
@@ -96,6 +81,7 @@ assert gate.addressable_shards[0].data.shape[1] == model.cfg.n_routed_experts //
 # %%everywhere
 import numpy as np
 
+import dsr1
 from dsr1.core.sharding import to_host
 
 check_cfg = dsr1.Config.preset("tiny")
@@ -112,15 +98,16 @@ assert err < 1e-5
 
 # %% [markdown]
 # ## Generate
-# The widget runs each generation on every engine too (the model is split across processes). It is
-# driven from code here so the handler runs under nbval; in Jupyter, type and click.
+# The widget runs each generation on every engine too (the model is split across processes), under the
+# same watchdog as `%%everywhere`. It is driven from code here so the handler runs under nbval; in Jupyter,
+# type and click.
 
 # %%
 from IPython.display import display
 
 from dsr1.workbench.widgets import GenerationWidget
 
-widget = GenerationWidget(model, tokenizer, engines=cluster.client[:], max_new_tokens=48)
+widget = GenerationWidget(model, tokenizer, cluster=cluster, max_new_tokens=48)
 display(widget)
 widget.prompt.value = "Good morrow, my lord. What news from the court?"   # the demo model speaks Shakespeare
 widget.button.click()
@@ -135,7 +122,7 @@ assert 0 < len(completion.tokens) <= 48
 # The model's multi-token-prediction module drafts k tokens per step (k > 1 applies it recursively)
 # and the model verifies them in one multi-token step against its cache: greedy output is the same
 # token for token, and every accepted draft is a token that cost no decode step of its own.
-# `python -m dsr1.bench quality` measures the same on one process (docs/performance.md).
+# `python -m dsr1.bench quality` measures the same on one process (docs/benchmarks.md).
 
 # %%
 # %%everywhere
@@ -224,7 +211,10 @@ assert 0 < sum(profile.block_ms.values()) and 0 < profile.traced_step_ms
 #
 # **An engine died** (killed, out of memory, a crash): the `%%everywhere` cell running at the time
 # ends within seconds with a ClusterError naming the engine (process, host, pid); so does the next
-# one. The other processes cannot go on with `jax.distributed` without it. To recover, without
+# one. **A process raised** (a file missing on one host, out of device memory): the cell ends within
+# seconds with a ClusterError naming the process and showing its traceback; the processes that were
+# waiting for it in a collective are named too, and stay stuck (the next cell refuses to run on
+# them). The other processes cannot go on with `jax.distributed` without it. To recover, without
 # restarting this kernel or touching the controller:
 #
 # 1. Run `mcjax.reset_engines(cluster)` (set `RESET_ENGINES = True` in the last cell, or type it in
@@ -236,9 +226,10 @@ assert 0 < sum(profile.block_ms.values()) and 0 < profile.traced_step_ms
 # 2. Re-run the cells from "Initialize" down: `initialize`, the mesh and model, the generation.
 #
 # If the engine that died was **process 0** under kernel-last numbering, it ran the coordinator and
-# JAX ends every process with it, this kernel included: restart the kernel, then
-# `mcjax.reset_engines(mcjax.connect())` and run the notebook from the top. (Under platform numbering
-# the kernel is process 0 and runs the coordinator.)
+# JAX ends every process with it, this kernel included: restart the kernel and run the notebook from
+# the top (the first cell restarts the engines). (Under platform numbering the kernel is process 0
+# and runs the coordinator.) Running the first cell again also recovers: `mcjax.connect()` restarts
+# the engines when they are missing, stuck or cannot join this kernel.
 #
 # Other problems:
 # - **A cell hangs or was interrupted**: `mcjax.abort_stale(cluster)` aborts what is still queued on

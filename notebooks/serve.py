@@ -28,24 +28,18 @@
 # as there (unset: the embedded demo model, a small DeepSeek-V3 trained on Shakespeare).
 
 # %%
-# The platform numbers the processes (cluster.json's "numbering"): kernel-last (the kernel is the last
-# process) or platform (TPU pods, Slurm: JAX numbers them itself, the kernel is process 0). On a
-# simulated cluster the kernel needs the engines' fake CPU devices, set before JAX starts its backend.
+# Connects to the cluster (cluster.json): restarts engines that cannot join this kernel (after "Restart
+# kernel"), numbers the processes (PROCESS_ID, NUM_PROCESSES, COORDINATOR everywhere: kernel-last, the
+# kernel last; platform on TPU pods and Slurm, JAX numbers them and the kernel is process 0) and defines
+# the `%%everywhere` magic. With MCJAX_SINGLE=1 (one host) this kernel is the only process.
 import os
 
-from dsr1.workbench import cluster as mcjax
+import dsr1.workbench as mcjax
 
-info = mcjax.cluster_info()
-if info.get("provider") == "local":
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={info['local_devices']}"
-    os.environ["JAX_PLATFORMS"] = "cpu"
-cluster = mcjax.connect()                     # the ipyparallel client, cluster.json and the process layout
-engines = mcjax.wait_for_engines(cluster, info.get("engines") or len(cluster.client.ids))
-layout = mcjax.assign_process_ids(cluster)    # PROCESS_ID, NUM_PROCESSES, COORDINATOR everywhere
-mcjax.activate(cluster)                       # %px / %%px on all engines, and %%everywhere
-print(f"{NUM_PROCESSES} processes, {layout.numbering} numbering: the kernel is process {PROCESS_ID}; "
-      + "; ".join(e.describe() for e in layout.engines))
-assert NUM_PROCESSES == len(engines) + 1 and PROCESS_ID == layout.kernel_process_id
+cluster = mcjax.connect()
+layout = cluster.layout
+print(cluster.summary())
+assert NUM_PROCESSES == len(layout.engines) + 1 and PROCESS_ID == layout.kernel_process_id
 
 # %% [markdown]
 # ## Where the server listens
@@ -80,13 +74,9 @@ print(f"model {MODEL_NAME!r} ({CHECKPOINT or 'the embedded demo model'}); proces
 # ## Initialize `jax.distributed` in every process
 
 # %%
-# %%everywhere
-# Runs on every engine (submitted without blocking) and here: initialize waits for all N processes.
 import jax
 
-from dsr1.workbench import cluster as mcjax
-
-mcjax.initialize(PROCESS_ID, NUM_PROCESSES, COORDINATOR)
+mcjax.initialize_everywhere(cluster)   # on every engine (submitted first) and here; waits for all N processes
 assert jax.process_count() == NUM_PROCESSES and jax.process_index() == PROCESS_ID
 print(f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} local devices, "
       f"{jax.device_count()} in all")

@@ -48,7 +48,7 @@ def grouped(all_fixtures) -> Fixture:
 def cpu_kernel(request, monkeypatch) -> bool:
     """Run a test with dsr1's CPU decode kernel (skipped where it is not built) and without it
     (`DSR1_CPU_KERNELS=0`: XLA's own products)."""
-    from dsr1.core import cpu_kernels
+    from dsr1.cpu import ffi as cpu_kernels
 
     if request.param and not cpu_kernels.available():
         pytest.skip("dsr1's CPU kernel is not built on this machine (no C++ compiler, or no AVX2)")

@@ -135,7 +135,7 @@ def count_products(monkeypatch, module) -> dict[str, list[int]]:
     kernel) product that `module` traces from now on (per group of rows, for `x [g, rows, in]`), and of
     the kernel's fused expert products (`swiglu_rows_dot`, `combine_rows_dot`; `swiglu_pairs`,
     `combine_pairs`: their tokens) traced from anywhere."""
-    from dsr1.core import cpu_kernels
+    from dsr1.cpu import ffi as cpu_kernels
 
     calls = {"rowwise_matmul": [], "kernel_matmul": [], "swiglu_rows_dot": [], "combine_rows_dot": [],
              "swiglu_pairs": [], "combine_pairs": []}

@@ -151,7 +151,7 @@ def test_mesh_must_match_devices():
 
 
 def test_bf16_weights_read_like_arrays():
-    """On CPU a bf16 model holds its matrices as `Bf16Bits` (see `dsr1.core.quant`); what a user reads
+    """On CPU a bf16 model holds its matrices as `Bf16Bits` (see `dsr1.cpu.layouts`); what a user reads
     of a weight (shape, dtype, size, sharding, this process's shards, its values) is the bf16 array's."""
     model = dsr1.init_random(dsr1.Config.preset("tiny"), seed=0)
     gate = model.params["moe_layers"]["moe"]["gate"]
@@ -167,18 +167,21 @@ def test_large_bf16_matmul_widens_in_column_blocks(rows):
     whole, a partial last block included."""
     import jax
 
-    from dsr1.core import quant
+    from dsr1.core import products, quant  # noqa: F401
+    from dsr1.cpu import layouts  # noqa: F401
+    from dsr1.cpu import products as cpu_products  # noqa: F401
 
     rng = np.random.default_rng(rows)
-    cols = 3 * (quant.WIDEN_CHUNK_ELEMENTS // 256) + 200  # three whole blocks of a 256-row weight, and a tail
+    cols = 3 * (cpu_products.WIDEN_CHUNK_ELEMENTS // 256) + 200  # three whole blocks of 256 rows, and a tail
     w = jnp.asarray(rng.standard_normal((256, cols)), jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((2, rows, 256)), jnp.float32)
-    bits = quant.as_bits(w)
-    assert bits.one_device and quant._is_matmul("...d,dv->...v") and not quant._is_matmul("bthn,hnr->bthr")
-    product = jax.jit(lambda x, w: quant.einsum("...d,dv->...v", x, w, preferred_element_type=jnp.float32))
+    bits = layouts.as_bits(w)
+    assert bits.one_device and cpu_products._is_matmul("...d,dv->...v")
+    assert not cpu_products._is_matmul("bthn,hnr->bthr")
+    product = jax.jit(lambda x, w: products.einsum("...d,dv->...v", x, w, preferred_element_type=jnp.float32))
     assert "while" in product.lower(x, bits).as_text()  # the loop over column blocks
     # Sharded weights (several devices) are widened whole: a block of a sharded axis would gather them.
-    assert "while" not in product.lower(x, quant.Bf16Bits(bits.bits)).as_text()
+    assert "while" not in product.lower(x, layouts.Bf16Bits(bits.bits)).as_text()
     got = product(x, bits)
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     assert got.shape == (2, rows, cols)
@@ -195,52 +198,54 @@ def _expected_products(kernel: bool, rows_traced: tuple[int, ...], kernel_rows: 
 
 
 def test_output_heads_keep_a_copy_for_few_rows(cpu_kernel, monkeypatch):
-    """On CPU the lm_head (and an MTP head) also holds its values in a second form for decode: with
-    dsr1's CPU kernel its bits transposed, which products of up to `KERNEL_ROWS` rows read; without it
-    its values widened once, which a one-row product reads (no widening in the program). Products of
-    more rows widen the bf16 bits. All give the float32 product of the bf16 values."""
-    from dsr1.core import quant
-    from dsr1.core.cpu_kernels import KERNEL_ROWS
+    """With dsr1's CPU backend the lm_head (and an MTP head) also holds its bits transposed, which
+    products of up to `KERNEL_ROWS` rows read; products of more rows widen the bf16 bits. Without it
+    the heads are plain bf16 arrays (no second form). All give the float32 product of the bf16 values."""
+    from dsr1.core import products, quant  # noqa: F401
+    from dsr1.cpu import layouts  # noqa: F401
+    from dsr1.cpu import products as cpu_products  # noqa: F401
+    from dsr1.cpu.ffi import KERNEL_ROWS
 
     cfg = dataclasses.replace(dsr1.Config.preset("tiny"), num_nextn_predict_layers=1)
     model = dsr1.init_random(cfg, seed=0, mtp=True)
     head, mtp_head = model.params["lm_head"], model.params["mtp"]["head"]
-    assert isinstance(head, quant.Bf16Bits)
-    if cpu_kernel:
-        assert head.wide is None and mtp_head.wide is None and mtp_head.transposed is not None
-        np.testing.assert_array_equal(np.asarray(head.transposed), np.asarray(head.bits).T)
-        assert head.nbytes == head.size * 4 and head.bytes_read(1) == head.size * 2
-    else:
-        assert head.wide.dtype == jnp.float32 and head.transposed is None and mtp_head.wide is not None
-        np.testing.assert_array_equal(np.asarray(head.wide), np.asarray(head, np.float32))
-        assert head.nbytes == head.size * 6 and head.bytes_read(1) == head.size * 4
-    assert model.params["moe_layers"]["q_b"].wide is None and model.params["embed"].wide is None
+    if not cpu_kernel:
+        assert isinstance(head, jax.Array) and head.dtype == jnp.bfloat16 and head.nbytes == head.size * 2
+        assert isinstance(mtp_head, jax.Array)
+        return
+    assert isinstance(head, layouts.Bf16Bits) and mtp_head.transposed is not None
+    np.testing.assert_array_equal(np.asarray(head.transposed), np.asarray(head.bits).T)
+    assert head.nbytes == head.size * 4 and head.bytes_read(1) == head.size * 2
     assert head.bytes_read(2) == head.size * 2
-    product = jax.jit(lambda x, w: quant.einsum("...d,dv->...v", x, w, preferred_element_type=jnp.float32))
+    product = jax.jit(lambda x, w: products.einsum("...d,dv->...v", x, w, preferred_element_type=jnp.float32))
     rng = np.random.default_rng(0)
     for rows in (1, 2, KERNEL_ROWS, KERNEL_ROWS + 1):
         x = jnp.asarray(rng.standard_normal((rows, 1, head.shape[0])), jnp.float32)
         program = product.lower(x, head).as_text()
-        reads_copy = rows <= KERNEL_ROWS if cpu_kernel else rows == 1
+        reads_copy = rows <= KERNEL_ROWS
         assert ("shift_left" in program) != reads_copy  # bits widened only where the copy is not read
-        assert ("dsr1_rows_dot_bf16" in program) == (cpu_kernel and reads_copy)
+        assert ("dsr1_rows_dot_bf16" in program) == reads_copy
         want = np.asarray(x, np.float64) @ np.asarray(head, np.float64)
         np.testing.assert_allclose(np.asarray(product(x, head)), want, rtol=1e-5, atol=1e-5)
 
 
 def test_matrices_keep_transposed_bits_for_few_rows(cpu_kernel, monkeypatch):
-    """On CPU the bf16 matrices that products contract over their second-to-last axis (the routed
-    experts, the dense and shared MLPs, `q_a`, `kv_a`; with dsr1's CPU kernel the lm_head too) also hold
-    their bits transposed (with the kernel the attention weights hold a copy too); with the kernel
-    products of up to `KERNEL_ROWS` rows read that copy (`quant.kernel_matmul`), without it one-row
-    products (`quant.rowwise_matmul`); more rows read the bits, and all give the float32 product of
-    the bf16 values."""
+    """With dsr1's CPU backend the bf16 matrices that products contract over their second-to-last axis
+    (the routed experts, the dense and shared MLPs, `q_a`, `kv_a`, the lm_head) also hold their bits
+    transposed (the attention weights a copy laid out for their decode products); products of up to
+    `KERNEL_ROWS` rows read that copy (`cpu_products.kernel_matmul`), more rows read the bits, and all
+    give the float32 product of the bf16 values. Without the backend no weight holds a copy."""
     import jax
 
-    from dsr1.core import quant
-    from dsr1.core.cpu_kernels import KERNEL_ROWS
+    from dsr1.core import products, quant  # noqa: F401
+    from dsr1.cpu import layouts  # noqa: F401
+    from dsr1.cpu import products as cpu_products  # noqa: F401
+    from dsr1.cpu.ffi import KERNEL_ROWS
 
     params = dsr1.init_random(dsr1.Config.preset("tiny"), seed=0).params
+    if not cpu_kernel:
+        assert all(isinstance(w, jax.Array) for w in jax.tree.leaves(params, is_leaf=layouts.is_laid))
+        return
     layers = params["moe_layers"]
     kept = {name: w.transposed is not None for name, w in (("kv_a", layers["kv_a"]), ("q_a", layers["q_a"]),
                                                           ("shared up", layers["moe"]["shared"]["up"]),
@@ -256,14 +261,14 @@ def test_matrices_keep_transposed_bits_for_few_rows(cpu_kernel, monkeypatch):
     np.testing.assert_array_equal(np.asarray(w.transposed), np.asarray(w.bits).T)
     assert w.nbytes == 2 * w.bits.nbytes and w.bytes_read(1) == w.bits.nbytes
     # A program given bf16 arrays would transpose them on every call: no copy there.
-    traced = jax.jit(lambda a: quant.as_bits(a, keep_transposed=True))(jnp.asarray(w, jnp.bfloat16))
+    traced = jax.jit(lambda a: layouts.as_bits(a, keep_transposed=True))(jnp.asarray(w, jnp.bfloat16))
     assert traced.transposed is None
-    calls = count_products(monkeypatch, quant)
+    calls = count_products(monkeypatch, cpu_products)
     rng = np.random.default_rng(0)
     all_rows = (1, 2, KERNEL_ROWS, KERNEL_ROWS + 1)
     for rows in all_rows:
         x = jnp.asarray(rng.standard_normal((rows, 1, w.shape[0])), jnp.float32)
-        got = jax.jit(lambda x, w: quant.einsum("...d,dv->...v", x, w, preferred_element_type=jnp.float32))(x, w)
+        got = jax.jit(lambda x, w: products.einsum("...d,dv->...v", x, w, preferred_element_type=jnp.float32))(x, w)
         want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     assert calls == _expected_products(cpu_kernel, all_rows, KERNEL_ROWS)
@@ -271,31 +276,36 @@ def test_matrices_keep_transposed_bits_for_few_rows(cpu_kernel, monkeypatch):
 
 def test_int8_matrices_keep_transposed_values_for_few_rows(cpu_kernel, monkeypatch):
     """The same for int8 weights: the matrices of `x @ W` products also hold their int8 values
-    transposed (`quant.with_transposed`; the other weights not), products multiply against that copy
-    and scale their output (with the kernel: of any number of rows, `Int8Weight.kernel_reads`; without
-    it: of one row), and all forms equal the float64 product of `q * scale`."""
+    transposed (`layouts.with_transposed`; the other weights not), products multiply against that copy
+    with the kernel (of any number of rows, `Int8Rows.kernel_reads`) and scale their output, and all
+    forms equal the float64 product of `q * scale`. Without the backend: plain `Int8Weight`s."""
     import jax
 
-    from dsr1.core import quant
-    from dsr1.core.cpu_kernels import KERNEL_ROWS
+    from dsr1.core import products, quant  # noqa: F401
+    from dsr1.cpu import layouts  # noqa: F401
+    from dsr1.cpu import products as cpu_products  # noqa: F401
+    from dsr1.cpu.ffi import KERNEL_ROWS
 
     layers = dsr1.init_random(dsr1.Config.preset("tiny"), seed=0, dtype="float32", quant="int8").params["moe_layers"]
+    if not cpu_kernel:
+        assert all(type(w) is quant.Int8Weight for w in (layers["q_a"], layers["moe"]["gate"]))
+        return
     kept = {name: layers[name].transposed is not None for name in ("q_a", "kv_a", "q_b", "o")}
     assert kept == {"q_a": True, "kv_a": True, "q_b": False, "o": False}
     assert layers["q_a"].one_device
     w = jax.tree.map(lambda a: a[0], layers["moe"]["shared"]["down"])
     np.testing.assert_array_equal(np.asarray(w.transposed), np.asarray(w.q).T)
     assert w.nbytes == 2 * w.q.nbytes + w.scale.nbytes and w.bytes_read(1) == w.q.nbytes + w.scale.nbytes
-    assert quant.with_transposed(w) is w  # idempotent
-    traced = jax.jit(lambda q, s: quant.with_transposed(quant.Int8Weight(q, s)))(w.q, w.scale)
+    assert layouts.with_transposed(w) is w  # idempotent
+    traced = jax.jit(lambda q, s: layouts.with_transposed(quant.Int8Weight(q, s)))(w.q, w.scale)
     assert traced.transposed is None  # a program given int8 arrays would transpose them on every call
-    calls = count_products(monkeypatch, quant)
+    calls = count_products(monkeypatch, cpu_products)
     rng = np.random.default_rng(0)
     dequantized = np.asarray(w.q, np.float64) * np.asarray(w.scale, np.float64)
     all_rows = (1, 2, KERNEL_ROWS, KERNEL_ROWS + 1)
     for rows in all_rows:
         x = jnp.asarray(rng.standard_normal((rows, 1, w.shape[0])), jnp.float32)
-        got = jax.jit(lambda x, w: quant.einsum("...d,dv->...v", x, w, preferred_element_type=jnp.float32))(x, w)
+        got = jax.jit(lambda x, w: products.einsum("...d,dv->...v", x, w, preferred_element_type=jnp.float32))(x, w)
         np.testing.assert_allclose(np.asarray(got), np.asarray(x, np.float64) @ dequantized, rtol=1e-5, atol=1e-5)
     assert calls == _expected_products(cpu_kernel, all_rows, max(all_rows))
 
@@ -306,18 +316,21 @@ def test_bf16_products_of_many_rows_compute_in_bf16():
     weight and keep float32 activations. Both equal the float64 product of what they compute."""
     import jax
 
-    from dsr1.core import moe, quant
+    from dsr1.core import moe, products, quant  # noqa: F401
+    from dsr1.cpu import layouts  # noqa: F401
+    from dsr1.cpu import products as cpu_products  # noqa: F401
 
     rng = np.random.default_rng(0)
-    small = quant.as_bits(jnp.asarray(rng.standard_normal((64, 96)), jnp.bfloat16))
-    large = quant.as_bits(jnp.asarray(rng.standard_normal((256, quant.WIDEN_CHUNK_ELEMENTS // 256 + 1)), jnp.bfloat16))
-    n = quant.NATIVE_BF16_ROWS
-    assert [quant.native_bf16(small, r) for r in (n - 1, n)] == [False, True]
-    assert [quant.native_bf16(large, r) for r in (4 * n - 1, 4 * n)] == [False, True]
-    assert not quant.native_bf16(jnp.zeros((64, 96), jnp.bfloat16), n)  # GPU/TPU arrays: native already
+    small = layouts.as_bits(jnp.asarray(rng.standard_normal((64, 96)), jnp.bfloat16))
+    large = layouts.as_bits(jnp.asarray(rng.standard_normal((256, cpu_products.WIDEN_CHUNK_ELEMENTS // 256 + 1)),
+                                        jnp.bfloat16))
+    n = cpu_products.NATIVE_BF16_ROWS
+    assert [cpu_products.native_bf16(small, r) for r in (n - 1, n)] == [False, True]
+    assert [cpu_products.native_bf16(large, r) for r in (4 * n - 1, 4 * n)] == [False, True]
+    assert not cpu_products.native_bf16(jnp.zeros((64, 96), jnp.bfloat16), n)  # GPU/TPU arrays: native already
     for rows in (n - 1, n):
         x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
-        for name, product in (("einsum", lambda x, w: quant.einsum("...d,dv->...v", x, w,
+        for name, product in (("einsum", lambda x, w: products.einsum("...d,dv->...v", x, w,
                                                                    preferred_element_type=jnp.float32)),
                               ("expert block", lambda x, w: moe._expert_matmul(
                                   x, jax.tree.map(lambda a: a[None, None], w), jnp.int32(0), jnp.int32(0)))):
@@ -326,3 +339,51 @@ def test_bf16_products_of_many_rows_compute_in_bf16():
             lhs = np.asarray(x.astype(jnp.bfloat16) if rows >= n else x, np.float64)
             want = lhs @ np.asarray(small, np.float64)
             np.testing.assert_allclose(np.asarray(jax.jit(product)(x, small)), want, rtol=1e-5, atol=1e-4)
+
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return dsr1.load(dsr1.demo_checkpoint(), progress=False)
+
+
+def test_a_loaded_model_carries_its_checkpoint_tokenizer(demo):
+    """The demo folder's own 4,096-token BPE comes with the model and is the default of `generate` and
+    the serving engine: its text continues in English, not R1's ids read as the demo vocabulary's."""
+    assert demo.tokenizer is not None and demo.tokenizer.vocab_size == demo.cfg.vocab_size == 4096
+    prompt = "To be, or not to be,"
+    c = dsr1.generate(demo, [prompt], max_new_tokens=16).completions[0]
+    assert c.prompt_tokens == len(demo.tokenizer.encode(prompt, add_bos=True))
+    assert c.text == demo.tokenizer.decode(c.tokens) and c.text.isascii()
+    words = c.text.split()
+    assert len(words) >= 3 and sum(w.strip(",.;:!?'").isalpha() for w in words) >= len(words) - 1, c.text
+    assert dsr1.serving.Engine(demo, num_pages=8).tokenizer is demo.tokenizer
+
+
+def test_r1_tokenizer_is_the_default_without_one_and_is_refused_by_a_smaller_vocabulary(demo, model, tmp_path):
+    """Random weights and folders without a tokenizer.json use R1's tokenizer; a model whose vocabulary
+    cannot hold R1's ids refuses it with a clear error instead of generating noise."""
+    from dsr1.generation.tokenizer import checkpoint_tokenizer
+    from dsr1.weights.convert import convert
+
+    assert model.tokenizer is None and checkpoint_tokenizer(tmp_path) is None
+    assert checkpoint_tokenizer(dsr1.demo_checkpoint() / "config.json").vocab_size == 4096
+    converted = convert(dsr1.demo_checkpoint(), tmp_path / "converted", progress=False)
+    assert checkpoint_tokenizer(converted).vocab_size == 4096  # a converted folder keeps the release's tokenizer
+    bare = dataclasses.replace(demo, tokenizer=None)  # what a folder without tokenizer.json loads as
+    with pytest.raises(ValueError, match="tokenizer has 128815 token ids but the model's vocabulary holds 4096"):
+        dsr1.generate(bare, ["To be, or not to be,"], max_new_tokens=2)
+    ids = dsr1.generate(bare, [[0, 5, 6]], max_new_tokens=2).completions[0]
+    assert ids.text == "" and len(ids.tokens) == 2  # token ids in, token ids out
+    assert dsr1.generate(model, ["Hi"], max_new_tokens=2).completions[0].prompt_tokens == 2  # R1's BOS + "Hi"
+
+
+def test_demo_chat_shows_no_reasoning_markers(demo):
+    """The demo model answers R1's chat template inside a `<think>` block it closes: the streamed and
+    the final text show its reasoning and answer without the markers (never a bare `</think>`)."""
+    pieces: list[str] = []
+    result = dsr1.generate(demo, ["Good morrow, my lord. What news from the court?"], chat=True, max_new_tokens=24,
+                           chunk_size=4, stream=lambda row, text: pieces.append(text))
+    c = result.completions[0]
+    assert "</think>" in demo.tokenizer.decode(c.tokens) and "think>" not in c.text
+    assert "".join(pieces) == c.text == "\n\n".join(part for part in (c.reasoning, c.answer) if part)

@@ -12,7 +12,7 @@ import pytest
 
 import dsr1
 from dsr1.bench import accounting, bandwidth, cli, compare_hf, decode_attention, prefill, report, serve, timing
-from dsr1.core import cpu_kernels, quant
+from dsr1.cpu import ffi as cpu_kernels
 
 # The tiny preset with a small vocabulary: every test here stays fast.
 CFG = dataclasses.replace(dsr1.Config.preset("tiny"), vocab_size=512)
@@ -50,10 +50,10 @@ def test_bf16_bytes_match_hand_computation(models):
     c, params = CFG, models["bf16"].params
     d, f = c.hidden_size, c.moe_intermediate_size
     assert accounting.expert_bytes(params) == 3 * d * f * BF16
-    # On CPU without dsr1's kernel a one-row product reads the lm_head's float32 copy; with it, and for
-    # more rows, the bf16 bits (or their transposed copy: the same bytes).
+    # A product reads the lm_head's bf16 bits (or, with dsr1's CPU backend, their transposed copy: the
+    # same bytes).
     kernel = cpu_kernels.available()
-    one_row_head = 4 if quant.widens_on_use() and not kernel else BF16
+    one_row_head = BF16
     assert accounting.fixed_weight_bytes(params, 2) == hand_fixed_bytes(c, BF16, BF16)
     assert accounting.fixed_weight_bytes(params, 1) == hand_fixed_bytes(c, BF16, one_row_head)
     # One row, 4 distinct experts in the first MoE layer, 2 in the second (ids need not be real routes).
@@ -63,11 +63,11 @@ def test_bf16_bytes_match_hand_computation(models):
     fixed = hand_fixed_bytes(c, BF16, one_row_head)
     assert got == accounting.StepBytes(fixed, 6 * 3 * d * f * BF16, d * BF16, cache, 3.0)
     assert got.total == fixed + 6 * 3 * d * f * BF16 + d * BF16 + cache
-    # The whole model minus the embedding table, the experts not hit, and on CPU the lm_head's bits
-    # (a one-row step reads its float32 copy instead) and the matrices' transposed copies (a one-row
-    # product reads those instead of the bits: the same bytes, counted once).
+    # The whole model minus the embedding table, the experts not hit, and with the CPU backend the
+    # matrices' transposed copies (a one-row product reads those instead of the bits: the same bytes,
+    # counted once).
     unread = (c.vocab_size - 1) * d * BF16 + (c.num_moe_layers * c.n_routed_experts - 6) * 3 * d * f * BF16
-    if quant.widens_on_use():
+    if kernel:
         # Transposed: q_a and kv_a of every layer, the dense MLPs, the shared and routed experts.
         copies = (c.num_hidden_layers * d * (c.q_lora_rank + c.kv_lora_rank + c.qk_rope_head_dim)
                   + c.num_dense_layers * 3 * d * c.intermediate_size
@@ -77,7 +77,7 @@ def test_bf16_bytes_match_hand_computation(models):
             per_layer = (c.q_lora_rank * h * c.qk_head_dim + h * c.qk_nope_head_dim * r  # (W_UV: laid out already)
                          + h * c.v_head_dim * d)
             copies += c.num_hidden_layers * per_layer * BF16
-        unread += d * c.vocab_size * BF16 + copies  # the lm_head's float32 copy or transposed bits read instead
+        unread += d * c.vocab_size * BF16 + copies  # the lm_head's transposed bits read instead
     assert got.total - got.cache == models["bf16"].weight_bytes() - unread
 
 

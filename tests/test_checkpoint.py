@@ -183,7 +183,7 @@ def test_loaded_transposed_copies_are_the_transposes_and_the_view_is_complete(tm
 
     from dsr1.bench.loading import write_fp8_checkpoint
     from dsr1.core.params import compute_view
-    from dsr1.core.quant import Bf16Bits
+    from dsr1.cpu import Bf16Bits
 
     cfg = dsr1.Config.preset("tiny")
     write_fp8_checkpoint(tmp_path, cfg)
@@ -195,7 +195,7 @@ def test_loaded_transposed_copies_are_the_transposes_and_the_view_is_complete(tm
         np.testing.assert_array_equal(np.asarray(w.transposed), np.swapaxes(np.asarray(w.bits), -1, -2))
     plain = jax.tree.map(lambda w: jax.numpy.asarray(np.asarray(w)) if isinstance(w, Bf16Bits) else w, model.params,
                          is_leaf=lambda x: isinstance(x, Bf16Bits))
-    again = compute_view(plain, cfg)
+    again = compute_view(plain, cfg, model.mesh)
     assert jax.tree.structure(again) == jax.tree.structure(model.params)
     for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(model.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

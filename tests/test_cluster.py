@@ -122,32 +122,34 @@ def test_fstab_entry_is_added_once(tmp_path):
 
 
 def test_process_numbering_follows_host_index():
-    from dsr1.workbench.cluster import _layout
+    from dsr1.workbench.layout import number_processes
 
     infos = {7: dict(host_index="3", hostname="h3", pid=30, address="10.0.0.3"),
              2: dict(host_index="1", hostname="h1", pid=10, address="10.0.0.1"),
              5: dict(host_index="2", hostname="h2", pid=20, address="10.0.0.2")}
-    gpu = _layout(list(infos), list(infos.values()), 9999, "kernel-last")
+    gpu = number_processes(list(infos), list(infos.values()), 9999, "kernel-last")
     assert [(e.engine_id, e.process_id) for e in gpu.engines] == [(2, 0), (5, 1), (7, 2)]
     assert (gpu.num_processes, gpu.kernel_process_id, gpu.coordinator) == (4, 3, "10.0.0.1:9999")
-    tpu = _layout(list(infos), list(infos.values()), 9999, "platform")  # JAX numbers TPU workers itself
+    tpu = number_processes(list(infos), list(infos.values()), 9999, "platform")  # JAX numbers TPU workers itself
     assert [(e.host_index, e.process_id) for e in tpu.engines] == [(1, 1), (2, 2), (3, 3)]
     assert (tpu.kernel_process_id, tpu.coordinator, tpu.port) == (0, None, 9999)
 
 
 def test_platform_numbering_gives_the_kernel_the_platform_variables_and_a_bind_address():
-    from dsr1.workbench.cluster import Cluster, _layout, _process_env
+    from dsr1.workbench.connection import Cluster
+    from dsr1.workbench.layout import number_processes, process_env
 
     info = {"numbering": "platform", "kernel_env": {"SLURM_PROCID": "0", "SLURM_NTASKS": "2",
                                                     "JAX_COORDINATOR_PORT": "1234"}}
     cluster = Cluster(client=None, info=info, controller_ip="10.0.0.5")
-    layout = _layout([3], [dict(host_index="1", hostname="h1", pid=1, address="10.0.0.6")], 4321, "platform")
-    kernel = _process_env(cluster, layout, kernel=True)
+    engine = [dict(host_index="1", hostname="h1", pid=1, address="10.0.0.6")]
+    layout = number_processes([3], engine, 4321, "platform")
+    kernel = process_env(cluster, layout, kernel=True)
     assert kernel == {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "JAX_COORDINATOR_PORT": "4321",
                       "JAX_COORDINATOR_BIND_ADDRESS": "10.0.0.5:4321"}  # a new port wins over kernel_env's
-    assert _process_env(cluster, layout, kernel=False) == {"JAX_COORDINATOR_PORT": "4321"}
-    kernel_last = _layout([3], [dict(host_index="1", hostname="h1", pid=1, address="10.0.0.6")], 4321, "kernel-last")
-    assert _process_env(cluster, kernel_last, kernel=True) == {}
+    assert process_env(cluster, layout, kernel=False) == {"JAX_COORDINATOR_PORT": "4321"}
+    kernel_last = number_processes([3], engine, 4321, "kernel-last")
+    assert process_env(cluster, kernel_last, kernel=True) == {}
 
 
 def test_watchdog_ends_a_stuck_call_when_an_engine_is_dead():
@@ -167,10 +169,65 @@ def test_watchdog_ends_a_stuck_call_when_an_engine_is_dead():
         run_watched(lambda: 1 / 0, list, lambda d: RuntimeError("no"))
 
 
+def test_watch_ends_the_cell_when_an_engine_raises_while_the_kernel_is_stuck():
+    """An engine's exception while this kernel waits for it in a collective (here: forever) ends
+    the call after the settle time, naming the engine with its traceback and the kernel as stuck;
+    an error of every process alike is the kernel's own."""
+    import threading
+
+    from dsr1.workbench.connection import Cluster
+    from dsr1.workbench.engines import watch
+
+    class Remote(Exception):
+        ename, evalue = "ValueError", "no weights on this host"
+        traceback = ("\x1b[31mTraceback (most recent call last)\x1b[0m\n  File \"<cell>\", line 3\n"
+                     "ValueError: no weights")
+
+    class Result:
+        def __init__(self, error=None, value=None):
+            self.error, self.value = error, value
+
+        def ready(self):
+            return True
+
+        def get(self, timeout=None):
+            if self.error is not None:
+                raise self.error
+            return self.value
+
+    class Client:
+        ids = [4, 5]
+
+    cluster = Cluster(client=Client(), info={"provider": "ssh"})
+    stuck = threading.Event()
+    start = time.monotonic()
+    with pytest.raises(mcjax_error()) as error:
+        watch(cluster, {4: Result(Remote()), 5: Result(value=1)}, stuck.wait, None, settle=0.5)
+    assert time.monotonic() - start < 5
+    message = str(error.value)
+    assert message.startswith("engine 4 raised ValueError: no weights on this host"), message
+    assert "this kernel is still in the cell" in message and "reset_engines" in message
+    assert "--- engine 4:\nTraceback (most recent call last)\n  File" in message  # its traceback, colours removed
+    stuck.set()
+
+    def mistake():
+        raise Remote()
+
+    with pytest.raises(Remote):  # the same error everywhere: the cell's own mistake, raised as it is
+        watch(cluster, {4: Result(Remote())}, mistake, None, settle=0.5)
+    assert watch(cluster, {4: Result(value=7), 5: Result(value=8)}, lambda: 9, None) == ({4: 7, 5: 8}, 9)
+
+
+def mcjax_error() -> type:
+    from dsr1.workbench import ClusterError
+
+    return ClusterError
+
+
 def test_engine_calls_skip_an_engine_that_unregisters_meanwhile():
     """A killed engine leaves `client.ids` when the hub notices, possibly between reading the ids and
     a call on them (ipyparallel raises KeyError for its id): the call goes to the engines left."""
-    from dsr1.workbench.cluster import _on_live_engines
+    from dsr1.workbench.recovery import on_live_engines
 
     class Client:
         ids = [0, 1, 2]
@@ -186,9 +243,9 @@ def test_engine_calls_skip_an_engine_that_unregisters_meanwhile():
             client.ids = [1, 2]  # engine 0 unregistered just now
             raise KeyError(0)
 
-    _on_live_engines(client, call, [0, 1, 2])
+    on_live_engines(client, call, [0, 1, 2])
     assert calls == [[0, 1, 2], [1, 2]]
-    _on_live_engines(client, call, [0])  # none left: nothing to call
+    on_live_engines(client, call, [0])  # none left: nothing to call
     assert len(calls) == 2
 
 
@@ -213,7 +270,7 @@ def test_storage_reports_the_mount_and_free_space(tmp_path):
 
 
 def test_health_check_flags_mismatches():
-    from dsr1.workbench.cluster import _problems
+    from dsr1.workbench.health import find_problems
 
     base = dict(hostname="h", environment="/venv (/usr/bin/python3.11)", python="3.11.7", dsr1="0.1.0", jax="0.10.2",
                 jaxlib="0.10.2", provider="gcloud", distributed=True, process_count=3, local_devices=4)
@@ -221,13 +278,13 @@ def test_health_check_flags_mismatches():
              dict(base, role="engine 1", hostname="h2", PROCESS_ID=1, process_index=1, jax="0.9.0", local_devices=8),
              dict(base, role="kernel", hostname="h0", PROCESS_ID=2, process_index=2,
                   environment="/usr (/usr/bin/python3.11)")]
-    problems = "\n".join(_problems(procs))
+    problems = "\n".join(find_problems(procs))
     assert "different jax version: 0.10.2 on engine 0, kernel; 0.9.0 on engine 1" in problems
     assert "different Python environment" in problems and "/usr (/usr/bin/python3.11) on kernel" in problems
     assert "different device counts per process" in problems
-    assert _problems([dict(base, role=f"engine {i}", hostname=f"h{i}", PROCESS_ID=i, process_index=i)
+    assert find_problems([dict(base, role=f"engine {i}", hostname=f"h{i}", PROCESS_ID=i, process_index=i)
                       for i in range(3)]) == []
-    same_host = _problems([dict(base, role=f"engine {i}", PROCESS_ID=i, process_index=i) for i in range(3)])
+    same_host = find_problems([dict(base, role=f"engine {i}", PROCESS_ID=i, process_index=i) for i in range(3)])
     assert same_host == ["engine 0, engine 1, engine 2 run on the same host h: one engine per host expected"]
 
 
@@ -258,7 +315,7 @@ def test_only_the_adapter_reaches_into_jax_private_modules():
 
 
 def test_probe_describes_this_process():
-    from dsr1.workbench import cluster as mcjax
+    import dsr1.workbench as mcjax
 
     info = mcjax.probe("127.0.0.1", devices=True, namespace={"PROCESS_ID": 2, "NUM_PROCESSES": 3})
     assert (info["pid"], info["PROCESS_ID"], info["NUM_PROCESSES"]) == (os.getpid(), 2, 3)
@@ -273,7 +330,7 @@ def test_real_cluster_pieces_on_one_machine(tmp_path):
     """cluster/ipcluster.sh as mcjax_setup.sh runs it on each host (from ~/.mcjax-setup with the
     mcjax.env of --print-env), here with this machine playing host 0 and two engine hosts."""
     pytest.importorskip("ipyparallel")
-    from dsr1.workbench import cluster as mcjax
+    import dsr1.workbench as mcjax
 
     remote = tmp_path / ".mcjax-setup"
     (remote / "cluster").mkdir(parents=True)
@@ -311,7 +368,7 @@ def test_real_cluster_pieces_on_one_machine(tmp_path):
         assert info["profile_dir"] == str(profile) and info["provider"] == "ssh" and info["engines"] == 2
         assert json.loads((profile / "security" / f"ipcontroller-{cluster_id}-engine.json").read_text())[
             "interface"] == "tcp://127.0.0.1"
-        cluster = mcjax.connect(state=tmp_path / "state0", cluster_id=cluster_id, timeout=30)
+        cluster = mcjax.connect_controller(state=tmp_path / "state0", cluster_id=cluster_id, timeout=30)
         try:
             layout = mcjax.assign_process_ids(cluster, namespace={})
             assert [(e.host_index, e.process_id) for e in layout.engines] == [(1, 0), (2, 1)]
@@ -410,12 +467,12 @@ def local_cluster(tmp_path_factory):
 
 @pytest.mark.slow
 def test_local_setup_starts_engines_and_a_second_run_is_clean(local_cluster):
-    from dsr1.workbench import cluster as mcjax
+    import dsr1.workbench as mcjax
 
     pids = local_cluster.pids()
     assert sorted(pids) == ["controller", "engine-1", "engine-2"]
     assert all(alive(p) for p in pids.values())
-    cluster = mcjax.connect(state=local_cluster.state, timeout=30)
+    cluster = mcjax.connect_controller(state=local_cluster.state, timeout=30)
     try:
         assert cluster.controller_ip == "127.0.0.1" and cluster.info["provider"] == "local"
         assert len(mcjax.wait_for_engines(cluster, N - 1, timeout=60)) == N - 1
@@ -471,9 +528,9 @@ def test_px_local_initializes_jax_distributed_across_processes(local_cluster):
 
 @pytest.mark.slow
 def test_killed_engine_gives_a_clear_error_and_cluster_restart_brings_it_back(local_cluster):
-    from dsr1.workbench import cluster as mcjax
+    import dsr1.workbench as mcjax
 
-    cluster = mcjax.connect(state=local_cluster.state, timeout=30)
+    cluster = mcjax.connect_controller(state=local_cluster.state, timeout=30)
     client = cluster.client
     try:
         layout = mcjax.assign_process_ids(cluster, namespace={})
@@ -511,9 +568,9 @@ def test_killed_engine_gives_a_clear_error_and_cluster_restart_brings_it_back(lo
 
 @pytest.mark.slow
 def test_hung_initialize_is_cleared_then_initialize_everywhere_works(local_cluster):
-    from dsr1.workbench import cluster as mcjax
+    import dsr1.workbench as mcjax
 
-    cluster = mcjax.connect(state=local_cluster.state, timeout=30)
+    cluster = mcjax.connect_controller(state=local_cluster.state, timeout=30)
     try:
         before = local_cluster.pids()
         new = mcjax.reset_engines(cluster, timeout=120, namespace={})  # fresh engines: JAX not started yet
@@ -555,7 +612,7 @@ def test_stop_leaves_no_process_of_the_cluster(local_cluster):
 KERNEL = r'''
 import json, os, sys
 import psutil
-from dsr1.workbench import cluster as mcjax
+import dsr1.workbench as mcjax
 
 ALLREDUCE = """
 import jax, jax.numpy as jnp, numpy as np
@@ -572,7 +629,7 @@ RESULT = dict(index=jax.process_index(), count=jax.process_count(), devices=jax.
 
 mode, ports = sys.argv[1], [int(p) for p in sys.argv[2:]]
 out = {}
-cluster = mcjax.connect(timeout=30)
+cluster = mcjax.connect_controller(timeout=30)
 client = cluster.client
 mcjax.wait_for_engines(cluster, 2, timeout=60)
 if mode == "px-local":
@@ -580,7 +637,7 @@ if mode == "px-local":
     shell = InteractiveShell.instance()
     layout = mcjax.assign_process_ids(cluster, port=ports[0])
     client.activate()  # %px magics on a blocking view
-    shell.run_cell("%%px --local\nfrom dsr1.workbench import cluster as mcjax\n"
+    shell.run_cell("%%px --local\nimport dsr1.workbench as mcjax\n"
                    "mcjax.initialize(PROCESS_ID, NUM_PROCESSES, COORDINATOR, timeout=60)\n").raise_error()
     shell.run_cell("%%px --local\n" + ALLREDUCE).raise_error()
     mine = shell.user_ns["RESULT"]
@@ -590,7 +647,7 @@ if mode == "px-local":
 else:  # recover: the engines initialize without the kernel (a hang), clear it, initialize_everywhere
     layout = mcjax.assign_process_ids(cluster, port=ports[0])
     try:
-        mcjax.px(cluster, "from dsr1.workbench import cluster as mcjax\n"
+        mcjax.px(cluster, "import dsr1.workbench as mcjax\n"
                  "mcjax.initialize(PROCESS_ID, NUM_PROCESSES, COORDINATOR, timeout=4)", timeout=60)
         out["hung"] = "no error"
     except Exception as e:

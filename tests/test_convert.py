@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import dsr1
-from dsr1.core.quant import Bf16Bits
 from dsr1.core.sharding import DEFAULT_RULES
+from dsr1.cpu import Bf16Bits
 from dsr1.weights import convert as dsr1_convert
 from dsr1.weights import store
 from dsr1.weights.loading import load_params

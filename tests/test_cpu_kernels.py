@@ -1,7 +1,11 @@
-"""dsr1's CPU decode kernel (`dsr1.core.cpu_kernels`): its products against float64, its build and
-cache, and the einsums that read weights laid out for it (`quant.kernel_layout`)."""
+"""dsr1's CPU decode kernel (`dsr1.cpu.ffi`): its products against float64, its build and
+cache, and the einsums that read weights laid out for it (`layouts.kernel_layout`)."""
 
 from __future__ import annotations
+
+import dataclasses
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -9,11 +13,13 @@ import numpy as np
 import pytest
 
 import dsr1
-from dsr1.core import attention, cpu_kernels, quant
+from dsr1.core import attention, products
 from dsr1.core import model as core
 from dsr1.core.attention import DECODE_PRODUCTS
 from dsr1.core.cache import PagedKVCache
 from dsr1.core.params import compute_view
+from dsr1.cpu import ffi as cpu_kernels
+from dsr1.cpu import layouts
 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.available(),
                                   reason="dsr1's CPU kernel is not built here (no C++ compiler, or no AVX2)")
@@ -333,7 +339,7 @@ def test_switch_off_and_build_cache(tmp_path, monkeypatch):
     ("bii,ij->bj", None),
 ])
 def test_product_axes(spec, expected):
-    assert quant.product_axes(spec) == expected
+    assert layouts.product_axes(spec) == expected
 
 
 @needs_kernel
@@ -354,7 +360,7 @@ def test_attention_weights_are_laid_out_for_their_decode_products(name, monkeypa
     rng = np.random.default_rng(0)
     for t, kernel in ((1, True), (5, False)):
         x = jnp.asarray(rng.standard_normal([sizes.get(c, t) for c in x_sub]), jnp.float32)
-        product = jax.jit(lambda x, w: quant.einsum(DECODE_PRODUCTS[name], x, w, preferred_element_type=jnp.float32))
+        product = jax.jit(lambda x, w: products.einsum(DECODE_PRODUCTS[name], x, w, preferred_element_type=jnp.float32))
         assert ("dsr1_rows_dot_bf16" in product.lower(x, w).as_text()) == kernel, t
         want = np.einsum(DECODE_PRODUCTS[name], np.asarray(x, np.float64), np.asarray(w, np.float64))
         np.testing.assert_allclose(np.asarray(product(x, w)), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
@@ -599,7 +605,7 @@ def test_decode_attention_by_the_kernel_equals_xlas(kv_cache_dtype):
     tokens = np.random.default_rng(0).integers(2, cfg.vocab_size, (3, 6))
     _, cache = model.prefill(tokens, lengths=np.array([6, 2, 4]), max_len=9)
     assert (cache.c_scale is not None) == (kv_cache_dtype == "int8")
-    p = jax.tree.map(lambda a: a[1], compute_view(model.params, cfg)["moe_layers"])
+    p = jax.tree.map(lambda a: a[1], compute_view(model.params, cfg, model.mesh)["moe_layers"])
     x = jnp.asarray(np.random.default_rng(1).standard_normal((3, cfg.hidden_size)), jnp.bfloat16)
 
     def attend(one_device: bool):
@@ -641,7 +647,7 @@ def test_paged_decode_attention_by_the_kernel_equals_contiguous(kv_cache_dtype):
     tokens = np.random.default_rng(0).integers(2, cfg.vocab_size, (3, 6))
     _, cache = model.prefill(tokens, lengths=np.array([6, 2, 4]), max_len=9)
     pool, table = _paged_cache(cache, page_size=3)
-    p = jax.tree.map(lambda a: a[1], compute_view(model.params, cfg)["moe_layers"])
+    p = jax.tree.map(lambda a: a[1], compute_view(model.params, cfg, model.mesh)["moe_layers"])
     x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 2, cfg.hidden_size)), jnp.bfloat16)
 
     def extend(one_device: bool, chunk: int = 1):
@@ -734,3 +740,61 @@ def test_decode_reads_the_router_in_its_stack():
     prefill = jax.jit(lambda params, tok: core.prefill(params, tok, jnp.full(2, 12), max_len=16,
                                                        **model.program_kwargs))
     assert "dsr1_rows_matmul_f32" not in prefill.lower(model.params, jnp.asarray(tokens)).as_text()
+
+
+class _Device:
+    """A stand-in for another platform's device (only `platform` is read)."""
+
+    def __init__(self, platform: str):
+        self.platform = platform
+
+
+def test_backend_is_chosen_by_the_mesh_devices_platform(monkeypatch):
+    """`dsr1.cpu.enabled` follows the devices it is given, not JAX's default backend: a TPU or GPU
+    device list is never enabled and never reaches the compiler (a build would raise here); CPU devices
+    are, unless `DSR1_CPU_KERNELS=0`."""
+    from dsr1 import cpu
+
+    def no_build(*args):
+        raise AssertionError("built the CPU kernels for another platform's devices")
+
+    with monkeypatch.context() as m:
+        m.setattr(cpu_kernels, "_build", no_build)
+        m.setattr(cpu_kernels, "_registered", functools.cache(lambda: no_build()))
+        assert not cpu.enabled([_Device("tpu")] * 4)
+        assert not cpu.enabled([_Device("gpu"), _Device("cpu")])
+        assert not cpu.enabled([])
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    assert cpu.enabled(mesh) == cpu_kernels.available()
+    monkeypatch.setenv("DSR1_CPU_KERNELS", "0")
+    assert not cpu.enabled(mesh)
+    # The model's choices for a TPU mesh: `ragged_dot` experts, the XLA attention path, no layouts.
+    from dsr1.core import moe
+    assert moe.default_kernel(8, 256, "tpu") is moe.ragged_experts
+    assert attention.kernel_choice(mesh, True) == ("cpu", False)
+
+
+def test_disabled_backend_holds_weights_as_their_dtype(monkeypatch):
+    """With `DSR1_CPU_KERNELS=0` a loaded bf16 (and int8) model holds every weight as a plain array of
+    its dtype: no bit layouts, no transposed copies. The bytes held (the params' leaves, and the live
+    device buffers they are) equal the declared shapes times their itemsize."""
+    import dsr1
+    from dsr1 import cpu
+    from dsr1.core.params import is_spec, param_specs
+
+    monkeypatch.setenv("DSR1_CPU_KERNELS", "0")
+    cfg = dataclasses.replace(dsr1.Config.preset("tiny"), num_nextn_predict_layers=1)
+    for quant in (None, "int8"):
+        model = dsr1.init_random(cfg, quant=quant, mtp=True)
+        leaves = jax.tree.leaves(model.params)
+        assert not any(cpu.holds(w) for w in jax.tree.leaves(model.params, is_leaf=cpu.holds))
+        declared = sum(math.prod(s.shape) * jnp.dtype(s.dtype or jnp.bfloat16).itemsize
+                       for s in jax.tree.leaves(param_specs(cfg, quant, mtp=True), is_leaf=is_spec))
+        assert sum(w.nbytes for w in leaves) == declared
+        held = {id(b) for b in jax.live_arrays()}
+        assert all(id(w) in held for w in leaves)  # the params are the device buffers, not views of others
+    monkeypatch.setenv("DSR1_CPU_KERNELS", "1")
+    if cpu_kernels.available():  # the backend's layouts hold more: the copies its kernels read
+        model = dsr1.init_random(cfg)
+        laid = [w for w in jax.tree.leaves(model.params, is_leaf=cpu.holds) if cpu.holds(w)]
+        assert laid and sum(w.nbytes for w in laid) > sum(w.bits.nbytes for w in laid if isinstance(w, cpu.Bf16Bits))

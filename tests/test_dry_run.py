@@ -178,7 +178,8 @@ def test_dry_run_commands_survive_the_quoting(provider, tmp_path):
     assert [s[2] for s in venv] == ["install", "deps", "deps", "project", "project", "check", "check", "check"]
     assert "uv 0.13.9 from its PyPI wheel" in setup and "uv python install 3.12" in setup
     if provider == "gcloud":
-        assert all("--tunnel-through-iap" in c and "--ssh-flag=-o ConnectTimeout=20" in c for c in cmds)
+        assert all("--tunnel-through-iap" in c and "--ssh-flag=-o ConnectTimeout=20 -o ServerAliveInterval=15 "
+                   "-o ServerAliveCountMax=4" in c for c in cmds)
         code = next(line for line in setup.splitlines() if line.startswith("+ tar -C '<repo>'"))
         untar = remote_words(shlex.split(code.split(" | ", 1)[1]))
         assert untar[:3] == ["mkdir", "-p", "/mnt/mcjax/dsr1 o'brien"] and untar[-1] == "/mnt/mcjax/dsr1 o'brien"
@@ -527,3 +528,57 @@ def test_local_platform_numbering(tmp_path):
         assert (state / "jax_cache").is_dir()  # the cache outlives the cluster
     finally:
         _kill_leftovers(state, cluster_id)
+
+
+# ----------------------------------------------------------------------------- named clusters
+
+def test_forget_a_cluster_whose_hosts_are_gone_and_keep_others_by_name(tmp_path):
+    """The hosts do not answer (the fake ssh fails): --stop keeps the record, --forget says what it
+    forgets and removes it. Another cluster is refused in a folder holding a record, kept with --name."""
+    bin_dir, log = fake_tools(tmp_path)
+    env = base_env(tmp_path, bin_dir, **PROVIDERS["ssh"])
+    run([ROOT / "mcjax_setup.sh", "--steps", "check"], env, ROOT)
+    record = tmp_path / "state" / "setup.env"
+    assert record.exists()
+    other = base_env(tmp_path, bin_dir, **dict(PROVIDERS["ssh"], MCJAX_HOST_LIST="gpu-7 gpu-8",
+                                               MCJAX_INTERNAL_IPS="10.0.0.17 10.0.0.18"))
+    refused = run([ROOT / "mcjax_setup.sh", "--steps", "check"], other, ROOT)
+    assert refused.returncode == 1 and "records another cluster (ssh" in refused.stderr and "--name" in refused.stderr
+    named = run([ROOT / "mcjax_setup.sh", "--name", "second", "--steps", "check"], other, ROOT)
+    assert named.returncode == 1 and (tmp_path / "state" / "clusters" / "second" / "setup.env").exists()
+    assert "gpu-7" in (tmp_path / "state" / "clusters" / "second" / "setup.env").read_text()
+    stop = run([ROOT / "mcjax_setup.sh", "--stop"], base_env(tmp_path, bin_dir), ROOT)
+    assert stop.returncode == 1 and "--forget" in stop.stderr and record.exists()
+    log.write_text("")
+    forget = run([ROOT / "mcjax_setup.sh", "--forget"], base_env(tmp_path, bin_dir), ROOT)
+    assert forget.returncode == 0, forget.stdout + forget.stderr
+    assert "provider ssh" in forget.stdout and "hosts gpu-0 gpu-1 admin@gpu-2" in forget.stdout
+    assert "internal IPs 10.0.0.10 10.0.0.11 10.0.0.12" in forget.stdout and "nothing is stopped" in forget.stdout
+    assert not record.exists() and calls(log) == []
+    again = run([ROOT / "mcjax_setup.sh", "--forget"], base_env(tmp_path, bin_dir), ROOT)
+    assert again.returncode == 0 and "nothing to forget" in again.stdout
+
+
+@pytest.mark.slow
+def test_two_named_local_clusters_both_stop_cleanly(tmp_path):
+    pytest.importorskip("ipyparallel")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MCJAX_", "SLURM_"))}
+    env.update(MCJAX_STATE=str(tmp_path / "state"), MCJAX_PYTHON=sys.executable, MCJAX_START_TIMEOUT="120")
+    names = [f"a{os.getpid()}", f"b{os.getpid()}"]
+    try:
+        for name in names:
+            done = run([ROOT / "mcjax_setup.sh", "--name", name, "--local", "2"], env, ROOT, timeout=300)
+            assert done.returncode == 0, done.stdout + done.stderr
+        pids = {name: [int(p.read_text()) for p in (tmp_path / "state" / "clusters" / name / "pids").glob("*.pid")]
+                for name in names}
+        assert all(len(p) == 2 for p in pids.values()) and all(_alive(p) for ps in pids.values() for p in ps)
+        for name in names:
+            stop = run([ROOT / "mcjax_setup.sh", "--name", name, "--stop"], env, ROOT, timeout=120)
+            assert stop.returncode == 0 and f"local cluster '{name}' stopped" in stop.stdout, stop.stdout + stop.stderr
+            deadline = time.monotonic() + 10
+            while any(_alive(p) for p in pids[name]) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not [p for p in pids[name] if _alive(p)]
+    finally:
+        for name in names:
+            _kill_leftovers(tmp_path / "state" / "clusters" / name, name)

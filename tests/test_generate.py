@@ -125,3 +125,29 @@ def test_errors(tiny):
         generate(tiny, [[1, 2]], max_new_tokens=tiny.cfg.max_position_embeddings)
     with pytest.raises(ValueError, match="Sampling.temperature"):
         Sampling(temperature=-1)
+
+
+RAW_OUTPUTS = [  # (raw text, the prompt opened <think>, the text as displayed)
+    ("</think>\n\nGood morrow.", True, "Good morrow."),
+    ("Let me think.\n</think>\n\nBlue.", True, "Let me think.\n\nBlue."),
+    ("<think>\nhmm\n</think>ok", False, "hmm\n\nok"),
+    ("\nstill thinking\n", True, "still thinking"),
+    ("plain </think>answer", False, "plain answer"),
+    ("<thi", False, "<thi"),
+]
+
+
+@pytest.mark.parametrize("raw, thinking, shown", RAW_OUTPUTS)
+def test_visible_text_streams_without_markers(raw, thinking, shown):
+    """Every prefix's display extends the previous one (so it can be streamed), none shows a marker,
+    and the last is the completion's text."""
+    from dsr1.generation.output import visible_text
+
+    assert visible_text(raw, thinking) == shown
+    previous = ""
+    for end in range(len(raw) + 1):
+        now = visible_text(raw[:end], thinking, final=False)
+        assert now.startswith(previous) and shown.startswith(now), (raw[:end], now)
+        assert "<think>" not in now and "</think>" not in now
+        previous = now
+

@@ -1,4 +1,4 @@
-"""Host copies for loading on CPU (`dsr1.core.host_copy`): compiled where the kernel library builds,
+"""Host copies for loading on CPU (`dsr1.cpu.host_copy`): compiled where the kernel library builds,
 numpy elsewhere; both give the same bits."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dsr1.core import cpu_kernels, host_copy
+from dsr1.cpu import ffi as cpu_kernels
+from dsr1.cpu import host_copy
 
 compiled = pytest.mark.skipif(cpu_kernels.library() is None, reason="dsr1's kernel library is not built here")
 

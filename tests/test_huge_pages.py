@@ -1,4 +1,4 @@
-"""Weights on CPU in 2 MiB pages (`dsr1.core.huge_pages`)."""
+"""Weights on CPU in 2 MiB pages (`dsr1.cpu.huge_pages`)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import dsr1
-from dsr1.core import huge_pages
-from dsr1.core.huge_pages import HUGE_PAGE, on_huge_pages
+from dsr1.cpu import huge_pages
+from dsr1.cpu.huge_pages import HUGE_PAGE, on_huge_pages
 
 needs_madvise = pytest.mark.skipif(not huge_pages.supported(), reason="no madvise(MADV_HUGEPAGE) here (not Linux)")
 
@@ -126,7 +126,7 @@ def test_a_loaded_model_is_born_on_huge_pages(tmp_path, monkeypatch):
 
     cfg = dsr1.Config.preset("tiny")
     write_fp8_checkpoint(tmp_path, cfg)
-    monkeypatch.setattr(dsr1.api, "on_huge_pages", lambda tree: tree)
+    monkeypatch.setattr(huge_pages, "on_huge_pages", lambda tree: tree)
     model = dsr1.load(tmp_path, progress=False)
     large = [x for x in jax.tree.leaves(model.params) if x.nbytes >= HUGE_PAGE]
     assert large and all(x.unsafe_buffer_pointer() % HUGE_PAGE == 0 for x in large)

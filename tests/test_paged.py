@@ -20,10 +20,10 @@ import pytest
 
 import dsr1
 from dsr1 import programs
-from dsr1.core import cpu_kernels
 from dsr1.core.attention import absorbed_crossover, use_absorbed
 from dsr1.core.cache import SCRATCH_PAGE
 from dsr1.core.sharding import put_replicated, to_host
+from dsr1.cpu import ffi as cpu_kernels
 
 from .harness import DECODE_PREFIX, TOLERANCE, decode_logits, relative_error, subprocess_env
 from .paged_harness import MESH_PLANS, NUM_PAGES, PAGE_SIZE, SLOTS, WIDTH, Plan, mesh_logits, new_cache, run_chunks

@@ -1,12 +1,15 @@
 """`python -m dsr1.bench plan`: weight and cache bytes against hand-computed sums, the replication
-check, and a scaled-down plan compiled on 8 fake CPU devices (in a subprocess: the device count is
-fixed when JAX starts)."""
+check, a scaled-down plan compiled on 8 fake CPU devices (in a subprocess: the device count is
+fixed when JAX starts), the HLO walk of `--compiler tpu` on a hand-written module, and a scaled-down
+model compiled by XLA:TPU (libtpu, the tpu-plan extra) for a v5e-4 slice."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
+import re
 import subprocess
 import sys
 
@@ -15,6 +18,8 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AbstractMesh
 
+from dsr1.bench import hlo
+from dsr1.bench.chips import SLICES
 from dsr1.bench.cli import parser
 from dsr1.bench.plan import (
     TARGETS,
@@ -102,9 +107,9 @@ def test_mesh_option_syntax():
             parse_mesh(bad)
 
 
-def _plan(*args: str) -> subprocess.CompletedProcess:
+def _plan(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dsr1.bench", "plan", *args], env=subprocess_env(1),
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.slow
@@ -141,9 +146,145 @@ def test_a_target_sets_devices_memory_and_mesh_and_options_override_it():
     spec = spec_from_options(parser().parse_args(["plan", "--target", "v5p-64", "--quant", "int8"]))
     assert (spec.devices, spec.hbm_gib, spec.quant, spec.cfg.num_hidden_layers) == (32, 95, "int8", 61)
     assert {t: (TARGETS[t].devices, TARGETS[t].hbm_gib) for t in TARGETS} == {
-        "8xH100": (8, 80), "8xH200": (8, 141), "v5e-64": (64, 16), "v5p-64": (32, 95)}
+        "8xH100": (8, 80), "8xH200": (8, 141), "v5e-4": (4, 16), "v5e-8": (8, 16), "v5e-64": (64, 16),
+        "v5p-64": (32, 95), "v6e-8": (8, 32), "v6e-64": (64, 32)}
+    # Every TPU target is a slice whose topology has its device count, and its memory is its chip's.
+    for name, t in TARGETS.items():
+        if name in SLICES:
+            assert (SLICES[name].devices, SLICES[name].chip.hbm_gib) == (t.devices, t.hbm_gib)
+    with pytest.raises(PlanError, match="--compiler tpu needs a TPU --target"):
+        spec_from_options(parser().parse_args(["plan", "--target", "8xH200", "--compiler", "tpu"]))
     spec = spec_from_options(parser().parse_args(["plan", "--target", "8xH100", "--mesh", "expert=2,tensor=4",
                                                   "--hbm", "40", "--preset", "tiny"]))
     assert (spec.mesh, spec.hbm_gib, spec.context, spec.prefill_len) == ({"expert": 2, "tensor": 4}, 40, 1024, 2048)
     with pytest.raises(PlanError, match="max_position_embeddings=2048"):
         spec_from_options(parser().parse_args(["plan", "--preset", "tiny", "--context", "2048"]))
+
+
+# A loop of 5 layers (its bound a constant) around a page loop whose bound is dynamic; the layer body
+# slices its layer out of a [5, 64, 32] bf16 stack inside a fusion and all-reduces an f32[8,32].
+HLO = """HloModule walk
+
+%fused_slice (param_0: bf16[5,64,32], param_1: s32[]) -> bf16[64,32] {
+  %param_0 = bf16[5,64,32]{2,1,0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %view = bf16[5,64,32]{2,1,0} bitcast(%param_0)
+  %ds = bf16[1,64,32]{2,1,0} dynamic-slice(%view, %param_1, %zero, %zero), dynamic_slice_sizes={1,64,32}
+  ROOT %b = bf16[64,32]{1,0} bitcast(%ds)
+}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%pages_cond (p: (s32[], s32[])) -> pred[] {
+  %p = (s32[], s32[]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] get-tuple-element(%p), index=1
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%pages_body (p: (s32[], s32[])) -> (s32[], s32[]) {
+  %p = (s32[], s32[]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] get-tuple-element(%p), index=1
+  %g = f32[16,8]{1,0} all-gather(f32[4,8]{1,0} %i), dimensions={0}, metadata={op_name="jit(f)/pages"}
+  ROOT %t = (s32[], s32[]) tuple(%i, %n)
+}
+
+%layers_cond (q: (s32[], bf16[5,64,32])) -> pred[] {
+  %q = (s32[], bf16[5,64,32]) parameter(0)
+  %c5 = s32[] constant(5)
+  %i = s32[] get-tuple-element(%q), index=0
+  ROOT %lt = pred[] compare(%i, %c5), direction=LT
+}
+
+%layers_body (q: (s32[], bf16[5,64,32])) -> (s32[], bf16[5,64,32]) {
+  %q = (s32[], bf16[5,64,32]) parameter(0)
+  %i = s32[] get-tuple-element(%q), index=0
+  %w = bf16[5,64,32]{2,1,0} get-tuple-element(%q), index=1
+  %layer = bf16[64,32]{1,0} fusion(%w, %i), kind=kLoop, calls=%fused_slice
+  %copy.1 = bf16[64,32]{0,1} copy(%layer)
+  %act = f32[8,32]{1,0} broadcast(%i), dimensions={}
+  %r = f32[8,32]{1,0} all-reduce(f32[8,32]{1,0} %act), to_apply=%add, metadata={op_name="jit(f)/moe/psum"}
+  %pt = (s32[], s32[]) tuple(%i, %i)
+  %pw = (s32[], s32[]) while(%pt), condition=%pages_cond, body=%pages_body
+  ROOT %t = (s32[], bf16[5,64,32]) tuple(%i, %w)
+}
+
+ENTRY %main (a: bf16[5,64,32]) -> f32[8,128] {
+  %a = bf16[5,64,32]{2,1,0} parameter(0)
+  %z = s32[] constant(0)
+  %t = (s32[], bf16[5,64,32]) tuple(%z, %a)
+  %loop = (s32[], bf16[5,64,32]) while(%t), condition=%layers_cond, body=%layers_body
+  ROOT %ag = f32[8,128]{1,0} all-gather(f32[8,32]{1,0} %z), dimensions={1}
+}
+"""
+
+
+def test_hlo_walk_counts_loops_by_their_trip_counts_and_fusions_by_their_slices():
+    module = hlo.parse_module(HLO)
+    assert {n for n, c in module.items() if c.entry} == {"main"}
+    assert hlo.trip_count(module["layers_cond"]) == 5 and hlo.trip_count(module["pages_cond"]) is None
+    runs = hlo.executions(module, dynamic_trips=3)
+    assert runs == {"main": 1, "layers_body": 5, "pages_body": 15}  # fused computations run inside their fusion
+    found = {(c.op, c.bytes, c.runs) for c in hlo.collectives(module, runs)}
+    assert found == {("all-gather", 8 * 128 * 4, 1), ("all-reduce", 8 * 32 * 4, 5), ("all-gather", 16 * 8 * 4, 15)}
+    # The fusion reads one layer's slice (not the whole stack) and its index, and writes the slice.
+    layer = 64 * 32 * 2
+    assert hlo.instruction_bytes(module["layers_body"].by_name()["layer"], {"w": "bf16[5,64,32]", "i": "s32[]"},
+                                 module) == 2 * layer + 4  # + the s32 index
+    copies = hlo.copies_of(module, runs, [(64, 32)])
+    assert [(c.name, c.bytes, c.runs) for c in copies] == [("copy.1", layer, 5)]
+
+
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="libtpu is not installed (pip install 'dsr1[tpu-plan]')")
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_scaled_down_serving_step_compiled_by_xla_tpu_for_v5e(tmp_path):
+    """R1's structure at toy size (a dense layer, two MoE layers, 16 routed experts) compiled by XLA:TPU
+    for a v5e-4 slice: memory analysis, bytes per step, collectives with their bytes, and none of them
+    large: no collective moves more than the step's logits (a gathered weight, like the lm_head, would)."""
+    small = dataclasses.replace(TINY, vocab_size=1024)
+    (tmp_path / "config.json").write_text(json.dumps(small.to_hf_dict()))
+    out = tmp_path / "plan.json"
+    batch, context = 8, 64
+    proc = _plan("--compiler", "tpu", "--config", str(tmp_path), "--target", "v5e-4", "--quant", "int8",
+                 "--batch", str(batch), "--context", str(context), "--prefill-len", "32", "--json", str(out),
+                 timeout=1800)  # three XLA:TPU compiles, on a machine other jobs may share
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = json.loads(out.read_text())
+    for key in ("max_cached_tokens", "max_batch", "bytes_accessed_per_step", "collectives", "fits"):
+        assert key in plan, key
+    assert plan["compiler"] == "tpu" and plan["devices"] == 4 and plan["fits"] and plan["prefill_fits"]
+    step = plan["compiled"][0]
+    assert step["program"] == "serve_step" and step["refused"] is None
+    memory = step["memory"]
+    # XLA:TPU's arguments per device hold at least the weight shards and the replicated page pool.
+    pool = (batch * context // 16 + 1) * 16 * plan["cache_bytes_per_token"]
+    assert memory["argument_size_in_bytes"] >= plan["weight_bytes_per_device"] + pool
+    assert memory["alias_size_in_bytes"] >= pool  # the donated pool
+    assert plan["max_cached_tokens"] >= batch * 2 * context
+    assert plan["max_batch"][str(small.max_position_embeddings)] >= 1
+    # The routed experts' partial sums: one f32 [batch, hidden] all-reduce per MoE layer, per step.
+    moe = [c for c in plan["collectives"] if "routed_experts" in c["source"] and c["op"] == "all-reduce"]
+    assert [(c["bytes"], c["runs"]) for c in moe] == [(batch * small.hidden_size * 4, small.num_moe_layers)]
+    assert all(set(c) >= {"op", "bytes"} and c["op"] in hlo.COLLECTIVES for c in plan["collectives"])
+    logits = batch * small.vocab_size * 4
+    assert small.vocab_size * small.hidden_size * 2 > logits  # the bound would catch a gathered lm_head
+    assert max(c["bytes"] for c in plan["collectives"]) <= logits
+    # Bytes per step: at least the attention weights every layer reads, and a step time from them.
+    attention = plan["weight_breakdown"]["dense_layers"] + plan["weight_breakdown"][
+        "moe_layers (attention, shared experts, router)"]
+    assert plan["bytes_accessed_per_step"] >= attention
+    assert plan["step_time_s"] == pytest.approx(plan["bytes_accessed_per_step"] / 819e9)
+    # Copies of a device's whole expert stack are named with that stack's shape (one layer's or all).
+    experts = small.n_routed_experts // 2
+    assert all(re.search(rf"\[({small.num_moe_layers},)?{experts},", c["shape"]) for c in plan["expert_copies"])
+    assert "| serve_step | batch 8, cache 64 |" in proc.stdout and "collectives per serving step" in proc.stdout

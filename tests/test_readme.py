@@ -1,6 +1,7 @@
 """The README: its test command is exactly what CI runs, and its Python examples run as written."""
 
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -43,3 +44,19 @@ def test_one_line_generate():
                 "max_new_tokens=4).completions[0].text)")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip(), "generate printed no text"
+
+
+def test_the_library_install_generates_english():
+    """The install section's command line, as written: the embedded demo model continues the prompt
+    in English words, with its own tokenizer, and reports its speed."""
+    block = re.search(r"## Install as a library\n\n```bash\n(.*?)```", README, flags=re.S).group(1)
+    line = next(row for row in block.splitlines() if row.startswith("python -m dsr1 generate"))
+    args = shlex.split(line.split("#")[0])[1:] + ["--max-new-tokens", "16", "--no-warmup"]
+    proc = subprocess.run([sys.executable, *args], env=subprocess_env(1), capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "demo_model" in proc.stderr and "decode:" in proc.stderr
+    words = proc.stdout.split()
+    assert len(words) >= 3 and proc.stdout.isascii(), proc.stdout
+    assert sum(w.strip(",.;:!?'").isalpha() for w in words) >= len(words) - 1, proc.stdout
+

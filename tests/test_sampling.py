@@ -501,3 +501,33 @@ def test_jitted_sampler_does_not_recompile_for_new_values(logits):
     assert len(traces) == 1
     if hasattr(jitted, "_cache_size"):
         assert jitted._cache_size() == 1
+
+
+def test_restrict_applies_bias_allowed_tokens_bad_words_and_min_tokens():
+    from dsr1.generation.sampling import host_token_rules, restrict, token_rules
+
+    vocab = 12
+    settings = [Sampling(logit_bias={3: 2.0, 4: -500}, allowed_token_ids=(3, 4, 5, 6), min_tokens=2,
+                         stop_token_ids=(5,)),
+                Sampling(bad_words_ids=[[7], [1, 2, 8]]),
+                Sampling()]
+    rules = token_rules(jax.tree.map(jnp.asarray, host_token_rules(settings)), vocab)
+    logits = jnp.zeros((3, vocab))
+    recent = jnp.full((3, 7), -1, jnp.int32).at[1, -2:].set(jnp.array([1, 2]))
+    early = np.asarray(restrict(logits, rules, jnp.array([1, 0, 0]), recent))
+    late = np.asarray(restrict(logits, rules, jnp.array([2, 0, 0]), recent.at[1, -1].set(3)))
+    assert early[0, 3] == 2.0 and early[0, 4] == -100.0 and early[0, 6] == 0.0  # clipped to -100
+    assert np.isneginf(early[0, [0, 1, 2, 7]]).all() and np.isneginf(early[0, 5]) and late[0, 5] == 0.0
+    assert np.isneginf(early[1, [7, 8]]).all() and late[1, 8] == 0.0 and np.isneginf(late[1, 7])
+    assert (early[2] == 0).all()
+
+
+def test_grammar_bitmask_bits_are_llguidances():
+    from dsr1.serving.grammar import apply_masks
+
+    rng = np.random.default_rng(0)
+    vocab = 70
+    masks = rng.integers(-2**31, 2**31, (2, 3), dtype=np.int64).astype(np.int32)
+    out = np.asarray(apply_masks(jnp.zeros((3, vocab)), jnp.asarray(masks), jnp.array([1, -1, 0])))
+    bits = np.unpackbits(masks.view(np.uint8), bitorder="little").reshape(2, -1)[:, :vocab].astype(bool)
+    assert (np.isneginf(out[0]) == ~bits[1]).all() and (out[1] == 0).all() and (np.isneginf(out[2]) == ~bits[0]).all()

@@ -389,9 +389,11 @@ def test_step_rows_pack_round_trip():
                     starts=np.array([7, 0, 3], np.int32), counts=np.array([5, 0, 1], np.int32),
                     feed_last=np.array([False, False, True]), sample=np.array([True, False, True]),
                     sample_index=np.array([0, 0, 9], np.int32), logprobs=np.array([True, False, False]),
-                    steps=np.array([1, 4, 2], np.int32))
+                    steps=np.array([1, 4, 2], np.int32), prompt_logprobs=np.array([True, False, False]),
+                    mask_row=np.array([-1, -1, 2], np.int32))
     back = jax.jit(StepRows.unpack)(rows.pack())
-    for name in ("slots", "tokens", "starts", "counts", "feed_last", "sample", "sample_index", "logprobs", "steps"):
+    for name in ("slots", "tokens", "starts", "counts", "feed_last", "sample", "sample_index", "logprobs", "steps",
+                 "prompt_logprobs", "mask_row"):
         want, got = getattr(rows, name), np.asarray(getattr(back, name))
         assert got.dtype == want.dtype and np.array_equal(got, want), name
 

@@ -16,8 +16,8 @@ import dsr1
 from dsr1.core.config import Config
 from dsr1.core.model import forward_train
 from dsr1.core.params import float_specs, is_spec
-from dsr1.core.quant import Bf16Bits
 from dsr1.core.sharding import DEFAULT_RULES
+from dsr1.cpu import Bf16Bits
 from dsr1.generation.tokenizer import ASSISTANT, BOS, EOS, THINK_END, THINK_START, USER, render_chat
 from dsr1.train import corpus as corpus_mod
 from dsr1.train.bpe import chat_template, r1_special_tokens

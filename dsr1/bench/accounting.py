@@ -15,7 +15,8 @@ import numpy as np
 from ..core.cache import check_kv_cache_dtype
 from ..core.config import Config
 from ..core.params import Params
-from ..core.quant import Bf16Bits, Int8Weight
+from ..core.quant import Int8Weight
+from ..cpu import Bf16Bits
 
 ROUTED = ("gate", "up", "down")  # the routed-expert stacks under params["moe_layers"]["moe"]
 

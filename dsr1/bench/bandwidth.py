@@ -35,7 +35,7 @@ def read_bandwidth(nbytes: int = COPY_BYTES, repeats: int = 5) -> float:
     """Measured read bandwidth in GB/s: the best of `repeats` runs of a jitted max over `nbytes` of
     bfloat16, counting the bytes read. A decode step reads its weights and cache and writes next to
     nothing, so this, not the copy's read-plus-write rate, is the floor of its step time: on a
-    shared CPU the two differ (a 2-vCPU Zen 5 VM: reads 38-40 GB/s beside copies of 59-64)."""
+    shared CPU the two move apart."""
     largest = jax.jit(jnp.max)
     x = jax.block_until_ready(jnp.ones(nbytes // 2, jnp.bfloat16))
     seconds, _ = best_of(lambda: largest(x), repeats)

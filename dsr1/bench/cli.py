@@ -378,7 +378,7 @@ def parser() -> argparse.ArgumentParser:
                                      "a share with a common prefix) through the serving engine and through static "
                                      "batches of generate, and reports throughput, time to first token, "
                                      "inter-token latency, prefix hit rate and the engine's host vs device time "
-                                     "per step (docs/performance.md, \"Serving\").")
+                                     "per step (docs/benchmarks.md, \"Serving\").")
     _serve_options(srv)
     add_model_options(srv, default_preset="tiny")
     srv.add_argument("--seed", type=int, default=0, help="seed of the weights and the workload (default: 0)")

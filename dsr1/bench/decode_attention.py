@@ -4,10 +4,10 @@ widths (R1's by default), the cache bf16 or (`--kv-cache-dtype int8`) int8 laten
 scale per position. XLA's path (one softmax, float32 scores, the probabilities rounded to bf16:
 `attention._cache_softmax`'s steps) is the reference; the GPU flash-decoding kernel runs under
 each asked tiling (`flash_decode.Tiling`; `--interpret` runs it on any backend, slowly: for tests);
-dsr1's CPU kernel (`cpu_kernels.mla_decode_context`) where it is built. Per call: ms,
+dsr1's CPU kernel (`dsr1.cpu.ffi.mla_decode_context`) where it is built. Per call: ms,
 the cache read (latents once) in GB/s, the products' TFLOP/s and the error against the reference.
-The flash kernel's tiling tables in docs/performance.md ("Second GPU session", "Third GPU session") came
-from this loop."""
+The flash kernel's default tilings were chosen with this loop (docs/benchmarks.md, "Decode attention
+alone")."""
 
 from __future__ import annotations
 
@@ -21,13 +21,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..core import cpu_kernels, flash_decode
+from .. import cpu
+from ..core import flash_decode
 from ..core.cache import KV_CACHE_DTYPES, quantize_latent
+from ..cpu import ffi as cpu_kernels
 from ..options import positive_int, positive_ints
 from .bandwidth import device_description, with_final_load
 from .report import device_line, markdown_table
 
-# The tilings the GPU sessions swept (docs/performance.md), the defaults (bf16 cache, int8 cache) first.
+# The tilings swept to choose the defaults (bf16 cache, int8 cache), which come first.
 TILINGS = ("32x64x4x2", "64x64x8x1", "16x64x4x2", "64x64x8x2", "64x32x4x2", "64x32x8x2", "32x32x4x2", "64x64x4x2",
            "32x64x4x3", "32x64x8x2", "64x64x8x3", "128x32x8x1", "128x16x8x2", "16x128x4x2", "16x32x4x2", "16x64x4x3",
            "32x64x4x2t", "64x64x8x2t")
@@ -146,7 +148,7 @@ def implementations(tilings: list[flash_decode.Tiling], interpret: bool,
     if jax.default_backend() == "gpu" or interpret:
         for t in tilings:
             found[f"flash {tiling_name(t)}"] = lambda x, t=t: flash_context(x, scale, t, interpret)
-    if cpu_kernels.available():
+    if cpu.enabled(jax.devices()):
         found["cpu kernel"] = lambda x: cpu_kernel_context(x, scale)
     return found
 
@@ -182,8 +184,8 @@ def add_attention_options(p: argparse.ArgumentParser) -> None:
                    help="rotary key width, qk_rope_head_dim (default: 64, R1's)")
     p.add_argument("--tilings", type=parse_tilings, default=parse_tilings(",".join(TILINGS)),
                    help="the flash kernel's tilings, HEADSxKEYSxWARPSxSTAGES (a trailing t: the transposed products, "
-                        "keys as the tiles' rows), comma-separated (default: the 18 the GPU sessions swept, the "
-                        "defaults for bf16 and int8 caches first)")
+                        "keys as the tiles' rows), comma-separated (default: the 18 swept to choose the "
+                        "defaults for bf16 and int8 caches, those first)")
     p.add_argument("--kv-cache-dtype", choices=[d for d in KV_CACHE_DTYPES if d],
                    help="int8 cached latents with a float32 scale per position (default: bf16)")
     p.add_argument("--interpret", action="store_true",

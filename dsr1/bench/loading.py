@@ -246,7 +246,7 @@ def run_load(args: argparse.Namespace) -> dict[str, Any]:
     dev = with_final_load(dev)
     print(device_line(dev))
     print(f"checkpoint: {name}, {measured['files']} files; load as {args.dtype}{' int8' if args.quant else ''}; "
-          f"{args.cache} page cache (see docs/performance.md)\n")
+          f"{args.cache} page cache (see docs/benchmarks.md)\n")
     _print_measured(measured)
     if converted:
         print(f"\nconverted ({converted['files']} files):\n")

@@ -22,6 +22,10 @@ silently be replicated fails the plan, naming the tensor and the axis.
 Caveat: the temporaries are XLA:CPU's. CPU has no bf16 matmul, so it converts some bf16 operands to
 float32 (the gathered lm_head, the cache), which a GPU or TPU does not: the "with temp" fit is a
 lower bound, the "weights + cache" fit an upper bound.
+
+`--compiler tpu` asks XLA:TPU itself instead (`dsr1.bench.tpu`): the serving step and prefill compiled
+with libtpu for a TPU slice's real topology, with its memory analysis, the bytes a step reads and
+writes, and every collective of the step.
 """
 
 from __future__ import annotations
@@ -43,8 +47,10 @@ from ..core.config import Config
 from ..core.params import abstract_params, is_spec, param_specs
 from ..core.quant import check_quant
 from ..core.sharding import DEFAULT_RULES, MESH_AXES, ShardingRules, make_mesh, replicated_sharding
+from . import tpu
 from .accounting import cache_token_bytes
 from .bandwidth import device_description, with_final_load
+from .chips import CHIPS, SLICES
 from .report import device_line
 
 GIB = 2**30
@@ -74,9 +80,13 @@ TARGETS = {t.name: t for t in (
            "parallel over NVLink"),
     Target("8xH200", 8, 141, {"expert": 1, "tensor": 8}, "one node of 8 NVIDIA H200 (141 GB HBM3e each), tensor "
            "parallel over NVLink"),
-    Target("v5e-64", 64, 16, {"expert": 8, "tensor": 8}, "TPU v5e-64: 64 chips of 16 GB HBM2e"),
-    Target("v5p-64", 32, 95, {"expert": 4, "tensor": 8}, "TPU v5p-64: 64 TensorCores = 32 chips (JAX devices, "
-           "megacore) of 95 GB HBM2e"),
+    Target("v5e-4", 4, CHIPS["v5e"].hbm_gib, {"expert": 2, "tensor": 2}, "TPU v5e-4: 4 chips of 16 GB HBM2e"),
+    Target("v5e-8", 8, CHIPS["v5e"].hbm_gib, {"expert": 1, "tensor": 8}, "TPU v5e-8: 8 chips of 16 GB HBM2e"),
+    Target("v5e-64", 64, CHIPS["v5e"].hbm_gib, {"expert": 8, "tensor": 8}, "TPU v5e-64: 64 chips of 16 GB HBM2e"),
+    Target("v5p-64", 32, CHIPS["v5p"].hbm_gib, {"expert": 4, "tensor": 8}, "TPU v5p-64: 64 TensorCores = 32 chips "
+           "(JAX devices, megacore) of 95 GB HBM2e"),
+    Target("v6e-8", 8, CHIPS["v6e"].hbm_gib, {"expert": 1, "tensor": 8}, "TPU v6e-8: 8 chips of 32 GB HBM"),
+    Target("v6e-64", 64, CHIPS["v6e"].hbm_gib, {"expert": 8, "tensor": 8}, "TPU v6e-64: 64 chips of 32 GB HBM"),
 )}
 
 
@@ -121,6 +131,10 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
                    "of max_position_embeddings)")
     p.add_argument("--prefill-len", type=int, help="prompt tokens of the compiled prefill, batch 1 (default: 4096, "
                    "at most max_position_embeddings)")
+    p.add_argument("--compiler", choices=["cpu", "tpu"], default="cpu",
+                   help="cpu: compile for fake CPU devices (default); tpu: compile with XLA:TPU (libtpu, the "
+                        "tpu-plan extra) for the --target slice's real topology, no TPU needed: its memory "
+                        "analysis, bytes per step and collectives")
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON to PATH")
 
 
@@ -143,6 +157,7 @@ class PlanSpec:
     context: int = 4096
     prefill_len: int = 4096
     target: str | None = None
+    compiler: str = "cpu"
 
     @property
     def devices(self) -> int:
@@ -164,8 +179,12 @@ def spec_from_options(args: argparse.Namespace) -> PlanSpec:
     if 2 * context > longest or prefill_len > longest:
         raise PlanError(f"--context={context} (compiled at it and twice it) and --prefill-len={prefill_len} must "
                         f"fit max_position_embeddings={longest} of {name}")
+    compiler = getattr(args, "compiler", "cpu")
+    if compiler == "tpu" and (target is None or target.name not in SLICES):
+        raise PlanError(f"--compiler tpu needs a TPU --target: one of {', '.join(SLICES)}")
     return PlanSpec(cfg, name, mesh, hbm, args.dtype, check_quant(args.quant),
-                    check_kv_cache_dtype(args.kv_cache_dtype), args.batch, context, prefill_len, args.target)
+                    check_kv_cache_dtype(args.kv_cache_dtype), args.batch, context, prefill_len, args.target,
+                    compiler)
 
 
 def fake_cpu_mesh(sizes: dict[str, int]) -> Mesh:
@@ -406,6 +425,50 @@ def make_plan(spec: PlanSpec, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES,
     return plan
 
 
+def make_tpu_plan(spec: PlanSpec, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES,
+                  log: Any = lambda msg: None) -> dict[str, Any]:
+    """Compile the serving step (at the asked batch x context and at twice the context) and prefill with
+    XLA:TPU for the target slice's devices (`mesh`, from `tpu.topology_mesh`), and fit the chip's HBM."""
+    cfg, dtype = spec.cfg, jnp.dtype(spec.dtype)
+    chip = SLICES[spec.target].chip
+    weights = abstract_weights(cfg, mesh, rules, dtype, spec.quant)
+    steps = [("serve_step", spec.context), ("serve_step", 2 * spec.context), ("prefill", spec.prefill_len)]
+    compiled = []
+    for i, (program, size) in enumerate(steps):
+        log(f"[{i + 1}/{len(steps)}] lowering and compiling {program} ({size} positions) with XLA:TPU for "
+            f"{spec.target} ({spec.devices} devices) ...")
+        if program == "serve_step":
+            compiled.append(tpu.compile_serve_step(weights, cfg, mesh, rules, spec.batch, size, dtype,
+                                                   spec.kv_cache_dtype))
+        else:
+            compiled.append(tpu.compile_prefill_tpu(weights, cfg, mesh, rules, size, spec.kv_cache_dtype))
+        c = compiled[-1]
+        log(f"    {c.lower_s:.1f} s to lower, {c.compile_s:.1f} s to compile"
+            + (f"; refused: {c.refused}" if c.refused else ""))
+    step = compiled[0]
+    available = next((c.hbm_available_bytes for c in compiled if c.hbm_available_bytes), None)
+    budget = available or (spec.hbm_gib if spec.hbm_gib is not None else chip.hbm_gib) * GIB
+    tokens = spec.batch * spec.context
+    fitted = tpu.fit(compiled[0], compiled[1], tokens, 2 * tokens, budget, fit_contexts(cfg),
+                     cache_bytes_per_token(cfg, dtype, spec.kv_cache_dtype))
+    per_step = step.bytes_accessed_per_step
+    return {
+        "model": spec.name, "compiler": "tpu", "devices": spec.devices, "mesh": spec.mesh, "target": spec.target,
+        "chip": dataclasses.asdict(chip), "topology": SLICES[spec.target].topology, "hbm_gib": spec.hbm_gib,
+        "dtype": spec.dtype, "quant": spec.quant, "kv_cache_dtype": spec.kv_cache_dtype,
+        "batch": spec.batch, "context": spec.context,
+        "weight_bytes_total": total_bytes(weights), "weight_bytes_per_device": device_bytes(weights),
+        "weight_breakdown": weight_breakdown(weights),
+        "cache_bytes_per_token": cache_bytes_per_token(cfg, dtype, spec.kv_cache_dtype),
+        "compiled": [dataclasses.asdict(c) for c in compiled], "budget_bytes": budget,
+        "fits": step.refused is None and step.peak_bytes <= budget, "peak_bytes": step.peak_bytes,
+        "prefill_fits": compiled[2].refused is None and compiled[2].peak_bytes <= budget, **fitted,
+        "bytes_accessed_per_step": per_step, "xla_bytes_accessed": step.xla_bytes_accessed,
+        "step_time_s": None if per_step is None else per_step / chip.hbm_bytes_per_s,
+        "collectives": step.collectives, "expert_copies": step.expert_copies,
+    }
+
+
 # ---- the report ----------------------------------------------------------------------------------
 
 def _gib(n: float) -> str:
@@ -455,15 +518,26 @@ def plan_report(plan: dict[str, Any]) -> str:
 
 
 def run_plan(args: argparse.Namespace) -> dict[str, Any]:
-    """The `plan` command: fake the mesh's devices, compile, fit, print the report."""
+    """The `plan` command: fake the mesh's devices (or describe the TPU slice's), compile, fit, print the
+    report."""
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     try:
         spec = spec_from_options(args)
-        mesh = fake_cpu_mesh(spec.mesh)  # first: before anything starts JAX's backend
-        dev = device_description()
-        plan = make_plan(spec, mesh, log=lambda msg: print(msg, file=sys.stderr, flush=True))
-    except PlanError as e:
+        if spec.compiler == "tpu":
+            try:
+                jax.config.update("jax_platforms", "cpu")  # the runtime: no TPU is opened, only compiled for
+            except RuntimeError:
+                pass  # the backend has started (on CPU, unless a TPU is here: compiling for it works too)
+            mesh = tpu.topology_mesh(SLICES[spec.target], spec.mesh)
+            dev = device_description()
+            plan = make_tpu_plan(spec, mesh, log=log)
+        else:
+            mesh = fake_cpu_mesh(spec.mesh)  # first: before anything starts JAX's backend
+            dev = device_description()
+            plan = make_plan(spec, mesh, log=log)
+    except (PlanError, tpu.TpuPlanError) as e:
         raise SystemExit(f"plan: {e}") from None
     dev = with_final_load(dev)
     print(device_line(dev))
-    print(plan_report(plan))
+    print(tpu.tpu_report(plan) if spec.compiler == "tpu" else plan_report(plan))
     return {"command": "plan", "device": dev, **plan}

@@ -1,7 +1,7 @@
 """Timing prefill: milliseconds, tokens/s and FLOP/s against the matmul peak measured in the same run
 (model FLOPs utilization). The peak is of the dtype a prefill computes in: the weights' dtype (bf16)
 on GPU and TPU, and on CPU for bf16 weights too (products of many rows run as bf16 dots,
-`quant.native_bf16`); float32 on CPU for int8 weights, which are widened where they are used."""
+`dsr1.cpu.products.native_bf16`); float32 on CPU for int8 weights, which are widened where they are used."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import cpu
 from ..api import Model
 from ..core.config import Config
-from ..core.quant import widens_on_use
 from .timing import best_of
 
 PREFILL_COLUMNS = ("batch", "tokens", "ms", "tok_s", "gflop", "gflop_s", "pct_of_peak")
@@ -38,7 +38,7 @@ def compute_dtype(model: Model) -> jnp.dtype:
     """The dtype most of a prefill's matmul FLOPs run in on this device: the weights' dtype, but float32
     for int8 weights on CPU (widened where they are used). On CPU bf16 weights are widened only in
     products of few rows (decode), which a prefill's projections and expert blocks are not."""
-    return jnp.dtype(jnp.float32) if widens_on_use() and model.quant else model.dtype
+    return jnp.dtype(jnp.float32) if cpu.enabled(model.mesh) and model.quant else model.dtype
 
 
 def matmul_peak_flops(dtype: Any = jnp.float32, size: int | None = None, repeats: int = 5) -> float:

@@ -25,35 +25,36 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
-from . import cpu_kernels, flash_decode
+from .. import cpu
+from . import flash_decode, products
 from .cache import KVCache, PagedKVCache, latent_values
 from .config import Config
 from .layers import rms_norm
-from .quant import einsum, matmul
 from .rope import apply_rope
 
 NEG_INF = -1e30  # a large finite negative: fully masked rows stay NaN-free
 
-# The decode products of the attention weights that dsr1's CPU kernel computes from copies laid out
-# for them (`params.compute_view`, `quant.kernel_layout`): q up-projection, absorbed W_UK and W_UV, o.
+# The decode products of the attention weights (q up-projection, absorbed W_UK and W_UV, o), which the
+# CPU backend computes from copies laid out for them (`dsr1.cpu.layouts`).
 DECODE_PRODUCTS = {"q_b": "btq,qhk->bthk", "wk_b": "bthn,hnr->bthr", "wv_b": "bhtr,hvr->bhtv", "o": "bhtv,hvd->btd"}
 
 
 def queries(p: dict, x: jax.Array, positions: jax.Array, cfg: Config) -> tuple[jax.Array, jax.Array]:
     """`x [B, T, D]` -> `q_nope [B, T, H, nope]`, `q_pe [B, T, H, rope]` (rope applied)."""
     if cfg.q_lora_rank is None:
-        q = einsum("btd,dhk->bthk", x, p["q"])
+        q = products.einsum("btd,dhk->bthk", x, p["q"])
     else:
-        c_q = rms_norm(matmul(x, p["q_a"]), p["q_a_norm"], cfg.rms_norm_eps)
-        q = einsum(DECODE_PRODUCTS["q_b"], c_q, p["q_b"])
+        c_q = rms_norm(products.matmul(x, p["q_a"]), p["q_a_norm"], cfg.rms_norm_eps)
+        q = products.einsum(DECODE_PRODUCTS["q_b"], c_q, p["q_b"])
     q_nope, q_pe = jnp.split(q, [cfg.qk_nope_head_dim], axis=-1)
     return q_nope, apply_rope(q_pe, positions, cfg)
 
 
 def latents(p: dict, x: jax.Array, positions: jax.Array, cfg: Config) -> tuple[jax.Array, jax.Array]:
     """`x [B, T, D]` -> the cached quantities: `c_kv [B, T, r]` (normed), `k_pe [B, T, rope]` (roped)."""
-    kv = matmul(x, p["kv_a"])
+    kv = products.matmul(x, p["kv_a"])
     c_kv, k_pe = jnp.split(kv, [cfg.kv_lora_rank], axis=-1)
     return rms_norm(c_kv, p["kv_a_norm"], cfg.rms_norm_eps), apply_rope(k_pe, positions, cfg)
 
@@ -90,7 +91,7 @@ def make_query(p: dict, q_nope: jax.Array, q_pe: jax.Array, absorbed: bool) -> Q
     """The query in the chosen form; absorbed folds `W_UK` in (`[B, T, H, nope] -> [B, T, H, r]`)."""
     if not absorbed:
         return Query(q_nope, q_pe, absorbed)
-    return Query(einsum(DECODE_PRODUCTS["wk_b"], q_nope, p["wk_b"]), q_pe, absorbed)
+    return Query(products.einsum(DECODE_PRODUCTS["wk_b"], q_nope, p["wk_b"]), q_pe, absorbed)
 
 
 def make_keys(p: dict, c_kv: jax.Array, c_scale: jax.Array | None, k_pe: jax.Array, absorbed: bool,
@@ -101,8 +102,8 @@ def make_keys(p: dict, c_kv: jax.Array, c_scale: jax.Array | None, k_pe: jax.Arr
     c_kv, k_pe = latent_values(c_kv, dtype), latent_values(k_pe, dtype)
     if absorbed:
         return Keys(c_kv, c_kv, k_pe, c_scale)
-    k_nope = einsum("bsr,hnr->bshn", c_kv, p["wk_b"])
-    v = einsum("bsr,hvr->bshv", c_kv, p["wv_b"])
+    k_nope = products.einsum("bsr,hnr->bshn", c_kv, p["wk_b"])
+    v = products.einsum("bsr,hvr->bshv", c_kv, p["wv_b"])
     return Keys(k_nope, v, k_pe, c_scale)
 
 
@@ -130,8 +131,8 @@ def attention_output(p: dict, ctx: jax.Array, absorbed: bool, dtype: jnp.dtype) 
     context is still latent (absorbed), then `o_proj`."""
     ctx = ctx.astype(dtype)
     if absorbed:
-        ctx = einsum(DECODE_PRODUCTS["wv_b"], ctx, p["wv_b"])
-    return einsum(DECODE_PRODUCTS["o"], ctx, p["o"])
+        ctx = products.einsum(DECODE_PRODUCTS["wv_b"], ctx, p["wv_b"])
+    return products.einsum(DECODE_PRODUCTS["o"], ctx, p["o"])
 
 
 def _masked(s: jax.Array, mask: jax.Array) -> jax.Array:
@@ -166,16 +167,17 @@ def attend_prefill(p: dict, x: jax.Array, positions: jax.Array, cfg: Config):
 
 
 def attend_decode(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache, layer: jax.Array, cfg: Config,
-                  one_device: bool = False):
+                  one_device: bool = False, mesh: Mesh | None = None):
     """One new token per row, `x [B, D]` at `positions [B]`, against `cache.lengths[b]` cached positions
     of `layer` of a contiguous cache. `attend_cached` with T = 1; returns `(out [B, D], (c_kv [B, r],
     k_pe [B, rope]))`."""
-    out, (c_new, pe_new) = attend_cached(p, x[:, None], positions[:, None], cache, layer, cfg, one_device=one_device)
+    out, (c_new, pe_new) = attend_cached(p, x[:, None], positions[:, None], cache, layer, cfg, one_device=one_device,
+                                       mesh=mesh)
     return out[:, 0], (c_new[:, 0], pe_new[:, 0])
 
 
 def attend_cached(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache, layer: jax.Array, cfg: Config,
-                  query_at: jax.Array | None = None, one_device: bool = False):
+                  query_at: jax.Array | None = None, one_device: bool = False, mesh: Mesh | None = None):
     """T new tokens per row, `x [B, T, D]` at `positions [B, T]` (`lengths[b] + t`), against
     `cache.lengths[b]` cached positions of `layer` of a contiguous cache and causally to each other
     (decode, and the multi-token verification of speculative decoding).
@@ -184,7 +186,9 @@ def attend_cached(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache, l
     here; the caller writes the returned `(c_kv [B, T, r], k_pe [B, T, rope])` once for all layers.
     `query_at [B]`: only row b's token `query_at[b]` queries (out `[B, 1, D]`); all T latents are
     still returned (the MTP catch-up needs the others' latents, not their outputs). `one_device`: the
-    cache is whole on one device, so dsr1's CPU kernel may attend (`_kernel_attends`).
+    cache is whole on one device, so the CPU backend's kernel may attend (`_kernel_attends`). `mesh`:
+    the devices the step runs on, which choose the attention kernel (`kernel_choice`); by default
+    JAX's default backend and `one_device`.
     """
     with jax.named_scope("mla_decode"):
         b, t = x.shape[0], x.shape[1]
@@ -200,10 +204,12 @@ def attend_cached(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache, l
         dt = q_nope.dtype
         q = make_query(p, q_nope, q_pe, absorbed=True)
         own = make_keys(p, c_new, None, pe_new, absorbed=True, dtype=dt)
+        platform, one_device = kernel_choice(mesh, one_device)
         if query_at is None and _kernel_attends(cache, t, one_device):
             return _attend_by_kernel(p, q, own, cache, layer, cache.lengths, dt, cfg), (c_new, pe_new)
         if flash_decode.applies(q.main.shape[2], q.main.shape[3], q.pe.shape[3], t, cache.c_kv.dtype,
-                                cache.c_scale is not None):
+                                cache.c_scale is not None, backend=platform,
+                                devices=None if mesh is None else mesh.size):
             c_scale = None if cache.c_scale is None else cache.c_scale[layer]
             ctx = _flash_context(q, own, cache.c_kv[layer], cache.k_pe[layer], c_scale, cache.lengths, cfg)
             return attention_output(p, ctx, absorbed=True, dtype=dt), (c_new, pe_new)
@@ -218,15 +224,20 @@ def attend_cached(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache, l
 CACHE_BLOCK = 256  # cached positions per step of `_fold_cache`; a cache of at most this many: one softmax
 
 
+def kernel_choice(mesh: Mesh | None, one_device: bool) -> tuple[str | None, bool]:
+    """The platform whose attention kernels a step on `mesh` may take (None: JAX's default backend),
+    and whether the CPU backend's kernel may attend: `one_device` without a mesh, else a mesh of one
+    device where the backend runs (`dsr1.cpu.enabled`)."""
+    if mesh is None:
+        return None, one_device
+    return mesh.devices.flat[0].platform, mesh.size == 1 and cpu.enabled(mesh)
+
+
 def _kernel_attends(cache: KVCache | PagedKVCache, queries: int, one_device: bool) -> bool:
-    """Whether dsr1's CPU kernel computes a decode step's attention (`cpu_kernels.mla_decode_context`):
-    one query per row against a cache (contiguous or paged) of bf16 bits (a CPU's, `cache.stores_bits`),
-    or of int8 latents beside bf16 bits of `k_pe`, whole on one device (XLA would gather a sharded
-    operand of a custom call). Every cache length in one softmax, as `_cache_softmax` (the XLA path
-    folds caches of more than `CACHE_BLOCK` positions, and page pools a block of pages at a time)."""
-    bits = cache.c_kv.dtype == jnp.uint16 and cache.c_scale is None
-    int8 = cache.c_kv.dtype == jnp.int8 and cache.c_scale is not None and cache.k_pe.dtype == jnp.uint16
-    return one_device and queries == 1 and (bits or int8) and cpu_kernels.available()
+    """Whether the CPU backend computes a decode step's attention (`dsr1.cpu.attends`): its kernel
+    takes every cache length in one softmax, as `_cache_softmax` (the XLA path folds caches of more
+    than `CACHE_BLOCK` positions, and page pools a block of pages at a time)."""
+    return cpu.attends(cache.c_kv, cache.c_scale, cache.k_pe, queries, one_device)
 
 
 def _attend_by_kernel(p: dict, q: Query, own: Keys, cache: KVCache | PagedKVCache, layer: jax.Array,
@@ -235,9 +246,8 @@ def _attend_by_kernel(p: dict, q: Query, own: Keys, cache: KVCache | PagedKVCach
     """The attention output `[B, 1, D]` of one absorbed query per row against `lengths[b]` cached
     positions of `layer` (a page pool: through `page_table`) and its own key `own`, by dsr1's CPU
     kernel (`_kernel_attends`)."""
-    ctx = cpu_kernels.mla_decode_context(q.main[:, 0], q.pe[:, 0], cache.c_kv, cache.k_pe, layer, lengths,
-                                         own.values[:, 0], own.pe[:, 0], cfg.softmax_scale, page_table=page_table,
-                                         c_scale=cache.c_scale)
+    ctx = cpu.decode_attention(q.main[:, 0], q.pe[:, 0], cache.c_kv, cache.k_pe, layer, lengths, own.values[:, 0],
+                               own.pe[:, 0], cfg.softmax_scale, page_table=page_table, c_scale=cache.c_scale)
     return attention_output(p, ctx[:, :, None], absorbed=True, dtype=dtype)
 
 
@@ -387,21 +397,22 @@ def _fold_blocks(state: PartialSoftmax, p: dict, q: Query, steps: jax.Array, rea
 
 
 def attend_extend(p: dict, x: jax.Array, positions: jax.Array, context: PagedContext, layer: jax.Array,
-                  cfg: Config, *, absorbed: bool, one_device: bool = False):
+                  cfg: Config, *, absorbed: bool, one_device: bool = False, mesh: Mesh | None = None):
     """T new tokens per row, `x [B, T, D]` at `positions [B, T]` (`context.cached[b] + t`), attending
     to their row's cached tokens in `layer` of the page pool and causally to each other.
 
     The new tokens' latents join the softmax directly (the pool is only read here); the caller writes
     the returned `(c_kv [B, T, r], k_pe [B, T, rope])` for all layers at once. `absorbed` picks the
     form (see `use_absorbed`). `one_device`: the pool is whole on one device, so with one new token per
-    row dsr1's CPU kernel may attend (`_kernel_attends`). Returns `(out [B, T, D], (c_kv, k_pe))`.
+    row the CPU backend's kernel may attend (`_kernel_attends`); `mesh`: see `attend_cached`.
+    Returns `(out [B, T, D], (c_kv, k_pe))`.
     """
     with jax.named_scope("mla_extend"):
         q_nope, q_pe = queries(p, x, positions, cfg)
         c_new, pe_new = latents(p, x, positions, cfg)
         dt = q_nope.dtype
         q = make_query(p, q_nope, q_pe, absorbed)
-        if absorbed and _kernel_attends(context.cache, x.shape[1], one_device):
+        if absorbed and _kernel_attends(context.cache, x.shape[1], kernel_choice(mesh, one_device)[1]):
             own = make_keys(p, c_new, None, pe_new, absorbed=True, dtype=dt)
             return (_attend_by_kernel(p, q, own, context.cache, layer, context.cached, dt, cfg, context.page_table),
                     (c_new, pe_new))

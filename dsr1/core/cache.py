@@ -11,8 +11,8 @@ in the model's dtype.
   sequences with a common prefix can share its pages. `gather_pages` and `scatter_pages` move
   whole pages out of and back into the pool (the prefix cache's host offload).
 
-On CPU a bf16 cache stores its latents as their bits (uint16, `stores_bits`), as bf16 weights do
-(`quant.Bf16Bits`): read them through `latent_values`.
+On CPU a bf16 cache stores its latents as their bits (uint16, `stores_bits`): read them through
+`latent_values`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-
-from .quant import widens_on_use
 
 KV_CACHE_DTYPES = (None, "int8")
 
@@ -84,18 +82,17 @@ def _stored(c_kv: jax.Array, kv_cache_dtype: str | None) -> tuple[jax.Array, jax
     return quantize_latent(c_kv) if kv_cache_dtype == "int8" else (c_kv, None)
 
 
-def stores_bits(dtype: jnp.dtype) -> bool:
-    """Whether a cache keeps latents of `dtype` as their bits (uint16): bf16 on CPU. XLA:CPU computes
-    every bf16 slice, gather and scatter in float32, and hoists the widening of the whole cache (or
-    page pool) out of the layer loop: every step read and wrote all of it twice. A batch-8 decode step
-    of the bench preset took 26 ms with room for 64 positions and 119 ms with 4,096 (32 filled); a
-    serving step 19.5 ms with a 3 MB page pool and 93.5 ms with 94 MB."""
-    return jnp.dtype(dtype) == jnp.bfloat16 and widens_on_use()
+def stores_bits(dtype: jnp.dtype, platform: str | None = None) -> bool:
+    """Whether a cache on `platform`'s devices (by default JAX's default backend) keeps latents of
+    `dtype` as their bits (uint16): bf16 on CPU. XLA:CPU computes every bf16 slice, gather and scatter
+    in float32 and hoists the widening of the whole cache (or page pool) out of the layer loop, so
+    every step would read and write all of it twice."""
+    return jnp.dtype(dtype) == jnp.bfloat16 and (platform or jax.default_backend()) == "cpu"
 
 
-def to_stored(x: jax.Array) -> jax.Array:
-    """Latents as a cache stores them (`stores_bits`)."""
-    return jax.lax.bitcast_convert_type(x, jnp.uint16) if stores_bits(x.dtype) else x
+def to_stored(x: jax.Array, platform: str | None = None) -> jax.Array:
+    """Latents as a cache on `platform`'s devices stores them (`stores_bits`)."""
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if stores_bits(x.dtype, platform) else x
 
 
 def latent_values(stored: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -113,11 +110,13 @@ def _put(array: jax.Array, index: tuple, values: jax.Array, **kwargs) -> jax.Arr
 
 
 def cache_from_prefill(c_kv: jax.Array, k_pe: jax.Array, lengths: jax.Array, max_len: int,
-                       kv_cache_dtype: str | None = None) -> KVCache:
-    """A cache of `max_len` positions holding the prompts' latents `[layers, batch, T, ...]`."""
+                       kv_cache_dtype: str | None = None, platform: str | None = None) -> KVCache:
+    """A cache of `max_len` positions holding the prompts' latents `[layers, batch, T, ...]`, for
+    `platform`'s devices (`stores_bits`)."""
     pad = [(0, 0), (0, 0), (0, max_len - c_kv.shape[2])]
     c_kv, c_scale = _stored(c_kv, kv_cache_dtype)
-    return KVCache(jnp.pad(to_stored(c_kv), pad + [(0, 0)]), jnp.pad(to_stored(k_pe), pad + [(0, 0)]),
+    return KVCache(jnp.pad(to_stored(c_kv, platform), pad + [(0, 0)]),
+                   jnp.pad(to_stored(k_pe, platform), pad + [(0, 0)]),
                    None if c_scale is None else jnp.pad(c_scale, pad, constant_values=1.0),
                    lengths.astype(jnp.int32))
 
@@ -191,12 +190,13 @@ class PagedKVCache:
 
 
 def empty_paged_cache(num_layers: int, num_pages: int, page_size: int, kv_lora_rank: int, rope_dim: int,
-                      dtype: jnp.dtype, kv_cache_dtype: str | None = None) -> PagedKVCache:
-    """A zeroed page pool (scales 1 for int8). Call under jit to create it directly on the devices."""
+                      dtype: jnp.dtype, kv_cache_dtype: str | None = None, platform: str | None = None) -> PagedKVCache:
+    """A zeroed page pool (scales 1 for int8) for `platform`'s devices (`stores_bits`). Call under jit
+    to create it directly on the devices."""
     check_kv_cache_dtype(kv_cache_dtype)
     shape = (num_layers, num_pages, page_size)
     int8 = kv_cache_dtype == "int8"
-    stored = jnp.uint16 if stores_bits(dtype) else dtype
+    stored = jnp.uint16 if stores_bits(dtype, platform) else dtype
     return PagedKVCache(jnp.zeros((*shape, kv_lora_rank), jnp.int8 if int8 else stored),
                         jnp.zeros((*shape, rope_dim), stored), jnp.ones(shape, jnp.float32) if int8 else None)
 

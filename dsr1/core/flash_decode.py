@@ -4,16 +4,15 @@ In absorbed decode every head attends to the same latents `c_kv [B, S, r]` and `
 (keys are `[c_kv, k_pe]`, values `c_kv`). Through XLA the step writes the scores `[B, H, S]` in
 float32 and reads them back (softmax, concatenation with the new token's, the values' product):
 ~4 bytes per head per cached token against the cache's ~2 per latent, so at long context the
-attention ran at ~10% of the copy bandwidth on an H200 (docs/performance.md, "GPU"). The kernel
+attention runs far below the copy bandwidth. The kernel
 keeps a block of scores in registers: each program takes `Tiling.heads` heads and one split of the
 cached positions, loops over blocks of `Tiling.keys` latents with an online softmax, and writes its
 partial context with its running max and sum; `combine` folds the splits and the new token's own
 key. Each head block reads its split's latents again (4 blocks of 32 for R1's 128 heads): a block of
-all heads needs 256 KB of shared memory (an H200 has 227). With 128 heads the products bound the
-step, not memory: ~240 FLOP per cached byte, above an H200's ~210 at its peak; the kernel's products
-(32-row tiles through Triton's mma) reached 211-234 TFLOP/s at 8 and 32 rows of 32,768 positions,
-4x XLA's single softmax, 2.4x at one row (docs/performance.md, "Third GPU session"). An int8 cache
-runs at 0.6-0.67x the bf16 cache's rate (its latents made bf16 in every program), 2.7-2.8x XLA's.
+all heads needs 256 KB of shared memory, more than a Hopper GPU has. With 128 heads the products
+bound the step, not memory (~240 FLOP per cached byte, above the ratio of a Hopper GPU's peak FLOPs
+to its bandwidth), so the kernel computes them as 32-row tiles through Triton's mma. An int8 cache's
+latents are made bf16 in every program (docs/benchmarks.md has the figures).
 
 Used where it applies (`applies`: one GPU, one query per row, a bf16/f16 cache or an int8 one (its
 latents made bf16 on chip, its scales applied to scores and probabilities), head count and widths
@@ -44,9 +43,9 @@ class Tiling:
     cached positions per loop step, and Triton's `warps` per program and pipeline `stages`;
     `transposed` computes the products with the keys (and for the values the latents) as the tiles'
     rows: Hopper's `wgmma` wants 64 rows per warpgroup, which 64 keys or 512 latents have and 32 heads
-    do not (Triton then uses the older `mma`); it measured 0.75-0.8x the default at 8 and 32 rows on an
-    H200, 1.2x at one row. The default measured best of 14 tilings at 32 rows of 32,768 positions on
-    an H200 and within 3% of the best at 8 (docs/performance.md, "GPU")."""
+    do not (Triton then uses the older `mma`), which pays at one row and not at 8 or more. The default
+    is the best tiling found for long contexts at 8-32 rows (`python -m dsr1.bench decode-attention`
+    compares tilings)."""
 
     heads: int = 32
     keys: int = 64
@@ -57,7 +56,7 @@ class Tiling:
 
 DEFAULT_TILING = Tiling()
 # An int8 cache's latents are made bf16 on chip by every program that reads them: 64 heads per program
-# halve those conversions; at 8 and 32 rows of 32,768 positions on an H200 1.3x the default tiling.
+# halve those conversions.
 INT8_TILING = Tiling(heads=64, keys=64, warps=8, stages=1)
 
 

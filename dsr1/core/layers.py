@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .quant import matmul
+from .products import matmul
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

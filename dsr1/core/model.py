@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from . import cpu_kernels
+from .. import cpu
 from .attention import PagedContext, attend_cached, attend_decode, attend_extend, attend_prefill, use_absorbed
 from .cache import (
     KVCache,
@@ -33,7 +33,7 @@ from .config import Config
 from .layers import mlp, rms_norm
 from .moe import RouterStats, moe, router_stats
 from .params import STACKS, Params, compute_view, stack_layers
-from .quant import StackSlice, einsum, in_place_copies, widen, with_layer_copies
+from .products import einsum, to_float32
 from .sharding import ShardingRules, keep_replicated
 
 # Low-latency layout: activations are replicated (`keep_replicated`); only weights are split.
@@ -69,7 +69,7 @@ def _block(p: dict, x: jax.Array, attend, cfg: Config, mesh: Mesh, rules: Shardi
 
 
 def _embed(params: Params, tokens: jax.Array) -> jax.Array:
-    return widen(jax.tree.map(lambda a: a[tokens], params["embed"]))
+    return to_float32(jax.tree.map(lambda a: a[tokens], params["embed"]))
 
 
 def _logits(params: Params, x: jax.Array, cfg: Config) -> jax.Array:
@@ -85,7 +85,7 @@ def _split_routed_experts(stack: dict, router_in_place: bool = False) -> tuple[d
     """A layer stack's weights as (what the layer scan slices, the routed-expert stacks `[L, E, ...]`
     that it does not). The expert kernels slice one expert of one layer in place; scanned, a layer's
     whole expert stack would be sliced out first (on CPU a copy of it, every layer, every step).
-    `router_in_place`: the router's stack `[L, D, E]` too, for the CPU kernel (`moe.route`)."""
+    `router_in_place`: the router's stack `[L, D, E]` too, for the CPU backend (`moe.route`)."""
     if "moe" not in stack:
         return stack, None
     moe_p = stack["moe"]
@@ -108,17 +108,17 @@ def _run_layers(params: Params, x: jax.Array, attend: Attend, cfg: Config, mesh:
         if stack not in params:
             continue
         layers = stack_layers(cfg, stack)
-        # Decode's router logits on one CPU device: the kernel reads the layer's router in its stack.
-        router_in_place = cpu_kernels.available() and not train and mesh.size == 1
-        scanned, routed = _split_routed_experts(params[stack], router_in_place)
-        scanned, copies = in_place_copies(scanned) if cpu_kernels.available() else (scanned, None)
+        # Where the CPU backend runs, its kernel reads the layer's router and copies in their stacks.
+        backend = cpu.enabled(mesh)
+        scanned, routed = _split_routed_experts(params[stack], backend and not train and mesh.size == 1)
+        scanned, copies = cpu.in_place_copies(scanned) if backend else (scanned, None)
 
         def layer(x, inputs, routed=routed, copies=copies):
             p, i, in_stack = inputs
             if copies is not None:
-                p = with_layer_copies(p, copies, in_stack)
+                p = cpu.with_layer_copies(p, copies, in_stack)
             if routed is not None:
-                router = {"router": StackSlice(routed["router"], in_stack)} if "router" in routed else {}
+                router = {"router": cpu.StackSlice(routed["router"], in_stack)} if "router" in routed else {}
                 p = {**p, "moe": {**p["moe"], **routed, **router}}
             return _block(p, x, lambda p, h: attend(p, h, i), cfg, mesh, rules, in_stack, train)
 
@@ -150,7 +150,7 @@ def forward_hidden(params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg
                    rules: ShardingRules) -> tuple[jax.Array, jax.Array]:
     """`forward`'s logits `[B, T, V]` and the residual stream entering the final norm `[B, T, D]`
     (float32; the MTP module's input, `dsr1.core.mtp`); both zero at positions >= lengths."""
-    params = compute_view(params, cfg)
+    params = compute_view(params, cfg, mesh)
     x, _ = _prefill_hidden(params, tokens, cfg, mesh, rules)
     valid = (jnp.arange(tokens.shape[1])[None, :] < lengths[:, None])[..., None]
     logits = jnp.where(valid, _logits(params, x, cfg), 0.0)
@@ -183,11 +183,11 @@ def prefill_hidden(params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg
                    kv_cache_dtype: str | None = None) -> tuple[jax.Array, KVCache, jax.Array]:
     """`prefill`, and the residual stream entering the final norm at every position `[B, T, D]`
     (float32; what the MTP module reads, `dsr1.generation.speculative`)."""
-    params = compute_view(params, cfg)
+    params = compute_view(params, cfg, mesh)
     x, (c_kv, k_pe) = _prefill_hidden(params, tokens, cfg, mesh, rules)
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]
     logits = keep_replicated(_logits(params, last, cfg), mesh)
-    cache = cache_from_prefill(c_kv, k_pe, lengths, max_len, kv_cache_dtype)
+    cache = cache_from_prefill(c_kv, k_pe, lengths, max_len, kv_cache_dtype, mesh.devices.flat[0].platform)
     return logits, jax.tree.map(lambda a: keep_replicated(a, mesh), cache), keep_replicated(x, mesh)
 
 
@@ -197,11 +197,11 @@ def decode(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config, me
     the routed expert ids of every MoE layer `[L_moe, B, K]` (None without MoE layers): what the
     step read, for benchmarks and profiles (an unused output costs nothing under jit)."""
     positions = cache.lengths
-    params = compute_view(params, cfg)
+    params = compute_view(params, cfg, mesh)
     x = keep_replicated(_embed(params, tokens), mesh)
 
     def attend(p, h, i):
-        return attend_decode(p, h, positions, cache, i, cfg, one_device=mesh.size == 1)
+        return attend_decode(p, h, positions, cache, i, cfg, mesh=mesh)
 
     x, (c_new, pe_new), routing = _run_layers(params, x, attend, cfg, mesh, rules)
     logits = keep_replicated(_logits(params, x, cfg), mesh)
@@ -216,7 +216,7 @@ def verify(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config, me
     `[B, T, D]` (the MTP module's input) and the cache with all T written and `lengths + T`; keep
     fewer by setting `lengths` back (rejected drafts are then never read, and later overwritten)."""
     positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])
-    params = compute_view(params, cfg)
+    params = compute_view(params, cfg, mesh)
     x = keep_replicated(_embed(params, tokens), mesh)
 
     def attend(p, h, i):
@@ -232,8 +232,7 @@ def default_block_pages(page_size: int, table_width: int, chunk: int = 1) -> int
     """Pages per step of extend's page loop for `chunk` new tokens per row: about `DEFAULT_BLOCK_TOKENS`
     tokens, `CHUNK_BLOCK_TOKENS` for a prefill chunk (more than 8 tokens), at most the table. Larger
     blocks mean fewer loop steps but more masked work in a row's last, partial block, and that work
-    grows with the chunk's queries: a `[2, 64]` prompt chunk after 64-100 cached tokens took 16 ms
-    with 512-token blocks, 11 ms with 256 (tiny preset, 2-core CPU; 128 and 64 were no faster)."""
+    grows with the chunk's queries, so a prefill chunk takes the smaller blocks."""
     tokens = CHUNK_BLOCK_TOKENS if chunk > 8 else DEFAULT_BLOCK_TOKENS
     return max(1, min(table_width, tokens // page_size))
 
@@ -282,11 +281,11 @@ def extend(params: Params, cache: PagedKVCache, tokens: jax.Array, starts: jax.A
     cached = jnp.where(in_use, starts, 0)  # idle slots read nothing and do not lengthen the page loop
     context = PagedContext(cache, page_table, cached, block_pages)
     positions = cached[:, None] + jnp.arange(chunk)
-    params = compute_view(params, cfg)
+    params = compute_view(params, cfg, mesh)
     x = keep_replicated(_embed(params, tokens), mesh)
 
     def attend(p, h, i):
-        return attend_extend(p, h, positions, context, i, cfg, absorbed=absorbed, one_device=mesh.size == 1)
+        return attend_extend(p, h, positions, context, i, cfg, absorbed=absorbed, mesh=mesh)
 
     x, (c_new, pe_new), _ = _run_layers(params, x, attend, cfg, mesh, rules)
     with jax.named_scope("write_pages"):

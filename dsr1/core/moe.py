@@ -9,8 +9,9 @@ are kept and the top `num_experts_per_tok` experts taken among them. The weights
 Experts run under `shard_map`: each device sorts the token-expert pairs routed to its local experts,
 runs `ragged_dot` for gate/up and down on its slice of the expert ffw, and the partial outputs are
 summed over the expert and tensor mesh axes. Where `ragged_dot` is a dense product over every expert
-(XLA:CPU, XLA:GPU), other kernels run instead (`default_kernel`): on CPU a loop over blocks of the
-sorted pairs slices each hit expert in place (`loop_experts`); on GPU decode gathers the pairs'
+(XLA:CPU, XLA:GPU), other kernels run instead (`default_kernel`, chosen by the mesh's platform): on
+CPU a loop over blocks of the sorted pairs slices each hit expert in place (`loop_experts`; experts
+in the CPU backend's layouts hand their blocks to it, `dsr1.cpu`); on GPU decode gathers the pairs'
 experts (`gather_experts`) and larger batches fill per-expert buffers (`capacity_experts`).
 """
 
@@ -25,31 +26,22 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from . import cpu_kernels
+from .. import cpu
 from .config import Config
 from .layers import mlp
-from .quant import (
-    Bf16Bits,
-    Int8Weight,
-    StackSlice,
-    bf16_dot,
-    einsum,
-    kernel_matmul,
-    native_bf16,
-    ragged_dot,
-    rowwise_matmul,
-    widen,
-    widens_on_use,
-)
+from .products import einsum, ragged_dot, to_float32
+from .quant import Int8Weight
 from .sharding import ShardingRules
 
 # A per-device routed-expert computation: (x, weights, experts, gate, up, down, layer, rules) -> [N, D].
 ExpertKernel = Callable[..., jax.Array]
 
 
-def route(x: jax.Array, router: jax.Array | StackSlice, bias: jax.Array, cfg: Config) -> tuple[jax.Array, jax.Array]:
+def route(x: jax.Array, router: jax.Array | cpu.StackSlice, bias: jax.Array,
+          cfg: Config) -> tuple[jax.Array, jax.Array]:
     """`x [N, D]` -> `(weights [N, K] float32, expert ids [N, K] int32)`. `router [D, E]`, or a layer's
-    router in its stack (`StackSlice`, a layer scan's on one CPU device: see `router_logits`)."""
+    router in its stack (`dsr1.cpu.StackSlice`, a layer scan's where the CPU backend runs: see
+    `router_logits`)."""
     with jax.named_scope("router"):
         logits = router_logits(x, router)
         scores = jax.nn.sigmoid(logits)
@@ -69,14 +61,14 @@ def route(x: jax.Array, router: jax.Array | StackSlice, bias: jax.Array, cfg: Co
     return weights * cfg.routed_scaling_factor, experts.astype(jnp.int32)
 
 
-def router_logits(x: jax.Array, router: jax.Array | StackSlice) -> jax.Array:
-    """`x [N, D] @ router` in float32. A float32 router in its stack is read there by the CPU kernel for
-    up to `KERNEL_ROWS` rows (decode; slicing it out of the stack, a copy, cost more than the
-    product), else sliced out."""
+def router_logits(x: jax.Array, router: jax.Array | cpu.StackSlice) -> jax.Array:
+    """`x [N, D] @ router` in float32. A router in its stack is read there by the CPU backend where it
+    takes it (`dsr1.cpu.router_logits`), else sliced out."""
     x = x.astype(jnp.float32)
-    if isinstance(router, StackSlice):
-        if x.shape[0] <= cpu_kernels.KERNEL_ROWS and router.stack.dtype == jnp.float32:
-            return cpu_kernels.rows_matmul(x, router.stack, router.index)
+    if isinstance(router, cpu.StackSlice):
+        logits = cpu.router_logits(x, router)
+        if logits is not None:
+            return logits
         router = router.stack[router.index]
     return jnp.matmul(x, router, precision=jax.lax.Precision.HIGHEST)
 
@@ -140,8 +132,7 @@ def loop_block_rows(n_tokens: int, n_pairs: int, n_local: int) -> int:
     expert and a hit expert with n rows takes ceil(n / block) steps: the average rows per expert,
     rounded up to a power of two (at least `MIN_BLOCK_ROWS`, at most the tokens), keeps the padded
     rows below twice the pairs plus one block per expert. Small blocks matter in decode: at batch 8
-    (48 pairs on 64 experts) a block of all 8 tokens computed ~6x the routed rows, and a layer's
-    experts took 21-27 ms against 11-13.5 with blocks of 2 (bench preset, bf16, Zen 3)."""
+    (48 pairs on 64 experts) a block of all 8 tokens would compute ~6x the routed rows."""
     mean_rows = -(-n_pairs // n_local)
     return min(n_tokens, max(MIN_BLOCK_ROWS, 1 << (mean_rows - 1).bit_length()))  # next power of two
 
@@ -152,26 +143,15 @@ def _expert_slice(w: Any, layer: jax.Array, expert: jax.Array) -> Any:
 
 
 def _expert_matmul(x: jax.Array, stack: Any, layer: jax.Array, expert: jax.Array) -> jax.Array:
-    """float32 `x @ w` for expert `expert` of layer `layer` of a stacked `[L, E, in, out]` weight: a few
-    rows by dsr1's CPU kernel on the transposed copy, read in place (`quant.kernel_matmul`); else the
-    expert's plain or int8 weight, sliced in place and widened where it is used (a bf16 block of many
-    rows: computed in bf16, `quant.native_bf16`). HIGHEST: XLA:CPU runs a few-row float32 dot 2-3x
-    faster at that precision than at DEFAULT."""
-    if isinstance(stack, (Bf16Bits, Int8Weight)) and stack.kernel_reads(x.shape[0]):
-        return kernel_matmul(x, stack, layer * stack.shape[1] + expert)
+    """float32 `x @ w` for expert `expert` of layer `layer` of a stacked `[L, E, in, out]` weight, sliced
+    in place: in the weight's own dtype with float32 sums, as `ragged_dot` (a stack in the CPU
+    backend's layouts: its own product, `dsr1.cpu.expert_matmul`)."""
+    if cpu.holds(stack):
+        return cpu.expert_matmul(x, stack, layer, expert)
     w = _expert_slice(stack, layer, expert)
-    if not widens_on_use():  # GPU, TPU: the weight's own dtype with float32 sums, as `ragged_dot`
-        if isinstance(w, Int8Weight):
-            return jnp.dot(x, w.q.astype(x.dtype), preferred_element_type=jnp.float32) * w.scale
-        return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
-    highest = jax.lax.Precision.HIGHEST
-    if isinstance(w, (Bf16Bits, Int8Weight)) and w.reads_transposed(x.shape[0]):
-        return rowwise_matmul(x, w)
     if isinstance(w, Int8Weight):
-        return jnp.dot(x, widen(w.q), precision=highest) * w.scale
-    if native_bf16(w, x.shape[0]):
-        return bf16_dot(x, w)
-    return jnp.dot(x, widen(w), precision=highest)  # plain float32 or `Bf16Bits`
+        return jnp.dot(x, w.q.astype(x.dtype), preferred_element_type=jnp.float32) * w.scale
+    return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
 def _blocks(group_sizes: jax.Array, block: int):
@@ -193,23 +173,33 @@ def _blocks(group_sizes: jax.Array, block: int):
 
 
 def loop_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRules):
-    """The CPU kernel: sort the pairs by expert, then a loop over blocks of sorted rows, each block
-    one expert's, which slices that expert of `layer` from the stacks in place and runs its rows.
-    Reads each hit expert once per block and computes only its (padded) rows: its cost follows the
-    pairs and the hit experts, not the expert count (XLA:CPU's `ragged_dot` computes every expert).
-    Blocks that dsr1's CPU kernel reads (a few rows; many in bf16) run in one kernel call per product
-    instead (`_kernel_blocks`); bf16 experts and at most the kernel's rows of tokens (decode) go to it
-    as pairs, which it groups itself (`_kernel_pairs`)."""
+    """CPU: sort the pairs by expert, then a loop over blocks of sorted rows, each block one expert's,
+    which slices that expert of `layer` from the stacks in place and runs its rows. Reads each hit
+    expert once per block and computes only its (padded) rows: its cost follows the pairs and the hit
+    experts, not the expert count (XLA:CPU's `ragged_dot` computes every expert). Experts in the CPU
+    backend's layouts take a decode step's pairs as the router chose them (`dsr1.cpu.expert_pairs`),
+    or every block at once (`dsr1.cpu.expert_blocks`), where its kernel reads them."""
     n_local, n_tokens = gate.shape[1], x.shape[0]
-    if all(isinstance(w, Bf16Bits) and w.kernel_reads(n_tokens) for w in (gate, up, down)):  # decode, bf16
-        return _kernel_pairs(x, weights, experts, gate, up, down, layer, rules)
+    varying = functools.partial(jax.lax.pcast, axis_name=rules.moe_reduce_axes(), to="varying")
+    if cpu.takes_pairs(gate, up, down, n_tokens):  # decode, bf16
+        local, is_local = _local_pairs(experts, n_local, rules)
+        matrix = jnp.where(is_local, layer * n_local + local, -1).reshape(experts.shape)  # others' experts: skipped
+        return varying(cpu.expert_pairs(x, weights, matrix, gate, up, down))
     token, _, is_local, order, group_sizes = _sorted_pairs(experts, n_local, rules)
     block = loop_block_rows(n_tokens, experts.size, n_local)
     n_blocks, block_at = _blocks(group_sizes, block)
-    xs = jnp.pad((x.astype(jnp.float32) if widens_on_use() else x)[token], ((0, block), (0, 0)))
+    xs = jnp.pad((x.astype(jnp.float32) if cpu.holds(gate) else x)[token], ((0, block), (0, 0)))
     weight = jnp.where(is_local, weights.reshape(-1)[order], 0.0)
-    if all(isinstance(w, (Bf16Bits, Int8Weight)) and w.block_reads(block) for w in (gate, up, down)):
-        return _kernel_blocks(xs, token, weight, gate, up, down, layer, n_blocks, block_at, block, n_tokens, rules)
+    if cpu.takes_blocks(gate, up, down, block):
+        n_pairs = token.shape[0]
+        slots = jnp.arange(n_pairs // block + min(n_local, n_pairs))  # blocks <= pairs / block + hit experts
+        expert, start, mine = block_at(slots)
+        rows = start[:, None] + jnp.arange(block)  # [slots, block] sorted pairs
+        index = jnp.where(slots < n_blocks, layer * n_local + expert, -1)
+        pair = jnp.minimum(rows, n_pairs - 1)
+        used = jnp.where(slots < n_blocks, mine, 0)  # a block's rows past its expert's: not computed
+        out = varying(jnp.zeros((n_tokens, down.shape[-1]), jnp.float32))
+        return cpu.expert_blocks(xs[rows], index, used, token[pair], weight[pair], gate, up, down, out)
 
     def step(j, ys):
         expert, start, mine = block_at(j)
@@ -222,63 +212,15 @@ def loop_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRule
                                                    start, axis=0)
 
     # The outputs differ per device (its experts, its ffw slice): the loop carry says so from the start.
-    ys = jax.lax.pcast(jnp.zeros((xs.shape[0], down.shape[-1]), jnp.float32), rules.moe_reduce_axes(), to="varying")
-    ys = jax.lax.fori_loop(0, n_blocks, step, ys)
+    ys = jax.lax.fori_loop(0, n_blocks, step, varying(jnp.zeros((xs.shape[0], down.shape[-1]), jnp.float32)))
     return _combine(n_tokens, token, ys[:token.shape[0]], weight)
-
-
-def _kernel_pairs(x, weights, experts, gate, up, down, layer, rules: ShardingRules) -> jax.Array:
-    """A decode step's few tokens (at most the kernel's rows) in two kernel calls that take the pairs
-    as the router chose them (`cpu_kernels.swiglu_pairs`, `combine_pairs`): the kernel groups them by
-    expert, reads each hit expert once for all its rows, in place, and sums each row times its routing
-    weight into its token. The sort, block layout and row gathers of `_kernel_blocks` were ~100 XLA
-    thunks per layer (a batch-8 step of the bench preset: ~0.3 ms)."""
-    n_local = gate.shape[1]
-    local, is_local = _local_pairs(experts, n_local, rules)
-    matrix = jnp.where(is_local, layer * n_local + local, -1).reshape(experts.shape)  # others' experts: skipped
-    h = cpu_kernels.swiglu_pairs(x, matrix, gate.transposed, up.transposed)
-    out = cpu_kernels.combine_pairs(h, matrix, weights, down.transposed)
-    return jax.lax.pcast(out, rules.moe_reduce_axes(), to="varying")
-
-
-def _kernel_blocks(xs, token, weight, gate, up, down, layer, n_blocks, block_at, block: int, n_tokens: int,
-                   rules: ShardingRules) -> jax.Array:
-    """Every block of the expert loop at once: dsr1's CPU kernel takes all blocks' rows, each block
-    against its expert read in place (`kernel_matmul` with an index per block), one call per product,
-    and each row's output, times its routing weight, goes straight to its token. A call per block and
-    product cost ~10 us beyond its reads (its threads start and join), 423 calls per batch-8 decode
-    step of the bench preset. bf16 experts in decode take two calls: gate, up and SwiGLU, then down
-    and the weighted sum to the tokens (`cpu_kernels.swiglu_rows_dot`, `combine_rows_dot`). Slots past
-    the blocks (a static bound) are skipped."""
-    n_local, n_pairs = gate.shape[1], token.shape[0]
-    slots = jnp.arange(n_pairs // block + min(n_local, n_pairs))  # blocks <= pairs / block + hit experts
-    expert, start, mine = block_at(slots)
-    rows = start[:, None] + jnp.arange(block)  # [slots, block] sorted pairs
-    index = jnp.where(slots < n_blocks, layer * n_local + expert, -1)
-    xb = xs[rows]
-    pair = jnp.minimum(rows, n_pairs - 1)
-    used = jnp.where(slots < n_blocks, mine, 0)  # a block's rows past its expert's: not computed
-    if all(isinstance(w, Bf16Bits) and w.kernel_reads(block) for w in (gate, up, down)):  # decode: two calls
-        h = cpu_kernels.swiglu_rows_dot(xb, gate.transposed, up.transposed, index, used)
-        out = cpu_kernels.combine_rows_dot(h, down.transposed, index, token[pair], weight[pair], n_tokens, used)
-        return jax.lax.pcast(out, rules.moe_reduce_axes(), to="varying")
-    h = jax.nn.silu(kernel_matmul(xb, gate, index, used)) * kernel_matmul(xb, up, index, used)
-    if isinstance(down, Bf16Bits) and down.bf16_reads(block) and not down.amx_fits():  # prefill, vdpbf16ps
-        out = cpu_kernels.combine_rows_dot(h.astype(jnp.bfloat16), down.transposed, index, token[pair], weight[pair],
-                                           n_tokens, used)
-        return jax.lax.pcast(out, rules.moe_reduce_axes(), to="varying")
-    y = kernel_matmul(h, down, index, used)
-    keep = jnp.arange(block) < used[:, None]
-    out = jax.lax.pcast(jnp.zeros((n_tokens, y.shape[-1]), jnp.float32), rules.moe_reduce_axes(), to="varying")
-    return out.at[jnp.where(keep, token[pair], n_tokens)].add(y * weight[pair][..., None], mode="drop")
 
 
 def gather_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRules):
     """GPU decode: each token-expert pair's expert of `layer` gathered from the stacks and contracted
     by a float32 multiply-reduce, all pairs in one product. A step reads each pair's expert once and
-    spreads the work over the whole chip: the expert loop's one-row matmuls use a few of a GPU's cores
-    (H200: 221 GB/s), and `ragged_dot`, which XLA:GPU expands to a dense product, reads every expert
-    (docs/performance.md, "GPU")."""
+    spreads the work over the whole chip: the expert loop's one-row matmuls use a few of a GPU's cores,
+    and `ragged_dot`, which XLA:GPU expands to a dense product, reads every expert."""
     k = experts.shape[1]
     local, is_local = _local_pairs(experts, gate.shape[1], rules)
     pick = jnp.where(is_local, local, 0)
@@ -293,8 +235,8 @@ def _pair_matmul(rows: jax.Array, w: Any) -> jax.Array:
     """`rows [P, i] @ w [P, i, o]` per pair, float32, as a multiply-reduce (which XLA fuses with the
     gather of `w`; a batched dot would first copy the gathered experts)."""
     if isinstance(w, Int8Weight):
-        return (rows[:, :, None] * widen(w.q)).sum(1) * w.scale
-    return (rows[:, :, None] * widen(w)).sum(1)
+        return (rows[:, :, None] * to_float32(w.q)).sum(1) * w.scale
+    return (rows[:, :, None] * to_float32(w)).sum(1)
 
 
 CAPACITY_FACTOR = 1.5  # buffer rows per expert over the mean pairs: balanced routing fits in one round
@@ -337,12 +279,13 @@ def capacity_experts(x, weights, experts, gate, up, down, layer, rules: Sharding
 
 def default_kernel(n_pairs: int, n_local: int, backend: str | None = None) -> ExpertKernel:
     """The routed-expert kernel for `n_pairs` token-expert pairs on `n_local` experts, by platform
-    (measured in docs/performance.md). CPU: the expert loop at every size (XLA:CPU lowers
+    (`python -m dsr1.bench moe` compares them). CPU: the expert loop at every size (XLA:CPU lowers
     `ragged_dot` to a dense masked product over *every* local expert). GPU: XLA:GPU expands
     `ragged_dot` the same way, and a one-row matmul per expert uses a few of its cores, so decode
     gathers the pairs' experts while they are fewer than half of the experts (`gather_experts`), and
     more pairs run through per-expert buffers (`capacity_experts`). TPU keeps `ragged_dot`.
-    `backend`: JAX's default backend unless given."""
+    `backend`: the platform of the mesh's devices (`routed_experts` passes it); JAX's default backend
+    unless given."""
     backend = backend or jax.default_backend()
     if backend == "cpu":
         return loop_experts
@@ -351,15 +294,21 @@ def default_kernel(n_pairs: int, n_local: int, backend: str | None = None) -> Ex
     return gather_experts if 2 * n_pairs <= n_local else capacity_experts
 
 
-def _local_experts(x, weights, experts, gate, up, down, layer, *, rules: ShardingRules, differentiable: bool = False,
-                   kernel: ExpertKernel | None = None):
+def differentiable_kernel(platform: str) -> ExpertKernel:
+    """The routed-expert kernel with reverse mode on `platform`: `ragged_dot`, but on CPU (where it is a
+    dense product over every expert for every pair) every expert on every token (`dense_experts`)."""
+    return dense_experts if platform == "cpu" else ragged_experts
+
+
+def _local_experts(x, weights, experts, gate, up, down, layer, *, rules: ShardingRules, platform: str,
+                   differentiable: bool = False, kernel: ExpertKernel | None = None):
     """Per-device body: this device's experts (and ffw slice) applied to every token routed to them,
-    by `kernel`, or by default the platform's: `differentiable`, no expert loop (its dynamic trip count
-    has no reverse mode): `ragged_dot`, or on CPU every expert on every token (`dense_experts`)."""
+    by `kernel`, or by default the `platform`'s: `differentiable`, no expert loop (its dynamic trip
+    count has no reverse mode): `ragged_dot`, or on CPU every expert on every token (`dense_experts`)."""
     if kernel is None and differentiable:
-        kernel = dense_experts if widens_on_use() else ragged_experts
+        kernel = differentiable_kernel(platform)
     elif kernel is None:
-        kernel = default_kernel(experts.size, gate.shape[1])
+        kernel = default_kernel(experts.size, gate.shape[1], platform)
     return jax.lax.psum(kernel(x, weights, experts, gate, up, down, layer, rules), rules.moe_reduce_axes())
 
 
@@ -367,14 +316,13 @@ def _partition_spec(w: Any, axes: tuple[str, ...], rules: ShardingRules) -> Any:
     """The shard_map spec of a stacked `[L, E, ...]` expert weight (and of its int8 scales, which drop
     the input axis; `input_axes` count within one layer)."""
     axes = ("layers", *axes)
-    # The CPU's transposed copy is split like the weight: its spec with the last two axes swapped.
-    transposed = None if getattr(w, "transposed", None) is None else rules.spec((*axes[:-2], axes[-1], axes[-2]))
-    if isinstance(w, Bf16Bits) and transposed is not None:
-        return Bf16Bits(rules.spec(axes), one_device=w.one_device, transposed=transposed)
-    if not isinstance(w, Int8Weight):
-        return rules.spec(axes)
-    scale_axes = tuple(a for i, a in enumerate(axes) if i - 1 not in w.input_axes)
-    return Int8Weight(rules.spec(axes), rules.spec(scale_axes), w.input_axes, transposed, w.one_device)
+    spec = rules.spec(axes)
+    scale = None
+    if isinstance(w, Int8Weight):
+        scale = rules.spec(tuple(a for i, a in enumerate(axes) if i - 1 not in w.input_axes))
+    if cpu.holds(w):  # a copy with the last two axes swapped is split like the weight
+        return cpu.partition_spec(w, spec, rules.spec((*axes[:-2], axes[-1], axes[-2])), scale)
+    return spec if scale is None else Int8Weight(spec, scale, w.input_axes)
 
 
 def routed_experts(p: dict, x: jax.Array, weights: jax.Array, experts: jax.Array, mesh: Mesh,
@@ -393,8 +341,9 @@ def routed_experts(p: dict, x: jax.Array, weights: jax.Array, experts: jax.Array
     with jax.named_scope("routed_experts"):
         w_in = _partition_spec(gate, ("experts", "embed", "expert_ffw"), rules)
         w_out = _partition_spec(down, ("experts", "expert_ffw", "embed"), rules)
-        body = jax.shard_map(functools.partial(_local_experts, rules=rules, differentiable=differentiable,
-                                               kernel=kernel), mesh=mesh,
+        platform = mesh.devices.flat[0].platform
+        body = jax.shard_map(functools.partial(_local_experts, rules=rules, platform=platform,
+                                               differentiable=differentiable, kernel=kernel), mesh=mesh,
                              in_specs=(P(), P(), P(), w_in, w_in, w_out, P()), out_specs=P())
         return body(x, weights, experts, gate, up, down, jnp.asarray(layer, jnp.int32))
 

@@ -28,7 +28,7 @@ from .config import Config
 from .layers import rms_norm
 from .model import _block, _split_routed_experts
 from .params import Params
-from .quant import einsum, matmul, widen
+from .products import einsum, matmul, to_float32
 from .sharding import ShardingRules, keep_replicated
 
 
@@ -46,7 +46,7 @@ def mtp_module(params: Params, index: int = 0) -> tuple[dict, dict | None]:
 def mtp_input(p: dict, hidden: jax.Array, next_tokens: jax.Array, cfg: Config) -> jax.Array:
     """`h' = eh_proj([enorm(embed(next_tokens)); hnorm(hidden)])` `[..., D]` float32."""
     with jax.named_scope("mtp_input"):
-        e = rms_norm(widen(jax.tree.map(lambda a: a[next_tokens], p["embed"])), p["enorm"], cfg.rms_norm_eps)
+        e = rms_norm(to_float32(jax.tree.map(lambda a: a[next_tokens], p["embed"])), p["enorm"], cfg.rms_norm_eps)
         h = rms_norm(hidden, p["hnorm"], cfg.rms_norm_eps)
         x = jnp.concatenate([e, h.astype(e.dtype)], axis=-1)
         return matmul(x, p["eh_proj"]).astype(jnp.float32)

@@ -20,10 +20,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from . import cpu_kernels
-from .attention import DECODE_PRODUCTS
+from .. import cpu
 from .config import Config
-from .quant import Bf16Bits, Int8Weight, as_bits, check_quant, quantize, widens_on_use, with_transposed
+from .quant import Int8Weight, check_quant, quantize
 from .sharding import DEFAULT_RULES, LogicalAxes, ShardingRules
 
 Params = dict[str, Any]  # nested dicts of jax.Array / Int8Weight, same structure as param_specs()
@@ -328,46 +327,10 @@ def init_params(cfg: Config, mesh: Mesh, rules: ShardingRules, *, seed: int, dty
                           quant=check_quant(quant), mtp=mtp)
 
 
-def compute_view(params: Params, cfg: Config) -> Params:
-    """The weights as programs compute them: on CPU every bf16 matrix (not the norms) becomes
-    `Bf16Bits`, which `quant.widen` turns into float32 where a slice is used, so the weights stay
-    bf16 in memory and are read as bf16; elsewhere the weights unchanged. `api.load` and
-    `init_random` hold the weights this way: XLA:CPU copies a bf16 -> uint16 bitcast of a whole
-    stack rather than treating it as free, so a program must receive the bits.
-    Decode reads some weights in a second form (`quant.as_bits`): the matrices of `x @ W` products
-    (routed experts, MLPs, `q_a`, `kv_a`) also keep their bits transposed, `[..., out, in]`, and so do
-    those matrices' int8 values (`quant.with_transposed`). With dsr1's CPU kernel (`cpu_kernels`) the
-    output heads (the lm_head, the MTP heads) keep transposed bits too, and the attention weights of
-    `attention.DECODE_PRODUCTS` bits laid out for those products; without it the output heads keep a
-    float32 copy for one-row products (the largest weights a decode step reads outside any loop).
-    Idempotent."""
-    if not widens_on_use():
-        return params
-    specs = float_specs(cfg, mtp="mtp" in params)
-    kernel = cpu_kernels.available()
-
-    def one(path: tuple, spec: ArrayInfo, w: Any) -> Any:
-        if isinstance(w, Int8Weight):
-            return with_transposed(w) if multiplies_last_two_axes(spec) else w
-        is_matrix = spec.init == "normal" and not isinstance(w, Bf16Bits)
-        if not is_matrix or w.dtype != jnp.bfloat16:
-            return w
-        name = getattr(path[-1], "key", None)
-        if kernel and name in DECODE_PRODUCTS:
-            return as_bits(w, kernel_spec=DECODE_PRODUCTS[name], stacked=int(spec.axes[0] == "layers"))
-        return as_bits(w, keep_float32=is_output_head(spec) and not kernel,
-                       keep_transposed=holds_transposed_bits(name, spec, w.dtype))
-
-    return jax.tree_util.tree_map_with_path(one, specs, params, is_leaf=is_spec)
-
-
-def holds_transposed_bits(name: str | None, spec: ArrayInfo, dtype: Any) -> bool:
-    """Whether `compute_view` holds the weight `name` (`spec`, held in `dtype`) as bf16 bits with a
-    transposed copy, `[..., out, in]`, made by `as_bits(keep_transposed=True)` (the loader makes that
-    copy itself, layer by layer, where it can: `dsr1.weights.loading`)."""
-    if not widens_on_use() or spec.init != "normal" or jnp.dtype(dtype) != jnp.bfloat16:
-        return False
-    kernel = cpu_kernels.available()
-    if kernel and name in DECODE_PRODUCTS:  # laid out for the kernel's products instead
-        return False
-    return multiplies_last_two_axes(spec) or is_output_head(spec) and kernel
+def compute_view(params: Params, cfg: Config, mesh: Mesh) -> Params:
+    """The weights as programs on `mesh` compute them: where the mesh's devices run the CPU backend,
+    in its layouts (`dsr1.cpu.view`: bf16 matrices as their bits, with copies laid out for decode's
+    products); elsewhere, and with that backend off, the weights unchanged. `api.load` and
+    `init_random` hold the weights this way, and the model's programs apply it again (idempotent: a
+    program given plain weights reinterprets them, without copies)."""
+    return cpu.view(params, float_specs(cfg, mtp="mtp" in params), mesh)

@@ -3,10 +3,10 @@
 One `jax.lax.while_loop` (`dsr1.generation.decoding.generate_chunk`) runs up to `chunk_size` decode steps
 without returning to the host: decode, sample (per-row settings, `dsr1.generation.sampling`),
 record, stop rows that hit a stop token or their token budget, and leave early when every row is
-done. Between chunks the host detokenizes
-the new tokens, streams text, and looks for stop strings; a row that hits one is cut exactly
-there and marked done on the device. R1's reasoning (`<think>...</think>`) is separated from the
-answer in each completion.
+done. Between chunks the host detokenizes the new tokens, streams text, and looks for stop
+strings; a row that hits one is cut exactly there and marked done on the device. R1's reasoning
+(`<think>...</think>`) is separated from the answer in each completion, and the text streamed and
+displayed carries no marker.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from .output import (
     Prompt,
     RowOutput,
     encode_prompt,
-    needs_tokenizer,
     opens_thinking,
     request_sampling,
     split_reasoning,
+    text_tokenizer,
 )
 from .sampling import Sampling, batch_sampling, host_token_rules
-from .tokenizer import Tokenizer, load_tokenizer
+from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # `dsr1.api` imports `dsr1.programs`, which imports this package
     from ..api import Model
@@ -86,10 +86,12 @@ def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | N
     """Generate for a batch of prompts of different lengths.
 
     `prompts`: strings (encoded with BOS, or as one user turn of the chat template with `chat=True`),
-    chat message lists, or token id lists. `sampling`: one `Sampling` for all rows or one per row
+    chat message lists, or token id lists. `tokenizer`: default the model's own (`Model.tokenizer`,
+    the checkpoint's), else R1's. `sampling`: one `Sampling` for all rows or one per row
     (default greedy); the model's EOS is always a stop token. `max_new_tokens` overrides every
     row's `Sampling.max_new_tokens`. `stream(row, text)` receives each row's new text after every
-    chunk of `chunk_size` decode steps (the only host round trips of the loop).
+    chunk of `chunk_size` decode steps (the only host round trips of the loop), as displayed: the
+    pieces join to the completion's `text`, with no `<think>` marker.
 
     `draft_tokens=k > 0`: MTP speculative decoding (`dsr1.generation.speculative`; the model needs
     its MTP module: `dsr1.load(..., mtp=True)`). The MTP module drafts k tokens, the model verifies
@@ -105,8 +107,7 @@ def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | N
     if draft_tokens and "mtp" not in model.params:
         raise ValueError("draft_tokens > 0 needs the model's MTP module: load it with dsr1.load(..., mtp=True) "
                          "(or dsr1.init_random(..., mtp=True))")
-    if tokenizer is None and any(needs_tokenizer(p) for p in prompts):
-        tokenizer = load_tokenizer()
+    tokenizer = text_tokenizer(tokenizer, model.tokenizer, model.cfg.vocab_size, prompts)
     settings = list(sampling) if isinstance(sampling, Sequence) else [sampling or Sampling()] * n
     if len(settings) != n:
         raise ValueError(f"got {len(settings)} Sampling settings for {n} prompts")
@@ -140,7 +141,7 @@ def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | N
     prefill_seconds = time.perf_counter() - start
     chunks, steady_start, steady_from = 0, time.perf_counter(), 0
     while True:
-        _consume(rows, chunk, stream, final=False)
+        _consume(rows, chunk, stream, thinking, final=False)
         stopped = np.array([r.stopped_by_string for r in rows])
         if stopped.any():
             state = dataclasses.replace(state, done=state.done | put_replicated(stopped, model.mesh))
@@ -159,7 +160,7 @@ def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | N
             steady_start, steady_from = time.perf_counter(), int((chunk >= 0).sum())
     for row in rows:
         row.finish()
-    _consume(rows, np.zeros((n, 0), np.int32), stream, final=True)
+    _consume(rows, np.zeros((n, 0), np.int32), stream, thinking, final=True)
     end = time.perf_counter()
     decode_seconds = end - start - prefill_seconds
 
@@ -177,10 +178,11 @@ def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | N
                             decode_tokens, end - steady_start if steady else 0.0, steady, acceptance)
 
 
-def _consume(rows: list[RowOutput], chunk: np.ndarray, stream: StreamCallback | None, final: bool) -> None:
+def _consume(rows: list[RowOutput], chunk: np.ndarray, stream: StreamCallback | None, thinking: list[bool],
+             final: bool) -> None:
     for i, row in enumerate(rows):
         row.add([int(t) for t in chunk[i] if t >= 0])
         if stream is not None:
-            text = row.streamable(final)
+            text = row.displayable(final, thinking[i])
             if text:
                 stream(i, text)

@@ -5,7 +5,9 @@ the serving engine (`dsr1.serving`, continuous batching).
 - `request_sampling`: a request's `Sampling` with the model's EOS among its stop tokens.
 - `RowOutput`: a row's tokens and text as they arrive: incremental detokenization, stop tokens and
   strings (cut exactly, nothing after them kept), and the text that can safely be streamed.
-- `Completion` and `split_reasoning`: the finished output, R1's reasoning separated from the answer.
+- `Completion`, `split_reasoning` and `visible_text`: the finished output, R1's reasoning separated
+  from the answer; what a person reads carries no `<think>` / `</think>` markers.
+- `text_tokenizer`: the tokenizer a request uses by default: the model's own, else R1's.
 - `TokenLogprob`: an output token's log-probability and the most likely alternatives.
 """
 
@@ -16,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from .sampling import Sampling, find_stop_string
-from .tokenizer import THINK_END, THINK_START, StreamDecoder, Tokenizer
+from .tokenizer import THINK_END, THINK_START, StreamDecoder, Tokenizer, load_tokenizer
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 
@@ -34,7 +36,9 @@ class TokenLogprob:
 
 @dataclasses.dataclass(frozen=True)
 class Completion:
-    """One row's output. `tokens` excludes the stop token; `text` ends before any stop string."""
+    """One row's output. `tokens` excludes the stop token; `text` ends before any stop string and
+    reads as displayed: R1's reasoning, a blank line, the answer, without the `<think>` markers
+    (`visible_text`; the tokens' raw text is `tokenizer.decode(tokens)`)."""
 
     tokens: list[int]
     text: str
@@ -47,6 +51,22 @@ class Completion:
 def needs_tokenizer(prompt: Prompt) -> bool:
     """Whether encoding `prompt` needs a tokenizer (text or chat messages, not token ids)."""
     return isinstance(prompt, str) or bool(len(prompt) and isinstance(prompt[0], dict))
+
+
+def text_tokenizer(tokenizer: Tokenizer | None, own: Tokenizer | None, vocab_size: int,
+                   prompts: Sequence[Prompt]) -> Tokenizer | None:
+    """The tokenizer for `prompts`: `tokenizer` if given, else the model's `own` (its checkpoint's),
+    else R1's when a prompt is text, else None (token ids in, token ids out). A tokenizer with more
+    ids than the model's `vocab_size` is refused: its ids past the vocabulary would be errors and
+    the ones below it another vocabulary's tokens, read as noise."""
+    tokenizer = tokenizer or own
+    if tokenizer is None and any(needs_tokenizer(p) for p in prompts):
+        tokenizer = load_tokenizer()
+    if tokenizer is not None and tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} token ids but the model's vocabulary holds "
+                         f"{vocab_size}: pass the model's own tokenizer (dsr1.load_tokenizer(checkpoint_folder)), "
+                         "or token ids")
+    return tokenizer
 
 
 def encode_prompt(prompt: Prompt, tokenizer: Tokenizer | None, chat: bool) -> list[int]:
@@ -83,13 +103,36 @@ def opens_thinking(prompt: Sequence[int], tokenizer: Tokenizer | None) -> bool:
 
 
 def split_reasoning(text: str, thinking: bool) -> tuple[str, str]:
-    """(reasoning, answer) of an R1 output. `thinking`: the prompt already opened `<think>`."""
-    if THINK_END in text:
-        reasoning, answer = text.split(THINK_END, 1)
-        return reasoning.removeprefix(THINK_START).strip("\n"), answer.lstrip("\n")
-    if thinking or text.startswith(THINK_START):
-        return text.removeprefix(THINK_START).strip("\n"), ""  # still thinking when it stopped
-    return "", text
+    """(reasoning, answer) of an R1 output. `thinking`: the prompt already opened `<think>`. Output
+    that neither follows an open `<think>` nor starts with one is all answer."""
+    if not (thinking or text.startswith(THINK_START)):
+        return "", text
+    reasoning, _, answer = text.removeprefix(THINK_START).partition(THINK_END)
+    return reasoning.strip("\n"), answer.lstrip("\n")  # no </think>: still thinking when it stopped
+
+
+def _partial_marker(text: str) -> int:
+    """Length of the longest suffix of `text` that may still grow into `<think>` or `</think>`."""
+    return max((k for m in (THINK_START, THINK_END) for k in range(1, len(m)) if text.endswith(m[:k])), default=0)
+
+
+def _unmarked(text: str) -> str:
+    return text.replace(THINK_START, "").replace(THINK_END, "")
+
+
+def visible_text(text: str, thinking: bool, final: bool = True) -> str:
+    """An output as a person reads it: R1's reasoning, a blank line, then the answer, with no
+    `<think>` / `</think>` marker. Before the output is `final`, what may still change (a partial
+    marker, the start that may yet open `<think>`) is held back, so each call's result extends the
+    previous one's and can be streamed."""
+    if not final:
+        text = text[:len(text) - _partial_marker(text)]
+        if not thinking and THINK_START.startswith(text):
+            return ""
+    if not (thinking or text.startswith(THINK_START)):
+        return _unmarked(text)
+    reasoning, answer = (_unmarked(part) for part in split_reasoning(text, thinking))
+    return reasoning + ("\n\n" if reasoning and answer else "") + answer
 
 
 class RowOutput:
@@ -97,8 +140,9 @@ class RowOutput:
 
     def __init__(self, tokenizer: Tokenizer | None, settings: Sampling):
         self.tokens: list[int] = []
-        self.text = ""
+        self.text = ""  # the tokens' raw text, R1's markers included
         self.streamed = 0
+        self.shown = 0  # characters of `visible_text` already returned by `displayable`
         self.stopped_by_token = False
         self.stopped_by_string = False
         self.decoder = StreamDecoder(tokenizer, settings.skip_special_tokens) if tokenizer else None
@@ -136,15 +180,28 @@ class RowOutput:
         if self.decoder is not None and not self.stopped_by_string:
             self.text += self.decoder.flush()
 
-    def streamable(self, final: bool) -> str:
-        """New text that can no longer be cut by a stop string (held back while it could begin one)."""
+    def _settled(self, final: bool) -> int:
+        """How much of `text` no stop string can cut any more (held back while it could begin one)."""
         end = len(self.text)
         if not final and not self.stopped_by_string:
             end -= max((k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
+        return end
+
+    def streamable(self, final: bool) -> str:
+        """New raw text (markers included) that can no longer be cut by a stop string."""
+        end = self._settled(final)
         new, self.streamed = self.text[self.streamed:end], max(self.streamed, end)
+        return new
+
+    def displayable(self, final: bool, thinking: bool) -> str:
+        """New text as displayed (`visible_text`, no reasoning markers); the pieces join to the
+        completion's `text`. `thinking`: the prompt opened `<think>`."""
+        shown = visible_text(self.text[:self._settled(final)], thinking, final)
+        new, self.shown = shown[self.shown:], max(self.shown, len(shown))
         return new
 
     def completion(self, finish_reason: str, prompt_tokens: int, thinking: bool) -> Completion:
         """The finished row as a `Completion`."""
         reasoning, answer = split_reasoning(self.text, thinking)
-        return Completion(list(self.tokens), self.text, reasoning, answer, finish_reason, prompt_tokens)
+        return Completion(list(self.tokens), visible_text(self.text, thinking), reasoning, answer, finish_reason,
+                          prompt_tokens)

@@ -62,6 +62,13 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
     return Tokenizer.from_file(local if local.is_file() else packaged_tokenizer_json())
 
 
+def checkpoint_tokenizer(path: str | Path) -> Tokenizer | None:
+    """The `tokenizer.json` of a checkpoint folder (or of the folder holding the file `path`), or None."""
+    folder = Path(path)
+    local = (folder.parent if folder.is_file() else folder) / "tokenizer.json"
+    return Tokenizer.from_file(local) if local.is_file() else None
+
+
 class Tokenizer:
     """R1's byte-level BPE vocabulary plus the chat template. Wraps a `tokenizers.Tokenizer` (`.backend`)."""
 

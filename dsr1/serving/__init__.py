@@ -29,6 +29,6 @@ runs it with per-request sampling. Design: docs/serving.md. The host side, one c
 
 from ..generation.output import TokenLogprob
 from .engine import Engine, EngineStats
-from .request import Request
+from .request import FINISH_REASONS, Request
 
-__all__ = ["Engine", "EngineStats", "Request", "TokenLogprob"]
+__all__ = ["FINISH_REASONS", "Engine", "EngineStats", "Request", "TokenLogprob"]

@@ -83,7 +83,7 @@ def mtp_paged_cache(*, cfg: Config, mesh: Mesh, num_pages: int, page_size: int, 
                     kv_cache_dtype: str | None) -> PagedKVCache:
     """`paged_cache` for the MTP module: one layer, the same pages."""
     cache = empty_paged_cache(1, num_pages, page_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim, jnp.dtype(dtype),
-                              kv_cache_dtype)
+                              kv_cache_dtype, mesh.devices.flat[0].platform)
     return jax.tree.map(lambda a: keep_replicated(a, mesh), cache)
 
 

@@ -117,7 +117,8 @@ class Engine:
         dispatches and read-backs, coarser streaming and admission.
       max_seq_len: the longest prompt + output (default: the model's limit, or the pool's size).
       prefix_caching: reuse cached prefixes (False: every prompt is prefilled in full).
-      tokenizer: for text and chat prompts and output text (default: loaded on the first text prompt).
+      tokenizer: for text and chat prompts and output text (default: the model's own, `Model.tokenizer`;
+        else R1's, loaded on the first text prompt).
       draft_tokens: MTP speculative decoding with k drafts per decode iteration (0: off); the model
         needs its MTP module (`dsr1.load(..., mtp=True)`, `dsr1.init_random(..., mtp=True)`).
     """
@@ -135,7 +136,7 @@ class Engine:
         self.model = model
         self.config = SchedulerConfig(max_seqs, page_size, num_pages, prefill_chunk, prefill_rows, max_seq_len,
                                       decode_steps, draft_tokens)
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer or model.tokenizer
         sizes = dict(cfg=model.cfg, mesh=model.mesh, num_pages=num_pages, page_size=page_size, dtype=model.dtype,
                      kv_cache_dtype=model.kv_cache_dtype)
         pool = PagePool(programs.paged_cache(**sizes), model.mesh,

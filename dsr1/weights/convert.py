@@ -38,6 +38,7 @@ from .safetensors_io import CheckpointError
 from .throughput import Throughput, path_bytes, rate
 
 SETTINGS = "convert.json"  # in OUT.partial: the arguments a resumed run must share
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 log = logging.getLogger("dsr1.weights")
 
 
@@ -180,6 +181,9 @@ def convert_with_stats(hf: str | Path, out: str | Path, *, quant: str | None = N
             bar.update(size)
     try:
         shutil.copyfile(hf / "config.json", partial / "config.json")
+        for name in TOKENIZER_FILES:  # the converted model keeps the release's tokenizer (Model.tokenizer)
+            if (hf / name).is_file():
+                shutil.copyfile(hf / name, partial / name)
         manifest = {"format": store.FORMAT, "version": store.VERSION, "quant": quant, "dtype": dtype, "mtp": mtp,
                     "units": [store.unit_file(*u) for u in units]}
         store.write_json(partial / store.MANIFEST, manifest)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 DEMO_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-# The one command that regenerates the shipped folder (docs/performance.md has its log and figures).
+# The one command that regenerates the shipped folder (docs/benchmarks.md has its figures).
 REGENERATE = ("python -m dsr1.train --out runs/demo --steps 1000 --schedule-steps 1200 --batch 16 "
               "--seq-len 256 --export dsr1/demo_model")
 

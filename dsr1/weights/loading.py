@@ -1,5 +1,9 @@
 """Loading weights into their shardings, from a HF release-layout folder or a converted one.
 
+`plan_load` derives once what a load does (`LoadPlan`: the folder's format and quantization, the
+weights' declarations as stored and as held, their dtype and shardings, how each stack is built),
+and `load_params` carries it out.
+
 Both formats are read one unit at a time (the global weights, then one layer). Each weight is
 built on the host region by region, one buffer per distinct device region, and handed to its
 devices: where the devices are the CPU, without a copy (the buffer becomes the device buffer).
@@ -24,12 +28,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
-from ..core import host_copy, huge_pages
+from .. import cpu
 from ..core.config import Config
 from ..core.params import (
     Params,
     abstract_params,
-    holds_transposed_bits,
     is_spec,
     param_specs,
     per_layer,
@@ -38,8 +41,10 @@ from ..core.params import (
     stack_names,
     unit_specs,
 )
-from ..core.quant import as_bits, check_quant
+from ..core.quant import check_quant
 from ..core.sharding import ShardingRules
+from ..cpu import host_copy, huge_pages
+from ..cpu.layouts import as_bits
 from . import store
 from .release import (
     FP8_BLOCK,
@@ -142,12 +147,11 @@ def _region_key(region: tuple[slice, ...], shape: tuple[int, ...]) -> tuple:
     return tuple(s.indices(n) for s, n in zip(region, shape))
 
 
-def _host_regions(abstract: jax.ShapeDtypeStruct) -> HostRegions:
-    """An empty host buffer for each distinct region this process's devices hold of `abstract`: where
-    they are CPU devices, the buffers they will hold (large ones in huge pages, `huge_pages.empty`)."""
+def _host_regions(abstract: jax.ShapeDtypeStruct, empty: Callable[..., np.ndarray] = np.empty) -> HostRegions:
+    """An empty host buffer (made by `empty`, `LoadPlan.empty`) for each distinct region this process's
+    devices hold of `abstract`."""
     regions = {}
     devices = abstract.sharding.addressable_devices_indices_map(abstract.shape)
-    empty = huge_pages.empty if all(d.platform == "cpu" for d in devices) else np.empty
     for region in devices.values():
         key = _region_key(region, abstract.shape)
         if key not in regions:
@@ -167,10 +171,10 @@ def _to_devices(abstract: jax.ShapeDtypeStruct, regions: HostRegions) -> jax.Arr
     return jax.make_array_from_single_device_arrays(abstract.shape, abstract.sharding, shards)
 
 
-def _read_unit(fills: list[Fill], abstract: Any) -> Any:
+def _read_unit(fills: list[Fill], abstract: Any, empty: Callable[..., np.ndarray]) -> Any:
     """One unit's weights on their devices (`abstract`: its ShapeDtypeStructs), one weight at a time."""
     def one(fill: Fill, a: jax.ShapeDtypeStruct) -> jax.Array:
-        regions = _host_regions(a)
+        regions = _host_regions(a, empty)
         for region, out in regions.values():
             fill(region, out)
         return _to_devices(a, regions)
@@ -179,18 +183,19 @@ def _read_unit(fills: list[Fill], abstract: Any) -> Any:
     return jax.tree.unflatten(jax.tree.structure(abstract), leaves)
 
 
-def _read_stack_in_place(fills: Callable[[str, int | None], list[Fill]], cfg: Config, unit: str, abstract: Any,
-                         advance: Callable[[str, int], None], transposed: list[bool] | None = None) -> Any:
+def _read_stack_in_place(fills: Callable[[str, int | None], list[Fill]], plan: LoadPlan, unit: str,
+                         advance: Callable[[str, int], None]) -> Any:
     """A whole layer stack filled on the host layer by layer, each layer's region of every weight read
     straight into its slot, then handed to the devices (CPU devices: no copy, no program compiled).
-    A weight on one device that `transposed` flags (one flag per leaf: `params.holds_transposed_bits`)
-    also gets its `[..., out, in]` copy here, each layer written as soon as it is read, while the disk
-    reads the next (after the load, `compute_view` would make it with the disk idle)."""
+    A weight on one device that the plan holds transposed (`LoadPlan.transposed_flags`) also gets its
+    `[..., out, in]` copy here, each layer written as soon as it is read, while the disk reads the
+    next (after the load, `compute_view` would make it with the disk idle)."""
+    abstract = abstract_params(plan.stored[unit], plan.mesh, plan.rules, plan.dtype)
     leaves = jax.tree.leaves(abstract)
-    buffers = [_host_regions(a) for a in leaves]
+    buffers = [_host_regions(a, plan.empty) for a in leaves]
     copies = [huge_pages.empty(_swapped_shape(a.shape), a.dtype) if flag and len(a.sharding.device_set) == 1
-              else None for a, flag in zip(leaves, transposed or [False] * len(leaves))]
-    layers = stack_layers(cfg, unit)
+              else None for a, flag in zip(leaves, plan.transposed_flags(unit))]
+    layers = stack_layers(plan.cfg, unit)
     for i, layer in enumerate(layers):
         for fill, regions, copy in zip(fills(unit, layer), buffers, copies):
             for region, out in regions.values():
@@ -210,19 +215,13 @@ def _swapped_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return (*shape[:-2], shape[-1], shape[-2])
 
 
-def _transposed_flags(specs: Any, dtype: Any) -> list[bool]:
-    """Per leaf of a stack's `specs`, whether the compute view holds its transposed bits."""
-    return jax.tree.leaves(jax.tree_util.tree_map_with_path(
-        lambda path, spec: holds_transposed_bits(getattr(path[-1], "key", None), spec, dtype), specs, is_leaf=is_spec))
-
-
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=2)
 def _set_layer(layer_target: tuple[Any, tuple[Any, ...]] | None, shardings: tuple[Any, ...],
                stacked: list[jax.Array], layer: Any, i: jax.Array) -> list[jax.Array]:
     """Write one layer (its FP8 experts dequantized, then quantized if `layer_target`, a frozen
     declaration tree, says so) into every stacked weight in place. One program for all the weights
     of a stack, jitted once at module level: later loads of the same shapes compile nothing (a
-    program per load cost ~0.5 s of each bench load on an H200)."""
+    program per load would compile again on every load)."""
     layer = jax.tree.map(lambda w: dequantize_experts(w) if is_fp8_experts(w) else w, layer, is_leaf=is_fp8_experts)
     if layer_target is not None:
         layer = quantize_like(jax.tree.unflatten(*layer_target), layer)
@@ -236,24 +235,97 @@ def _frozen(specs: Any) -> tuple[Any, tuple[Any, ...]]:
     return structure, tuple(leaves)
 
 
-def _assemble_stack(read: Callable[[str, int | None], Any], cfg: Config, unit: str, target: Any, mesh: Mesh,
-                    rules: ShardingRules, dtype: Any, quantize: bool, advance: Callable[[str, int], None]) -> Any:
+def _assemble_stack(read: Callable[[str, int | None], Any], plan: LoadPlan, unit: str,
+                    advance: Callable[[str, int], None]) -> Any:
     """Allocate a stack in its shardings, then fill it layer by layer (quantizing each layer if asked)."""
-    leaves = jax.tree.leaves(abstract_params(target, mesh, rules, dtype))
+    target = plan.target[unit]
+    leaves = jax.tree.leaves(abstract_params(target, plan.mesh, plan.rules, plan.dtype))
     shardings = tuple(a.sharding for a in leaves)
     stacked = [jnp.zeros(a.shape, a.dtype, device=a.sharding) for a in leaves]
-    layer_target = _frozen(per_layer(target)) if quantize else None
-    for i, layer in enumerate(stack_layers(cfg, unit)):
+    layer_target = _frozen(per_layer(target)) if plan.quantize else None
+    for i, layer in enumerate(stack_layers(plan.cfg, unit)):
         stacked = _set_layer(layer_target, shardings, stacked, read(unit, layer), np.int32(i))
         advance(unit, layer)
     return jax.tree.unflatten(jax.tree.structure(target, is_leaf=is_spec), stacked)
 
 
-def _on_accelerators(mesh: Mesh) -> bool:
-    """Whether the mesh's devices are accelerators. There layer stacks are assembled on the devices,
-    and the release's FP8 experts are dequantized there; CPU devices take the host's buffers as they
-    are (no copy), and the host's table lookup dequantizes as fast as XLA:CPU (docs/performance.md)."""
-    return any(d.platform != "cpu" for d in mesh.devices.flat)
+@dataclasses.dataclass(frozen=True)
+class LoadPlan:
+    """What a load does, derived once from the folder, the model's settings and the mesh (`plan_load`)."""
+
+    folder: Path
+    cfg: Config
+    mesh: Mesh
+    rules: ShardingRules
+    dtype: jnp.dtype  # the weights' dtype (int8 weights: their other weights')
+    mtp: bool
+    stored_quant: str | None  # the folder's quantization (a converted int8 folder: "int8")
+    quant: str | None  # the weights' quantization as held
+    manifest: dict[str, Any] | None  # a converted folder's manifest; None: a release-layout folder
+    cpu_backend: bool  # the mesh runs `dsr1.cpu`: buffers in huge pages, transposed copies made on load
+
+    @property
+    def quantize(self) -> bool:
+        """Whether layers are quantized on load (read in full precision, quantized on the devices)."""
+        return self.quant != self.stored_quant
+
+    @property
+    def accelerators(self) -> bool:
+        """Whether the mesh's devices are accelerators. There layer stacks are assembled on the devices,
+        and the release's FP8 experts are dequantized there; CPU devices take the host's buffers as
+        they are (no copy), and the host's table lookup dequantizes as fast as XLA:CPU."""
+        return any(d.platform != "cpu" for d in self.mesh.devices.flat)
+
+    @property
+    def in_place(self) -> bool:
+        """Whether stacks are filled on the host straight into the buffers the devices then hold."""
+        return not self.quantize and not self.accelerators
+
+    @functools.cached_property
+    def stored(self) -> dict[str, Any]:
+        """The declarations of the weights as the folder holds them."""
+        return param_specs(self.cfg, self.stored_quant, mtp=self.mtp)
+
+    @functools.cached_property
+    def target(self) -> dict[str, Any]:
+        """The declarations of the weights as the model holds them."""
+        return param_specs(self.cfg, self.quant, mtp=self.mtp)
+
+    @property
+    def units(self) -> list[tuple[str, int | None]]:
+        """The loading units in reading order: the globals, then every layer of every stack."""
+        return [("globals", None)] + [(k, i) for k in stack_names(self.target) for i in stack_layers(self.cfg, k)]
+
+    def unit_abstract(self, unit: str) -> Any:
+        """What a unit's weights are read as (a layer to quantize on load: in full precision)."""
+        read_dtype = jnp.float32 if self.quantize and unit != "globals" else self.dtype
+        return abstract_params(unit_specs(self.stored, unit), self.mesh, self.rules, read_dtype)
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """A host buffer for weights: where the CPU backend holds them, in huge pages."""
+        return huge_pages.empty(shape, dtype) if self.cpu_backend else np.empty(shape, dtype)
+
+    def transposed_flags(self, unit: str) -> list[bool]:
+        """Per leaf of a stack, whether the CPU backend's layout holds its transposed bits
+        (`dsr1.cpu.holds_transposed_bits`), made on load; all False without that backend."""
+        if not self.cpu_backend or self.stored_quant is not None:
+            return [False] * len(jax.tree.leaves(self.stored[unit], is_leaf=is_spec))
+        return jax.tree.leaves(jax.tree_util.tree_map_with_path(
+            lambda path, spec: cpu.holds_transposed_bits(getattr(path[-1], "key", None), spec, self.dtype),
+            self.stored[unit], is_leaf=is_spec))
+
+
+def plan_load(folder: str | Path, cfg: Config, mesh: Mesh, rules: ShardingRules, dtype: Any, *,
+              quant: str | None = None, mtp: bool = False) -> LoadPlan:
+    """The plan of loading `folder` into `mesh`; raises a `store.CheckpointError` naming what a
+    converted folder lacks."""
+    folder = Path(folder)
+    manifest = store.read_manifest(folder) if store.is_converted(folder) else None
+    stored_quant = None if manifest is None else manifest["quant"]
+    if manifest is not None and mtp and not manifest["mtp"]:
+        raise store.CheckpointError(f"{folder}: converted without the MTP module; cannot load mtp=True")
+    return LoadPlan(folder, cfg, mesh, rules, jnp.dtype(dtype), mtp, stored_quant, check_quant(quant) or stored_quant,
+                    manifest, cpu.enabled(mesh))
 
 
 def load_params(folder: str | Path, cfg: Config, mesh: Mesh, rules: ShardingRules, dtype: Any, *,
@@ -263,40 +335,24 @@ def load_params(folder: str | Path, cfg: Config, mesh: Mesh, rules: ShardingRule
     folder, FP8 scales included; the unit files of a converted one) over the wall seconds until
     every weight is on its devices. The progress bar shows the same rate as it goes."""
     start = time.perf_counter()
-    folder = Path(folder)
-    stored_quant = None
-    if store.is_converted(folder):
-        manifest = store.read_manifest(folder)
-        stored_quant = manifest["quant"]
-        if mtp and not manifest["mtp"]:
-            raise store.CheckpointError(f"{folder}: converted without the MTP module; cannot load mtp=True")
-        reader = _converted_reader(folder, manifest)
-    else:
-        reader = _hf_reader(folder, cfg, mtp)
-    quant = check_quant(quant) or stored_quant
-    quantize = quant != stored_quant
-    stored, target = param_specs(cfg, stored_quant, mtp=mtp), param_specs(cfg, quant, mtp=mtp)
-    accelerators = _on_accelerators(mesh)
-    in_place = not quantize and not accelerators
-    stacks = stack_names(target)
-    units = [("globals", None)] + [(k, i) for k in stacks for i in stack_layers(cfg, k)]
+    plan = plan_load(folder, cfg, mesh, rules, dtype, quant=quant, mtp=mtp)
+    reader = (_hf_reader(plan.folder, cfg, mtp) if plan.manifest is None
+              else _converted_reader(plan.folder, plan.manifest))
+    units = plan.units
     sizes = {u: reader.nbytes(*u) for u in units}
     following = dict(zip(units, units[1:]))
-
-    def unit_abstract(unit: str) -> Any:  # a layer to quantize on load is read in full precision
-        read_dtype = jnp.float32 if quantize and unit != "globals" else dtype
-        return abstract_params(unit_specs(stored, unit), mesh, rules, read_dtype)
 
     def fills(unit: str, layer: int | None, abstract: Any = None) -> list[Fill]:
         if (unit, layer) in following:  # the disk reads the next unit while this one is converted
             reader.prefetch(*following[unit, layer])
-        return reader.fills(unit, layer, unit_abstract(unit) if abstract is None else abstract)
+        return reader.fills(unit, layer, plan.unit_abstract(unit) if abstract is None else abstract)
 
     def read(unit: str, layer: int | None) -> Any:  # one unit on its devices (`_assemble_stack`)
-        abstract = reader.stored(unit, layer, unit_abstract(unit)) if accelerators else unit_abstract(unit)
-        return _read_unit(fills(unit, layer, abstract), abstract)
+        abstract = plan.unit_abstract(unit)
+        abstract = reader.stored(unit, layer, abstract) if plan.accelerators else abstract
+        return _read_unit(fills(unit, layer, abstract), abstract, plan.empty)
 
-    with tqdm(total=sum(sizes.values()), desc=f"loading {folder.name}", unit="B", unit_scale=True,
+    with tqdm(total=sum(sizes.values()), desc=f"loading {plan.folder.name}", unit="B", unit_scale=True,
               disable=not progress) as bar:
         def advance(unit: str, layer: int | None) -> None:
             bar.update(sizes[unit, layer])
@@ -304,12 +360,10 @@ def load_params(folder: str | Path, cfg: Config, mesh: Mesh, rules: ShardingRule
         reader.prefetch(*units[0])
         params: dict[str, Any] = dict(read("globals", None))
         advance("globals", None)
-        for unit in stacks:
-            if in_place:
-                abstract = abstract_params(stored[unit], mesh, rules, dtype)
-                copied = _transposed_flags(stored[unit], dtype) if stored_quant is None else None
-                params[unit] = _read_stack_in_place(fills, cfg, unit, abstract, advance, copied)
+        for unit in stack_names(plan.target):
+            if plan.in_place:
+                params[unit] = _read_stack_in_place(fills, plan, unit, advance)
             else:
-                params[unit] = _assemble_stack(read, cfg, unit, target[unit], mesh, rules, dtype, quantize, advance)
+                params[unit] = _assemble_stack(read, plan, unit, advance)
         jax.block_until_ready(params)  # the seconds count until the weights are in place
     return params, Throughput(sum(sizes.values()), time.perf_counter() - start)

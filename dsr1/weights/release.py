@@ -30,9 +30,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from ..core import host_copy
 from ..core.config import Config
 from ..core.params import ArrayInfo, float_specs, is_spec, loading_units, unit_specs
+from ..cpu import host_copy
 from .safetensors_io import CheckpointError, TensorInfo, map_file, prefetch, read_header, read_tensor
 
 FP8_BLOCK = 128
@@ -386,8 +386,7 @@ def read_region_into(index: CheckpointIndex, src: Source, shape: tuple[int, ...]
                      region: tuple[slice, ...], out: np.ndarray) -> None:
     """Write the part `region` of one layer's weight, in our layout and `out`'s dtype, into `out`,
     expert by expert, each straight into its slot: in threads where the FP8 lookup is compiled
-    (`host_copy.releases_gil`; numpy's `np.take` holds the GIL, and 2 threads made a load 15% slower
-    on 2 cores, docs/performance.md)."""
+    (`host_copy.releases_gil`; numpy's `np.take` holds the GIL, so threads would only contend)."""
     if not src.per_expert:
         _read_into(out, index, src, src.name.format(layer=layer), shape, region)
         return
@@ -414,7 +413,7 @@ def _read_into(out: np.ndarray, index: CheckpointIndex, src: Source, name: str, 
             scale = index.mapped(index.info(name + "_scale_inv"))
             dequantize_fp8_into(out.T, stored, scale, (region[1], region[0]), f"{info.file.name}: {name}")
             return
-        if stored.dtype == out.dtype:  # an output head: numpy copies a transposed view at ~0.55 GB/s, this ~6-7
+        if stored.dtype == out.dtype:  # an output head: a blocked transpose, far faster than numpy's copy of a view
             host_copy.transpose_into(out, stored[region[1], region[0]])
             return
     out[...] = src.to_ours(index.read(name)).reshape(shape)[region]
@@ -429,7 +428,7 @@ class Fp8Experts:
     (`dequantize_experts`): e4m3 `codes` `[E, out, in]` (uint8, the release layout) and a float32
     `scale_inv` per 128x128 block `[E, ceil(out/128), ceil(in/128)]`. On an accelerator this moves
     1 byte per value to the device instead of 2 and leaves the host only copying bytes: the host's
-    table lookup dequantizes ~0.5-0.7 G values per second on one core (docs/performance.md)."""
+    table lookup is bound by one core's speed."""
 
     codes: Any
     scale_inv: Any

@@ -10,9 +10,8 @@ Each file holds its unit's weights as the model holds them (stored precision, `[
 stacked; an int8 weight as `NAME.q` and `NAME.scale`), named by their path in the declarations
 (`moe.gate.q`). One file per layer lets the converter stream (and resume) layer by layer; its raw,
 uncompressed arrays let a loader copy each device's region straight from the file into place
-(memory-mapped, so with several processes each reads only what its devices hold). An orbax store
-was used before: its restore ran at ~0.5 GB/s of array bytes on 2 cores, compressed or not
-(docs/performance.md, "Loading throughput").
+(memory-mapped, so with several processes each reads only what its devices hold), where a general
+array store would decode every array first.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ through ipyparallel's ``apply``, the notebook kernel calls them directly.
 - :func:`initialize`: ``jax.distributed.initialize`` with a timeout that raises instead of hanging;
 - :func:`prepare_process`, :func:`shutdown_here`, :func:`reset_here`: the per-process steps of
   ``assign_process_ids``, ``shutdown_everywhere``, ``clear_hung_initialize`` and ``reset_engines``
-  in :mod:`dsr1.workbench.cluster`.
+  in :mod:`dsr1.workbench`.
 """
 
 from __future__ import annotations
@@ -109,7 +109,8 @@ def probe(controller_ip: str, devices: bool, namespace: dict | None = None) -> d
     """Who and what this process is: host, pid, Python environment and version, the versions of
     dsr1, jax, jaxlib and ipyparallel, the accelerator, the address on which it reaches the
     controller at ``controller_ip`` (where process 0's coordinator listens), the ``PROCESS_ID`` /
-    ``NUM_PROCESSES`` of its user namespace and, with ``devices``, its JAX devices.
+    ``NUM_PROCESSES`` of its user namespace, whether JAX was started here (``jax_started``) and,
+    with ``devices``, its JAX devices.
 
     Devices are only read once JAX is initialized (``jax.distributed`` or a computation): reading
     them earlier would start JAX's backend and make ``jax.distributed.initialize`` impossible here.
@@ -123,9 +124,21 @@ def probe(controller_ip: str, devices: bool, namespace: dict | None = None) -> d
         "address": _address_towards(controller_ip), "accelerator": detect_platform(),
     }
     info.update({name: _version(name) for name in ("dsr1", "jax", "jaxlib", "ipyparallel")})
+    info["jax_started"] = jax_started()
     if devices:
         info.update(_devices_if_started())
     return info
+
+
+def jax_started() -> bool:
+    """Whether this process has joined ``jax.distributed`` (or begun to) or started JAX's devices:
+    then it cannot join a new group of processes without a restart."""
+    import jax
+
+    from . import jax_internals
+
+    return (_INIT is not None or jax.distributed.is_initialized() or jax_internals.has_distributed_state()
+            or jax_internals.backends_are_initialized())
 
 
 def _address_towards(ip: str) -> str:
@@ -231,6 +244,8 @@ def initialize(process_id: int, num_processes: int, coordinator: str | None = No
     the same arguments (the first attempt may still complete), or call ``clear_hung_initialize``
     and start over with a new port.
     """
+    if num_processes == 1 and process_id == 0:
+        return  # a single host: no other process to join, JAX runs as it is
     args = (process_id, num_processes, coordinator)
     where = f"process {process_id} of {num_processes} (coordinator {coordinator or 'auto'})"
     init = _start_initialize(args, (platform or detect_platform()).lower(), where)
@@ -242,12 +257,23 @@ def initialize(process_id: int, num_processes: int, coordinator: str | None = No
                 f"{num_processes} processes joined. Usual causes: an engine is dead or busy (health_check, "
                 f"cluster_status), the engines ran it blocking before the kernel (use %%px --local or "
                 f"initialize_everywhere), a wrong NUM_PROCESSES, or the coordinator port is blocked or in "
-                f"use. Then call dsr1.workbench.cluster.clear_hung_initialize(cluster) and initialize with a "
+                f"use. Then call dsr1.workbench.clear_hung_initialize(cluster) and initialize with a "
                 f"new port.")
     if init.error is not None:
         raise ClusterError(f"jax.distributed.initialize failed in {where}: {init.error}; call "
                            f"clear_hung_initialize before trying again") from init.error
     _check_numbering(process_id, num_processes)
+
+
+def initialized_port() -> int | None:
+    """The coordinator port of this process's ``initialize`` (None before one): from its
+    coordinator's address (kernel-last), else ``JAX_COORDINATOR_PORT`` (platform numbering)."""
+    init = _INIT
+    if init is None:
+        return None
+    coordinator = init.args[2]
+    port = coordinator.rsplit(":", 1)[1] if coordinator else os.environ.get("JAX_COORDINATOR_PORT")
+    return int(port) if port else None
 
 
 def _check_numbering(process_id: int, num_processes: int) -> None:
@@ -276,7 +302,7 @@ def _start_initialize(args: tuple, platform: str, where: str) -> _Init:
             raise ClusterError(
                 f"jax.distributed.initialize {state} in this process as process {init.args[0]} of "
                 f"{init.args[1]} (coordinator {init.args[2]}): call "
-                f"dsr1.workbench.cluster.clear_hung_initialize() first (or restart the process) to "
+                f"dsr1.workbench.clear_hung_initialize() first (or restart the process) to "
                 f"initialize as {where}.")
         if init is not None:
             return init

@@ -2,11 +2,13 @@
 Generate button and streaming output.
 
 On a cluster the model is split across processes, so every process must run the same generation
-(same programs, same stop decisions) or the collectives wait forever. Given the engines' view,
-the widget therefore submits the identical call to every engine (non-blocking), runs it in the
-kernel with streaming, then waits for the engines. The engines use their own `model` and
-`tokenizer` (created by the same `%%px --local` cells as the kernel's), which ipyparallel looks up
-by name in each engine's namespace (`ipyparallel.Reference`).
+(same programs, same stop decisions) or the collectives wait forever. Given the cluster, the
+widget therefore submits the identical call to every engine (non-blocking), runs it in the kernel
+with streaming, then waits for the engines, under the watchdog of `%%everywhere`
+(`dsr1.workbench.engines.watch`): an engine that dies or raises ends the generation with an error
+naming it and showing its traceback. The engines use their own `model` and `tokenizer` (created by
+`load_everywhere` or the same `%%everywhere` cells as the kernel's), which ipyparallel looks up by
+name in each engine's namespace (`ipyparallel.Reference`).
 """
 
 from __future__ import annotations
@@ -18,17 +20,20 @@ from ..api import Model
 from ..generation.batch import GenerationResult, generate
 from ..generation.sampling import Sampling
 from ..generation.tokenizer import Tokenizer
+from .connection import Cluster
+from .process import ClusterError
 
 
 class GenerationWidget:
-    """`GenerationWidget(model, tokenizer, engines=view)`; display it, or drive it from code:
-    `w.prompt.value = "..."; w.button.click()`, then read `w.output.value` and `w.result`."""
+    """`GenerationWidget(model, tokenizer, cluster=cluster)`; display it, or drive it from code:
+    `w.prompt.value = "..."; w.button.click()`, then read `w.output.value` and `w.result`.
+    Without `cluster` (or on a single host) it generates in this process alone."""
 
-    def __init__(self, model: Model, tokenizer: Tokenizer, *, engines: Any = None, model_name: str = "model",
-                 tokenizer_name: str = "tokenizer", max_new_tokens: int = 128):
+    def __init__(self, model: Model, tokenizer: Tokenizer, *, cluster: Cluster | None = None,
+                 model_name: str = "model", tokenizer_name: str = "tokenizer", max_new_tokens: int = 128):
         import ipywidgets as w
 
-        self.model, self.tokenizer, self.engines = model, tokenizer, engines
+        self.model, self.tokenizer, self.cluster = model, tokenizer, cluster
         self.names = (model_name, tokenizer_name)
         self.prompt = w.Textarea(value="Why is the sky blue?", description="prompt", layout=w.Layout(width="100%"))
         self.chat = w.Checkbox(value=True, description="chat template")
@@ -55,27 +60,44 @@ class GenerationWidget:
             self.output.value += text
 
     def generate(self) -> GenerationResult:
-        """Run one generation with the current controls (every process when engines are given)."""
+        """Run one generation with the current controls (in every process of the cluster, if given)."""
         kwargs = dict(max_new_tokens=self.max_tokens.value, chat=self.chat.value, draft_tokens=self.drafts.value,
                       sampling=Sampling(temperature=self.temperature.value, top_p=self.top_p.value, seed=0))
         prompts = [self.prompt.value]
-        pending = None
-        if self.engines is not None:
-            import ipyparallel as ipp
-
-            model, tokenizer = (ipp.Reference(name) for name in self.names)
-            pending = self.engines.apply_async(_generate_on_engine, model, prompts, tokenizer, kwargs)
         self.output.value, self.status.value = "", "generating..."
-        try:
+
+        def here() -> tuple[GenerationResult, CompileTimes, float]:
             with CompileTimes() as compiles:
                 started = time.perf_counter()
-                self.result = generate(self.model, prompts, tokenizer=self.tokenizer, stream=self._append, **kwargs)
-        finally:
-            if pending is not None:
-                pending.get()  # surfaces an engine's error (e.g. a dead engine) in the notebook
-        self.status.value = status_line(self.result, compiles.within(started, started + self.result.prefill_seconds),
+                result = generate(self.model, prompts, tokenizer=self.tokenizer, stream=self._append, **kwargs)
+            return result, compiles, started
+
+        if self.cluster is None or self.cluster.single:
+            result, compiles, started = here()
+        else:
+            result, compiles, started = self._everywhere(here, prompts, kwargs)
+        self.result = result
+        self.status.value = status_line(result, compiles.within(started, started + result.prefill_seconds),
                                         compiles.total)
-        return self.result
+        return result
+
+    def _everywhere(self, here: Any, prompts: list[str], kwargs: dict[str, Any]) -> Any:
+        """``here()`` in this kernel and the same generation on every engine, watched."""
+        import ipyparallel as ipp
+
+        from .engines import busy_engines, engine_targets, watch
+
+        cluster = self.cluster
+        ids = engine_targets(cluster, None)
+        busy = busy_engines(cluster, ids)
+        if busy:
+            raise ClusterError(f"{', '.join(cluster.describe(e) for e in busy)} still runs an earlier cell: the "
+                               f"generation would wait for it; see dsr1.workbench.abort_stale and reset_engines")
+        model, tokenizer = (ipp.Reference(name) for name in self.names)
+        pending = {e: cluster.client[e].apply_async(_generate_on_engine, model, prompts, tokenizer, kwargs)
+                   for e in ids}
+        _, value = watch(cluster, pending, here, None, what="the generation")
+        return value
 
 
 def status_line(r: GenerationResult, prefill_compile_seconds: float, compile_seconds: float) -> str:

@@ -1,16 +1,14 @@
 """Weights on CPU held in 2 MiB pages (Linux transparent huge pages).
 
-A decode step streams every weight it uses from memory once. With the default 4 KiB pages the
-CPU's hardware prefetchers stop at each page boundary, every two rows of a bf16 matrix of 1,024
-columns: dsr1's kernel read 20-22 GB/s of a 64 MB matrix here, 27-30 from 2 MiB pages
-(docs/performance.md, "A thirteenth session"). XLA:CPU allocates its buffers with `malloc`, which
-Linux backs with huge pages only where asked (`madvise`, the default setting of
-`/sys/kernel/mm/transparent_hugepage/enabled`), so `on_huge_pages` moves large weights into memory
-that asks, and hands it to XLA without a copy (`jax.device_put` of an aligned host array on CPU
-keeps that array as the buffer). While they move, the weights are held twice. Weights made on the
-host (`dsr1.load`'s buffers, the transposed copies) are born there instead (`empty`), and stay put.
-`DSR1_HUGE_PAGES=0` leaves every weight where XLA or numpy put it.
-"""
+A decode step streams every weight it uses from memory once. With the default 4 KiB pages the CPU's
+hardware prefetchers stop at each page boundary, every two rows of a bf16 matrix of 1,024 columns,
+and the kernel reads a large matrix markedly slower than from 2 MiB pages. XLA:CPU allocates its
+buffers with `malloc`, which Linux backs with huge pages only where asked (`madvise`, the default
+setting of `/sys/kernel/mm/transparent_hugepage/enabled`), so `on_huge_pages` moves large weights
+into memory that asks, and hands it to XLA without a copy (`jax.device_put` of an aligned host array
+on CPU keeps that array as the buffer). While they move, the weights are held twice. Weights made on
+the host (`dsr1.load`'s buffers, the transposed copies) are born there instead (`empty`), and stay
+put. `DSR1_HUGE_PAGES=0` leaves every weight where XLA or numpy put it."""
 
 from __future__ import annotations
 

@@ -1,25 +1,24 @@
 """dsr1's own CPU kernel: `rows_dot`, a few float32 rows against one bf16 or int8 matrix (decode).
 
 XLA:CPU reads a transposed bf16 or int8 weight at memory speed in a one-row product, but from two
-rows on it first writes out a widened float32 copy of the weight and reads that (2 rows at half the
-speed, 8 rows at a sixth: docs/performance.md). `rows_dot` (kernels/rows_dot.cc, an XLA FFI
-handler) reads each weight row once for blocks of up to 8 rows, widening it in registers, splits
-the output over threads of its own (one per core beside the caller, which look for work for 200 us
-before they sleep: a decode step calls it every few microseconds), and takes the matrix by its
-index in a stack, so an expert of a layer is read in place; with an index per group of rows, one
-call runs every block of an expert loop. A bf16 model's rows (activations, exact bf16) are multiplied
-as bf16 with AVX-512 BF16's `vdpbf16ps` where the CPU runs it fast (`bf16_rows`). `amx_rows_dot`
-does the same for blocks of many bf16 rows (a prefill's) on AMX tiles, where the CPU has them.
-Built on the same row products: a decode step's routed experts from the router's pairs
-(`swiglu_pairs`, `combine_pairs`) and its absorbed MLA attention against the bf16 cache
-(`mla_decode_context`), each in place of tens of small XLA operations.
+rows on it first writes out a widened float32 copy of the weight and reads that. `rows_dot`
+(kernels/rows_dot.cc, an XLA FFI handler) reads each weight row once for blocks of up to 8 rows,
+widening it in registers, splits the output over threads of its own (one per core beside the caller,
+which look for work for 200 us before they sleep: a decode step calls it every few microseconds),
+and takes the matrix by its index in a stack, so an expert of a layer is read in place; with an
+index per group of rows, one call runs every block of an expert loop. A bf16 model's rows
+(activations, exact bf16) are multiplied as bf16 with AVX-512 BF16's `vdpbf16ps` where the CPU runs
+it fast (`bf16_rows`). `amx_rows_dot` does the same for blocks of many bf16 rows (a prefill's) on
+AMX tiles, where the CPU has them. Built on the same row products: a decode step's routed experts
+from the router's pairs (`swiglu_pairs`, `combine_pairs`) and its absorbed MLA attention against the
+bf16 cache (`mla_decode_context`), each in place of tens of small XLA operations.
 
 The kernel is compiled on first use with the system's C++ compiler for the CPU it runs on (x86-64
 with AVX-512, or AVX2 and FMA) and cached under `$DSR1_KERNEL_CACHE` (default
 `~/.cache/dsr1/kernels`), keyed by the sources, the compiler, jaxlib and the CPU; the same library
 holds the host copies that loading runs (kernels/host_copy.cc, `host_copy`). Without a compiler,
 on another CPU, or with `DSR1_CPU_KERNELS=0`, `available()` is False and dsr1 computes these
-products with XLA's own operations, as before.
+products with XLA's own operations. Which devices the kernels serve is `dsr1.cpu.enabled`'s choice.
 """
 
 from __future__ import annotations
@@ -45,16 +44,15 @@ _WEIGHTS = {jnp.dtype(jnp.uint16): "bf16", jnp.dtype(jnp.int8): "int8"}  # the h
 
 
 def available() -> bool:
-    """Whether `rows_dot` runs here: on CPU, unless `DSR1_CPU_KERNELS=0`, once the kernel is built."""
-    return jax.default_backend() == "cpu" and library() is not None
+    """Whether the kernels run: built (on first call), unless `DSR1_CPU_KERNELS=0`. Which devices they
+    run for is `dsr1.cpu.enabled`'s choice."""
+    return library() is not None
 
 
 # vdpbf16ps per float32 FMA from which bf16 rows pay off: each does twice the multiply-adds and needs
-# no widening of the weight (measured: Zen 5 0.91-0.93, bf16 rows faster; a Sapphire Rapids Xeon
-# ~0.24, slower: docs/performance.md).
+# no widening of the weight (some CPUs retire it at nearly the FMA rate, others at a quarter).
 BF16_DOT_RATE = 0.5
-# From this many rows: fewer are bound by memory either way, and in cache one row ran faster widened
-# (Zen 5, 8 MB in L3: 1 row 122 GB/s widened against 101; 4 rows 59 against 105; 8 rows 38 against 77).
+# From this many rows: fewer are bound by memory either way, and in cache one row runs faster widened.
 BF16_ROWS_MIN = 4
 
 
@@ -281,10 +279,13 @@ def _target(weights: str, each: bool, bf16: bool = False) -> str:
     return f"dsr1_{'bf16_' if bf16 else ''}rows_dot_{'each_' if each else ''}{weights}"
 
 
-def library() -> ctypes.CDLL | None:
-    """The built kernel library, also for its host functions (`host_copy`) on any backend; None
-    without a compiler, on another CPU, or with `DSR1_CPU_KERNELS=0`."""
-    return None if os.environ.get("DSR1_CPU_KERNELS", "1") == "0" else _registered()
+def library(build: bool = True) -> ctypes.CDLL | None:
+    """The built kernel library, also for its host functions (`host_copy`); None without a compiler,
+    on another CPU, or with `DSR1_CPU_KERNELS=0`. `build=False`: only where this process has built
+    it already (for a CPU mesh, `dsr1.cpu.enabled`): host copies on a GPU or TPU host never compile."""
+    if os.environ.get("DSR1_CPU_KERNELS", "1") == "0" or not (build or _registered.cache_info().currsize):
+        return None
+    return _registered()
 
 
 @functools.cache
@@ -315,7 +316,7 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Path | None:
     compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
     if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
         return None
-    sources = {name: resources.files("dsr1.core").joinpath(f"kernels/{name}").read_bytes() for name in SOURCES}
+    sources = {name: resources.files("dsr1.cpu").joinpath(f"kernels/{name}").read_bytes() for name in SOURCES}
     flags = ["-O3", "-march=native", *extra_flags, "-std=c++17", "-shared", "-fPIC", "-isystem", jax.ffi.include_dir()]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(b"\0".join(s if isinstance(s, bytes) else s.encode() for s in (

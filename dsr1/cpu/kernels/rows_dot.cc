@@ -10,7 +10,7 @@
 // independent products (attention heads), 1 for most. Each weight
 // row is read once for all rows and widened to float32 in registers, so the product runs at memory
 // speed where XLA:CPU, from two rows on, writes a widened float32 copy of the weight first (see
-// dsr1/core/cpu_kernels.py). The matrix is picked by `index` inside the stack (an expert of a layer),
+// dsr1/cpu/ffi.py). The matrix is picked by `index` inside the stack (an expert of a layer),
 // so no slice of it is copied out first. Built by cpu_kernels.py for the CPU it runs on (x86-64 with
 // AVX-512, or AVX2 and FMA).
 #include <immintrin.h>
@@ -174,10 +174,8 @@ inline Vec exp_lanes(Vec x) {
 }
 
 // Software prefetch, into L2 (an L1 prefetch holds one of L1's few fill buffers until its line
-// arrives): the hardware prefetchers alone leave blocks of many rows (more compute per byte) at
-// ~12 GB/s from memory on a 2-core Xeon, 18 with an L1 prefetch 2 KB ahead; one row 21 -> 22 GB/s.
-// 4 KB ahead into L2 took a batch-1 decode step of the bench preset 8.2-8.8 ms -> 7.3-8.1 (120-121 ->
-// 130-135 tok/s in compare-hf, A/B, same session).
+// arrives): the hardware prefetchers alone leave blocks of many rows (more compute per byte) well
+// below the memory's speed, and 4 KB ahead into L2 serves one row and many alike.
 constexpr int64_t kPrefetchBytes = 4096;
 
 // R rows against the weight rows (output columns) [o0, o1). U vectors per step keep enough
@@ -212,8 +210,8 @@ void rows_block(const float* x, const T* w, float* y, int64_t in, int64_t out, i
 // bf16 rows (their bits) against bf16 bits with AVX-512 BF16's `vdpbf16ps`: 32 multiply-adds of
 // bf16 pairs into 16 float32 sums per instruction, the weight used as loaded, so twice the
 // multiply-adds of the float32 path per instruction and no widening. Where the CPU runs it about as
-// fast as a float32 FMA (Zen 5: 1.85 against 2.0 per cycle) products of several rows become
-// memory-bound again; an AMX Xeon runs it at a quarter of its FMA rate (`dsr1_bf16_dot_rate`).
+// fast as a float32 FMA products of several rows become memory-bound again; some CPUs run it at a
+// quarter of their FMA rate (`dsr1_bf16_dot_rate` measures it).
 #if defined(__AVX512BF16__)
 constexpr bool kBf16Dot = true;
 
@@ -299,8 +297,8 @@ struct Parts {
 
 // How long a helper keeps looking for the next product before it sleeps. A decode step calls the
 // kernel every few microseconds, and a task on XLA's intra-op pool (what this used before) started
-// so late that the caller read most 1 MB expert matrices alone: 81 of them from memory 14 GB/s, one
-// matrix of the same bytes 21 (18 GB/s with these helpers; a batch-8 decode step 34 -> 30 ms).
+// so late that the caller read most 1 MB expert matrices alone, at a fraction of the rate one matrix
+// of the same bytes reads.
 constexpr auto kSpin = std::chrono::microseconds(200);
 
 // Threads beside the caller, as many as XLA's intra-op pool has less one (XLA sizes it to the cores
@@ -476,7 +474,7 @@ inline void add_weighted(float* y, const float* product, float w, int64_t o0, in
 
 // The expert loop's blocks in two calls (decode: a few float32 rows per block, bf16 experts) instead
 // of three products with SiLU x up and the routing-weighted scatter to the tokens as XLA ops between
-// them: a batch-8 step of the bench preset 0.3-0.45 ms faster (Zen 5, A/B). `SwigluRowsDot`: h[g] =
+// them (tens of small XLA operations per layer). `SwigluRowsDot`: h[g] =
 // SiLU(x[g] . gate[index[g]]) * (x[g] . up[index[g]]), gate and up read part by part alike, for the
 // first `used[g]` rows of each group (the rest: zeros). `CombineRowsDot`: out[token[g, r]] +=
 // weight[g, r] * (h[g, r] . down[index[g]]) for the first `used[g]` rows of each group, each part a
@@ -673,8 +671,8 @@ ffi::Error CombinePairs(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::Buff
 }
 
 // A few float32 rows against matrix `index` of a float32 stack laid out `[..., in, out]` (the router's
-// `x @ W`), read in place: a layer scan would slice the layer's matrix out first, a copy (~20-60 us a
-// layer of the bench preset, Zen 5, more than the product). Each row's sums over a block of outputs stay
+// `x @ W`), read in place: a layer scan would slice the layer's matrix out first, a copy that costs
+// more than the product. Each row's sums over a block of outputs stay
 // in registers while the matrix's rows stream past, in input order.
 template <int R, int V>
 void matmul_block(const float* x, const float* w, float* y, int64_t in, int64_t out, int64_t o0) {
@@ -745,7 +743,7 @@ ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 // page_size, rope]`, the layer by index, row b's pages `table[b]`: a serving engine's page pool, or a
 // contiguous cache `[layers, B, S, r]` as B pages of S positions), with the new token's own latent as
 // one more key: one call per layer instead of XLA's score and value products, each of which widened
-// its block of the cache to float32 first (~0.14 ms of a batch-8 step's layer at 49 positions, Zen 5),
+// its block of the cache to float32 first,
 // or of a gather of each block of pages and an online softmax over them; an int8 cache's latents with
 // their scale per position (`MlaDecodeContext`). The same steps as the XLA path
 // (`attention._cache_softmax`): float32 scores `(q . c + q_pe . pe) * scale` of the first
@@ -754,11 +752,9 @@ ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 // Per block of 8 heads, in three passes over a row's keys: scores two keys at a time (each key widened
 // once for the block, its 16 sums reduced together), the softmax in vectors, then the value sums a tile
 // of widened keys at a time, each latent loaded once for the block; bf16 queries (a bf16 model's) score
-// and sum with `vdpbf16ps` where the CPU runs it fast. Against widening the row's whole cache first and
-// summing one head at a time: 1 row x 4,096 positions 313 -> 124 us, R1's widths 4.6x, the bench
-// preset's 8 rows x 49 positions 39 -> 16 us (Zen 5). The blocks of a part (up to 4: R1's 128 heads
-// in 4 parts per row) take each chunk of keys in turn, an int8 cache's made bf16 once for them all:
-// R1's widths, 1 row x 4,096 positions, int8 cache 3.5 -> 2.1 ms, bf16 1.76 -> 1.70 ms (Zen 5).
+// and sum with `vdpbf16ps` where the CPU runs it fast: several times faster than widening the row's
+// whole cache first and summing one head at a time. The blocks of a part (up to 4: R1's 128 heads
+// in 4 parts per row) take each chunk of keys in turn, an int8 cache's made bf16 once for them all.
 inline float round_bf16(float v) {  // to the nearest bf16, ties to even (finite values)
   uint32_t bits;
   std::memcpy(&bits, &v, sizeof bits);
@@ -1382,8 +1378,7 @@ double chain_seconds(int64_t n, Op op) {
 #endif
 
 // How many `vdpbf16ps` this CPU retires per float32 FMA (the best of a few ~0.1 ms runs of each): 0
-// without AVX-512 BF16. As each does twice the FMA's multiply-adds, bf16 rows pay off from ~0.5
-// (measured: Zen 5 0.92, a Sapphire Rapids Xeon 0.24; docs/performance.md).
+// without AVX-512 BF16. As each does twice the FMA's multiply-adds, bf16 rows pay off from ~0.5.
 extern "C" double dsr1_bf16_dot_rate() {
 #if defined(__AVX512BF16__)
   const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi16(0x3f80)), b = reinterpret_cast<__m512bh>(_mm512_setzero_si512());

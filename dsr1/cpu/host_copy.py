@@ -2,10 +2,10 @@
 decode reads) and the table lookup that dequantizes the release's FP8 blocks.
 
 Both run in C++ (kernels/host_copy.cc, in the CPU kernel's library) where it is built, a part of
-the array per call and the calls in threads (ctypes releases the GIL). On 2 Zen 5 cores: 6-7 GB/s
-of bf16 transposed, against 1.6 for XLA's transpose and 0.55-1.6 for numpy's copy of a transposed
-view; 2.2 G FP8 values/s looked up, against 0.76 for numpy's `take`, which holds the GIL
-(docs/performance.md, "A seventeenth session"). Elsewhere numpy computes the same values.
+the array per call and the calls in threads (ctypes releases the GIL): several times faster than
+XLA's transpose or numpy's copy of a transposed view, and than numpy's `take`, which holds the GIL.
+The library is used only where this process built it for a CPU mesh (`ffi.library(build=False)`):
+a GPU or TPU host never compiles it. Elsewhere numpy computes the same values.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from . import cpu_kernels
+from . import ffi
 
 TRANSPOSE_ROWS = 256  # rows per call of a single matrix: splits a large one (an lm_head) over the threads
 
 
 def releases_gil() -> bool:
     """Whether `take_blocks_into` runs compiled, without the GIL: callers may then run it in threads."""
-    return cpu_kernels.library() is not None
+    return ffi.library(build=False) is not None
 
 
 def transpose_into(out: np.ndarray, x: np.ndarray) -> None:
@@ -76,7 +76,7 @@ def _take_blocks_numpy(out: np.ndarray, codes: np.ndarray, tables: np.ndarray, b
     r0, c0 = origin
     rows, cols = codes.shape
     # A transposed `out` written row by row strides across memory: 3.0 ns per element against 1.4
-    # walking it in memory order (2-core EPYC).
+    # walking it in memory order.
     column_major = out.ndim == 2 and abs(out.strides[0]) < abs(out.strides[1])
     i0, j0 = r0 // block, c0 // block
     for i in range(i0, -(-(r0 + rows) // block)):
@@ -97,7 +97,7 @@ _ARGUMENTS = {"dsr1_transpose": [_POINTER, _INT, _INT, _INT, _POINTER, _INT],
 
 def _function(name: str, itemsize: int) -> Callable[..., None] | None:
     """The library's `name` for elements of `itemsize` bytes (None: not built, or no such size)."""
-    library = cpu_kernels.library()
+    library = ffi.library(build=False)
     function = None if library is None else getattr(library, f"{name}_{itemsize}", None)
     if function is not None:
         function.restype, function.argtypes = None, _ARGUMENTS[name]

@@ -1,9 +1,8 @@
-// Host copies for loading weights on CPU (dsr1/core/host_copy.py), built into the same library as
+// Host copies for loading weights on CPU (dsr1/cpu/host_copy.py), built into the same library as
 // rows_dot.cc: a transpose of one matrix, and the table lookup that dequantizes FP8 blocks. Loops
 // over cache-sized tiles (bf16 transposed 8 x 8 at a time in SSE registers); the callers run them
-// in threads (ctypes releases the GIL), each call a part of a weight. numpy's copy of a transposed
-// view moves 0.55-1.6 GB/s here, and its `take` of FP8 codes holds the GIL (docs/performance.md,
-// "A seventeenth session").
+// in threads (ctypes releases the GIL), each call a part of a weight: numpy's copy of a transposed
+// view is several times slower, and its `take` of FP8 codes holds the GIL.
 #include <emmintrin.h>
 
 #include <algorithm>
@@ -14,7 +13,7 @@ namespace {
 constexpr int64_t kTile = 64;  // 64 x 64 elements: a tile of the source and of the result stay in L1
 
 // An 8 x 8 square of 2-byte elements transposed in registers (unpacks of 16-, 32-, then 64-bit lanes):
-// twice the scalar loop's speed (6.6 against 3.3 GB/s of bf16 on one Zen 5 core).
+// twice the scalar loop's speed.
 inline void transpose_8x8(const uint16_t* src, int64_t src_stride, uint16_t* dst, int64_t dst_stride) {
   __m128i a[8], b[8], c[8];
   for (int i = 0; i < 8; ++i) a[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * src_stride));

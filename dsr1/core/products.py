@@ -1,0 +1,66 @@
+"""The products every weight goes through: `einsum`, `matmul`, `ragged_dot` and `to_float32`.
+
+XLA's implementation for plain and `Int8Weight` weights (on any platform). A weight held in a layout
+of the optional CPU backend (`dsr1.cpu`: made only for a CPU mesh where that backend is enabled,
+`dsr1.cpu.view`) is computed by that backend instead: the one place the model hands a product over.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .. import cpu
+from .quant import Int8Weight, subscripts
+
+
+def to_float32(w: Any) -> jax.Array:
+    """A weight's values (or int8 values) as float32."""
+    if cpu.holds(w):
+        return cpu.to_float32(w)
+    return w.astype(jnp.float32)
+
+
+def einsum(spec: str, x: jax.Array, w: Any, **kwargs) -> jax.Array:
+    """`jnp.einsum(spec, x, w)` for a plain or `Int8Weight` weight (the second operand), or one held in
+    a CPU backend layout (computed by `dsr1.cpu`)."""
+    if cpu.holds(w):
+        return cpu.einsum(spec, x, w, **kwargs)
+    if not isinstance(w, Int8Weight):
+        return jnp.einsum(spec, x.astype(w.dtype), w, **kwargs)
+    x_sub, w_sub, out_sub = subscripts(spec)
+    if "..." in w_sub or len(w_sub) != w.q.ndim:
+        raise ValueError(f"einsum {spec!r}: the weight needs one subscript per axis")
+    scale_sub = "".join(c for i, c in enumerate(w_sub) if i not in w.input_axes)
+    dtype = kwargs.get("preferred_element_type") or x.dtype
+    q = w.q.astype(x.dtype)
+    if all(c in x_sub for c in scale_sub) and not all(c in out_sub for c in scale_sub):
+        # An output channel of the weight is contracted here (absorbed decode): scale the input instead.
+        x = jnp.einsum(f"{x_sub},{scale_sub}->{x_sub}", x, w.scale.astype(x.dtype))
+        return jnp.einsum(spec, x, q, **kwargs).astype(dtype)
+    # Keep the scale's axes that the product contracts (experts summed over), scale, then sum them.
+    wide = out_sub + "".join(c for c in scale_sub if c not in out_sub)
+    y = jnp.einsum(f"{x_sub},{w_sub}->{wide}", x, q, **kwargs)
+    y = jnp.einsum(f"{wide},{scale_sub}->{wide}", y, w.scale.astype(y.dtype))
+    return y.sum(axis=tuple(range(len(out_sub), len(wide)))).astype(dtype)
+
+
+def matmul(x: jax.Array, w: Any) -> jax.Array:
+    """`x @ w` for a plain or `Int8Weight` `[in, out]` weight."""
+    return einsum("...i,io->...o", x, w)
+
+
+def ragged_dot(x: jax.Array, w: Any, group_sizes: jax.Array, experts: jax.Array) -> jax.Array:
+    """Grouped matmul of rows sorted by expert against `[E, in, out]` expert weights (float32 out).
+
+    int8 experts enter `ragged_dot` as int8 (mixed bf16 x int8), then each row is scaled by its
+    expert's output-channel scales: no dequantized copy of the expert stack is ever built.
+    """
+    if cpu.holds(w):
+        return cpu.ragged_dot(x, w, group_sizes, experts)
+    if not isinstance(w, Int8Weight):
+        return jax.lax.ragged_dot(x.astype(w.dtype), w, group_sizes, preferred_element_type=jnp.float32)
+    y = jax.lax.ragged_dot(x, w.q, group_sizes, preferred_element_type=jnp.float32)
+    return y * w.scale[jnp.minimum(experts, w.q.shape[0] - 1)]

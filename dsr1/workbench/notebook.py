@@ -1,0 +1,137 @@
+"""The notebook's steps, one call each: :func:`connect` (the first cell), then
+:func:`~dsr1.workbench.initialize_everywhere` and :func:`load_everywhere`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from typing import Any
+
+from .connection import Cluster, cluster_info, connect_controller
+from .engines import call_everywhere, engine_targets
+from .layout import assign_process_ids
+from .magics import activate, ipython_shell
+from .process import ClusterError, initialized_port, jax_started, probe, user_namespace
+from .recovery import reset_engines
+from .single import connect_single, single_host_requested
+from .watchdog import stuck_tasks
+
+
+def connect(*, state: str | os.PathLike | None = None, timeout: float = 30.0, probe_timeout: float = 20.0,
+            restart: bool = True, namespace: dict | None = None) -> Cluster:
+    """The notebook's first cell: connect to the cluster and make it ready for "Initialize".
+
+    1. ``MCJAX_SINGLE=1`` in the environment (``./mcjax_setup.sh --single``): no controller, no
+       engine; returns this kernel as a cluster of one process (:mod:`dsr1.workbench.single`),
+       whose ``%%everywhere`` cells run here alone.
+    2. On a simulated cluster (``--local N``) this kernel takes the engines' fake CPU devices.
+    3. Connects to the controller (:func:`~dsr1.workbench.connection.connect_controller`).
+    4. **Restarts the engines itself** (:func:`~dsr1.workbench.reset_engines`, through the
+       scripts' ``cluster_restart``) when they cannot join a new ``jax.distributed`` group with this
+       kernel: fewer are registered than cluster.json records (they died, e.g. with the previous
+       kernel when it ran JAX's coordinator), one does not answer within ``probe_timeout`` seconds
+       (stuck in a collective of an earlier cell), a cell of this kernel is still stuck in one, or
+       JAX was started in some processes but not in others (the kernel was restarted while the
+       engines kept their ``jax.distributed`` group).
+       So "Restart kernel and run all" works under both numberings. When JAX runs everywhere
+       (the cell is run again in the same kernel), nothing is restarted. ``restart=False``:
+       raise a ClusterError saying what is wrong instead.
+    5. Numbers the processes (:func:`~dsr1.workbench.assign_process_ids`: ``PROCESS_ID``,
+       ``NUM_PROCESSES``, ``COORDINATOR`` everywhere) and, in IPython, defines ``%%everywhere``
+       (:func:`~dsr1.workbench.activate`).
+
+    Returns the :class:`Cluster` (``cluster.layout`` holds the numbering; ``cluster.summary()``).
+    """
+    if single_host_requested():
+        cluster = connect_single(namespace)
+    else:
+        info = cluster_info(state)
+        if info.get("provider") == "local":
+            _use_fake_devices(int(info["local_devices"]))
+        cluster = connect_controller(state=state, timeout=timeout)
+        expected = int(cluster.info.get("engines") or 0) or len(cluster.client.ids)
+        reason = stale_engines(cluster, expected, probe_timeout)
+        if reason and not restart:
+            raise ClusterError(f"the engines cannot join this kernel: {reason}; run connect(restart=True) or "
+                               f"dsr1.workbench.reset_engines(cluster)")
+        if reason:
+            print(f"restarting the engines: {reason}", flush=True)
+            reset_engines(cluster, n=expected, namespace=namespace)
+        else:  # the group this kernel is in keeps its port (a first run: cluster.json's)
+            assign_process_ids(cluster, port=initialized_port(), namespace=namespace)
+    if namespace is None and ipython_shell() is not None:
+        activate(cluster)
+    return cluster
+
+
+def _use_fake_devices(count: int) -> None:
+    """This kernel's JAX on ``count`` CPU devices, like the simulated cluster's engines (read when
+    JAX starts its backend, so only before that)."""
+    from . import jax_internals
+
+    if jax_internals.backends_are_initialized():
+        return
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={count}"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+
+
+def stale_engines(cluster: Cluster, expected: int, timeout: float) -> str | None:
+    """Why the registered engines cannot join a new group with this kernel, or None when they can:
+    a cell of this kernel still stuck in a collective, fewer than ``expected`` engines within a few
+    seconds, one that does not answer within ``timeout`` seconds, or JAX started in some processes
+    and not in others."""
+    if stuck_tasks():
+        return "a cell of this kernel is stuck in a collective with a process that failed"
+    client = cluster.client
+    deadline = time.monotonic() + min(timeout, 10.0)
+    while len(client.ids) < expected and time.monotonic() < deadline:
+        time.sleep(0.2)
+    ids = sorted(client.ids)
+    if len(ids) < expected:
+        return f"{len(ids)} of {expected} engines are registered"
+    pending = {e: client[e].apply_async(probe, cluster.controller_ip, False) for e in ids}
+    end = time.monotonic() + timeout
+    for ar in pending.values():
+        ar.wait(max(0.0, end - time.monotonic()))
+    silent = [e for e, ar in pending.items() if not ar.ready() or not ar.successful()]
+    if silent:
+        return f"engine{'s' * (len(silent) > 1)} {', '.join(map(str, silent))} did not answer within {timeout:.0f}s"
+    started = {e: bool(ar.get().get("jax_started")) for e, ar in pending.items()}
+    mine = jax_started()
+    if any(s != mine for s in started.values()):
+        engines = [e for e, s in started.items() if s]
+        return (f"JAX was started on engine{'s' * (len(engines) > 1)} {', '.join(map(str, engines))} but not in this "
+                f"kernel (restarted?)" if engines else "JAX was started in this kernel but not on the engines")
+    return None
+
+
+def load_here(checkpoint: str | None, mtp: bool = False, namespace: dict | None = None) -> None:
+    """This process's part of :func:`load_everywhere`: ``mesh``, ``model``, ``tokenizer`` and
+    ``CHECKPOINT`` in its user namespace (progress shown in the kernel only)."""
+    import dsr1
+
+    names = user_namespace(namespace)
+    mesh = dsr1.make_mesh()
+    path = checkpoint or dsr1.demo_checkpoint()  # the package ships the demo model on every host
+    progress = names.get("PROCESS_ID") == names.get("KERNEL_PROCESS_ID")
+    model = dsr1.load(path, mesh=mesh, mtp=mtp, progress=progress)
+    names.update(CHECKPOINT=checkpoint, mesh=mesh, model=model, tokenizer=dsr1.load_tokenizer(path))
+
+
+def load_everywhere(cluster: Cluster, checkpoint: str | None = None, *, mtp: bool = False,
+                    namespace: dict | None = None, timeout: float | None = None) -> tuple[Any, Any]:
+    """Load the model in every process, under the watchdog: one mesh over every device of every
+    process (``dsr1.make_mesh()``), the weights of ``checkpoint`` (None: the embedded demo model)
+    read straight into their shards, and its tokenizer. Defines ``mesh``, ``model``, ``tokenizer``
+    and ``CHECKPOINT`` in every process's namespace, for the ``%%everywhere`` cells that follow.
+    Returns this kernel's (model, tokenizer)."""
+    ids = engine_targets(cluster, None)
+    call_everywhere(cluster, {e: functools.partial(load_here, checkpoint, mtp) for e in ids}, timeout,
+                    local=functools.partial(load_here, checkpoint, mtp, namespace))
+    names = user_namespace(namespace)
+    return names["model"], names["tokenizer"]
