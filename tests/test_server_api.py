@@ -35,7 +35,7 @@ from dsr1.generation.tokenizer import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_E
 from dsr1.server import BackgroundServer, ServerConfig, create_app
 from dsr1.server.guided import constraint_of, reasoning_budget
 from dsr1.server.options import origins
-from dsr1.server.prepare import bad_words_ids
+from dsr1.server.prepare import Limits, bad_words_ids, plan_chat
 from dsr1.server.protocol import ChatCompletionRequest
 from dsr1.server.runner import EngineRunner
 from dsr1.server.tools import ToolCallSplitter, parse_tools, split_tool_calls, tool_call_grammar
@@ -173,6 +173,11 @@ def test_reasoning_is_bounded_so_the_constrained_answer_always_comes():
         assert out.index(tokenizer.think_end_id) == budget
         assert tokenizer.decode(out[budget + 1:]).strip("\n") in ("yes", "no")
     assert reasoning_budget(None, 512, 200) == 100 and reasoning_budget(7, 512, 200) == 7
+    limits = Limits(MODEL, 1024, 4096, 64, 16, max_reasoning_tokens=30)
+    for requested, expected in ((None, 30), (7, 7), (0, None), (500, 100)):
+        asked = body.model_copy(update={"model": MODEL, "max_tokens": 200, "max_reasoning_tokens": requested})
+        grammar = plan_chat(asked, tokenizer, limits).grammars[0]
+        assert (f"reasoning[max_tokens={expected}]" in grammar) if expected else "reasoning" not in grammar
     assert reasoning_budget(None, 16, 200) == 16 and reasoning_budget(0, 512, 200) == 0
 
 

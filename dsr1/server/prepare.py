@@ -158,9 +158,9 @@ def plan_completion(body: CompletionRequest, tokenizer: Tokenizer, limits: Limit
     budgets = [_budget(len(p), 1 if discard else body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, limits.context,
                        "prompt", "max_tokens") for p in prompts]
     constraint = constraint_of(body)
-    grammars = tuple(None if constraint is None else constraint.grammar(tokenizer, reasoning_budget(
-        body.max_reasoning_tokens, limits.max_reasoning_tokens, b) if opens_thinking(p, tokenizer) else None)
-                     for p, b in zip(prompts, budgets))
+    reasoning = [reasoning_budget(body.max_reasoning_tokens, limits.max_reasoning_tokens, b)
+                 if opens_thinking(p, tokenizer) else None for p, b in zip(prompts, budgets)]
+    grammars = tuple(None if constraint is None else constraint.grammar(tokenizer, r) for r in reasoning)
     echo = tuple(p if isinstance(p, str) and body.truncate_prompt_tokens is None else tokenizer.decode(q)
                  for p, q in zip(given, prompts)) if body.echo else None
     # echo with logprobs: the prompt's tokens get theirs too (OpenAI's legacy API, lm-evaluation-harness).
