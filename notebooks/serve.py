@@ -270,7 +270,7 @@ assert last["dsr1_prefix_hit_tokens_total"] > 0 and last["dsr1_requests_finished
 # arguments parse and validate. The tool's result goes back as a `tool` message, which the chat
 # template renders for the model's answer. `response_format` with a JSON schema constrains an answer
 # the same way. R1's reasoning comes first and stays free, but within a budget (`max_reasoning_tokens`,
-# at most half of `max_tokens`) after which `</think>` is forced: this demo model never closes its
+# at most a quarter of `max_tokens`) after which `</think>` is forced: this demo model never closes its
 # reasoning on its own, and the constrained answer must still come.
 
 # %%

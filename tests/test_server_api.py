@@ -173,9 +173,9 @@ def test_reasoning_is_bounded_so_the_constrained_answer_always_comes():
             assert len(out) < 64
         assert out.index(tokenizer.think_end_id) == budget
         assert tokenizer.decode(out[budget + 1:]).strip("\n") in ("yes", "no")
-    assert reasoning_budget(None, 512, 200) == 100 and reasoning_budget(7, 512, 200) == 7
+    assert reasoning_budget(None, 512, 200) == 50 and reasoning_budget(7, 512, 200) == 7
     limits = Limits(MODEL, 1024, 4096, 64, 16, max_reasoning_tokens=30)
-    for requested, expected in ((None, 30), (7, 7), (0, None), (500, 100)):
+    for requested, expected in ((None, 30), (7, 7), (0, None), (500, 50)):
         asked = body.model_copy(update={"model": MODEL, "max_tokens": 200, "max_reasoning_tokens": requested})
         grammar = plan_chat(asked, tokenizer, limits).grammars[0]
         assert (f"reasoning[max_tokens={expected}]" in grammar) if expected else "reasoning" not in grammar

@@ -153,8 +153,8 @@ def special_token(tokenizer: Tokenizer, text: str, param: str) -> str:
 
 def reasoning_budget(requested: int | None, default: int, max_tokens: int) -> int:
     """The most tokens a constrained reply's reasoning may take: the request's `max_reasoning_tokens`
-    (else the server's `default`), and at most half its `max_tokens`, so the answer has the rest."""
-    return min(default if requested is None else requested, max_tokens // 2)
+    (else the server's `default`), and at most a quarter of its `max_tokens`, so the answer has the rest."""
+    return min(default if requested is None else requested, max_tokens // 4)
 
 
 def output_grammar(answer: str, tokenizer: Tokenizer, reasoning: int | None, *, rules: Sequence[str] = (),

@@ -31,7 +31,7 @@ class ServerConfig:
       max_reasoning_tokens: the reasoning budget of a constrained reply (tool_choice `required` or
         named, structured outputs) to a prompt that opens R1's `<think>`, when the request sets no
         `max_reasoning_tokens`: `</think>` is then forced, so the constrained answer always comes.
-        At most half the request's `max_tokens` in any case.
+        At most a quarter of the request's `max_tokens` in any case.
     """
 
     model_name: str
@@ -115,7 +115,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-reasoning-tokens", type=int, default=512, metavar="N",
                         help="reasoning budget of a constrained reply (tool_choice required or named, structured "
                              "outputs) when the request sets no max_reasoning_tokens: </think> is forced after N "
-                             "tokens, and after half the request's max_tokens in any case (default: 512)")
+                             "tokens, and after a quarter of the request's max_tokens in any case (default: 512)")
     limits.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish after SIGTERM (default: 30)")
     limits.add_argument("--health-stall-timeout", type=float, default=120.0, metavar="SECONDS",

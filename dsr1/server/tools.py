@@ -123,7 +123,8 @@ def tool_call_grammar(tools: list[ToolSpec], choice: str, tokenizer: Tokenizer, 
              f"{close} {special(CALL_END)}" for i, t in enumerate(chosen)]
     alternatives = " | ".join(f"call_{i}" for i in range(len(chosen)))
     rules.append(f'call: {special(CALL_BEGIN)} "function" {special(TOOL_SEP)} ({alternatives})')
-    calls = 'call ("\\n" call)*' if choice == "required" else "call"
+    # "required": up to one call per offered tool, so the calls end within the reply's budget.
+    calls = f'call ("\\n" call){{0,{len(chosen) - 1}}}' if choice == "required" else "call"
     return output_grammar(f"{special(CALLS_BEGIN)} {calls} {special(CALLS_END)}", tokenizer, reasoning, rules=rules,
                           param="tools")
 
