@@ -273,8 +273,9 @@ def with_transposed(w: Int8Weight, keep: bool = True) -> Int8Rows:
     Traced values (a program given int8 arrays) get no copy, nor does a weight that has one."""
     if isinstance(w, Int8Rows) and (w.transposed is not None or not keep):
         return w
-    one_device = isinstance(w.q, jax.Array) and len(w.q.sharding.device_set) == 1
-    copy = swapped_copy(w.q) if keep and not isinstance(w.q, jax.core.Tracer) else None
+    concrete = isinstance(w.q, jax.Array) and not isinstance(w.q, jax.core.Tracer)
+    one_device = concrete and len(w.q.sharding.device_set) == 1
+    copy = swapped_copy(w.q) if keep and concrete else None
     return Int8Rows(w.q, w.scale, w.input_axes, transposed=copy, one_device=one_device)
 
 
