@@ -246,7 +246,7 @@ def test_fp8_experts_dequantized_on_the_devices_equal_the_host_path(fp8, monkeyp
     stored = []
     dequantize = release.dequantize_experts
     monkeypatch.setattr(loading, "dequantize_experts", lambda w: stored.append(w.codes.shape) or dequantize(w))
-    monkeypatch.setattr(loading, "_on_accelerators", lambda mesh: True)
+    monkeypatch.setattr(loading.LoadPlan, "accelerators", property(lambda plan: True))
     jax.clear_caches()  # the stack programs are traced again, with the recording dequantize
     devices = dsr1.load(folder, dtype=dtype, quant=quant, mtp=True, progress=False)
     cfg = dsr1.Config.from_hf(folder)
