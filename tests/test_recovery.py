@@ -152,7 +152,12 @@ def engine_pids(state: Path) -> dict[int, int]:
     return {int(p.stem.split("-")[1]): int(p.read_text().split()[0]) for p in (state / "pids").glob("engine-*.pid")}
 
 
-@pytest.fixture(scope="module", params=["platform", "kernel-last"])
+# The platform's numbering (the TPU / Slurm path) by default; both with
+# MCJAX_TEST_RECOVERY_NUMBERINGS="platform kernel-last".
+NUMBERINGS = os.environ.get("MCJAX_TEST_RECOVERY_NUMBERINGS", "platform").split()
+
+
+@pytest.fixture(scope="module", params=NUMBERINGS)
 def notebook(request, tmp_path_factory):
     """A simulated cluster of 2 processes with the given numbering and a Jupyter kernel on it."""
     pytest.importorskip("ipyparallel")
@@ -217,6 +222,7 @@ def test_engine_exceptions_end_the_cell_and_the_first_cell_recovers(notebook):
     assert "still in the generation" in text and "_generate_on_engine" in text  # the engine's traceback
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_restart_kernel_and_run_all(notebook):
     """"Restart kernel and run all": the first cell restarts the engines (they died with the

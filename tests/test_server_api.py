@@ -536,6 +536,7 @@ def test_tool_round_trip(demo, stream):
     assert answer.usage.prompt_tokens > tokens  # the rendered turns plus the tools' description
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @needs_grammar
 def test_required_and_named_calls_validate_50_of_50(demo):
@@ -559,6 +560,7 @@ def test_required_and_named_calls_validate_50_of_50(demo):
 FREE = ["ROMEO:\n", "First Citizen:\n", "HAMLET:\nTo be", "JULIET:\nO Romeo"]
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @needs_grammar
 @pytest.mark.parametrize("which", ["demo", "noise"])
@@ -597,6 +599,7 @@ def test_vllm_guided_fields(demo, field):
         assert text in ("Romeo", "Juliet")
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @needs_grammar
 @needs_prompt_logprobs

@@ -188,6 +188,7 @@ def test_json_schema_answers_validate_and_free_neighbours_are_unchanged(demo):
     engine.check()
 
 
+@pytest.mark.extended
 def test_constrained_decoding_with_drafts_equals_without(demo):
     model, tokenizer = demo
     grammar = _grammar()

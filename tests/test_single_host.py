@@ -39,6 +39,7 @@ def test_connect_without_engines_runs_cells_here():
     assert "single host" in cluster.summary()
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_notebooks_run_on_a_single_host():
     pytest.importorskip("nbval")

@@ -223,6 +223,7 @@ def test_smoke_check_passes_then_names_the_host_whose_jax_differs(tmp_path):
         _kill_leftovers(state, cluster_id)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_smoke_check_passes_under_platform_numbering(tmp_path):
     pytest.importorskip("ipyparallel")
