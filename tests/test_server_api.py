@@ -142,6 +142,9 @@ def test_grammars_only_allow_valid_calls_and_json():
         assert content == "" and calls and (choice == "required" or [c.name for c in calls] == ["lookup"])
         for call in calls:
             jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    one = [t for t in tools if t.name == "lookup"]  # "required" with a single tool: exactly one call
+    _, calls = split_tool_calls(masked_walk(tokenizer, tool_call_grammar(one, "required", tokenizer, None), 0))
+    assert [c.name for c in calls] == ["lookup"]
     body = ChatCompletionRequest(model="m", messages=ASK, response_format={
         "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
     for seed in range(20):

@@ -124,7 +124,8 @@ def tool_call_grammar(tools: list[ToolSpec], choice: str, tokenizer: Tokenizer, 
     alternatives = " | ".join(f"call_{i}" for i in range(len(chosen)))
     rules.append(f'call: {special(CALL_BEGIN)} "function" {special(TOOL_SEP)} ({alternatives})')
     # "required": up to one call per offered tool, so the calls end within the reply's budget.
-    calls = f'call ("\\n" call){{0,{len(chosen) - 1}}}' if choice == "required" else "call"
+    more = len(chosen) - 1 if choice == "required" else 0  # lark's {0,0} is an error: no repeat then
+    calls = f'call ("\\n" call){{0,{more}}}' if more else "call"
     return output_grammar(f"{special(CALLS_BEGIN)} {calls} {special(CALLS_END)}", tokenizer, reasoning, rules=rules,
                           param="tools")
 
