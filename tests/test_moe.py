@@ -149,6 +149,14 @@ def test_expert_loop_reads_experts_transposed_for_blocks_of_few_rows(tokens, dty
 
     model = dsr1.init_random(TINY, seed=5, dtype=dtype, quant=quant)
     gate = model.params["moe_layers"]["moe"]["gate"]
+    if not cpu_kernel:  # without the backend the stacks hold their values once; XLA's products take bf16
+        assert not hasattr(gate, "transposed")  # operands as on accelerators: equal to bf16's rounding
+        outputs = kernel_outputs(model, tokens)
+        ref = outputs.pop("ragged_dot")
+        tol = 2e-2 if dtype == "bfloat16" else 2e-5
+        for name, out in outputs.items():
+            np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * np.abs(ref).max(), err_msg=name)
+        return
     values = gate.q if quant else gate.bits
     np.testing.assert_array_equal(np.asarray(gate.transposed), np.swapaxes(np.asarray(values), -1, -2))
     calls = count_products(monkeypatch, cpu_products)
