@@ -15,7 +15,6 @@ skipped on an engine that lacks them.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import socket
 import threading
@@ -44,15 +43,6 @@ from dsr1.serving import Engine, EngineStats, Request
 
 MODEL = "demo"
 SHAPES = dict(max_seqs=16, page_size=16, num_pages=512, prefill_chunk=64, prefill_rows=2, max_seq_len=1024)
-GRAMMAR = "grammar" in inspect.signature(Engine.submit).parameters
-PROMPT_LOGPROBS = "prompt_logprobs" in inspect.signature(Engine.submit).parameters
-SAMPLING_FIELDS = {f.name for f in dataclasses.fields(Sampling)}
-needs_grammar = pytest.mark.skipif(not GRAMMAR, reason="the engine takes no grammar= yet")
-needs_prompt_logprobs = pytest.mark.skipif(not PROMPT_LOGPROBS, reason="the engine takes no prompt_logprobs= yet")
-
-
-def needs_field(name: str) -> pytest.MarkDecorator:
-    return pytest.mark.skipif(name not in SAMPLING_FIELDS, reason=f"Sampling has no {name} yet")
 
 
 WEATHER = {"type": "function", "function": {
@@ -389,7 +379,6 @@ def test_stop_token_ids_stop(demo, tokenizer):
     assert stopped.finish_reason == "stop" and tokenizer.encode(stopped.text) == ids[:ids.index(ids[3])]
 
 
-@needs_field("ignore_eos")
 def test_ignore_eos_and_min_tokens_run_past_the_end(demo):
     client = demo.client()
     natural = chat_greedy(client)
@@ -401,7 +390,6 @@ def test_ignore_eos_and_min_tokens_run_past_the_end(demo):
     assert longer.usage.completion_tokens >= tokens + 5
 
 
-@needs_field("logit_bias")
 def test_logit_bias_and_allowed_token_ids_steer_every_token(demo, tokenizer):
     client = demo.client()
     target = tokenizer.encode(" crown")[0]
@@ -411,7 +399,6 @@ def test_logit_bias_and_allowed_token_ids_steer_every_token(demo, tokenizer):
     assert set(tokenizer.encode(text)) <= set(allowed) and text
 
 
-@needs_field("bad_words_ids")
 def test_bad_words_never_appear(demo, tokenizer):
     client = demo.client()
     free = greedy(client, max_tokens=30).text
@@ -423,7 +410,6 @@ def test_bad_words_never_appear(demo, tokenizer):
         assert not any(found[k:k + len(ids)] == list(ids) for k in range(len(found))), (word, banned)
 
 
-@needs_field("include_stop_str_in_output")
 def test_include_stop_str_in_output_keeps_the_stop(demo):
     client = demo.client()
     free = greedy(client, max_tokens=30).text
@@ -433,7 +419,6 @@ def test_include_stop_str_in_output_keeps_the_stop(demo):
         :free.index(stop) + len(stop)]
 
 
-@needs_field("skip_special_tokens")
 def test_skip_special_tokens_drops_them_from_the_text(demo, tokenizer):
     client = demo.client()
     user = tokenizer.backend.token_to_id("<｜User｜>")
@@ -448,7 +433,6 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
 
 
-@needs_prompt_logprobs
 @pytest.mark.parametrize("max_tokens", [1, 0])
 def test_echo_logprobs_as_lm_eval_sends_them_equal_forward(demo, demo_model, tokenizer, max_tokens):
     """lm-evaluation-harness `local-completions` scores a choice from `echo: true, logprobs: 1` over
@@ -473,7 +457,6 @@ def test_echo_logprobs_as_lm_eval_sends_them_equal_forward(demo, demo_model, tok
     assert reply["usage"]["completion_tokens"] == max_tokens * len(choices)
 
 
-@needs_prompt_logprobs
 def test_vllm_prompt_logprobs(demo, demo_model, tokenizer):
     prompt = tokenizer.encode("To be, or not to be", add_bos=True)
     reply = httpx.post(demo.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2,
@@ -504,7 +487,6 @@ def assemble_stream(stream) -> dict[str, Any]:
     return out
 
 
-@needs_grammar
 @pytest.mark.parametrize("stream", [False, True])
 def test_tool_round_trip(demo, stream):
     """Call (named: the demo model would not call on its own), the tool's result, then the answer."""
@@ -541,7 +523,6 @@ def test_tool_round_trip(demo, stream):
 
 @pytest.mark.extended
 @pytest.mark.slow
-@needs_grammar
 def test_required_and_named_calls_validate_50_of_50(demo):
     client = demo.client()
 
@@ -565,7 +546,6 @@ FREE = ["ROMEO:\n", "First Citizen:\n", "HAMLET:\nTo be", "JULIET:\nO Romeo"]
 
 @pytest.mark.extended
 @pytest.mark.slow
-@needs_grammar
 @pytest.mark.parametrize("which", ["demo", "noise"])
 def test_json_schema_validates_50_of_50_beside_unchanged_free_requests(request, which):
     served = request.getfixturevalue(which)
@@ -587,7 +567,6 @@ def test_json_schema_validates_50_of_50_beside_unchanged_free_requests(request, 
     assert results[50:] == [alone[j % 4] for j in range(50, 58)]  # the neighbours changed no free token
 
 
-@needs_grammar
 @pytest.mark.parametrize("field", ["guided_json", "guided_regex", "guided_choice", "structured_outputs"])
 def test_vllm_guided_fields(demo, field):
     value = {"guided_json": PERSON, "guided_regex": "[0-9]{3}-[a-z]{2}", "guided_choice": ["Romeo", "Juliet"],
@@ -604,8 +583,6 @@ def test_vllm_guided_fields(demo, field):
 
 @pytest.mark.extended
 @pytest.mark.slow
-@needs_grammar
-@needs_prompt_logprobs
 def test_64_concurrent_streams_mix_tools_schemas_echo_and_chat(demo, tokenizer):
     client = demo.client()
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
