@@ -406,7 +406,7 @@ _mcjax_worker_ips() {
 # cluster_internal_ips: the hosts' internal IPs, host 0 first, one a line.
 cluster_internal_ips() {
   [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
-  local ips host ip n line
+  local ips host ip n line err
   if [ -n "$MCJAX_INTERNAL_IPS" ]; then
     printf '%s\n' "$MCJAX_INTERNAL_IPS" | tr ', \t;' '\n' | sed '/^$/d'
     return 0
@@ -417,11 +417,15 @@ cluster_internal_ips() {
       # TPU's networkEndpoints lists every network interface, several per worker on a TPU with
       # more than one network: never counted.)
       line=$(_mcjax_gcloud_ssh_line 0 "--command=curl -fsS -H Metadata-Flavor:Google http://metadata.google.internal/computeMetadata/v1/instance/attributes/worker-network-endpoints") || return 1
-      ips=$(eval "$line" 2>/dev/null) || ips=""
-      [ -n "$ips" ] || {
-        _mcjax_fail 1 "worker 0 of TPU VM '$MCJAX_CLUSTER' did not give its worker list (metadata worker-network-endpoints): is the TPU VM up, gcloud ssh working? Or set MCJAX_HOSTS and MCJAX_INTERNAL_IPS"
+      err=$(mktemp "${TMPDIR:-/tmp}/mcjax_gcloud.XXXXXX") || return 1
+      ips=$(eval "$line" 2>"$err") || ips=""
+      if [ -z "$ips" ]; then
+        tail -n 5 "$err" >&2
+        rm -f "$err"
+        _mcjax_fail 1 "worker 0 of TPU VM '$MCJAX_CLUSTER' did not give its worker list (metadata worker-network-endpoints): is the TPU VM up, gcloud ssh working (see above)? Or set MCJAX_HOSTS and MCJAX_INTERNAL_IPS"
         return
-      }
+      fi
+      rm -f "$err"
       _mcjax_worker_ips "$ips"
       ;;
     ssh | slurm)
