@@ -13,6 +13,11 @@ summed over the expert and tensor mesh axes. Where `ragged_dot` is a dense produ
 CPU a loop over blocks of the sorted pairs slices each hit expert in place (`loop_experts`; experts
 in the CPU backend's layouts hand their blocks to it, `dsr1.cpu`); on GPU decode gathers the pairs'
 experts (`gather_experts`) and larger batches fill per-expert buffers (`capacity_experts`).
+
+With `ShardingRules(moe_dispatch="all_to_all")` the rows are split over the expert axis instead, and
+each device sends its rows' token-expert pairs to the devices holding their experts
+(`ragged_all_to_all`), runs the same kernels on the pairs it received only, and gets the results back
+the same way (`_dispatched_experts`; docs/layouts.md).
 """
 
 from __future__ import annotations
@@ -372,40 +377,60 @@ def _pad_rows(x: jax.Array, weights: jax.Array, experts: jax.Array, parts: int):
 
 class _Exchange(NamedTuple):
     """One device's side of an exchange of token-expert pairs with its peers (the devices of the
-    token axis), per peer `j`. Every receiver's buffer holds its senders' pairs in sender order."""
+    token axis), per peer `j`. Every receiver's buffer holds its senders' pairs in sender order, each
+    sender's sorted by expert."""
 
     send_offsets: jax.Array  # [n] the first of this device's sorted pairs that go to j
     send_sizes: jax.Array  # [n] how many go to j
     remote_offsets: jax.Array  # [n] where they land in j's buffer
-    recv_offsets: jax.Array  # [n] where j's pairs lie in this device's buffer
+    recv_offsets: jax.Array  # [n] where j's pairs lie in this device's buffer (the packed, ragged exchange's)
     recv_sizes: jax.Array  # [n] how many came from j
     home_offsets: jax.Array  # [n] where j's pairs lie among j's sorted pairs (their results go back there)
+    recv_per_expert: jax.Array  # [n, n_local] how many of j's pairs are for each of this device's experts
 
 
-def _exchange(dest: jax.Array, n_peers: int, axis: str) -> _Exchange:
-    """The exchange of pairs bound for devices `dest [P]` (`n_peers`: bound nowhere) over mesh axis
-    `axis`, from every device's pair counts (an all-gather of `n_peers` ints per device)."""
-    send = jnp.bincount(dest, length=n_peers + 1)[:n_peers].astype(jnp.int32)
-    counts = jax.lax.all_gather(send, axis)  # [source, destination]
+def _exchange(experts: jax.Array, n_peers: int, n_local: int, axis: str) -> _Exchange:
+    """The exchange over mesh axis `axis` of this device's pairs, routed to global `experts [P]` (-1:
+    nowhere; `n_local` experts per device), from every device's pairs per expert: an all-gather of
+    one int per expert, which also tells each receiver whose experts its rows are for, so that
+    only the activations travel."""
+    n_experts = n_peers * n_local
+    per_expert = jnp.bincount(jnp.where(experts >= 0, experts, n_experts), length=n_experts + 1)[:-1]
+    per_expert = jax.lax.all_gather(per_expert.astype(jnp.int32), axis)  # [source, expert]
+    counts = per_expert.reshape(n_peers, n_peers, n_local).sum(-1)  # [source, destination]
     me = jax.lax.axis_index(axis)
     from_lower_sources = jnp.cumsum(counts, axis=0) - counts
     to_lower_destinations = jnp.cumsum(counts, axis=1) - counts
-    return _Exchange(to_lower_destinations[me], send, from_lower_sources[me], from_lower_sources[:, me],
-                     counts[:, me], to_lower_destinations[:, me])
+    return _Exchange(to_lower_destinations[me], counts[me], from_lower_sources[me], from_lower_sources[:, me],
+                     counts[:, me], to_lower_destinations[:, me],
+                     jax.lax.dynamic_slice_in_dim(per_expert, me * n_local, n_local, axis=1))
 
 
-def _send(rows: jax.Array, fill: Any, plan: _Exchange, slots: jax.Array, axis: str, ragged: bool) -> jax.Array:
-    """This device's sorted pairs' `rows [P, ...]` sent to their experts' devices: the `[n * P, ...]`
-    buffer of the pairs received (every device may receive all of its peers' pairs: dropless), the
-    rest `fill`. `ragged`: `ragged_all_to_all`, which moves only the pairs, packed by sender; else an
+def _received_experts(plan: _Exchange, p: int, first: jax.Array, ragged: bool) -> jax.Array:
+    """The global expert of each row of this device's receive buffer `[n * p]` (`_send`'s; `first`:
+    this device's first expert), -1 for rows that received nothing."""
+    n, n_local = plan.recv_per_expert.shape
+    starts = plan.recv_offsets if ragged else jnp.arange(n) * p  # where each sender's rows begin
+    ends = (jnp.cumsum(plan.recv_per_expert, axis=1) + starts[:, None]).reshape(-1)  # per (sender, expert)
+    rows = jnp.arange(n * p)
+    group = jnp.searchsorted(ends, rows, side="right")
+    sender = jnp.minimum(group // n_local, n - 1)
+    received = (rows >= starts[sender]) & (rows < starts[sender] + plan.recv_sizes[sender])
+    return jnp.where(received, first + group % n_local, -1)
+
+
+def _send(rows: jax.Array, plan: _Exchange, slots: jax.Array, axis: str, ragged: bool) -> jax.Array:
+    """This device's sorted pairs' `rows [P, D]` sent to their experts' devices: the `[n * P, D]`
+    buffer of the pairs received (every device may receive all of its peers' pairs: dropless), zero
+    elsewhere. `ragged`: `ragged_all_to_all`, which moves only the pairs, packed by sender; else an
     `all_to_all` of a `P`-row slot per peer (`slots`: each pair's), which moves every slot."""
     n, p = plan.send_sizes.shape[0], rows.shape[0]
     if ragged:
-        out = jnp.full((n * p, *rows.shape[1:]), fill, rows.dtype)
+        out = jnp.zeros((n * p, rows.shape[1]), rows.dtype)
         out = jax.lax.pcast(out, axis, to="varying")  # as `rows`: they differ per device of `axis`
         return jax.lax.ragged_all_to_all(rows, out, plan.send_offsets, plan.send_sizes,
                                          plan.remote_offsets, plan.recv_sizes, axis_name=axis)
-    buf = jnp.full((n * p + 1, *rows.shape[1:]), fill, rows.dtype).at[slots].set(rows)[:-1]
+    buf = jnp.zeros((n * p + 1, rows.shape[1]), rows.dtype).at[slots].set(rows)[:-1]
     return jax.lax.all_to_all(buf, axis, 0, 0, tiled=True)
 
 
@@ -443,14 +468,14 @@ def _dispatched_experts(x, weights, experts, gate, up, down, layer, *, rules: Sh
     routed = flat >= 0  # padding rows' pairs go nowhere
     order = jnp.argsort(jnp.where(routed, flat, n_peers * n_local))  # by expert, so by device
     token, dest = order // k, jnp.where(routed, flat // n_local, n_peers)[order]
-    plan = _exchange(dest, n_peers, axis)
+    plan = _exchange(flat, n_peers, n_local, axis)
     p = flat.shape[0]
     slots = jnp.where(dest < n_peers, dest * p + jnp.arange(p) - plan.send_offsets[jnp.minimum(dest, n_peers - 1)],
                       n_peers * p)  # each pair's slot in the dense exchange's send buffer
     ragged = ragged_dispatch(platform)
     with jax.named_scope("dispatch"):
-        xs = _send(x[token], 0, plan, slots, axis, ragged)
-        received = _send(flat[order], -1, plan, slots, axis, ragged)  # empty rows: expert -1, on no device
+        xs = _send(x[token], plan, slots, axis, ragged)
+    received = _received_experts(plan, p, jax.lax.axis_index(axis) * n_local, ragged)  # empty rows: -1
     kernel = kernel or default_kernel(received.shape[0], n_local, platform)
     y = kernel(xs, jnp.ones((received.shape[0], 1), jnp.float32), received[:, None], gate, up, down, layer, rules)
     with jax.named_scope("return"):
