@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 
 from .api import Model, init_random, load
 from .core.config import Config
-from .core.sharding import make_mesh
+from .core.sharding import MOE_DISPATCH, ShardingRules, make_mesh
 from .weights.demo import demo_checkpoint
 
 
@@ -58,6 +58,10 @@ def add_model_options(p: argparse.ArgumentParser, *, default_preset: str | None,
     p.add_argument("--kv-cache-dtype", choices=["int8"], help="int8 latent cache with per-token scales")
     p.add_argument("--expert", type=int, help="expert-parallel mesh size (default: automatic)")
     p.add_argument("--tensor", type=int, help="tensor-parallel mesh size (default: automatic)")
+    p.add_argument("--moe-dispatch", choices=MOE_DISPATCH, default="psum",
+                   help="how tokens reach the routed experts: psum (every device sees every token, partial outputs "
+                        "summed; the low-latency default) or all_to_all (rows split over the expert axis, each "
+                        "token-expert pair sent to its expert's device and back; docs/layouts.md)")
 
 
 def config_from_options(args: argparse.Namespace) -> tuple[Config, str]:
@@ -97,13 +101,14 @@ def model_from_options(args: argparse.Namespace, *, seed: int = 0, mtp: bool = F
     weights (from `seed`) for `--config` / `--preset`; says on stderr which, since random weights
     write noise."""
     mesh = mesh_from_options(args)
+    rules = ShardingRules(moe_dispatch=getattr(args, "moe_dispatch", "psum"))
     path = checkpoint_from_options(args)
     if path is not None:
         model = load(path, mesh=mesh, dtype=args.dtype, quant=args.quant, kv_cache_dtype=args.kv_cache_dtype,
-                     mtp=mtp)
+                     mtp=mtp, rules=rules)
         print(f"model: {path} ({model.weight_bytes() / 2**30:.3f} GiB of weights)", file=sys.stderr)
         return model
     cfg, name = config_from_options(args)
     print(f"model: {name} with RANDOM weights (no checkpoint): the text is noise", file=sys.stderr)
     return init_random(cfg, seed=seed, mesh=mesh, dtype=args.dtype, quant=args.quant,
-                       kv_cache_dtype=args.kv_cache_dtype, mtp=mtp and cfg.num_nextn_predict_layers > 0)
+                       kv_cache_dtype=args.kv_cache_dtype, mtp=mtp and cfg.num_nextn_predict_layers > 0, rules=rules)

@@ -13,6 +13,11 @@ summed over the expert and tensor mesh axes. Where `ragged_dot` is a dense produ
 CPU a loop over blocks of the sorted pairs slices each hit expert in place (`loop_experts`; experts
 in the CPU backend's layouts hand their blocks to it, `dsr1.cpu`); on GPU decode gathers the pairs'
 experts (`gather_experts`) and larger batches fill per-expert buffers (`capacity_experts`).
+
+With `ShardingRules(moe_dispatch="all_to_all")` the rows are split over the expert axis instead, and
+each device sends its rows' token-expert pairs to the devices holding their experts
+(`ragged_all_to_all`), runs the same kernels on the pairs it received only, and gets the results back
+the same way (`_dispatched_experts`; docs/layouts.md).
 """
 
 from __future__ import annotations
@@ -330,9 +335,14 @@ def routed_experts(p: dict, x: jax.Array, weights: jax.Array, experts: jax.Array
                    kernel: ExpertKernel | None = None) -> jax.Array:
     """Dropless routed-expert output `[N, D]` (float32), experts split over the expert mesh axis.
 
-    `layer`: None when `p` holds one layer's experts `[E, ...]`; else `p`'s experts are the stacks
-    `[L, E, ...]` of every layer and `layer` picks one, so that kernels slice an expert in place.
-    `differentiable`: a path with reverse mode (training; see `_local_experts`). `kernel`: one of
+    How tokens meet their experts follows `rules.moe_dispatch`: "psum" runs each device's experts on
+    every token routed to them and sums the partial outputs over the mesh (`_local_experts`);
+    "all_to_all" splits the rows over the expert axis and sends each pair to its expert's device and
+    back (`_dispatched_experts`; the output comes out split over that axis, and a caller keeping
+    activations replicated gathers it). `layer`: None when `p` holds one layer's experts `[E, ...]`;
+    else `p`'s experts are the stacks `[L, E, ...]` of every layer and `layer` picks one, so that
+    kernels slice an expert in place. `differentiable`: a path with reverse mode (training, which
+    sums partial outputs whatever the dispatch; see `_local_experts`). `kernel`: one of
     `ragged_experts`, `loop_experts`, `dense_experts` instead of the platform's (benchmarks)."""
     gate, up, down = p["gate"], p["up"], p["down"]
     if layer is None:
@@ -342,10 +352,136 @@ def routed_experts(p: dict, x: jax.Array, weights: jax.Array, experts: jax.Array
         w_in = _partition_spec(gate, ("experts", "embed", "expert_ffw"), rules)
         w_out = _partition_spec(down, ("experts", "expert_ffw", "embed"), rules)
         platform = mesh.devices.flat[0].platform
-        body = jax.shard_map(functools.partial(_local_experts, rules=rules, platform=platform,
-                                               differentiable=differentiable, kernel=kernel), mesh=mesh,
-                             in_specs=(P(), P(), P(), w_in, w_in, w_out, P()), out_specs=P())
-        return body(x, weights, experts, gate, up, down, jnp.asarray(layer, jnp.int32))
+        token_axis = None if differentiable else rules.moe_token_axis()
+        n_rows = x.shape[0]
+        if token_axis is None:
+            body = functools.partial(_local_experts, rules=rules, platform=platform, differentiable=differentiable,
+                                     kernel=kernel)
+        else:
+            body = functools.partial(_dispatched_experts, rules=rules, platform=platform, kernel=kernel)
+            x, weights, experts = _pad_rows(x, weights, experts, mesh.shape[token_axis])
+        rows = P(token_axis)
+        run = jax.shard_map(body, mesh=mesh, in_specs=(rows, rows, rows, w_in, w_in, w_out, P()), out_specs=rows)
+        out = run(x, weights, experts, gate, up, down, jnp.asarray(layer, jnp.int32))
+        return out[:n_rows]
+
+
+def _pad_rows(x: jax.Array, weights: jax.Array, experts: jax.Array, parts: int):
+    """The rows padded to a multiple of `parts`; padding rows route nowhere (expert -1, weight 0)."""
+    pad = -x.shape[0] % parts
+    if not pad:
+        return x, weights, experts
+    return (jnp.pad(x, ((0, pad), (0, 0))), jnp.pad(weights, ((0, pad), (0, 0))),
+            jnp.pad(experts, ((0, pad), (0, 0)), constant_values=-1))
+
+
+class _Exchange(NamedTuple):
+    """One device's side of an exchange of token-expert pairs with its peers (the devices of the
+    token axis), per peer `j`. Every receiver's buffer holds its senders' pairs in sender order, each
+    sender's sorted by expert."""
+
+    send_offsets: jax.Array  # [n] the first of this device's sorted pairs that go to j
+    send_sizes: jax.Array  # [n] how many go to j
+    remote_offsets: jax.Array  # [n] where they land in j's buffer
+    recv_offsets: jax.Array  # [n] where j's pairs lie in this device's buffer (the packed, ragged exchange's)
+    recv_sizes: jax.Array  # [n] how many came from j
+    home_offsets: jax.Array  # [n] where j's pairs lie among j's sorted pairs (their results go back there)
+    recv_per_expert: jax.Array  # [n, n_local] how many of j's pairs are for each of this device's experts
+
+
+def _exchange(experts: jax.Array, n_peers: int, n_local: int, axis: str) -> _Exchange:
+    """The exchange over mesh axis `axis` of this device's pairs, routed to global `experts [P]` (-1:
+    nowhere; `n_local` experts per device), from every device's pairs per expert: an all-gather of
+    one int per expert, which also tells each receiver whose experts its rows are for, so that
+    only the activations travel."""
+    n_experts = n_peers * n_local
+    per_expert = jnp.bincount(jnp.where(experts >= 0, experts, n_experts), length=n_experts + 1)[:-1]
+    per_expert = jax.lax.all_gather(per_expert.astype(jnp.int32), axis)  # [source, expert]
+    counts = per_expert.reshape(n_peers, n_peers, n_local).sum(-1)  # [source, destination]
+    me = jax.lax.axis_index(axis)
+    from_lower_sources = jnp.cumsum(counts, axis=0) - counts
+    to_lower_destinations = jnp.cumsum(counts, axis=1) - counts
+    return _Exchange(to_lower_destinations[me], counts[me], from_lower_sources[me], from_lower_sources[:, me],
+                     counts[:, me], to_lower_destinations[:, me],
+                     jax.lax.dynamic_slice_in_dim(per_expert, me * n_local, n_local, axis=1))
+
+
+def _received_experts(plan: _Exchange, p: int, first: jax.Array, ragged: bool) -> jax.Array:
+    """The global expert of each row of this device's receive buffer `[n * p]` (`_send`'s; `first`:
+    this device's first expert), -1 for rows that received nothing."""
+    n, n_local = plan.recv_per_expert.shape
+    starts = plan.recv_offsets if ragged else jnp.arange(n) * p  # where each sender's rows begin
+    ends = (jnp.cumsum(plan.recv_per_expert, axis=1) + starts[:, None]).reshape(-1)  # per (sender, expert)
+    rows = jnp.arange(n * p)
+    group = jnp.searchsorted(ends, rows, side="right")
+    sender = jnp.minimum(group // n_local, n - 1)
+    received = (rows >= starts[sender]) & (rows < starts[sender] + plan.recv_sizes[sender])
+    return jnp.where(received, first + group % n_local, -1)
+
+
+def _send(rows: jax.Array, plan: _Exchange, slots: jax.Array, axis: str, ragged: bool) -> jax.Array:
+    """This device's sorted pairs' `rows [P, D]` sent to their experts' devices: the `[n * P, D]`
+    buffer of the pairs received (every device may receive all of its peers' pairs: dropless), zero
+    elsewhere. `ragged`: `ragged_all_to_all`, which moves only the pairs, packed by sender; else an
+    `all_to_all` of a `P`-row slot per peer (`slots`: each pair's), which moves every slot."""
+    n, p = plan.send_sizes.shape[0], rows.shape[0]
+    if ragged:
+        out = jnp.zeros((n * p, rows.shape[1]), rows.dtype)
+        out = jax.lax.pcast(out, axis, to="varying")  # as `rows`: they differ per device of `axis`
+        return jax.lax.ragged_all_to_all(rows, out, plan.send_offsets, plan.send_sizes,
+                                         plan.remote_offsets, plan.recv_sizes, axis_name=axis)
+    buf = jnp.zeros((n * p + 1, rows.shape[1]), rows.dtype).at[slots].set(rows)[:-1]
+    return jax.lax.all_to_all(buf, axis, 0, 0, tiled=True)
+
+
+def _send_back(y: jax.Array, plan: _Exchange, slots: jax.Array, axes: tuple[str, ...], ragged: bool) -> jax.Array:
+    """The received pairs' results `y [n * P, D]` returned to their senders: `[P, D]` in each sender's
+    sorted order (zero for pairs bound nowhere). The inverse of `_send`; `axes`: the exchange's mesh
+    axis, then those `y` differs over besides (the experts' ffw slices)."""
+    p, axis = slots.shape[0], axes[0]
+    if ragged:
+        out = jax.lax.pcast(jnp.zeros((p, y.shape[-1]), y.dtype), axes, to="varying")  # as `y`
+        return jax.lax.ragged_all_to_all(y, out, plan.recv_offsets, plan.recv_sizes, plan.home_offsets,
+                                         plan.send_sizes, axis_name=axis)
+    back = jax.lax.all_to_all(y, axis, 0, 0, tiled=True)
+    return jnp.concatenate([back, jnp.zeros((1, y.shape[-1]), y.dtype)])[slots]
+
+
+def ragged_dispatch(platform: str) -> bool:
+    """Whether the all-to-all dispatch sends the pairs with `ragged_all_to_all` on `platform`: XLA:CPU
+    has no `ragged-all-to-all`, so there a dense `all_to_all` of one full-size slot per peer runs."""
+    return platform != "cpu"
+
+
+def _dispatched_experts(x, weights, experts, gate, up, down, layer, *, rules: ShardingRules, platform: str,
+                        kernel: ExpertKernel | None = None):
+    """Per-device body of the all-to-all dispatch, on this device's rows `x [n, D]` (a share of the
+    batch): their token-expert pairs, sorted by expert, go to the devices holding the experts; each
+    device runs its experts (its ffw slice) on the pairs it received only, by `kernel` (default:
+    the platform's, `default_kernel`); the results, in `x`'s dtype, come back the same way and are
+    combined with the routing weights here, then summed over the ffw's mesh axis. Dropless: a
+    device's receive buffer holds every pair of its peers. Returns `[n, D]` float32."""
+    axis = rules.moe_token_axis()
+    n_peers, n_local = jax.lax.axis_size(axis), gate.shape[1]
+    n_rows, k = experts.shape
+    flat = experts.reshape(-1)
+    routed = flat >= 0  # padding rows' pairs go nowhere
+    order = jnp.argsort(jnp.where(routed, flat, n_peers * n_local))  # by expert, so by device
+    token, dest = order // k, jnp.where(routed, flat // n_local, n_peers)[order]
+    plan = _exchange(flat, n_peers, n_local, axis)
+    p = flat.shape[0]
+    slots = jnp.where(dest < n_peers, dest * p + jnp.arange(p) - plan.send_offsets[jnp.minimum(dest, n_peers - 1)],
+                      n_peers * p)  # each pair's slot in the dense exchange's send buffer
+    ragged = ragged_dispatch(platform)
+    with jax.named_scope("dispatch"):
+        xs = _send(x[token], plan, slots, axis, ragged)
+    received = _received_experts(plan, p, jax.lax.axis_index(axis) * n_local, ragged)  # empty rows: -1
+    kernel = kernel or default_kernel(received.shape[0], n_local, platform)
+    y = kernel(xs, jnp.ones((received.shape[0], 1), jnp.float32), received[:, None], gate, up, down, layer, rules)
+    with jax.named_scope("return"):
+        back = _send_back(y.astype(x.dtype), plan, slots, rules.moe_reduce_axes(), ragged)
+    out = _combine(n_rows, token, back, jnp.where(dest < n_peers, weights.reshape(-1)[order], 0.0))
+    return jax.lax.psum(out, rules.expert_ffw) if rules.expert_ffw else out
 
 
 def moe(p: dict, x: jax.Array, cfg: Config, mesh: Mesh, rules: ShardingRules,

@@ -5,6 +5,11 @@ Every weight and activation elsewhere speaks *logical* axes ("heads", "experts",
 to whatever places arrays (`Model.rules`, `init_random(..., rules=)`); `DEFAULT_RULES` is the
 low-latency decode layout: activations replicated, attention heads and ffw split over `tensor`,
 routed experts over `expert` (and their ffw over `tensor`).
+
+`moe_dispatch` chooses how tokens meet the routed experts: "psum" (default) runs every device's
+experts on every token routed to them and sums the partial outputs over the mesh; "all_to_all"
+splits the MoE input's rows over the `experts` axis and sends each (token, expert) pair to the
+device holding its expert and back (`dsr1.core.moe`, docs/layouts.md).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ TENSOR = "tensor"
 MESH_AXES = (EXPERT, TENSOR)
 
 LogicalAxes = tuple[str | None, ...]
+MOE_DISPATCH = ("psum", "all_to_all")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,12 +46,17 @@ class ShardingRules:
     ffw: str | None = TENSOR
     experts: str | None = EXPERT
     expert_ffw: str | None = TENSOR
+    moe_dispatch: str = "psum"  # how tokens reach the routed experts: one of MOE_DISPATCH
+
+    def __post_init__(self) -> None:
+        if self.moe_dispatch not in MOE_DISPATCH:
+            raise ValueError(f"ShardingRules.moe_dispatch={self.moe_dispatch!r}: expected one of {MOE_DISPATCH}")
 
     def mesh_axis(self, logical: str | None) -> str | None:
         """The mesh axis of one logical axis; a name with no rule is an error, not "replicated"."""
         if logical is None:
             return None
-        if logical not in {f.name for f in dataclasses.fields(self)}:
+        if logical not in {f.name for f in dataclasses.fields(self)} - {"moe_dispatch"}:
             raise ValueError(f"no sharding rule for logical axis {logical!r}")
         return getattr(self, logical)
 
@@ -66,6 +77,12 @@ class ShardingRules:
     def moe_reduce_axes(self) -> tuple[str, ...]:
         """Mesh axes over which the routed-expert block's partial outputs are summed."""
         return tuple(a for a in (self.experts, self.expert_ffw) if a is not None)
+
+    def moe_token_axis(self) -> str | None:
+        """The mesh axis the routed-expert block splits its input rows over, or None when every
+        device sees every row: the `experts` axis under the "all_to_all" dispatch (each device of
+        it owns a share of the rows and sends their pairs to the experts' devices)."""
+        return self.experts if self.moe_dispatch == "all_to_all" else None
 
     def check_divisible(self, mesh: Mesh, shape: Sequence[int], axes: LogicalAxes, name: str) -> None:
         """Fail early, naming the weight, when a dimension does not split evenly over its mesh axis."""

@@ -1,0 +1,151 @@
+"""Expert parallelism by all-to-all (`ShardingRules(moe_dispatch="all_to_all")`): the rows split over
+the expert axis, each token-expert pair sent to its expert's device and back, gives the same MoE
+outputs and the same greedy tokens as summing partial outputs over the mesh ("psum") and as one
+device, in float32.
+
+The multi-device comparison runs this file as a program in a subprocess (the device count must be
+set before JAX starts): `python -m tests.test_expert_all_to_all --expert 4 --tensor 2`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import dsr1
+from dsr1.core import moe as moe_module
+from dsr1.core.moe import moe
+from dsr1.core.sharding import ShardingRules
+
+# R1's routing at toy width: 64 experts in 8 groups, 4 groups kept, top-8; two dense layers, then MoE.
+CONFIG = dataclasses.replace(
+    dsr1.Config.preset("tiny"), vocab_size=512, n_routed_experts=64, num_experts_per_tok=8, n_group=8,
+    topk_group=4, first_k_dense_replace=2, num_hidden_layers=4)
+ALL_TO_ALL = ShardingRules(moe_dispatch="all_to_all")
+PROMPTS = [[0, 17, 300, 42, 5], [0, 99], [0, 7, 8, 9, 10, 11, 12, 250, 251], [0, 400, 3]]
+
+
+def test_dispatch_is_checked():
+    with pytest.raises(ValueError, match="moe_dispatch='scatter'"):
+        ShardingRules(moe_dispatch="scatter")
+    assert ShardingRules().moe_token_axis() is None
+    assert ALL_TO_ALL.moe_token_axis() == ALL_TO_ALL.experts
+
+
+def test_all_to_all_on_one_device_matches_psum():
+    """One device: the exchange is with itself (and the CPU's dense all-to-all is a copy)."""
+    outputs = moe_outputs(dsr1.make_mesh(expert=1, tensor=1))
+    np.testing.assert_allclose(outputs["all_to_all"], outputs["psum"], rtol=1e-5, atol=1e-5)
+
+
+def moe_outputs(mesh, tokens: tuple[int, ...] = (1, 3, 8, 64)) -> dict[str, np.ndarray]:
+    """The first MoE layer's output on random rows, per dispatch, `tokens` rows at a time (counts that
+    do and do not divide the expert axis), concatenated."""
+    model = dsr1.init_random(CONFIG, seed=11, dtype="float32", mesh=mesh)
+    p = jax.tree.map(lambda a: a[0], model.params["moe_layers"]["moe"])
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((n, CONFIG.hidden_size)).astype(np.float32) for n in tokens]
+    outputs = {}
+    for rules in (ShardingRules(), ALL_TO_ALL):
+        run = jax.jit(lambda p, x, rules=rules: moe(p, x, CONFIG, mesh, rules)[0])
+        outputs[rules.moe_dispatch] = np.concatenate([np.asarray(run(p, x)) for x in xs])
+    return outputs
+
+
+def greedy_tokens(mesh, rules: ShardingRules, new_tokens: int = 12) -> list[list[int]]:
+    model = dataclasses.replace(dsr1.init_random(CONFIG, seed=11, dtype="float32", mesh=mesh), rules=rules)
+    result = dsr1.generate(model, PROMPTS, max_new_tokens=new_tokens)
+    return [c.tokens for c in result.completions]
+
+
+def ragged_exchange_errors(mesh, rules: ShardingRules, rows: int = 6) -> list[str]:
+    """XLA:CPU has no `ragged_all_to_all`: the offsets and sizes each device computes for it
+    (`_exchange`) are checked here by doing its exchange in numpy, there (each sorted pair to its
+    expert's device, with `_received_experts` naming each received row's expert) and back (each
+    result to its pair's own slot). Returns what disagrees."""
+    axis = rules.experts
+    n, n_local = mesh.shape[axis], CONFIG.n_routed_experts // mesh.shape[axis]
+    rng = np.random.default_rng(n)
+    experts = np.stack([rng.choice(CONFIG.n_routed_experts, CONFIG.num_experts_per_tok, replace=False)
+                        for _ in range(n * rows)]).astype(np.int32)
+    experts[rows - 1::rows] = -1  # a padding row on every device
+
+    def body(e):
+        flat = e.reshape(-1)
+        pairs = flat[jnp.argsort(jnp.where(flat >= 0, flat, CONFIG.n_routed_experts))]
+        plan = moe_module._exchange(flat, n, n_local, axis)
+        received = moe_module._received_experts(plan, flat.size, jax.lax.axis_index(axis) * n_local, True)
+        return jax.tree.map(lambda a: a[None], (plan, pairs, received))
+
+    run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P(axis)))
+    plan, pairs, received = jax.tree.map(np.asarray, run(experts))
+    p, errors = pairs.shape[1], []
+    buffers = np.full((n, n * p), -1, np.int32)
+    for i in range(n):
+        for j in range(n):
+            size, src, dst = plan.send_sizes[i, j], plan.send_offsets[i, j], plan.remote_offsets[i, j]
+            if (plan.recv_sizes[j, i], plan.recv_offsets[j, i]) != (size, dst):
+                errors.append(f"device {j} expects {plan.recv_sizes[j, i]} pairs at {plan.recv_offsets[j, i]} from "
+                              f"{i}, which sends {size} to {dst}")
+            buffers[j, dst:dst + size] = pairs[i, src:src + size]
+    errors += [f"device {j} names its received rows' experts wrongly" for j in range(n)
+               if not np.array_equal(buffers[j], received[j])]
+    for i in range(n):
+        back = np.full(p, -1, np.int32)
+        for j in range(n):
+            size, src, dst = plan.recv_sizes[j, i], plan.recv_offsets[j, i], plan.home_offsets[j, i]
+            back[dst:dst + size] = buffers[j, src:src + size]
+        if not np.array_equal(back, np.where(pairs[i] >= 0, pairs[i], -1)):
+            errors.append(f"device {i}'s results come back to the wrong pairs")
+    return errors
+
+
+def compare(expert: int, tensor: int) -> dict:
+    """The MoE layer's outputs and greedy tokens on an expert x tensor mesh, per dispatch, against one
+    device's psum path."""
+    one = dsr1.make_mesh(expert=1, tensor=1, devices=jax.devices()[:1])
+    mesh = dsr1.make_mesh(expert=expert, tensor=tensor)
+    ref = moe_outputs(one)["psum"]
+    outputs = moe_outputs(mesh)
+    scale = float(np.abs(ref).max())
+    return {
+        "ragged_exchange_errors": ragged_exchange_errors(mesh, ALL_TO_ALL),
+        "moe_max_rel_diff": {k: float(np.abs(v - ref).max()) / scale for k, v in outputs.items()},
+        "tokens_one_device": greedy_tokens(one, ShardingRules()),
+        "tokens": {r.moe_dispatch: greedy_tokens(mesh, r) for r in (ShardingRules(), ALL_TO_ALL)},
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("expert, tensor", [(4, 2), (8, 1)])
+def test_all_to_all_matches_psum_and_one_device_on_eight_devices(expert, tensor):
+    from .harness import subprocess_env
+
+    done = subprocess.run([sys.executable, "-m", "tests.test_expert_all_to_all", f"--expert={expert}",
+                           f"--tensor={tensor}"], env=subprocess_env(8), capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["ragged_exchange_errors"] == []
+    for dispatch, diff in report["moe_max_rel_diff"].items():
+        assert diff < 1e-5, (dispatch, diff)
+    ref = report["tokens_one_device"]
+    assert all(len(row) == 12 for row in ref)
+    assert report["tokens"]["psum"] == ref
+    assert report["tokens"]["all_to_all"] == ref
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--expert", type=int, required=True)
+    ap.add_argument("--tensor", type=int, required=True)
+    args = ap.parse_args()
+    print(json.dumps(compare(args.expert, args.tensor)))
