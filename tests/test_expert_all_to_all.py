@@ -126,7 +126,7 @@ def compare(expert: int, tensor: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("expert, tensor", [(4, 2), (8, 1)])
+@pytest.mark.parametrize("expert, tensor", [(4, 2), pytest.param(8, 1, marks=pytest.mark.extended)])
 def test_all_to_all_matches_psum_and_one_device_on_eight_devices(expert, tensor):
     from .harness import subprocess_env
 
