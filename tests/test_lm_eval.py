@@ -30,15 +30,15 @@ from dsr1.server import BackgroundServer, ServerConfig, create_app
 from dsr1.serving import Engine
 
 MODEL = "demo"
-# The engine shapes of test_server_api.
-SHAPES = dict(max_seqs=16, page_size=16, num_pages=512, prefill_chunk=64, prefill_rows=2, max_seq_len=1024)
+# Small shapes: few programs to compile (each on its first request) for prompts of a few dozen tokens.
+SHAPES = dict(max_seqs=4, page_size=16, num_pages=64, prefill_chunk=32, prefill_rows=1, max_seq_len=128)
 PAYLOAD = {"temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}  # lm-eval's, but model/prompt
 
 # (context, continuation) as a multiple-choice task hands them to the model: the question, each answer.
 QUESTIONS = [
     ("Who loves Juliet?", ["Romeo", "Hamlet", "Falstaff", "Lear"], 0),
     ("Who is the Prince of Denmark?", ["Macbeth", "Hamlet", "Othello"], 1),
-    ("HAMLET:\nTo be, or not to", ["be", "go", "sleep"], 0),
+    ("To be, or not to", ["be", "go", "sleep"], 0),
     ("GLOUCESTER:\nNow is the winter of our", ["discontent", "summer", "cheese"], 0),
     ("KING HENRY:\nOnce more unto the breach, dear", ["friends", "cousins", "Romans, countrymen"], 0),
 ]
@@ -92,7 +92,6 @@ def model() -> dsr1.Model:
 @pytest.fixture(scope="module")
 def url(model, tokenizer):
     engine = Engine(model, **SHAPES, tokenizer=tokenizer)
-    engine.warm_up()  # every program compiled once, not per request shape
     server = BackgroundServer(create_app(engine, ServerConfig(model_name=MODEL)), shutdown_timeout=5.0).start()
     yield server.url
     server.stop()
@@ -100,7 +99,7 @@ def url(model, tokenizer):
 
 def complete(url: str, prompts: list[list[int]], **extra: Any) -> dict[str, Any]:
     reply = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompts, **PAYLOAD, **extra},
-                       timeout=600)
+                       timeout=900)
     assert reply.status_code == 200, reply.text
     return reply.json()
 
@@ -139,7 +138,7 @@ def test_a_choice_whose_next_token_is_eos_keeps_its_last_token(url, model, token
         if stream:
             chunks = [json.loads(line[6:]) for line in httpx.post(
                 url + "/v1/completions", json={"model": MODEL, "prompt": [prompt], **PAYLOAD, **stop, "stream": True},
-                timeout=600).text.splitlines() if line.startswith("data: {")]
+                timeout=900).text.splitlines() if line.startswith("data: {")]
             parts = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
             logprobs = {key: [v for p in parts for v in p[key]] for key in ("tokens", "token_logprobs", "top_logprobs")}
             reply = {"choices": [{"index": 0, "logprobs": logprobs, "finish_reason": chunks[-1]["choices"][0][
