@@ -7,6 +7,8 @@ engine's thread and stops it (cancelling whatever is left). Routes:
 - `POST /v1/chat/completions`, `POST /v1/completions`: `completions.CompletionService`.
 - `GET /v1/models`, `GET /v1/models/{id}`: the one model served.
 - `POST /tokenize`, `POST /detokenize` (vLLM's): a prompt's or chat's token ids, and ids' text.
+- `GET /tokenizer_info` (vLLM's): the special tokens, the context and the chat template, which
+  lm-evaluation-harness's `tokenizer_backend=remote` reads so that it tokenizes with `/tokenize`.
 - `GET /version`: dsr1's version.
 - `GET /health`: 200 while serving; 503 while draining, after an engine failure, or while the
   engine has had work and finished no step for `ServerConfig.stall_timeout` seconds (no key needed,
@@ -24,6 +26,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import Depends, FastAPI
 from fastapi import Request as HTTPRequest
@@ -33,8 +36,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
 from .. import __version__
-from ..generation.tokenizer import Tokenizer, load_tokenizer
+from ..generation.tokenizer import BOS, EOS, Tokenizer, load_tokenizer
 from ..serving import Engine
+from ..train.bpe import chat_template
 from .completions import CompletionService, read_body
 from .errors import APIError, install_error_handlers
 from .metrics import HTTPMetricsMiddleware, Metrics
@@ -113,6 +117,10 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
                            code="invalid_value")
         return JSONResponse({"prompt": await run_in_threadpool(engine.tokenizer.decode, body.tokens)})
 
+    @app.get("/tokenizer_info", dependencies=guarded)
+    async def tokenizer_info() -> JSONResponse:
+        return JSONResponse(tokenizer_card(limits.context))
+
     @app.get("/version")
     async def version() -> JSONResponse:
         return JSONResponse({"version": __version__})
@@ -140,6 +148,14 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"], allow_credentials="*" not in config.allowed_origins)
     return app
+
+
+def tokenizer_card(context: int) -> dict[str, Any]:
+    """vLLM's `/tokenizer_info` for R1's tokenizer: its special tokens as text (`/tokenize` turns
+    them into ids), the context, and the official chat template."""
+    return {"tokenizer_class": "LlamaTokenizerFast", "bos_token": BOS, "eos_token": EOS, "pad_token": EOS,
+            "model_max_length": context,
+            "chat_template": chat_template()}
 
 
 def max_token_bytes(tokenizer: Tokenizer) -> int:

@@ -4,7 +4,8 @@ with the whole result or stream it as server-sent events ending with `data: [DON
 
 Log-probabilities, when asked for, are the engine's (`Request.logprobs`) in OpenAI's forms
 (`logprobs`), whole or a step's new tokens per chunk; the prompt's (`echo` with `logprobs`, vLLM's
-`prompt_logprobs`) are `Request.prompt_logprobs`, computed during prefill. A chat reply that calls
+`prompt_logprobs`) are `Request.prompt_logprobs`, computed during prefill. A completions choice
+ended by a stop token (EOS, `stop_token_ids`) lists that token's entry last, as vLLM's does. A chat reply that calls
 tools has them parsed out of its text (`tools`) as `tool_calls`, with finish reason "tool_calls".
 
 The body is read as it streams in and refused (413) once it passes `MAX_BODY_BYTES`; a prompt that
@@ -33,6 +34,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from ..generation.output import TokenLogprob
 from ..generation.tokenizer import Tokenizer
 from ..serving import Request
 from .errors import APIError
@@ -282,7 +284,7 @@ class CompletionService:
             text = prefix + ("" if plan.discard_output else request.text)
             logprobs = None
             if request.logprobs is not None:
-                output = [] if plan.discard_output else request.logprobs
+                output = [] if plan.discard_output else request.logprobs + _stop_entry(request)
                 logprobs = completion_logprobs(self.tokenizer, prompt_entries + output)
             choices.append(TextChoice(index=i, text=text, finish_reason="length" if plan.discard_output
                                       else finish_reason(request), logprobs=logprobs,
@@ -364,6 +366,9 @@ class CompletionService:
                     logprobs = cursors[i].take(request, update.tokens)
                     if update.text or logprobs:
                         yield reply.text_chunk(plan, i, update.text, logprobs=logprobs)
+                    if update.done and request.top_logprobs is not None and (stop := _stop_entry(request)):
+                        yield reply.text_chunk(plan, i, "", logprobs=completion_logprobs(
+                            self.tokenizer, stop, cursors[i].offset))
                 if update.done:
                     yield reply.text_chunk(plan, i, "", "length" if plan.discard_output else finish_reason(request))
             if plan.include_usage:
@@ -401,6 +406,14 @@ class _Reply:
     def usage_chunk(self, kind: str, usage: Usage) -> str:
         return _sse(json.dumps({"id": self.id, "object": kind, "created": self.created, "model": self.model,
                                 "choices": [], "usage": usage.model_dump()}))
+
+
+def _stop_entry(request: Request) -> list[TokenLogprob]:
+    """The log-probability entry of the stop token (EOS, `stop_token_ids`) that ended a choice, if
+    any: completions' `logprobs` list it after the text's tokens, as vLLM's do, so that a scorer
+    reading `token_logprobs[ctxlen:-1]` after `echo` (lm-evaluation-harness) drops that token and
+    not the prompt's last one."""
+    return [] if request.stop_logprob is None else [request.stop_logprob]
 
 
 def _usage(submission: Submission, plan: Plan) -> Usage:

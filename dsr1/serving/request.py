@@ -53,6 +53,7 @@ class Request:
         self.finished_at: float | None = None
         self._output = RowOutput(tokenizer, sampling)
         self._logprobs: list[TokenLogprob] = []
+        self.stop_logprob: TokenLogprob | None = None  # the stop token that ended the output (not in `tokens`)
         self._on_text = on_text
         self._changed = threading.Condition()
         self._streamed = ""  # every piece handed out so far, joined
@@ -160,10 +161,13 @@ class Request:
         with self._changed:
             if self.first_token_at is None and tokens:
                 self.first_token_at = time.perf_counter()
-            before = len(self._output.tokens)
+            before, stopped_before = len(self._output.tokens), self._output.stopped
             self._output.add(tokens)
             if logprobs is not None:  # the tokens kept (not a stop token, nothing after a stop)
-                self._logprobs += logprobs[:len(self._output.tokens) - before]
+                kept = len(self._output.tokens) - before
+                self._logprobs += logprobs[:kept]
+                if self._output.stopped_by_token and not stopped_before and kept < len(logprobs):
+                    self.stop_logprob = logprobs[kept]  # scorers (echo) read the whole sequence's values
             piece = self._publish(final=False)
             stopped = self._output.stopped
         self._notify(piece)
