@@ -223,7 +223,7 @@ def test_cpu_loads_compile_no_program_unless_quantizing(fp8, tmp_path, caplog, c
 
     def compilations(quant: str | None) -> list[str]:
         caplog.clear()
-        with jax.log_compiles(True), caplog.at_level(logging.DEBUG, logger="jax"):
+        with jax.log_compiles(True), caplog.at_level(logging.WARNING, logger="jax"):
             load_params(path, cfg, mesh, DEFAULT_RULES, "bfloat16", quant=quant, mtp=True, progress=False)
         return [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling")]
 

@@ -30,10 +30,13 @@ class GenerationWidget:
     Without `cluster` (or on a single host) it generates in this process alone."""
 
     def __init__(self, model: Model, tokenizer: Tokenizer, *, cluster: Cluster | None = None,
-                 model_name: str = "model", tokenizer_name: str = "tokenizer", max_new_tokens: int = 128):
+                 model_name: str = "model", tokenizer_name: str = "tokenizer", max_new_tokens: int = 128,
+                 chunk_size: int = 4):
         import ipywidgets as w
 
         self.model, self.tokenizer, self.cluster = model, tokenizer, cluster
+        # Decode steps between two updates of the output box: a short answer still appears as it grows.
+        self.chunk_size = chunk_size
         self.names = (model_name, tokenizer_name)
         self.prompt = w.Textarea(value="Why is the sky blue?", description="prompt", layout=w.Layout(width="100%"))
         self.chat = w.Checkbox(value=True, description="chat template")
@@ -62,6 +65,7 @@ class GenerationWidget:
     def generate(self) -> GenerationResult:
         """Run one generation with the current controls (in every process of the cluster, if given)."""
         kwargs = dict(max_new_tokens=self.max_tokens.value, chat=self.chat.value, draft_tokens=self.drafts.value,
+                      chunk_size=self.chunk_size,
                       sampling=Sampling(temperature=self.temperature.value, top_p=self.top_p.value, seed=0))
         prompts = [self.prompt.value]
         self.output.value, self.status.value = "", "generating..."
