@@ -5,7 +5,8 @@ Verification runs each drafted position through the decode step's own one-token 
 (`dsr1.core.model.verify_by_steps`, `dsr1.serving.draft_step._verify_by_steps`), so its logits are bit
 for bit those of decoding without drafts. A multi-token verification step rounds differently in
 bfloat16, and on this model that flipped greedy tokens within a dozen steps (docs/serving.md, "Draft
-numerics"). CI runs 4 held-out prompts x 64 tokens; the extended tier 16 x 128.
+numerics"). CI runs `dsr1.generate` on 4 held-out prompts x 64 tokens; the extended tier the engine,
+and 16 x 128 in both.
 """
 
 from __future__ import annotations
@@ -96,7 +97,12 @@ def test_generate_int8_cache(int8_cache_model, tokenizer):
     assert_generate_unchanged(int8_cache_model, held_out_prompts(tokenizer, 4), 64, (2,))
 
 
+@pytest.mark.extended
 def test_engine_bf16(bf16_model, tokenizer):
+    """The engine verifies by decode-shaped steps too, but with drafts a prompt's last token runs in the
+    prefill call (not a decode call), and its decode calls' row buckets follow how many requests run:
+    on the CPU backend, whose row kernels sum in an order set by the rows in a call, that may still
+    change a token (docs/serving.md, "Draft numerics")."""
     assert_engine_unchanged(bf16_model, held_out_prompts(tokenizer, 4), 64, (1, 2))
 
 
