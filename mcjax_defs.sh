@@ -32,6 +32,8 @@ fi
 : "${MCJAX_GCLOUD_SSH:=default}"              # gcloud: how `gcloud ... ssh` reaches the workers: default (their
                                               #   external IPs), internal-ip (--internal-ip: from a machine in the
                                               #   VPC), iap (--tunnel-through-iap: workers without external IPs)
+: "${MCJAX_GCLOUD_PARALLEL:=8}"               # gcloud: at most this many `gcloud ... ssh` at once (cluster_exec)
+: "${MCJAX_GCLOUD_RETRIES:=4}"                # gcloud: tries of a call that failed on "database is locked"
 : "${MCJAX_HOSTS:=}"                          # number of hosts (empty: from the provider)
 : "${MCJAX_HOST_LIST:=}"                      # ssh: host names or addresses, host 0 first (spaces or commas);
                                               #   slurm: the nodes (empty: scontrol show hostnames $SLURM_JOB_NODELIST)
@@ -47,6 +49,11 @@ fi
                                               #   e.g. --gpus-per-node=8 where a step does not get the job's GPUs
 : "${MCJAX_NFS_DIR:=}"                        # shared folder, same path on every host (empty: /mnt/mcjax, exported
                                               #   by host 0 over NFS; slurm: ~/mcjax-shared, a folder the nodes share)
+: "${MCJAX_SHARED_FS:=}"                      # 1: MCJAX_NFS_DIR is on a file system every host shares already (setup
+                                              #   only checks it); 0: host 0 exports it over NFS (empty: 1 for
+                                              #   slurm, else 0)
+: "${MCJAX_KEY_FROM:=}"                       # where host 0's ssh key is accepted from (authorized_keys from=;
+                                              #   empty: host 0's internal IP; off: anywhere)
 : "${MCJAX_BUCKET:=}"                         # optional GCS bucket mounted with gcsfuse on every host
 : "${MCJAX_BUCKET_DIR:=/mnt/mcjax-bucket}"    # where the bucket is mounted
 : "${MCJAX_VENV:=$HOME/mcjax-venv}"           # the Python venv on every host (local disk; a venv on a shared
@@ -101,8 +108,8 @@ _mcjax_derive() {
   MCJAX_DERIVED="${MCJAX_DERIVED# } $var"
 }
 case "$MCJAX_PROVIDER" in
-  slurm) _mcjax_derive MCJAX_NFS_DIR "$HOME/mcjax-shared" ;;
-  *) _mcjax_derive MCJAX_NFS_DIR /mnt/mcjax ;;
+  slurm) _mcjax_derive MCJAX_NFS_DIR "$HOME/mcjax-shared"; _mcjax_derive MCJAX_SHARED_FS 1 ;;
+  *) _mcjax_derive MCJAX_NFS_DIR /mnt/mcjax; _mcjax_derive MCJAX_SHARED_FS 0 ;;
 esac
 _mcjax_derive MCJAX_REPO_DIR "$MCJAX_NFS_DIR/dsr1"   # the dsr1 source on the shared folder
 case "$MCJAX_PROVIDER" in
@@ -142,9 +149,10 @@ if [ -z "${MCJAX_ROOT:-}" ]; then
 fi
 
 # Every setting above, in one list (mcjax_setup.sh writes them into mcjax.env and setup.env).
-MCJAX_SETTINGS="MCJAX_PROVIDER MCJAX_CLUSTER MCJAX_ZONE MCJAX_PROJECT MCJAX_GCLOUD_SSH MCJAX_HOSTS \
+MCJAX_SETTINGS="MCJAX_PROVIDER MCJAX_CLUSTER MCJAX_ZONE MCJAX_PROJECT MCJAX_GCLOUD_SSH MCJAX_GCLOUD_PARALLEL \
+MCJAX_GCLOUD_RETRIES MCJAX_HOSTS \
 MCJAX_HOST_LIST MCJAX_INTERNAL_IPS MCJAX_USER MCJAX_CONNECT_TIMEOUT MCJAX_SSH_OPTS MCJAX_TRANSPORT \
-MCJAX_SLURM_JOB_ID MCJAX_SRUN_OPTS MCJAX_NFS_DIR MCJAX_BUCKET MCJAX_BUCKET_DIR MCJAX_VENV \
+MCJAX_SLURM_JOB_ID MCJAX_SRUN_OPTS MCJAX_NFS_DIR MCJAX_SHARED_FS MCJAX_KEY_FROM MCJAX_BUCKET MCJAX_BUCKET_DIR MCJAX_VENV \
 MCJAX_UV_VERSION MCJAX_HOST_PYTHON MCJAX_UV_DIR MCJAX_REPO_DIR MCJAX_LOCK_PLATFORM MCJAX_LOCK MCJAX_JAX_SPEC MCJAX_STATE \
 MCJAX_PROFILE MCJAX_PROFILE_DIR MCJAX_CLUSTER_ID MCJAX_PYTHON MCJAX_LOCAL_DEVICES MCJAX_NUMBERING \
 MCJAX_COORDINATOR_PORT MCJAX_JAX_CACHE MCJAX_JAX_CACHE_MIN_SECS MCJAX_JUPYTER_PORT MCJAX_REMOTE_DIR \
@@ -304,6 +312,33 @@ _mcjax_exec_one() {
   eval "$line"
 }
 
+# _mcjax_exec_retry I CMD: _mcjax_exec_one for a host of a parallel cluster_exec (stdin is
+# /dev/null there). gcloud keeps its credentials in a local SQLite database: several `gcloud ...
+# ssh` at once may fail with "database is locked" before they reach the host, so such a call is
+# made again (MCJAX_GCLOUD_RETRIES tries in all, a few seconds apart); any other failure is final.
+_mcjax_exec_retry() {
+  [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
+  local i=$1 cmd=$2 try=1 rc err
+  if [ "${MCJAX_TRANSPORT:-$MCJAX_PROVIDER}" != gcloud ]; then
+    _mcjax_exec_one "$i" "$cmd"
+    return
+  fi
+  err=$(mktemp "${TMPDIR:-/tmp}/mcjax_gcloud.XXXXXX") || return 1
+  while :; do
+    rc=0
+    _mcjax_exec_one "$i" "$cmd" 2>"$err" || rc=$?
+    if [ "$rc" -ne 0 ] && [ "$try" -lt "$MCJAX_GCLOUD_RETRIES" ] && grep -q "database is locked" "$err"; then
+      echo "gcloud's database was locked (several gcloud at once): trying host $i again" >&2
+      try=$((try + 1))
+      sleep $((try + i % 3))
+      continue
+    fi
+    cat "$err" >&2
+    rm -f "$err"
+    return "$rc"
+  done
+}
+
 # _mcjax_launch NAME FIRST LAST CMD: start the long-running command string CMD on hosts
 # FIRST..LAST and return at once. Slurm ends every process of a step when the step ends, so there
 # each one runs in a step of its own (srun in the background here, its output in
@@ -334,30 +369,64 @@ _mcjax_launch() {
   done
 }
 
+# _mcjax_worker_ips LIST: the workers' addresses from a TPU's worker-network-endpoints LIST (one
+# entry per worker, comma-separated), one a line. An entry is name:id:ip, or the worker's address
+# alone, or its host name alone: host names are resolved on worker 0 (the VPC's DNS knows them,
+# this machine may not), each to the address it has there, which is the one JAX's workers use.
+_mcjax_worker_ips() {
+  [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
+  local entries names line resolved out="" entry ip
+  entries=$(printf '%s\n' "$1" | tr ',' '\n' | tr -d ' \t\r' | sed '/^$/d')
+  names=$(printf '%s\n' "$entries" | awk -F: 'NF == 1 && $1 !~ /^[0-9.]+$/ && $1 ~ /^[A-Za-z0-9][A-Za-z0-9.-]*$/')
+  if [ -n "$names" ]; then
+    # One "NAME IP" line per name, IP empty where worker 0 cannot resolve it.
+    # shellcheck disable=SC2016  # expanded on worker 0
+    line=$(_mcjax_gcloud_ssh_line 0 "--command=for h in $(printf '%s\n' "$names" | tr '\n' ' ')"'; do printf "%s %s\n" "$h" "$(getent ahostsv4 "$h" | awk "NR == 1 { print \$1 }")"; done') || return 1
+    resolved=$(eval "$line" 2>/dev/null) || resolved=""
+  fi
+  for entry in $entries; do
+    case "$entry" in
+      *:*:*) ip=${entry##*:} ;;
+      *:*) ip="" ;;
+      *[!0-9.]*) ip=$(printf '%s\n' "$resolved" | awk -v h="$entry" '$1 == h { print $2; exit }') ;;
+      *) ip=$entry ;;
+    esac
+    case "$ip" in
+      '' | *[!0-9.]*)
+        _mcjax_fail 1 "worker list entry '$entry' of TPU VM '$MCJAX_CLUSTER' gives no IPv4 address (worker 0 could not resolve it): set MCJAX_HOSTS and MCJAX_INTERNAL_IPS"
+        return
+        ;;
+    esac
+    out="$out$ip
+"
+  done
+  printf '%s' "$out"
+}
+
 # cluster_internal_ips: the hosts' internal IPs, host 0 first, one a line.
 cluster_internal_ips() {
   [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
-  local ips host ip n line
+  local ips host ip n line err
   if [ -n "$MCJAX_INTERNAL_IPS" ]; then
     printf '%s\n' "$MCJAX_INTERNAL_IPS" | tr ', \t;' '\n' | sed '/^$/d'
     return 0
   fi
   case "$MCJAX_PROVIDER" in
     gcloud)
-      # One entry per worker, as JAX counts them: the worker list in worker 0's metadata. The
-      # TPU's networkEndpoints lists every network interface, several per worker on TPUs with
-      # more than one network, so it is only the fallback.
+      # One entry per worker, as JAX counts them: the worker list in worker 0's metadata. (The
+      # TPU's networkEndpoints lists every network interface, several per worker on a TPU with
+      # more than one network: never counted.)
       line=$(_mcjax_gcloud_ssh_line 0 "--command=curl -fsS -H Metadata-Flavor:Google http://metadata.google.internal/computeMetadata/v1/instance/attributes/worker-network-endpoints") || return 1
-      # Entries are name:id:ip, or the address alone (no colon) on some TPU images.
-      ips=$(eval "$line" 2>/dev/null | tr ',' '\n' | awk -F: 'NF >= 3 && $3 != "" { print $3 } NF == 1 && $1 ~ /^[0-9.]+$/ { print $1 }') || true
-      if [ -n "$ips" ]; then
-        printf '%s\n' "$ips"
-        return 0
+      err=$(mktemp "${TMPDIR:-/tmp}/mcjax_gcloud.XXXXXX") || return 1
+      ips=$(eval "$line" 2>"$err") || ips=""
+      if [ -z "$ips" ]; then
+        tail -n 5 "$err" >&2
+        rm -f "$err"
+        _mcjax_fail 1 "worker 0 of TPU VM '$MCJAX_CLUSTER' did not give its worker list (metadata worker-network-endpoints): is the TPU VM up, gcloud ssh working (see above)? Or set MCJAX_HOSTS and MCJAX_INTERNAL_IPS"
+        return
       fi
-      echo "cluster_internal_ips: worker 0 did not give its worker list; counting the TPU's network endpoints instead (wrong for a TPU with several networks: set MCJAX_INTERNAL_IPS)" >&2
-      ips=$(_mcjax_gcloud_tpu describe "$MCJAX_CLUSTER" --format='value(networkEndpoints[].ipAddress)') ||
-        { _mcjax_fail 1 "gcloud could not describe TPU VM '$MCJAX_CLUSTER' (zone '${MCJAX_ZONE:-default}')"; return; }
-      printf '%s\n' "$ips" | tr ';, ' '\n' | sed '/^$/d'
+      rm -f "$err"
+      _mcjax_worker_ips "$ips"
       ;;
     ssh | slurm)
       if [ "$MCJAX_PROVIDER" = ssh ] && [ -z "$MCJAX_HOST_LIST" ]; then
@@ -431,7 +500,7 @@ cluster_exec() {
     _mcjax_fail 2 "usage: cluster_exec FIRST LAST CMD..."
     return
   fi
-  local first=$1 last=$2 cmd n tmp i rc ret failed
+  local first=$1 last=$2 cmd n tmp i rc ret failed cap
   shift 2
   cmd="$*"
   if ! _mcjax_is_uint "$first" || ! _mcjax_is_uint "$last" || [ "$first" -gt "$last" ]; then
@@ -460,15 +529,23 @@ cluster_exec() {
   tmp=$(mktemp -d "${TMPDIR:-/tmp}/mcjax_exec.XXXXXX") || return 1
   # A subshell: no job-control chatter from interactive shells. Every status is caught with `||`,
   # so that a caller's `set -e` cannot end a host's subshell before it wrote its status.
+  # gcloud: at most MCJAX_GCLOUD_PARALLEL calls at once (gcloud does not support many parallel
+  # runs), in batches; every other transport reaches all hosts at once.
+  cap=$((last - first + 1))
+  if [ "${MCJAX_TRANSPORT:-$MCJAX_PROVIDER}" = gcloud ] && _mcjax_is_uint "$MCJAX_GCLOUD_PARALLEL" &&
+    [ "$MCJAX_GCLOUD_PARALLEL" -gt 0 ]; then
+    cap=$MCJAX_GCLOUD_PARALLEL
+  fi
   (
     i=$first
     while [ "$i" -le "$last" ]; do
       (
         rc=0
-        _mcjax_exec_one "$i" "$cmd" </dev/null 2>&1 || rc=$?
+        _mcjax_exec_retry "$i" "$cmd" </dev/null 2>&1 || rc=$?
         echo "$rc" >"$tmp/$i.rc"
       ) | while IFS= read -r line || [ -n "$line" ]; do printf '[host %s] %s\n' "$i" "$line"; done &
       i=$((i + 1))
+      [ $(((i - first) % cap)) -ne 0 ] || wait
     done
     wait
   ) || true

@@ -45,11 +45,13 @@ mcjax_setup.sh: prepare a cluster for the multi-host JAX notebook (settings: mcj
 Steps (default: all, in this order; every one is idempotent, so rerunning setup is safe):
   check      the provider's tools, the hosts, their internal IPs, the same uid and gid everywhere
   push       copy mcjax_defs.sh, cluster/ and the settings (mcjax.env) to ~/$MCJAX_REMOTE_DIR on every host
-  keys       an ssh key on host 0 that every host accepts, so cluster_restart runs on host 0 (gcloud, ssh)
+  keys       an ssh key on host 0 that every host accepts (from host 0's address only; --stop removes
+             it), so cluster_restart runs on host 0 (gcloud, ssh)
   nfs        host 0 exports $MCJAX_NFS_DIR to the hosts' internal IPs only; the others mount it (fstab);
-             slurm: checks that every node sees the same $MCJAX_NFS_DIR
+             a shared file system (MCJAX_SHARED_FS=1; slurm's default): checks that every host sees it
   gcsfuse    mount gs://$MCJAX_BUCKET on $MCJAX_BUCKET_DIR on every host (skipped when MCJAX_BUCKET is empty)
-  code       copy this repository (without .git) to $MCJAX_REPO_DIR on the shared folder
+  code       copy this repository (without .git, ._*) to $MCJAX_REPO_DIR on the shared folder; files
+             it no longer has are deleted there (only those an earlier copy brought)
   venv       uv with CPython $MCJAX_HOST_PYTHON, a venv $MCJAX_VENV per host with dsr1[notebook] (+ $MCJAX_JAX_SPEC)
   ipcluster  ipyparallel controller on host 0 (bound to its internal IP), one engine on hosts 1..N-1
   jupyter    Jupyter on host 0, bound to 127.0.0.1 (reach it with cluster_port_forward)
@@ -264,8 +266,10 @@ fi
 if [ "$MCJAX_PROVIDER" = slurm ] && [ -z "$MCJAX_HOST_LIST" ]; then
   MCJAX_HOST_LIST=$(_mcjax_host_lines | tr '\n' ' ' | sed 's/ $//') || mcjax_die "cannot list the allocation's nodes"
 fi
-N=$(cluster_host_count) || mcjax_die "cannot tell how many hosts the cluster has"
+# The IPs first: a TPU's host count is its worker list's length (asked of worker 0 once).
 IPS=$(cluster_internal_ips) || mcjax_die "cannot get the hosts' internal IPs"
+[ -n "$MCJAX_INTERNAL_IPS" ] || MCJAX_INTERNAL_IPS=$(echo "$IPS" | tr '\n' ' ' | sed 's/ $//')
+N=$(cluster_host_count) || mcjax_die "cannot tell how many hosts the cluster has"
 [ "$(echo "$IPS" | wc -l)" -eq "$N" ] || mcjax_die "$N hosts but $(echo "$IPS" | wc -l) internal IPs: $(echo "$IPS" | tr '\n' ' ')"
 HOST0_IP=${IPS%%$'\n'*}  # the first line, without a pipe into head (SIGPIPE under pipefail)
 LAST=$((N - 1))
@@ -329,6 +333,32 @@ write_env() {
 
 dry() { [ "$MCJAX_DRY_RUN" = 1 ]; }
 
+# True for an IPv4 address of a private range (RFC 1918, carrier-grade NAT, loopback, link-local):
+# what the controller, JAX's coordinator and NFS may listen on.
+private_ip() {
+  local a b rest
+  IFS=. read -r a b rest <<<"$1"
+  _mcjax_is_uint "$a" && _mcjax_is_uint "$b" || return 1
+  case "$a" in
+    10 | 127) return 0 ;;
+    172) [ "$b" -ge 16 ] && [ "$b" -le 31 ] ;;
+    192) [ "$b" -eq 168 ] ;;
+    100) [ "$b" -ge 64 ] && [ "$b" -le 127 ] ;;
+    169) [ "$b" -eq 254 ] ;;
+    *) return 1 ;;
+  esac
+}
+
+# Where host 0's key is accepted from (authorized_keys' from=): MCJAX_KEY_FROM, else host 0's
+# internal IP, the address it reaches the others from; "off": anywhere.
+key_from() {
+  case "$MCJAX_KEY_FROM" in
+    off) echo "" ;;
+    '') echo "$HOST0_IP" ;;
+    *) echo "$MCJAX_KEY_FROM" ;;
+  esac
+}
+
 # The smoke check on host 0 (where the kernel runs). Slurm: in a step with MCJAX_SRUN_OPTS, as the
 # engines and Jupyter get, so that its JAX process sees the node's GPUs.
 run_smoke() {
@@ -352,10 +382,15 @@ case "$mode" in
     exit 0
     ;;
   stop)
-    step "stop: Jupyter and the controller on host 0, the engines on hosts 1..$LAST ($MCJAX_PROVIDER cluster '$MCJAX_CLUSTER_ID')"
+    if [ "$MCJAX_PROVIDER" = slurm ]; then what=""; else what="; host 0's key removed from every host"; fi
+    step "stop: Jupyter and the controller on host 0, the engines on hosts 1..$LAST$what ($MCJAX_PROVIDER cluster '$MCJAX_CLUSTER_ID')"
     rc=0
     [ "$N" -lt 2 ] || cluster_exec 1 "$LAST" "$(remote ipcluster.sh engine stop)" || rc=$?
     cluster_exec 0 0 "$(remote ipcluster.sh jupyter stop) && $(remote ipcluster.sh controller stop)" || rc=$?
+    # Host 0's key (setup's keys step) is no longer accepted anywhere.
+    if [ "$rc" -eq 0 ] && [ "$MCJAX_PROVIDER" != slurm ]; then
+      cluster_exec 0 "$LAST" "$(remote ssh.sh unauthorize)" || rc=$?
+    fi
     if [ "$rc" -ne 0 ]; then
       mcjax_die "stopping failed on some hosts (see above); $RECORD kept: run --stop again (hosts gone for good: --forget)"
     fi
@@ -393,6 +428,9 @@ for s in $steps; do
       i=0
       for ip in $IPS; do
         echo "  host $i: internal IP $ip"
+        if ! private_ip "$ip"; then
+          echo "mcjax_setup.sh: warning: host $i's address $ip is public: the controller, JAX's coordinator (no authentication) and NFS (cleartext) would be reached over it; set MCJAX_INTERNAL_IPS to private addresses (or a VPN's) and firewall the ports (cluster/README.md)" >&2
+        fi
         i=$((i + 1))
       done
       # The same uid and gid everywhere: the shared folder's files (connection files, the code, the
@@ -454,17 +492,18 @@ for s in $steps; do
         if [[ $line =~ ^\[host\ [0-9]+\]\ ([0-9.]+\ (ssh-|ecdsa-|[<]).*)$ ]]; then set -- "$@" "${BASH_REMATCH[1]}"; fi
       done <<<"$out"
       [ "$#" -eq "$N" ] || mcjax_die "got $# host keys for $N hosts: $out"
-      cluster_exec 0 "$LAST" "$(remote ssh.sh authorize "$pub")" || mcjax_die "adding host 0's key failed (see above)"
+      # shellcheck disable=SC2046  # no FROM argument when key_from is empty
+      cluster_exec 0 "$LAST" "$(remote ssh.sh authorize "$pub" $(key_from))" || mcjax_die "adding host 0's key failed (see above)"
       cluster_exec 0 0 "$(remote ssh.sh known-hosts "$@")" || mcjax_die "writing host 0's known hosts failed"
       set --
       ;;
     nfs)
-      if [ "$MCJAX_PROVIDER" = slurm ]; then
-        step "nfs: slurm: checking that every node sees the same $MCJAX_NFS_DIR"
-        token="$MCJAX_CLUSTER_ID-$MCJAX_SLURM_JOB_ID"
+      if [ "$MCJAX_SHARED_FS" = 1 ]; then
+        step "nfs: a shared file system (MCJAX_SHARED_FS=1, nothing exported): checking that every host sees the same $MCJAX_NFS_DIR"
+        token="$MCJAX_CLUSTER_ID-${MCJAX_SLURM_JOB_ID:-$HOST0_IP}"
         cluster_exec 0 0 "$(remote nfs.sh shared-mark "$token")" || mcjax_die "cannot write to $MCJAX_NFS_DIR on host 0"
         cluster_exec 1 "$LAST" "$(remote nfs.sh shared-check "$token")" ||
-          mcjax_die "MCJAX_NFS_DIR=$MCJAX_NFS_DIR is not one folder for every node: set it to a shared file system (home, scratch)"
+          mcjax_die "MCJAX_NFS_DIR=$MCJAX_NFS_DIR is not one folder for every host: set it to a folder of the shared file system (home, scratch), or MCJAX_SHARED_FS=0 for host 0 to export it over NFS"
         continue
       fi
       step "nfs: host 0 exports $MCJAX_NFS_DIR to the $N hosts' internal IPs; hosts 1..$LAST mount it"
@@ -483,16 +522,21 @@ for s in $steps; do
       fi
       ;;
     code)
-      step "code: $SETUP_DIR -> $MCJAX_REPO_DIR (shared folder, via host 0)"
-      untar="mkdir -p $(_mcjax_q "$MCJAX_REPO_DIR") && tar -xzf - -C $(_mcjax_q "$MCJAX_REPO_DIR")"
+      step "code: $SETUP_DIR -> $MCJAX_REPO_DIR (shared folder, via host 0; files the repository no longer has are deleted there)"
+      # Nothing of git, venvs, caches or macOS metadata (._* files; COPYFILE_DISABLE keeps macOS's
+      # tar from adding them for extended attributes).
+      set -- tar -C "$SETUP_DIR" --exclude=.git --exclude=.venv --exclude=.mcjax --exclude=__pycache__ \
+        --exclude='*.egg-info' --exclude='._*' --exclude=.DS_Store -czf - .
       if dry; then
-        _mcjax_stdin=$(_mcjax_q tar -C "$SETUP_DIR" --exclude=.git --exclude=.venv --exclude=.mcjax --exclude=__pycache__ --exclude='*.egg-info' -czf - .)
-        _mcjax_exec_one 0 "$untar"
+        _mcjax_stdin="COPYFILE_DISABLE=1 $(_mcjax_q "$@")"
+        _mcjax_exec_one 0 "$(remote nfs.sh receive "$MCJAX_REPO_DIR")"
         unset _mcjax_stdin
+        set --
         continue
       fi
-      tar -C "$SETUP_DIR" --exclude=.git --exclude=.venv --exclude=.mcjax --exclude=__pycache__ --exclude='*.egg-info' -czf - . |
-        cluster_exec 0 0 "$untar" || mcjax_die "copying the code to host 0 failed"
+      COPYFILE_DISABLE=1 "$@" | cluster_exec 0 0 "$(remote nfs.sh receive "$MCJAX_REPO_DIR")" ||
+        mcjax_die "copying the code to host 0 failed"
+      set --
       ;;
     venv)
       if [ "$MCJAX_LOCK" = off ]; then what="dsr1[notebook] $MCJAX_JAX_SPEC (no lock)"; else what="the lock $MCJAX_LOCK"; fi

@@ -86,6 +86,21 @@ mcjax_run_dir() {
   echo "$MCJAX_STATE/run"
 }
 
+# The host a pid file's process runs on: NAME.host beside the pid file. A state folder on a shared
+# home (Slurm) holds every node's pid files; each node speaks only of its own.
+mcjax_pid_host() {
+  local hostfile
+  hostfile="$(dirname "$(mcjax_pidfile "$1")")/$1.host"
+  if [ -f "$hostfile" ]; then head -n 1 "$hostfile"; fi
+}
+
+# True when NAME's pid file was written by a process on another host.
+mcjax_pid_elsewhere() {
+  local host
+  host=$(mcjax_pid_host "$1")
+  [ -n "$host" ] && [ "$host" != "$(hostname)" ]
+}
+
 # True when PID is a live process (a zombie is not).
 mcjax_pid_alive() {
   local pid=$1 stat
@@ -141,6 +156,7 @@ os.execvp(sys.argv[2], sys.argv[2:])
     sleep 0.1
   done
   pid=$(head -n 1 "$pidfile")
+  hostname >"${pidfile%.pid}.host"
   mcjax_log "started $name: pid $pid, log $log"
 }
 
@@ -154,7 +170,11 @@ os.execvp(sys.argv[2], sys.argv[2:])
 mcjax_stop() {
   local name=$1 marker=${2:-} pidfile pid kids k i left ticks
   pidfile=$(mcjax_pidfile "$name")
-  rm -f "${pidfile%.pid}.controller"
+  if mcjax_pid_elsewhere "$name"; then
+    mcjax_log "$name runs on $(mcjax_pid_host "$name"), not here: leaving it alone"
+    return 0
+  fi
+  rm -f "${pidfile%.pid}.controller" "${pidfile%.pid}.host"
   if [ ! -f "$pidfile" ]; then
     return 0
   fi

@@ -219,11 +219,17 @@ smoke() {
 }
 
 status() {
-  local f name pid
+  local f name pid mine=0 elsewhere=0
   echo "host ${MCJAX_HOST_INDEX:-?} ($(hostname)):"
   for f in "$MCJAX_STATE"/pids/*.pid; do
-    [ -e "$f" ] || { echo "  nothing started here"; return 0; }
+    [ -e "$f" ] || break
     name=$(basename "$f" .pid)
+    # A state folder on a shared home holds the other nodes' pid files too: theirs are not ours.
+    if mcjax_pid_elsewhere "$name"; then
+      elsewhere=$((elsewhere + 1))
+      continue
+    fi
+    mine=$((mine + 1))
     if [ "$name" = jupyter ]; then
       pid=$(mcjax_running_pid "$name" "--port=$MCJAX_JUPYTER_PORT")
     else
@@ -231,6 +237,8 @@ status() {
     fi
     if [ -n "$pid" ]; then echo "  $name: running, pid $pid"; else echo "  $name: NOT RUNNING (stale pid file)"; fi
   done
+  [ "$mine" -gt 0 ] || echo "  nothing started here"
+  [ "$elsewhere" -eq 0 ] || echo "  ($elsewhere processes of other hosts recorded in the shared $MCJAX_STATE: their hosts report them)"
 }
 
 case "${1:-}" in

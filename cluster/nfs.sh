@@ -18,13 +18,17 @@ nfs.sh: the shared folder $MCJAX_NFS_DIR, exported by host 0 over NFS.
   nfs.sh fstab-line SERVER_IP   print the /etc/fstab line a client host gets
   nfs.sh fstab-ensure SERVER_IP add that line to $MCJAX_FSTAB (default /etc/fstab) unless it is there
   nfs.sh client SERVER_IP       on hosts 1..N-1: mount $MCJAX_NFS_DIR from SERVER_IP, then persist it in fstab
-  nfs.sh shared-mark TOKEN      (slurm) write TOKEN into $MCJAX_NFS_DIR/.mcjax-shared on host 0
-  nfs.sh shared-check TOKEN     (slurm) fail unless this host sees that TOKEN: the folder is shared
+  nfs.sh shared-mark TOKEN      (a shared file system) write TOKEN into $MCJAX_NFS_DIR/.mcjax-shared on host 0
+  nfs.sh shared-check TOKEN     (a shared file system) fail unless this host sees that TOKEN
+  nfs.sh receive DIR            on host 0: unpack the code archive on stdin into DIR, then delete what
+                                the previous one brought and this one no longer has
   nfs.sh --help                 this text
 
 The exports go to their own file, /etc/exports.d/mcjax.exports (MCJAX_EXPORTS_FILE), rewritten
 whole on every run: one entry per host IP, never a network range or '*'. The fstab line is
-written only after the mount worked. apt waits for the dpkg lock of a fresh VM. Idempotent.
+written only after the mount worked. apt waits for the dpkg lock of a fresh VM. receive lists
+what it unpacked in DIR/.mcjax-manifest and deletes only files that list named before: files made
+on the cluster (notebooks, build metadata) are never touched. Idempotent.
 EOF
 }
 
@@ -105,7 +109,40 @@ cmd_client() {
   mcjax_fstab_ensure "$MCJAX_FSTAB" "$line"
 }
 
-# Slurm: the nodes share a file system already; check that $MCJAX_NFS_DIR is on it.
+# The code step's receiving end: unpack the archive on stdin into DIR. The previous archive's names
+# are in DIR/.mcjax-manifest: those this one lacks (files removed from the repository) are deleted,
+# deepest first, a folder only when it is empty. Nothing else in DIR is touched.
+cmd_receive() {
+  local dir=${1:-} manifest listed f removed=0
+  [ -n "$dir" ] || mcjax_usage_error "receive needs DIR"
+  mkdir -p "$dir" || mcjax_die "cannot create $dir"
+  manifest="$dir/.mcjax-manifest"
+  listed=$(mktemp "$dir/.mcjax-manifest.XXXXXX") || mcjax_die "cannot write in $dir"
+  # tar -v names each member it unpacks: "./", "./dsr1/", "./dsr1/api.py".
+  if ! tar -xzvf - -C "$dir" >"$listed"; then
+    rm -f "$listed"
+    mcjax_die "unpacking the code into $dir failed"
+  fi
+  sed -e 's#^\./##' -e 's#/$##' -e '/^\.\{0,1\}$/d' "$listed" | LC_ALL=C sort -u >"$listed.sorted"
+  rm -f "$listed"
+  if [ -f "$manifest" ]; then
+    while IFS= read -r f; do
+      case "$f" in '' | /* | ../* | */../* | *.. | .mcjax-manifest*) continue ;; esac
+      if [ -d "$dir/$f" ] && [ ! -L "$dir/$f" ]; then
+        rmdir "$dir/$f" 2>/dev/null || continue  # not empty: holds files made here
+      elif [ -e "$dir/$f" ] || [ -L "$dir/$f" ]; then
+        rm -f "$dir/$f"
+      else
+        continue
+      fi
+      removed=$((removed + 1))
+    done < <(LC_ALL=C comm -23 "$manifest" "$listed.sorted" | LC_ALL=C sort -r)
+  fi
+  mv "$listed.sorted" "$manifest"
+  mcjax_log "unpacked $(wc -l <"$manifest" | tr -d ' ') entries into $dir; deleted $removed that the repository no longer has"
+}
+
+# A shared file system (Slurm, or MCJAX_SHARED_FS=1): check that $MCJAX_NFS_DIR is on it.
 shared_mark() {
   [ -n "${1:-}" ] || mcjax_usage_error "shared-mark needs a TOKEN"
   mkdir -p "$MCJAX_NFS_DIR" || mcjax_die "cannot create $MCJAX_NFS_DIR"
@@ -126,7 +163,8 @@ case "${1:-}" in
   client) cmd_client "${2:-}" ;;
   shared-mark) shared_mark "${2:-}" ;;
   shared-check) shared_check "${2:-}" ;;
+  receive) cmd_receive "${2:-}" ;;
   -h | --help) usage ;;
-  '') mcjax_usage_error "no command given (exports, server, fstab-line, fstab-ensure or client)" ;;
+  '') mcjax_usage_error "no command given (exports, server, fstab-line, fstab-ensure, client, shared-mark, shared-check or receive)" ;;
   *) mcjax_usage_error "unknown command '$1'" ;;
 esac

@@ -6,7 +6,7 @@ set -euo pipefail
 usage() {
   cat <<'EOF'
 quickstart.sh: the workbench on this machine, headless: build the environment (.venv, dsr1 with
-the notebook extra), start a simulated 4-process cluster, execute notebooks/main.ipynb, print the
+the notebook extra; python3 -m venv, else uv with its own CPython 3.12), start a simulated 4-process cluster, execute notebooks/main.ipynb, print the
 generated text, the profile summary and how long the notebook took, stop the cluster (also on
 failure).
 
@@ -50,8 +50,26 @@ esac
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 
+# .venv with python3's venv module when that is Python >= 3.11 and has it (Debian and Ubuntu ship
+# it apart, as python3-venv; TPU VM images have Python 3.10), else with uv and its own CPython.
+make_venv() {
+  local uv
+  if python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && python3 -m venv .venv 2>/dev/null; then
+    return 0
+  fi
+  rm -rf .venv
+  uv=$(command -v uv || true)
+  if [ -z "$uv" ]; then
+    printf '%s\n' "${0##*/}: python3 cannot build .venv (it needs Python >= 3.11 with its venv module) and uv is not on PATH:" \
+      "  install uv (pip install --user uv, or https://docs.astral.sh/uv/getting-started/installation/) and run this again" >&2
+    exit 1
+  fi
+  echo "[quickstart] python3 cannot build .venv (Python >= 3.11 with venv needed): uv ($uv) builds it with CPython 3.12"
+  "$uv" venv --seed --python 3.12 .venv
+}
+
 echo "[quickstart] building the environment in .venv (dsr1 with the notebook extra)"
-[ -x .venv/bin/python ] || python3 -m venv .venv
+[ -x .venv/bin/python ] || make_venv
 .venv/bin/pip install -q -e ".[notebook]"
 export PATH="$root/.venv/bin:$PATH"
 export MCJAX_PYTHON="$root/.venv/bin/python" # the engines run the same environment as the kernel

@@ -11,7 +11,10 @@ reset_engines work on host 0 (a TPU VM's workers cannot `gcloud ... ssh` each ot
 
   ssh.sh key                  on host 0: make ~/.ssh/mcjax_ed25519 unless it exists; print its public key
   ssh.sh hostkey              print "IP TYPE KEY": this host's internal IP and its ssh host key
-  ssh.sh authorize PUBKEY     add PUBKEY to ~/.ssh/authorized_keys unless it is there
+  ssh.sh authorize PUBKEY [FROM]
+                              add PUBKEY to ~/.ssh/authorized_keys (once), accepted only from the
+                              address FROM (from="FROM": host 0's internal IP) when given
+  ssh.sh unauthorize          remove host 0's key (the lines ending in mcjax-host0) from it
   ssh.sh known-hosts LINE...  on host 0: write ~/.ssh/mcjax_known_hosts with these "IP TYPE KEY" lines
   ssh.sh --help               this text
 
@@ -54,19 +57,45 @@ cmd_hostkey() {
 }
 
 cmd_authorize() {
-  local pub=${1:-} file="$HOME/.ssh/authorized_keys"
+  local pub=${1:-} from=${2:-} file="$HOME/.ssh/authorized_keys" line
   case "$pub" in
     ssh-* | ecdsa-*) ;;
     *) mcjax_usage_error "authorize needs a public key (TYPE KEY), not '$pub'" ;;
   esac
+  case "$from" in
+    *[!A-Za-z0-9.:,*?!/-]*) mcjax_usage_error "authorize: FROM must be addresses or patterns, not '$from'" ;;
+  esac
+  line="$pub mcjax-host0"
+  if [ -n "$from" ]; then line="from=\"$from\" $line"; fi
   ssh_dir
-  if [ -f "$file" ] && grep -qF -- "$pub" "$file"; then
+  if [ -f "$file" ] && grep -qxF -- "$line" "$file"; then
     mcjax_log "host 0's key is already authorized"
     return 0
   fi
-  (umask 077 && echo "$pub mcjax-host0" >>"$file")
+  # Another line for this key (another FROM) is replaced.
+  drop_lines "$file" "$pub"
+  (umask 077 && echo "$line" >>"$file")
   chmod 600 "$file"
-  mcjax_log "authorized host 0's key"
+  mcjax_log "authorized host 0's key${from:+ from $from}"
+}
+
+# Remove the lines of FILE holding the fixed string TEXT and ending in " mcjax-host0"; the other
+# lines, their order and the file's mode stay.
+drop_lines() {
+  local file=$1 text=$2
+  [ -f "$file" ] || return 0
+  awk -v t="$text" '!((t == "" || index($0, t)) && $NF == "mcjax-host0")' "$file" >"$file.mcjax.tmp" &&
+    chmod 600 "$file.mcjax.tmp" && mv "$file.mcjax.tmp" "$file"
+}
+
+cmd_unauthorize() {
+  local file="$HOME/.ssh/authorized_keys"
+  if [ -f "$file" ] && awk '$NF == "mcjax-host0" { found = 1 } END { exit !found }' "$file"; then
+    drop_lines "$file" ""
+    mcjax_log "removed host 0's key from $file"
+  else
+    mcjax_log "host 0's key is not authorized here"
+  fi
 }
 
 cmd_known_hosts() {
@@ -80,9 +109,10 @@ cmd_known_hosts() {
 case "${1:-}" in
   key) cmd_key ;;
   hostkey) cmd_hostkey ;;
-  authorize) cmd_authorize "${2:-}" ;;
+  authorize) cmd_authorize "${2:-}" "${3:-}" ;;
+  unauthorize) cmd_unauthorize ;;
   known-hosts) shift; cmd_known_hosts "$@" ;;
   -h | --help) usage ;;
-  '') mcjax_usage_error "no command given (key, hostkey, authorize or known-hosts)" ;;
+  '') mcjax_usage_error "no command given (key, hostkey, authorize, unauthorize or known-hosts)" ;;
   *) mcjax_usage_error "unknown command '$1'" ;;
 esac

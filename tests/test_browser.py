@@ -165,7 +165,6 @@ def lab_settings(folder: Path) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # the widget's box now shows the text only at the end: streaming to be restored
 def test_main_notebook_runs_in_jupyterlab_and_the_widget_streams(lab, tmp_path):
     from playwright.sync_api import sync_playwright
 

@@ -196,3 +196,31 @@ def test_no_pipe_into_a_reader_that_stops_early():
              for i, line in enumerate((ROOT / name).read_text().splitlines(), 1)
              if EARLY_EXIT_READER.search(line) and not line.lstrip().startswith("#")]
     assert not found, "\n".join(found)
+
+
+def test_quickstart_builds_its_venv_with_uv_where_python3_cannot(tmp_path):
+    """python3 fails (no venv module, or Python 3.10): uv builds .venv with its own CPython 3.12."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    log = tmp_path / "uv.log"
+    tools = {
+        "python3": "exit 1",
+        # uv venv ... .venv: a venv whose pip reports its arguments and stops the script there
+        "uv": f'echo "$*" >>"{log}"; for last; do :; done; mkdir -p "$last/bin"; '
+              'printf "#!/bin/sh\\nexit 0\\n" >"$last/bin/python"; printf "#!/bin/sh\\necho pip \\"\\$*\\"; exit 7\\n" '
+              '>"$last/bin/pip"; chmod +x "$last/bin/python" "$last/bin/pip"',
+    }
+    for name, body in tools.items():
+        (fake / name).write_text(f"#!/bin/sh\n{body}\n")
+        (fake / name).chmod(0o755)
+    (tmp_path / "cluster").mkdir()
+    script = Path(shutil.copy(ROOT / "cluster/quickstart.sh", tmp_path / "cluster"))
+    env = clean_env(tmp_path, PATH=f"{fake}{os.pathsep}/usr/bin{os.pathsep}/bin")
+    done = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 7, done.stdout + done.stderr
+    assert log.read_text().splitlines() == ["venv --seed --python 3.12 .venv"]
+    assert "uv" in done.stdout and 'pip install -q -e .[notebook]' in done.stdout
+    (fake / "uv").unlink()
+    shutil.rmtree(tmp_path / ".venv")
+    no_uv = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=30)
+    assert no_uv.returncode == 1 and "uv is not on PATH" in no_uv.stderr and "Python >= 3.11" in no_uv.stderr

@@ -73,7 +73,7 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 class References:
     """Greedy `dsr1.generate` outputs of every prompt above (one batch), and the expected reply to a
-    request with a smaller budget."""
+    request with a smaller budget, its text without special tokens (the server's default, as vLLM's)."""
 
     def __init__(self, model: dsr1.Model, tokenizer: dsr1.Tokenizer):
         self.tokenizer = tokenizer
@@ -89,13 +89,13 @@ class References:
     def chat_reply(self, i: int, budget: int = REF_BUDGET) -> tuple[str, str, str, int]:
         """(reasoning, content, finish_reason, completion_tokens) of chat `i` with `budget` tokens."""
         tokens, finish = self._cut(self.chat[i], budget)
-        reasoning, answer = split_reasoning(self.tokenizer.decode(tokens), thinking=True)
+        reasoning, answer = split_reasoning(self.tokenizer.decode(tokens, skip_special_tokens=True), thinking=True)
         return reasoning, answer, finish, len(tokens)
 
     def text_reply(self, i: int, budget: int = REF_BUDGET) -> tuple[str, str, int]:
         """(text, finish_reason, completion_tokens) of text prompt `i` with `budget` tokens."""
         tokens, finish = self._cut(self.text[i], budget)
-        return self.tokenizer.decode(tokens), finish, len(tokens)
+        return self.tokenizer.decode(tokens, skip_special_tokens=True), finish, len(tokens)
 
 
 class Served:

@@ -166,7 +166,7 @@ def _oracle(monkeypatch, continuation: list[int]) -> None:
     (every row must serve that prompt). Programs are retraced (caches cleared)."""
     table = jnp.asarray(continuation + [0] * 16, jnp.int32)
 
-    def oracle(q_logits, h, recurse, k, sampling, seen, counts, generated):
+    def oracle(q_logits, h, recurse, k, sampling, seen, counts, generated, *token_rules):
         drafts = [table[jnp.minimum(generated + j, table.shape[0] - 1)] for j in range(k)]
         return drafts, [jax.nn.one_hot(d, q_logits.shape[-1]) for d in drafts]
 

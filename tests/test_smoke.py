@@ -335,3 +335,21 @@ def test_single_records_the_machine_and_starts_jupyter_with_mcjax_single(tmp_pat
         assert _setup(env, "--status").returncode == 1
     finally:
         _kill_leftovers(state, f"--port={port}")
+
+
+@pytest.mark.parametrize("plugin,devices,expected", [
+    ("libtpu", [], "cpu"), ("libtpu", ["/dev/accel0"], "tpu"), ("libtpu", ["/dev/vfio/0"], "tpu"),
+    ("jax_cuda12_plugin", [], "cpu"), ("jax_cuda12_plugin", ["/dev/nvidia0"], "gpu"), (None, ["/dev/accel0"], "cpu")])
+def test_a_plugin_without_chips_is_a_cpu_machine(monkeypatch, plugin, devices, expected):
+    """libtpu is installed on CPU machines too (to compile for TPUs): the platform needs the chips' device files."""
+    import glob
+    import importlib.util
+
+    from dsr1.workbench import process
+
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == plugin else None)
+    present = lambda pattern: [d for d in devices if d.startswith(pattern.split("[")[0].rstrip("*"))]  # noqa: E731
+    monkeypatch.setattr(glob, "glob", present)
+    monkeypatch.setattr(os.path, "exists", lambda path: path in devices)
+    assert process.detect_platform() == expected

@@ -11,6 +11,7 @@ through ipyparallel's ``apply``, the notebook kernel calls them directly.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import importlib
 import importlib.util
 import os
@@ -92,15 +93,17 @@ def use_compilation_cache(path: str) -> None:
 # ----------------------------------------------------------------------------- probe
 
 def detect_platform() -> str:
-    """``tpu``, ``gpu`` or ``cpu``, without starting JAX: from ``JAX_PLATFORMS``, else the
-    installed plugins (libtpu, jax CUDA/ROCm plugins)."""
+    """``tpu``, ``gpu`` or ``cpu``, without starting JAX: from ``JAX_PLATFORMS``, else an installed
+    plugin (libtpu, jax's CUDA/ROCm plugins) together with the chips' device files. A plugin alone
+    says nothing: libtpu is also installed to compile for TPUs on machines that have none."""
     first = os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip().lower()
     if first:
         return "gpu" if first in ("cuda", "rocm", "gpu") else first
-    if importlib.util.find_spec("libtpu") is not None:
+    if importlib.util.find_spec("libtpu") is not None and (glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")):
         return "tpu"
     if any(importlib.util.find_spec(m) is not None for m in
-           ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin")):
+           ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin")) and (
+            glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd")):
         return "gpu"
     return "cpu"
 

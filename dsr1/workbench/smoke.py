@@ -128,8 +128,10 @@ def _worker(process_id: int, num_processes: int, coordinator: str | None, timeou
     expected = sum(d.process_index + 1 for d in jax.devices())
     result = {"ok": value == expected, "value": value, "expected": expected, "process_index": jax.process_index(),
               "process_count": jax.process_count(), "devices": jax.device_count(), "platform": jax.default_backend()}
-    jax.distributed.shutdown()
+    # The result before leaving: the process hosting the coordinator may exit while another is still
+    # in its shutdown call, which then aborts that process; the check was already decided.
     print("mcjax-smoke " + json.dumps(result), flush=True)
+    jax.distributed.shutdown()
 
 
 # ----------------------------------------------------------------------------- the lock

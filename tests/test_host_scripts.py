@@ -1,0 +1,206 @@
+"""What the scripts do on a host, run here against fakes (no cluster, no root needed): the code
+step's receiving end deletes only what the repository dropped, gcsfuse's fstab line is the live
+mount's (with nofail), host 0's key is accepted from host 0 only and removed on --stop, a shared
+home's other pid files are not reported as stale, a public address is warned about, a shared file
+system is checked instead of exported, and the kernel's shell-out to the scripts (reset_engines)
+ends in a ClusterError when a host stops answering.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import subprocess
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from dsr1.workbench.process import ClusterError
+from dsr1.workbench.scripts import run_command, run_scripts
+
+from .test_dry_run import PROVIDERS, ROOT, base_env, calls, commands, fake_tools, remote_words, run
+
+
+def archive(files: dict[str, str]) -> bytes:
+    """A gzipped tar of FILES (path: text) under "./", as the code step makes it."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name in sorted({str(Path(p).parent) for p in files} - {"."}):
+            info = tarfile.TarInfo(f"./{name}")
+            info.type, info.mode = tarfile.DIRTYPE, 0o755
+            tar.addfile(info)
+        for name, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(f"./{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def receive(tmp_path: Path, target: Path, files: dict[str, str]) -> subprocess.CompletedProcess:
+    env = base_env(tmp_path, tmp_path, MCJAX_PROVIDER="ssh", PATH=os.environ["PATH"])
+    return subprocess.run(["bash", str(ROOT / "cluster/nfs.sh"), "receive", str(target)], input=archive(files),
+                          env=env, capture_output=True, timeout=60)
+
+
+def test_the_code_copy_loses_what_the_repository_dropped_and_nothing_else(tmp_path):
+    target = tmp_path / "shared" / "dsr1 copy"
+    first = receive(tmp_path, target, {"README.md": "a", "old/gone.py": "x", "old/kept/also.py": "y",
+                                       "dsr1/api.py": "1", "dsr1/old.py": "2"})
+    assert first.returncode == 0, first.stderr
+    (target / "notebooks").mkdir()
+    (target / "notebooks" / "mine.ipynb").write_text("{}")  # made on the cluster
+    (target / "old" / "kept" / "results.txt").write_text("r")  # made on the cluster, in a dropped folder
+    (target / "dsr1.egg-info").mkdir()  # the editable install's metadata
+    second = receive(tmp_path, target, {"README.md": "b", "dsr1/api.py": "3", "dsr1/new.py": "4"})
+    assert second.returncode == 0, second.stderr
+    left = sorted(str(p.relative_to(target)) for p in target.rglob("*"))
+    assert left == [".mcjax-manifest", "README.md", "dsr1", "dsr1.egg-info", "dsr1/api.py", "dsr1/new.py",
+                    "notebooks", "notebooks/mine.ipynb", "old", "old/kept", "old/kept/results.txt"], left
+    assert (target / "README.md").read_text() == "b"
+    assert "deleted 3 that the repository no longer has" in second.stderr.decode() + second.stdout.decode()
+
+
+def test_gcsfuse_mounts_as_its_fstab_line_says_and_the_line_has_nofail(tmp_path):
+    bin_dir, log = fake_tools(tmp_path, mount="exit 0", mountpoint="exit 1", sudo='exec "$@"', gcsfuse="exit 0",
+                              chown="exit 0")
+    fstab = tmp_path / "fstab"
+    older = f"my-weights {tmp_path}/bucket gcsfuse rw,_netdev,allow_other,implicit_dirs,uid=1,gid=1 0 0"
+    fstab.write_text(f"UUID=abc / ext4 defaults 0 1\n{older}\n")
+    env = base_env(tmp_path, bin_dir, MCJAX_PROVIDER="gcloud", MCJAX_BUCKET="my-weights",
+                   MCJAX_BUCKET_DIR=str(tmp_path / "bucket"), MCJAX_FSTAB=str(fstab))
+    done = run(["bash", ROOT / "cluster/gcsfuse.sh", "mount"], env, ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = fstab.read_text().splitlines()
+    assert lines[0] == "UUID=abc / ext4 defaults 0 1" and len(lines) == 2, lines  # the older line replaced
+    bucket, where, kind, options, *_ = lines[1].split()
+    assert (bucket, where, kind) == ("my-weights", str(tmp_path / "bucket"), "gcsfuse")
+    assert "nofail" in options.split(",") and "_netdev" in options.split(",")
+    mounted = [c for c in calls(log) if c.startswith("mount ")]
+    assert len(mounted) == 1
+    words = mounted[0].split(" [")
+    live = words[words.index("-o]") + 1].rstrip("]")
+    assert live.split(",") == [o for o in options.split(",") if o not in ("nofail", "_netdev")]
+    again = run(["bash", ROOT / "cluster/gcsfuse.sh", "mount"], env, ROOT)
+    assert again.returncode == 0 and fstab.read_text().splitlines() == lines
+
+
+@pytest.mark.skipif(shutil.which("ssh-keygen") is None, reason="no ssh-keygen")
+def test_host_0_key_is_accepted_from_host_0_only_and_removed(tmp_path):
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "authorized_keys").write_text("ssh-ed25519 AAAAmine me@laptop\n")
+    env = base_env(tmp_path, tmp_path, MCJAX_PROVIDER="ssh", HOME=str(home), PATH=os.environ["PATH"])
+
+    def ssh_sh(*args: str) -> None:
+        done = run(["bash", ROOT / "cluster/ssh.sh", *args], env, ROOT)
+        assert done.returncode == 0, done.stderr
+
+    authorized = home / ".ssh" / "authorized_keys"
+    ssh_sh("authorize", "ssh-ed25519 AAAAhost0", "10.0.0.10")
+    ssh_sh("authorize", "ssh-ed25519 AAAAhost0", "10.0.0.10")
+    assert authorized.read_text().splitlines() == [
+        "ssh-ed25519 AAAAmine me@laptop", 'from="10.0.0.10" ssh-ed25519 AAAAhost0 mcjax-host0']
+    ssh_sh("authorize", "ssh-ed25519 AAAAhost0", "10.0.0.99")  # host 0 moved: one line, the new address
+    assert authorized.read_text().splitlines()[1:] == ['from="10.0.0.99" ssh-ed25519 AAAAhost0 mcjax-host0']
+    ssh_sh("unauthorize")
+    assert authorized.read_text().splitlines() == ["ssh-ed25519 AAAAmine me@laptop"]
+    assert authorized.stat().st_mode & 0o777 == 0o600
+    bad = run(["bash", ROOT / "cluster/ssh.sh", "authorize", "ssh-ed25519 AAAAhost0", 'x" command="sh'], env, ROOT)
+    assert bad.returncode == 2
+
+
+def test_setup_authorizes_from_host_0_and_stop_removes_the_key(tmp_path):
+    bin_dir, log = fake_tools(tmp_path)
+    env = base_env(tmp_path, bin_dir, **PROVIDERS["ssh"])
+
+    def remote(out: str, command: str) -> list[list[str]]:
+        return [w[2:] for w in map(remote_words, commands(out)) if w[2:3] == [command]]
+
+    setup = run([ROOT / "mcjax_setup.sh", "--dry-run", "--steps", "keys"], env, ROOT)
+    assert setup.returncode == 0, setup.stderr
+    assert remote(setup.stdout, "authorize") == [["authorize", "<host 0 public key>", "10.0.0.10"]] * 3
+    open_key = run([ROOT / "mcjax_setup.sh", "--dry-run", "--steps", "keys"], dict(env, MCJAX_KEY_FROM="off"), ROOT)
+    assert remote(open_key.stdout, "authorize") == [["authorize", "<host 0 public key>"]] * 3
+    stop = run([ROOT / "mcjax_setup.sh", "--stop", "--dry-run", "--provider", "ssh"], env, ROOT)
+    assert stop.returncode == 0, stop.stderr
+    assert remote(stop.stdout, "unauthorize") == [["unauthorize"]] * 3
+    slurm = run([ROOT / "mcjax_setup.sh", "--stop", "--dry-run", "--provider", "slurm"],
+                base_env(tmp_path, bin_dir, **PROVIDERS["slurm"]), ROOT)
+    assert slurm.returncode == 0 and "unauthorize" not in slurm.stdout, slurm.stderr
+
+
+def test_status_on_a_shared_home_speaks_only_of_its_own_host(tmp_path):
+    state = tmp_path / "state"
+    (state / "pids").mkdir(parents=True)
+    for name, host in (("engine-1", "node02"), ("engine-2", None), ("controller", "node01")):
+        (state / "pids" / f"{name}.pid").write_text("999999\n")  # no such process
+        if host:
+            (state / "pids" / f"{name}.host").write_text(f"{host}\n")
+    env = base_env(tmp_path, tmp_path, MCJAX_PROVIDER="slurm", PATH=os.environ["PATH"], MCJAX_HOST_INDEX="2")
+    done = run(["bash", ROOT / "cluster/ipcluster.sh", "status"], env, ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "engine-2: NOT RUNNING (stale pid file)" in done.stdout
+    assert "engine-1" not in done.stdout and "controller" not in done.stdout
+    assert "2 processes of other hosts" in done.stdout
+    stop = run(["bash", "-c", ". cluster/common.sh && mcjax_stop engine-1"], env, ROOT)
+    assert stop.returncode == 0 and (state / "pids" / "engine-1.pid").exists(), stop.stderr
+
+
+def test_a_public_address_is_warned_about(tmp_path):
+    bin_dir, _ = fake_tools(tmp_path)
+    public = dict(PROVIDERS["ssh"], MCJAX_INTERNAL_IPS="10.0.0.10 203.0.113.7 172.20.0.3")
+    done = run([ROOT / "mcjax_setup.sh", "--dry-run", "--steps", "check"], base_env(tmp_path, bin_dir, **public), ROOT)
+    assert done.returncode == 0, done.stderr
+    warnings = [line for line in done.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "host 1's address 203.0.113.7 is public" in warnings[0], done.stderr
+
+
+def test_ssh_hosts_on_a_shared_file_system_export_nothing(tmp_path):
+    bin_dir, _ = fake_tools(tmp_path)
+    env = base_env(tmp_path, bin_dir, **PROVIDERS["ssh"], MCJAX_SHARED_FS="1", MCJAX_NFS_DIR="/shared/mcjax")
+    done = run([ROOT / "mcjax_setup.sh", "--dry-run", "--steps", "nfs"], env, ROOT)
+    assert done.returncode == 0, done.stderr
+    assert [w[2:] for w in map(remote_words, commands(done.stdout))] == [
+        ["shared-mark", "mcjax-10.0.0.10"], ["shared-check", "mcjax-10.0.0.10"], ["shared-check", "mcjax-10.0.0.10"]]
+
+
+def test_the_code_step_leaves_out_macos_metadata(tmp_path):
+    bin_dir, _ = fake_tools(tmp_path)
+    env = base_env(tmp_path, bin_dir, **PROVIDERS["ssh"])
+    done = run([ROOT / "mcjax_setup.sh", "--dry-run", "--steps", "code"], env, ROOT)
+    line = next(line for line in done.stdout.splitlines() if line.startswith("+ COPYFILE_DISABLE=1 tar "))
+    assert "'--exclude=._*'" in line and "--exclude=.DS_Store" in line
+    assert remote_words(commands(line)[0])[2:] == ["receive", "/mnt/mcjax/dsr1"]
+
+
+# ----------------------------------------------------------------------------- reset_engines
+
+def test_a_restart_that_hangs_is_a_cluster_error_naming_host_and_command(tmp_path):
+    """A host that stops answering (a dead NFS server under a hard mount) hangs cluster_restart:
+    the kernel gets a ClusterError saying where, what and what to do, and nothing is left running."""
+    root = tmp_path / "scripts"
+    root.mkdir()
+    marker = tmp_path / "hung.pid"
+    (root / "mcjax_defs.sh").write_text(
+        f'cluster_restart() {{ echo "[host 1] checking"; sleep 300 & echo $! >{marker}; wait; }}\n')
+    start = time.monotonic()
+    with pytest.raises(ClusterError) as caught:
+        run_scripts({"root": str(root)}, "check", timeout=2)
+    assert time.monotonic() - start < 30
+    message = str(caught.value)
+    assert os.uname().nodename in message and "cluster_restart" in message and "did not finish within 2s" in message
+    assert "NFS" in message and "reset_engines again" in message and "[host 1] checking" in message
+    hung = int(marker.read_text())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and Path(f"/proc/{hung}").exists():
+        time.sleep(0.1)
+    assert not Path(f"/proc/{hung}").exists(), "the hung command's child is still running"
+
+
+def test_a_failing_command_is_a_cluster_error_with_its_output(tmp_path):
+    with pytest.raises(ClusterError, match=r"restarting the engines \(exit status 3\):\nboom"):
+        run_command(["bash", "-c", "echo boom >&2; exit 3"], dict(os.environ), 10, "restarting the engines")
