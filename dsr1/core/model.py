@@ -6,6 +6,8 @@ time does not grow with depth. The residual stream is float32; matmuls run in th
 - `forward`: logits for every position (prefill attention path).
 - `prefill`: logits at each row's last token, and a KVCache holding the prompts' latents.
 - `decode`: one token per row with absorbed attention against the cache.
+- `verify`, `verify_by_steps`: T tokens per row against the cache (speculative verification), in one
+  step or as T decode steps (the numerics of `decode`, bit for bit).
 - `extend`: T new tokens per row against each row's pages of a `PagedKVCache` (serving: chunked
   prefill, prefill after a prefix-cache hit, decode with T = 1, speculative verification).
 """
@@ -196,6 +198,14 @@ def decode(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config, me
     """Logits `[B, V]` for one new token per row at position `cache.lengths`, the grown cache, and
     the routed expert ids of every MoE layer `[L_moe, B, K]` (None without MoE layers): what the
     step read, for benchmarks and profiles (an unused output costs nothing under jit)."""
+    logits, cache, routing, _ = decode_hidden(params, cache, tokens, cfg=cfg, mesh=mesh, rules=rules)
+    return logits, cache, routing
+
+
+def decode_hidden(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config, mesh: Mesh,
+                  rules: ShardingRules) -> tuple[jax.Array, KVCache, jax.Array | None, jax.Array]:
+    """`decode`, and the residual stream entering the final norm `[B, D]` (float32; the MTP module's
+    input): the one-token step that `verify_by_steps` repeats."""
     positions = cache.lengths
     params = compute_view(params, cfg, mesh)
     x = keep_replicated(_embed(params, tokens), mesh)
@@ -205,7 +215,26 @@ def decode(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config, me
 
     x, (c_new, pe_new), routing = _run_layers(params, x, attend, cfg, mesh, rules)
     logits = keep_replicated(_logits(params, x, cfg), mesh)
-    return logits, jax.tree.map(lambda a: keep_replicated(a, mesh), append_token(cache, c_new, pe_new)), routing
+    cache = jax.tree.map(lambda a: keep_replicated(a, mesh), append_token(cache, c_new, pe_new))
+    return logits, cache, routing, keep_replicated(x, mesh)
+
+
+def verify_by_steps(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config, mesh: Mesh,
+                    rules: ShardingRules) -> tuple[jax.Array, jax.Array, KVCache]:
+    """`verify` with the numerics of decoding: position t is `decode_hidden`'s own one-token step
+    against the cache holding positions `< lengths + t` (the step before wrote t - 1), so every
+    position's logits are bit for bit those that decoding the same tokens one at a time gives, on any
+    platform and with any cache dtype: the same kernels, shapes and reduction orders. (A T-token step
+    computes the same values in other shapes, and in bfloat16 their roundings differ enough to flip a
+    greedy choice.) The price: T passes over the weights instead of one. Returns what `verify` does."""
+    params = compute_view(params, cfg, mesh)
+
+    def step(cache, token):
+        logits, cache, _, hidden = decode_hidden(params, cache, token, cfg=cfg, mesh=mesh, rules=rules)
+        return cache, (logits, hidden)
+
+    cache, (logits, hidden) = jax.lax.scan(step, cache, tokens.T)
+    return jnp.swapaxes(logits, 0, 1), jnp.swapaxes(hidden, 0, 1), cache
 
 
 def verify(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config, mesh: Mesh,
@@ -214,7 +243,8 @@ def verify(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config, me
     themselves (absorbed attention; `decode` for T tokens): the verification step of speculative
     decoding. Returns logits `[B, T, V]` (float32), the residual stream entering the final norm
     `[B, T, D]` (the MTP module's input) and the cache with all T written and `lengths + T`; keep
-    fewer by setting `lengths` back (rejected drafts are then never read, and later overwritten)."""
+    fewer by setting `lengths` back (rejected drafts are then never read, and later overwritten).
+    One pass over the weights for all T, but not the numerics of `decode` (see `verify_by_steps`)."""
     positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])
     params = compute_view(params, cfg, mesh)
     x = keep_replicated(_embed(params, tokens), mesh)

@@ -130,9 +130,10 @@ def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | N
 
     start = time.perf_counter()
     if draft_tokens:
-        # Room for a verification step's k + 1 positions past the last token that may be emitted.
+        # The cache of the same length as without drafts (the same attention shapes): a verification's
+        # positions past it are never emitted, and their latents are dropped.
         state, first = decoding.speculative_start(model.params, tokens, lengths, arrays, rule_rows,
-                                                  **model.program_kwargs, max_len=max_len + draft_tokens + 1,
+                                                  **model.program_kwargs, max_len=max_len,
                                                   kv_cache_dtype=model.kv_cache_dtype, draft_tokens=draft_tokens)
     else:
         state, first = decoding.generate_start(model.params, tokens, lengths, arrays, rule_rows, **model.program_kwargs,

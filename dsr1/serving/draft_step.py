@@ -191,6 +191,26 @@ def serve_draft_step(params: Params, cache: PagedKVCache, mtp_cache: PagedKVCach
     return keep_replicated(outs, mesh), cache, mtp_cache, state
 
 
+def _verify_by_steps(params: Params, cache: PagedKVCache, fed: jax.Array, starts: jax.Array, width: jax.Array,
+                     table: jax.Array, cfg: Config, mesh: Mesh,
+                     rules: ShardingRules) -> tuple[jax.Array, jax.Array, PagedKVCache]:
+    """Verify `fed [B, k+1]` at `starts + j`, each position j by the one-token `extend` that a decode call
+    without drafts runs (the same shapes, kernels and reduction orders: its logits are bit for bit
+    theirs, so drafts never change greedy output; docs/serving.md, "Draft numerics"), after position
+    j - 1 was written to the row's pages. Row b runs its first `width[b]` positions. Returns logits
+    `[B, k+1, V]`, the hidden states entering the final norm `[B, k+1, D]` and the pool."""
+    at = jnp.zeros((fed.shape[0], 1), jnp.int32)
+
+    def step(cache: PagedKVCache, position: tuple[jax.Array, jax.Array]):
+        j, token = position
+        logits, hidden, cache = model.extend(params, cache, token[:, None], starts + j, (j < width).astype(jnp.int32),
+                                             table, at, cfg=cfg, mesh=mesh, rules=rules)
+        return cache, (logits[:, 0], hidden[:, 0])
+
+    cache, (logits, hidden) = jax.lax.scan(step, cache, (jnp.arange(fed.shape[1]), fed.T))
+    return jnp.swapaxes(logits, 0, 1), jnp.swapaxes(hidden, 0, 1), cache
+
+
 def _draft_verify(params: Params, cache: PagedKVCache, mtp_cache: PagedKVCache, state: DraftSlotState,
                   rows: StepRows, active: jax.Array, page_table: jax.Array, masks: jax.Array | None, cfg: Config,
                   mesh: Mesh,
@@ -201,8 +221,9 @@ def _draft_verify(params: Params, cache: PagedKVCache, mtp_cache: PagedKVCache, 
     1. draft `d_1` from the module's logits at `L - 1` (`mtp_hidden`), then `d_2..d_k` by applying it
        recursively at `L..L+k-2` (provisional latents, written to the row's MTP pages and overwritten
        by step 4);
-    2. verify `[t_L, d_1..d_k]` at `L..L+k` with `extend` — only the first `min(k+1, budget left)`
-       positions, so nothing is written past the pages the request reserved;
+    2. verify `[t_L, d_1..d_k]` at `L..L+k` (`_verify_by_steps`: each position by the decode step's
+       own one-token `extend`) — only the first `min(k+1, budget left)` positions, so nothing is written
+       past the pages the request reserved;
     3. accept (`speculative.accept_drafts`): e tokens kept, the row's length becomes `L + e` (the
        latents written past it are never read, and overwritten later);
     4. catch the MTP pool up: the module on `L..L+e-1` with the model's hidden states there and the
@@ -239,9 +260,8 @@ def _draft_verify(params: Params, cache: PagedKVCache, mtp_cache: PagedKVCache, 
         drafts, qs = speculative.draft_tokens_recursively(mtp_logits(module, h, cfg), h, recurse, k, sampling, seen,
                                                           counts, generated, token_rules, recent)
     fed = jnp.stack([last, *drafts], axis=1)
-    logits, hidden, cache = model.extend(params, cache, fed, starts, width, table,
-                                         jnp.broadcast_to(jnp.arange(k + 1), fed.shape), cfg=cfg, mesh=mesh,
-                                         rules=rules)
+    with jax.named_scope("verify"):
+        logits, hidden, cache = _verify_by_steps(params, cache, fed, starts, width, table, cfg, mesh, rules)
     with jax.named_scope("accept"):
         checked = logits if masks is None else logits.at[:, 0].set(apply_masks(logits[:, 0], masks, rows.mask_row))
         verdict = speculative.accept_drafts(checked, drafts, qs, sampling, seen, counts, generated, active,
