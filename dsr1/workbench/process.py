@@ -124,7 +124,7 @@ def probe(controller_ip: str, devices: bool, namespace: dict | None = None) -> d
         "environment": f"{sys.prefix} ({os.path.realpath(sys.executable)})", "python": sys.version.split()[0],
         "host_index": os.environ.get("MCJAX_HOST_INDEX"), "provider": os.environ.get("MCJAX_PROVIDER"),
         "PROCESS_ID": names.get("PROCESS_ID"), "NUM_PROCESSES": names.get("NUM_PROCESSES"),
-        "address": _address_towards(controller_ip), "accelerator": detect_platform(),
+        "address": address_towards(controller_ip), "accelerator": detect_platform(),
     }
     info.update({name: _version(name) for name in ("dsr1", "jax", "jaxlib", "ipyparallel")})
     info["jax_started"] = jax_started()
@@ -144,7 +144,7 @@ def jax_started() -> bool:
             or jax_internals.backends_are_initialized())
 
 
-def _address_towards(ip: str) -> str:
+def address_towards(ip: str) -> str:
     """This host's address on the route to ``ip`` (a UDP connect sends nothing)."""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:

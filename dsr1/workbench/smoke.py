@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .process import address_towards
+
 LOCKED = ("jax", "jaxlib")
 
 
@@ -72,16 +74,6 @@ def _jax_started() -> bool:
     from .jax_internals import backends_are_initialized
 
     return backends_are_initialized()
-
-
-def address_towards(ip: str) -> str:
-    """This host's address on the route to ``ip`` (a UDP connect sends nothing)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((ip, 9))
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
 
 
 def free_port(address: str) -> int:
