@@ -9,17 +9,22 @@ import tempfile
 
 import pytest
 
-from .harness import Fixture, build_fixture
+from .harness import COMPILE_FLAGS, Fixture, build_fixture
 from .reference import CONFIGS
 
 
 def pytest_configure(config) -> None:
-    """One JAX compilation cache for this pytest's subprocesses (`harness.subprocess_env`) and
-    simulated clusters (`mcjax_setup.sh` reads $MCJAX_JAX_CACHE): a program that one of them compiled
-    is read, not compiled again, by the next that runs it (the same mesh in another test, the same
+    """XLA's quicker compilation (`harness.COMPILE_FLAGS`) for this pytest, its subprocesses,
+    notebook kernels and simulated clusters (which keep the caller's XLA flags). One JAX
+    compilation cache for this pytest's subprocesses (`harness.subprocess_env`) and simulated
+    clusters (`mcjax_setup.sh` reads $MCJAX_JAX_CACHE): a program that one of them compiled is
+    read, not compiled again, by the next that runs it (the same mesh in another test, the same
     notebook cells under another numbering). Per run, so nothing stale from an earlier checkout is
     read; removed at exit. The pytest process itself keeps JAX's in-memory cache only: it compiles
     each of its programs once, and writing them all to disk would cost more than it saves."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "--xla_backend_optimization_level" not in flags:  # the caller's own level wins
+        os.environ["XLA_FLAGS"] = " ".join([*COMPILE_FLAGS, flags]).strip()
     if "MCJAX_JAX_CACHE" not in os.environ:
         cache = tempfile.mkdtemp(prefix="dsr1-test-jax-cache-")
         os.environ["MCJAX_JAX_CACHE"] = cache

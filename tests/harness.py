@@ -86,11 +86,24 @@ def relative_error(ours: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
+# XLA:CPU compiles the tests' many small programs in about three quarters of the time at this level;
+# they run no slower that a test could tell, and numerics are not changed (no fast-math).
+COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+
+
+def xla_flags(devices: int | None = None) -> str:
+    """This run's $XLA_FLAGS (the tests' compile flags, tests/conftest.py) with `devices` fake CPU
+    devices in place of any device count (none: XLA's default)."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count=")]
+    return " ".join(flags + ([f"--xla_force_host_platform_device_count={devices}"] if devices else []))
+
+
 def subprocess_env(devices: int) -> dict[str, str]:
     """The environment of a JAX subprocess with `devices` fake CPU devices, reading and writing the
     run's compilation cache ($MCJAX_JAX_CACHE, tests/conftest.py) whatever a program took to compile."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = xla_flags(devices)
     env["JAX_PLATFORMS"] = "cpu"
     if cache := os.environ.get("MCJAX_JAX_CACHE"):
         env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from .harness import xla_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = os.environ.get("MCJAX_TEST_CHROMIUM", "/usr/bin/chromium")
 PROCESSES = 2  # one engine and the kernel, as the notebooks' clusters under nbval (notebooks/conftest.py)
@@ -70,7 +72,8 @@ def lab(tmp_path):
         import playwright.sync_api  # noqa: F401
     except ImportError:
         missing_or_skip("the playwright package is not installed")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MCJAX_", "SLURM_", "JAX_")) and k != "XLA_FLAGS"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MCJAX_", "SLURM_", "JAX_"))}
+    env["XLA_FLAGS"] = xla_flags()
     if "MCJAX_JAX_CACHE" in os.environ:  # the run's compilation cache, shared with the notebooks' clusters
         env["MCJAX_JAX_CACHE"] = os.environ["MCJAX_JAX_CACHE"]
     env.update(MCJAX_STATE=str(tmp_path / "state"), MCJAX_CLUSTER_ID=f"browser-{uuid.uuid4().hex[:6]}",

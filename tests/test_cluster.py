@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from .harness import xla_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = [ROOT / "mcjax_defs.sh", ROOT / "mcjax_setup.sh", *sorted((ROOT / "cluster").glob("*.sh"))]
 DEVICES = 2  # fake CPU devices per process
@@ -31,7 +33,8 @@ N = 3  # processes: 2 engines + the kernel
 
 def clean_env(**extra: str) -> dict[str, str]:
     """This environment without MCJAX_* settings or a device count, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MCJAX_") and k != "XLA_FLAGS"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MCJAX_")}
+    env["XLA_FLAGS"] = xla_flags()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env.update(extra)
     return env
@@ -405,7 +408,7 @@ class LocalCluster:
         """Run KERNEL as the notebook kernel: JAX process N-1 with DEVICES fake CPU devices."""
         script = self.state / "kernel.py"
         script.write_text(KERNEL)
-        env = dict(self.env, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}", JAX_PLATFORMS="cpu",
+        env = dict(self.env, XLA_FLAGS=xla_flags(DEVICES), JAX_PLATFORMS="cpu",
                    MCJAX_PROVIDER="local")
         done = run([sys.executable, script, mode, *args], env=env, timeout=timeout)
         out = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]

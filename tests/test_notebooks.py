@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from .harness import xla_flags
+
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
@@ -69,7 +71,8 @@ def test_notebooks_pass_under_platform_numbering():
     pytest.importorskip("ipyparallel")
     if os.environ.get("MCJAX_TEST_NUMBERING") == "platform":
         pytest.skip("this pytest already runs the notebooks with platform numbering")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MCJAX_") and k != "XLA_FLAGS"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MCJAX_")}
+    env["XLA_FLAGS"] = xla_flags()
     env["MCJAX_TEST_NUMBERING"] = "platform"
     if "MCJAX_JAX_CACHE" in os.environ:
         env["MCJAX_JAX_CACHE"] = os.environ["MCJAX_JAX_CACHE"]

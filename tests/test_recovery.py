@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from .harness import xla_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 PROCESSES = 2
 
@@ -163,7 +165,8 @@ def notebook(request, tmp_path_factory):
     pytest.importorskip("ipyparallel")
     pytest.importorskip("jupyter_client")
     numbering, state = request.param, tmp_path_factory.mktemp(f"mcjax-{request.param}")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MCJAX_", "SLURM_", "JAX_")) and k != "XLA_FLAGS"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MCJAX_", "SLURM_", "JAX_"))}
+    env["XLA_FLAGS"] = xla_flags()
     env.update(MCJAX_STATE=str(state), MCJAX_CLUSTER_ID=f"recovery-{uuid.uuid4().hex[:6]}",
                MCJAX_PYTHON=sys.executable, MCJAX_LOCAL_DEVICES="2", MCJAX_START_TIMEOUT="90",
                MCJAX_STOP_TIMEOUT="3", DSR1_CPU_KERNELS="0",

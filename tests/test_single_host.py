@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from .harness import xla_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -43,7 +45,8 @@ def test_connect_without_engines_runs_cells_here():
 @pytest.mark.slow
 def test_notebooks_run_on_a_single_host():
     pytest.importorskip("nbval")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MCJAX_", "SLURM_")) and k != "XLA_FLAGS"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MCJAX_", "SLURM_"))}
+    env["XLA_FLAGS"] = xla_flags()
     env.update(MCJAX_SINGLE="1", JAX_PLATFORMS="cpu")
     notebooks = [str(ROOT / "notebooks" / name) for name in ("main.ipynb", "serve.ipynb")]
     # --noconftest: notebooks/conftest.py would start a simulated cluster for each notebook.

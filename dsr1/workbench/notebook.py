@@ -13,7 +13,7 @@ from .connection import Cluster, cluster_info, connect_controller
 from .engines import call_everywhere, engine_targets
 from .layout import assign_process_ids
 from .magics import activate, ipython_shell
-from .process import ClusterError, initialized_port, jax_started, probe, user_namespace
+from .process import ClusterError, initialized_port, jax_started, probe, use_fake_cpu_devices, user_namespace
 from .recovery import reset_engines
 from .single import connect_single, single_host_requested
 from .watchdog import stuck_tasks
@@ -73,8 +73,7 @@ def _use_fake_devices(count: int) -> None:
 
     if jax_internals.backends_are_initialized():
         return
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={count}"
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    use_fake_cpu_devices(count)
     import jax
 
     jax.config.update("jax_platforms", "cpu")

@@ -73,6 +73,15 @@ def prepare_process(process_id: int, num_processes: int, coordinator: str | None
     define_process_names(process_id, num_processes, coordinator, namespace, kernel_process_id=kernel_process_id)
 
 
+def use_fake_cpu_devices(count: int) -> None:
+    """This process's JAX on ``count`` CPU devices (read when JAX starts its backend): the device
+    count replaces any in ``$XLA_FLAGS``; the caller's other XLA flags stay."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count=")]
+    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={int(count)}"])
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
 def use_compilation_cache(path: str) -> None:
     """JAX's persistent compilation cache in ``path`` (the cluster's shared folder), for every
     program however fast it compiled (``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``, default 0 as

@@ -15,7 +15,7 @@ from typing import Any
 
 from .connection import Cluster
 from .layout import Layout
-from .process import prepare_process
+from .process import prepare_process, use_fake_cpu_devices
 
 SINGLE = "single"
 
@@ -60,8 +60,7 @@ def connect_single(namespace: dict | None = None) -> Cluster:
     ``$MCJAX_JAX_CACHE`` when set."""
     devices = os.environ.get("MCJAX_LOCAL_DEVICES")
     if devices:
-        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={int(devices)}"
-        os.environ["JAX_PLATFORMS"] = "cpu"
+        use_fake_cpu_devices(int(devices))
     cache = os.environ.get("MCJAX_JAX_CACHE")
     cache = None if cache in (None, "", "off") else cache
     layout = Layout(num_processes=1, kernel_process_id=0, coordinator=None, engines=(), numbering=SINGLE)

@@ -72,16 +72,19 @@ class GenerationWidget:
 
         def here() -> tuple[GenerationResult, CompileTimes, float]:
             with CompileTimes() as compiles:
-                started = time.perf_counter()
                 result = generate(self.model, prompts, tokenizer=self.tokenizer, stream=self._append, **kwargs)
-            return result, compiles, started
+                finished = time.perf_counter()
+            return result, compiles, finished
 
         if self.cluster is None or self.cluster.single:
-            result, compiles, started = here()
+            result, compiles, finished = here()
         else:
-            result, compiles, started = self._everywhere(here, prompts, kwargs)
+            result, compiles, finished = self._everywhere(here, prompts, kwargs)
         self.result = result
-        self.status.value = status_line(result, compiles.within(started, started + result.prefill_seconds),
+        # The prefill ended when decoding began: counted back from the end, the window leaves out the
+        # work before the prefill (tokenizing, the sampling arrays), which may compile too.
+        prefill_end = finished - result.decode_seconds
+        self.status.value = status_line(result, compiles.within(prefill_end - result.prefill_seconds, prefill_end),
                                         compiles.total)
         return result
 
@@ -110,8 +113,13 @@ def status_line(r: GenerationResult, prefill_compile_seconds: float, compile_sec
     prefill = r.prefill_tokens / max(r.prefill_seconds - prefill_compile_seconds, 1e-9)
     compiled = f", compilation {compile_seconds:.1f} s (not counted)" if compile_seconds else ""
     drafts = f", {r.draft_acceptance:.0%} of MTP drafts accepted" if r.draft_acceptance is not None else ""
-    return (f"{r.completions[0].finish_reason}: {r.decode_tokens} tokens, prefill {prefill:,.0f} tok/s, "
+    return (f"{r.completions[0].finish_reason}: {r.decode_tokens} tokens, prefill {_rate(prefill)} tok/s, "
             f"decode {r.decode_tokens_per_second:,.1f} tok/s{drafts}{compiled}")
+
+
+def _rate(per_second: float) -> str:
+    """Whole tokens per second, or three significant figures below a hundred."""
+    return f"{per_second:,.0f}" if per_second >= 100 else f"{per_second:.3g}"
 
 
 class CompileTimes:
