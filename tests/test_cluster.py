@@ -220,6 +220,15 @@ def test_watch_ends_the_cell_when_an_engine_raises_while_the_kernel_is_stuck():
         watch(cluster, {4: Result(Remote())}, mistake, None, settle=0.5)
     assert watch(cluster, {4: Result(value=7), 5: Result(value=8)}, lambda: 9, None) == ({4: 7, 5: 8}, 9)
 
+    class Died(Exception):  # ipyparallel's EngineError, as a finished task's result says it
+        ename, evalue = "EngineError", "Engine 5 died while running task 'abc'"
+
+    stuck.clear()
+    with pytest.raises(mcjax_error()) as error:  # at once, not after the settle time: the engine is gone
+        watch(cluster, {4: Result(value=1), 5: Result(Died())}, stuck.wait, None, settle=60)
+    assert "engine 5 is gone" in str(error.value) and "reset_engines" in str(error.value), str(error.value)
+    stuck.set()
+
 
 def mcjax_error() -> type:
     from dsr1.workbench import ClusterError

@@ -150,7 +150,7 @@ def watch(cluster: Cluster, pending: dict[int, Any], local: Callable[[], Any] | 
     while True:
         finished = {e for e, ar in pending.items() if ar.ready()}
         running = [e for e in pending if e not in finished]
-        dead = dead_engines(cluster, running)
+        dead = dead_engines(cluster, running) + sorted(e for e in finished if _died(_raised(pending[e])))
         if dead:
             error = dead_error(cluster, dead)
             raise error from task.error if task is not None and task.failed else error
@@ -202,6 +202,11 @@ def _raised(ar: Any) -> BaseException | None:
     except Exception as e:  # noqa: BLE001 - the engine's error, reported by the caller
         return e
     return None
+
+
+def _died(error: BaseException | None) -> bool:
+    """Whether a task's error is ipyparallel's word that its engine died (unregistered mid-task)."""
+    return (getattr(error, "ename", None) or type(error).__name__) == "EngineError"
 
 
 def _summary(error: BaseException | None) -> tuple[str, str]:
