@@ -55,6 +55,21 @@ def serve(engine) -> dict:
             "reloaded": stats.reloaded_pages, "host_pages": stats.host_pages}
 
 
+def count_broadcasts() -> list[int]:
+    """Every device broadcast (`multihost_utils.broadcast_one_to_all`, what a device channel sends
+    with) from now on, as the sizes broadcast."""
+    from jax.experimental import multihost_utils
+
+    calls, original = [], multihost_utils.broadcast_one_to_all
+
+    def counted(x, *args, **kwargs):
+        calls.append(int(np.size(x)))
+        return original(x, *args, **kwargs)
+
+    multihost_utils.broadcast_one_to_all = counted
+    return calls
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True, help="JSON path; process i writes PATH.i")
@@ -63,6 +78,7 @@ def main() -> None:
     ap.add_argument("--process-id", type=int, default=0)
     ap.add_argument("--num-processes", type=int, default=1)
     ap.add_argument("--port", type=int)
+    ap.add_argument("--control", default="host", help="Engine(control=...)")
     args = ap.parse_args()
 
     join_processes(args.num_processes, args.process_id, args.port)
@@ -72,7 +88,8 @@ def main() -> None:
 
     mesh = dsr1.make_mesh(expert=args.expert, tensor=args.tensor)
     model = dsr1.init_random(dsr1.Config.preset("tiny"), seed=0, mesh=mesh, dtype="float32")
-    engine = Engine(model, **SHAPES)
+    engine = Engine(model, **SHAPES, control=args.control)
+    broadcasts = count_broadcasts()  # from here on: the steps
     if engine.is_leader:
         engine.warm_up()
         result = serve(engine)
@@ -82,7 +99,7 @@ def main() -> None:
         result = {}
     # Every process keeps its own host copies of offloaded pages, the same ones as process 0's cache.
     result.update(process=jax.process_index(), processes=jax.process_count(), devices=jax.device_count(),
-                  host_copies=len(engine._runner.pool.copies))
+                  host_copies=len(engine._runner.pool.copies), broadcasts=len(broadcasts))
     with open(f"{args.out}.{jax.process_index()}", "w") as f:
         json.dump(result, f)
 

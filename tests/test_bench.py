@@ -396,3 +396,17 @@ def test_cli_attention_reports_a_tiling_that_fails(tmp_path, capsys, monkeypatch
         capsys.readouterr().out
     result = json.loads(out.read_text())
     assert [r["implementation"] for r in result["rows"]][0] == "xla" and len(result["failed"]) == 1
+
+
+def test_cli_control_sends_table_deltas_to_every_follower(tmp_path, capsys):
+    """The control plane's benchmark: followers in their own processes receive every step; the page
+    tables travel as changed rows, far fewer bytes than whole."""
+    out = tmp_path / "control.json"
+    assert cli.main(["control", "--processes", "3", "--slots", "8", "--max-seq-len", "4096", "--steps", "24",
+                     "--interval-ms", "1", "--prompt-len", "64", "--json", str(out)]) == 0
+    assert "| processes | send_us | latency_us" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["processes"] for r in rows] == [3]
+    for row in rows:
+        assert 0 < row["send_us"] and 0 < row["latency_us"] <= row["latency_p99_us"]
+        assert row["bytes_per_step"] < row["full_table_bytes_per_step"] / 4, row

@@ -1,6 +1,7 @@
-"""The serving engine across JAX processes: 2 processes x 2 devices (jax.distributed over gloo,
-process 0 deciding, process 1 following) give the same outputs as 1 process, with prefix hits and
-pages offloaded to host memory and reloaded on both; and the wire format of a step's work."""
+"""The serving engine across JAX processes: 4 processes x 1 device (jax.distributed over gloo,
+process 0 deciding and sending each step's work over the host channel, the others following) give
+the same outputs as 1 process, with prefix hits and pages offloaded to host memory and reloaded on
+all; the wire format of a step's work, and the host channel itself."""
 
 from __future__ import annotations
 
@@ -53,15 +54,100 @@ def test_step_work_survives_the_wire():
     assert_same_work(decode_work(data), work)
     assert isinstance(decode_work(data).calls[0], StepRows)
     assert_same_work(decode_work(encode_work(StepWork())), StepWork())
+    # Against the receiver's last table, only the rows that changed travel.
+    grown = work.page_table.copy()
+    grown[1, 2] = 40
+    step = dataclasses.replace(work, page_table=grown)
+    delta = encode_work(step, work.page_table)
+    assert delta.size < encode_work(step).size
+    assert_same_work(decode_work(delta, work.page_table), step)
+    assert_same_work(decode_work(encode_work(step, np.zeros((2, 3), np.int32)), np.zeros((2, 3), np.int32)), step)
+
+
+def test_host_channel_sends_steps_and_table_deltas_to_every_follower():
+    """Process 0 and two followers (threads here) over the sockets: a stranger without the token
+    is turned away; every follower receives every step, the page tables rebuilt from their changed
+    rows, then the stop; a follower whose leader vanishes says so."""
+    import json
+    import queue
+    import socket
+    import threading
+
+    from dsr1.serving.control import HostChannel
+
+    offers: queue.Queue = queue.Queue()
+    turned_away = threading.Event()
+
+    def rendezvous(data, copies=2):
+        if data is None:
+            offer = offers.get(timeout=30)
+            turned_away.wait(30)
+            return offer
+        for _ in range(copies):
+            offers.put(data)
+        return data
+
+    def stranger():  # connects first, as process 1 with a wrong token: the leader drops it
+        offer = json.loads(offers.get(timeout=30))
+        with socket.create_connection(("127.0.0.1", offer["port"])) as s:
+            s.sendall(b"\x01\x00\x00\x00" + b"x" * 16)
+            assert s.recv(1) == b""
+        turned_away.set()
+
+    table = np.arange(12, dtype=np.int32).reshape(4, 3)
+    steps = [StepWork(calls=(lane_rows((), 4, 1, 4),), page_table=table), StepWork(),
+             StepWork(calls=(lane_rows((), 4, 1, 4),), page_table=np.where(table == 7, 70, table))]
+    received: dict = {}
+
+    def follow(pid):
+        channel = HostChannel(pid, 3, rendezvous=rendezvous, timeout=30)
+        received[pid] = []
+        while (work := channel.receive()) is not None:
+            received[pid].append(work)
+        channel.close()
+
+    threads = [threading.Thread(target=stranger)] + [threading.Thread(target=follow, args=(p,)) for p in (1, 2)]
+    for t in threads:
+        t.start()
+    leader = HostChannel(0, 3, rendezvous=lambda data: rendezvous(data, copies=3), timeout=30)
+    for work in steps:
+        leader.send(work)
+    leader.send(None)
+    leader.close()
+    for t in threads:
+        t.join(30)
+    assert turned_away.is_set()
+    for pid in (1, 2):
+        assert len(received[pid]) == len(steps)
+        for got, want in zip(received[pid], steps):
+            assert_same_work(got, want)
+    assert leader.bytes_sent < sum(encode_work(w).size for w in steps)  # the third table went as one row
+
+    def orphan():
+        try:
+            HostChannel(1, 2, rendezvous=rendezvous, timeout=30).receive()
+        except ConnectionError as e:
+            received["error"] = str(e)
+
+    thread = threading.Thread(target=orphan)
+    thread.start()
+    HostChannel(0, 2, rendezvous=lambda data: rendezvous(data, copies=1), timeout=30).close()  # no stop
+    thread.join(30)
+    assert "process 0 closed the serving control channel before its stop" in received["error"]
 
 
 @pytest.mark.slow
-def test_two_processes_two_devices_each_serve_like_one(tmp_path):
-    out, port = tmp_path / "two.json", free_port()
-    common = ["--out", str(out), "--expert=2", "--tensor=2", "--num-processes=2", f"--port={port}"]
-    procs = start_processes("tests.serving_worker", common)
+@pytest.mark.parametrize("processes,devices,control", [
+    (4, 1, "host"), pytest.param(2, 2, "device", marks=pytest.mark.extended)])
+def test_processes_serve_like_one(tmp_path, processes, devices, control):
+    """4 processes x 1 device (2 x 2 with device broadcasts, extended) serve the same tokens as one
+    process; with the host channel the steps' work never goes through a device collective."""
+    out, port = tmp_path / "out.json", free_port()
+    common = ["--out", str(out), "--expert=2", "--tensor=2", f"--num-processes={processes}", f"--port={port}",
+              f"--control={control}"]
+    procs = start_processes("tests.serving_worker", common, count=processes, devices=devices)
     try:
-        # The reference, in this process (1 device) while the two processes run.
+        # The reference, in this process (1 device) while the others run.
         model = dsr1.init_random(dsr1.Config.preset("tiny"), seed=0, dtype="float32")
         engine = Engine(model, **serving_worker.SHAPES)
         engine.warm_up()
@@ -71,12 +157,18 @@ def test_two_processes_two_devices_each_serve_like_one(tmp_path):
             p.kill()
         raise
     wait_processes(procs)
-    leader, follower = (json.loads((tmp_path / f"two.json.{i}").read_text()) for i in range(2))
-    print(f"\n[serving] 1 process: {one}\n[serving] 2 processes, process 0: {leader}; process 1: {follower}")
-    assert (leader["processes"], leader["devices"]) == (2, 4)
-    assert leader["tokens"] == one["tokens"], "2 processes x 2 devices serve the same tokens as 1 process"
+    leader, *followers = (json.loads((tmp_path / f"out.json.{i}").read_text()) for i in range(processes))
+    print(f"\n[serving] 1 process: {one}\n[serving] {processes} processes ({control}), process 0: {leader}; "
+          f"the others: {followers}")
+    assert (leader["processes"], leader["devices"]) == (processes, 4)
+    assert leader["tokens"] == one["tokens"], f"{processes} processes x {devices} devices serve as 1 process does"
     assert one["cached"][-2:] == [12, 12] and one["offloaded"] > 0 and one["reloaded"] > 0
     for key in ("cached", "prefix_hit_tokens", "offloaded", "reloaded", "host_pages"):
         assert leader[key] == one[key], key
-    assert follower["host_copies"] == leader["host_copies"] == leader["host_pages"] > 0, \
-        "the follower keeps its own host copies of exactly the pages process 0's cache offloaded"
+    for follower in followers:
+        assert follower["host_copies"] == leader["host_copies"] == leader["host_pages"] > 0, \
+            "each follower keeps its own host copies of exactly the pages process 0's cache offloaded"
+    if control == "host":
+        assert [p["broadcasts"] for p in (leader, *followers)] == [0] * processes, "no device broadcast"
+    else:
+        assert leader["broadcasts"] > 0

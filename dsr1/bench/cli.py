@@ -12,6 +12,7 @@ transformers.
         [--mesh expert=8,tensor=8] [--hbm GIB]
     python -m dsr1.bench load [--preset bench | --model PATH] [--quant int8] [--cache cold|warm] [--repeats 3]
     python -m dsr1.bench quality [--model PATH] [--text FILE] [--draft-tokens 1,2,3] [--plot PNG]
+    python -m dsr1.bench control [--processes 2,4,16] [--slots 66] [--max-seq-len 163840]
 
 Results go to stdout as Markdown tables (progress to stderr); `--json PATH` also writes them as JSON.
 """
@@ -41,6 +42,8 @@ from ..options import (
 from .accounting import expert_bytes, fixed_weight_bytes
 from .bandwidth import COPY_BYTES, copy_bandwidth, device_description, read_bandwidth, with_final_load
 from .compare_hf import compare_row, dsr1_generate, hf_generate, load_hf, write_random_checkpoint
+from .control import __doc__ as CONTROL_DOC
+from .control import add_control_options, run_control
 from .decode_attention import __doc__ as ATTENTION_DOC
 from .decode_attention import add_attention_options, run_attention
 from .experts import EXPERT_COLUMNS, KERNELS, bench_kernels
@@ -406,6 +409,9 @@ def parser() -> argparse.ArgumentParser:
                                          "(acceptance, speedup) of a trained model (default: the demo model)",
                          description=QUALITY_DOC.split("\n\n")[0])
     add_quality_options(qua)
+    ctl = sub.add_parser("control", help="the serving control plane's host cost per step at 2 to 16 processes",
+                         description=CONTROL_DOC.split("\n\n")[0])
+    add_control_options(ctl)
     return ap
 
 
@@ -416,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--new-tokens must be at least 2 (the first token comes from the prefill)")
     commands = {"decode": run_decode, "prefill": run_prefill, "moe": run_moe, "compare-hf": run_compare_hf,
                 "serve": run_serve, "plan": run_plan, "load": run_load, "quality": run_quality,
-                "attention": run_attention}
+                "attention": run_attention, "control": run_control}
     result = commands[args.command](args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))

@@ -1,18 +1,20 @@
-"""Process 0's step decisions to the other JAX processes.
+"""Process 0's step decisions to the other JAX processes: the wire format, and a device channel.
 
 With several processes every process must run the same programs in the same order (their
 collectives meet across processes), but only process 0 has requests, a scheduler and a prefix
 cache. So process 0 sends each step's `StepWork` (host arrays only: page copies, admissions, the
-`serve_step` calls' rows and page table) to the others before anyone dispatches it, and every
-process then runs it (`DeviceRunner.run`). Process 0 broadcasts before it dispatches: a
-broadcast is itself a program with a cross-process collective, and a process that dispatched
-the step first would queue its collectives in another order than the others.
+`serve_step` calls' rows and page table) to the others, and every process then runs it
+(`DeviceRunner.run`). The engine sends it over sockets (`dsr1.serving.control.HostChannel`);
+`StepChannel` here sends it by device broadcasts instead (`Engine(control="device")`).
 
-Wire format: the work is flattened into a list of numpy arrays (`work_arrays`), packed into
-one uint8 buffer with a small int32 header (dtype, rank and shape of each array), and sent with
+Wire format: the work is flattened into a list of numpy arrays (`work_arrays`; the page table as
+the rows that changed since the previous step's, `table_delta`), packed into one uint8 buffer with a
+small int32 header (dtype, rank and shape of each array). `StepChannel` sends it with
 `jax.experimental.multihost_utils.broadcast_one_to_all` in two broadcasts: a fixed `[2]` header
 (stop flag, payload bytes), then the payload zero-padded to a power of two (at least
-`MIN_PAYLOAD`). So the broadcast programs see a handful of shapes and compile once each.
+`MIN_PAYLOAD`), so the broadcast programs see a handful of shapes and compile once each. Process 0
+broadcasts before it dispatches: a broadcast is itself a program with a cross-process collective,
+and a process that dispatched the step first would queue its collectives in another order.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from .page_pool import PAGE_OP_KINDS, PageOp
 from .step import StepRows
 from .work import Admission, StepWork
 
-__all__ = ["MIN_PAYLOAD", "StepChannel", "decode_work", "encode_work"]
+__all__ = ["MIN_PAYLOAD", "StepChannel", "decode_work", "encode_work", "table_delta", "table_from_delta"]
 
 MIN_PAYLOAD = 1 << 12  # bytes: the smallest payload bucket
 _DTYPES = ("int32", "uint32", "float32", "bool")
@@ -40,10 +42,27 @@ def _treedef(cls: type) -> jax.tree_util.PyTreeDef:
     return jax.tree.structure(cls(*range(len(dataclasses.fields(cls)))))
 
 
-def work_arrays(work: StepWork) -> list[np.ndarray]:
+def table_delta(base: np.ndarray | None, table: np.ndarray) -> list[np.ndarray]:
+    """`table` as the rows that differ from `base` (all of them without one, or of another shape):
+    `[shape, row indices, rows]`. A decode step changes a row when its sequence takes a new page."""
+    changed = (np.arange(table.shape[0]) if base is None or base.shape != table.shape
+               else np.flatnonzero((base != table).any(axis=1)))
+    return [np.array(table.shape, np.int32), changed.astype(np.int32), table[changed]]
+
+
+def table_from_delta(base: np.ndarray | None, shape: np.ndarray, rows: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """The inverse of `table_delta`."""
+    table = (base.copy() if base is not None and base.shape == tuple(shape)
+             else np.zeros(tuple(shape), values.dtype))
+    table[rows] = values
+    return table
+
+
+def work_arrays(work: StepWork, base_table: np.ndarray | None = None) -> list[np.ndarray]:
     """`work` as a flat list of arrays: a counts header `[ops, admissions, calls, op kinds...]`,
     then each op's pages and ids, each admission's slot, prompt, sampling and rule leaves, each call's
-    rows and grammar masks, and the page table when there are calls."""
+    rows and grammar masks, and when there are calls the page table, as its rows that differ from
+    `base_table` (the receiver's table as of the last step with calls: `table_delta`)."""
     head = [len(work.page_ops), len(work.admissions), len(work.calls)]
     head += [PAGE_OP_KINDS.index(op.kind) for op in work.page_ops]
     arrays = [np.array(head, np.int32)]
@@ -56,12 +75,12 @@ def work_arrays(work: StepWork) -> list[np.ndarray]:
         arrays += [*jax.tree.leaves(rows), np.array([masks is not None], np.int32)]
         arrays += [] if masks is None else [masks]
     if work.calls:
-        arrays.append(work.page_table)
+        arrays += table_delta(base_table, np.asarray(work.page_table, np.int32))
     return [np.asarray(a) for a in arrays]
 
 
-def work_from_arrays(arrays: Sequence[np.ndarray]) -> StepWork:
-    """The inverse of `work_arrays`."""
+def work_from_arrays(arrays: Sequence[np.ndarray], base_table: np.ndarray | None = None) -> StepWork:
+    """The inverse of `work_arrays` (with the same `base_table`)."""
     it: Iterator[np.ndarray] = iter(arrays)
     head = next(it).tolist()
     n_ops, n_admissions, n_calls, kinds = head[0], head[1], head[2], head[3:]
@@ -78,7 +97,8 @@ def work_from_arrays(arrays: Sequence[np.ndarray]) -> StepWork:
     for _ in range(n_calls):
         calls.append(jax.tree.unflatten(rows, [next(it) for _ in range(rows.num_leaves)]))
         masks.append(next(it) if next(it)[0] else None)
-    return StepWork(ops, admissions, tuple(calls), next(it) if calls else None, tuple(masks))
+    table = table_from_delta(base_table, next(it), next(it), next(it)) if calls else None
+    return StepWork(ops, admissions, tuple(calls), table, tuple(masks))
 
 
 def pack(arrays: Sequence[np.ndarray]) -> np.ndarray:
@@ -104,12 +124,14 @@ def unpack(data: np.ndarray) -> list[np.ndarray]:
     return out
 
 
-def encode_work(work: StepWork) -> np.ndarray:
-    return pack(work_arrays(work))
+def encode_work(work: StepWork, base_table: np.ndarray | None = None) -> np.ndarray:
+    """`work` as one uint8 buffer, its page table relative to `base_table` (see `work_arrays`)."""
+    return pack(work_arrays(work, base_table))
 
 
-def decode_work(data: np.ndarray) -> StepWork:
-    return work_from_arrays(unpack(data))
+def decode_work(data: np.ndarray, base_table: np.ndarray | None = None) -> StepWork:
+    """The inverse of `encode_work` (with the same `base_table`)."""
+    return work_from_arrays(unpack(data), base_table)
 
 
 def payload_bucket(size: int) -> int:
@@ -118,17 +140,23 @@ def payload_bucket(size: int) -> int:
 
 
 class StepChannel:
-    """Process 0 sends each step's `StepWork` (or a stop) to every other process, which receives it.
-    Every process must make the matching call: `send` on process 0, `receive` on the others."""
+    """Process 0 sends each step's `StepWork` (or a stop) to every other process by device broadcasts
+    (`Engine(control="device")`; the default is `control.HostChannel`, over sockets). Every process
+    must make the matching call: `send` on process 0, `receive` on the others."""
+
+    def __init__(self) -> None:
+        self._table: np.ndarray | None = None  # the page table as of the last step with calls
 
     def send(self, work: StepWork | None) -> None:
         """(Process 0) Broadcast `work`, or None to end the followers' loop."""
-        payload = np.zeros(0, np.uint8) if work is None else encode_work(work)
+        payload = np.zeros(0, np.uint8) if work is None else encode_work(work, self._table)
         multihost_utils.broadcast_one_to_all(np.array([work is None, payload.size], np.int32))
         if work is not None:
             padded = np.zeros(payload_bucket(payload.size), np.uint8)
             padded[:payload.size] = payload
             multihost_utils.broadcast_one_to_all(padded)
+            if work.calls:
+                self._table = work.page_table
 
     def receive(self) -> StepWork | None:
         """(Other processes) The next step's work, or None when process 0 stopped."""
@@ -136,4 +164,10 @@ class StepChannel:
         if stop:
             return None
         data = multihost_utils.broadcast_one_to_all(np.zeros(payload_bucket(size), np.uint8))
-        return decode_work(np.asarray(data)[:size])
+        work = decode_work(np.asarray(data)[:size], self._table)
+        if work.calls:
+            self._table = work.page_table
+        return work
+
+    def close(self) -> None:
+        pass

@@ -30,6 +30,7 @@ from ..generation.output import Prompt, encode_prompt, needs_tokenizer, opens_th
 from ..generation.sampling import TOP_LOGPROBS, Sampling
 from ..generation.tokenizer import Tokenizer, load_tokenizer
 from .broadcast import StepChannel
+from .control import HostChannel
 from .draft_step import mtp_paged_cache, unpack_verified
 from .grammar import Grammar, grammar_tokenizer
 from .page_pool import PageLog, PagePool, warm_up_ops
@@ -49,7 +50,9 @@ from .scheduler import (
 from .step import Sampled
 from .work import Admission, DeviceRunner, StepWork, host_rules, host_sampling
 
-__all__ = ["Engine", "EngineStats"]
+__all__ = ["CONTROLS", "Engine", "EngineStats"]
+
+CONTROLS = ("host", "device")  # how process 0's step work reaches the other processes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,13 +124,19 @@ class Engine:
         else R1's, loaded on the first text prompt).
       draft_tokens: MTP speculative decoding with k drafts per decode iteration (0: off); the model
         needs its MTP module (`dsr1.load(..., mtp=True)`, `dsr1.init_random(..., mtp=True)`).
+      control: with several JAX processes, how process 0's step work reaches the others: "host"
+        (sockets, `dsr1.serving.control`: the devices run only the steps, and the others dispatch
+        step n+1 while step n runs) or "device" (device broadcasts, `dsr1.serving.broadcast`: no
+        port to open between hosts).
     """
 
     def __init__(self, model: Model, *, max_seqs: int = 8, page_size: int = 16, num_pages: int = 512,
                  prefill_chunk: int = 64, prefill_rows: int = 2, host_cache_bytes: int = 0, decode_steps: int = 4,
                  max_seq_len: int | None = None, prefix_caching: bool = True, tokenizer: Tokenizer | None = None,
-                 draft_tokens: int = 0):
+                 draft_tokens: int = 0, control: str = "host"):
         _check_draft_tokens(model, draft_tokens)
+        if control not in CONTROLS:
+            raise ValueError(f"control must be one of {CONTROLS}, got {control!r}")
         if max_seq_len is None:
             max_seq_len = min(model.cfg.max_position_embeddings, (num_pages - 1) * page_size)
         if max_seq_len > model.cfg.max_position_embeddings:
@@ -143,8 +152,11 @@ class Engine:
                         mtp_cache=mtp_paged_cache(**sizes) if draft_tokens else None)
         self._runner = DeviceRunner(model, pool, slots=self.config.slots, max_seq_len=max_seq_len,
                                     decode_steps=decode_steps, draft_tokens=draft_tokens)
-        # Several processes: process 0 decides and broadcasts each step's work; the others follow.
-        self._channel = StepChannel() if jax.process_count() > 1 else None
+        # Several processes: process 0 decides and sends each step's work; the others follow.
+        self._channel = None
+        if jax.process_count() > 1:
+            self._channel = (HostChannel(jax.process_index(), jax.process_count()) if control == "host"
+                             else StepChannel())
         self.is_leader = jax.process_index() == 0
         self._closed = False
         self._log = PageLog(pool.page_bytes)
@@ -287,6 +299,7 @@ class Engine:
             self._runner.run(work)
             self._runner.pool.settle()
         self._runner.pool.settle(everything=True)
+        self._channel.close()
 
     def close(self) -> None:
         """(Process 0) Release the processes in `follow()`; the engine cannot step afterwards. A no-op in
@@ -295,6 +308,7 @@ class Engine:
         with self._step_lock:
             if self._channel is not None and not self._closed:
                 self._channel.send(None)
+                self._channel.close()
             self._closed = True
 
     def _require_leader(self, action: str) -> None:
