@@ -86,24 +86,29 @@ def relative_error(ours: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
-# XLA:CPU compiles the tests' many small programs in about three quarters of the time at this level;
-# they run no slower that a test could tell, and numerics are not changed (no fast-math).
+# XLA:CPU compiles the tests' many small programs in about three quarters of the time without
+# LLVM's optimizations; numerics are unchanged (no fast-math). A test whose programs run long (the
+# eight-device expert loops, twice as slow at level 0) passes `optimized=True`: level 1 there.
 COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
 
 
-def xla_flags(devices: int | None = None) -> str:
+def xla_flags(devices: int | None = None, optimized: bool = False) -> str:
     """This run's $XLA_FLAGS (the tests' compile flags, tests/conftest.py) with `devices` fake CPU
-    devices in place of any device count (none: XLA's default)."""
+    devices in place of any device count (none: XLA's default); `optimized`: LLVM's level 1 in
+    place of the tests' level 0."""
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count=")]
+    if optimized:
+        flags = [("--xla_backend_optimization_level=1" if f == COMPILE_FLAGS[0] else f) for f in flags]
     return " ".join(flags + ([f"--xla_force_host_platform_device_count={devices}"] if devices else []))
 
 
-def subprocess_env(devices: int) -> dict[str, str]:
-    """The environment of a JAX subprocess with `devices` fake CPU devices, reading and writing the
-    run's compilation cache ($MCJAX_JAX_CACHE, tests/conftest.py) whatever a program took to compile."""
+def subprocess_env(devices: int, optimized: bool = False) -> dict[str, str]:
+    """The environment of a JAX subprocess with `devices` fake CPU devices (`xla_flags`), reading and
+    writing the run's compilation cache ($MCJAX_JAX_CACHE, tests/conftest.py) whatever a program took
+    to compile."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = xla_flags(devices)
+    env["XLA_FLAGS"] = xla_flags(devices, optimized)
     env["JAX_PLATFORMS"] = "cpu"
     if cache := os.environ.get("MCJAX_JAX_CACHE"):
         env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")

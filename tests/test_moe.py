@@ -273,7 +273,7 @@ def test_expert_loop_matches_ragged_dot_on_eight_devices(expert, tensor):
     from .harness import subprocess_env
 
     done = subprocess.run([sys.executable, "-m", "tests.moe_worker", f"--expert={expert}", f"--tensor={tensor}"],
-                          env=subprocess_env(8), capture_output=True, text=True, timeout=600)
+                          env=subprocess_env(8, optimized=True), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     errors = json.loads(done.stdout.strip().splitlines()[-1])
     print(f"\n[{expert} x {tensor}] expert loop vs ragged_dot: {errors}")
