@@ -88,7 +88,7 @@ def relative_error(ours: np.ndarray, ref: np.ndarray) -> float:
 
 # XLA:CPU compiles the tests' many small programs in about three quarters of the time without
 # LLVM's optimizations; numerics are unchanged (no fast-math). A test whose programs run long (the
-# eight-device expert loops, twice as slow at level 0) passes `optimized=True`: level 1 there.
+# eight-device expert loops, which level 0 slows more than it saves) pass `optimized=True`: level 1.
 COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
 
 
