@@ -400,7 +400,7 @@ def test_cli_attention_reports_a_tiling_that_fails(tmp_path, capsys, monkeypatch
 
 def test_cli_control_sends_table_deltas_to_every_follower(tmp_path, capsys):
     """The control plane's benchmark: followers in their own processes receive every step; the page
-    tables travel as changed rows, far fewer bytes than whole."""
+    tables travel as changed entries, far fewer bytes than whole."""
     out = tmp_path / "control.json"
     assert cli.main(["control", "--processes", "3", "--slots", "8", "--max-seq-len", "4096", "--steps", "24",
                      "--interval-ms", "1", "--prompt-len", "64", "--json", str(out)]) == 0

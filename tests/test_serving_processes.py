@@ -54,7 +54,7 @@ def test_step_work_survives_the_wire():
     assert_same_work(decode_work(data), work)
     assert isinstance(decode_work(data).calls[0], StepRows)
     assert_same_work(decode_work(encode_work(StepWork())), StepWork())
-    # Against the receiver's last table, only the rows that changed travel.
+    # Against the receiver's last table, only the entries that changed travel.
     grown = work.page_table.copy()
     grown[1, 2] = 40
     step = dataclasses.replace(work, page_table=grown)
@@ -67,7 +67,7 @@ def test_step_work_survives_the_wire():
 def test_host_channel_sends_steps_and_table_deltas_to_every_follower():
     """Process 0 and two followers (threads here) over the sockets: a stranger without the token
     is turned away; every follower receives every step, the page tables rebuilt from their changed
-    rows, then the stop; a follower whose leader vanishes says so."""
+    entries, then the stop; a follower whose leader vanishes says so."""
     import json
     import queue
     import socket
@@ -121,7 +121,7 @@ def test_host_channel_sends_steps_and_table_deltas_to_every_follower():
         assert len(received[pid]) == len(steps)
         for got, want in zip(received[pid], steps):
             assert_same_work(got, want)
-    assert leader.bytes_sent < sum(encode_work(w).size for w in steps)  # the third table went as one row
+    assert leader.bytes_sent < sum(encode_work(w).size for w in steps)  # the third table went as one entry
 
     def orphan():
         try:

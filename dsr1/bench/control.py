@@ -1,6 +1,6 @@
 """The serving control plane's host cost per step: process 0 sends R1-sized step work to N-1 processes.
 
-Process 0 encodes each step's `StepWork` (a decode call over every slot, the page table as the rows
+Process 0 encodes each step's `StepWork` (a decode call over every slot, the page table as the entries
 that changed, now and then an admitted prompt and its prefill call) and sends it over the host
 channel (`dsr1.serving.control.HostChannel`) to N-1 follower processes on this machine, which decode
 it; no JAX device is involved. A step goes out every `--interval-ms` (the device's step time).

@@ -17,7 +17,7 @@ runs it with per-request sampling. Design: docs/serving.md. The host side, one c
 - `work`: a step's device work as host arrays (`StepWork`) and the `DeviceRunner` that dispatches it.
 - `step`, `draft_step`: the per-slot device state and the engine's programs (with MTP drafts).
 - `grammar`: llguidance matchers and the on-device token bitmask of constrained requests.
-- `broadcast`: a `StepWork`'s wire format (page tables as changed rows), and a device-broadcast channel.
+- `broadcast`: a `StepWork`'s wire format (page tables as changed entries), and a device-broadcast channel.
 - `control`: the host control plane: process 0's `StepWork` to the other JAX processes over TCP.
 - `engine`: `Engine`, the event loop over asynchronous dispatch (`submit`, `step`, `run`, `stats`;
   `follow` and `close` across processes).

@@ -8,7 +8,7 @@ cache. So process 0 sends each step's `StepWork` (host arrays only: page copies,
 `StepChannel` here sends it by device broadcasts instead (`Engine(control="device")`).
 
 Wire format: the work is flattened into a list of numpy arrays (`work_arrays`; the page table as
-the rows that changed since the previous step's, `table_delta`), packed into one uint8 buffer with a
+the entries that changed since the previous step's, `table_delta`), packed into one uint8 buffer with a
 small int32 header (dtype, rank and shape of each array). `StepChannel` sends it with
 `jax.experimental.multihost_utils.broadcast_one_to_all` in two broadcasts: a fixed `[2]` header
 (stop flag, payload bytes), then the payload zero-padded to a power of two (at least
@@ -43,18 +43,23 @@ def _treedef(cls: type) -> jax.tree_util.PyTreeDef:
 
 
 def table_delta(base: np.ndarray | None, table: np.ndarray) -> list[np.ndarray]:
-    """`table` as the rows that differ from `base` (all of them without one, or of another shape):
-    `[shape, row indices, rows]`. A decode step changes a row when its sequence takes a new page."""
-    changed = (np.arange(table.shape[0]) if base is None or base.shape != table.shape
-               else np.flatnonzero((base != table).any(axis=1)))
-    return [np.array(table.shape, np.int32), changed.astype(np.int32), table[changed]]
+    """`table` as the entries that differ from `base`: `[shape, flat indices, values]`; without a
+    base of its shape, the whole table (no indices, every value). A decode step changes an entry
+    when a sequence takes a new page."""
+    if base is None or base.shape != table.shape:
+        return [np.array(table.shape, np.int32), np.zeros(0, np.int32), table.reshape(-1)]
+    changed = np.flatnonzero(base != table).astype(np.int32)
+    return [np.array(table.shape, np.int32), changed, table.reshape(-1)[changed]]
 
 
-def table_from_delta(base: np.ndarray | None, shape: np.ndarray, rows: np.ndarray, values: np.ndarray) -> np.ndarray:
+def table_from_delta(base: np.ndarray | None, shape: np.ndarray, indices: np.ndarray,
+                     values: np.ndarray) -> np.ndarray:
     """The inverse of `table_delta`."""
-    table = (base.copy() if base is not None and base.shape == tuple(shape)
-             else np.zeros(tuple(shape), values.dtype))
-    table[rows] = values
+    shape = tuple(int(n) for n in shape)
+    if indices.size == 0 and values.size == int(np.prod(shape)):
+        return values.reshape(shape).copy()
+    table = base.copy()
+    table.reshape(-1)[indices] = values
     return table
 
 

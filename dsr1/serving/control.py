@@ -7,7 +7,7 @@ ran, so the followers' host work (decoding the message, building the call's inpu
 never overlaps the device. Over sockets, process 0 sends step n+1 while step n runs and the
 followers dispatch it as soon as it arrives; the devices see only the steps' own programs.
 
-Each message is `broadcast.encode_work` (the page table as the rows that changed since the last
+Each message is `broadcast.encode_work` (the page table as the entries that changed since the last
 step's) behind an 8-byte length (-1: stop). Setup takes one device broadcast, at construction:
 process 0 listens on a free port and sends its addresses, the port and a random token to the others,
 which connect and present the token. `DSR1_CONTROL_HOST` (comma-separated) names the addresses
