@@ -21,6 +21,7 @@ def model():
     return dsr1.init_random(CFG, seed=0, dtype="float32")
 
 
+@pytest.mark.slow
 def test_random_init_depends_on_seed_only(model):
     again = dsr1.init_random(CFG, seed=0, dtype="float32")
     other = dsr1.init_random(CFG, seed=1, dtype="float32")
@@ -50,6 +51,7 @@ def small_slices(monkeypatch):
     jax.clear_caches()
 
 
+@pytest.mark.slow
 def test_large_weights_are_drawn_in_slices_and_int8_stacks_layer_by_layer(small_slices):
     """XLA's temporaries for one random draw come to ~32 bytes per value, so a weight over
     RANDOM_CHUNK_ELEMENTS is drawn slice by slice along an axis the default rules never split, and an
@@ -91,6 +93,7 @@ def test_numpy_and_jax_tokens_agree(model):
     assert a.shape == (2, 6, CFG.vocab_size) and a.dtype == np.float32
 
 
+@pytest.mark.slow
 def test_cache_holds_only_latents(model):
     _, cache = model.prefill(np.ones((2, 5), np.int32), max_len=32)
     assert cache.c_kv.shape == (CFG.num_hidden_layers, 2, 32, CFG.kv_lora_rank)
@@ -99,6 +102,7 @@ def test_cache_holds_only_latents(model):
     assert cache.nbytes() == per_token * 2 * 32
 
 
+@pytest.mark.slow
 def test_default_max_len_leaves_room_to_decode(model):
     _, cache = model.prefill(np.ones((1, 5), np.int32))
     assert cache.max_len == 5 + 256
@@ -132,6 +136,7 @@ def test_bad_max_len(model):
         model.prefill(np.ones((1, 6), np.int32), max_len=CFG.max_position_embeddings + 1)
 
 
+@pytest.mark.slow
 def test_decode_errors(model):
     _, cache = model.prefill(np.ones((2, 3), np.int32), max_len=4)
     with pytest.raises(ValueError, match="decode got 3 tokens for a cache of batch 2"):
@@ -150,6 +155,7 @@ def test_mesh_must_match_devices():
         dsr1.make_mesh(expert=1, tensor=1, devices=jax.devices() * 2)
 
 
+@pytest.mark.slow
 def test_bf16_weights_read_like_arrays():
     """On CPU a bf16 model holds its matrices as `Bf16Bits` (see `dsr1.cpu.layouts`); what a user reads
     of a weight (shape, dtype, size, sharding, this process's shards, its values) is the bf16 array's."""
@@ -197,6 +203,7 @@ def _expected_products(kernel: bool, rows_traced: tuple[int, ...], kernel_rows: 
     return {"rowwise_matmul": [r for r in rows_traced if r == 1], "kernel_matmul": [], **fused}
 
 
+@pytest.mark.slow
 def test_output_heads_keep_a_copy_for_few_rows(cpu_kernel, monkeypatch):
     """With dsr1's CPU backend the lm_head (and an MTP head) also holds its bits transposed, which
     products of up to `KERNEL_ROWS` rows read; products of more rows widen the bf16 bits. Without it
@@ -229,6 +236,7 @@ def test_output_heads_keep_a_copy_for_few_rows(cpu_kernel, monkeypatch):
         np.testing.assert_allclose(np.asarray(product(x, head)), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_matrices_keep_transposed_bits_for_few_rows(cpu_kernel, monkeypatch):
     """With dsr1's CPU backend the bf16 matrices that products contract over their second-to-last axis
     (the routed experts, the dense and shared MLPs, `q_a`, `kv_a`, the lm_head) also hold their bits
@@ -274,6 +282,7 @@ def test_matrices_keep_transposed_bits_for_few_rows(cpu_kernel, monkeypatch):
     assert calls == _expected_products(cpu_kernel, all_rows, KERNEL_ROWS)
 
 
+@pytest.mark.slow
 def test_int8_matrices_keep_transposed_values_for_few_rows(cpu_kernel, monkeypatch):
     """The same for int8 weights: the matrices of `x @ W` products also hold their int8 values
     transposed (`layouts.with_transposed`; the other weights not), products multiply against that copy
@@ -310,6 +319,7 @@ def test_int8_matrices_keep_transposed_values_for_few_rows(cpu_kernel, monkeypat
     assert calls == _expected_products(cpu_kernel, all_rows, max(all_rows))
 
 
+@pytest.mark.slow
 def test_bf16_products_of_many_rows_compute_in_bf16():
     """On CPU a product of at least `NATIVE_BF16_ROWS` rows (4x that for a weight widened in blocks) is
     a bf16 dot with the activations rounded to bf16, as GPU and TPU compute it; fewer rows widen the
@@ -347,6 +357,7 @@ def demo():
     return dsr1.load(dsr1.demo_checkpoint(), progress=False)
 
 
+@pytest.mark.slow
 def test_a_loaded_model_carries_its_checkpoint_tokenizer(demo):
     """The demo folder's own 4,096-token BPE comes with the model and is the default of `generate` and
     the serving engine: its text continues in English, not R1's ids read as the demo vocabulary's."""
@@ -360,6 +371,7 @@ def test_a_loaded_model_carries_its_checkpoint_tokenizer(demo):
     assert dsr1.serving.Engine(demo, num_pages=8).tokenizer is demo.tokenizer
 
 
+@pytest.mark.slow
 def test_r1_tokenizer_is_the_default_without_one_and_is_refused_by_a_smaller_vocabulary(demo, model, tmp_path):
     """Random weights and folders without a tokenizer.json use R1's tokenizer; a model whose vocabulary
     cannot hold R1's ids refuses it with a clear error instead of generating noise."""
@@ -378,6 +390,7 @@ def test_r1_tokenizer_is_the_default_without_one_and_is_refused_by_a_smaller_voc
     assert dsr1.generate(model, ["Hi"], max_new_tokens=2).completions[0].prompt_tokens == 2  # R1's BOS + "Hi"
 
 
+@pytest.mark.slow
 def test_demo_chat_shows_no_reasoning_markers(demo):
     """The demo model answers R1's chat template inside a `<think>` block it closes: the streamed and
     the final text show its reasoning and answer without the markers (never a bare `</think>`)."""

@@ -100,6 +100,7 @@ def test_int8_weights_and_cache_count_fewer_bytes(models):
     assert quant_cache.total < quant.total < full.total
 
 
+@pytest.mark.slow
 def test_decode_point_accounting(models):
     """A real run: at most min(B*K, E) distinct experts per layer, bytes between the hit-free floor
     and the whole model, and achieved GB/s = bytes per step / step time."""
@@ -163,6 +164,7 @@ def test_compare_row_puts_dsr1_decode_against_the_read_floor():
     assert row["read_gbs"] == 4.0 and cells[:5] == ["2", "20.0", "4.00", "10.00", "5.00"]
 
 
+@pytest.mark.slow
 def test_cli_decode_writes_json(tmp_path, config_file, capsys):
     out = tmp_path / "decode.json"
     assert cli.main(["decode", "--config", str(config_file), "--batch", "1,2", "--context", "4", "--steps", "2",
@@ -179,6 +181,7 @@ def test_cli_decode_writes_json(tmp_path, config_file, capsys):
         assert row["tok_s"] > 0 and row["mb_per_step"] > 0 and row["achieved_gbs"] > 0
 
 
+@pytest.mark.slow
 def test_prefill_peak_is_of_the_dtype_prefill_computes_in():
     """On CPU bf16 weights compute a prefill's products in bf16 (`quant.native_bf16`), int8 ones in
     float32 (widened); the peak the prefill is set against is measured in that dtype."""
@@ -187,6 +190,7 @@ def test_prefill_peak_is_of_the_dtype_prefill_computes_in():
     assert prefill.compute_dtype(dsr1.init_random(CFG, dtype="bfloat16", quant="int8")) == jnp.float32
 
 
+@pytest.mark.slow
 def test_cli_prefill_reports_flops_against_the_peak(tmp_path, config_file, capsys):
     """`--layers 1` keeps the config's shape with one layer, a MoE one (the dense layer is dropped)."""
     out = tmp_path / "prefill.json"
@@ -207,6 +211,7 @@ def test_cli_prefill_reports_flops_against_the_peak(tmp_path, config_file, capsy
         cli.main(["prefill", "--model", str(tmp_path), "--layers", "2"])
 
 
+@pytest.mark.slow
 def test_cli_moe_runs_every_kernel_to_the_same_output(tmp_path, config_file, capsys):
     out = tmp_path / "moe.json"
     assert cli.main(["moe", "--config", str(config_file), "--tokens", "1,5", "--dtype", "float32", "--repeats", "1",
@@ -280,6 +285,7 @@ def test_serve_workload_is_seeded_and_mixed():
     assert uniform.prompts == a.prompts and uniform.max_new_tokens != a.max_new_tokens
 
 
+@pytest.mark.slow
 def test_cli_serve_compares_continuous_and_static(tmp_path, config_file, capsys):
     out = tmp_path / "serve.json"
     assert cli.main(["serve", "--config", str(config_file), "--dtype", "float32", "--requests", "6", "--rate", "inf",
@@ -312,6 +318,7 @@ def test_a_run_that_waits_for_arrivals_is_flagged():
     assert busy["after_last_arrival_s"] == pytest.approx(3.0) and not serve.arrival_bound(busy)
 
 
+@pytest.mark.slow
 def test_shared_prefix_of_2000_tokens_cuts_the_second_time_to_first_token_5x():
     """The first request prefills 2,008 tokens in 32 chunks; the second finds 2,000 of them cached and
     prefills 8: its time to first token is a couple of steps instead of 32 (float32 on CPU)."""
@@ -323,6 +330,7 @@ def test_shared_prefix_of_2000_tokens_cuts_the_second_time_to_first_token_5x():
     assert result["ratio"] >= 5, f"second request's TTFT only {result['ratio']:.1f}x lower"
 
 
+@pytest.mark.slow
 def test_cli_attention_times_every_implementation_against_xlas(tmp_path, capsys):
     """XLA's path, the flash kernel (in Pallas' interpreter here) under two tilings and the CPU kernel
     (where built) at two batch sizes; each close to XLA's context; bad tilings are named."""
@@ -342,6 +350,7 @@ def test_cli_attention_times_every_implementation_against_xlas(tmp_path, capsys)
         cli.main(["attention", "--tilings", "32x64x4"])
 
 
+@pytest.mark.slow
 def test_cli_attention_with_an_int8_cache(tmp_path):
     """`--kv-cache-dtype int8`: XLA's path with the scales, the flash kernel (interpreted here, plain
     and transposed products) and the CPU kernel (where built), close to it; the cache read counts 1
@@ -364,6 +373,7 @@ def test_cli_attention_with_an_int8_cache(tmp_path):
         assert row["max_rel_diff"] < (1e-7 if row["implementation"] == "xla" else 2 ** -8)
 
 
+@pytest.mark.slow
 def test_int8_reference_scales_scores_and_probabilities():
     """The bench's XLA reference with an int8 cache equals float64 of dequantized keys: the scales
     multiply the latent scores, then the probabilities before the bf16 rounding (1 for the own key)."""
@@ -398,6 +408,7 @@ def test_cli_attention_reports_a_tiling_that_fails(tmp_path, capsys, monkeypatch
     assert [r["implementation"] for r in result["rows"]][0] == "xla" and len(result["failed"]) == 1
 
 
+@pytest.mark.slow
 def test_cli_control_sends_table_deltas_to_every_follower(tmp_path, capsys):
     """The control plane's benchmark: followers in their own processes receive every step; the page
     tables travel as changed entries, far fewer bytes than whole."""

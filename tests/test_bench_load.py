@@ -32,6 +32,7 @@ def test_fp8_checkpoint_is_a_release_layout(tmp_path):
     assert read.bytes == sum(f.stat().st_size for f in files) and read.gbps > 0
 
 
+@pytest.mark.slow
 def test_load_command_on_the_tiny_preset(tmp_path, capsys):
     out = tmp_path / "load.json"
     assert main(["load", "--preset", "tiny", "--repeats", "1", "--keep", str(tmp_path / "ckpt"),
@@ -44,6 +45,7 @@ def test_load_command_on_the_tiny_preset(tmp_path, capsys):
     assert "load / read" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_load_command_also_measures_the_converted_checkpoint(tmp_path, capsys):
     out = tmp_path / "load.json"
     keep = tmp_path / "ckpt"

@@ -23,6 +23,8 @@ from dsr1.bench.quality import (
 )
 from dsr1.core.config import Config
 
+pytestmark = pytest.mark.slow  # its module fixtures start servers or engines: out of the quick tier
+
 HELD_OUT = Path(__file__).parent / "data" / "held_out_macbeth.txt"
 VOCAB = 300
 

@@ -45,6 +45,7 @@ def test_bf16_latents_are_stored_as_bits_on_cpu():
     assert f32.c_kv.dtype == jnp.float32
 
 
+@pytest.mark.slow
 def test_appended_bits_land_at_each_rows_length_and_past_the_end_are_dropped():
     cache = cache_from_prefill(*_latents(2, 5), jnp.asarray([5, 3]), max_len=8)
     new_c, new_pe = _latents(2, 4, seed=1)
@@ -56,6 +57,7 @@ def test_appended_bits_land_at_each_rows_length_and_past_the_end_are_dropped():
     assert grown.lengths.tolist() == [9, 7]
 
 
+@pytest.mark.slow
 def test_paged_bits_round_trip_through_pages():
     pool = empty_paged_cache(L, num_pages=6, page_size=4, kv_lora_rank=R, rope_dim=ROPE, dtype=jnp.bfloat16)
     assert pool.c_kv.dtype == jnp.uint16
@@ -74,6 +76,7 @@ def model():
 
 
 @pytest.mark.parametrize("max_len", [300, 700])
+@pytest.mark.slow
 def test_decode_over_blocks_equals_one_softmax(model, max_len, monkeypatch):
     """Rows of 299 and 7 cached positions: two blocks of 256 (with room for 300 the second overlaps
     the first, its earlier positions masked), against one softmax over the cache (a block of 1024)."""
@@ -95,6 +98,7 @@ def _shapes(hlo: str, *shapes: str) -> list[str]:
     return [s for s in shapes if s in hlo]
 
 
+@pytest.mark.slow
 def test_decode_step_neither_widens_nor_copies_the_cache():
     """The compiled bf16 decode step holds no float32 (or bf16) cache and no copy of a layer's cache:
     XLA:CPU computes bf16 slices in float32 and hoisted that widening out of the layer loop."""
@@ -109,6 +113,7 @@ def test_decode_step_neither_widens_nor_copies_the_cache():
     assert _shapes(hlo, *whole, *layer) == []
 
 
+@pytest.mark.slow
 def test_serving_step_neither_widens_nor_copies_the_pool():
     bf16 = dsr1.init_random(CFG, seed=0)
     pages, size = 500, 4

@@ -175,6 +175,7 @@ def test_load_reports_the_bytes_it_read(tmp_path, tensors, caplog):
     assert f"({read.gbps:.2f} GB/s)" in caplog.text
 
 
+@pytest.mark.slow
 def test_loaded_transposed_copies_are_the_transposes_and_the_view_is_complete(tmp_path):
     """On CPU the loader writes each layer's `[..., out, in]` copy as it reads it (FP8 experts
     dequantized by threads): every copy is the transpose of its bits, and the compute view is the one

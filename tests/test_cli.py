@@ -7,9 +7,12 @@ import io
 import subprocess
 import sys
 
+import pytest
+
 from dsr1.__main__ import _parser, main, run_chat
 
 
+@pytest.mark.slow
 def test_generate_streams_text_and_reports_speed(capsys):
     assert main(["generate", "--preset", "tiny", "--prompt", "Hello", "--prompt", "你好", "--max-new-tokens", "6",
                  "--no-warmup", "--temperature", "0.7", "--seed", "3", "--stop", "\n\n\n"]) == 0
@@ -19,6 +22,7 @@ def test_generate_streams_text_and_reports_speed(capsys):
     assert "--- prompt 2:" in out
 
 
+@pytest.mark.slow
 def test_chat_repl_keeps_the_conversation(capsys):
     args = _parser().parse_args(["chat", "--max-new-tokens", "4", "--system", "Be brief."])
     assert run_chat(args, stdin=io.StringIO("Hi there\nAnd now?\n/reset\nFresh start\n/exit\n")) == 0
@@ -27,6 +31,7 @@ def test_chat_repl_keeps_the_conversation(capsys):
     assert err.count("r1> ") == 3 and err.count("decode:") == 3
 
 
+@pytest.mark.slow
 def test_bad_values_fail_clearly():
     proc = subprocess.run([sys.executable, "-m", "dsr1", "generate", "--top-p", "1.5", "--no-warmup"],
                           capture_output=True, text=True, timeout=300)

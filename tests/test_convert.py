@@ -98,6 +98,7 @@ def fp8(tmp_path_factory):
     return folder, reference, tokens, lengths, reference_logits(reference, tokens)[0]
 
 
+@pytest.mark.slow
 def test_fp8_release_matches_hf_on_dequantized_weights(fp8):
     folder, _, tokens, lengths, ref = fp8
     index = CheckpointIndex.open(folder)
@@ -119,6 +120,7 @@ def _leaves_equal(a, b) -> bool:
 
 
 @pytest.mark.parametrize("quant,dtype", [(None, "float32"), (None, "bfloat16"), ("int8", "bfloat16")])
+@pytest.mark.slow
 def test_converted_equals_direct_load(fp8, tmp_path, quant, dtype):
     folder, _, tokens, lengths, _ = fp8
     out = dsr1_convert.convert(folder, tmp_path / "out", quant=quant, dtype=dtype, progress=False)
@@ -185,6 +187,7 @@ def test_interrupted_run_resumes_after_last_finished_layer(fp8, tmp_path, monkey
                          dsr1.load(fresh, mtp=True, progress=False).params)
 
 
+@pytest.mark.slow
 def test_full_disk_leaves_previous_output_untouched(fp8, tmp_path, monkeypatch, capsys):
     folder, _, tokens, lengths, _ = fp8
     out = dsr1_convert.convert(folder, tmp_path / "out", progress=False)
@@ -213,6 +216,7 @@ def test_a_bfloat16_conversion_loads_as_float32(fp8, tmp_path):
 
 
 @pytest.mark.parametrize("converted", [False, True], ids=["release", "converted"])
+@pytest.mark.slow
 def test_cpu_loads_compile_no_program_unless_quantizing(fp8, tmp_path, caplog, converted):
     """On CPU devices a stack is filled in place on the host and handed over as the device buffer:
     loading compiles nothing. Making int8 on load runs the device path (zeros, then one quantizing
@@ -234,6 +238,7 @@ def test_cpu_loads_compile_no_program_unless_quantizing(fp8, tmp_path, caplog, c
 
 
 @pytest.mark.parametrize("dtype,quant", [("float32", None), ("bfloat16", None), ("bfloat16", "int8")])
+@pytest.mark.slow
 def test_fp8_experts_dequantized_on_the_devices_equal_the_host_path(fp8, monkeypatch, dtype, quant):
     """On accelerators (here CPU devices taken for them) the release's FP8 routed experts go to the
     devices as stored, codes and block scales (`Fp8Experts`, partial edge blocks included), and are

@@ -310,6 +310,7 @@ def test_rows_dot_names_what_is_wrong():
         cpu_kernels.rows_dot(jnp.zeros((1, 8)), jnp.zeros((4, 6, 8), jnp.int8), 0, jnp.int32(1))
 
 
+@pytest.mark.slow
 def test_switch_off_and_build_cache(tmp_path, monkeypatch):
     """`DSR1_CPU_KERNELS=0` turns the kernel off; a build lands in `$DSR1_KERNEL_CACHE` under a name
     keyed by source, compiler, jaxlib and CPU, and is found there the next time; without a compiler
@@ -344,6 +345,7 @@ def test_product_axes(spec, expected):
 
 @needs_kernel
 @pytest.mark.parametrize("name", sorted(DECODE_PRODUCTS))
+@pytest.mark.slow
 def test_attention_weights_are_laid_out_for_their_decode_products(name, monkeypatch):
     """With the kernel the attention weights of `DECODE_PRODUCTS` hold their bits laid out for those
     products (per layer), which a decode product reads through the kernel and a product of many rows
@@ -368,6 +370,7 @@ def test_attention_weights_are_laid_out_for_their_decode_products(name, monkeypa
 
 @needs_kernel
 @pytest.mark.parametrize("dtype,quant_mode", [("bfloat16", None), ("float32", "int8"), ("bfloat16", "int8")])
+@pytest.mark.slow
 def test_decode_with_the_kernel_equals_decode_without(dtype, quant_mode, monkeypatch):
     """A whole model (MLA, dense and MoE layers, the lm_head) decodes the same logits with the kernel
     as with XLA's own products (`DSR1_CPU_KERNELS=0`), at batch 1 and 3, prefill included: every copy
@@ -595,6 +598,7 @@ def test_mla_decode_context_names_what_is_wrong():
 
 @needs_kernel
 @pytest.mark.parametrize("kv_cache_dtype", [None, "int8"])
+@pytest.mark.slow
 def test_decode_attention_by_the_kernel_equals_xlas(kv_cache_dtype):
     """`attend_decode` of a bf16 model on one device against its prefilled cache (bits, or int8 latents;
     rows of different lengths) computes the attention in one kernel call, with the XLA path's result:
@@ -635,6 +639,7 @@ def _paged_cache(cache, page_size: int) -> tuple[PagedKVCache, np.ndarray]:
 
 @needs_kernel
 @pytest.mark.parametrize("kv_cache_dtype", [None, "int8"])
+@pytest.mark.slow
 def test_paged_decode_attention_by_the_kernel_equals_contiguous(kv_cache_dtype):
     """`attend_extend` with one new token per row (a serving engine's decode) of a bf16 model on one
     device (bf16 or int8 latents) reads the page pool in place in one kernel call: the contiguous
@@ -675,6 +680,7 @@ def test_paged_decode_attention_by_the_kernel_equals_contiguous(kv_cache_dtype):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", ["bf16", "int8"])
+@pytest.mark.slow
 def test_the_avx2_build_computes_the_same(dtype, tmp_path, monkeypatch):
     """The kernel's AVX2 variant (8-lane vectors: CPUs without AVX-512, e.g. AMD Zen 3), built here with
     AVX-512 turned off and registered under its own names, equals float64 for every block size (and
@@ -729,6 +735,7 @@ def test_rows_matmul_reads_a_float32_stack_in_place(rows, inputs, outputs):
 
 
 @needs_kernel
+@pytest.mark.slow
 def test_decode_reads_the_router_in_its_stack():
     """A one-device decode step computes each MoE layer's router logits with the kernel, reading the
     layer's router in its stack; a prefill (more than 8 rows) slices it out for XLA's product."""
@@ -774,6 +781,7 @@ def test_backend_is_chosen_by_the_mesh_devices_platform(monkeypatch):
     assert attention.kernel_choice(mesh, True) == ("cpu", False)
 
 
+@pytest.mark.slow
 def test_disabled_backend_holds_weights_as_their_dtype(monkeypatch):
     """With `DSR1_CPU_KERNELS=0` a loaded bf16 (and int8) model holds every weight as a plain array of
     its dtype: no bit layouts, no transposed copies. The bytes held (the params' leaves, and the live

@@ -57,6 +57,7 @@ def test_folder_is_a_release_checkpoint_under_25_mb(folder):
         assert f.get_tensor("model.embed_tokens.weight").dtype.name == "bfloat16"
 
 
+@pytest.mark.slow
 def test_hf_transformers_reads_the_folder_with_the_same_logits(folder, model, held_out):
     tokens = np.stack([held_out[:48], held_out[300:348]])
     ref, margin = reference_logits(folder, tokens)
@@ -64,6 +65,7 @@ def test_hf_transformers_reads_the_folder_with_the_same_logits(folder, model, he
     assert relative_error(ours, ref) <= 1e-4, f"routing margin {margin:.1e}"
 
 
+@pytest.mark.slow
 def test_first_draft_acceptance_on_held_out_text(model, held_out):
     from dsr1.bench.quality import teacher_forced_acceptance, windows
 
@@ -71,6 +73,7 @@ def test_first_draft_acceptance_on_held_out_text(model, held_out):
     assert acceptance >= MIN_ACCEPTANCE, f"the MTP module's first draft is accepted {acceptance:.1%} of the time"
 
 
+@pytest.mark.slow
 def test_greedy_with_drafts_equals_greedy_without(model, tokenizer, held_out):
     prompts = [tokenizer.decode(held_out[i:i + 40]) for i in (0, 500)]
     kwargs = dict(tokenizer=tokenizer, max_new_tokens=32, sampling=dsr1.Sampling(temperature=0.0))
@@ -88,6 +91,7 @@ def english_share(text: str) -> float:
     return sum(w in COMMON_WORDS for w in words) / max(len(words), 1)
 
 
+@pytest.mark.slow
 def test_the_cli_writes_english_by_default(capsys):
     from dsr1.__main__ import main
 

@@ -84,15 +84,18 @@ def assert_engine_unchanged(model, prompts, max_new_tokens: int, drafts: tuple[i
         assert drafted == plain, f"engine draft_tokens={k}: first differing token per prompt {where}"
 
 
+@pytest.mark.slow
 def test_the_prompts_that_diverged_alone_in_a_batch(bf16_model, tokenizer):
     for prompt in DIVERGED:
         assert_generate_unchanged(bf16_model, [prompt], 96, (1,), tokenizer=tokenizer)
 
 
+@pytest.mark.slow
 def test_generate_bf16(bf16_model, tokenizer):
     assert_generate_unchanged(bf16_model, held_out_prompts(tokenizer, 4), 64, (1, 2))
 
 
+@pytest.mark.slow
 def test_generate_int8_cache(int8_cache_model, tokenizer):
     assert_generate_unchanged(int8_cache_model, held_out_prompts(tokenizer, 4), 64, (2,))
 

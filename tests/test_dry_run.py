@@ -131,6 +131,7 @@ def transcript(provider: str, tmp_path: Path) -> tuple[str, list[str], Path]:
 
 
 @pytest.mark.parametrize("provider", sorted(PROVIDERS))
+@pytest.mark.slow
 def test_dry_run_transcripts(provider, tmp_path):
     text, made, _ = transcript(provider, tmp_path)
     made = [c for c in made if not c.startswith("scontrol [show] [hostnames]")]  # reads the node list
@@ -442,6 +443,7 @@ def _kill_leftovers(state: Path, marker: str) -> None:
             os.killpg(pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_quickstart_from_a_shell_set_up_for_gcloud_stops_its_own_cluster(tmp_path):
     """MCJAX_PROVIDER=gcloud exported, mcjax_defs.sh sourced for it, a fake gcloud on PATH: the
     quickstart starts its local cluster, the kernel gets the compilation cache, its exit trap
@@ -487,6 +489,7 @@ def test_quickstart_from_a_shell_set_up_for_gcloud_stops_its_own_cluster(tmp_pat
         _kill_leftovers(state, f"qs-{os.getpid()}")
 
 
+@pytest.mark.slow
 def test_local_platform_numbering(tmp_path):
     """--numbering platform: each engine i has Slurm's variables with SLURM_PROCID=i and the port;
     cluster.json's kernel_env has them for process 0; stop leaves nothing."""

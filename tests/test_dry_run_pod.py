@@ -126,6 +126,7 @@ echo "worker $w ok"
 """
 
 
+@pytest.mark.slow
 def test_gcloud_calls_are_capped_and_a_locked_database_is_retried(tmp_path):
     bin_dir, log = fake_tools(tmp_path, gcloud=SLOW_GCLOUD)
     track = tmp_path / "track"

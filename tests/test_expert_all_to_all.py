@@ -41,6 +41,7 @@ def test_dispatch_is_checked():
     assert ALL_TO_ALL.moe_token_axis() == ALL_TO_ALL.experts
 
 
+@pytest.mark.slow
 def test_all_to_all_on_one_device_matches_psum():
     """One device: the exchange is with itself (and the CPU's dense all-to-all is a copy)."""
     outputs = moe_outputs(dsr1.make_mesh(expert=1, tensor=1))

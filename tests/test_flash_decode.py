@@ -28,6 +28,7 @@ def _reference(q, q_pe, c, pe, lengths, own_score, own_value, scale, c_scale=Non
 
 
 @pytest.mark.parametrize("dtype,tolerance", [(jnp.float32, 1e-6), (jnp.bfloat16, 4e-3)])
+@pytest.mark.slow
 def test_kernel_matches_softmax_attention(dtype, tolerance):
     """Rows of 37 (one partial block, three empty splits), 2,000 (every split, a ragged last block)
     and 513 positions of a 2,000-position cache; bf16 rounds the probabilities for the values' product."""
@@ -71,6 +72,7 @@ def test_kernel_reads_an_int8_cache(tiling):
 @pytest.mark.parametrize("tiling", [flash_decode.Tiling(16, 32, 4, 2), flash_decode.Tiling(64, 128, 8, 1),
                                     flash_decode.Tiling(32, 64, 4, 2, transposed=True)])
 @pytest.mark.parametrize("h", [64, 48])  # programs of 16, 32 or 64 heads; 48: gcd(48, heads) = 16 for all
+@pytest.mark.slow
 def test_every_tiling_computes_the_same_context(tiling, h):
     """Programs of gcd(h, tiling.heads) heads, other loop steps and splits, the products transposed:
     the same context as the default tiling, to float32 rounding."""
@@ -86,6 +88,7 @@ def test_every_tiling_computes_the_same_context(tiling, h):
 
 
 @pytest.mark.parametrize("kv_cache_dtype", [None, "int8"])
+@pytest.mark.slow
 def test_decode_with_the_kernel_matches_the_xla_path(monkeypatch, kv_cache_dtype):
     """Three greedy decode steps of the tiny model from a random 40-position cache (float32 or int8
     latents), the kernel forced on (interpret mode): the latents it writes and the tokens it picks

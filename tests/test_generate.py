@@ -33,6 +33,7 @@ def prompts(all_fixtures):
     return [fx.tokens[r, :n].tolist()[:m] for r, (n, m) in enumerate(zip(fx.lengths, (31, 12, 5)))]
 
 
+@pytest.mark.slow
 def test_greedy_equals_hf_generate(fixture, prompts):
     expected = hf_greedy(fixture.folder, prompts, NEW_TOKENS)
     for kv_cache_dtype in (None, "int8"):
@@ -54,6 +55,7 @@ def tiny():
     return dsr1.init_random(dsr1.Config.preset("tiny"), seed=0, dtype="float32")
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_reproducible_and_row_independent(tiny):
     s = Sampling(temperature=1.0, top_p=0.95, seed=7)
     a = generate(tiny, [[5, 6, 7, 8]], max_new_tokens=12, sampling=s).completions[0].tokens
@@ -65,6 +67,7 @@ def test_seeded_sampling_is_reproducible_and_row_independent(tiny):
     assert other.completions[0].tokens != a
 
 
+@pytest.mark.slow
 def test_rows_stop_on_their_own_budget(tiny):
     result = generate(tiny, [[5, 6], [7, 8, 9]], sampling=[Sampling(max_new_tokens=3), Sampling(max_new_tokens=11)],
                       chunk_size=4)
@@ -72,6 +75,7 @@ def test_rows_stop_on_their_own_budget(tiny):
     assert [c.finish_reason for c in result.completions] == ["length", "length"]
 
 
+@pytest.mark.slow
 def test_stop_token_ends_a_row(tiny):
     free = generate(tiny, [[5, 6, 7]], max_new_tokens=10).completions[0].tokens
     stop = free[4]
@@ -79,6 +83,7 @@ def test_stop_token_ends_a_row(tiny):
     assert cut.tokens == free[: free.index(stop)] and cut.finish_reason == "stop"
 
 
+@pytest.mark.slow
 def test_stop_strings_cut_exactly_and_streaming_matches(tiny):
     prompt = "The quick brown fox"
     free = generate(tiny, [prompt], max_new_tokens=40).completions[0]
@@ -93,6 +98,7 @@ def test_stop_strings_cut_exactly_and_streaming_matches(tiny):
     assert "".join(streamed) == cut.text, "the stream must never show text that a stop string later cuts"
 
 
+@pytest.mark.slow
 def test_streaming_multibyte_text_equals_final_text(tiny):
     pieces: dict[int, list[str]] = {0: [], 1: []}
     result = generate(tiny, ["你好，世界 🌍", "naïve café"], max_new_tokens=30, chunk_size=2,
@@ -102,6 +108,7 @@ def test_streaming_multibyte_text_equals_final_text(tiny):
         assert all("\ufffd" not in p for p in pieces[row]) or "\ufffd" in c.text
 
 
+@pytest.mark.slow
 def test_chat_output_separates_reasoning(tiny):
     result = generate(tiny, ["Why is the sky blue?"], chat=True, max_new_tokens=8)
     c = result.completions[0]

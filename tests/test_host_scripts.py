@@ -179,6 +179,7 @@ def test_the_code_step_leaves_out_macos_metadata(tmp_path):
 
 # ----------------------------------------------------------------------------- reset_engines
 
+@pytest.mark.slow
 def test_a_restart_that_hangs_is_a_cluster_error_naming_host_and_command(tmp_path):
     """A host that stops answering (a dead NFS server under a hard mount) hangs cluster_restart:
     the kernel gets a ClusterError saying where, what and what to do, and nothing is left running."""

@@ -83,6 +83,7 @@ def test_moved_arrays_are_backed_by_huge_pages():
 
 
 @needs_madvise
+@pytest.mark.slow
 def test_a_model_holds_its_large_weights_on_huge_pages_and_computes_the_same():
     """`init_random` moves the large weights; the logits equal those from copies of the same weights
     in XLA's own memory."""

@@ -106,6 +106,7 @@ def complete(url: str, prompts: list[list[int]], **extra: Any) -> dict[str, Any]
 
 # ---- the requests lm-eval sends, parsed as lm-eval parses them ----------------------------------
 @pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.slow
 def test_loglikelihood_requests_equal_forward(url, model, tokenizer, batch):
     """Every (context, choice) pair, batched as `--batch_size` batches them (longest first, a list
     of token-id prompts per request), scores as `Model.forward` does, greediness included."""

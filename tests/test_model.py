@@ -26,12 +26,14 @@ def test_forward_matches_hf(fixture, model):
     assert max(errors) <= TOLERANCE
 
 
+@pytest.mark.slow
 def test_unpadded_forward_matches_hf(fixture, model):
     """No lengths: every row is full length (the first row is unpadded)."""
     logits = np.asarray(model.forward(fixture.tokens[:1]))
     assert relative_error(logits[0], fixture.reference[0]) <= TOLERANCE
 
 
+@pytest.mark.slow
 def test_decode_matches_hf_position_by_position(fixture, model):
     decoded = decode_logits(model, fixture.tokens, fixture.lengths, DECODE_PREFIX)
     assert len(decoded) == int((fixture.lengths - DECODE_PREFIX + 1).sum())

@@ -66,6 +66,7 @@ def _moe_params(cfg, seed=0):
 @pytest.mark.parametrize("variant", [
     {}, {"norm_topk_prob": False}, {"n_group": 1, "topk_group": 1}, {"n_group": 8, "topk_group": 3},
 ])
+@pytest.mark.slow
 def test_route_matches_numpy(variant):
     cfg = dataclasses.replace(TINY, **variant)
     _, p = _moe_params(cfg)
@@ -80,6 +81,7 @@ def test_route_matches_numpy(variant):
                                np.take_along_axis(ref_w, ref_order, 1), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_bias_selects_but_does_not_weigh():
     """A huge bias on one expert forces its selection; its weight is still its unbiased score."""
     cfg = dataclasses.replace(TINY, norm_topk_prob=False, routed_scaling_factor=1.0)
@@ -93,6 +95,7 @@ def test_bias_selects_but_does_not_weigh():
     np.testing.assert_allclose(weights[experts == 5], scores[:, 5], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_group_limit_is_respected():
     cfg = TINY
     _, p = _moe_params(cfg)
@@ -102,6 +105,7 @@ def test_group_limit_is_respected():
     assert max(len(set(row)) for row in groups) <= cfg.topk_group
 
 
+@pytest.mark.slow
 def test_moe_block_matches_numpy():
     cfg = TINY
     mesh, p = _moe_params(cfg)
@@ -115,6 +119,7 @@ def test_moe_block_matches_numpy():
 
 @pytest.mark.parametrize("tokens", [1, 8, 9, 100])
 @pytest.mark.parametrize("quant", [None, "int8"])
+@pytest.mark.slow
 def test_every_kernel_matches_ragged_dot_in_place(tokens, quant):
     """The CPU expert loop (one expert of one layer sliced in place per block of sorted rows; 9 and
     100 tokens give blocks of several rows and experts spanning several blocks), the GPU kernels
@@ -135,6 +140,7 @@ def test_every_kernel_matches_ragged_dot_in_place(tokens, quant):
 
 @pytest.mark.parametrize("tokens", [1, 2, 8, 16])
 @pytest.mark.parametrize("dtype,quant", [("bfloat16", None), ("float32", "int8")])
+@pytest.mark.slow
 def test_expert_loop_reads_experts_transposed_for_blocks_of_few_rows(tokens, dtype, quant, cpu_kernel, monkeypatch):
     """On CPU the bf16 and int8 expert stacks also hold their values transposed, `[L, E, out, in]`.
     dsr1's CPU kernel reads that copy in place for the loop's blocks of up to `KERNEL_ROWS` rows;
@@ -221,6 +227,7 @@ def test_expert_loop_runs_blocks_of_many_rows_in_bf16(tokens, monkeypatch):
                                                                                   error.max() / scale)
 
 
+@pytest.mark.slow
 def test_capacity_kernel_runs_the_rows_past_capacity_in_more_rounds():
     """Dropless: 40 tokens all routed to the same 4 experts give each 40 rows, 2.5x its buffer's 16
     (160 pairs on 16 experts), so three rounds run, and every row counts."""
@@ -280,6 +287,7 @@ def test_expert_loop_matches_ragged_dot_on_eight_devices(expert, tensor):
     assert max(errors.values()) < 2e-5, errors
 
 
+@pytest.mark.slow
 def test_training_path_matches_ragged_dot_with_gradients(monkeypatch):
     """The differentiable expert path of CPU training (every expert on every token, weighted by the
     routing) equals `ragged_dot` on the same routing, in value and in the gradients of every weight."""

@@ -95,6 +95,7 @@ def _run(model, tokens: np.ndarray, lengths: np.ndarray):
     return np.asarray(logits), np.asarray(hidden), np.asarray(mtp_logits), np.asarray(mtp_hidden)
 
 
+@pytest.mark.slow
 def test_mtp_forward_matches_reference(mtp_fixture, mtp_model):
     tokens = mtp_fixture.tokens[:1]  # the full-length row
     lengths = np.array([tokens.shape[1]], np.int32)
@@ -112,6 +113,7 @@ def test_mtp_forward_matches_reference(mtp_fixture, mtp_model):
     assert relative_error(mtp_logits[0, :-1], logits[0, 1:]) > 0.1
 
 
+@pytest.mark.slow
 def test_mtp_forward_is_causal_and_masks_padding(mtp_fixture, mtp_model):
     tokens, lengths = mtp_fixture.tokens, mtp_fixture.lengths
     _, _, full, _ = _run(mtp_model, tokens, lengths)
@@ -127,6 +129,7 @@ def test_mtp_forward_is_causal_and_masks_padding(mtp_fixture, mtp_model):
     np.testing.assert_array_equal(other[1:], full[1:])
 
 
+@pytest.mark.slow
 def test_mtp_forward_is_differentiable(mtp_fixture, mtp_model):
     tokens = mtp_fixture.tokens[:1, :12]
     lengths = np.array([12], np.int32)

@@ -62,6 +62,7 @@ def _final_norm_logits(model, hidden: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("absorbed", [True, False], ids=["absorbed", "expanded"])
 @pytest.mark.parametrize("chunk", [1, 7, 64])
+@pytest.mark.slow
 def test_chunked_extend_matches_forward(fx, model, forward, chunk, absorbed):
     logits, hidden, _, zero_ok = run_chunks(model, new_cache(model), fx.tokens, fx.lengths,
                                             [Plan(chunk, absorbed, block_pages=3)])
@@ -76,6 +77,7 @@ def test_chunked_extend_matches_forward(fx, model, forward, chunk, absorbed):
         "hidden must be the final norm's input"
 
 
+@pytest.mark.slow
 def test_paged_decode_matches_contiguous_decode(fx, model):
     """Prefill each row's prefix in one 64-token chunk, then decode one token per step (T = 1)."""
     contiguous = decode_logits(model, fx.tokens, fx.lengths, DECODE_PREFIX)
@@ -94,6 +96,7 @@ def int8_decode(fx):
 
 
 @pytest.mark.parametrize("absorbed", [True, False], ids=["absorbed", "expanded"])
+@pytest.mark.slow
 def test_int8_paged_decode_matches_contiguous_int8_decode(fx, model, int8_decode, absorbed):
     """int8 pages (default block size): the prompt chunk, then decode steps reading int8 pages in
     either form, where the scales multiply scores and probabilities."""
@@ -184,6 +187,7 @@ def test_absorbed_crossover_follows_the_flop_count():
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="dsr1's CPU kernel is not built here")
+@pytest.mark.slow
 def test_bf16_paged_decode_reads_the_pages_with_the_kernel(fx):
     """A bf16 model on one CPU device: `extend` with one token per row (paged decode) is one kernel call
     per layer reading the pool through the page tables (`cpu_kernels.mla_decode_context`; its output

@@ -49,6 +49,7 @@ def calm(request, tmp_path_factory):
     return request.param, folder, tokens, f32, np.asarray(f32.forward(tokens))
 
 
+@pytest.mark.slow
 def test_bf16_against_float32(calm):
     name, folder, tokens, f32, ref = calm
     bf16 = dsr1.load(folder, dtype="bfloat16", progress=False)

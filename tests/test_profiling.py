@@ -63,6 +63,7 @@ def test_profile_decode(tmp_path):
     assert p["axes"] == 4
 
 
+@pytest.mark.slow
 def test_generation_widget_streams_into_its_output(tiny):
     from dsr1.generation.tokenizer import load_tokenizer
     from dsr1.workbench.widgets import GenerationWidget
@@ -75,6 +76,7 @@ def test_generation_widget_streams_into_its_output(tiny):
     np.testing.assert_equal(len(w.result.completions[0].tokens) <= 8, True)
 
 
+@pytest.mark.slow
 def test_widget_reports_prefill_without_compilation(tiny):
     """A first call compiles: its prefill figure leaves the compilation out and shows it apart."""
     from dsr1.generation.tokenizer import load_tokenizer

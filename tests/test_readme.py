@@ -29,6 +29,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("index", range(len(EXAMPLES)))
+@pytest.mark.slow
 def test_readme_example_runs(index):
     """Each ```python block of the README runs in a fresh interpreter, using `dsr1.*` only."""
     code = EXAMPLES[index]
@@ -38,6 +39,7 @@ def test_readme_example_runs(index):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_one_line_generate():
     """The one-liner from the API issue: the everyday API without any submodule import."""
     proc = _run("import dsr1; print(dsr1.generate(dsr1.init_random(dsr1.Config.preset('tiny')), ['hi'], "
@@ -46,6 +48,7 @@ def test_one_line_generate():
     assert proc.stdout.strip(), "generate printed no text"
 
 
+@pytest.mark.slow
 def test_the_library_install_generates_english():
     """The install section's command line, as written: the embedded demo model continues the prompt
     in English words, with its own tokenizer, and reports its speed."""

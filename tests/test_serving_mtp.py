@@ -29,6 +29,8 @@ from dsr1.serving import Engine
 from .test_paged import counting_compilations
 from .test_serving import checked_engines, run_arrivals
 
+pytestmark = pytest.mark.slow  # its module fixtures start servers or engines: out of the quick tier
+
 SHAPES = dict(max_seqs=4, page_size=4, num_pages=48, prefill_chunk=8, prefill_rows=2, decode_steps=2)
 VOCAB = 256
 

@@ -63,6 +63,7 @@ def test_sampling_fields_are_validated_and_normalized():
             Sampling(**bad)
 
 
+@pytest.mark.slow
 def test_token_rules_change_the_output_as_vllms_do_in_generate_and_the_engine(tiny, make_engine):
     engine = make_engine(decode_steps=2)
     free = Sampling(max_new_tokens=BUDGET)
@@ -100,6 +101,7 @@ def test_token_rules_change_the_output_as_vllms_do_in_generate_and_the_engine(ti
     assert ignored[0] == ignored[2] == [eos] * BUDGET and ignored[1] == ignored[3] == "length"
 
 
+@pytest.mark.slow
 def test_a_free_request_is_unchanged_by_neighbours_with_rules(tiny, make_engine):
     engine = make_engine()
     alone = engine.submit(PROMPT, max_new_tokens=BUDGET)
@@ -128,6 +130,7 @@ def test_stop_strings_kept_on_request_and_special_tokens_skipped_by_default():
     assert skipped.text == "the end. more" and shown.text == "the end. more" + eos_text
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_equal_forward_with_chunked_prefill_and_a_cached_prefix(tiny, make_engine):
     rng = np.random.default_rng(3)
     prompt = rng.integers(2, tiny.cfg.vocab_size, 21).tolist()  # three chunks of 8
@@ -171,6 +174,7 @@ DEMO = dict(max_seqs=4, page_size=8, num_pages=64, prefill_chunk=16, prefill_row
 PROMPTS = ["To be, or not to be,", "Once upon a time", "The king said", "Friends, Romans,"]
 
 
+@pytest.mark.slow
 def test_json_schema_answers_validate_and_free_neighbours_are_unchanged(demo):
     jsonschema = pytest.importorskip("jsonschema")
     model, tokenizer = demo

@@ -129,6 +129,7 @@ def test_sharding_rules_are_a_value_with_a_collision_check():
         dsr1.init_random(dsr1.Config.preset("tiny"), rules=clashing)
 
 
+@pytest.mark.slow
 def test_other_rules_give_the_same_logits(grouped):
     """Rules are passed as a value: replicating the experts instead of splitting them over the
     expert axis changes where weights live, not the logits."""

@@ -258,6 +258,7 @@ def test_the_locks_pin_one_jax_for_every_platform_and_the_hosts_python():
         assert text.count("--hash=sha256:") >= len(pins[p]) - 1
 
 
+@pytest.mark.slow
 def test_venv_syncs_to_the_lock_and_check_names_what_differs(tmp_path):
     """venv.sh deps installs with `uv pip sync --require-hashes LOCK` (a venv with other versions is
     brought to the lock), and venv.sh check fails on what a sync would still change."""

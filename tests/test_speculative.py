@@ -60,6 +60,7 @@ def _oracle(monkeypatch, sequences: np.ndarray) -> None:
 
 
 @pytest.mark.parametrize("k", [1, 2])  # k = 3: the int8 and perfect-drafter tests
+@pytest.mark.slow
 def test_greedy_with_drafts_equals_greedy(mtp_model, baseline, k):
     result = generate(mtp_model, PROMPTS, sampling=BUDGETS, draft_tokens=k)
     assert [c.tokens for c in result.completions] == baseline
@@ -68,6 +69,7 @@ def test_greedy_with_drafts_equals_greedy(mtp_model, baseline, k):
     assert result.decode_tokens == sum(len(t) for t in baseline) - len(PROMPTS)
 
 
+@pytest.mark.slow
 def test_int8_cache_and_stop_token(cfg, mtp_model, baseline):
     int8 = dataclasses.replace(mtp_model, kv_cache_dtype="int8")
     stop = baseline[0][6]
@@ -79,6 +81,7 @@ def test_int8_cache_and_stop_token(cfg, mtp_model, baseline):
     assert got.completions[0].finish_reason == "stop"
 
 
+@pytest.mark.slow
 def test_perfect_drafter_accepts_everything(mtp_model, baseline, monkeypatch):
     width = 64
     sequences = np.zeros((len(PROMPTS), width), np.int32)
@@ -107,6 +110,7 @@ def _filtered_probs(logits: np.ndarray, setting: Sampling) -> np.ndarray:
     return np.asarray(jax.nn.softmax(apply_filters(jnp.asarray(logits), arrays), axis=-1), np.float64)
 
 
+@pytest.mark.slow
 def test_sampling_with_drafts_follows_the_model(mtp_model, monkeypatch):
     """Joint distribution of the first two tokens (the second is a verified one) with a drafter that
     is far from the model: half its mass on a token the model likes, half on one it never samples."""

@@ -283,6 +283,7 @@ def test_stream_arbitrary_ids(tok):
     assert sd.flush() == ""
 
 
+@pytest.mark.slow
 def test_load_tokenizer_prefers_folder(tmp_path):
     spec = json.loads(packaged_tokenizer_json().read_text(encoding="utf-8"))
     spare = next(t for t in spec["added_tokens"] if t["id"] == 128797)

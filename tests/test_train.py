@@ -153,6 +153,7 @@ def test_mtp_loss_is_trained(trained):
     assert not np.allclose(np.asarray(state.params["mtp"]["block"]["moe"]["router_bias"]), 0.0)
 
 
+@pytest.mark.slow
 def test_router_bias_update_moves_toward_balance(trained):
     opts, state, _ = trained
     params = {"moe_layers": {"moe": {"router_bias": jnp.zeros((1, 4))}}}
@@ -210,6 +211,7 @@ def test_resume_equals_an_uninterrupted_run(trained, tmp_path, texts):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_held_out_bits_per_byte(trained):
     opts, state, _ = trained
     data = prepare_data(opts)
@@ -225,6 +227,7 @@ def _fresh_params(opts):
     return init_master(opts.cfg, opts.seed)
 
 
+@pytest.mark.slow
 def test_export_loads_back_with_the_trained_logits(trained, tmp_path):
     opts, state, _ = trained
     folder = export_trained(opts, tmp_path / "demo")
