@@ -31,6 +31,15 @@ def pytest_configure(config) -> None:
         atexit.register(shutil.rmtree, cache, ignore_errors=True)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items) -> None:
+    """An extended test is a slow one too, so `-m "not slow"` (the quick tier) leaves it out;
+    tryfirst: before `-m` selects."""
+    for item in items:
+        if item.get_closest_marker("extended") and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def all_fixtures(tmp_path_factory) -> dict[str, Fixture]:
     """Every reference variant, built once per pytest run; the R1-like one carries an MTP layer."""
