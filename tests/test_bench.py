@@ -46,6 +46,7 @@ def hand_fixed_bytes(c: dsr1.Config, item: int, head_item: int) -> int:
             + head)
 
 
+@pytest.mark.slow
 def test_bf16_bytes_match_hand_computation(models):
     c, params = CFG, models["bf16"].params
     d, f = c.hidden_size, c.moe_intermediate_size
@@ -81,6 +82,7 @@ def test_bf16_bytes_match_hand_computation(models):
     assert got.total - got.cache == models["bf16"].weight_bytes() - unread
 
 
+@pytest.mark.slow
 def test_int8_weights_and_cache_count_fewer_bytes(models):
     c = CFG
     d, f, r, rope = c.hidden_size, c.moe_intermediate_size, c.kv_lora_rank, c.qk_rope_head_dim
@@ -132,6 +134,7 @@ def test_decode_row_arithmetic():
     assert row["tok_s"] == pytest.approx(4 / 2e-7)
 
 
+@pytest.mark.slow
 def test_random_cache_shape_and_dtype(models):
     for kv in (None, "int8"):
         model = dataclasses.replace(models["bf16"], kv_cache_dtype=kv)
@@ -392,6 +395,7 @@ def test_int8_reference_scales_scores_and_probabilities():
     assert np.abs(got - want).max() < 2 ** -8 * np.abs(want).max()  # a probability at a bf16 rounding tie at most
 
 
+@pytest.mark.slow
 def test_cli_attention_reports_a_tiling_that_fails(tmp_path, capsys, monkeypatch):
     """A tiling the device cannot run is reported and skipped; the others still run."""
     def flash(x, scale, tiling, interpret=False):

@@ -325,6 +325,7 @@ def test_refuses_to_replace_a_foreign_folder(fp8, tmp_path):
 
 
 @pytest.mark.skipif(not SHARED_INDEX.exists(), reason="../shared reference not present")
+@pytest.mark.slow
 def test_check_on_the_real_r1_index(tmp_path, capsys):
     assert dsr1_convert.main(["--check", "--hf", str(SHARED_INDEX)]) == 0
     assert capsys.readouterr().out.strip().endswith(": OK")
@@ -378,6 +379,7 @@ def test_peak_memory_follows_one_layer_not_the_model(tmp_path):
 
 
 @pytest.mark.skipif(not SHARED_INDEX.exists(), reason="../shared reference not present")
+@pytest.mark.slow
 def test_check_ignores_saved_rope_buffers(tmp_path, capsys):
     """Kimi-K2's release saves `self_attn.rotary_emb.inv_freq` in every layer; HF recomputes and
     ignores them, so `--check` must too (it once reported 61 false problems and exited 1)."""

@@ -129,6 +129,7 @@ def test_loglikelihood_requests_equal_forward(url, model, tokenizer, batch):
 
 
 @pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.slow
 def test_a_choice_whose_next_token_is_eos_keeps_its_last_token(url, model, tokenizer, stream):
     """`[ctxlen:-1]` drops the generated token: when that token is EOS (or a stop token id) it must
     still be listed, or the continuation's last token would be dropped instead."""

@@ -54,6 +54,7 @@ def test_prefill_logits_are_last_token_logits(fixture, model):
     assert np.asarray(cache.lengths).tolist() == fixture.lengths.tolist()
 
 
+@pytest.mark.slow
 def test_eos_inside_prompt_is_an_ordinary_token(grouped):
     """Row 1 holds EOS at positions 5 and 11; its logits after them match HF, which masks nothing."""
     model = dsr1.load(grouped.folder, dtype="float32", progress=False)

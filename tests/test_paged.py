@@ -131,6 +131,7 @@ def counting_compilations():
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
+@pytest.mark.slow
 def test_no_compilation_after_warm_up(model):
     """Rows joining, growing, leaving and moving to other pages reuse the bucket's program."""
     rng = np.random.default_rng(0)

@@ -70,6 +70,7 @@ def test_bf16_against_float32(calm):
 
 
 @pytest.mark.parametrize("what", ["int8 weights", "int8 cache"])
+@pytest.mark.slow
 def test_int8_against_bf16(calm, what):
     name, folder, tokens, f32, ref = calm
     bf16 = dsr1.load(folder, progress=False)

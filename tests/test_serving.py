@@ -329,6 +329,7 @@ def test_a_prompt_is_prefilled_ahead_while_every_row_decodes(tiny, make_engine):
         assert request.tokens == greedy_reference(tiny, request.prompt)[:request.sampling.max_new_tokens]
 
 
+@pytest.mark.slow
 def test_requests_arriving_together_prefill_their_shared_prefix_once(tiny, make_engine):
     """Submitted in one step, requests sharing a 16-token system prompt wait for the first one's pages
     instead of each computing them: the prefix cache serves it to the other three."""
@@ -452,6 +453,7 @@ def test_logprobs_are_the_raw_log_softmax_whatever_the_sampling(tiny, make_engin
             assert np.allclose([lp for _, lp in entry.top], np.sort(logp[position])[::-1][:top], atol=1e-4)
 
 
+@pytest.mark.slow
 def test_multi_step_decode_equals_one_step_at_a_time(tiny, make_engine):
     """Decode calls of 4 steps (rows with less budget left run fewer) give the tokens of one step per
     call, in fewer engine steps; a request arriving mid-way waits for the call and then joins."""

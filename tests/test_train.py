@@ -96,6 +96,7 @@ def test_the_real_corpus_layout_when_available():
     assert len(c.train) + len(c.held_out) == 42 and 4 <= len(c.held_out) <= 6 and "hamlet" in c.train
 
 
+@pytest.mark.slow
 def test_tokenizer_round_trip_specials_and_chat_template(trained):
     opts, _, _ = trained
     tok = dsr1.load_tokenizer(opts.out / "tokenizer")
@@ -196,6 +197,7 @@ def update_bias(params, delta):
     return {**params, "moe_layers": {**params["moe_layers"], "moe": {**moe, "router_bias": moe["router_bias"] + delta}}}
 
 
+@pytest.mark.slow
 def test_resume_equals_an_uninterrupted_run(trained, tmp_path, texts):
     opts, state, history = trained
     out = tmp_path / "resumed"
