@@ -116,6 +116,7 @@ class HostChannel:
         return work
 
     def close(self) -> None:
+        """Close this process's connections (process 0: after sending the stop)."""
         for peer in [*self._peers.values(), *([self._leader] if self._leader else [])]:
             peer.close()
         self._peers, self._leader = {}, None
