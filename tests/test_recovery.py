@@ -96,6 +96,10 @@ cluster.client[victim].execute("model = None", block=True)
 RECOVER = "mcjax.reset_engines(cluster)\nprint('RECOVERED', cluster.layout.numbering, cluster.layout.port)"
 
 
+class KernelDied(RuntimeError):
+    """The kernel process ended while it ran a cell."""
+
+
 class Kernel:
     """A Jupyter kernel run through jupyter_client: ``run(code)`` executes a cell."""
 
@@ -111,12 +115,22 @@ class Kernel:
     def run(self, code: str, timeout: float = 240, until: str | None = None,
             on_output=None) -> tuple[dict, str]:
         """Execute ``code``; returns (the execute reply's content, the text it printed). With
-        ``until``, ``on_output()`` is called once when that text first appears."""
+        ``until``, ``on_output()`` is called once when that text first appears. Raises `KernelDied`
+        when the kernel process ends before the cell does."""
+        import queue
+
         msg_id = self.client.execute(code)
         text, called = [], False
         deadline = time.monotonic() + timeout
         while True:
-            msg = self.client.get_iopub_msg(timeout=max(1.0, deadline - time.monotonic()))
+            try:
+                msg = self.client.get_iopub_msg(timeout=1.0)
+            except queue.Empty:
+                if not self.manager.is_alive():
+                    raise KernelDied("".join(text)) from None
+                if time.monotonic() > deadline:
+                    raise
+                continue
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
             kind, content = msg["msg_type"], msg["content"]
@@ -259,6 +273,19 @@ def test_engine_killed_mid_collective_fails_the_cell_then_recovery_generates(not
         os.kill(victim, signal.SIGKILL)
         killed.append(time.monotonic())
 
+    if numbering == "kernel-last":  # the victim is process 0, which runs JAX's coordinator
+        with pytest.raises(KernelDied):
+            kernel.run(COLLECTIVES, timeout=200, until="COLLECTIVES RUNNING", on_output=kill)
+        died_after = time.monotonic() - killed[0]
+        print(f"kernel-last: JAX ended the kernel {died_after:.1f} s after process 0 was killed")
+        assert died_after < 60
+        # The documented recovery (main.ipynb, "Recovery"): restart the kernel, run from the top.
+        kernel.restart()
+        assert "restarting the engines" in kernel.ok(SETUP, timeout=300)
+        kernel.ok(INITIALIZE)
+        kernel.ok(MODEL)
+        assert "GENERATED '" in kernel.ok(GENERATE)
+        return
     reply, text = kernel.run(COLLECTIVES, timeout=200, until="COLLECTIVES RUNNING", on_output=kill)
     failed_after = time.monotonic() - killed[0]
     print(f"{numbering}: the cell failed {failed_after:.1f} s after the engine was killed")
