@@ -23,6 +23,8 @@ import math
 import re
 from collections.abc import Iterable
 
+from ..core import paged_attention
+
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all")
 DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1,
                "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
@@ -184,6 +186,12 @@ def _source(ins: Instruction) -> str:
     return m.group(1) if m else ""
 
 
+def _layer_bytes(shape: str) -> int:
+    """The bytes of one index of an array's first dimension."""
+    arrays = array_shapes(shape)
+    return sum(DTYPE_BYTES.get(dt, 4) * math.prod(d[1:]) for dt, d in arrays if d) if arrays else 0
+
+
 def _operand_bytes(ins: Instruction, shapes: dict[str, str]) -> list[int]:
     return [shape_bytes(shapes.get(o, "")) for o in ins.operands]
 
@@ -249,6 +257,11 @@ def instruction_bytes(ins: Instruction, shapes: dict[str, str], module: dict[str
     if ins.opcode in NO_TRAFFIC:
         return 0
     operands, result = _operand_bytes(ins, shapes), shape_bytes(ins.shape)
+    if ins.opcode == "custom-call" and ins.name.startswith(paged_attention.NAME):
+        # The ragged paged kernel takes the whole pool (every layer) and copies one layer's pages of
+        # the rows it serves: a plan's rows hold every page, so one layer of each pool operand.
+        pools = [_layer_bytes(shapes.get(o, "")) for o in ins.operands[paged_attention.POOLS_FROM:]]
+        return sum(operands[:paged_attention.POOLS_FROM]) + sum(pools) + result
     if ins.opcode == "fusion" and (fused := module.get(ins.attribute("calls") or "")) is not None:
         return _fusion_reads(fused, operands) + _fusion_writes(fused, result)
     if ins.opcode in ("dynamic-slice", "slice", "gather"):

@@ -8,7 +8,8 @@
 - `attend_extend`: T new tokens per row against that row's pages of a `PagedKVCache` plus the new
   tokens themselves (causal), in either form (`use_absorbed` picks the cheaper one for T). Pages are
   read block by block with an online softmax (flash-decoding style), for as many blocks as the
-  longest row actually holds; one token per row on one CPU device: dsr1's kernel reads the pages in
+  longest row actually holds; on TPU (absorbed) the ragged paged kernel (`paged_attention`) reads
+  each row's own pages only; one token per row on one CPU device: dsr1's kernel reads the pages in
   place.
 
 All three share the pieces below: a `Query` and `Keys` in one form, `scores`, `weighted_values`,
@@ -28,11 +29,12 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from .. import cpu
-from . import flash_decode, products
+from . import flash_decode, paged_attention, products
 from .cache import KVCache, PagedKVCache, latent_values
 from .config import Config
 from .layers import rms_norm
 from .rope import apply_rope
+from .sharding import DEFAULT_RULES, ShardingRules
 
 NEG_INF = -1e30  # a large finite negative: fully masked rows stay NaN-free
 
@@ -349,6 +351,13 @@ class PartialSoftmax:
         """The normalized context `[B, H, T, k]`."""
         return self.acc / self.total[..., None]
 
+    def merge(self, other: PartialSoftmax) -> PartialSoftmax:
+        """The partial softmax over both sets of keys (either may be empty: max `NEG_INF`, zeros)."""
+        new_max = jnp.maximum(self.max, other.max)
+        mine, theirs = jnp.exp(self.max - new_max), jnp.exp(other.max - new_max)
+        return PartialSoftmax(new_max, self.total * mine + other.total * theirs,
+                              self.acc * mine[..., None] + other.acc * theirs[..., None])
+
 
 def fold_keys(state: PartialSoftmax | None, q: Query, k: Keys, mask: jax.Array, cfg: Config) -> PartialSoftmax:
     """Fold one block of keys into a partial softmax (None: start one). `mask` broadcasts to the
@@ -384,6 +393,32 @@ def _fold_pages(state: PartialSoftmax, p: dict, q: Query, context: PagedContext,
     return _fold_blocks(state, p, q, steps, read, dtype, cfg)
 
 
+def _kernel_pages(q: Query, context: PagedContext, layer: jax.Array, cfg: Config, mesh: Mesh | None,
+                  rules: ShardingRules) -> PartialSoftmax:
+    """Every row's cached tokens of `layer` as one partial softmax, by the ragged paged kernel
+    (`paged_attention`): a row's T queries and H heads meet its latents together, each row reads its
+    own pages. On a mesh the heads stay split as the queries are (`rules.heads`) and the pool is
+    read whole on every device."""
+    cache = context.cache
+
+    def run(main, pe, c_kv, k_pe, c_scale, table, cached, layer):
+        b, t, h, r = main.shape
+        acc, run_max, total = paged_attention.paged_context(
+            main.reshape(b, t * h, r), pe.reshape(b, t * h, -1), c_kv, k_pe, c_scale, layer, table, cached,
+            cfg.softmax_scale)
+        by_head = lambda a: a.reshape(b, t, h, *a.shape[2:]).swapaxes(1, 2)  # noqa: E731  [B, H, T, ...]
+        return by_head(acc), by_head(run_max), by_head(total)
+
+    args = (q.main, q.pe, cache.c_kv, cache.k_pe, cache.c_scale, context.page_table, context.cached, layer)
+    if mesh is not None and mesh.size > 1:
+        heads, stats = rules.spec((None, None, "heads", None)), rules.spec((None, "heads", None))
+        whole = jax.sharding.PartitionSpec()
+        run = jax.shard_map(run, mesh=mesh, in_specs=(heads, heads, *(whole,) * 6),
+                            out_specs=(rules.spec((None, "heads", None, None)), stats, stats), check_vma=False)
+    acc, run_max, total = run(*args)
+    return PartialSoftmax(run_max, total, acc)
+
+
 def _fold_blocks(state: PartialSoftmax, p: dict, q: Query, steps: jax.Array, read: Callable, dtype: jnp.dtype,
                  cfg: Config) -> PartialSoftmax:
     """`steps` blocks of cached keys folded into `state`: `read(i)` gives block i's stored latents
@@ -397,14 +432,16 @@ def _fold_blocks(state: PartialSoftmax, p: dict, q: Query, steps: jax.Array, rea
 
 
 def attend_extend(p: dict, x: jax.Array, positions: jax.Array, context: PagedContext, layer: jax.Array,
-                  cfg: Config, *, absorbed: bool, one_device: bool = False, mesh: Mesh | None = None):
+                  cfg: Config, *, absorbed: bool, one_device: bool = False, mesh: Mesh | None = None,
+                  rules: ShardingRules = DEFAULT_RULES):
     """T new tokens per row, `x [B, T, D]` at `positions [B, T]` (`context.cached[b] + t`), attending
     to their row's cached tokens in `layer` of the page pool and causally to each other.
 
     The new tokens' latents join the softmax directly (the pool is only read here); the caller writes
     the returned `(c_kv [B, T, r], k_pe [B, T, rope])` for all layers at once. `absorbed` picks the
     form (see `use_absorbed`). `one_device`: the pool is whole on one device, so with one new token per
-    row the CPU backend's kernel may attend (`_kernel_attends`); `mesh`: see `attend_cached`.
+    row the CPU backend's kernel may attend (`_kernel_attends`); `mesh`: see `attend_cached`; on TPU
+    (absorbed) the ragged paged kernel reads the pages, its heads split as `rules` split them.
     Returns `(out [B, T, D], (c_kv, k_pe))`.
     """
     with jax.named_scope("mla_extend"):
@@ -419,6 +456,9 @@ def attend_extend(p: dict, x: jax.Array, positions: jax.Array, context: PagedCon
         with jax.named_scope("new_tokens"):
             state = fold_keys(None, q, make_keys(p, c_new, None, pe_new, absorbed, dt), _causal(x.shape[1]), cfg)
         with jax.named_scope("cached_pages"):
-            state = _fold_pages(state, p, q, context, layer, dt, cfg)
+            if absorbed and paged_attention.applies(kernel_choice(mesh, one_device)[0]):
+                state = state.merge(_kernel_pages(q, context, layer, cfg, mesh, rules))
+            else:
+                state = _fold_pages(state, p, q, context, layer, dt, cfg)
         out = attention_output(p, state.result(), absorbed, dt)
     return out, (c_new, pe_new)

@@ -315,7 +315,7 @@ def extend(params: Params, cache: PagedKVCache, tokens: jax.Array, starts: jax.A
     x = keep_replicated(_embed(params, tokens), mesh)
 
     def attend(p, h, i):
-        return attend_extend(p, h, positions, context, i, cfg, absorbed=absorbed, mesh=mesh)
+        return attend_extend(p, h, positions, context, i, cfg, absorbed=absorbed, mesh=mesh, rules=rules)
 
     x, (c_new, pe_new), _ = _run_layers(params, x, attend, cfg, mesh, rules)
     with jax.named_scope("write_pages"):

@@ -102,7 +102,7 @@ def _paged_mtp(params: Params, pool: PagedKVCache, hidden: jax.Array, next_token
 
     def attend(p: dict, h: jax.Array):
         return attend_extend(p, h, positions, context, layer, cfg, absorbed=use_absorbed(cfg, chunk),
-                             one_device=mesh.size == 1)
+                             one_device=mesh.size == 1, mesh=mesh, rules=rules)
 
     logits, x, (c_kv, k_pe) = mtp_step(params, hidden, next_tokens, attend, cfg=cfg, mesh=mesh, rules=rules,
                                        index=speculative.MTP_MODULE)
