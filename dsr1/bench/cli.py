@@ -13,6 +13,7 @@ transformers.
     python -m dsr1.bench load [--preset bench | --model PATH] [--quant int8] [--cache cold|warm] [--repeats 3]
     python -m dsr1.bench quality [--model PATH] [--text FILE] [--draft-tokens 1,2,3] [--plot PNG]
     python -m dsr1.bench control [--processes 2,4,16] [--slots 66] [--max-seq-len 163840]
+    python -m dsr1.bench paged [--lengths 32768,1024x63] [--page-size 16,64] [--kv-cache-dtype int8]
 
 Results go to stdout as Markdown tables (progress to stderr); `--json PATH` also writes them as JSON.
 """
@@ -48,6 +49,8 @@ from .decode_attention import __doc__ as ATTENTION_DOC
 from .decode_attention import add_attention_options, run_attention
 from .experts import EXPERT_COLUMNS, KERNELS, bench_kernels
 from .loading import add_load_options, run_load
+from .paged import __doc__ as PAGED_DOC
+from .paged import add_paged_options, run_paged
 from .plan import add_plan_options, run_plan
 from .prefill import PREFILL_COLUMNS, compute_dtype, matmul_peak_flops, prefill_flops, prefill_row, time_prefill
 from .quality import __doc__ as QUALITY_DOC
@@ -412,6 +415,10 @@ def parser() -> argparse.ArgumentParser:
     ctl = sub.add_parser("control", help="the serving control plane's host cost per step at 2 to 16 processes",
                          description=CONTROL_DOC.split("\n\n")[0])
     add_control_options(ctl)
+    pag = sub.add_parser("paged", help="a ragged batch's attention bytes on a TPU chip: the ragged paged kernel "
+                                       "against XLA's page loop (deviceless compile, needs libtpu)",
+                         description=PAGED_DOC.split("\n\n")[0])
+    add_paged_options(pag)
     return ap
 
 
@@ -422,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--new-tokens must be at least 2 (the first token comes from the prefill)")
     commands = {"decode": run_decode, "prefill": run_prefill, "moe": run_moe, "compare-hf": run_compare_hf,
                 "serve": run_serve, "plan": run_plan, "load": run_load, "quality": run_quality,
-                "attention": run_attention, "control": run_control}
+                "attention": run_attention, "control": run_control, "paged": run_paged}
     result = commands[args.command](args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))
