@@ -174,6 +174,20 @@ HLO = """HloModule walk
   ROOT %b = bf16[64,32]{1,0} bitcast(%ds)
 }
 
+%retile (param_0.1: bf16[5,64,32]) -> bf16[5,64,32] {
+  %param_0.1 = bf16[5,64,32]{2,1,0:T(8,128)} parameter(0)
+  ROOT %c = bf16[5,64,32]{2,1,0:T(4,128)} copy(%param_0.1)
+}
+
+%fused_retiled_slice (param_0.2: bf16[5,64,32], param_1.2: s32[]) -> bf16[64,32] {
+  %param_0.2 = bf16[5,64,32]{2,1,0} parameter(0)
+  %param_1.2 = s32[] parameter(1)
+  %zero.2 = s32[] constant(0)
+  %tiled = bf16[5,64,32]{2,1,0:T(4,128)} fusion(%param_0.2), kind=kLoop, calls=%retile
+  %ds.2 = bf16[1,64,32]{2,1,0} dynamic-slice(%tiled, %param_1.2, %zero.2, %zero.2), dynamic_slice_sizes={1,64,32}
+  ROOT %b.2 = bf16[64,32]{1,0} bitcast(%ds.2)
+}
+
 %add (x: f32[], y: f32[]) -> f32[] {
   %x = f32[] parameter(0)
   %y = f32[] parameter(1)
@@ -207,6 +221,7 @@ HLO = """HloModule walk
   %i = s32[] get-tuple-element(%q), index=0
   %w = bf16[5,64,32]{2,1,0} get-tuple-element(%q), index=1
   %layer = bf16[64,32]{1,0} fusion(%w, %i), kind=kLoop, calls=%fused_slice
+  %retiled = bf16[64,32]{1,0} fusion(%w, %i), kind=kLoop, calls=%fused_retiled_slice
   %copy.1 = bf16[64,32]{0,1} copy(%layer)
   %act = f32[8,32]{1,0} broadcast(%i), dimensions={}
   %r = f32[8,32]{1,0} all-reduce(f32[8,32]{1,0} %act), to_apply=%add, metadata={op_name="jit(f)/moe/psum"}
@@ -235,8 +250,9 @@ def test_hlo_walk_counts_loops_by_their_trip_counts_and_fusions_by_their_slices(
     assert found == {("all-gather", 8 * 128 * 4, 1), ("all-reduce", 8 * 32 * 4, 5), ("all-gather", 16 * 8 * 4, 15)}
     # The fusion reads one layer's slice (not the whole stack) and its index, and writes the slice.
     layer = 64 * 32 * 2
-    assert hlo.instruction_bytes(module["layers_body"].by_name()["layer"], {"w": "bf16[5,64,32]", "i": "s32[]"},
-                                 module) == 2 * layer + 4  # + the s32 index
+    for fusion in ("layer", "retiled"):  # the second slices the stack after XLA:TPU retiles it (a nested fusion)
+        assert hlo.instruction_bytes(module["layers_body"].by_name()[fusion], {"w": "bf16[5,64,32]", "i": "s32[]"},
+                                     module) == 2 * layer + 4  # + the s32 index
     copies = hlo.copies_of(module, runs, [(64, 32)])
     assert [(c.name, c.bytes, c.runs) for c in copies] == [("copy.1", layer, 5)]
 

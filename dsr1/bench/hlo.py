@@ -219,15 +219,28 @@ def _fusion_reads(fused: Computation, operand_bytes: list[int]) -> int:
     for ins in fused.instructions:
         for o in ins.operands:
             users.setdefault(o, []).append(ins)
+    def relaid(ins: Instruction) -> bool:
+        """The same elements in another shape or layout (a nested fusion of one operand, e.g. XLA:TPU
+        retiling int8 weights): computed only where its users read, so it reads what they do."""
+        if ins.opcode in ("bitcast", "reshape"):
+            return True
+        if ins.opcode != "fusion" or len(ins.operands) != 1:
+            return False
+        by_name = fused.by_name()
+        source = by_name.get(ins.operands[0])
+        return source is not None and array_shapes(source.shape) == array_shapes(ins.shape)
+
+    passes = {v.name for v in fused.instructions if relaid(v)}
+
     def uses_of(name: str) -> list[Instruction]:  # through free reshapes, to the instructions that read
         found = []
         for u in users.get(name, []):
-            found += uses_of(u.name) if u.opcode in ("bitcast", "reshape") else [u]
+            found += uses_of(u.name) if u.name in passes else [u]
         return found
 
     def slices(name: str, uses: list[Instruction]) -> bool:
         return all(u.opcode in ("dynamic-slice", "slice", "gather") and (u.operands[0] == name or u.operands[0] in
-                   {v.name for v in fused.instructions if v.opcode in ("bitcast", "reshape")}) for u in uses)
+                   passes) for u in uses)
 
     total = 0
     for pname, index in params.items():

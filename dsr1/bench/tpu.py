@@ -101,7 +101,7 @@ def serving_args(cfg: Config, mesh: Mesh, batch: int, context: int, dtype: Any, 
     pages = -(-context // page_size)
     cache = jax.eval_shape(lambda: empty_paged_cache(cfg.num_hidden_layers, batch * pages + 1, page_size,
                                                      cfg.kv_lora_rank, cfg.qk_rope_head_dim, jnp.dtype(dtype),
-                                                     kv_cache_dtype))
+                                                     kv_cache_dtype, platform="tpu"))
     sampling = batch_sampling([Sampling()] * batch)
     state = jax.eval_shape(functools.partial(serving.slot_state, mesh=mesh, vocab_size=cfg.vocab_size), sampling)
     rows = jax.ShapeDtypeStruct((batch, len(serving.StepRows._COLUMNS) + 1), jnp.int32)
