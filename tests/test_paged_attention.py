@@ -15,7 +15,7 @@ import pytest
 
 import dsr1
 from dsr1.core import attention, paged_attention
-from dsr1.core.cache import PagedKVCache, empty_paged_cache
+from dsr1.core.cache import PagedKVCache, empty_paged_cache, to_stored
 
 LENGTHS = [1, 1100, 0, 37, 600, 16, 17, 1024]  # ragged: one position, none, exactly a page, a page and one
 HEADS, TOKENS, RANK, ROPE, SCALE = 4, 2, 32, 16, 0.3
@@ -68,7 +68,8 @@ def _pool(rng, page_size: int, dtype, int8: bool):
 def test_kernel_equals_the_xla_page_loop_and_reads_only_held_pages(page_size, dtype, int8, tolerance):
     """Rows of 0 to 1,100 positions, ragged, two new tokens of four heads each: the kernel's partial
     softmax merged with the new tokens' own keys gives XLA's context (1e-5 of max|context| in float32,
-    2^-8 in bf16); every page no row holds is NaN for the kernel and its output stays finite."""
+    2^-8 in bf16); every page no row holds is NaN for the kernel and its output stays finite. bf16
+    latents and rope keys reach it as their bits, as a CPU pool keeps them."""
     rng = np.random.default_rng(page_size + int8)
     clean, poisoned, table = _pool(rng, page_size, dtype, int8)
     b = len(LENGTHS)
@@ -79,9 +80,10 @@ def test_kernel_equals_the_xla_page_loop_and_reads_only_held_pages(page_size, dt
     layer, cached = jnp.int32(1), jnp.asarray(LENGTHS, jnp.int32)
     start = attention.fold_keys(None, q, own, attention._causal(TOKENS), cfg)
     want = attention._fold_pages(start, {}, q, attention.PagedContext(clean, table, cached, 4), layer, dtype, cfg)
+    stored = [to_stored(a, "cpu") for a in (poisoned.c_kv, poisoned.k_pe)]  # bf16 as its bits, as on CPU
     acc, run_max, total = paged_attention.paged_context(
-        q.main.reshape(b, TOKENS * HEADS, RANK), q.pe.reshape(b, TOKENS * HEADS, ROPE), poisoned.c_kv, poisoned.k_pe,
-        poisoned.c_scale, layer, table, cached, SCALE, interpret=True)
+        q.main.reshape(b, TOKENS * HEADS, RANK), q.pe.reshape(b, TOKENS * HEADS, ROPE), *stored, poisoned.c_scale,
+        layer, table, cached, SCALE, interpret=True)
     assert np.isfinite(np.asarray(acc)).all()
     by_head = lambda a: a.reshape(b, TOKENS, HEADS, *a.shape[2:]).swapaxes(1, 2)  # noqa: E731
     got = start.merge(attention.PartialSoftmax(by_head(run_max), by_head(total), by_head(acc))).result()

@@ -144,8 +144,9 @@ def paged_context(q: jax.Array, q_pe: jax.Array, c_pool: jax.Array, pe_pool: jax
     (float32). A row of no cached positions gives max `NEG_INF` and zeros. Queries take the dtype
     of `pe_pool` (the model's)."""
     scaled = c_scale is not None
-    if c_pool.dtype == jnp.uint16:  # a bf16 pool kept as its bits (`cache.stores_bits`: CPU, the interpreter)
-        c_pool, pe_pool = (jax.lax.bitcast_convert_type(a, jnp.bfloat16) for a in (c_pool, pe_pool))
+    # A bf16 pool kept as its bits (`cache.stores_bits`: CPU, the interpreter); an int8 pool's rope keys too.
+    c_pool, pe_pool = (jax.lax.bitcast_convert_type(a, jnp.bfloat16) if a.dtype == jnp.uint16 else a
+                       for a in (c_pool, pe_pool))
     b, g, rank = q.shape
     rope, page_size = pe_pool.shape[-1], pe_pool.shape[2]
     block = pages_per_block(page_size)
