@@ -10,6 +10,7 @@ once for the whole module; the page allocator is checked against every holder af
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -360,6 +361,9 @@ def test_decode_call_takes_the_fewest_rows_that_hold_its_lanes():
                                                                       (1, 8, 16, 32, 64)]
     wide = config(64)
     assert [wide.decode_shape([None] * n) for n in (1, 2, 8, 9, 17, 33, 64)] == [1, 8, 8, 16, 32, 64, 64]
+    invariant = dataclasses.replace(wide, batch_invariant=True)  # a row's products never change shape
+    assert invariant.decode_shapes == (64,)
+    assert {invariant.decode_shape([None] * n) for n in (1, 9, 64)} == {64}
 
 
 @pytest.mark.slow

@@ -128,12 +128,16 @@ class Engine:
         (sockets, `dsr1.serving.control`: the devices run only the steps, and the others dispatch
         step n+1 while step n runs) or "device" (device broadcasts, `dsr1.serving.broadcast`: no
         port to open between hosts).
+      batch_invariant: every decode call runs `max_seqs` rows, so a row's products keep their shape
+        whatever else runs; with the CPU backend's kernels a request's greedy tokens are then the
+        same with and without drafts (docs/serving.md, "Draft numerics"). A lone request pays for
+        `max_seqs` rows.
     """
 
     def __init__(self, model: Model, *, max_seqs: int = 8, page_size: int = 16, num_pages: int = 512,
                  prefill_chunk: int = 64, prefill_rows: int = 2, host_cache_bytes: int = 0, decode_steps: int = 4,
                  max_seq_len: int | None = None, prefix_caching: bool = True, tokenizer: Tokenizer | None = None,
-                 draft_tokens: int = 0, control: str = "host"):
+                 draft_tokens: int = 0, control: str = "host", batch_invariant: bool = False):
         _check_draft_tokens(model, draft_tokens)
         if control not in CONTROLS:
             raise ValueError(f"control must be one of {CONTROLS}, got {control!r}")
@@ -144,7 +148,7 @@ class Engine:
                              f"{model.cfg.max_position_embeddings}")
         self.model = model
         self.config = SchedulerConfig(max_seqs, page_size, num_pages, prefill_chunk, prefill_rows, max_seq_len,
-                                      decode_steps, draft_tokens)
+                                      decode_steps, draft_tokens, batch_invariant)
         self.tokenizer = tokenizer or model.tokenizer
         sizes = dict(cfg=model.cfg, mesh=model.mesh, num_pages=num_pages, page_size=page_size, dtype=model.dtype,
                      kv_cache_dtype=model.kv_cache_dtype)

@@ -43,6 +43,7 @@ class SchedulerConfig:
     max_seq_len: int
     decode_steps: int = 1  # decode steps per decode call
     draft_tokens: int = 0  # MTP drafts per decode iteration (0: none)
+    batch_invariant: bool = False  # every decode call `max_seqs` rows (`decode_shapes`)
 
     def __post_init__(self) -> None:
         for name in ("max_seqs", "page_size", "prefill_chunk", "prefill_rows", "max_seq_len", "decode_steps"):
@@ -80,7 +81,11 @@ class SchedulerConfig:
         8 rows, and one row. A call reads every weight whatever its rows, but the lm_head's product,
         the sampling and the attention grow with them, so a lone request (a single user, the last
         long request of a busy period) gets a one-row call; two and four rows cost about as much as
-        eight on CPU (XLA:CPU's lm_head product of a few rows), so they get no shape of their own."""
+        eight on CPU (XLA:CPU's lm_head product of a few rows), so they get no shape of their own.
+        `batch_invariant`: `max_seqs` rows only, so a row's products never change shape with the
+        number of requests running (docs/serving.md, "Draft numerics")."""
+        if self.batch_invariant:
+            return (self.max_seqs,)
         rows, half = {1, self.max_seqs}, self.max_seqs // 2
         while half >= 8:
             rows.add(half)
