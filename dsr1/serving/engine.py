@@ -128,10 +128,10 @@ class Engine:
         (sockets, `dsr1.serving.control`: the devices run only the steps, and the others dispatch
         step n+1 while step n runs) or "device" (device broadcasts, `dsr1.serving.broadcast`: no
         port to open between hosts).
-      batch_invariant: every decode call runs `max_seqs` rows, so a row's products keep their shape
-        whatever else runs; with the CPU backend's kernels a request's greedy tokens are then the
-        same with and without drafts (docs/serving.md, "Draft numerics"). A lone request pays for
-        `max_seqs` rows.
+      batch_invariant: every decode call runs `max_seqs` rows, so a row's decode products keep their
+        shape whatever else runs (prefill calls still take the shape their lanes need); how far that
+        makes drafts leave greedy tokens unchanged is in docs/serving.md, "Draft numerics". A lone
+        request pays for `max_seqs` rows.
     """
 
     def __init__(self, model: Model, *, max_seqs: int = 8, page_size: int = 16, num_pages: int = 512,
