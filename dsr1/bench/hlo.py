@@ -219,6 +219,8 @@ def _fusion_reads(fused: Computation, operand_bytes: list[int]) -> int:
     for ins in fused.instructions:
         for o in ins.operands:
             users.setdefault(o, []).append(ins)
+    by_name = fused.by_name()
+
     def relaid(ins: Instruction) -> bool:
         """The same elements in another shape or layout (a nested fusion of one operand, e.g. XLA:TPU
         retiling int8 weights): computed only where its users read, so it reads what they do."""
@@ -226,7 +228,6 @@ def _fusion_reads(fused: Computation, operand_bytes: list[int]) -> int:
             return True
         if ins.opcode != "fusion" or len(ins.operands) != 1:
             return False
-        by_name = fused.by_name()
         source = by_name.get(ins.operands[0])
         return source is not None and array_shapes(source.shape) == array_shapes(ins.shape)
 
