@@ -49,8 +49,9 @@ def pages_per_block(page_size: int) -> int:
 
 
 def pages_read(lengths: jax.Array, page_size: int) -> jax.Array:
-    """The pages the kernel copies for rows of `lengths` cached positions, per program of queries:
-    each row's own, up to its last (what the byte count of `bench` and the tests uses)."""
+    """The pages the kernel copies for rows of `lengths` cached positions: each row's own, up to its
+    last (a row of more than `BLOCK_QUERIES` queries copies them once per block of queries).
+    `bench paged` counts the kernel's bytes with it."""
     return jnp.sum(-(-lengths // page_size))
 
 
