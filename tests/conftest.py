@@ -21,7 +21,13 @@ def pytest_configure(config) -> None:
     read, not compiled again, by the next that runs it (the same mesh in another test, the same
     notebook cells under another numbering). Per run, so nothing stale from an earlier checkout is
     read; removed at exit. The pytest process itself keeps JAX's in-memory cache only: it compiles
-    each of its programs once, and writing them all to disk would cost more than it saves."""
+    each of its programs once, and writing them all to disk would cost more than it saves; and a
+    test that numbers a simulated cluster's processes from this process (`assign_process_ids`
+    with the kernel's part run here) would otherwise turn the cluster's disk cache on for every
+    later test of this worker."""
+    import jax
+
+    jax.config.update("jax_enable_compilation_cache", False)
     flags = os.environ.get("XLA_FLAGS", "")
     if "--xla_backend_optimization_level" not in flags:  # the caller's own level wins
         os.environ["XLA_FLAGS"] = " ".join([*COMPILE_FLAGS, flags]).strip()
