@@ -196,4 +196,4 @@ def test_perfect_drafter_budgets_and_stop_tokens_in_the_middle_of_drafts(mtp_mod
     stats = engine.stats()
     assert stats.steps < 12 and stats.draft_acceptance > 0.8  # a stop may cut an iteration's drafts
     assert [r.draft_acceptance for r in requests[:3]] == [1.0] * 3
-    assert requests[0].accepted_drafts == 8  # 1 + 3 + 3 + 3 + 2 tokens: 2 + 2 + 2 + 2 drafts
+    assert requests[0].accepted_drafts == 8  # 3 + 3 + 3 + 3 tokens: 2 + 2 + 2 + 2 drafts

@@ -5,9 +5,13 @@ model's: page p of a sequence holds both pools' latents for the same positions, 
 shares, offloads or reloads a page moves both. Both pools always hold the same positions of a
 slot, `< lengths[slot]`: MTP position i reads the model's hidden `h_i` and the token `t_{i+1}`,
 so every call runs the module on the positions its model call just ran, with the token after
-each (the next prompt token, or the token sampled or kept after the last one): nothing is ever
-pending between calls. The module's output at the last position (`mtp_hidden`) gives the next
-call its first draft.
+each (the next prompt token, or the token kept after the last one): nothing is ever pending
+between calls. The module's output at the last position (`mtp_hidden`) gives the next call its
+first draft.
+
+A prompt is prefilled as without drafts, all but its last token, and that token is the request's
+first decode input: the first token, like every later one, comes from the decode step's own
+one-token computation (`_verify_by_steps`), so greedy tokens are those of an engine without drafts.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from ..core.sharding import ShardingRules, keep_replicated
 from ..generation import speculative
 from ..generation.sampling import TOP_LOGPROBS, SamplingArrays, TokenRuleRows, token_logprobs
 from .grammar import apply_masks
-from .step import Sampled, SlotState, StepRows, admit_slot, sample_rows, slot_rows, slot_state
+from .step import Sampled, SlotState, StepRows, admit_slot, slot_rows, slot_state
 
 _MODEL = ("cfg", "mesh", "rules")  # the static arguments every program shares
 
@@ -69,12 +73,23 @@ def draft_slot_state(sampling: SamplingArrays, *, mesh: Mesh, vocab_size: int, h
 @functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
 def admit_draft_slot(state: DraftSlotState, packed: jax.Array, rule_rows: TokenRuleRows, *,
                      mesh: Mesh) -> DraftSlotState:
-    """`admit_slot` for a `DraftSlotState` (its length, count and MTP output start from zero)."""
-    slot = packed[0]
+    """`admit_slot` for a `DraftSlotState`: its length is the prompt's but the last token (the first
+    decode input; prefill calls write those positions before the slot decodes), nothing sampled, no MTP
+    output yet (a prompt read whole from the prefix cache drafts its first token from zeros)."""
+    slot, length = packed[0], jnp.maximum(packed[1] - 1, 0)
     with jax.named_scope("admit_draft_slot"):
-        reset = jax.tree.map(lambda a: a.at[slot].set(0, mode="drop"),
-                             (state.lengths, state.generated, state.mtp_hidden))
-        state = DraftSlotState(admit_slot(state.slots, packed, rule_rows, mesh=mesh), *reset)
+        state = DraftSlotState(admit_slot(state.slots, packed, rule_rows, mesh=mesh),
+                               state.lengths.at[slot].set(length, mode="drop"),
+                               state.generated.at[slot].set(0, mode="drop"),
+                               state.mtp_hidden.at[slot].set(0, mode="drop"))
+    return jax.tree.map(lambda a: keep_replicated(a, mesh), state)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
+def take_mtp_hidden(state: DraftSlotState, hidden: jax.Array, taken: jax.Array, *, mesh: Mesh) -> DraftSlotState:
+    """`state` with the MTP outputs of the slots `taken [S]` (bool) from `hidden [S, D]` (another state's
+    `mtp_hidden`: a prefill on other devices, `dsr1.serving.disaggregate`)."""
+    state = dataclasses.replace(state, mtp_hidden=jnp.where(taken[:, None], hidden, state.mtp_hidden))
     return jax.tree.map(lambda a: keep_replicated(a, mesh), state)
 
 
@@ -125,42 +140,32 @@ def _verified_pack(tokens: jax.Array, logits: jax.Array, wanted: jax.Array, acce
 
 @functools.partial(jax.jit, static_argnames=_MODEL, donate_argnames=("cache", "mtp_cache", "state"))
 def serve_draft_prefill(params: Params, cache: PagedKVCache, mtp_cache: PagedKVCache, state: DraftSlotState,
-                        packed_rows: jax.Array, page_table: jax.Array, masks: jax.Array | None = None, *,
-                        cfg: Config, mesh: Mesh,
+                        packed_rows: jax.Array, page_table: jax.Array, *, cfg: Config, mesh: Mesh,
                         rules: ShardingRules) -> tuple[jax.Array, PagedKVCache, PagedKVCache, DraftSlotState]:
-    """`serve_step` for prompt chunks with drafts on: rows of `T + 1` tokens, `T` new ones and, in column
-    `counts[b]`, the prompt's token after the chunk (the lookahead; a chunk that ends the prompt samples
-    its first token instead). The model runs the chunk (`extend`), rows ending their prompt sample
-    their first token as `serve_step` does, and the MTP module runs the chunk's positions with their
-    next tokens, filling its pool as far as the model's. Returns `[1, B, VERIFIED_WIDTH]`, both pools
-    and the state (sampling rows' slots: last token, counts, length = prompt, one token sampled)."""
+    """`serve_step`'s prompt chunks with drafts on: rows of `T + 1` tokens, `T` new ones and, in column
+    `counts[b]`, the prompt's token after the chunk (the lookahead). The model runs the chunk (`extend`,
+    as without drafts: nothing is sampled), and the MTP module its positions with their next tokens,
+    filling its pool as far as the model's; the module's output at a row's last position is its slot's
+    `mtp_hidden` (after the prompt's last chunk: the first token's draft). Returns `[1, B,
+    VERIFIED_WIDTH]` of no tokens (the call's shape as a decode call's), both pools and the state."""
     rows = StepRows.unpack(packed_rows)
     chunk = rows.tokens.shape[1] - 1
     with jax.named_scope("step_inputs"):
-        safe, sampling, _ = slot_rows(state.slots, rows.slots)
         table = page_table[jnp.minimum(rows.slots, page_table.shape[0] - 1)]
         tokens = rows.tokens[:, :chunk]
         last = jnp.maximum(rows.counts - 1, 0)
-    # Hidden states at every position (the MTP module reads them all); logits at `last` of sampling rows only.
-    logits_at = jnp.where(rows.sample, last, chunk)[:, None]
-    logits, hidden, cache = model.extend(params, cache, tokens, rows.starts, rows.counts, table, logits_at,
-                                         cfg=cfg, mesh=mesh, rules=rules,
-                                         hidden_at=jnp.broadcast_to(jnp.arange(chunk), tokens.shape))
-    logits = logits[:, 0]
-    out, slots, token = sample_rows(logits, state.slots, rows, safe, sampling, masks)
-    sampled = rows.sample & (rows.counts > 0)
+    # Hidden states at every position (the MTP module reads them all); no logits (past the chunk).
+    _, hidden, cache = model.extend(params, cache, tokens, rows.starts, rows.counts, table,
+                                    jnp.full((tokens.shape[0], 1), chunk, jnp.int32), cfg=cfg, mesh=mesh, rules=rules,
+                                    hidden_at=jnp.broadcast_to(jnp.arange(chunk), tokens.shape))
     with jax.named_scope("mtp_prefill"):
-        after = rows.tokens[:, 1:]
-        after = jnp.where(sampled[:, None] & (jnp.arange(chunk) == last[:, None]), token[:, None], after)
-        _, x, mtp_cache = _paged_mtp(params, mtp_cache, hidden, after, rows.starts, rows.counts, table, cfg, mesh,
-                                     rules)
+        _, x, mtp_cache = _paged_mtp(params, mtp_cache, hidden, rows.tokens[:, 1:], rows.starts, rows.counts, table,
+                                     cfg, mesh, rules)
     with jax.named_scope("slot_progress"):
-        target = jnp.where(sampled, rows.slots, state.lengths.shape[0])  # out of range: dropped
-        state = DraftSlotState(slots, state.lengths.at[target].set(rows.starts + rows.counts, mode="drop"),
-                               state.generated.at[target].set(1, mode="drop"),
-                               state.mtp_hidden.at[target].set(_at(x, last), mode="drop"))
-    out = jnp.concatenate([out, jnp.zeros((out.shape[0], 1), jnp.int32)], axis=1)
-    return (keep_replicated(out[None], mesh), cache, mtp_cache, jax.tree.map(lambda a: keep_replicated(a, mesh), state))
+        target = jnp.where(rows.counts > 0, rows.slots, state.lengths.shape[0])  # out of range: dropped
+        state = dataclasses.replace(state, mtp_hidden=state.mtp_hidden.at[target].set(_at(x, last), mode="drop"))
+    out = jnp.zeros((1, rows.slots.shape[0], VERIFIED_WIDTH), jnp.int32).at[..., 0].set(-1)
+    return (keep_replicated(out, mesh), cache, mtp_cache, jax.tree.map(lambda a: keep_replicated(a, mesh), state))
 
 
 @functools.partial(jax.jit, static_argnames=(*_MODEL, "draft_tokens", "steps"),

@@ -43,7 +43,7 @@ class SchedulerConfig:
     max_seq_len: int
     decode_steps: int = 1  # decode steps per decode call
     draft_tokens: int = 0  # MTP drafts per decode iteration (0: none)
-    batch_invariant: bool = False  # every decode call `max_seqs` rows (`decode_shapes`)
+    batch_invariant: bool = False  # one shape per call kind (`prefill_shapes`, `decode_shapes`)
 
     def __post_init__(self) -> None:
         for name in ("max_seqs", "page_size", "prefill_chunk", "prefill_rows", "max_seq_len", "decode_steps"):
@@ -65,7 +65,11 @@ class SchedulerConfig:
     @property
     def prefill_shapes(self) -> tuple[tuple[int, int], ...]:
         """The prefill call's shapes `(rows, chunk)`, all compiled at warm-up: one row or
-        `prefill_rows`, and chunks of `prefill_chunk` or a quarter of it (from 16 tokens up)."""
+        `prefill_rows`, and chunks of `prefill_chunk` or a quarter of it (from 16 tokens up).
+        `batch_invariant`: `(prefill_rows, prefill_chunk)` only, so a chunk's products never change
+        shape with the requests prefilling beside it."""
+        if self.batch_invariant:
+            return ((self.prefill_rows, self.prefill_chunk),)
         rows = sorted({1, self.prefill_rows})
         chunks = sorted({self.prefill_chunk} | ({self.prefill_chunk // 4} if self.prefill_chunk >= 64 else set()))
         return tuple((r, c) for r in rows for c in chunks)
@@ -97,15 +101,9 @@ class SchedulerConfig:
         return min(r for r in self.decode_shapes if r >= len(lanes))
 
     @property
-    def last_prompt_token_decodes(self) -> bool:
-        """A prompt's last token runs as its request's first decode input, not in a prefill call
-        (docs/serving.md, "Two calls per step"); with MTP drafts the prefill call samples the first token."""
-        return not self.draft_tokens
-
-    @property
     def prefill_width(self) -> int:
         """Token columns a prefill row carries beyond its chunk: 1 with drafts (the prompt's token after
-        the chunk, see docs/serving.md), else 0."""
+        the chunk, which the MTP module reads; docs/serving.md), else 0."""
         return 1 if self.draft_tokens else 0
 
     @property
@@ -140,7 +138,7 @@ class Running:
     reserved: int
     fed: int
     tokens: list[int]
-    prefill_end: int  # the prompt tokens prefill calls run: all of them, or all but the last
+    prefill_end: int  # the prompt tokens prefill calls run: all but the last
     sampled: int = 0
     finished: bool = False
 
@@ -303,9 +301,10 @@ class Scheduler:
             pages = self.prefix_cache.acquire(match)
             request.cached_tokens = match.tokens
             request.scheduled_at = time.perf_counter()
-            prefill_end = len(prompt) - self.config.last_prompt_token_decodes
+            # The prompt's last token is the request's first decode input (docs/serving.md, "Two calls
+            # per step"), with drafts too: its first token comes from the decode step either way.
             seq = Running(request, self._free_slots.pop(0), pages, reserved, fed=match.tokens, tokens=list(prompt),
-                          prefill_end=prefill_end)
+                          prefill_end=len(prompt) - 1)
             self._page_table[seq.slot, :len(pages)] = pages
             self._running.append(seq)
             self.prompt_tokens += len(prompt)
@@ -342,13 +341,10 @@ class Scheduler:
                 continue
             start, count = seq.fed, min(self.config.prefill_chunk, seq.prefill_end - seq.fed)
             self._grow(seq, start + count)
-            last = start + count == seq.prompt_len
-            # The prompt's next token too (if any): with drafts, or for prompt log-probabilities.
-            mask = seq.request.matcher.mask() if last and seq.request.matcher is not None else None
-            lanes.append(Lane(seq, start, count, tuple(seq.tokens[start:start + count + 1]), sample=last,
-                              sample_index=0, feed_last=False, mask=mask))
+            # The prompt's next token too: with drafts, or for prompt log-probabilities.
+            lanes.append(Lane(seq, start, count, tuple(seq.tokens[start:start + count + 1]), sample=False,
+                              sample_index=0, feed_last=False))
             seq.fed += count
-            seq.sampled += last
             # Its full prompt pages are written by the call being planned: later requests may share them.
             self.prefix_cache.insert(seq.tokens[:seq.fed], seq.pages)
         return lanes
