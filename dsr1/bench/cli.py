@@ -8,6 +8,7 @@ transformers.
         [--kv-cache-dtype int8]
     python -m dsr1.bench compare-hf [--preset bench] [--batch 1,8] [--new-tokens 32]
     python -m dsr1.bench serve --preset tiny --dtype float32 [--requests 64] [--rate 100] [--prefix-ttft 2000]
+        [--disaggregate P:D]
     python -m dsr1.bench plan --preset deepseek-r1 --quant int8 [--target 8xH100|8xH200|v5e-64|v5p-64]
         [--mesh expert=8,tensor=8] [--hbm GIB]
     python -m dsr1.bench load [--preset bench | --model PATH] [--quant int8] [--cache cold|warm] [--repeats 3]
@@ -58,6 +59,7 @@ from .quality import add_quality_options, run_quality
 from .report import (
     COMPARE_NOTES,
     DECODE_NOTES,
+    DISAGGREGATE_NOTES,
     EXPERT_NOTES,
     PREFILL_NOTES,
     SERVE_NOTES,
@@ -73,6 +75,7 @@ from .report import (
 from .serve import (
     ARRIVAL_BOUND_TAIL,
     EngineShape,
+    Workload,
     WorkloadSpec,
     arrival_bound,
     make_workload,
@@ -233,6 +236,8 @@ def run_serve(args: argparse.Namespace) -> dict[str, Any]:
                         host_cache_bytes=args.host_cache_mb * 2**20, decode_steps=args.decode_steps)
     workload = make_workload(spec, model.cfg.vocab_size)
     _log(f"{len(workload)} requests, {sum(workload.max_new_tokens)} output tokens at most")
+    if args.disaggregate:
+        return _run_disaggregated(args, model, name, spec, workload, shape, dev)
     continuous, static, stats = None, None, None
     for i in range(args.repeats):  # alternating, so that both see the same moments of a shared machine
         _log(f"[{i + 1}/{args.repeats}] continuous batching ...")
@@ -278,6 +283,57 @@ def run_serve(args: argparse.Namespace) -> dict[str, Any]:
             "arrival_bound": bound, "prefix_ttft": prefix}
 
 
+def _run_disaggregated(args: argparse.Namespace, model: Model, name: str, spec: WorkloadSpec, workload: Workload,
+                       shape: EngineShape, dev: dict[str, Any]) -> dict[str, Any]:
+    """`serve --disaggregate P:D`: the workload through the mixed engine on the mesh's devices, then
+    through the engine with prefill on the first P of them and decode on the next D."""
+    split = tuple(args.disaggregate)
+    if sum(split) != model.mesh.size:
+        raise SystemExit(f"--disaggregate {split[0]}:{split[1]} splits {sum(split)} devices; the mesh has "
+                         f"{model.mesh.size} (JAX_NUM_CPU_DEVICES={sum(split)} fakes them on CPU)")
+    variants = {"mixed": shape, f"disaggregated {split[0]}:{split[1]}": dataclasses.replace(shape, disaggregate=split)}
+    best: dict[str, dict[str, Any]] = {}
+    outputs: dict[str, list[list[int]]] = {}
+    for i in range(args.repeats):  # alternating, so that both see the same moments of a shared machine
+        for label, variant in variants.items():
+            _log(f"[{i + 1}/{args.repeats}] {label} ...")
+            tokens: list[list[int]] = []
+            timings, run_stats = run_engine(model, workload, variant, tokens)
+            outputs[label] = tokens
+            row = {"name": label, **summarize(timings),
+                   "prefix_hit_rate": run_stats["prefix_hit_tokens"] / max(run_stats["prompt_tokens"], 1),
+                   "host_ms_per_step": run_stats["host_ms_per_step"],
+                   "device_ms_per_step": run_stats["device_ms_per_step"], "steps": run_stats["steps"]}
+            _log(f"    {row['tok_s']:.1f} tok/s")
+            if label not in best or row["tok_s"] > best[label]["tok_s"]:
+                best[label] = row
+    mixed, split_tokens = outputs.values()
+    same = sum(a == b for a, b in zip(mixed, split_tokens))
+    rows = list(best.values())
+    dev = with_final_load(dev)
+    print(device_line(dev))
+    print(model_line(model, name))
+    print(f"workload: {spec.requests} requests, Poisson arrivals at {spec.rate:g}/s, prompts {spec.prompt_len[0]}-"
+          f"{spec.prompt_len[1]} tokens ({spec.shared_fraction:.0%} begin with a shared {spec.shared_prefix}-token "
+          f"prefix), outputs {spec.output_len[0]}-{spec.output_len[1]} tokens, greedy, seed {spec.seed}")
+    print(f"engine: {dataclasses.asdict(shape)}; the faster of {args.repeats} alternating run(s) of each\n")
+    print(serve_table(rows))
+    print(f"\ndisaggregated / mixed throughput: {rows[1]['tok_s'] / rows[0]['tok_s']:.2f}x; greedy tokens equal for "
+          f"{same} of {len(mixed)} requests\n")
+    print(DISAGGREGATE_NOTES)
+    return {"command": "serve", "device": dev, "model": name, "config": dataclasses.asdict(model.cfg),
+            "dtype": args.dtype, "quant": args.quant, "kv_cache_dtype": args.kv_cache_dtype,
+            "workload": dataclasses.asdict(spec), "engine": dataclasses.asdict(shape), "disaggregate": list(split),
+            "repeats": args.repeats, "rows": rows, "same_tokens": same}
+
+
+def _split(text: str) -> tuple[int, int]:
+    parts = text.split(":")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected P:D, prefill and decode device counts >= 1, got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
 def _range(text: str) -> list[int]:
     values = positive_ints(text)
     if len(values) != 2 or values[0] > values[1]:
@@ -315,6 +371,8 @@ def _serve_options(p: argparse.ArgumentParser) -> None:
                    "(default: 0)")
     p.add_argument("--prefix-ttft", type=int, default=0, metavar="N", help="also measure the time to first token of "
                    "two requests sharing an N-token prefix (default: 0, off)")
+    p.add_argument("--disaggregate", type=_split, metavar="P:D", help="compare the mixed engine with prefill on the "
+                   "first P devices and decode on the next D (P + D: the mesh's devices; instead of static batches)")
 
 
 def _run_options(p: argparse.ArgumentParser) -> None:

@@ -111,6 +111,13 @@ tok/s = generated tokens / (last token - first arrival). TTFT = first token on t
   engine loop's own work per step (planning, dispatch, reading tokens) and the device's time per step."""
 
 
+DISAGGREGATE_NOTES = """\
+mixed: one dsr1.serving.Engine on every device, its prefill and decode calls taking turns; disaggregated P:D:
+  Engine(disaggregate=(P, D)), prompts prefilled on the first P devices and requests decoded on the next D, each side
+  with its own weights and page pool, prefilled pages moved to the decode side as they are written. Columns as for
+  continuous batching (the `serve` command without --disaggregate)."""
+
+
 def serve_table(rows: Sequence[dict[str, Any]]) -> str:
     """The `serve` command's table, one line per way of serving the workload."""
     headers = ("serving", "requests", "tokens", "seconds", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",

@@ -118,6 +118,7 @@ class EngineShape:
     prefill_rows: int = 4
     host_cache_bytes: int = 0
     decode_steps: int = 4
+    disaggregate: tuple[int, int] | None = None  # (prefill, decode) devices; None: one mixed engine
 
     def engine(self, model: Model, max_seq_len: int) -> Engine:
         return Engine(model, **dataclasses.asdict(self), max_seq_len=max_seq_len)
@@ -144,9 +145,10 @@ def _max_seq_len(workload: Workload, page_size: int) -> int:
     return -(-workload.longest // page_size) * page_size
 
 
-def run_engine(model: Model, workload: Workload, shape: EngineShape) -> tuple[list[RequestTiming], dict[str, Any]]:
+def run_engine(model: Model, workload: Workload, shape: EngineShape,
+               outputs: list[list[int]] | None = None) -> tuple[list[RequestTiming], dict[str, Any]]:
     """The workload through a fresh, warmed-up engine in real time; each request's times, and the
-    engine's stats at the end."""
+    engine's stats at the end (each request's tokens appended to `outputs` when given)."""
     engine = shape.engine(model, _max_seq_len(workload, shape.page_size))
     engine.warm_up()
     start = time.perf_counter()
@@ -160,6 +162,8 @@ def run_engine(model: Model, workload: Workload, shape: EngineShape) -> tuple[li
         if not engine.step() and pending < len(workload):
             _wait_until(start + workload.arrivals[pending])  # idle until the next arrival
     engine.check()
+    if outputs is not None:
+        outputs += [r.tokens for r in requests]
     timings = [RequestTiming(arrival, r.first_token_at - start, r.finished_at - start, len(r.tokens))
                for arrival, r in zip(workload.arrivals, requests)]
     return timings, dataclasses.asdict(engine.stats())

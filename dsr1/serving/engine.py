@@ -31,6 +31,7 @@ from ..generation.sampling import TOP_LOGPROBS, Sampling
 from ..generation.tokenizer import Tokenizer, load_tokenizer
 from .broadcast import StepChannel
 from .control import HostChannel
+from .disaggregate import SplitRunner, check_split, model_on, split_devices
 from .draft_step import mtp_paged_cache, unpack_verified
 from .grammar import Grammar, grammar_tokenizer
 from .page_pool import PageLog, PagePool, warm_up_ops
@@ -128,16 +129,20 @@ class Engine:
         (sockets, `dsr1.serving.control`: the devices run only the steps, and the others dispatch
         step n+1 while step n runs) or "device" (device broadcasts, `dsr1.serving.broadcast`: no
         port to open between hosts).
-      batch_invariant: every decode call runs `max_seqs` rows, so a row's decode products keep their
-        shape whatever else runs (prefill calls still take the shape their lanes need); how far that
-        makes drafts leave greedy tokens unchanged is in docs/serving.md, "Draft numerics". A lone
-        request pays for `max_seqs` rows.
+      batch_invariant: one shape per call kind, `max_seqs` decode rows and `prefill_rows x
+        prefill_chunk` prompt tokens, so a request's products keep their shapes whatever else runs;
+        what that makes deterministic, per platform, is in docs/serving.md, "Draft numerics". A lone
+        request pays for the full shapes.
+      disaggregate: `(p, d)`: prefill on the first `p` devices of the model's mesh and decode on the
+        next `d`, each side with its own copy of the weights and of the page pool, prefilled pages
+        moved to the decode side as they are written (`dsr1.serving.disaggregate`; one process).
     """
 
     def __init__(self, model: Model, *, max_seqs: int = 8, page_size: int = 16, num_pages: int = 512,
                  prefill_chunk: int = 64, prefill_rows: int = 2, host_cache_bytes: int = 0, decode_steps: int = 4,
                  max_seq_len: int | None = None, prefix_caching: bool = True, tokenizer: Tokenizer | None = None,
-                 draft_tokens: int = 0, control: str = "host", batch_invariant: bool = False):
+                 draft_tokens: int = 0, control: str = "host", batch_invariant: bool = False,
+                 disaggregate: tuple[int, int] | None = None):
         _check_draft_tokens(model, draft_tokens)
         if control not in CONTROLS:
             raise ValueError(f"control must be one of {CONTROLS}, got {control!r}")
@@ -150,12 +155,20 @@ class Engine:
         self.config = SchedulerConfig(max_seqs, page_size, num_pages, prefill_chunk, prefill_rows, max_seq_len,
                                       decode_steps, draft_tokens, batch_invariant)
         self.tokenizer = tokenizer or model.tokenizer
-        sizes = dict(cfg=model.cfg, mesh=model.mesh, num_pages=num_pages, page_size=page_size, dtype=model.dtype,
-                     kv_cache_dtype=model.kv_cache_dtype)
-        pool = PagePool(programs.paged_cache(**sizes), model.mesh,
-                        mtp_cache=mtp_paged_cache(**sizes) if draft_tokens else None)
-        self._runner = DeviceRunner(model, pool, slots=self.config.slots, max_seq_len=max_seq_len,
-                                    decode_steps=decode_steps, draft_tokens=draft_tokens)
+
+        def runner(on: Model) -> DeviceRunner:
+            sizes = dict(cfg=on.cfg, mesh=on.mesh, num_pages=num_pages, page_size=page_size, dtype=on.dtype,
+                         kv_cache_dtype=on.kv_cache_dtype)
+            pool = PagePool(programs.paged_cache(**sizes), on.mesh,
+                            mtp_cache=mtp_paged_cache(**sizes) if draft_tokens else None)
+            return DeviceRunner(on, pool, slots=self.config.slots, max_seq_len=max_seq_len,
+                                decode_steps=decode_steps, draft_tokens=draft_tokens)
+
+        if disaggregate is None:
+            self._runner = runner(model)
+        else:
+            meshes = split_devices(model.mesh, *check_split(disaggregate, model.mesh.size))
+            self._runner = SplitRunner(*(runner(model_on(model, mesh)) for mesh in meshes), page_size)
         # Several processes: process 0 decides and sends each step's work; the others follow.
         self._channel = None
         if jax.process_count() > 1:
@@ -163,7 +176,7 @@ class Engine:
                              else StepChannel())
         self.is_leader = jax.process_index() == 0
         self._closed = False
-        self._log = PageLog(pool.page_bytes)
+        self._log = PageLog(self._runner.pool.page_bytes)
         self.allocator = PageAllocator(num_pages)
         self.prefix_cache = PrefixCache(self.allocator, page_size, store=self._log, host_bytes=host_cache_bytes,
                                         enabled=prefix_caching)
@@ -395,6 +408,7 @@ class Engine:
             table = np.zeros((cfg.slots, cfg.table_width), np.int32)
             for out in self._launch(StepWork(self._log.take(), (admit,), tuple(calls), table)):
                 to_host(out)
+            self._runner.warm_up()
             self._runner.pool.settle(everything=True)
 
     def check(self) -> None:

@@ -37,7 +37,7 @@ from ..core.cache import SCRATCH_PAGE, PagedKVCache
 from ..core.sharding import put_replicated, to_host
 from .step import copy_pages, restore_pages
 
-__all__ = ["COPY_BATCH", "PAGE_OP_KINDS", "HostPage", "PageLog", "PageOp", "PagePool", "warm_up_ops"]
+__all__ = ["COPY_BATCH", "PAGE_OP_KINDS", "HostPage", "PageLog", "PageOp", "PagePool", "page_batches", "warm_up_ops"]
 
 COPY_BATCH = 8  # pages per copy program: one shape, few calls per eviction
 PAGE_OP_KINDS = ("save", "restore", "release")
@@ -66,11 +66,12 @@ class PageLog:
     def save(self, pages: Sequence[int]) -> list[int]:
         ids = list(range(self._next_id, self._next_id + len(pages)))
         self._next_id += len(pages)
-        self._ops += [PageOp("save", _int32(p), _int32(i)) for p, i in zip(_batches(pages), _batches(ids))]
+        self._ops += [PageOp("save", _int32(p), _int32(i)) for p, i in zip(page_batches(pages), page_batches(ids))]
         return ids
 
     def restore(self, pages: Sequence[int], copies: Sequence[int]) -> None:
-        self._ops += [PageOp("restore", _int32(p), _int32(c)) for p, c in zip(_batches(pages), _batches(copies))]
+        self._ops += [PageOp("restore", _int32(p), _int32(c))
+                      for p, c in zip(page_batches(pages), page_batches(copies))]
 
     def release(self, copies: Sequence[int]) -> None:
         if not copies:
@@ -176,6 +177,20 @@ class PagePool:
         if self.mtp_cache is not None:
             self.mtp_cache = pools[1]
 
+    def take(self, pages: np.ndarray) -> tuple[PagedKVCache, ...]:
+        """The contents of up to `COPY_BATCH` `pages`, per pool, as `COPY_BATCH`-page pools on this
+        pool's devices (dispatched, not waited for)."""
+        placed = put_replicated(_padded(pages), self.mesh)
+        return tuple(copy_pages(pool, placed, mesh=self.mesh) for pool in self.pools)
+
+    def put(self, pages: np.ndarray, contents: tuple[PagedKVCache, ...]) -> None:
+        """Write `take`'s `contents` (on this pool's devices) into the same `pages`."""
+        placed = put_replicated(_padded(pages), self.mesh)
+        pools = [restore_pages(pool, placed, part, mesh=self.mesh) for pool, part in zip(self.pools, contents)]
+        self.cache = pools[0]
+        if self.mtp_cache is not None:
+            self.mtp_cache = pools[1]
+
     def begin_step(self) -> None:
         """A new step is being dispatched: copies dispatched so far precede the previous step's programs."""
         self._earlier += self._this_step
@@ -201,7 +216,8 @@ def warm_up_ops(log: PageLog) -> None:
     log.release(copies)
 
 
-def _batches(items: Sequence) -> list[list]:
+def page_batches(items: Sequence) -> list[list]:
+    """`items` in runs of at most `COPY_BATCH` (one copy program each)."""
     return [list(items[i:i + COPY_BATCH]) for i in range(0, len(items), COPY_BATCH)]
 
 

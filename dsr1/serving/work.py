@@ -113,18 +113,35 @@ class DeviceRunner:
         calls = [work.page_table, *(rows.pack() for rows in work.calls)] if work.calls else []
         rules = [a.rules for a in work.admissions]
         placed = put_replicated([*admissions, *calls, *rules], self.model.mesh) if admissions or calls else []
-        admit = draft_step.admit_draft_slot if self.draft_tokens else step.admit_slot
-        for packed, rule_rows in zip(placed[:len(admissions)], placed[len(admissions) + len(calls):]):
-            with jax.named_scope("admit"):  # a slot's sampling settings, prompt (for penalties) and token rules
-                self.state = admit(self.state, packed, rule_rows, mesh=self.model.mesh)
+        self.admit_placed(placed[:len(admissions)], placed[len(admissions) + len(calls):])
         if not work.calls:
             return ()
         table, *rows = placed[len(admissions):len(admissions) + len(calls)]
         masks = work.masks or (None,) * len(work.calls)
-        return tuple(self._serve(packed, table, self.call_steps(call), decode=call.tokens.shape[1] == 1,
-                                 masks=None if m is None else put_replicated(m, self.model.mesh),
-                                 prompt_logprobs=bool(np.any(call.prompt_logprobs)) and not self.draft_tokens)
-                     for packed, call, m in zip(rows, work.calls, masks))
+        return tuple(self.serve(call, packed, table, m) for packed, call, m in zip(rows, work.calls, masks))
+
+    def admit(self, admissions: Sequence[Admission]) -> None:
+        """Give each admission its slot (one transfer for them all)."""
+        if admissions:
+            packed = [step.pack_admission(a.slot, a.sampling, a.prompt, self.max_seq_len) for a in admissions]
+            placed = put_replicated([*packed, *(a.rules for a in admissions)], self.model.mesh)
+            self.admit_placed(placed[:len(admissions)], placed[len(admissions):])
+
+    def admit_placed(self, packed: Sequence[jax.Array], rules: Sequence[TokenRuleRows]) -> None:
+        """`admit` of admissions already on the devices (`step.pack_admission`, token rule rows)."""
+        admit = draft_step.admit_draft_slot if self.draft_tokens else step.admit_slot
+        for one, rule_rows in zip(packed, rules):
+            with jax.named_scope("admit"):  # a slot's sampling settings, prompt (for penalties) and token rules
+                self.state = admit(self.state, one, rule_rows, mesh=self.model.mesh)
+
+    def serve(self, call: StepRows, packed: jax.Array, table: jax.Array, mask: np.ndarray | None) -> jax.Array:
+        """Dispatch one call (`packed`: `call.pack()` on the devices, `table`: the page table there)."""
+        return self._serve(packed, table, self.call_steps(call), decode=call.tokens.shape[1] == 1,
+                           masks=None if mask is None else put_replicated(mask, self.model.mesh),
+                           prompt_logprobs=bool(np.any(call.prompt_logprobs)) and not self.draft_tokens)
+
+    def warm_up(self) -> None:
+        """Compile what the runner dispatches besides the step's calls and page operations: nothing."""
 
     def call_steps(self, rows: StepRows) -> int:
         """The call's decode steps: `decode_steps` for a multi-step call (some row runs more than one;
@@ -153,6 +170,5 @@ class DeviceRunner:
             return tokens
         with jax.named_scope("serve_prefill"):
             tokens, pool.cache, pool.mtp_cache, self.state = draft_step.serve_draft_prefill(
-                self.model.params, pool.cache, pool.mtp_cache, self.state, packed_rows, table, masks,
-                **kwargs)
+                self.model.params, pool.cache, pool.mtp_cache, self.state, packed_rows, table, **kwargs)
         return tokens
