@@ -33,9 +33,9 @@ from ..api import Model
 from ..core.cache import SCRATCH_PAGE
 from ..core.params import compute_view
 from ..core.sharding import make_mesh, put_replicated, replicated_sharding
-from .draft_step import take_mtp_hidden
+from .draft_step import DraftSlotState, take_mtp_hidden
 from .page_pool import PagePool, page_batches
-from .step import StepRows
+from .step import SlotState, StepRows
 from .work import Admission, DeviceRunner, StepWork
 
 __all__ = ["SplitRunner", "check_split", "model_on", "split_devices"]
@@ -82,7 +82,7 @@ class SplitRunner:
         self._fresh: set[int] = set()  # slots admitted whose first prompt chunk has not run yet
 
     @property
-    def state(self):
+    def state(self) -> SlotState | DraftSlotState:
         """The decode side's slot state (where requests sample)."""
         return self.decode.state
 
