@@ -313,3 +313,25 @@ def test_training_path_matches_ragged_dot_with_gradients(monkeypatch):
         a, b = np.asarray(a), np.asarray(b)
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * max(np.abs(b).max(), 1e-30),
                                    err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tokens", [8, 64])
+def test_batch_invariant_experts_sum_a_row_the_same_whatever_its_neighbours_pick(tokens):
+    """`ShardingRules(batch_invariant=True)` (the serving engine's `batch_invariant`): a row's routed-expert
+    output is bit for bit the same whether the call's other rows picked its experts or others. The CPU
+    backend's expert kernels sum a row by how many rows share its expert; the loop's blocks have one
+    shape whatever the routing (decode's 8 rows, a prefill's 64)."""
+    from dsr1.core.moe import routed_experts
+
+    model = dsr1.init_random(TINY, seed=5, dtype="bfloat16")
+    rules = dataclasses.replace(model.rules, batch_invariant=True)
+    k, rng = TINY.num_experts_per_tok, np.random.default_rng(0)
+    x = rng.standard_normal((tokens, TINY.hidden_size)).astype(np.float32)
+    weights = rng.uniform(0.1, 1.0, (tokens, k)).astype(np.float32)
+    shared = np.tile(np.arange(k, dtype=np.int32), (tokens, 1))  # every row picks row 0's experts
+    apart = shared.copy()
+    apart[1:] = np.arange(k, 2 * k)  # the others pick other experts
+    run = jax.jit(lambda x, w, e: routed_experts(model.params["moe_layers"]["moe"], x, w, e, model.mesh, rules,
+                                                 layer=1))
+    np.testing.assert_array_equal(np.asarray(run(x, weights, shared))[0], np.asarray(run(x, weights, apart))[0])

@@ -364,6 +364,7 @@ def test_decode_call_takes_the_fewest_rows_that_hold_its_lanes():
     invariant = dataclasses.replace(wide, batch_invariant=True)  # a row's products never change shape
     assert invariant.decode_shapes == (64,)
     assert {invariant.decode_shape([None] * n) for n in (1, 9, 64)} == {64}
+    assert wide.prefill_shapes == ((1, 8), (2, 8)) and invariant.prefill_shapes == ((2, 8),)
 
 
 @pytest.mark.slow

@@ -186,7 +186,10 @@ def loop_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRule
     or every block at once (`dsr1.cpu.expert_blocks`), where its kernel reads them."""
     n_local, n_tokens = gate.shape[1], x.shape[0]
     varying = functools.partial(jax.lax.pcast, axis_name=rules.moe_reduce_axes(), to="varying")
-    if cpu.takes_pairs(gate, up, down, n_tokens):  # decode, bf16
+    # The kernels group an expert's rows and sum each row by how many there are; the loop's blocks
+    # have one shape whatever the routing.
+    kernels = not rules.batch_invariant
+    if kernels and cpu.takes_pairs(gate, up, down, n_tokens):  # decode, bf16
         local, is_local = _local_pairs(experts, n_local, rules)
         matrix = jnp.where(is_local, layer * n_local + local, -1).reshape(experts.shape)  # others' experts: skipped
         return varying(cpu.expert_pairs(x, weights, matrix, gate, up, down))
@@ -195,7 +198,7 @@ def loop_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRule
     n_blocks, block_at = _blocks(group_sizes, block)
     xs = jnp.pad((x.astype(jnp.float32) if cpu.holds(gate) else x)[token], ((0, block), (0, 0)))
     weight = jnp.where(is_local, weights.reshape(-1)[order], 0.0)
-    if cpu.takes_blocks(gate, up, down, block):
+    if kernels and cpu.takes_blocks(gate, up, down, block):
         n_pairs = token.shape[0]
         slots = jnp.arange(n_pairs // block + min(n_local, n_pairs))  # blocks <= pairs / block + hit experts
         expert, start, mine = block_at(slots)

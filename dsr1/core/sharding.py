@@ -47,6 +47,9 @@ class ShardingRules:
     experts: str | None = EXPERT
     expert_ffw: str | None = TENSOR
     moe_dispatch: str = "psum"  # how tokens reach the routed experts: one of MOE_DISPATCH
+    # Products whose per-row sums never depend on the other rows of the call (the serving engine's
+    # `batch_invariant`): the CPU backend's expert kernels sum a row by how many rows share its expert.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.moe_dispatch not in MOE_DISPATCH:
@@ -56,7 +59,7 @@ class ShardingRules:
         """The mesh axis of one logical axis; a name with no rule is an error, not "replicated"."""
         if logical is None:
             return None
-        if logical not in {f.name for f in dataclasses.fields(self)} - {"moe_dispatch"}:
+        if logical not in {f.name for f in dataclasses.fields(self)} - {"moe_dispatch", "batch_invariant"}:
             raise ValueError(f"no sharding rule for logical axis {logical!r}")
         return getattr(self, logical)
 

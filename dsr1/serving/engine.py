@@ -130,9 +130,11 @@ class Engine:
         step n+1 while step n runs) or "device" (device broadcasts, `dsr1.serving.broadcast`: no
         port to open between hosts).
       batch_invariant: one shape per call kind, `max_seqs` decode rows and `prefill_rows x
-        prefill_chunk` prompt tokens, so a request's products keep their shapes whatever else runs;
-        what that makes deterministic, per platform, is in docs/serving.md, "Draft numerics". A lone
-        request pays for the full shapes.
+        prefill_chunk` prompt tokens, and products whose per-row sums never depend on the other rows
+        (`ShardingRules.batch_invariant`: on CPU the routed experts by XLA's loop, not the backend's
+        kernels), so a request's tokens do not depend on what else runs; what that makes
+        deterministic, per platform, is in docs/serving.md, "Draft numerics". A lone request pays
+        for the full shapes.
       disaggregate: `(p, d)`: prefill on the first `p` devices of the model's mesh and decode on the
         next `d`, each side with its own copy of the weights and of the page pool, prefilled pages
         moved to the decode side as they are written (`dsr1.serving.disaggregate`; one process).
@@ -144,6 +146,8 @@ class Engine:
                  draft_tokens: int = 0, control: str = "host", batch_invariant: bool = False,
                  disaggregate: tuple[int, int] | None = None):
         _check_draft_tokens(model, draft_tokens)
+        if batch_invariant:
+            model = dataclasses.replace(model, rules=dataclasses.replace(model.rules, batch_invariant=True))
         if control not in CONTROLS:
             raise ValueError(f"control must be one of {CONTROLS}, got {control!r}")
         if max_seq_len is None:
