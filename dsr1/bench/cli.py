@@ -242,10 +242,7 @@ def run_serve(args: argparse.Namespace) -> dict[str, Any]:
     for i in range(args.repeats):  # alternating, so that both see the same moments of a shared machine
         _log(f"[{i + 1}/{args.repeats}] continuous batching ...")
         timings, run_stats = run_engine(model, workload, shape)
-        row = {"name": "continuous", **summarize(timings),
-               "prefix_hit_rate": run_stats["prefix_hit_tokens"] / max(run_stats["prompt_tokens"], 1),
-               "host_ms_per_step": run_stats["host_ms_per_step"], "device_ms_per_step": run_stats["device_ms_per_step"],
-               "wait_ms_per_step": run_stats["wait_ms_per_step"], "steps": run_stats["steps"]}
+        row = _engine_row("continuous", timings, run_stats)
         _log(f"    {row['tok_s']:.1f} tok/s; static batches of {shape.max_seqs}"
              f"{' (compile pass, then timed)' if i == 0 else ''} ...")
         if continuous is None or row["tok_s"] > continuous["tok_s"]:
@@ -283,6 +280,14 @@ def run_serve(args: argparse.Namespace) -> dict[str, Any]:
             "arrival_bound": bound, "prefix_ttft": prefix}
 
 
+def _engine_row(name: str, timings: list, stats: dict[str, Any]) -> dict[str, Any]:
+    """A `serve_table` row of one engine run: its timings' summary and the engine's own figures."""
+    return {"name": name, **summarize(timings),
+            "prefix_hit_rate": stats["prefix_hit_tokens"] / max(stats["prompt_tokens"], 1),
+            "host_ms_per_step": stats["host_ms_per_step"], "device_ms_per_step": stats["device_ms_per_step"],
+            "wait_ms_per_step": stats["wait_ms_per_step"], "steps": stats["steps"]}
+
+
 def _run_disaggregated(args: argparse.Namespace, model: Model, name: str, spec: WorkloadSpec, workload: Workload,
                        shape: EngineShape, dev: dict[str, Any]) -> dict[str, Any]:
     """`serve --disaggregate P:D`: the workload through the mixed engine on the mesh's devices, then
@@ -300,10 +305,7 @@ def _run_disaggregated(args: argparse.Namespace, model: Model, name: str, spec: 
             tokens: list[list[int]] = []
             timings, run_stats = run_engine(model, workload, variant, tokens)
             outputs[label] = tokens
-            row = {"name": label, **summarize(timings),
-                   "prefix_hit_rate": run_stats["prefix_hit_tokens"] / max(run_stats["prompt_tokens"], 1),
-                   "host_ms_per_step": run_stats["host_ms_per_step"],
-                   "device_ms_per_step": run_stats["device_ms_per_step"], "steps": run_stats["steps"]}
+            row = _engine_row(label, timings, run_stats)
             _log(f"    {row['tok_s']:.1f} tok/s")
             if label not in best or row["tok_s"] > best[label]["tok_s"]:
                 best[label] = row

@@ -93,14 +93,14 @@ class SplitRunner:
         self._admit(work.admissions)
         if not work.calls:
             return ()
-        tables = {side: put_replicated(work.page_table, side.model.mesh) for side in (self.prefill, self.decode)}
         masks = work.masks or (None,) * len(work.calls)
         out = []
-        for call, mask in zip(work.calls, masks):
+        for call, mask in zip(work.calls, masks):  # at most one call per side
             side = self.decode if call.tokens.shape[1] == 1 else self.prefill
             if side is self.prefill:
                 self._borrow(call, work.page_table)
-            out.append(side.serve(call, put_replicated(call.pack(), side.model.mesh), tables[side], mask))
+            packed, table = put_replicated([call.pack(), work.page_table], side.model.mesh)
+            out.append(side.serve(call, packed, table, mask))
             if side is self.prefill:
                 self._hand_over(call, work.page_table)
         return tuple(out)

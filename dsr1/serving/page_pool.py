@@ -162,29 +162,23 @@ class PagePool:
         return (self.cache,) if self.mtp_cache is None else (self.cache, self.mtp_cache)
 
     def _save(self, pages: np.ndarray, ids: np.ndarray) -> None:
-        placed = put_replicated(_padded(pages), self.mesh)
-        copied = _Copied(tuple(copy_pages(pool, placed, mesh=self.mesh) for pool in self.pools))
+        copied = _Copied(self.take(pages))
         for index, copy_id in enumerate(ids.tolist()):
             self.copies[copy_id] = HostPage(copied, index)
             self._this_step.append(self.copies[copy_id])
 
     def _restore(self, pages: np.ndarray, copies: Sequence[HostPage]) -> None:
-        placed = put_replicated(_padded(pages), self.mesh)
-        pools = [restore_pages(pool, placed, put_replicated(_stacked([c.arrays()[i] for c in copies]),
-                                                                     self.mesh), mesh=self.mesh)
-                 for i, pool in enumerate(self.pools)]
-        self.cache = pools[0]
-        if self.mtp_cache is not None:
-            self.mtp_cache = pools[1]
+        self.put(pages, tuple(put_replicated(_stacked([c.arrays()[i] for c in copies]), self.mesh)
+                              for i in range(len(self.pools))))
 
     def take(self, pages: np.ndarray) -> tuple[PagedKVCache, ...]:
         """The contents of up to `COPY_BATCH` `pages`, per pool, as `COPY_BATCH`-page pools on this
-        pool's devices (dispatched, not waited for)."""
+        pool's devices (dispatched, not waited for): to host memory, or to another pool's devices."""
         placed = put_replicated(_padded(pages), self.mesh)
         return tuple(copy_pages(pool, placed, mesh=self.mesh) for pool in self.pools)
 
     def put(self, pages: np.ndarray, contents: tuple[PagedKVCache, ...]) -> None:
-        """Write `take`'s `contents` (on this pool's devices) into the same `pages`."""
+        """Write `contents` (`take`'s form, on this pool's devices) into the same `pages`."""
         placed = put_replicated(_padded(pages), self.mesh)
         pools = [restore_pages(pool, placed, part, mesh=self.mesh) for pool, part in zip(self.pools, contents)]
         self.cache = pools[0]
