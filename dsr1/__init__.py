@@ -22,7 +22,7 @@ from . import serving
 from .api import Model, init_random, load
 from .core.cache import KVCache
 from .core.config import Config, ConfigError
-from .core.sharding import make_mesh
+from .core.sharding import ShardingRules, layout_rules, make_mesh
 from .generation.batch import Completion, GenerationResult, generate
 from .generation.sampling import Sampling
 from .generation.tokenizer import Tokenizer, load_tokenizer
@@ -32,6 +32,6 @@ from .weights.safetensors_io import CheckpointError
 
 __all__ = [
     "CheckpointError", "Completion", "Config", "ConfigError", "ConversionError", "GenerationResult", "KVCache",
-    "Model", "Sampling", "Tokenizer", "__version__", "demo_checkpoint", "generate", "init_random", "load",
-    "load_tokenizer", "make_mesh", "serving",
+    "Model", "Sampling", "ShardingRules", "Tokenizer", "__version__", "demo_checkpoint", "generate", "init_random",
+    "layout_rules", "load", "load_tokenizer", "make_mesh", "serving",
 ]

@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 
 from .api import Model, init_random, load
 from .core.config import Config
-from .core.sharding import MOE_DISPATCH, ShardingRules, make_mesh
+from .core.sharding import LAYOUTS, MOE_DISPATCH, ShardingRules, layout_rules, make_mesh
 from .weights.demo import demo_checkpoint
 
 
@@ -58,10 +58,15 @@ def add_model_options(p: argparse.ArgumentParser, *, default_preset: str | None,
     p.add_argument("--kv-cache-dtype", choices=["int8"], help="int8 latent cache with per-token scales")
     p.add_argument("--expert", type=int, help="expert-parallel mesh size (default: automatic)")
     p.add_argument("--tensor", type=int, help="tensor-parallel mesh size (default: automatic)")
-    p.add_argument("--moe-dispatch", choices=MOE_DISPATCH, default="psum",
+    p.add_argument("--layout", choices=LAYOUTS, default="tp",
+                   help="tp: every device holds every row and its cache, attention heads split over the tensor axis "
+                        "(lowest latency; default); dp: attention data parallelism, each device of the expert axis "
+                        "owns a share of the rows and of their cache, with the all-to-all expert dispatch "
+                        "(throughput; docs/layouts.md)")
+    p.add_argument("--moe-dispatch", choices=MOE_DISPATCH,
                    help="how tokens reach the routed experts: psum (every device sees every token, partial outputs "
-                        "summed; the low-latency default) or all_to_all (rows split over the expert axis, each "
-                        "token-expert pair sent to its expert's device and back; docs/layouts.md)")
+                        "summed; tp's default) or all_to_all (rows split over the expert axis, each token-expert "
+                        "pair sent to its expert's device and back; dp's default; docs/layouts.md)")
 
 
 def config_from_options(args: argparse.Namespace) -> tuple[Config, str]:
@@ -86,6 +91,12 @@ def mesh_from_options(args: argparse.Namespace) -> Mesh:
     return make_mesh(expert=args.expert, tensor=args.tensor)
 
 
+def rules_from_options(args: argparse.Namespace) -> ShardingRules:
+    """The sharding rules of `--layout`, with `--moe-dispatch` when given."""
+    dispatch = getattr(args, "moe_dispatch", None)
+    return layout_rules(getattr(args, "layout", "tp"), **({"moe_dispatch": dispatch} if dispatch else {}))
+
+
 def checkpoint_from_options(args: argparse.Namespace) -> str | None:
     """The checkpoint folder the options name: `--model`, the embedded demo model when the command
     defaults to it and no `--preset` or `--config` is given, else None (random weights)."""
@@ -101,7 +112,7 @@ def model_from_options(args: argparse.Namespace, *, seed: int = 0, mtp: bool = F
     weights (from `seed`) for `--config` / `--preset`; says on stderr which, since random weights
     write noise."""
     mesh = mesh_from_options(args)
-    rules = ShardingRules(moe_dispatch=getattr(args, "moe_dispatch", "psum"))
+    rules = rules_from_options(args)
     path = checkpoint_from_options(args)
     if path is not None:
         model = load(path, mesh=mesh, dtype=args.dtype, quant=args.quant, kv_cache_dtype=args.kv_cache_dtype,

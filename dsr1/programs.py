@@ -35,10 +35,18 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from .core import model
-from .core.cache import KVCache, PagedKVCache, empty_paged_cache, quantize_latent, to_stored
+from .core.cache import (
+    KVCache,
+    PagedKVCache,
+    empty_paged_cache,
+    keep_cache_rows,
+    keep_pool_layout,
+    quantize_latent,
+    to_stored,
+)
 from .core.config import Config
 from .core.params import Params
-from .core.sharding import ShardingRules, keep_replicated
+from .core.sharding import DEFAULT_RULES, ShardingRules
 from .generation.decoding import generate_chunk, generate_start, speculative_chunk, speculative_start
 from .generation.sampling import argmax
 
@@ -77,11 +85,12 @@ def greedy_decode(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Con
     return cache, fed, ids, last
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "batch", "context", "max_len", "dtype", "kv_cache_dtype"))
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "batch", "context", "max_len", "dtype", "kv_cache_dtype",
+                                             "rules"))
 def random_cache(key: jax.Array, *, cfg: Config, mesh: Mesh, batch: int, context: int, max_len: int, dtype: Any,
-                 kv_cache_dtype: str | None) -> KVCache:
+                 kv_cache_dtype: str | None, rules: ShardingRules = DEFAULT_RULES) -> KVCache:
     """A cache as if `batch` prompts of `context` tokens had been prefilled: random latents in the
-    cache's dtype, room for `max_len` positions, replicated over the mesh."""
+    cache's dtype, room for `max_len` positions, laid out over the mesh by `rules` (`keep_cache_rows`)."""
     layers = cfg.num_hidden_layers
     k_lat, k_pe = jax.random.split(key)
     c_kv = jax.random.normal(k_lat, (layers, batch, max_len, cfg.kv_lora_rank), jnp.float32)
@@ -89,18 +98,20 @@ def random_cache(key: jax.Array, *, cfg: Config, mesh: Mesh, batch: int, context
     c_kv, c_scale = quantize_latent(c_kv) if kv_cache_dtype == "int8" else (c_kv.astype(dtype), None)
     platform = mesh.devices.flat[0].platform
     cache = KVCache(to_stored(c_kv, platform), to_stored(pe, platform), c_scale, jnp.full((batch,), context, jnp.int32))
-    return jax.tree.map(lambda a: keep_replicated(a, mesh), cache)
+    return keep_cache_rows(cache, mesh, rules)
 
 
 # ---- serving -------------------------------------------------------------------------------------
 
-@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "num_pages", "page_size", "dtype", "kv_cache_dtype"))
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "num_pages", "page_size", "dtype", "kv_cache_dtype",
+                                             "rules"))
 def paged_cache(*, cfg: Config, mesh: Mesh, num_pages: int, page_size: int, dtype: Any,
-                kv_cache_dtype: str | None) -> PagedKVCache:
+                kv_cache_dtype: str | None, rules: ShardingRules = DEFAULT_RULES) -> PagedKVCache:
     """An empty pool of `num_pages` pages of `page_size` tokens (page 0 is the scratch page) for every
-    layer, in the model's `dtype` (or int8 latents with per-token scales), replicated over the mesh
-    like the contiguous cache."""
+    layer, in the model's `dtype` (or int8 latents with per-token scales), whole on every device; or,
+    under attention data parallelism (`rules.batch`), `num_pages / ranks` pages on each rank, whose
+    first is its own scratch page (`cache.pool_split`)."""
     cache = empty_paged_cache(cfg.num_hidden_layers, num_pages, page_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
                               jnp.dtype(dtype), kv_cache_dtype, mesh.devices.flat[0].platform)
-    return jax.tree.map(lambda a: keep_replicated(a, mesh), cache)
+    return keep_pool_layout(cache, mesh, rules)
 

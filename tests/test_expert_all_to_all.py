@@ -1,7 +1,9 @@
 """Expert parallelism by all-to-all (`ShardingRules(moe_dispatch="all_to_all")`): the rows split over
 the expert axis, each token-expert pair sent to its expert's device and back, gives the same MoE
 outputs and the same greedy tokens as summing partial outputs over the mesh ("psum") and as one
-device, in float32.
+device, in float32. And attention data parallelism (`layout_rules("dp")`: the rows, the decode cache
+and the page pool split over the expert axis, with the all-to-all) gives the same tokens and the
+same paged-extend logits as one device, each rank holding only its share.
 
 The multi-device comparison runs this file as a program in a subprocess (the device count must be
 set before JAX starts): `python -m tests.test_expert_all_to_all --expert 4 --tensor 2`.
@@ -22,15 +24,18 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import dsr1
+from dsr1 import programs
 from dsr1.core import moe as moe_module
 from dsr1.core.moe import moe
-from dsr1.core.sharding import ShardingRules
+from dsr1.core.sharding import ShardingRules, layout_rules
+from dsr1.options import rules_from_options
 
 # R1's routing at toy width: 64 experts in 8 groups, 4 groups kept, top-8; two dense layers, then MoE.
 CONFIG = dataclasses.replace(
     dsr1.Config.preset("tiny"), vocab_size=512, n_routed_experts=64, num_experts_per_tok=8, n_group=8,
     topk_group=4, first_k_dense_replace=2, num_hidden_layers=4)
 ALL_TO_ALL = ShardingRules(moe_dispatch="all_to_all")
+DP = layout_rules("dp")
 PROMPTS = [[0, 17, 300, 42, 5], [0, 99], [0, 7, 8, 9, 10, 11, 12, 250, 251], [0, 400, 3]]
 
 
@@ -39,6 +44,16 @@ def test_dispatch_is_checked():
         ShardingRules(moe_dispatch="scatter")
     assert ShardingRules().moe_token_axis() is None
     assert ALL_TO_ALL.moe_token_axis() == ALL_TO_ALL.experts
+
+
+def test_layouts_name_their_rules():
+    assert layout_rules("tp") == ShardingRules()
+    assert (DP.batch, DP.moe_dispatch) == (DP.experts, "all_to_all")
+    with pytest.raises(ValueError, match="layout='ep'"):
+        layout_rules("ep")
+    args = argparse.Namespace(layout="dp", moe_dispatch=None)
+    assert rules_from_options(args) == DP
+    assert rules_from_options(argparse.Namespace(layout="tp", moe_dispatch="all_to_all")) == ALL_TO_ALL
 
 
 @pytest.mark.slow
@@ -110,6 +125,48 @@ def ragged_exchange_errors(mesh, rules: ShardingRules, rows: int = 6) -> list[st
     return errors
 
 
+def paged_extend_logits(mesh, rules: ShardingRules, ranks: int, rows: int = 8, page_size: int = 4,
+                        pages_per_row: int = 6) -> tuple[list[np.ndarray], list[int]]:
+    """A prompt chunk then three decode tokens per row through `programs.extend` on a page pool of
+    `ranks` shares, each row on its rank's pages (local ids, shuffled; rank r holds rows r*R/ranks..).
+    Returns each call's logits and the pool's pages per device."""
+    model = dataclasses.replace(dsr1.init_random(CONFIG, seed=11, dtype="float32", mesh=mesh), rules=rules)
+    per_rank = rows // ranks * pages_per_row + 1  # + the rank's scratch page
+    pool = programs.paged_cache(cfg=CONFIG, mesh=mesh, num_pages=per_rank * ranks, page_size=page_size,
+                                dtype="float32", kv_cache_dtype=None, rules=rules)
+    table = np.zeros((rows, pages_per_row), np.int32)
+    for r in range(ranks):
+        ids = np.random.default_rng(r).permutation(np.arange(1, per_rank))
+        for j, b in enumerate(range(r * rows // ranks, (r + 1) * rows // ranks)):
+            table[b] = ids[j * pages_per_row:(j + 1) * pages_per_row]
+    tokens = np.random.default_rng(1).integers(1, CONFIG.vocab_size, (rows, 9)).astype(np.int32)
+    counts = np.array([9, 5, 9, 1, 0, 7, 9, 3][:rows], np.int32)  # row 4 idle throughout
+    starts = np.zeros(rows, np.int32)
+    logits, _, pool = programs.extend(model.params, pool, tokens, starts, counts, table,
+                                      np.maximum(counts - 1, 0)[:, None], **model.program_kwargs)
+    out = [np.asarray(logits)]
+    for _ in range(3):
+        starts, counts = starts + counts, np.where(counts > 0, 1, 0).astype(np.int32)
+        token = out[-1][:, -1].argmax(-1).astype(np.int32)[:, None]
+        logits, _, pool = programs.extend(model.params, pool, token, starts, counts, table,
+                                          np.zeros((rows, 1), np.int32), **model.program_kwargs)
+        out.append(np.asarray(logits))
+    return out, [s.data.shape[1] for s in pool.c_kv.addressable_shards]
+
+
+def dp_checks(one, mesh) -> dict:
+    """Attention data parallelism against one device: paged extend's logits, and where the caches live."""
+    ranks = mesh.shape[DP.batch]
+    ref, _ = paged_extend_logits(one, ShardingRules(), 1)
+    got, pages = paged_extend_logits(mesh, DP, ranks)
+    scale = max(float(np.abs(r).max()) for r in ref)
+    cache = programs.random_cache(jax.random.key(0), cfg=CONFIG, mesh=mesh, batch=2 * ranks, context=4, max_len=8,
+                                  dtype="float32", kv_cache_dtype=None, rules=DP)
+    return {"extend_max_rel_diff": max(float(np.abs(a - b).max()) for a, b in zip(ref, got)) / scale,
+            "pool_pages_per_device": sorted(set(pages)), "pool_pages": 8 // ranks * 6 * ranks + ranks,
+            "cache_rows_per_device": sorted({s.data.shape[1] for s in cache.c_kv.addressable_shards})}
+
+
 def compare(expert: int, tensor: int) -> dict:
     """The MoE layer's outputs and greedy tokens on an expert x tensor mesh, per dispatch, against one
     device's psum path."""
@@ -122,13 +179,15 @@ def compare(expert: int, tensor: int) -> dict:
         "ragged_exchange_errors": ragged_exchange_errors(mesh, ALL_TO_ALL),
         "moe_max_rel_diff": {k: float(np.abs(v - ref).max()) / scale for k, v in outputs.items()},
         "tokens_one_device": greedy_tokens(one, ShardingRules()),
-        "tokens": {r.moe_dispatch: greedy_tokens(mesh, r) for r in (ShardingRules(), ALL_TO_ALL)},
+        "tokens": {**{r.moe_dispatch: greedy_tokens(mesh, r) for r in (ShardingRules(), ALL_TO_ALL)},
+                   "dp": greedy_tokens(mesh, DP)},
+        "dp": dp_checks(one, mesh),
     }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("expert, tensor", [(4, 2), pytest.param(8, 1, marks=pytest.mark.extended)])
-def test_all_to_all_matches_psum_and_one_device_on_eight_devices(expert, tensor):
+def test_all_to_all_and_dp_match_psum_and_one_device_on_eight_devices(expert, tensor):
     from .harness import subprocess_env
 
     done = subprocess.run([sys.executable, "-m", "tests.test_expert_all_to_all", f"--expert={expert}",
@@ -142,6 +201,11 @@ def test_all_to_all_matches_psum_and_one_device_on_eight_devices(expert, tensor)
     assert all(len(row) == 12 for row in ref)
     assert report["tokens"]["psum"] == ref
     assert report["tokens"]["all_to_all"] == ref
+    assert report["tokens"]["dp"] == ref
+    dp = report["dp"]
+    assert dp["extend_max_rel_diff"] < 1e-5, dp
+    assert dp["pool_pages_per_device"] == [dp["pool_pages"] // expert], dp  # each rank holds its share only
+    assert dp["cache_rows_per_device"] == [2], dp
 
 
 if __name__ == "__main__":

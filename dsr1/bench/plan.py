@@ -46,7 +46,16 @@ from ..core.cache import KVCache, check_kv_cache_dtype
 from ..core.config import Config
 from ..core.params import abstract_params, is_spec, param_specs
 from ..core.quant import check_quant
-from ..core.sharding import DEFAULT_RULES, MESH_AXES, ShardingRules, make_mesh, replicated_sharding
+from ..core.sharding import (
+    DEFAULT_RULES,
+    LAYOUTS,
+    MESH_AXES,
+    ShardingRules,
+    layout_rules,
+    make_mesh,
+    replicated_sharding,
+    rules_layout,
+)
 from . import tpu
 from .accounting import cache_token_bytes
 from .bandwidth import device_description, with_final_load
@@ -135,6 +144,9 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
                    help="cpu: compile for fake CPU devices (default); tpu: compile with XLA:TPU (libtpu, the "
                         "tpu-plan extra) for the --target slice's real topology, no TPU needed: its memory "
                         "analysis, bytes per step and collectives")
+    p.add_argument("--layout", choices=LAYOUTS, default="tp",
+                   help="tp: every device holds every row's cache (default); dp: attention data parallelism, the "
+                        "rows and their cache split over the expert axis, all-to-all expert dispatch (docs/layouts.md)")
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON to PATH")
 
 
@@ -158,6 +170,7 @@ class PlanSpec:
     prefill_len: int = 4096
     target: str | None = None
     compiler: str = "cpu"
+    layout: str = "tp"
 
     @property
     def devices(self) -> int:
@@ -184,7 +197,7 @@ def spec_from_options(args: argparse.Namespace) -> PlanSpec:
         raise PlanError(f"--compiler tpu needs a TPU --target: one of {', '.join(SLICES)}")
     return PlanSpec(cfg, name, mesh, hbm, args.dtype, check_quant(args.quant),
                     check_kv_cache_dtype(args.kv_cache_dtype), args.batch, context, prefill_len, args.target,
-                    compiler)
+                    compiler, getattr(args, "layout", "tp"))
 
 
 def fake_cpu_mesh(sizes: dict[str, int]) -> Mesh:
@@ -252,16 +265,24 @@ def abstract_weights(cfg: Config, mesh: Mesh, rules: ShardingRules, dtype: Any, 
 
 
 def abstract_cache(cfg: Config, mesh: Mesh, batch: int, max_len: int, dtype: Any,
-                   kv_cache_dtype: str | None) -> KVCache:
-    """A decode cache of `max_len` positions per row as `ShapeDtypeStruct`s, replicated like the real one."""
+                   kv_cache_dtype: str | None, rules: ShardingRules = DEFAULT_RULES) -> KVCache:
+    """A decode cache of `max_len` positions per row as `ShapeDtypeStruct`s, laid out like the real one:
+    its rows split as `rules` split rows (`keep_cache_rows`), whole on every device by default."""
     def sds(shape: tuple[int, ...], dt: Any) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(shape, jnp.dtype(dt), sharding=replicated_sharding(mesh))
+        axes = ("layers", "batch") if len(shape) > 1 else ("batch",)
+        axes += (None,) * (len(shape) - len(axes))
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dt), sharding=rules.sharding(mesh, axes))
 
     rows = (cfg.num_hidden_layers, batch, max_len)
     int8 = kv_cache_dtype == "int8"
     return KVCache(sds((*rows, cfg.kv_lora_rank), jnp.int8 if int8 else dtype),
                    sds((*rows, cfg.qk_rope_head_dim), dtype), sds(rows, jnp.float32) if int8 else None,
                    sds((batch,), jnp.int32))
+
+
+def row_split(mesh: Mesh, rules: ShardingRules) -> int:
+    """Into how many shares the rows (and their cache) are split: the data-parallel ranks, or 1."""
+    return mesh.shape[rules.batch] if rules.batch is not None else 1
 
 
 def device_bytes(tree: Any) -> int:
@@ -320,7 +341,7 @@ def _compile(program: str, shape: str, jitted: Any, *args: Any, **kwargs: Any) -
 def compile_decode(weights: Any, cfg: Config, mesh: Mesh, rules: ShardingRules, batch: int, context: int,
                    dtype: Any, kv_cache_dtype: str | None) -> Compiled:
     """`dsr1.programs.decode` (one step, cache donated) for `batch` rows and a cache of `context` positions."""
-    cache = abstract_cache(cfg, mesh, batch, context, dtype, kv_cache_dtype)
+    cache = abstract_cache(cfg, mesh, batch, context, dtype, kv_cache_dtype, rules)
     tokens = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=replicated_sharding(mesh))
     return _compile("decode", f"batch {batch}, cache {context}", programs.decode, weights, cache, tokens, cfg=cfg,
                     mesh=mesh, rules=rules)
@@ -393,6 +414,7 @@ def make_plan(spec: PlanSpec, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES,
     weights = abstract_weights(cfg, mesh, rules, dtype, spec.quant)
     weight_bytes = device_bytes(weights)
     token_bytes = cache_bytes_per_token(cfg, dtype, spec.kv_cache_dtype)
+    device_token_bytes = -(-token_bytes // row_split(mesh, rules))  # what one device holds of a cached token
     steps = [("decode", spec.context), ("decode", 2 * spec.context), ("prefill", spec.prefill_len)]
     compiled = []
     for i, (program, size) in enumerate(steps):
@@ -404,13 +426,14 @@ def make_plan(spec: PlanSpec, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES,
             compiled.append(compile_prefill(weights, cfg, mesh, rules, size, spec.kv_cache_dtype))
         log(f"    {compiled[-1].lower_s:.1f} s to lower, {compiled[-1].compile_s:.1f} s to compile "
             f"({compiled[-1].compile_cpu_s:.1f} CPU s)")
-    model = MemoryModel.from_compiles(weight_bytes, token_bytes, compiled[0], compiled[1],
+    model = MemoryModel.from_compiles(weight_bytes, device_token_bytes, compiled[0], compiled[1],
                                       spec.batch * spec.context, spec.batch * 2 * spec.context)
     plan: dict[str, Any] = {
         "model": spec.name, "devices": spec.devices, "mesh": spec.mesh, "target": spec.target, "hbm_gib": spec.hbm_gib,
         "dtype": spec.dtype, "quant": spec.quant, "kv_cache_dtype": spec.kv_cache_dtype,
         "weight_bytes_total": total_bytes(weights), "weight_bytes_per_device": weight_bytes,
         "weight_breakdown": weight_breakdown(weights), "cache_bytes_per_token": token_bytes,
+        "layout": rules_layout(rules), "cache_bytes_per_token_per_device": device_token_bytes,
         "temp_fixed_bytes": model.temp_fixed, "temp_bytes_per_token": model.temp_per_token,
         "compiled": [dataclasses.asdict(c) for c in compiled], "safety_margin": SAFETY_MARGIN,
     }
@@ -449,8 +472,9 @@ def make_tpu_plan(spec: PlanSpec, mesh: Mesh, rules: ShardingRules = DEFAULT_RUL
     available = next((c.hbm_available_bytes for c in compiled if c.hbm_available_bytes), None)
     budget = available or (spec.hbm_gib if spec.hbm_gib is not None else chip.hbm_gib) * GIB
     tokens = spec.batch * spec.context
-    fitted = tpu.fit(compiled[0], compiled[1], tokens, 2 * tokens, budget, fit_contexts(cfg),
-                     cache_bytes_per_token(cfg, dtype, spec.kv_cache_dtype))
+    token_bytes = cache_bytes_per_token(cfg, dtype, spec.kv_cache_dtype)
+    device_token_bytes = -(-token_bytes // row_split(mesh, rules))
+    fitted = tpu.fit(compiled[0], compiled[1], tokens, 2 * tokens, budget, fit_contexts(cfg), device_token_bytes)
     per_step = step.bytes_accessed_per_step
     return {
         "model": spec.name, "compiler": "tpu", "devices": spec.devices, "mesh": spec.mesh, "target": spec.target,
@@ -459,7 +483,8 @@ def make_tpu_plan(spec: PlanSpec, mesh: Mesh, rules: ShardingRules = DEFAULT_RUL
         "batch": spec.batch, "context": spec.context,
         "weight_bytes_total": total_bytes(weights), "weight_bytes_per_device": device_bytes(weights),
         "weight_breakdown": weight_breakdown(weights),
-        "cache_bytes_per_token": cache_bytes_per_token(cfg, dtype, spec.kv_cache_dtype),
+        "cache_bytes_per_token": token_bytes, "layout": rules_layout(rules),
+        "cache_bytes_per_token_per_device": device_token_bytes,
         "compiled": [dataclasses.asdict(c) for c in compiled], "budget_bytes": budget,
         "fits": step.refused is None and step.peak_bytes <= budget, "peak_bytes": step.peak_bytes,
         "prefill_fits": compiled[2].refused is None and compiled[2].peak_bytes <= budget, **fitted,
@@ -477,14 +502,17 @@ def _gib(n: float) -> str:
 
 def plan_report(plan: dict[str, Any]) -> str:
     """The plan as Markdown: sizes, the compiled programs, and the fit."""
-    lines = [f"plan: {plan['model']} weights {plan['dtype']}{' + int8' if plan['quant'] else ''}, KV cache "
-             f"{plan['kv_cache_dtype'] or plan['dtype']}; {plan['devices']} devices, mesh {_mesh_text(plan['mesh'])}"
+    lines = [f"plan: {plan['model']} ({plan['layout']}) weights {plan['dtype']}{' + int8' if plan['quant'] else ''}, "
+             f"KV cache {plan['kv_cache_dtype'] or plan['dtype']}; {plan['devices']} devices, "
+             f"mesh {_mesh_text(plan['mesh'])}"
              + (f" ({plan['target']}: {TARGETS[plan['target']].about})" if plan["target"] else ""), "",
              f"- weights: {_gib(plan['weight_bytes_total'])} GiB in all, **{_gib(plan['weight_bytes_per_device'])} "
              f"GiB per device**"]
     lines += [f"  - {part}: {_gib(n)} GiB" for part, n in plan["weight_breakdown"].items()]
-    lines += [f"- cache: **{plan['cache_bytes_per_token']:,} bytes per token** (all layers; replicated, so per "
-              f"device too)",
+    split = plan["cache_bytes_per_token"] != plan["cache_bytes_per_token_per_device"]
+    lines += [f"- cache: **{plan['cache_bytes_per_token']:,} bytes per token** (all layers; "
+              + (f"layout dp: rows split over the expert axis, {plan['cache_bytes_per_token_per_device']:,} per device)"
+                 if split else "layout tp: every row on every device, so per device too)"),
               f"- XLA temporaries of a decode step (XLA:CPU): {_gib(plan['temp_fixed_bytes'])} GiB fixed + "
               f"{plan['temp_bytes_per_token']:,.0f} bytes per cached token", "",
               "| program | shape | lower s | compile s (CPU s) | arguments GiB | outputs GiB | aliased GiB | temp GiB "
@@ -530,11 +558,11 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
                 pass  # the backend has started (on CPU, unless a TPU is here: compiling for it works too)
             mesh = tpu.topology_mesh(SLICES[spec.target], spec.mesh)
             dev = device_description()
-            plan = make_tpu_plan(spec, mesh, log=log)
+            plan = make_tpu_plan(spec, mesh, layout_rules(spec.layout), log=log)
         else:
             mesh = fake_cpu_mesh(spec.mesh)  # first: before anything starts JAX's backend
             dev = device_description()
-            plan = make_plan(spec, mesh, log=log)
+            plan = make_plan(spec, mesh, layout_rules(spec.layout), log=log)
     except (PlanError, tpu.TpuPlanError) as e:
         raise SystemExit(f"plan: {e}") from None
     dev = with_final_load(dev)

@@ -36,9 +36,10 @@ def best_of(run: Callable[[], Any], repeats: int) -> tuple[float, Any]:
 
 def random_cache(model: Model, batch: int, context: int, max_len: int, seed: int = 0) -> KVCache:
     """A cache as if `batch` prompts of `context` tokens had been prefilled (random latents of the
-    model's cache dtype), with room for `max_len` positions, replicated on the model's mesh."""
+    model's cache dtype), with room for `max_len` positions, laid out on the model's mesh by its rules."""
     return programs.random_cache(jax.random.key(seed), cfg=model.cfg, mesh=model.mesh, batch=batch, context=context,
-                                 max_len=max_len, dtype=model.dtype, kv_cache_dtype=model.kv_cache_dtype)
+                                 max_len=max_len, dtype=model.dtype, kv_cache_dtype=model.kv_cache_dtype,
+                                 rules=model.rules)
 
 
 @dataclasses.dataclass(frozen=True)

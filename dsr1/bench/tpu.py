@@ -38,7 +38,7 @@ from .. import programs
 from ..core.cache import empty_paged_cache
 from ..core.config import Config
 from ..core.model import default_block_pages
-from ..core.sharding import ShardingRules, make_mesh, replicated_sharding
+from ..core.sharding import DEFAULT_RULES, ShardingRules, make_mesh, replicated_sharding
 from ..generation.sampling import Sampling, batch_sampling
 from ..serving import step as serving
 from . import hlo
@@ -94,19 +94,23 @@ def _replicated(tree: Any, mesh: Mesh) -> Any:
 
 
 def serving_args(cfg: Config, mesh: Mesh, batch: int, context: int, dtype: Any, kv_cache_dtype: str | None,
-                 page_size: int = PAGE_SIZE) -> tuple[Any, ...]:
+                 page_size: int = PAGE_SIZE, rules: ShardingRules = DEFAULT_RULES) -> tuple[Any, ...]:
     """`serve_step`'s arguments after the weights, abstract: a page pool holding `context` positions for
-    each of `batch` slots (+ the scratch page), the slots' state, one decode row per slot, the page table.
-    Placed as the engine places them (replicated)."""
+    each of `batch` slots (+ a scratch page per share of the pool), the slots' state, one decode row per
+    slot, the page table. The pool placed as `rules` place it (`keep_pool_layout`: whole on every
+    device, or its pages split over the data-parallel ranks), the rest replicated."""
     pages = -(-context // page_size)
-    cache = jax.eval_shape(lambda: empty_paged_cache(cfg.num_hidden_layers, batch * pages + 1, page_size,
+    ranks = mesh.shape[rules.batch] if rules.batch is not None else 1
+    cache = jax.eval_shape(lambda: empty_paged_cache(cfg.num_hidden_layers, batch * pages + ranks, page_size,
                                                      cfg.kv_lora_rank, cfg.qk_rope_head_dim, jnp.dtype(dtype),
                                                      kv_cache_dtype, platform="tpu"))
     sampling = batch_sampling([Sampling()] * batch)
     state = jax.eval_shape(functools.partial(serving.slot_state, mesh=mesh, vocab_size=cfg.vocab_size), sampling)
     rows = jax.ShapeDtypeStruct((batch, len(serving.StepRows._COLUMNS) + 1), jnp.int32)
     table = jax.ShapeDtypeStruct((batch, pages), jnp.int32)
-    return _replicated((cache, state, rows, table), mesh)
+    pool = rules.sharding(mesh, ("layers", "batch"))
+    cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=pool), cache)
+    return (cache, *_replicated((state, rows, table), mesh))
 
 
 def page_loop_trips(context: int, page_size: int = PAGE_SIZE) -> int:
@@ -193,7 +197,7 @@ def compile_serve_step(weights: Any, cfg: Config, mesh: Mesh, rules: ShardingRul
                        dtype: Any, kv_cache_dtype: str | None) -> TpuCompiled:
     """The serving engine's step (`dsr1.serving.step.serve_step`): one decode token for each of `batch`
     slots holding `context` positions."""
-    args = serving_args(cfg, mesh, batch, context, dtype, kv_cache_dtype)
+    args = serving_args(cfg, mesh, batch, context, dtype, kv_cache_dtype, rules=rules)
     return compile_tpu("serve_step", f"batch {batch}, cache {context}", serving.serve_step, (weights, *args),
                        dict(cfg=cfg, mesh=mesh, rules=rules), expert_stack_dims(weights), page_loop_trips(context))
 
@@ -237,12 +241,14 @@ def tpu_report(plan: dict[str, Any], top: int = 12) -> str:
     """The TPU plan as Markdown: the compiled programs' memory, the fit, bytes per step, collectives."""
     chip = plan["chip"]
     mesh = ",".join(f"{k}={v}" for k, v in plan["mesh"].items())
-    lines = [f"plan (XLA:TPU): {plan['model']} weights {plan['dtype']}{' + int8' if plan['quant'] else ''}, KV "
-             f"cache {plan['kv_cache_dtype'] or plan['dtype']}; {plan['target']} ({plan['topology']}, "
+    lines = [f"plan (XLA:TPU): {plan['model']} ({plan['layout']}) weights {plan['dtype']}"
+             f"{' + int8' if plan['quant'] else ''}, KV cache {plan['kv_cache_dtype'] or plan['dtype']}; "
+             f"{plan['target']} ({plan['topology']}, "
              f"{plan['devices']} devices of {chip['hbm_gib']:g} GiB at {chip['hbm_bytes_per_s'] / 1e9:,.0f} GB/s), "
              f"mesh {mesh}", "",
              f"- weights: {_gib(plan['weight_bytes_total'])} GiB in all, **{_gib(plan['weight_bytes_per_device'])} "
-             f"GiB per device**; cache {plan['cache_bytes_per_token']:,} bytes per token (replicated: per device)",
+             f"GiB per device**; cache {plan['cache_bytes_per_token']:,} bytes per token, "
+             f"{plan['cache_bytes_per_token_per_device']:,} of them per device (layout {plan['layout']})",
              "", "| program | shape | lower s | compile s | arguments GiB | outputs GiB | aliased GiB | temp GiB | "
              "peak GiB | XLA:TPU |", "|---|---|--:|--:|--:|--:|--:|--:|--:|---|"]
     for c in plan["compiled"]:

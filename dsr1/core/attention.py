@@ -27,10 +27,11 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from .. import cpu
 from . import flash_decode, paged_attention, products
-from .cache import KVCache, PagedKVCache, latent_values
+from .cache import KVCache, PagedKVCache, latent_values, read_rank_pages
 from .config import Config
 from .layers import rms_norm
 from .rope import apply_rope
@@ -376,7 +377,8 @@ def fold_keys(state: PartialSoftmax | None, q: Query, k: Keys, mask: jax.Array, 
 
 
 def _fold_pages(state: PartialSoftmax, p: dict, q: Query, context: PagedContext, layer: jax.Array,
-                dtype: jnp.dtype, cfg: Config) -> PartialSoftmax:
+                dtype: jnp.dtype, cfg: Config, mesh: Mesh | None = None,
+                rules: ShardingRules = DEFAULT_RULES) -> PartialSoftmax:
     """Fold every row's cached tokens into `state`, `block_pages` pages at a time, in as many steps as
     the longest row needs (a dynamic trip count: cost follows the context actually held, not the
     page table's width). Each step gathers one block of pages per row, never a whole context."""
@@ -388,7 +390,8 @@ def _fold_pages(state: PartialSoftmax, p: dict, q: Query, context: PagedContext,
     def read(i):
         pages = jax.lax.dynamic_slice_in_dim(table, i * n, n, axis=1)
         positions = i * context.block_tokens + jnp.arange(context.block_tokens)
-        return context.cache.read_pages(layer, pages), positions[None, :] < context.cached[:, None]
+        stored = read_rank_pages(context.cache, layer, pages, mesh, rules)
+        return stored, positions[None, :] < context.cached[:, None]
 
     return _fold_blocks(state, p, q, steps, read, dtype, cfg)
 
@@ -397,8 +400,9 @@ def _kernel_pages(q: Query, context: PagedContext, layer: jax.Array, cfg: Config
                   rules: ShardingRules) -> PartialSoftmax:
     """Every row's cached tokens of `layer` as one partial softmax, by the ragged paged kernel
     (`paged_attention`): a row's T queries and H heads meet its latents together, each row reads its
-    own pages. On a mesh the heads stay split as the queries are (`rules.heads`) and the pool is
-    read whole on every device."""
+    own pages. On a mesh the heads stay split as the queries are (`rules.heads`); the pool is read
+    whole on every device, or, under attention data parallelism, each rank reads its own pages for its
+    own rows (`cache.pool_split`)."""
     cache = context.cache
 
     def run(main, pe, c_kv, k_pe, c_scale, table, cached, layer):
@@ -411,10 +415,10 @@ def _kernel_pages(q: Query, context: PagedContext, layer: jax.Array, cfg: Config
 
     args = (q.main, q.pe, cache.c_kv, cache.k_pe, cache.c_scale, context.page_table, context.cached, layer)
     if mesh is not None and mesh.size > 1:
-        heads, stats = rules.spec((None, None, "heads", None)), rules.spec((None, "heads", None))
-        whole = jax.sharding.PartitionSpec()
-        run = jax.shard_map(run, mesh=mesh, in_specs=(heads, heads, *(whole,) * 6),
-                            out_specs=(rules.spec((None, "heads", None, None)), stats, stats), check_vma=False)
+        heads, stats = rules.spec(("batch", None, "heads", None)), rules.spec(("batch", "heads", None))
+        pool, rows = rules.spec(("layers", "batch")), rules.spec(("batch",))
+        run = jax.shard_map(run, mesh=mesh, in_specs=(heads, heads, pool, pool, pool, rows, rows, P()),
+                            out_specs=(rules.spec(("batch", "heads", None, None)), stats, stats), check_vma=False)
     acc, run_max, total = run(*args)
     return PartialSoftmax(run_max, total, acc)
 
@@ -459,6 +463,6 @@ def attend_extend(p: dict, x: jax.Array, positions: jax.Array, context: PagedCon
             if absorbed and paged_attention.applies(kernel_choice(mesh, one_device)[0]):
                 state = state.merge(_kernel_pages(q, context, layer, cfg, mesh, rules))
             else:
-                state = _fold_pages(state, p, q, context, layer, dt, cfg)
+                state = _fold_pages(state, p, q, context, layer, dt, cfg, mesh, rules)
         out = attention_output(p, state.result(), absorbed, dt)
     return out, (c_new, pe_new)

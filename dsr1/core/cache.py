@@ -21,6 +21,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from .sharding import ShardingRules, keep_rows
 
 KV_CACHE_DTYPES = (None, "int8")
 
@@ -57,6 +60,15 @@ class KVCache:
             return jax.lax.dynamic_slice(a, at, (1, a.shape[1], n, *a.shape[3:]))[0]
 
         return block(self.c_kv), None if self.c_scale is None else block(self.c_scale), block(self.k_pe)
+
+
+def keep_cache_rows(cache: KVCache, mesh: Mesh, rules: ShardingRules) -> KVCache:
+    """Inside jit: the decode cache laid out as its rows are (`keep_rows`): under attention data
+    parallelism each rank holds only its rows' latents, else every device holds them all."""
+    def rows(a: jax.Array | None, axis: int = 1) -> jax.Array | None:
+        return None if a is None else keep_rows(a, mesh, rules, axis)
+
+    return KVCache(rows(cache.c_kv), rows(cache.k_pe), rows(cache.c_scale), rows(cache.lengths, 0))
 
 
 def _latent_bytes(cache: KVCache | PagedKVCache) -> int:
@@ -226,6 +238,57 @@ def write_tokens(cache: PagedKVCache, c_kv: jax.Array, k_pe: jax.Array, pages: j
         _put(cache.k_pe, (slice(None), pages, slots), k_pe),
         None if c_scale is None else _put(cache.c_scale, (slice(None), pages, slots), c_scale),
     )
+
+
+# ---- the page pool under attention data parallelism ---------------------------------------------
+# Each data-parallel rank (a device of `rules.batch`'s axis) holds a share of the pool's pages and the
+# rows that use them; a row's page table holds page ids local to its rank (each rank's page 0 is its
+# scratch page). A gather or scatter with such ids, left to XLA's partitioner, would assemble the whole
+# pool on every device: they run per rank under `shard_map`, and no page crosses ranks.
+
+def pool_split(mesh: Mesh | None, rules: ShardingRules) -> str | None:
+    """The mesh axis the pool's pages and the rows are split over, or None (the pool whole everywhere)."""
+    if mesh is None or rules.batch is None or mesh.shape[rules.batch] == 1:
+        return None
+    return rules.batch
+
+
+def keep_pool_layout(cache: PagedKVCache, mesh: Mesh, rules: ShardingRules) -> PagedKVCache:
+    """Inside jit: the pool's pages split over the ranks (`pool_split`), or whole on every device."""
+    return jax.tree.map(lambda a: keep_rows(a, mesh, rules, axis=1), cache)
+
+
+def _per_rank(fn, mesh: Mesh, axis: str, in_specs, out_specs):
+    """`fn` run on each rank's share (manual over `axis` only: the rest of the mesh stays XLA's)."""
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={axis}, check_vma=False)
+
+
+def _pool_specs(cache: PagedKVCache, axis: str) -> PagedKVCache:
+    pool = jax.sharding.PartitionSpec(None, axis)
+    return PagedKVCache(pool, pool, None if cache.c_scale is None else pool)
+
+
+def read_rank_pages(cache: PagedKVCache, layer: jax.Array, pages: jax.Array, mesh: Mesh | None,
+                    rules: ShardingRules) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+    """`cache.read_pages(layer, pages)`, each row's pages read on its own rank when the pool is split."""
+    axis = pool_split(mesh, rules)
+    if axis is None:
+        return cache.read_pages(layer, pages)
+    rows, whole = jax.sharding.PartitionSpec(axis), jax.sharding.PartitionSpec()
+    read = _per_rank(lambda c, i, p: c.read_pages(i, p), mesh, axis, (_pool_specs(cache, axis), whole, rows),
+                     (rows, None if cache.c_scale is None else rows, rows))
+    return read(cache, layer, pages)
+
+
+def write_rank_tokens(cache: PagedKVCache, c_kv: jax.Array, k_pe: jax.Array, pages: jax.Array, slots: jax.Array,
+                      mesh: Mesh | None, rules: ShardingRules) -> PagedKVCache:
+    """`write_tokens`, each row's tokens written into its own rank's pages when the pool is split."""
+    axis = pool_split(mesh, rules)
+    if axis is None:
+        return write_tokens(cache, c_kv, k_pe, pages, slots)
+    pool, rows = _pool_specs(cache, axis), jax.sharding.PartitionSpec(axis)
+    new = jax.sharding.PartitionSpec(None, axis)
+    return _per_rank(write_tokens, mesh, axis, (pool, new, new, rows, rows), pool)(cache, c_kv, k_pe, pages, slots)
 
 
 def gather_pages(cache: PagedKVCache, pages: jax.Array) -> PagedKVCache:

@@ -28,17 +28,20 @@ from .cache import (
     append_token,
     append_tokens,
     cache_from_prefill,
+    keep_cache_rows,
+    keep_pool_layout,
     token_slots,
-    write_tokens,
+    write_rank_tokens,
 )
 from .config import Config
 from .layers import mlp, rms_norm
 from .moe import RouterStats, moe, router_stats
 from .params import STACKS, Params, compute_view, stack_layers
 from .products import einsum, to_float32
-from .sharding import ShardingRules, keep_replicated
+from .sharding import ShardingRules, keep_rows
 
-# Low-latency layout: activations are replicated (`keep_replicated`); only weights are split.
+# Activations and the decode cache are laid out by their rows (`keep_rows`): whole on every device
+# in the low-latency layout, split over the data-parallel axis under attention data parallelism.
 
 Attend = Callable[[dict, jax.Array, jax.Array], tuple[jax.Array, tuple[jax.Array, jax.Array]]]
 """`attend(layer_params, normed_x, layer_index) -> (out, (c_kv, k_pe))`: one layer's attention."""
@@ -65,9 +68,9 @@ def _block(p: dict, x: jax.Array, attend, cfg: Config, mesh: Mesh, rules: Shardi
     """One pre-norm transformer layer; `attend(p, normed_x)` returns (out, new latents).
     Returns the new residual stream and (new latents, routed expert ids or None)."""
     h, new_kv = attend(p, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps))
-    x = keep_replicated(x + h.astype(jnp.float32), mesh)
+    x = keep_rows(x + h.astype(jnp.float32), mesh, rules)
     ffn, experts = _feed_forward(p, rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), cfg, mesh, rules, layer, train)
-    return keep_replicated(x + ffn, mesh), (new_kv, experts)
+    return keep_rows(x + ffn, mesh, rules), (new_kv, experts)
 
 
 def _embed(params: Params, tokens: jax.Array) -> jax.Array:
@@ -137,7 +140,7 @@ def _run_layers(params: Params, x: jax.Array, attend: Attend, cfg: Config, mesh:
 def _prefill_hidden(params: Params, tokens: jax.Array, cfg: Config, mesh: Mesh, rules: ShardingRules):
     """Final hidden states `[B, T, D]` and every layer's latents `([L, B, T, r], [L, B, T, rope])`."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    x = keep_replicated(_embed(params, tokens), mesh)
+    x = keep_rows(_embed(params, tokens), mesh, rules)
     x, latents, _ = _run_layers(params, x, lambda p, h, _: attend_prefill(p, h, positions, cfg), cfg, mesh, rules)
     return x, latents
 
@@ -156,7 +159,7 @@ def forward_hidden(params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg
     x, _ = _prefill_hidden(params, tokens, cfg, mesh, rules)
     valid = (jnp.arange(tokens.shape[1])[None, :] < lengths[:, None])[..., None]
     logits = jnp.where(valid, _logits(params, x, cfg), 0.0)
-    return keep_replicated(logits, mesh), keep_replicated(jnp.where(valid, x, 0.0), mesh)
+    return keep_rows(logits, mesh, rules), keep_rows(jnp.where(valid, x, 0.0), mesh, rules)
 
 
 def forward_train(params: Params, tokens: jax.Array, *, cfg: Config, mesh: Mesh,
@@ -188,9 +191,9 @@ def prefill_hidden(params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg
     params = compute_view(params, cfg, mesh)
     x, (c_kv, k_pe) = _prefill_hidden(params, tokens, cfg, mesh, rules)
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    logits = keep_replicated(_logits(params, last, cfg), mesh)
+    logits = keep_rows(_logits(params, last, cfg), mesh, rules)
     cache = cache_from_prefill(c_kv, k_pe, lengths, max_len, kv_cache_dtype, mesh.devices.flat[0].platform)
-    return logits, jax.tree.map(lambda a: keep_replicated(a, mesh), cache), keep_replicated(x, mesh)
+    return logits, keep_cache_rows(cache, mesh, rules), keep_rows(x, mesh, rules)
 
 
 def decode(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config, mesh: Mesh,
@@ -208,15 +211,15 @@ def decode_hidden(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Con
     input): the one-token step that `verify_by_steps` repeats."""
     positions = cache.lengths
     params = compute_view(params, cfg, mesh)
-    x = keep_replicated(_embed(params, tokens), mesh)
+    x = keep_rows(_embed(params, tokens), mesh, rules)
 
     def attend(p, h, i):
         return attend_decode(p, h, positions, cache, i, cfg, mesh=mesh)
 
     x, (c_new, pe_new), routing = _run_layers(params, x, attend, cfg, mesh, rules)
-    logits = keep_replicated(_logits(params, x, cfg), mesh)
-    cache = jax.tree.map(lambda a: keep_replicated(a, mesh), append_token(cache, c_new, pe_new))
-    return logits, cache, routing, keep_replicated(x, mesh)
+    logits = keep_rows(_logits(params, x, cfg), mesh, rules)
+    cache = keep_cache_rows(append_token(cache, c_new, pe_new), mesh, rules)
+    return logits, cache, routing, keep_rows(x, mesh, rules)
 
 
 def verify_by_steps(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config, mesh: Mesh,
@@ -247,15 +250,15 @@ def verify(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config, me
     One pass over the weights for all T, but not the numerics of `decode` (see `verify_by_steps`)."""
     positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])
     params = compute_view(params, cfg, mesh)
-    x = keep_replicated(_embed(params, tokens), mesh)
+    x = keep_rows(_embed(params, tokens), mesh, rules)
 
     def attend(p, h, i):
         return attend_cached(p, h, positions, cache, i, cfg)
 
     x, (c_new, pe_new), _ = _run_layers(params, x, attend, cfg, mesh, rules)
-    logits = keep_replicated(_logits(params, x, cfg), mesh)
+    logits = keep_rows(_logits(params, x, cfg), mesh, rules)
     cache = append_tokens(cache, c_new, pe_new)
-    return logits, keep_replicated(x, mesh), jax.tree.map(lambda a: keep_replicated(a, mesh), cache)
+    return logits, keep_rows(x, mesh, rules), keep_cache_rows(cache, mesh, rules)
 
 
 def default_block_pages(page_size: int, table_width: int, chunk: int = 1) -> int:
@@ -283,7 +286,9 @@ def extend(params: Params, cache: PagedKVCache, tokens: jax.Array, starts: jax.A
       counts: `[B]` real new tokens per row, in `[0, T]`; 0 marks an idle slot (none of the pool
         is read or written for it, its outputs are zero).
       page_table: `[B, P]` row b's pages in order; entries past what the row uses are ignored (use
-        `SCRATCH_PAGE`). Must cover `starts[b] + counts[b]` tokens.
+        `SCRATCH_PAGE`). Must cover `starts[b] + counts[b]` tokens. Under attention data parallelism
+        (`rules.batch`) the pool's pages and the rows are split over the ranks, and a row's page ids
+        are those of its rank's share (`cache.pool_split`).
       logits_at: `[B, K]` indices into T whose logits are wanted (e.g. `counts - 1` for the next
         token, or every draft position for verification).
       absorbed: the attention form (None: the cheaper for T, `use_absorbed`); both give the same
@@ -312,7 +317,7 @@ def extend(params: Params, cache: PagedKVCache, tokens: jax.Array, starts: jax.A
     context = PagedContext(cache, page_table, cached, block_pages)
     positions = cached[:, None] + jnp.arange(chunk)
     params = compute_view(params, cfg, mesh)
-    x = keep_replicated(_embed(params, tokens), mesh)
+    x = keep_rows(_embed(params, tokens), mesh, rules)
 
     def attend(p, h, i):
         return attend_extend(p, h, positions, context, i, cfg, absorbed=absorbed, mesh=mesh, rules=rules)
@@ -320,7 +325,7 @@ def extend(params: Params, cache: PagedKVCache, tokens: jax.Array, starts: jax.A
     x, (c_new, pe_new), _ = _run_layers(params, x, attend, cfg, mesh, rules)
     with jax.named_scope("write_pages"):
         pages, slots = token_slots(page_table, cached, counts, chunk, cache.page_size)
-        cache = write_tokens(cache, c_new, pe_new, pages, slots)
+        cache = write_rank_tokens(cache, c_new, pe_new, pages, slots, mesh, rules)
     def at(indices: jax.Array) -> jax.Array:
         picked = jnp.take_along_axis(x, jnp.clip(indices, 0, chunk - 1)[..., None], axis=1)
         return jnp.where((indices < counts[:, None])[..., None], picked, 0.0)
@@ -336,5 +341,4 @@ def extend(params: Params, cache: PagedKVCache, tokens: jax.Array, starts: jax.A
     else:
         logits = jax.lax.cond(jnp.any(wanted), lambda h: _logits(params, h, cfg),
                               lambda h: jnp.zeros((*h.shape[:-1], cfg.vocab_size), jnp.float32), head_input)
-    return (keep_replicated(logits, mesh), keep_replicated(hidden, mesh),
-            jax.tree.map(lambda a: keep_replicated(a, mesh), cache))
+    return keep_rows(logits, mesh, rules), keep_rows(hidden, mesh, rules), keep_pool_layout(cache, mesh, rules)

@@ -29,7 +29,7 @@ from .layers import rms_norm
 from .model import _block, _split_routed_experts
 from .params import Params
 from .products import einsum, matmul, to_float32
-from .sharding import ShardingRules, keep_replicated
+from .sharding import ShardingRules, keep_rows
 
 
 def mtp_module(params: Params, index: int = 0) -> tuple[dict, dict | None]:
@@ -68,7 +68,7 @@ def _mtp_block(params: Params, hidden: jax.Array, next_tokens: jax.Array, attend
     p, routed = mtp_module(params, index)
     block = p["block"] if routed is None else {**p["block"], "moe": {**p["block"]["moe"], **routed}}
     with jax.named_scope("mtp"):
-        x = keep_replicated(mtp_input(p, hidden, next_tokens, cfg), mesh)
+        x = keep_rows(mtp_input(p, hidden, next_tokens, cfg), mesh, rules)
         if query_at is not None:
             every, inner = x, attend
             x = jnp.take_along_axis(every, query_at[:, None, None], axis=1)
@@ -91,7 +91,7 @@ def mtp_step(params: Params, hidden: jax.Array, next_tokens: jax.Array, attend, 
     p, x, latents, _ = _mtp_block(params, hidden, next_tokens, attend, cfg=cfg, mesh=mesh, rules=rules, index=index,
                                   train=train, query_at=query_at)
     with jax.named_scope("mtp"):
-        return keep_replicated(mtp_logits(p, x, cfg), mesh), x, latents
+        return keep_rows(mtp_logits(p, x, cfg), mesh, rules), x, latents
 
 
 def mtp_forward_train(params: Params, hidden: jax.Array, next_tokens: jax.Array, *, cfg: Config, mesh: Mesh,
@@ -102,7 +102,7 @@ def mtp_forward_train(params: Params, hidden: jax.Array, next_tokens: jax.Array,
     positions = jnp.broadcast_to(jnp.arange(hidden.shape[1]), next_tokens.shape)
     p, x, _, stats = _mtp_block(params, hidden, next_tokens, lambda p, h: attend_prefill(p, h, positions, cfg),
                                 cfg=cfg, mesh=mesh, rules=rules, index=index, train=True)
-    return keep_replicated(mtp_logits(p, x, cfg), mesh), stats
+    return keep_rows(mtp_logits(p, x, cfg), mesh, rules), stats
 
 
 def mtp_forward(params: Params, hidden: jax.Array, next_tokens: jax.Array, lengths: jax.Array, *, cfg: Config,
@@ -127,4 +127,4 @@ def mtp_forward(params: Params, hidden: jax.Array, next_tokens: jax.Array, lengt
     logits, x, _ = mtp_step(params, hidden, next_tokens, lambda p, h: attend_prefill(p, h, positions, cfg),
                             cfg=cfg, mesh=mesh, rules=rules, index=index, train=True)
     valid = (jnp.arange(hidden.shape[1])[None, :] < lengths[:, None])[..., None]
-    return keep_replicated(jnp.where(valid, logits, 0.0), mesh), keep_replicated(jnp.where(valid, x, 0.0), mesh)
+    return keep_rows(jnp.where(valid, logits, 0.0), mesh, rules), keep_rows(jnp.where(valid, x, 0.0), mesh, rules)

@@ -3,8 +3,10 @@
 Every weight and activation elsewhere speaks *logical* axes ("heads", "experts", ...);
 `ShardingRules` maps each to a mesh axis (or to None: replicated). The rules are a value, passed
 to whatever places arrays (`Model.rules`, `init_random(..., rules=)`); `DEFAULT_RULES` is the
-low-latency decode layout: activations replicated, attention heads and ffw split over `tensor`,
-routed experts over `expert` (and their ffw over `tensor`).
+low-latency decode layout ("tp"): activations replicated, attention heads and ffw split over
+`tensor`, routed experts over `expert` (and their ffw over `tensor`). `layout_rules("dp")` is the
+throughput layout: attention data parallelism, the rows of every activation and of the decode cache
+split over `expert` (each of its devices a data-parallel rank), with the all-to-all expert dispatch.
 
 `moe_dispatch` chooses how tokens meet the routed experts: "psum" (default) runs every device's
 experts on every token routed to them and sums the partial outputs over the mesh; "all_to_all"
@@ -21,6 +23,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -30,6 +33,7 @@ MESH_AXES = (EXPERT, TENSOR)
 
 LogicalAxes = tuple[str | None, ...]
 MOE_DISPATCH = ("psum", "all_to_all")
+LAYOUTS = ("tp", "dp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +41,7 @@ class ShardingRules:
     """Which mesh axis (or None: replicated) each logical axis is split over."""
 
     layers: str | None = None
+    batch: str | None = None  # rows: of activations and of the decode cache (attention data parallelism)
     vocab: str | None = TENSOR
     embed: str | None = None
     q_lora: str | None = None
@@ -100,6 +105,23 @@ class ShardingRules:
 DEFAULT_RULES = ShardingRules()
 
 
+def layout_rules(layout: str, **overrides: Any) -> ShardingRules:
+    """The rules of a named layout (docs/layouts.md): "tp", tensor-parallel attention with every row on
+    every device (`DEFAULT_RULES`, lowest latency); "dp", attention data parallelism over the `expert`
+    axis (each device of it owns a share of the rows and of their cache; heads stay split over
+    `tensor`) with the all-to-all expert dispatch, so tokens never leave their rank but to meet
+    their experts. `overrides`: other fields of `ShardingRules`."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: expected one of {LAYOUTS}")
+    base = {"batch": EXPERT, "moe_dispatch": "all_to_all"} if layout == "dp" else {}
+    return ShardingRules(**{**base, **overrides})
+
+
+def rules_layout(rules: ShardingRules) -> str:
+    """The named layout `rules` follow: "dp" when rows are split, else "tp"."""
+    return "tp" if rules.batch is None else "dp"
+
+
 def make_mesh(expert: int | None = None, tensor: int | None = None,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A 2-D (expert, tensor) mesh over `devices` (default: every device of every process), laid
@@ -134,6 +156,15 @@ def keep_replicated(x: jax.Array, mesh: Mesh) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, replicated_sharding(mesh))
 
 
+def keep_rows(x: jax.Array, mesh: Mesh, rules: ShardingRules, axis: int = 0) -> jax.Array:
+    """Inside jit: constrain an array whose dimension `axis` holds rows to the rules' layout: rows
+    split over `rules.batch` (attention data parallelism), the rest whole; replicated when rows are
+    not split. A row count that does not divide the axis is padded by XLA, not refused."""
+    spec = [None] * x.ndim
+    spec[axis] = rules.batch
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
+
+
 def put_replicated(tree: Any, mesh: Mesh) -> Any:
     """Host values (numpy, Python numbers, single-device arrays, PRNG keys) as arrays replicated over
     the mesh. Across processes `device_put` takes host data only, so arrays go through numpy and
@@ -151,7 +182,10 @@ def put_replicated(tree: Any, mesh: Mesh) -> Any:
 
 
 def to_host(x: jax.Array) -> np.ndarray:
-    """A replicated (possibly multi-process) array as numpy, without a cross-process gather."""
+    """A (possibly multi-process) array as numpy: a replicated one without a cross-process gather,
+    one split over processes (rows under attention data parallelism) gathered from all of them."""
     if x.is_fully_addressable:
         return np.asarray(x)
-    return np.asarray(x.addressable_data(0))
+    if x.sharding.is_fully_replicated:
+        return np.asarray(x.addressable_data(0))
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

@@ -36,7 +36,7 @@ from jax.sharding import Mesh
 
 from ..core import model
 from ..core.attention import attend_cached, attend_prefill
-from ..core.cache import KVCache, append_tokens, cache_from_prefill
+from ..core.cache import KVCache, append_tokens, cache_from_prefill, keep_cache_rows
 from ..core.config import Config
 from ..core.mtp import mtp_step
 from ..core.params import Params
@@ -81,6 +81,13 @@ class SpecState:
     accepted: jax.Array  # [] int32 drafts accepted (and emitted)
     token_rules: TokenRules  # each row's logit bias, allowed tokens, bad words, min_tokens
     recent: jax.Array  # [B, H] int32 the row's last generated tokens (bad words)
+
+
+def _laid_out(state: SpecState, mesh: Mesh, rules: ShardingRules) -> SpecState:
+    """The loop state's caches laid out by their rows (`keep_cache_rows`), its bookkeeping whole."""
+    whole = jax.tree.map(lambda a: keep_replicated(a, mesh), state)
+    return dataclasses.replace(whole, cache=keep_cache_rows(state.cache, mesh, rules),
+                               mtp_cache=keep_cache_rows(state.mtp_cache, mesh, rules))
 
 
 def _key(sampling: SamplingArrays, index: jax.Array, stream: int) -> jax.Array:
@@ -239,7 +246,7 @@ def run_mtp(params: Params, cache: KVCache, hidden: jax.Array, next_tokens: jax.
     logits, x, (c_kv, k_pe) = mtp_step(params, hidden, next_tokens, _mtp_attend(cache, positions, cfg), cfg=cfg,
                                        mesh=mesh, rules=rules, index=MTP_MODULE, query_at=last)
     cache = append_tokens(cache, c_kv[None], k_pe[None])
-    return logits[:, 0], x[:, 0], jax.tree.map(lambda a: keep_replicated(a, mesh), cache)
+    return logits[:, 0], x[:, 0], keep_cache_rows(cache, mesh, rules)
 
 
 def speculative_start(params: Params, tokens: jax.Array, lengths: jax.Array, sampling: SamplingArrays,
@@ -269,7 +276,7 @@ def speculative_start(params: Params, tokens: jax.Array, lengths: jax.Array, sam
     state = SpecState(cache, mtp_cache, first, pending_hidden, pending_tokens, jnp.ones(b, jnp.int32), done,
                       generated, seen, update_counts(counts, first), jnp.zeros((), jnp.int32),
                       jnp.zeros((), jnp.int32), rules_b, push_recent(no_recent(b), first))
-    return jax.tree.map(lambda a: keep_replicated(a, mesh), state), first
+    return _laid_out(state, mesh, rules), first
 
 
 def speculative_step(params: Params, state: SpecState, sampling: SamplingArrays, *, cfg: Config, mesh: Mesh,
@@ -307,7 +314,7 @@ def speculative_step(params: Params, state: SpecState, sampling: SamplingArrays,
                     emitted, done, generated, state.prompt_seen, counts,
                     state.drafted + k * jnp.sum(active), state.accepted + accepted, state.token_rules,
                     verdict.recent)
-    return jax.tree.map(lambda a: keep_replicated(a, mesh), new), out
+    return _laid_out(new, mesh, rules), out
 
 
 def speculative_chunk(params: Params, state: SpecState, sampling: SamplingArrays, *, cfg: Config, mesh: Mesh,
