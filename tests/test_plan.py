@@ -263,17 +263,21 @@ needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
 
 @pytest.mark.slow
 @needs_libtpu
-def test_scaled_down_serving_step_compiled_by_xla_tpu_for_v5e(tmp_path):
+@pytest.mark.parametrize("layout", ["tp", "dp"])
+def test_scaled_down_serving_step_compiled_by_xla_tpu_for_v5e(tmp_path, layout):
     """R1's structure at toy size (a dense layer, two MoE layers, 16 routed experts) compiled by XLA:TPU
     for a v5e-4 slice: memory analysis, bytes per step, collectives with their bytes, and none of them
-    large: no collective moves more than the step's logits (a gathered weight, like the lm_head, would)."""
+    large: no collective moves more than the step's logits (a gathered weight, like the lm_head, would).
+    Layout tp: the page pool on every device, the routed experts' partial sums all-reduced. Layout dp:
+    each rank holds its share of the pool, and tokens reach their experts by two all-to-alls whose
+    buffers hold at most twice the routed activations."""
     small = dataclasses.replace(TINY, vocab_size=1024)
     (tmp_path / "config.json").write_text(json.dumps(small.to_hf_dict()))
     out = tmp_path / "plan.json"
     batch, context = 8, 64
     proc = _plan("--compiler", "tpu", "--config", str(tmp_path), "--target", "v5e-4", "--quant", "int8",
                  "--batch", str(batch), "--context", str(context), "--prefill-len", "32", "--json", str(out),
-                 timeout=1800)  # three XLA:TPU compiles, on a machine other jobs may share
+                 "--layout", layout, timeout=1800)  # three XLA:TPU compiles, on a machine other jobs may share
     assert proc.returncode == 0, proc.stderr[-3000:]
     plan = json.loads(out.read_text())
     for key in ("max_cached_tokens", "max_batch", "bytes_accessed_per_step", "collectives", "fits"):
@@ -282,18 +286,31 @@ def test_scaled_down_serving_step_compiled_by_xla_tpu_for_v5e(tmp_path):
     step = plan["compiled"][0]
     assert step["program"] == "serve_step" and step["refused"] is None
     memory = step["memory"]
-    # XLA:TPU's arguments per device hold at least the weight shards and the replicated page pool.
-    pool = (batch * context // 16 + 1) * 16 * plan["cache_bytes_per_token"]
+    # XLA:TPU's arguments per device hold at least the weight shards and the page pool: all of it in
+    # layout tp, the rank's share in layout dp (the pool's pages split over the expert axis).
+    ranks = plan["mesh"]["expert"] if layout == "dp" else 1
+    pool = (batch * context // 16 + ranks) * 16 * plan["cache_bytes_per_token"] // ranks
+    assert plan["layout"] == layout
+    assert plan["cache_bytes_per_token_per_device"] * ranks >= plan["cache_bytes_per_token"]
     assert memory["argument_size_in_bytes"] >= plan["weight_bytes_per_device"] + pool
     assert memory["alias_size_in_bytes"] >= pool  # the donated pool
     assert plan["max_cached_tokens"] >= batch * 2 * context
     assert plan["max_batch"][str(small.max_position_embeddings)] >= 1
-    # The routed experts' partial sums: one f32 [batch, hidden] all-reduce per MoE layer, per step.
-    moe = [c for c in plan["collectives"] if "routed_experts" in c["source"] and c["op"] == "all-reduce"]
-    assert [(c["bytes"], c["runs"]) for c in moe] == [(batch * small.hidden_size * 4, small.num_moe_layers)]
+    moe = [c for c in plan["collectives"] if "routed_experts" in c["source"]]
+    if layout == "tp":  # the routed experts' partial sums: one f32 [batch, hidden] all-reduce per MoE layer
+        reduced = [c for c in moe if c["op"] == "all-reduce"]
+        assert [(c["bytes"], c["runs"]) for c in reduced] == [(batch * small.hidden_size * 4, small.num_moe_layers)]
+    else:  # each (token, expert) pair to its expert's device and back, by two all-to-alls whose buffers
+        # hold at most twice the step's routed activations (dropless: one device may receive every pair)
+        sent = [c for c in moe if "all-to-all" in c["op"]]
+        assert len(sent) == 2 and all(c["runs"] == small.num_moe_layers for c in sent), moe
+        routed = batch * small.num_experts_per_tok * small.hidden_size * 2  # bf16
+        assert all(c["bytes"] <= 2 * routed for c in sent), sent
+        assert not [c for c in moe if c["op"] == "all-reduce" and c["bytes"] >= batch * small.hidden_size * 4]
     assert all(set(c) >= {"op", "bytes"} and c["op"] in hlo.COLLECTIVES for c in plan["collectives"])
     logits = batch * small.vocab_size * 4
     assert small.vocab_size * small.hidden_size * 2 > logits  # the bound would catch a gathered lm_head
+    assert pool > logits  # and, in layout dp, a rank's pages gathered from the others
     assert max(c["bytes"] for c in plan["collectives"]) <= logits
     # Bytes per step: at least the attention weights every layer reads, and a step time from them.
     attention = plan["weight_breakdown"]["dense_layers"] + plan["weight_breakdown"][

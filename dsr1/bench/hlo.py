@@ -212,8 +212,10 @@ def collectives(module: dict[str, Computation], runs: dict[str, int]) -> list[Co
     return sorted(found, key=lambda c: -c.bytes)
 
 
-def _fusion_reads(fused: Computation, operand_bytes: list[int]) -> int:
-    """Bytes a fusion reads of its operands: a parameter used only by slicing ops counts their results."""
+def _fusion_reads(fused: Computation, operand_bytes: list[int], module: dict[str, Computation] | None = None) -> int:
+    """Bytes a fusion reads of its operands: a parameter used only by slicing ops counts their results,
+    also where the slicing happens in a nested fusion (XLA:TPU slices a layer of a stacked weight
+    inside the fusion that retiles it)."""
     params = {i.name: int(i.args) for i in fused.instructions if i.opcode == "parameter"}
     users: dict[str, list[Instruction]] = {}
     for ins in fused.instructions:
@@ -239,16 +241,23 @@ def _fusion_reads(fused: Computation, operand_bytes: list[int]) -> int:
             found += uses_of(u.name) if u.name in passes else [u]
         return found
 
-    def slices(name: str, uses: list[Instruction]) -> bool:
-        return all(u.opcode in ("dynamic-slice", "slice", "gather") and (u.operands[0] == name or u.operands[0] in
-                   passes) for u in uses)
+    def sliced_read(name: str, use: Instruction, full: int) -> int | None:
+        """What `use` reads of `name` when it only slices it (directly or in a nested fusion), else None."""
+        if use.opcode in ("dynamic-slice", "slice", "gather") and use.operands[0] in (name, *passes):
+            return shape_bytes(use.shape)
+        inner = module.get(use.attribute("calls") or "") if module is not None and use.opcode == "fusion" else None
+        if inner is None:
+            return None
+        read = _fusion_reads(inner, [full if o == name else 0 for o in use.operands], module)
+        return read if read < full else None
 
     total = 0
     for pname, index in params.items():
         full = operand_bytes[index] if index < len(operand_bytes) else 0
         uses = uses_of(pname)
-        if uses and slices(pname, uses):
-            total += min(full, sum(shape_bytes(u.shape) for u in uses))
+        reads = [sliced_read(pname, u, full) for u in uses]
+        if uses and all(r is not None for r in reads):
+            total += min(full, sum(reads))
         elif uses and all(u.opcode == "dynamic-update-slice" and u.operands[0] == pname for u in uses):
             total += 0  # written in place: the update is counted with the result
         else:
@@ -277,7 +286,7 @@ def instruction_bytes(ins: Instruction, shapes: dict[str, str], module: dict[str
         pools = [_layer_bytes(shapes.get(o, "")) for o in ins.operands[paged_attention.POOLS_FROM:]]
         return sum(operands[:paged_attention.POOLS_FROM]) + sum(pools) + result
     if ins.opcode == "fusion" and (fused := module.get(ins.attribute("calls") or "")) is not None:
-        return _fusion_reads(fused, operands) + _fusion_writes(fused, result)
+        return _fusion_reads(fused, operands, module) + _fusion_writes(fused, result)
     if ins.opcode in ("dynamic-slice", "slice", "gather"):
         return 2 * result
     if ins.opcode == "dynamic-update-slice":

@@ -47,7 +47,10 @@ from .chips import SLICES, Slice
 GIB = 2**30
 PAGE_SIZE = 16  # the serving engine's default page size
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-_REFUSAL = re.compile(r"\(?(\d+(?:\.\d+)?)([KMGT]?)\)?\s+exceeds available HBM \((\d+(?:\.\d+)?)([KMGT]?)\)")
+# XLA:TPU refuses a program over the chip's HBM in one of two wordings: "... (16.80G) exceeds available
+# HBM (15.75G)" and "Used 16.42G of 15.75G hbm".
+_REFUSAL = re.compile(r"\(?(\d+(?:\.\d+)?)([KMGT]?)\)?\s+exceeds available HBM \((\d+(?:\.\d+)?)([KMGT]?)\)"
+                      r"|Used (\d+(?:\.\d+)?)([KMGT]?) of (\d+(?:\.\d+)?)([KMGT]?) hbm")
 
 
 class TpuPlanError(ValueError):
@@ -173,9 +176,10 @@ def compile_tpu(program: str, shape: str, jitted: Any, args: tuple, kwargs: dict
         m = _REFUSAL.search(str(e))
         if m is None:
             raise
+        need, need_unit, hbm, hbm_unit = m.group(1, 2, 3, 4) if m.group(1) else m.group(5, 6, 7, 8)
         done = time.perf_counter()
-        return TpuCompiled(program, shape, lowered_at - start, done - lowered_at, {}, _size(*m.group(1, 2)),
-                           str(e).strip().splitlines()[0], _size(*m.group(3, 4)), None, None, [], [])
+        return TpuCompiled(program, shape, lowered_at - start, done - lowered_at, {}, _size(need, need_unit),
+                           str(e).strip().splitlines()[0], _size(hbm, hbm_unit), None, None, [], [])
     done = time.perf_counter()
     stats = compiled.memory_analysis()
     memory = {f: int(getattr(stats, f)) for f in ("argument_size_in_bytes", "output_size_in_bytes",

@@ -361,7 +361,8 @@ def routed_experts(p: dict, x: jax.Array, weights: jax.Array, experts: jax.Array
             body = functools.partial(_local_experts, rules=rules, platform=platform, differentiable=differentiable,
                                      kernel=kernel)
         else:
-            body = functools.partial(_dispatched_experts, rules=rules, platform=platform, kernel=kernel)
+            body = functools.partial(_dispatched_experts, rules=rules, platform=platform, ragged=ragged_dispatch(mesh),
+                                     kernel=kernel)
             x, weights, experts = _pad_rows(x, weights, experts, mesh.shape[token_axis])
         rows = P(token_axis)
         run = jax.shard_map(body, mesh=mesh, in_specs=(rows, rows, rows, w_in, w_in, w_out, P()), out_specs=rows)
@@ -450,14 +451,19 @@ def _send_back(y: jax.Array, plan: _Exchange, slots: jax.Array, axes: tuple[str,
     return jnp.concatenate([back, jnp.zeros((1, y.shape[-1]), y.dtype)])[slots]
 
 
-def ragged_dispatch(platform: str) -> bool:
-    """Whether the all-to-all dispatch sends the pairs with `ragged_all_to_all` on `platform`: XLA:CPU
-    has no `ragged-all-to-all`, so there a dense `all_to_all` of one full-size slot per peer runs."""
-    return platform != "cpu"
+def ragged_dispatch(mesh: Mesh) -> bool:
+    """Whether the all-to-all dispatch sends the pairs with `ragged_all_to_all` on `mesh`'s devices;
+    where it cannot, a dense `all_to_all` of one full-size slot per peer runs. XLA:CPU has no
+    `ragged-all-to-all`, and XLA:TPU refuses it where ICI routing is limited: TPU v5e beyond 16 chips."""
+    device = mesh.devices.flat[0]
+    if device.platform == "cpu":
+        return False
+    return not (device.platform == "tpu" and "lite" in device.device_kind and "v5" in device.device_kind
+                and mesh.devices.size > 16)
 
 
 def _dispatched_experts(x, weights, experts, gate, up, down, layer, *, rules: ShardingRules, platform: str,
-                        kernel: ExpertKernel | None = None):
+                        ragged: bool, kernel: ExpertKernel | None = None):
     """Per-device body of the all-to-all dispatch, on this device's rows `x [n, D]` (a share of the
     batch): their token-expert pairs, sorted by expert, go to the devices holding the experts; each
     device runs its experts (its ffw slice) on the pairs it received only, by `kernel` (default:
@@ -475,7 +481,6 @@ def _dispatched_experts(x, weights, experts, gate, up, down, layer, *, rules: Sh
     p = flat.shape[0]
     slots = jnp.where(dest < n_peers, dest * p + jnp.arange(p) - plan.send_offsets[jnp.minimum(dest, n_peers - 1)],
                       n_peers * p)  # each pair's slot in the dense exchange's send buffer
-    ragged = ragged_dispatch(platform)
     with jax.named_scope("dispatch"):
         xs = _send(x[token], plan, slots, axis, ragged)
     received = _received_experts(plan, p, jax.lax.axis_index(axis) * n_local, ragged)  # empty rows: -1
