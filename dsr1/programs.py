@@ -109,8 +109,8 @@ def paged_cache(*, cfg: Config, mesh: Mesh, num_pages: int, page_size: int, dtyp
                 kv_cache_dtype: str | None, rules: ShardingRules = DEFAULT_RULES) -> PagedKVCache:
     """An empty pool of `num_pages` pages of `page_size` tokens (page 0 is the scratch page) for every
     layer, in the model's `dtype` (or int8 latents with per-token scales), whole on every device; or,
-    under attention data parallelism (`rules.batch`), `num_pages / ranks` pages on each rank, whose
-    first is its own scratch page (`cache.pool_split`)."""
+    under attention data parallelism (`rules.batch`, `rules.positions`), split evenly over the devices
+    of those axes, each share's first page its own scratch page (`cache.pool_axes`)."""
     cache = empty_paged_cache(cfg.num_hidden_layers, num_pages, page_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
                               jnp.dtype(dtype), kv_cache_dtype, mesh.devices.flat[0].platform)
     return keep_pool_layout(cache, mesh, rules)

@@ -125,22 +125,27 @@ def ragged_exchange_errors(mesh, rules: ShardingRules, rows: int = 6) -> list[st
     return errors
 
 
-def paged_extend_logits(mesh, rules: ShardingRules, ranks: int, rows: int = 8, page_size: int = 4,
-                        pages_per_row: int = 6) -> tuple[list[np.ndarray], list[int]]:
-    """A prompt chunk then three decode tokens per row through `programs.extend` on a page pool of
-    `ranks` shares, each row on its rank's pages (local ids, shuffled; rank r holds rows r*R/ranks..).
-    Returns each call's logits and the pool's pages per device."""
+def paged_extend_logits(mesh, rules: ShardingRules, rows: int = 8, page_size: int = 4,
+                        pages_per_row: int = 6) -> tuple[list[np.ndarray], list[int], int]:
+    """A prompt chunk then three decode tokens per row through `programs.extend` on a page pool split
+    as `rules` split it: rank r holds rows r*R/ranks.., and with a positions split a row's page j lives
+    on device j mod T of that axis; page ids are local to their device, shuffled. Returns each call's
+    logits, the pages each device holds, and the pages one device should."""
+    ranks = mesh.shape[rules.batch] if rules.batch else 1
+    split = mesh.shape[rules.positions] if rules.positions else 1
+    per_device = rows // ranks * -(-pages_per_row // split) + 1  # + the device's scratch page
     model = dataclasses.replace(dsr1.init_random(CONFIG, seed=11, dtype="float32", mesh=mesh), rules=rules)
-    per_rank = rows // ranks * pages_per_row + 1  # + the rank's scratch page
-    pool = programs.paged_cache(cfg=CONFIG, mesh=mesh, num_pages=per_rank * ranks, page_size=page_size,
+    pool = programs.paged_cache(cfg=CONFIG, mesh=mesh, num_pages=per_device * ranks * split, page_size=page_size,
                                 dtype="float32", kv_cache_dtype=None, rules=rules)
     table = np.zeros((rows, pages_per_row), np.int32)
     for r in range(ranks):
-        ids = np.random.default_rng(r).permutation(np.arange(1, per_rank))
-        for j, b in enumerate(range(r * rows // ranks, (r + 1) * rows // ranks)):
-            table[b] = ids[j * pages_per_row:(j + 1) * pages_per_row]
+        for t in range(split):
+            ids = iter(np.random.default_rng(r * split + t).permutation(np.arange(1, per_device)))
+            for b in range(r * rows // ranks, (r + 1) * rows // ranks):
+                for j in range(t, pages_per_row, split):
+                    table[b, j] = next(ids)
     tokens = np.random.default_rng(1).integers(1, CONFIG.vocab_size, (rows, 9)).astype(np.int32)
-    counts = np.array([9, 5, 9, 1, 0, 7, 9, 3][:rows], np.int32)  # row 4 idle throughout
+    counts = np.resize(np.array([9, 5, 9, 1, 0, 7, 9, 3], np.int32), rows)  # row 4 (mod 8) idle throughout
     starts = np.zeros(rows, np.int32)
     logits, _, pool = programs.extend(model.params, pool, tokens, starts, counts, table,
                                       np.maximum(counts - 1, 0)[:, None], **model.program_kwargs)
@@ -151,20 +156,25 @@ def paged_extend_logits(mesh, rules: ShardingRules, ranks: int, rows: int = 8, p
         logits, _, pool = programs.extend(model.params, pool, token, starts, counts, table,
                                           np.zeros((rows, 1), np.int32), **model.program_kwargs)
         out.append(np.asarray(logits))
-    return out, [s.data.shape[1] for s in pool.c_kv.addressable_shards]
+    return out, [s.data.shape[1] for s in pool.c_kv.addressable_shards], per_device
 
 
 def dp_checks(one, mesh) -> dict:
-    """Attention data parallelism against one device: paged extend's logits, and where the caches live."""
+    """Attention data parallelism against one device: paged extend's logits with the pool split over
+    the ranks and over each row's positions (layout dp) and over the ranks only; where the caches live."""
     ranks = mesh.shape[DP.batch]
-    ref, _ = paged_extend_logits(one, ShardingRules(), 1)
-    got, pages = paged_extend_logits(mesh, DP, ranks)
+    rows = max(8, ranks)
+    ref, _, _ = paged_extend_logits(one, ShardingRules(), rows)
     scale = max(float(np.abs(r).max()) for r in ref)
+    report = {}
+    for name, rules in (("dp", DP), ("dp_rows_only", dataclasses.replace(DP, positions=None))):
+        got, pages, per_device = paged_extend_logits(mesh, rules, rows)
+        report[name] = {"extend_max_rel_diff": max(float(np.abs(a - b).max()) for a, b in zip(ref, got)) / scale,
+                        "pool_pages_per_device": sorted(set(pages)), "expected_pages_per_device": per_device}
     cache = programs.random_cache(jax.random.key(0), cfg=CONFIG, mesh=mesh, batch=2 * ranks, context=4, max_len=8,
                                   dtype="float32", kv_cache_dtype=None, rules=DP)
-    return {"extend_max_rel_diff": max(float(np.abs(a - b).max()) for a, b in zip(ref, got)) / scale,
-            "pool_pages_per_device": sorted(set(pages)), "pool_pages": 8 // ranks * 6 * ranks + ranks,
-            "cache_rows_per_device": sorted({s.data.shape[1] for s in cache.c_kv.addressable_shards})}
+    report["cache_rows_per_device"] = sorted({s.data.shape[1] for s in cache.c_kv.addressable_shards})
+    return report
 
 
 def compare(expert: int, tensor: int) -> dict:
@@ -202,10 +212,11 @@ def test_all_to_all_and_dp_match_psum_and_one_device_on_eight_devices(expert, te
     assert report["tokens"]["psum"] == ref
     assert report["tokens"]["all_to_all"] == ref
     assert report["tokens"]["dp"] == ref
-    dp = report["dp"]
-    assert dp["extend_max_rel_diff"] < 1e-5, dp
-    assert dp["pool_pages_per_device"] == [dp["pool_pages"] // expert], dp  # each rank holds its share only
-    assert dp["cache_rows_per_device"] == [2], dp
+    for split in ("dp", "dp_rows_only"):
+        dp = report["dp"][split]
+        assert dp["extend_max_rel_diff"] < 1e-5, (split, dp)
+        assert dp["pool_pages_per_device"] == [dp["expected_pages_per_device"]], (split, dp)  # its share only
+    assert report["dp"]["cache_rows_per_device"] == [2], report["dp"]
 
 
 if __name__ == "__main__":

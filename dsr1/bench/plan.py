@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from .. import programs
-from ..core.cache import KVCache, check_kv_cache_dtype
+from ..core.cache import KVCache, check_kv_cache_dtype, pool_axes
 from ..core.config import Config
 from ..core.params import abstract_params, is_spec, param_specs
 from ..core.quant import check_quant
@@ -281,7 +281,8 @@ def abstract_cache(cfg: Config, mesh: Mesh, batch: int, max_len: int, dtype: Any
 
 
 def row_split(mesh: Mesh, rules: ShardingRules) -> int:
-    """Into how many shares the rows (and their cache) are split: the data-parallel ranks, or 1."""
+    """Into how many shares the rows (and their decode cache) are split: the data-parallel ranks, or 1
+    (the serving step's page pool may also split each row's positions: `cache.pool_axes`)."""
     return mesh.shape[rules.batch] if rules.batch is not None else 1
 
 
@@ -473,7 +474,8 @@ def make_tpu_plan(spec: PlanSpec, mesh: Mesh, rules: ShardingRules = DEFAULT_RUL
     budget = available or (spec.hbm_gib if spec.hbm_gib is not None else chip.hbm_gib) * GIB
     tokens = spec.batch * spec.context
     token_bytes = cache_bytes_per_token(cfg, dtype, spec.kv_cache_dtype)
-    device_token_bytes = -(-token_bytes // row_split(mesh, rules))
+    shares = math.prod(mesh.shape[a] for a in pool_axes(mesh, rules) if a is not None)  # the page pool's split
+    device_token_bytes = -(-token_bytes // shares)
     fitted = tpu.fit(compiled[0], compiled[1], tokens, 2 * tokens, budget, fit_contexts(cfg), device_token_bytes)
     per_step = step.bytes_accessed_per_step
     return {

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from .. import cpu
 from . import flash_decode, paged_attention, products
-from .cache import KVCache, PagedKVCache, latent_values, read_rank_pages
+from .cache import KVCache, PagedKVCache, latent_values, local_pages, pool_axes, pool_specs, read_rank_pages
 from .config import Config
 from .layers import rms_norm
 from .rope import apply_rope
@@ -362,13 +362,12 @@ class PartialSoftmax:
 
 def fold_keys(state: PartialSoftmax | None, q: Query, k: Keys, mask: jax.Array, cfg: Config) -> PartialSoftmax:
     """Fold one block of keys into a partial softmax (None: start one). `mask` broadcasts to the
-    scores `[B, H, T, S]`. A block may be fully masked for a query only if an earlier block was not
-    (otherwise its max would be NEG_INF): `attend_extend` starts from the new tokens, where every
-    query sees at least itself."""
+    scores `[B, H, T, S]`; a query that has seen no key keeps max NEG_INF and zeros (`empty_softmax`)."""
     s = _masked(scores(q, k, cfg), mask)
     block_max = s.max(axis=-1)
     new_max = block_max if state is None else jnp.maximum(state.max, block_max)
-    e = jnp.exp(s - new_max[..., None])  # masked scores give exactly 0
+    # Masked scores give 0, also in a block that a query sees none of before any key (its max NEG_INF).
+    e = jnp.where(mask, jnp.exp(s - new_max[..., None]), 0.0)
     total, acc = e.sum(axis=-1), weighted_values(e, k)
     if state is None:
         return PartialSoftmax(new_max, total, acc)
@@ -402,7 +401,7 @@ def _kernel_pages(q: Query, context: PagedContext, layer: jax.Array, cfg: Config
     (`paged_attention`): a row's T queries and H heads meet its latents together, each row reads its
     own pages. On a mesh the heads stay split as the queries are (`rules.heads`); the pool is read
     whole on every device, or, under attention data parallelism, each rank reads its own pages for its
-    own rows (`cache.pool_split`)."""
+    own rows (`cache.pool_axes`)."""
     cache = context.cache
 
     def run(main, pe, c_kv, k_pe, c_scale, table, cached, layer):
@@ -416,11 +415,57 @@ def _kernel_pages(q: Query, context: PagedContext, layer: jax.Array, cfg: Config
     args = (q.main, q.pe, cache.c_kv, cache.k_pe, cache.c_scale, context.page_table, context.cached, layer)
     if mesh is not None and mesh.size > 1:
         heads, stats = rules.spec(("batch", None, "heads", None)), rules.spec(("batch", "heads", None))
-        pool, rows = rules.spec(("layers", "batch")), rules.spec(("batch",))
+        pool, rows = pool_specs(cache, mesh, rules).c_kv, rules.spec(("batch",))
         run = jax.shard_map(run, mesh=mesh, in_specs=(heads, heads, pool, pool, pool, rows, rows, P()),
                             out_specs=(rules.spec(("batch", "heads", None, None)), stats, stats), check_vma=False)
     acc, run_max, total = run(*args)
     return PartialSoftmax(run_max, total, acc)
+
+
+def empty_softmax(q: Query) -> PartialSoftmax:
+    """A partial softmax over no keys, for `q`'s rows, heads and queries (absorbed: latent values)."""
+    b, t, h, k = q.main.shape
+    return PartialSoftmax(jnp.full((b, h, t), NEG_INF, jnp.float32), jnp.zeros((b, h, t), jnp.float32),
+                          jnp.zeros((b, h, t, k), jnp.float32))
+
+
+def _positions_split_pages(q: Query, context: PagedContext, layer: jax.Array, dtype: jnp.dtype, cfg: Config,
+                           mesh: Mesh, rules: ShardingRules, kernel: bool) -> PartialSoftmax:
+    """Every row's cached tokens of `layer` as one partial softmax, from a pool whose rows' pages are
+    dealt out over the positions axis (`cache.pool_axes`; absorbed queries only): each device folds
+    the pages it holds for every head of its rows (by the ragged paged kernel where `kernel`, else
+    XLA's page loop), and one max and two sums over the positions axis combine the partials
+    (flash-decoding across devices; the sums reduce-scattered over the heads where the heads are split
+    over the same axis). The queries are gathered over their heads' split first: latent keys are
+    shared by all heads, so a device serves all heads of its positions."""
+    rows_axis, positions_axis = pool_axes(mesh, rules)
+    page_size, block_pages = context.cache.page_size, context.block_pages
+
+    def run(main, pe, pool, table, cached, layer):
+        device, devices = jax.lax.axis_index(positions_axis), jax.lax.axis_size(positions_axis)
+        table, cached = local_pages(table, cached, page_size, device, devices)
+        local = PagedContext(pool, table, cached, block_pages)
+        q = Query(main, pe, absorbed=True)
+        state = (_kernel_pages(q, local, layer, cfg, None, rules) if kernel
+                 else _fold_pages(empty_softmax(q), {}, q, local, layer, dtype, cfg))
+        top = jax.lax.pmax(state.max, positions_axis)
+        weight = jnp.exp(state.max - top)
+        total, acc = state.total * weight, state.acc * weight[..., None]
+        if not by_heads:
+            return top, jax.lax.psum(total, positions_axis), jax.lax.psum(acc, positions_axis)
+        # Each device keeps the sums of the heads it serves next (a reduce-scatter, half an all-reduce).
+        share = top.shape[1] // devices
+        return (jax.lax.dynamic_slice_in_dim(top, device * share, share, axis=1),
+                jax.lax.psum_scatter(total, positions_axis, scatter_dimension=1, tiled=True),
+                jax.lax.psum_scatter(acc, positions_axis, scatter_dimension=1, tiled=True))
+
+    by_heads = rules.heads == positions_axis  # the heads are split over the positions' devices
+    rows, out = P(rows_axis), P(rows_axis, positions_axis if by_heads else None)
+    run = jax.shard_map(run, mesh=mesh, in_specs=(rows, rows, pool_specs(context.cache, mesh, rules), rows, rows, P()),
+                        out_specs=(out, out, out), axis_names={a for a in (rows_axis, positions_axis) if a},
+                        check_vma=False)
+    top, total, acc = run(q.main, q.pe, context.cache, context.page_table, context.cached, layer)
+    return PartialSoftmax(top, total, acc)
 
 
 def _fold_blocks(state: PartialSoftmax, p: dict, q: Query, steps: jax.Array, read: Callable, dtype: jnp.dtype,
@@ -460,7 +505,10 @@ def attend_extend(p: dict, x: jax.Array, positions: jax.Array, context: PagedCon
         with jax.named_scope("new_tokens"):
             state = fold_keys(None, q, make_keys(p, c_new, None, pe_new, absorbed, dt), _causal(x.shape[1]), cfg)
         with jax.named_scope("cached_pages"):
-            if absorbed and paged_attention.applies(kernel_choice(mesh, one_device)[0]):
+            kernel = absorbed and paged_attention.applies(kernel_choice(mesh, one_device)[0])
+            if pool_axes(mesh, rules)[1] is not None:
+                state = state.merge(_positions_split_pages(q, context, layer, dt, cfg, mesh, rules, kernel))
+            elif kernel:
                 state = state.merge(_kernel_pages(q, context, layer, cfg, mesh, rules))
             else:
                 state = _fold_pages(state, p, q, context, layer, dt, cfg, mesh, rules)

@@ -242,53 +242,92 @@ def write_tokens(cache: PagedKVCache, c_kv: jax.Array, k_pe: jax.Array, pages: j
 
 # ---- the page pool under attention data parallelism ---------------------------------------------
 # Each data-parallel rank (a device of `rules.batch`'s axis) holds a share of the pool's pages and the
-# rows that use them; a row's page table holds page ids local to its rank (each rank's page 0 is its
-# scratch page). A gather or scatter with such ids, left to XLA's partitioner, would assemble the whole
-# pool on every device: they run per rank under `shard_map`, and no page crosses ranks.
+# rows that use them; with `rules.positions` each row's pages are dealt out over that axis too (page
+# j of a row on its device j mod T). A row's page table holds page ids local to the device holding
+# each page (every device's page 0 is its scratch page). A gather or scatter with such ids, left to
+# XLA's partitioner, would assemble the whole pool on every device: they run per device under
+# `shard_map`, and no page moves.
 
-def pool_split(mesh: Mesh | None, rules: ShardingRules) -> str | None:
-    """The mesh axis the pool's pages and the rows are split over, or None (the pool whole everywhere)."""
-    if mesh is None or rules.batch is None or mesh.shape[rules.batch] == 1:
-        return None
-    return rules.batch
+def pool_axes(mesh: Mesh | None, rules: ShardingRules) -> tuple[str | None, str | None]:
+    """The mesh axes the pool's pages are split over: the ranks' (`rules.batch`) and each row's
+    positions' (`rules.positions`), each None where the pool is not split that way."""
+    def split(axis: str | None) -> str | None:
+        return axis if mesh is not None and axis is not None and mesh.shape[axis] > 1 else None
+
+    return split(rules.batch), split(rules.positions)
+
+
+def _pool_spec(mesh: Mesh | None, rules: ShardingRules) -> jax.sharding.PartitionSpec:
+    axes = tuple(a for a in pool_axes(mesh, rules) if a is not None)
+    return jax.sharding.PartitionSpec(None, axes or None)
 
 
 def keep_pool_layout(cache: PagedKVCache, mesh: Mesh, rules: ShardingRules) -> PagedKVCache:
-    """Inside jit: the pool's pages split over the ranks (`pool_split`), or whole on every device."""
-    return jax.tree.map(lambda a: keep_rows(a, mesh, rules, axis=1), cache)
+    """Inside jit: the pool's pages split as `pool_axes` says, or whole on every device."""
+    sharding = jax.sharding.NamedSharding(mesh, _pool_spec(mesh, rules))
+    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, sharding), cache)
 
 
-def _per_rank(fn, mesh: Mesh, axis: str, in_specs, out_specs):
-    """`fn` run on each rank's share (manual over `axis` only: the rest of the mesh stays XLA's)."""
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={axis}, check_vma=False)
-
-
-def _pool_specs(cache: PagedKVCache, axis: str) -> PagedKVCache:
-    pool = jax.sharding.PartitionSpec(None, axis)
+def pool_specs(cache: PagedKVCache, mesh: Mesh | None, rules: ShardingRules) -> PagedKVCache:
+    """The `shard_map` specs of the pool's arrays (`keep_pool_layout`'s split)."""
+    pool = _pool_spec(mesh, rules)
     return PagedKVCache(pool, pool, None if cache.c_scale is None else pool)
+
+
+def _per_device(fn, mesh: Mesh, rules: ShardingRules, in_specs, out_specs):
+    """`fn` run on each device's share of the pool (manual over the pool's axes only: the rest of the
+    mesh stays XLA's)."""
+    manual = {a for a in pool_axes(mesh, rules) if a is not None}
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=manual, check_vma=False)
 
 
 def read_rank_pages(cache: PagedKVCache, layer: jax.Array, pages: jax.Array, mesh: Mesh | None,
                     rules: ShardingRules) -> tuple[jax.Array, jax.Array | None, jax.Array]:
-    """`cache.read_pages(layer, pages)`, each row's pages read on its own rank when the pool is split."""
-    axis = pool_split(mesh, rules)
-    if axis is None:
+    """`cache.read_pages(layer, pages)`, each row's pages read on its own rank when the pool's pages
+    are split over ranks only (a split over positions reads by `attention`'s per-device partials)."""
+    rows_axis, positions_axis = pool_axes(mesh, rules)
+    assert positions_axis is None, "a pool split over positions is read per device, not gathered"
+    if rows_axis is None:
         return cache.read_pages(layer, pages)
-    rows, whole = jax.sharding.PartitionSpec(axis), jax.sharding.PartitionSpec()
-    read = _per_rank(lambda c, i, p: c.read_pages(i, p), mesh, axis, (_pool_specs(cache, axis), whole, rows),
-                     (rows, None if cache.c_scale is None else rows, rows))
+    rows, whole = jax.sharding.PartitionSpec(rows_axis), jax.sharding.PartitionSpec()
+    read = _per_device(lambda c, i, p: c.read_pages(i, p), mesh, rules, (pool_specs(cache, mesh, rules), whole, rows),
+                       (rows, None if cache.c_scale is None else rows, rows))
     return read(cache, layer, pages)
 
 
 def write_rank_tokens(cache: PagedKVCache, c_kv: jax.Array, k_pe: jax.Array, pages: jax.Array, slots: jax.Array,
-                      mesh: Mesh | None, rules: ShardingRules) -> PagedKVCache:
-    """`write_tokens`, each row's tokens written into its own rank's pages when the pool is split."""
-    axis = pool_split(mesh, rules)
-    if axis is None:
+                      page_index: jax.Array, mesh: Mesh | None, rules: ShardingRules) -> PagedKVCache:
+    """`write_tokens`, each row's tokens written on the device holding their page when the pool is
+    split (`page_index [B, T]`: each token's page's index in its row's table, which names the device
+    of the positions axis holding it)."""
+    rows_axis, positions_axis = pool_axes(mesh, rules)
+    if rows_axis is None and positions_axis is None:
         return write_tokens(cache, c_kv, k_pe, pages, slots)
-    pool, rows = _pool_specs(cache, axis), jax.sharding.PartitionSpec(axis)
-    new = jax.sharding.PartitionSpec(None, axis)
-    return _per_rank(write_tokens, mesh, axis, (pool, new, new, rows, rows), pool)(cache, c_kv, k_pe, pages, slots)
+
+    def write(cache, c_kv, k_pe, pages, slots, page_index):
+        if positions_axis is not None:  # another device's page: this device writes to its scratch page
+            mine = page_index % jax.lax.axis_size(positions_axis) == jax.lax.axis_index(positions_axis)
+            pages = jnp.where(mine, pages, SCRATCH_PAGE)
+        return write_tokens(cache, c_kv, k_pe, pages, slots)
+
+    pool, rows = pool_specs(cache, mesh, rules), jax.sharding.PartitionSpec(rows_axis)
+    new = jax.sharding.PartitionSpec(None, rows_axis)
+    return _per_device(write, mesh, rules, (pool, new, new, rows, rows, rows), pool)(
+        cache, c_kv, k_pe, pages, slots, page_index)
+
+
+def local_pages(page_table: jax.Array, cached: jax.Array, page_size: int, device: jax.Array,
+                devices: int) -> tuple[jax.Array, jax.Array]:
+    """(Per device of a positions axis of `devices`) this device's share of each row's pages: its page
+    table `[B, ceil(P / devices)]` (pages `device`, `device + devices`, ...) and how many positions
+    of them are cached `[B]`. Only a row's last page is partly filled, so the cached positions of the
+    device's pages are the first ones of its table, whatever their positions in the row."""
+    b, width = page_table.shape
+    table = jnp.pad(page_table, ((0, 0), (0, -width % devices))).reshape(b, -1, devices)
+    table = jax.lax.dynamic_index_in_dim(table, device, axis=2, keepdims=False)
+    full, rem = cached // page_size, cached % page_size
+    mine = (full - device + devices - 1) // devices  # full pages j < full with j % devices == device
+    return table, mine * page_size + jnp.where(full % devices == device, rem, 0)
 
 
 def gather_pages(cache: PagedKVCache, pages: jax.Array) -> PagedKVCache:

@@ -30,6 +30,7 @@ from .cache import (
     cache_from_prefill,
     keep_cache_rows,
     keep_pool_layout,
+    pool_axes,
     token_slots,
     write_rank_tokens,
 )
@@ -287,8 +288,9 @@ def extend(params: Params, cache: PagedKVCache, tokens: jax.Array, starts: jax.A
         is read or written for it, its outputs are zero).
       page_table: `[B, P]` row b's pages in order; entries past what the row uses are ignored (use
         `SCRATCH_PAGE`). Must cover `starts[b] + counts[b]` tokens. Under attention data parallelism
-        (`rules.batch`) the pool's pages and the rows are split over the ranks, and a row's page ids
-        are those of its rank's share (`cache.pool_split`).
+        (`rules.batch`) the pool's pages and the rows are split over the ranks, and with
+        `rules.positions` a row's page j lives on device j mod T of that axis; a row's page ids are
+        those of the device holding each page (`cache.pool_axes`).
       logits_at: `[B, K]` indices into T whose logits are wanted (e.g. `counts - 1` for the next
         token, or every draft position for verification).
       absorbed: the attention form (None: the cheaper for T, `use_absorbed`); both give the same
@@ -310,6 +312,8 @@ def extend(params: Params, cache: PagedKVCache, tokens: jax.Array, starts: jax.A
     """
     chunk = tokens.shape[1]
     absorbed = use_absorbed(cfg, chunk) if absorbed is None else absorbed
+    if pool_axes(mesh, rules)[1] is not None:
+        absorbed = True  # a row's positions split over devices meet all heads' queries as latents
     if block_pages is None:
         block_pages = default_block_pages(cache.page_size, page_table.shape[1], chunk)
     in_use = counts > 0
@@ -325,7 +329,8 @@ def extend(params: Params, cache: PagedKVCache, tokens: jax.Array, starts: jax.A
     x, (c_new, pe_new), _ = _run_layers(params, x, attend, cfg, mesh, rules)
     with jax.named_scope("write_pages"):
         pages, slots = token_slots(page_table, cached, counts, chunk, cache.page_size)
-        cache = write_rank_tokens(cache, c_new, pe_new, pages, slots, mesh, rules)
+        page_index = (cached[:, None] + jnp.arange(chunk)) // cache.page_size
+        cache = write_rank_tokens(cache, c_new, pe_new, pages, slots, page_index, mesh, rules)
     def at(indices: jax.Array) -> jax.Array:
         picked = jnp.take_along_axis(x, jnp.clip(indices, 0, chunk - 1)[..., None], axis=1)
         return jnp.where((indices < counts[:, None])[..., None], picked, 0.0)

@@ -42,6 +42,7 @@ class ShardingRules:
 
     layers: str | None = None
     batch: str | None = None  # rows: of activations and of the decode cache (attention data parallelism)
+    positions: str | None = None  # a row's cached positions: the page pool's pages within a rank
     vocab: str | None = TENSOR
     embed: str | None = None
     q_lora: str | None = None
@@ -109,11 +110,12 @@ def layout_rules(layout: str, **overrides: Any) -> ShardingRules:
     """The rules of a named layout (docs/layouts.md): "tp", tensor-parallel attention with every row on
     every device (`DEFAULT_RULES`, lowest latency); "dp", attention data parallelism over the `expert`
     axis (each device of it owns a share of the rows and of their cache; heads stay split over
-    `tensor`) with the all-to-all expert dispatch, so tokens never leave their rank but to meet
-    their experts. `overrides`: other fields of `ShardingRules`."""
+    `tensor`, and each row's pages of the pool are dealt out over `tensor`) with the all-to-all
+    expert dispatch, so tokens never leave their rank but to meet their experts. `overrides`: other
+    fields of `ShardingRules`."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}: expected one of {LAYOUTS}")
-    base = {"batch": EXPERT, "moe_dispatch": "all_to_all"} if layout == "dp" else {}
+    base = {"batch": EXPERT, "positions": TENSOR, "moe_dispatch": "all_to_all"} if layout == "dp" else {}
     return ShardingRules(**{**base, **overrides})
 
 

@@ -146,10 +146,10 @@ class Engine:
                  draft_tokens: int = 0, control: str = "host", batch_invariant: bool = False,
                  disaggregate: tuple[int, int] | None = None):
         _check_draft_tokens(model, draft_tokens)
-        if model.rules.batch is not None:
+        if model.rules.batch is not None or model.rules.positions is not None:
             # The allocator, prefix cache and scheduler hand out one pool's page ids: the engine keeps
             # its slots and pool whole on every device (the MoE keeps the rules' dispatch).
-            model = dataclasses.replace(model, rules=dataclasses.replace(model.rules, batch=None))
+            model = dataclasses.replace(model, rules=dataclasses.replace(model.rules, batch=None, positions=None))
         if batch_invariant:
             model = dataclasses.replace(model, rules=dataclasses.replace(model.rules, batch_invariant=True))
         if control not in CONTROLS:
