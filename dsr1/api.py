@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from . import cpu, programs
 from .core.cache import KVCache, check_kv_cache_dtype
 from .core.config import Config
+from .core.eplb import ExpertPlacement, with_placement
 from .core.params import Params, compute_view, init_params
 from .core.quant import Int8Weight, check_quant
 from .core.sharding import DEFAULT_RULES, ShardingRules, make_mesh, put_replicated, to_host
@@ -64,6 +65,13 @@ class Model:
         """"int8" when the matmul weights are int8 with per-channel scales, else None."""
         return "int8" if any(isinstance(x, Int8Weight) for x in jax.tree.leaves(
             self.params, is_leaf=lambda x: isinstance(x, Int8Weight))) else None
+
+    def with_expert_placement(self, placement: ExpertPlacement) -> Model:
+        """This model with redundant experts (`dsr1.core.eplb`): the routed-expert stacks stored by the
+        placement's physical slots, each (token, expert) pair sent to one copy. Tokens are unchanged."""
+        if self.rules.experts is None or self.mesh.shape[self.rules.experts] == 1:
+            raise ValueError("redundant experts balance the devices of the expert axis: this mesh has one")
+        return dataclasses.replace(self, params=with_placement(self.params, placement))
 
     def weight_bytes(self) -> int:
         """Bytes of all weights (int8 values and their scales included; an array held twice counted once)."""

@@ -3,7 +3,8 @@ the expert axis, each token-expert pair sent to its expert's device and back, gi
 outputs and the same greedy tokens as summing partial outputs over the mesh ("psum") and as one
 device, in float32. And attention data parallelism (`layout_rules("dp")`: the rows, the decode cache
 and the page pool split over the expert axis, with the all-to-all) gives the same tokens and the
-same paged-extend logits as one device, each rank holding only its share.
+same paged-extend logits as one device, each rank holding only its share; redundant experts
+(`dsr1.core.eplb`) change no token.
 
 The multi-device comparison runs this file as a program in a subprocess (the device count must be
 set before JAX starts): `python -m tests.test_expert_all_to_all --expert 4 --tensor 2`.
@@ -25,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 import dsr1
 from dsr1 import programs
+from dsr1.core import eplb
 from dsr1.core import moe as moe_module
 from dsr1.core.moe import moe
 from dsr1.core.sharding import ShardingRules, layout_rules
@@ -77,8 +79,13 @@ def moe_outputs(mesh, tokens: tuple[int, ...] = (1, 3, 8, 64)) -> dict[str, np.n
     return outputs
 
 
-def greedy_tokens(mesh, rules: ShardingRules, new_tokens: int = 12) -> list[list[int]]:
+def greedy_tokens(mesh, rules: ShardingRules, new_tokens: int = 12, redundant: int = 0) -> list[list[int]]:
+    """Greedy tokens of `PROMPTS`; with `redundant` expert slots per layer placed (`dsr1.core.eplb`)
+    from a skewed load, each hot expert's pairs spread over its copies."""
     model = dataclasses.replace(dsr1.init_random(CONFIG, seed=11, dtype="float32", mesh=mesh), rules=rules)
+    if redundant:
+        load = np.random.default_rng(0).pareto(1.0, (CONFIG.num_moe_layers, CONFIG.n_routed_experts)) + 1
+        model = model.with_expert_placement(eplb.balance(load, mesh.shape[rules.experts], redundant))
     result = dsr1.generate(model, PROMPTS, max_new_tokens=new_tokens)
     return [c.tokens for c in result.completions]
 
@@ -191,6 +198,8 @@ def compare(expert: int, tensor: int) -> dict:
         "tokens_one_device": greedy_tokens(one, ShardingRules()),
         "tokens": {**{r.moe_dispatch: greedy_tokens(mesh, r) for r in (ShardingRules(), ALL_TO_ALL)},
                    "dp": greedy_tokens(mesh, DP)},
+        "tokens_eplb": {"psum": greedy_tokens(mesh, ShardingRules(), redundant=2 * expert),
+                        "dp": greedy_tokens(mesh, DP, redundant=2 * expert)},
         "dp": dp_checks(one, mesh),
     }
 
@@ -212,6 +221,7 @@ def test_all_to_all_and_dp_match_psum_and_one_device_on_eight_devices(expert, te
     assert report["tokens"]["psum"] == ref
     assert report["tokens"]["all_to_all"] == ref
     assert report["tokens"]["dp"] == ref
+    assert report["tokens_eplb"] == {"psum": ref, "dp": ref}  # redundant experts change no token
     for split in ("dp", "dp_rows_only"):
         dp = report["dp"][split]
         assert dp["extend_max_rel_diff"] < 1e-5, (split, dp)

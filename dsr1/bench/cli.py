@@ -15,6 +15,7 @@ transformers.
     python -m dsr1.bench quality [--model PATH] [--text FILE] [--draft-tokens 1,2,3] [--plot PNG]
     python -m dsr1.bench control [--processes 2,4,16] [--slots 66] [--max-seq-len 163840]
     python -m dsr1.bench paged [--lengths 32768,1024x63] [--page-size 16,64] [--kv-cache-dtype int8]
+    python -m dsr1.bench eplb [--model PATH] [--devices 4] [--redundant 4,8] [--routing PATH.npy]
 
 Results go to stdout as Markdown tables (progress to stderr); `--json PATH` also writes them as JSON.
 """
@@ -48,6 +49,8 @@ from .control import __doc__ as CONTROL_DOC
 from .control import add_control_options, run_control
 from .decode_attention import __doc__ as ATTENTION_DOC
 from .decode_attention import add_attention_options, run_attention
+from .eplb import __doc__ as EPLB_DOC
+from .eplb import add_eplb_options, run_eplb
 from .experts import EXPERT_COLUMNS, KERNELS, bench_kernels
 from .loading import add_load_options, run_load
 from .paged import __doc__ as PAGED_DOC
@@ -479,6 +482,10 @@ def parser() -> argparse.ArgumentParser:
                                        "against XLA's page loop (deviceless compile, needs libtpu)",
                          description=PAGED_DOC.split("\n\n")[0])
     add_paged_options(pag)
+    epl = sub.add_parser("eplb", help="redundant experts: the busiest device's expert load over the mean, with and "
+                                      "without a balanced placement, on recorded routings",
+                         description=EPLB_DOC.split("\n\n")[0])
+    add_eplb_options(epl)
     return ap
 
 
@@ -489,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--new-tokens must be at least 2 (the first token comes from the prefill)")
     commands = {"decode": run_decode, "prefill": run_prefill, "moe": run_moe, "compare-hf": run_compare_hf,
                 "serve": run_serve, "plan": run_plan, "load": run_load, "quality": run_quality,
-                "attention": run_attention, "control": run_control, "paged": run_paged}
+                "attention": run_attention, "control": run_control, "paged": run_paged, "eplb": run_eplb}
     result = commands[args.command](args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))

@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from .. import cpu
 from .config import Config
+from .eplb import physical_experts
 from .layers import mlp
 from .products import einsum, ragged_dot, to_float32
 from .quant import Int8Weight
@@ -495,12 +496,14 @@ def _dispatched_experts(x, weights, experts, gate, up, down, layer, *, rules: Sh
 def moe(p: dict, x: jax.Array, cfg: Config, mesh: Mesh, rules: ShardingRules,
         layer: jax.Array | None = None, *, differentiable: bool = False) -> tuple[jax.Array, jax.Array]:
     """The DeepSeekMoE block on `x [..., D]`: routed plus shared experts, and the routed expert ids
-    `[N, K]` (for accounting what a step reads; unused outputs cost nothing under jit). `layer`: see
+    `[N, K]`, logical (for accounting what a step reads; unused outputs cost nothing under jit). `layer`: see
     `routed_experts` (the routed experts of every layer, read in place); `differentiable`: see there."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     weights, experts = route(x, p["router"], jax.lax.stop_gradient(p["router_bias"]), cfg)
-    out = routed_experts(p, x, weights, experts, mesh, rules, layer, differentiable=differentiable)
+    # Redundant experts (`dsr1.core.eplb`): the stacks hold physical slots, each pair goes to a copy.
+    slots = physical_experts(experts, p["replicas"], p["replica_counts"]) if "replicas" in p else experts
+    out = routed_experts(p, x, weights, slots, mesh, rules, layer, differentiable=differentiable)
     if "shared" in p:
         with jax.named_scope("shared_experts"):
             out = out + mlp(p["shared"], x).astype(jnp.float32)

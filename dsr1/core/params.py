@@ -333,4 +333,25 @@ def compute_view(params: Params, cfg: Config, mesh: Mesh) -> Params:
     products); elsewhere, and with that backend off, the weights unchanged. `api.load` and
     `init_random` hold the weights this way, and the model's programs apply it again (idempotent: a
     program given plain weights reinterprets them, without copies)."""
-    return cpu.view(params, float_specs(cfg, mtp="mtp" in params), mesh)
+    placement, logical = split_placement(params)
+    return with_placement_arrays(cpu.view(logical, float_specs(cfg, mtp="mtp" in params), mesh), placement)
+
+
+PLACEMENT = ("replicas", "replica_counts")  # a redundant-expert placement's map (`dsr1.core.eplb`)
+
+
+def split_placement(params: Params) -> tuple[dict, Params]:
+    """(`params`' expert placement arrays, if any; the weights without them)."""
+    moe = params.get("moe_layers", {}).get("moe", {})
+    if "replicas" not in moe:
+        return {}, params
+    kept = {k: v for k, v in moe.items() if k not in PLACEMENT}
+    return {k: moe[k] for k in PLACEMENT}, {**params, "moe_layers": {**params["moe_layers"], "moe": kept}}
+
+
+def with_placement_arrays(params: Params, placement: dict) -> Params:
+    """The inverse of `split_placement`."""
+    if not placement:
+        return params
+    layers = params["moe_layers"]
+    return {**params, "moe_layers": {**layers, "moe": {**layers["moe"], **placement}}}
