@@ -511,10 +511,9 @@ def plan_report(plan: dict[str, Any]) -> str:
              f"- weights: {_gib(plan['weight_bytes_total'])} GiB in all, **{_gib(plan['weight_bytes_per_device'])} "
              f"GiB per device**"]
     lines += [f"  - {part}: {_gib(n)} GiB" for part, n in plan["weight_breakdown"].items()]
-    split = plan["cache_bytes_per_token"] != plan["cache_bytes_per_token_per_device"]
     lines += [f"- cache: **{plan['cache_bytes_per_token']:,} bytes per token** (all layers; "
               + (f"layout dp: rows split over the expert axis, {plan['cache_bytes_per_token_per_device']:,} per device)"
-                 if split else "layout tp: every row on every device, so per device too)"),
+                 if plan["layout"] == "dp" else "layout tp: every row on every device, so per device too)"),
               f"- XLA temporaries of a decode step (XLA:CPU): {_gib(plan['temp_fixed_bytes'])} GiB fixed + "
               f"{plan['temp_bytes_per_token']:,.0f} bytes per cached token", "",
               "| program | shape | lower s | compile s (CPU s) | arguments GiB | outputs GiB | aliased GiB | temp GiB "
