@@ -287,11 +287,11 @@ def test_scaled_down_serving_step_compiled_by_xla_tpu_for_v5e(tmp_path, layout):
     assert step["program"] == "serve_step" and step["refused"] is None
     memory = step["memory"]
     # XLA:TPU's arguments per device hold at least the weight shards and the page pool: all of it in
-    # layout tp, the rank's share in layout dp (the pool's pages split over the expert axis).
-    ranks = plan["mesh"]["expert"] if layout == "dp" else 1
-    pool = (batch * context // 16 + ranks) * 16 * plan["cache_bytes_per_token"] // ranks
+    # layout tp, a device's share in layout dp (pages split over the ranks, a row's over `tensor`).
+    shares = plan["mesh"]["expert"] * plan["mesh"]["tensor"] if layout == "dp" else 1
+    pool = (batch * context // 16 + shares) * 16 * plan["cache_bytes_per_token"] // shares
     assert plan["layout"] == layout
-    assert plan["cache_bytes_per_token_per_device"] * ranks >= plan["cache_bytes_per_token"]
+    assert plan["cache_bytes_per_token_per_device"] == -(-plan["cache_bytes_per_token"] // shares)
     assert memory["argument_size_in_bytes"] >= plan["weight_bytes_per_device"] + pool
     assert memory["alias_size_in_bytes"] >= pool  # the donated pool
     assert plan["max_cached_tokens"] >= batch * 2 * context
