@@ -69,8 +69,11 @@ class Model:
     def with_expert_placement(self, placement: ExpertPlacement) -> Model:
         """This model with redundant experts (`dsr1.core.eplb`): the routed-expert stacks stored by the
         placement's physical slots, each (token, expert) pair sent to one copy. Tokens are unchanged."""
-        if self.rules.experts is None or self.mesh.shape[self.rules.experts] == 1:
+        devices = self.mesh.shape[self.rules.experts] if self.rules.experts else 1
+        if devices == 1:
             raise ValueError("redundant experts balance the devices of the expert axis: this mesh has one")
+        if placement.devices != devices:
+            raise ValueError(f"the placement is for {placement.devices} devices; the expert axis has {devices}")
         return dataclasses.replace(self, params=with_placement(self.params, placement))
 
     def weight_bytes(self) -> int:

@@ -286,7 +286,8 @@ def read_rank_pages(cache: PagedKVCache, layer: jax.Array, pages: jax.Array, mes
     """`cache.read_pages(layer, pages)`, each row's pages read on its own rank when the pool's pages
     are split over ranks only (a split over positions reads by `attention`'s per-device partials)."""
     rows_axis, positions_axis = pool_axes(mesh, rules)
-    assert positions_axis is None, "a pool split over positions is read per device, not gathered"
+    if positions_axis is not None:
+        raise ValueError("a pool split over positions is read by per-device partials, not gathered per row")
     if rows_axis is None:
         return cache.read_pages(layer, pages)
     rows, whole = jax.sharding.PartitionSpec(rows_axis), jax.sharding.PartitionSpec()

@@ -132,6 +132,6 @@ def with_placement(params: dict, placement: ExpertPlacement) -> dict:
 
     moved = {k: jax.tree.map(by_slot, stack[k]) for k in ("gate", "up", "down")}
     replicas, counts = placement.replicas()
-    rep = jax.sharding.NamedSharding(stack["router"].sharding.mesh, jax.sharding.PartitionSpec())
+    rep = jax.sharding.NamedSharding(jax.tree.leaves(stack["gate"])[0].sharding.mesh, jax.sharding.PartitionSpec())
     extra = {"replicas": jax.device_put(replicas, rep), "replica_counts": jax.device_put(counts, rep)}
     return {**params, MOE_STACK: {**params[MOE_STACK], "moe": {**stack, **moved, **extra}}}
