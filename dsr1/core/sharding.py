@@ -6,7 +6,8 @@ to whatever places arrays (`Model.rules`, `init_random(..., rules=)`); `DEFAULT_
 low-latency decode layout ("tp"): activations replicated, attention heads and ffw split over
 `tensor`, routed experts over `expert` (and their ffw over `tensor`). `layout_rules("dp")` is the
 throughput layout: attention data parallelism, the rows of every activation and of the decode cache
-split over `expert` (each of its devices a data-parallel rank), with the all-to-all expert dispatch.
+split over `expert` (each of its devices a data-parallel rank), each row's pages of the page pool
+dealt out over `tensor`, with the all-to-all expert dispatch (docs/layouts.md).
 
 `moe_dispatch` chooses how tokens meet the routed experts: "psum" (default) runs every device's
 experts on every token routed to them and sums the partial outputs over the mesh; "all_to_all"
