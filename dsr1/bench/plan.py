@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from .. import programs
-from ..core.cache import KVCache, check_kv_cache_dtype, pool_axes
+from ..core.cache import KVCache, check_kv_cache_dtype, pool_shares
 from ..core.config import Config
 from ..core.params import abstract_params, is_spec, param_specs
 from ..core.quant import check_quant
@@ -474,8 +474,7 @@ def make_tpu_plan(spec: PlanSpec, mesh: Mesh, rules: ShardingRules = DEFAULT_RUL
     budget = available or (spec.hbm_gib if spec.hbm_gib is not None else chip.hbm_gib) * GIB
     tokens = spec.batch * spec.context
     token_bytes = cache_bytes_per_token(cfg, dtype, spec.kv_cache_dtype)
-    shares = math.prod(mesh.shape[a] for a in pool_axes(mesh, rules) if a is not None)  # the page pool's split
-    device_token_bytes = -(-token_bytes // shares)
+    device_token_bytes = -(-token_bytes // pool_shares(mesh, rules))  # the page pool is split so
     fitted = tpu.fit(compiled[0], compiled[1], tokens, 2 * tokens, budget, fit_contexts(cfg), device_token_bytes)
     per_step = step.bytes_accessed_per_step
     return {

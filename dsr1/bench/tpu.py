@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from .. import programs
-from ..core.cache import empty_paged_cache, pool_axes, pool_specs
+from ..core.cache import empty_paged_cache, pool_shares, pool_specs
 from ..core.config import Config
 from ..core.model import default_block_pages
 from ..core.sharding import DEFAULT_RULES, ShardingRules, make_mesh, replicated_sharding
@@ -103,10 +103,10 @@ def serving_args(cfg: Config, mesh: Mesh, batch: int, context: int, dtype: Any, 
     slot, the page table. The pool placed as `rules` place it (`keep_pool_layout`: whole on every
     device, or its pages split over the data-parallel ranks), the rest replicated."""
     pages = -(-context // page_size)
-    shares = math.prod(mesh.shape[a] for a in pool_axes(mesh, rules) if a is not None)  # a scratch page each
-    cache = jax.eval_shape(lambda: empty_paged_cache(cfg.num_hidden_layers, batch * pages + shares, page_size,
-                                                     cfg.kv_lora_rank, cfg.qk_rope_head_dim, jnp.dtype(dtype),
-                                                     kv_cache_dtype, platform="tpu"))
+    num_pages = batch * pages + pool_shares(mesh, rules)
+    cache = jax.eval_shape(lambda: empty_paged_cache(cfg.num_hidden_layers, num_pages, page_size, cfg.kv_lora_rank,
+                                                     cfg.qk_rope_head_dim, jnp.dtype(dtype), kv_cache_dtype,
+                                                     platform="tpu"))
     sampling = batch_sampling([Sampling()] * batch)
     state = jax.eval_shape(functools.partial(serving.slot_state, mesh=mesh, vocab_size=cfg.vocab_size), sampling)
     rows = jax.ShapeDtypeStruct((batch, len(serving.StepRows._COLUMNS) + 1), jnp.int32)

@@ -18,6 +18,7 @@ On CPU a bf16 cache stores its latents as their bits (uint16, `stores_bits`): re
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -255,6 +256,11 @@ def pool_axes(mesh: Mesh | None, rules: ShardingRules) -> tuple[str | None, str 
         return axis if mesh is not None and axis is not None and mesh.shape[axis] > 1 else None
 
     return split(rules.batch), split(rules.positions)
+
+
+def pool_shares(mesh: Mesh | None, rules: ShardingRules) -> int:
+    """Into how many shares the pool's pages are split (`pool_axes`): one scratch page each."""
+    return math.prod(mesh.shape[a] for a in pool_axes(mesh, rules) if a is not None)
 
 
 def _pool_spec(mesh: Mesh | None, rules: ShardingRules) -> jax.sharding.PartitionSpec:

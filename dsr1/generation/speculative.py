@@ -85,8 +85,9 @@ class SpecState:
 
 def _laid_out(state: SpecState, mesh: Mesh, rules: ShardingRules) -> SpecState:
     """The loop state's caches laid out by their rows (`keep_cache_rows`), its bookkeeping whole."""
-    whole = jax.tree.map(lambda a: keep_replicated(a, mesh), state)
-    return dataclasses.replace(whole, cache=keep_cache_rows(state.cache, mesh, rules),
+    bookkeeping = jax.tree.map(lambda a: keep_replicated(a, mesh), dataclasses.replace(state, cache=None,
+                                                                                      mtp_cache=None))
+    return dataclasses.replace(bookkeeping, cache=keep_cache_rows(state.cache, mesh, rules),
                                mtp_cache=keep_cache_rows(state.mtp_cache, mesh, rules))
 
 
