@@ -170,9 +170,9 @@ def load(path: str | Path, *, mesh: Mesh | None = None, dtype: Any = "bfloat16",
 
     Throughput: the progress bar shows bytes read and GB/s as it goes; at the end the logger
     `dsr1.weights` logs (INFO) a `dsr1.weights.throughput.Throughput` as the record's `throughput`
-    attribute: `.bytes` read from disk (the tensors' bytes in a release folder's shards, FP8 scales
-    included; the files of a converted folder's units), `.seconds` until every weight is on its
-    devices, and `.gbps`.
+    attribute: `.bytes` this process read from disk (the regions of the checkpoint's tensors its
+    devices hold, FP8 scales included, plus the tensors every device holds whole; `.reads` lists
+    them), `.seconds` until every weight is on its devices, and `.gbps`.
     """
     mesh, dtype = _resolve(mesh, dtype)
     cfg = Config.from_hf(path)

@@ -36,7 +36,7 @@ def main() -> None:
 
     if args.assemble_on_devices:
         from dsr1.weights import loading
-        loading._on_accelerators = lambda mesh: True
+        loading.LoadPlan.accelerators = property(lambda plan: True)
     inputs = np.load(args.inputs)
     mesh = dsr1.make_mesh(expert=args.expert, tensor=args.tensor)
     model = dsr1.load(args.folder, mesh=mesh, dtype="float32", progress=False)

@@ -200,3 +200,39 @@ def test_loaded_transposed_copies_are_the_transposes_and_the_view_is_complete(tm
     assert jax.tree.structure(again) == jax.tree.structure(model.params)
     for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(model.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_region_of_each_weight_reads_only_its_box_and_equals_the_whole_weights_slice(tmp_path, tensors):
+    """`read_region` of any weight (heads, experts, columns, rows of FP8 and bf16 tensors) is the
+    same slice of the whole weight, and the index logs only the box of the tensor that holds it."""
+    import torch
+    from safetensors.torch import save_file
+
+    from dsr1.weights.release import read_region, tensor_regions, unit_sources
+    from dsr1.weights.safetensors_io import ReadLog
+
+    cfg = dsr1.Config.from_dict(SMALL)
+    fp8 = {n: w for n, w in tensors.items() if n.endswith("_proj.weight") and n.startswith("model.layers.")}
+    stored = {n: torch.from_numpy(w) for n, w in tensors.items() if n not in fp8}
+    for n, w in fp8.items():
+        scale = np.full((math.ceil(w.shape[0] / 128), math.ceil(w.shape[1] / 128)), 0.5, np.float32)
+        stored[n], stored[n + "_scale_inv"] = torch.from_numpy(w / 0.5).to(torch.float8_e4m3fn), torch.from_numpy(scale)
+    save_file(stored, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(SMALL))
+    index = CheckpointIndex.open(tmp_path)
+    for unit, layer in [("globals", None), ("dense_layers", 0), ("moe_layers", 1)]:
+        for spec, src in unit_sources(cfg, unit):
+            shape = spec.shape
+            whole = read_region(index, src, shape, layer or 0, (), np.float32)
+            regions = [tuple(slice(0, max(1, n // 2)) if i == axis else slice(None) for i, n in enumerate(shape))
+                       for axis in range(len(shape))] + [tuple(slice(n // 2, n) for n in shape)]
+            for region in regions:
+                index.log.regions.clear()
+                part = read_region(index, src, shape, layer or 0, region, np.float32)
+                np.testing.assert_array_equal(part, whole[region], err_msg=f"{src.name} {region}")
+                boxes = tensor_regions(src, shape, layer or 0, region)
+                logged = ReadLog([r for r in index.log.regions if not r[0].name.endswith("_scale_inv")])
+                if all(box is not None for _, box in boxes):  # exactly the boxes
+                    assert logged.bytes() == ReadLog([(index.info(n), box) for n, box in boxes]).bytes()
+                else:  # at most the tensors whole
+                    assert logged.bytes() <= sum(index.info(n).end - index.info(n).begin for n in dict(boxes))

@@ -25,7 +25,17 @@ from dsr1.weights.release import CheckpointIndex
 from dsr1.weights.safetensors_io import read_header, read_tensor, write_safetensors
 from dsr1.weights.throughput import path_bytes
 
-from .harness import DECODE_PREFIX, TOLERANCE, decode_logits, prompt_batch, relative_error, subprocess_env
+from .harness import (
+    DECODE_PREFIX,
+    TOLERANCE,
+    decode_logits,
+    free_port,
+    prompt_batch,
+    relative_error,
+    start_processes,
+    subprocess_env,
+    wait_processes,
+)
 from .reference import hf_config, reference_logits, release_tensors, write_checkpoint
 
 SHARED_INDEX = (Path(__file__).parents[2] / "shared" / "reference" / "deepseek-r1"
@@ -420,5 +430,44 @@ def test_conversion_and_its_load_report_bytes_and_gbps(fp8, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="dsr1.weights"):
         dsr1.load(out, mtp=True, progress=False)
     (read,) = [r.throughput for r in caplog.records if hasattr(r, "throughput")]
-    assert read.bytes == stats.written.bytes and read.gbps > 0
+    # One device holds every weight: the load reads every tensor of the unit files (their headers aside).
+    tensors = [info for u in units for info in read_header(u).values()]
+    assert read.bytes == sum(info.end - info.begin for info in tensors) > 0.99 * stats.written.bytes
+    assert read.gbps > 0
     assert dsr1_convert.main(["--hf", str(folder), "--out", str(tmp_path / "again")]) == 0
+
+
+def test_each_of_four_processes_reads_only_its_share(fp8, tmp_path):
+    """Four processes load the release folder and its conversion, each asking the disk only for
+    what its device holds plus the tensors every device holds whole. Mesh 4x1: each process holds
+    two whole experts, so it reads exactly those experts (FP8 scales included) and every other
+    tensor. Mesh 2x2: the experts' and the heads' columns are split across processes too; each
+    reads at most 1.1x what its plan says its device holds (`loading.planned_reads`), a fraction of
+    the checkpoint."""
+    folder = fp8[0]
+    converted = dsr1_convert.convert(folder, tmp_path / "converted", progress=False)
+    out = tmp_path / "reports"
+    out.mkdir()
+    procs = start_processes("tests.read_worker", ["--folder", str(folder), "--folder", str(converted),
+                                                  "--mesh", "4x1", "--mesh", "2x2", "--out", str(out),
+                                                  "--num-processes=4", f"--port={free_port()}"], count=4, devices=1)
+    wait_processes(procs)
+    reports = [json.loads((out / f"{p}.json").read_text()) for p in range(4)]
+    index = CheckpointIndex.open(folder)
+    size = {name: info.end - info.begin for name, info in index.tensors.items()}
+    expert_of = {name: int(name.split(".experts.")[1].split(".")[0]) for name in size if ".experts." in name}
+    whole = sum(size.values())
+    for p, report in enumerate(reports):
+        got = report["release 4x1"]
+        mine = {name for name, e in expert_of.items() if e // 2 == p}
+        assert {n for n in got["tensors"] if n in expert_of} == mine  # its two experts, no other
+        assert all(got["tensors"][n] == size[n] for n in got["tensors"])  # each read whole
+        assert got["read"] == got["planned"] == sum(size[n] for n in size if n not in expert_of or n in mine)
+        for key, case in report.items():
+            assert case["planned"] <= case["read"] <= 1.1 * case["planned"], (p, key, case["read"], case["planned"])
+        split = report["release 2x2"]
+        experts_read = sum(b for n, b in split["tensors"].items() if n in expert_of)
+        assert experts_read <= 1.1 * sum(size[n] for n in expert_of) / 4 + sum(size[n] for n in expert_of
+                                                                               if n.endswith("_scale_inv"))
+        assert split["read"] < 0.6 * whole
+        assert report["converted 2x2"]["read"] < 0.6 * path_bytes([converted])

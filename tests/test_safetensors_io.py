@@ -3,12 +3,25 @@ with the `safetensors` library), and a failure leaves no file behind."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import ml_dtypes
 import numpy as np
 import pytest
 
 from dsr1 import CheckpointError
-from dsr1.weights.safetensors_io import map_file, read_header, read_into, read_tensor, write_safetensors
+from dsr1.weights.safetensors_io import (
+    ReadLog,
+    TensorInfo,
+    map_file,
+    merged_ranges,
+    page_ranges,
+    read_header,
+    read_into,
+    read_tensor,
+    region_runs,
+    write_safetensors,
+)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -110,3 +123,16 @@ def test_prefetch_asks_for_ranges_in_the_order_given(tmp_path, monkeypatch):
     prefetch([infos["d"], infos["a"], infos["b"], infos["c"]])
     d, a, c = infos["d"], infos["a"], infos["c"]
     assert asked == [(d.begin, d.end), (a.begin, c.end)]
+
+
+def test_region_runs_are_the_byte_runs_of_the_region():
+    info = TensorInfo("w", Path("x"), "F32", (4, 6), 100, 100 + 4 * 6 * 4)
+    np.testing.assert_array_equal(region_runs(info, (slice(1, 3), slice(2, 4))),
+                                  [[100 + 8 * 4, 100 + 10 * 4], [100 + 14 * 4, 100 + 16 * 4]])
+    np.testing.assert_array_equal(region_runs(info, (slice(1, 3),)), [[124, 172]])  # whole rows: one run
+    np.testing.assert_array_equal(region_runs(info, ()), [[100, 196]])
+    assert region_runs(info, (slice(2, 2),)).shape == (0, 2)
+    np.testing.assert_array_equal(merged_ranges(np.array([[10, 20], [0, 5], [5, 8], [15, 30]])), [[0, 8], [10, 30]])
+    np.testing.assert_array_equal(page_ranges(np.array([[10, 20], [4100, 4200]]), 4096), [[0, 8192]])
+    log = ReadLog([(info, (slice(0, 2),)), (info, (slice(1, 3),)), (info, (slice(None), slice(0, 1)))])
+    assert log.bytes() == 3 * 24 + 4  # rows 0-2 once, and row 3's first element

@@ -16,6 +16,7 @@ transformers.
     python -m dsr1.bench control [--processes 2,4,16] [--slots 66] [--max-seq-len 163840]
     python -m dsr1.bench paged [--lengths 32768,1024x63] [--page-size 16,64] [--kv-cache-dtype int8]
     python -m dsr1.bench eplb [--model PATH] [--devices 4] [--redundant 4,8] [--routing PATH.npy]
+    python -m dsr1.bench shares --index model.safetensors.index-with-shapes.json.gz --target v5e-64
 
 Results go to stdout as Markdown tables (progress to stderr); `--json PATH` also writes them as JSON.
 """
@@ -87,6 +88,8 @@ from .serve import (
     run_static,
     summarize,
 )
+from .shares import __doc__ as SHARES_DOC
+from .shares import add_shares_options, run_shares
 from .timing import DECODE_COLUMNS, bench_decode_point
 
 
@@ -486,6 +489,10 @@ def parser() -> argparse.ArgumentParser:
                                       "without a balanced placement, on recorded routings",
                          description=EPLB_DOC.split("\n\n")[0])
     add_eplb_options(epl)
+    sha = sub.add_parser("shares", help="what each host of a TPU slice reads when loading the release checkpoint, "
+                                        "from its tensor index (needs libtpu for the topology)",
+                         description=SHARES_DOC.split("\n\n")[0])
+    add_shares_options(sha)
     return ap
 
 
@@ -496,7 +503,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--new-tokens must be at least 2 (the first token comes from the prefill)")
     commands = {"decode": run_decode, "prefill": run_prefill, "moe": run_moe, "compare-hf": run_compare_hf,
                 "serve": run_serve, "plan": run_plan, "load": run_load, "quality": run_quality,
-                "attention": run_attention, "control": run_control, "paged": run_paged, "eplb": run_eplb}
+                "attention": run_attention, "control": run_control, "paged": run_paged, "eplb": run_eplb,
+                "shares": run_shares}
     result = commands[args.command](args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))

@@ -51,17 +51,17 @@ from .release import (
     CheckpointIndex,
     Fp8Experts,
     dequantize_experts,
+    fp8_scale_region,
     is_fp8_experts,
     read_region_into,
     read_stored_into,
     stored_experts,
-    tensor_bytes,
+    tensor_regions,
     unit_sources,
-    unit_tensors,
     validate,
 )
-from .safetensors_io import TensorInfo, prefetch, read_header
-from .throughput import Throughput, path_bytes
+from .safetensors_io import ReadLog, TensorInfo, advise, page_ranges, read_header, region_runs
+from .throughput import Throughput
 
 Fill = Callable[[tuple[slice, ...], np.ndarray], None]  # writes a region of one weight into a host array
 HostRegions = dict[tuple, tuple[tuple[slice, ...], np.ndarray]]  # a weight's distinct device regions and their buffers
@@ -72,15 +72,23 @@ class UnitReader:
     """How one checkpoint format is read, one loading unit ("globals", or a stack and a layer) at a time."""
 
     fills: Callable[[str, int | None, Any], list[Fill]]  # one per leaf of the unit's ShapeDtypeStructs, in leaf order
-    nbytes: Callable[[str, int | None], int]  # bytes reading it moves from disk
-    prefetch: Callable[[str, int | None], None] = lambda unit, layer: None  # start reading it in the background
+    # The tensor regions this process reads for a unit (its ShapeDtypeStructs in our layout): those
+    # its devices hold, mapped to the checkpoint's tensors, in reading order.
+    regions: Callable[[str, int | None, Any], list[tuple[TensorInfo, tuple[slice, ...]]]]
+    log: ReadLog  # the regions read so far
     # The unit's ShapeDtypeStructs as read for devices that finish the conversion (`_set_layer`): the
     # release's FP8 experts as `Fp8Experts`. Identity where the format is read as it is held.
     stored: Callable[[str, int | None, Any], Any] = lambda unit, layer, abstract: abstract
 
+    def prefetch(self, regions: list[tuple[TensorInfo, tuple[slice, ...]]]) -> None:
+        """Start reading these regions' pages in the background, in the order given."""
+        advise([(info.file, int(b), int(e)) for info, region in regions
+                for b, e in page_ranges(region_runs(info, region))])
 
-def _hf_reader(folder: Path, cfg: Config, mtp: bool) -> UnitReader:
-    index = CheckpointIndex.open(folder)
+
+def _hf_reader(folder: Path, cfg: Config, mtp: bool, process: int | None = None,
+               index: CheckpointIndex | None = None) -> UnitReader:
+    index = CheckpointIndex.open(folder) if index is None else index
     validate(index, cfg, mtp=mtp)
 
     def fills(unit: str, layer: int | None, abstract: Any) -> list[Fill]:
@@ -103,11 +111,19 @@ def _hf_reader(folder: Path, cfg: Config, mtp: bool) -> UnitReader:
         slots = [one(a, spec, src) for a, (spec, src) in zip(jax.tree.leaves(abstract), sources)]
         return jax.tree.unflatten(jax.tree.structure(abstract), slots)
 
-    def tensors(unit: str, layer: int | None) -> list[str]:
-        return unit_tensors(index, cfg, unit, layer)
+    def regions(unit: str, layer: int | None, abstract: Any) -> list[tuple[TensorInfo, tuple[slice, ...]]]:
+        out = []
+        for a, (spec, src) in zip(jax.tree.leaves(abstract), unit_sources(cfg, unit, mtp=mtp)):
+            for region in process_regions(a, process):
+                for name, box in tensor_regions(src, spec.shape, 0 if layer is None else layer, region):
+                    info = index.info(name)
+                    box = (slice(None),) * len(info.shape) if box is None else box
+                    out.append((info, box))
+                    if name + "_scale_inv" in index.tensors and len(info.shape) == 2:
+                        out.append((index.tensors[name + "_scale_inv"], fp8_scale_region(_resolved(box, info.shape))))
+        return out
 
-    return UnitReader(fills, lambda unit, layer: tensor_bytes(index, tensors(unit, layer)),
-                      lambda unit, layer: index.prefetch(tensors(unit, layer)), stored)
+    return UnitReader(fills, regions, index.log, stored)
 
 
 def _fp8_experts_abstract(weight: jax.ShapeDtypeStruct) -> Fp8Experts:
@@ -123,7 +139,22 @@ def _fp8_experts_abstract(weight: jax.ShapeDtypeStruct) -> Fp8Experts:
     return Fp8Experts(codes, scales)
 
 
-def _converted_reader(folder: Path, manifest: dict[str, Any]) -> UnitReader:
+def _resolved(region: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(*r.indices(n)[:2]) for r, n in zip(region, shape))
+
+
+def process_regions(abstract: jax.ShapeDtypeStruct, process: int | None = None) -> list[tuple[slice, ...]]:
+    """The distinct regions of `abstract` held by the devices of `process` (None: this process's)."""
+    sharding = abstract.sharding
+    if process is None:
+        held = sharding.addressable_devices_indices_map(abstract.shape).values()
+    else:
+        held = [r for d, r in sharding.devices_indices_map(abstract.shape).items() if d.process_index == process]
+    keys = dict.fromkeys(_region_key(r, abstract.shape) for r in held)
+    return [tuple(slice(a, b) for a, b, _ in key) for key in keys]
+
+
+def _converted_reader(folder: Path, manifest: dict[str, Any], process: int | None = None) -> UnitReader:
     missing = [unit for unit in manifest["units"] if not (folder / unit).is_file()]
     if missing:  # found before anything is read
         raise store.CheckpointError(f"{folder / missing[0]}: missing unit of a converted checkpoint "
@@ -132,15 +163,17 @@ def _converted_reader(folder: Path, manifest: dict[str, Any]) -> UnitReader:
     def file(unit: str, layer: int | None) -> Path:
         return folder / store.unit_file(unit, layer)
 
+    log = ReadLog()
+
     def fills(unit: str, layer: int | None, abstract: Any) -> list[Fill]:
-        return store.open_unit(file(unit, layer), abstract)
+        return store.open_unit(file(unit, layer), abstract, log)
 
-    return UnitReader(fills, lambda unit, layer: path_bytes([file(unit, layer)]),
-                      lambda unit, layer: prefetch(sorted(read_header(file(unit, layer)).values(), key=_begin)))
+    def regions(unit: str, layer: int | None, abstract: Any) -> list[tuple[TensorInfo, tuple[slice, ...]]]:
+        header = read_header(file(unit, layer))
+        return [(header[name], region) for name, a in zip(store.weight_names(abstract), jax.tree.leaves(abstract))
+                if name in header for region in process_regions(a, process)]
 
-
-def _begin(info: TensorInfo) -> int:  # a converted unit is read in file order
-    return info.begin
+    return UnitReader(fills, regions, log)
 
 
 def _region_key(region: tuple[slice, ...], shape: tuple[int, ...]) -> tuple:
@@ -328,6 +361,20 @@ def plan_load(folder: str | Path, cfg: Config, mesh: Mesh, rules: ShardingRules,
                     manifest, cpu.enabled(mesh))
 
 
+def _reader(plan: LoadPlan, process: int | None = None, index: CheckpointIndex | None = None) -> UnitReader:
+    return (_hf_reader(plan.folder, plan.cfg, plan.mtp, process, index) if plan.manifest is None
+            else _converted_reader(plan.folder, plan.manifest, process))
+
+
+def planned_reads(plan: LoadPlan, process: int | None = None, index: CheckpointIndex | None = None) -> ReadLog:
+    """The tensor regions loading by `plan` reads for the devices of `process` (None: this process),
+    without reading any: the regions its devices hold, plus what every process reads (the tensors
+    held whole). `index` stands for a release folder's shards (`CheckpointIndex.from_shape_index`:
+    planned from a listing of the tensors, no weights needed)."""
+    reader = _reader(plan, process, index)
+    return ReadLog([r for unit in plan.units for r in reader.regions(*unit, plan.unit_abstract(unit[0]))])
+
+
 def load_params(folder: str | Path, cfg: Config, mesh: Mesh, rules: ShardingRules, dtype: Any, *,
                 quant: str | None = None, mtp: bool = False, progress: bool = True) -> tuple[Params, Throughput]:
     """Weights of `dtype` (int8 matmul weights with `quant="int8"`) in their shardings on `mesh`, and
@@ -336,15 +383,15 @@ def load_params(folder: str | Path, cfg: Config, mesh: Mesh, rules: ShardingRule
     every weight is on its devices. The progress bar shows the same rate as it goes."""
     start = time.perf_counter()
     plan = plan_load(folder, cfg, mesh, rules, dtype, quant=quant, mtp=mtp)
-    reader = (_hf_reader(plan.folder, cfg, mtp) if plan.manifest is None
-              else _converted_reader(plan.folder, plan.manifest))
+    reader = _reader(plan)
     units = plan.units
-    sizes = {u: reader.nbytes(*u) for u in units}
+    regions = {u: reader.regions(*u, plan.unit_abstract(u[0])) for u in units}
+    sizes = {u: ReadLog(r).bytes() for u, r in regions.items()}
     following = dict(zip(units, units[1:]))
 
     def fills(unit: str, layer: int | None, abstract: Any = None) -> list[Fill]:
         if (unit, layer) in following:  # the disk reads the next unit while this one is converted
-            reader.prefetch(*following[unit, layer])
+            reader.prefetch(regions[following[unit, layer]])
         return reader.fills(unit, layer, plan.unit_abstract(unit) if abstract is None else abstract)
 
     def read(unit: str, layer: int | None) -> Any:  # one unit on its devices (`_assemble_stack`)
@@ -357,7 +404,7 @@ def load_params(folder: str | Path, cfg: Config, mesh: Mesh, rules: ShardingRule
         def advance(unit: str, layer: int | None) -> None:
             bar.update(sizes[unit, layer])
 
-        reader.prefetch(*units[0])
+        reader.prefetch(regions[units[0]])
         params: dict[str, Any] = dict(read("globals", None))
         advance("globals", None)
         for unit in stack_names(plan.target):
@@ -366,4 +413,4 @@ def load_params(folder: str | Path, cfg: Config, mesh: Mesh, rules: ShardingRule
             else:
                 params[unit] = _assemble_stack(read, plan, unit, advance)
         jax.block_until_ready(params)  # the seconds count until the weights are in place
-    return params, Throughput(sum(sizes.values()), time.perf_counter() - start)
+    return params, Throughput(reader.log.bytes(), time.perf_counter() - start, reader.log)

@@ -33,7 +33,7 @@ import numpy as np
 from ..core.config import Config
 from ..core.params import ArrayInfo, float_specs, is_spec, loading_units, unit_specs
 from ..cpu import host_copy
-from .safetensors_io import CheckpointError, TensorInfo, map_file, prefetch, read_header, read_tensor
+from .safetensors_io import DTYPES, CheckpointError, ReadLog, TensorInfo, map_file, prefetch, read_header, read_tensor
 
 FP8_BLOCK = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -63,6 +63,10 @@ class Source:
     hf_shape: tuple[int, ...]
     to_ours: Callable[[np.ndarray], np.ndarray]
     per_expert: bool = False
+    # The tensor's rows come in blocks of this many per head (`kv_b_proj`: each head's nope rows,
+    # then its value rows); `to_ours` takes any run of whole heads. None: `to_ours` is `_same` or
+    # `_transposed` (then a reshape to our shape) and maps regions axis by axis (`tensor_region`).
+    rows_per_head: int | None = None
 
 
 def _same(w: np.ndarray) -> np.ndarray:
@@ -83,8 +87,10 @@ def _attention_sources(cfg: Config) -> dict[str, Source]:
         "mlp_norm": Source(pre + "post_attention_layernorm.weight", (d,), _same),
         "kv_a": Source(pre + "self_attn.kv_a_proj_with_mqa.weight", (r + rope, d), _transposed),
         "kv_a_norm": Source(pre + "self_attn.kv_a_layernorm.weight", (r,), _same),
-        "wk_b": Source(pre + "self_attn.kv_b_proj.weight", kv_b_shape, lambda w: w.reshape(h, nope + v, r)[:, :nope]),
-        "wv_b": Source(pre + "self_attn.kv_b_proj.weight", kv_b_shape, lambda w: w.reshape(h, nope + v, r)[:, nope:]),
+        "wk_b": Source(pre + "self_attn.kv_b_proj.weight", kv_b_shape,
+                       lambda w: w.reshape(-1, nope + v, w.shape[-1])[:, :nope], rows_per_head=nope + v),
+        "wv_b": Source(pre + "self_attn.kv_b_proj.weight", kv_b_shape,
+                       lambda w: w.reshape(-1, nope + v, w.shape[-1])[:, nope:], rows_per_head=nope + v),
         "o": Source(pre + "self_attn.o_proj.weight", (d, h * v), _transposed),
     }
     if cfg.q_lora_rank is None:
@@ -172,6 +178,68 @@ def unit_tensors(index: CheckpointIndex, cfg: Config, unit: str, layer: int | No
     return [m for n in names for m in (n, n + "_scale_inv") if m == n or m in index.tensors]
 
 
+def tensor_regions(src: Source, shape: tuple[int, ...], layer: int, region: tuple[slice, ...]
+                   ) -> list[tuple[str, tuple[slice, ...] | None]]:
+    """The checkpoint tensors `region` of one layer's weight (`shape`, our layout) is read from, each
+    with the region of it that is read (None: all of it). FP8 scales not included."""
+    region = _whole(region, shape)
+    if src.per_expert:
+        inner = tensor_region(src, shape[1:], region[1:])
+        return [(src.name.format(layer=layer, expert=e), inner) for e in range(shape[0])[region[0]]]
+    return [(src.name.format(layer=layer), tensor_region(src, shape, region))]
+
+
+def tensor_region(src: Source, shape: tuple[int, ...], region: tuple[slice, ...]) -> tuple[slice, ...] | None:
+    """The box of `src`'s tensor that holds `region` of our weight (one layer, one expert, `shape`),
+    or None where the region is not one box of it (then the whole tensor is read)."""
+    region = _whole(region, shape)
+    if src.rows_per_head is not None:  # whole heads' rows; our last axis is the tensor's columns
+        heads = range(shape[0])[region[0]]
+        return slice(heads.start * src.rows_per_head, heads.stop * src.rows_per_head), region[-1]
+    if src.to_ours is _same:
+        return region if shape == src.hf_shape else None
+    if src.to_ours is _transposed and len(src.hf_shape) == 2:
+        rows, cols = src.hf_shape  # ours is the transpose reshaped: leading axes flatten to its columns
+        split = next((k for k in range(len(shape) + 1) if math.prod(shape[:k]) == cols), None)
+        if split is None:
+            return None
+        along_cols, along_rows = _flat_slice(shape[:split], region[:split]), _flat_slice(shape[split:], region[split:])
+        return None if along_cols is None or along_rows is None else (along_rows, along_cols)
+    return None
+
+
+def _whole(region: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """`region` with a slice per axis, steps of 1 and bounds resolved."""
+    region = tuple(region) + (slice(None),) * (len(shape) - len(region))
+    bounds = [r.indices(n) for r, n in zip(region, shape)]
+    if any(step != 1 for _, _, step in bounds):
+        raise ValueError(f"region {region} has a step")
+    return tuple(slice(a, max(a, b)) for a, b, _ in bounds)
+
+
+def _flat_slice(shape: tuple[int, ...], region: tuple[slice, ...]) -> slice | None:
+    """The flat index range `region` covers in a C-ordered array of `shape` when it is one range:
+    every axis after the first partly selected one whole, every axis before it one index."""
+    flat = np.ravel_multi_index
+    if not shape:
+        return slice(0, 1)
+    partial = [i for i, (r, n) in enumerate(zip(region, shape)) if (r.start, r.stop) != (0, n)]
+    if partial and any(r.stop - r.start != 1 for r in region[:partial[0]]):
+        return None
+    if partial and any((r.start, r.stop) != (0, n) for r, n in zip(region[partial[0] + 1:], shape[partial[0] + 1:])):
+        return None
+    if any(r.stop <= r.start for r in region):
+        return slice(0, 0)
+    first = flat(tuple(r.start for r in region), shape)
+    return slice(int(first), int(flat(tuple(r.stop - 1 for r in region), shape)) + 1)
+
+
+def fp8_scale_region(region: tuple[slice, ...]) -> tuple[slice, slice]:
+    """The block scales `region` of a 2-D FP8 weight needs (its 128x128 blocks, edge blocks partial)."""
+    (r0, r1), (c0, c1) = ((r.start, r.stop) for r in region)
+    return slice(r0 // FP8_BLOCK, -(-r1 // FP8_BLOCK)), slice(c0 // FP8_BLOCK, -(-c1 // FP8_BLOCK))
+
+
 def tensor_bytes(index: CheckpointIndex, names: list[str]) -> int:
     """Bytes the named tensors occupy in their shards."""
     return sum(index.tensors[n].end - index.tensors[n].begin for n in names)
@@ -213,6 +281,7 @@ class CheckpointIndex:
     # only the last OPEN_MAPS stay mapped: a mapped file's pages count in the process's memory.
     maps: dict[Path, np.ndarray] = dataclasses.field(default_factory=dict, compare=False, repr=False)
     maps_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, compare=False, repr=False)
+    log: ReadLog = dataclasses.field(default_factory=ReadLog, compare=False, repr=False)  # what was read
 
     @classmethod
     def open(cls, folder: str | Path) -> CheckpointIndex:
@@ -258,15 +327,26 @@ class CheckpointIndex:
             raise CheckpointError(f"{self.folder}: checkpoint has no tensor {name!r}")
         return self.tensors[name]
 
-    def read(self, name: str) -> np.ndarray:
-        """The tensor, memory-mapped; FP8 weights come back dequantized per 128x128 block (float32)."""
+    def read(self, name: str, region: tuple[slice, ...] | None = None) -> np.ndarray:
+        """The tensor (or `region` of it), memory-mapped; FP8 weights come back dequantized per
+        128x128 block (float32), only the blocks of `region` read."""
         info = self.info(name)
-        w = self.mapped(info)
-        if info.dtype in FP8_DTYPES:
-            return dequantize_fp8(w, self.mapped(self.info(name + "_scale_inv")), f"{info.file.name}: {name}")
-        return w
+        region = _whole(() if region is None else region, info.shape)
+        w = self.mapped(info, region)
+        if info.dtype in FP8_DTYPES and len(info.shape) == 2:
+            scale = self.mapped(self.info(name + "_scale_inv"), fp8_scale_region(region))
+            out = np.empty(_region_shape(info.shape, region), np.float32)
+            dequantize_fp8_into(out, w, scale, region, f"{info.file.name}: {name}")
+            return out
+        return w[region]
 
-    def mapped(self, info: TensorInfo) -> np.ndarray:
+    def mapped(self, info: TensorInfo, region: tuple[slice, ...] | None = None) -> np.ndarray:
+        """The whole tensor memory-mapped (no bytes read yet), `region` of it logged as read (None: all
+        of it): the caller reads that region only."""
+        self.log.add(info, _whole(() if region is None else region, info.shape))
+        return self._map(info)
+
+    def _map(self, info: TensorInfo) -> np.ndarray:
         with self.maps_lock:  # experts are read in threads (`read_region_into`)
             data = self.maps.pop(info.file, None)
             data = self.maps[info.file] = map_file(info.file) if data is None else data  # the most recent last
@@ -387,6 +467,7 @@ def read_region_into(index: CheckpointIndex, src: Source, shape: tuple[int, ...]
     """Write the part `region` of one layer's weight, in our layout and `out`'s dtype, into `out`,
     expert by expert, each straight into its slot: in threads where the FP8 lookup is compiled
     (`host_copy.releases_gil`; numpy's `np.take` holds the GIL, so threads would only contend)."""
+    region = _whole(region, shape)
     if not src.per_expert:
         _read_into(out, index, src, src.name.format(layer=layer), shape, region)
         return
@@ -407,16 +488,23 @@ def _read_into(out: np.ndarray, index: CheckpointIndex, src: Source, name: str, 
                region: tuple[slice, ...]) -> None:
     """Write `region` of one tensor, in our layout and `out`'s dtype, into `out`."""
     info = index.info(name)
-    if src.to_ours is _transposed and len(shape) == 2:
-        stored = index.mapped(info)
-        if info.dtype in FP8_DTYPES:  # every expert: dequantize, transpose and cast in one pass, into `out`
-            scale = index.mapped(index.info(name + "_scale_inv"))
-            dequantize_fp8_into(out.T, stored, scale, (region[1], region[0]), f"{info.file.name}: {name}")
-            return
-        if stored.dtype == out.dtype:  # an output head: a blocked transpose, far faster than numpy's copy of a view
-            host_copy.transpose_into(out, stored[region[1], region[0]])
-            return
-    out[...] = src.to_ours(index.read(name)).reshape(shape)[region]
+    region = _whole(region, shape)
+    box = tensor_region(src, shape, region)
+    if box is None:  # not one box of the tensor: read it whole
+        out[...] = src.to_ours(index.read(name)).reshape(shape)[region]
+    elif src.rows_per_head is not None:  # the rows of the region's heads
+        out[...] = src.to_ours(index.read(name, box))[:, region[1]]
+    elif src.to_ours is _transposed and len(shape) == 2 and info.dtype in FP8_DTYPES:
+        # every expert: dequantize, transpose and cast in one pass, into `out`
+        stored, scale = index.mapped(info, box), index.mapped(index.info(name + "_scale_inv"), fp8_scale_region(box))
+        dequantize_fp8_into(out.T, stored, scale, box, f"{info.file.name}: {name}")
+    elif src.to_ours is _transposed and len(shape) == 2 and DTYPES[info.dtype] == out.dtype:
+        # an output head: a blocked transpose, far faster than numpy's copy of a view
+        host_copy.transpose_into(out, index.mapped(info, box)[box])
+    elif src.to_ours is _transposed:
+        out[...] = index.read(name, box).T.reshape(out.shape)
+    else:
+        out[...] = index.read(name, box)
 
 
 # ---- routed experts dequantized on the devices -------------------------------------------------
@@ -461,7 +549,7 @@ def read_stored_into(index: CheckpointIndex, src: Source, suffix: str, layer: in
     "_scale_inv" their block scales `[E, ceil(out/128), ceil(in/128)]` (float32)."""
     for i, expert in enumerate(range(n_experts)[region[0]]):
         name = src.name.format(layer=layer, expert=expert) + suffix
-        out[i] = index.mapped(index.info(name)).view(out.dtype)[region[1], region[2]]
+        out[i] = index.mapped(index.info(name), region[1:]).view(out.dtype)[region[1], region[2]]
 
 
 def _region_shape(shape: tuple[int, ...], region: tuple[slice, ...]) -> tuple[int, ...]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ DTYPES: dict[str, np.dtype] = {
 }
 MAX_HEADER_BYTES = 100 * 2**20
 READ_CHUNK = 64 * 2**20  # bytes per read call: far above readahead, far below memory
+PAGE_BYTES = 4096  # the page cache reads whole pages: any byte of one reads it all
 
 
 class CheckpointError(ValueError):
@@ -99,12 +100,15 @@ def read_tensor(info: TensorInfo, data: np.ndarray | None = None) -> np.ndarray:
     return data[info.begin:info.end].view(dtype).reshape(info.shape)
 
 
-def read_into(info: TensorInfo, region: tuple[slice, ...], out: np.ndarray, data: np.ndarray | None = None) -> None:
+def read_into(info: TensorInfo, region: tuple[slice, ...], out: np.ndarray, data: np.ndarray | None = None,
+              log: ReadLog | None = None) -> None:
     """Write `region` of the tensor into `out` (the region's shape). Where the region's bytes are one
     run of the file and `out` is a C-contiguous array of the tensor's dtype, they are read from the
     file straight into `out`: one copy, at the file's read speed (a copy out of the memory map runs
     at a fraction of it, its pages faulted in one by one). Otherwise they are copied (and cast to
-    `out`'s dtype) from the memory map (`data`, as for `read_tensor`)."""
+    `out`'s dtype) from the memory map (`data`, as for `read_tensor`). `log` records the region read."""
+    if log is not None:
+        log.add(info, region)
     run = _byte_run(info.shape, region, DTYPES[info.dtype].itemsize)
     if run is not None and out.dtype == DTYPES[info.dtype] and out.flags.c_contiguous:
         _read_bytes(info, info.begin + run[0], out.reshape(-1).view(np.uint8))
@@ -141,29 +145,114 @@ def _read_bytes(info: TensorInfo, offset: int, out: np.ndarray) -> None:
             done += n
 
 
-def prefetch(infos: list[TensorInfo]) -> None:
-    """Ask the kernel to start reading these tensors' bytes now, in the background, so that reading
-    them later finds them in the page cache. A file's ranges are asked for in the order given, so
-    list them as they will be read: a layer's `down` experts are all read before its `gate` experts, and
-    a release shard interleaves them (in file order, the first expert waited for the whole layer: a
-    cold load of the bench checkpoint took 0.82-0.88 s, in reading order 0.68-0.78, typical runs).
-    Ranges that continue one another are merged."""
+def region_runs(info: TensorInfo, region: tuple[slice, ...]) -> np.ndarray:
+    """The file's byte ranges holding `region` of the tensor: an `[n, 2]` array of absolute
+    `[begin, end)` offsets in file order, runs that continue one another joined. A region that splits
+    an inner axis (the columns of a row-major matrix) is one run per row it covers."""
+    itemsize = DTYPES[info.dtype].itemsize
+    shape = info.shape
+    bounds = [s.indices(n) for s, n in zip(region, shape)] + [(0, n, 1) for n in shape[len(region):]]
+    if any(step != 1 for _, _, step in bounds):
+        raise ValueError(f"{info.name}: region {region} has a step")
+    if any(b <= a for a, b, _ in bounds):
+        return np.zeros((0, 2), np.int64)
+    strides = [itemsize * int(np.prod(shape[i + 1:], dtype=np.int64)) for i in range(len(shape))]
+    partial = [i for i, (a, b, _) in enumerate(bounds) if (a, b) != (0, shape[i])]
+    last = partial[-1] if partial else 0  # the axes after it are whole: each run spans them
+    starts = np.array([info.begin + bounds[last][0] * strides[last]], np.int64)
+    for (a, b, _), stride in zip(bounds[:last], strides[:last]):
+        starts = (starts[:, None] + np.arange(a, b, dtype=np.int64)[None, :] * stride).reshape(-1)
+    length = (bounds[last][1] - bounds[last][0]) * strides[last]
+    return merged_ranges(np.stack([starts, starts + length], axis=1))
+
+
+def merged_ranges(ranges: np.ndarray) -> np.ndarray:
+    """`[n, 2]` byte ranges sorted, those that overlap or touch joined into one."""
+    if len(ranges) == 0:
+        return np.zeros((0, 2), np.int64)
+    ranges = ranges[np.argsort(ranges[:, 0], kind="stable")]
+    ends = np.maximum.accumulate(ranges[:, 1])
+    first = np.flatnonzero(np.r_[True, ranges[1:, 0] > ends[:-1]])
+    last = np.r_[first[1:] - 1, len(ranges) - 1]
+    return np.stack([ranges[first, 0], ends[last]], axis=1)
+
+
+def page_ranges(ranges: np.ndarray, page: int = PAGE_BYTES) -> np.ndarray:
+    """`ranges` widened to whole pages and merged: what the page cache reads from the disk for them."""
+    if len(ranges) == 0:
+        return np.zeros((0, 2), np.int64)
+    return merged_ranges(np.stack([ranges[:, 0] // page * page, -(-ranges[:, 1] // page) * page], axis=1))
+
+
+def ranges_bytes(ranges: np.ndarray) -> int:
+    return int((ranges[:, 1] - ranges[:, 0]).sum()) if len(ranges) else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadLog:
+    """The tensor regions a load read (each process its own), appended as they are read: what it
+    asked the disk for. Held as regions, not byte runs (a column split is one run per row)."""
+
+    regions: list[tuple[TensorInfo, tuple[slice, ...]]] = dataclasses.field(default_factory=list)
+
+    def add(self, info: TensorInfo, region: tuple[slice, ...]) -> None:
+        self.regions.append((info, tuple(region)))  # one list append: safe from the loader's threads
+
+    def ranges(self) -> dict[Path, np.ndarray]:
+        """Per file, the byte ranges read, merged (each byte counted once however often read)."""
+        runs: dict[Path, list[np.ndarray]] = {}
+        for info, region in self.regions:
+            runs.setdefault(info.file, []).append(region_runs(info, region))
+        return {file: merged_ranges(np.concatenate(r)) for file, r in runs.items()}
+
+    def tensor_runs(self) -> Iterator[tuple[TensorInfo, np.ndarray]]:
+        """Each tensor read, with its byte runs read (merged), one tensor at a time (tensors do not
+        overlap; a column split's run per row is held for one tensor at a time)."""
+        by_tensor: dict[tuple[Path, str], list[tuple[TensorInfo, tuple[slice, ...]]]] = {}
+        for info, region in self.regions:
+            by_tensor.setdefault((info.file, info.name), []).append((info, region))
+        for reads in by_tensor.values():
+            yield reads[0][0], merged_ranges(np.concatenate([region_runs(*r) for r in reads]))
+
+    def bytes(self, page: int | None = None) -> int:
+        """Distinct bytes read, over every file; with `page`, in whole pages of that size (what the
+        page cache reads from the disk for them)."""
+        return sum(ranges_bytes(runs if page is None else page_ranges(runs, page)) for _, runs in self.tensor_runs())
+
+
+def _region_bytes(info: TensorInfo, region: tuple[slice, ...]) -> int:
+    sizes = [len(range(*r.indices(n))) for r, n in zip(region, info.shape)] + list(info.shape[len(region):])
+    return int(np.prod(sizes, dtype=np.int64)) * DTYPES[info.dtype].itemsize
+
+
+def advise(ranges: list[tuple[Path, int, int]]) -> None:
+    """Ask the kernel to start reading these byte ranges of their files now, in the background, in
+    the order given (see `prefetch`); ranges that continue one another are merged."""
     if not hasattr(os, "posix_fadvise"):  # not Linux: no hint to give
         return
     by_file: dict[Path, list[tuple[int, int]]] = {}
-    for info in infos:
-        if info.end > info.begin:
-            by_file.setdefault(info.file, []).append((info.begin, info.end))
-    for file, ranges in by_file.items():
+    for file, begin, end in ranges:
+        if end > begin:
+            by_file.setdefault(file, []).append((begin, end))
+    for file, spans in by_file.items():
         try:
             fd = os.open(file, os.O_RDONLY)
         except OSError:
             continue  # a hint only: reading the tensor reports the problem
         try:
-            for begin, end in _merged(ranges):
+            for begin, end in _merged(spans):
                 os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_WILLNEED)
         finally:
             os.close(fd)
+
+
+def prefetch(infos: list[TensorInfo]) -> None:
+    """Ask the kernel to start reading these tensors' bytes now, in the background, so that reading
+    them later finds them in the page cache. A file's ranges are asked for in the order given, so
+    list them as they will be read: a layer's `down` experts are all read before its `gate` experts, and
+    a release shard interleaves them (in file order, the first expert would wait for the whole layer).
+    Ranges that continue one another are merged."""
+    advise([(info.file, info.begin, info.end) for info in infos])
 
 
 def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

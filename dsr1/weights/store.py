@@ -27,7 +27,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .safetensors_io import DTYPES, CheckpointError, TensorInfo, map_file, read_header, read_into, write_safetensors
+from .safetensors_io import (
+    DTYPES,
+    CheckpointError,
+    ReadLog,
+    TensorInfo,
+    map_file,
+    read_header,
+    read_into,
+    write_safetensors,
+)
 
 MANIFEST = "dsr1.json"
 FORMAT = "dsr1-safetensors"
@@ -84,15 +93,16 @@ def save_unit(file: Path, tree: Any) -> None:
                       {"format": FORMAT})
 
 
-def open_unit(file: Path, abstract: Any) -> list[Callable[[tuple[slice, ...], np.ndarray], None]]:
+def open_unit(file: Path, abstract: Any,
+              log: ReadLog | None = None) -> list[Callable[[tuple[slice, ...], np.ndarray], None]]:
     """For each leaf of `abstract` (one unit's ShapeDtypeStructs), in leaf order, a function that
     writes a region of that weight into an array (`safetensors_io.read_into`), each checked for its
     name, shape and dtype first; no weight bytes are read yet. A float weight may be read into
-    another float dtype (a bfloat16 conversion loaded in float32)."""
+    another float dtype (a bfloat16 conversion loaded in float32). `log` records the regions read."""
     if not file.exists():
         raise CheckpointError(f"{file}: missing unit of a converted checkpoint")
     header, data = read_header(file), map_file(file)
-    return [functools.partial(read_into, _checked(file, header, name, a), data=data)
+    return [functools.partial(read_into, _checked(file, header, name, a), data=data, log=log)
             for name, a in zip(weight_names(abstract), jax.tree.leaves(abstract))]
 
 

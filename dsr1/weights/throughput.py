@@ -6,6 +6,7 @@ import dataclasses
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -14,6 +15,8 @@ class Throughput:
 
     bytes: int
     seconds: float
+    # What a load read (`safetensors_io.ReadLog`: the tensor regions this process asked the disk for).
+    reads: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def gbps(self) -> float:
