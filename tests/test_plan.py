@@ -35,6 +35,7 @@ from dsr1.bench.plan import (
 from dsr1.core.config import Config
 from dsr1.core.params import param_specs
 from dsr1.core.sharding import DEFAULT_RULES, MESH_AXES, ShardingRules
+from dsr1.weights.release import CheckpointIndex
 
 from .harness import subprocess_env
 
@@ -321,3 +322,27 @@ def test_scaled_down_serving_step_compiled_by_xla_tpu_for_v5e(tmp_path, layout):
     experts = small.n_routed_experts // 2
     assert all(re.search(rf"\[({small.num_moe_layers},)?{experts},", c["shape"]) for c in plan["expert_copies"])
     assert "| serve_step | batch 8, cache 64 |" in proc.stdout and "collectives per serving step" in proc.stdout
+
+
+@needs_libtpu
+def test_shares_give_each_host_of_a_slice_its_experts_and_heads(tmp_path, capsys):
+    """`bench shares` on v5p-64's topology (8 hosts of 4 chips), mesh expert=8 x tensor=4: every host
+    reads the same bytes, an eighth of the routed experts' (each expert on one expert row, split over
+    its 4 tensor columns), and far less than the checkpoint."""
+    from .reference import BASE, release_tensors, write_checkpoint
+
+    folder = write_checkpoint(tmp_path / "release", BASE, release_tensors(BASE, seed=0))
+    out = tmp_path / "shares.json"
+    from dsr1.bench.cli import main
+
+    assert main(["shares", "--index", str(folder), "--config", str(folder), "--target", "v5p-64",
+                 "--mesh", "expert=8,tensor=4", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    experts = sum(info.end - info.begin for name, info in CheckpointIndex.open(folder).tensors.items()
+                  if ".mlp.experts." in name)
+    assert result["hosts"] == len(rows) == 8 and all(r["chips"] == 4 for r in rows)
+    assert len({r["bytes"] for r in rows}) == 1
+    assert all(r["expert_bytes"] * 8 == experts for r in rows)
+    assert rows[0]["bytes"] < result["checkpoint_bytes"] / 2 <= rows[0]["page_bytes"] * 8
+    assert "| 7 | 4 |" in capsys.readouterr().out
