@@ -23,6 +23,7 @@ from .sampling import (
     SamplingArrays,
     TokenRuleRows,
     TokenRules,
+    VocabSplit,
     init_counts,
     is_stop_token,
     no_recent,
@@ -30,6 +31,7 @@ from .sampling import (
     sample,
     token_rules,
     update_counts,
+    vocab_split,
 )
 
 _MODEL = ("cfg", "mesh", "rules")  # the static arguments every program shares
@@ -57,13 +59,13 @@ class DecodeState:
     recent: jax.Array  # [B, H] int32 the row's last generated tokens (bad words)
 
 
-def _advance(state: DecodeState, logits: jax.Array, sampling: SamplingArrays,
-             cache: KVCache) -> tuple[DecodeState, jax.Array]:
-    """Sample each active row's next token from `logits` and update the row's progress; the
-    recorded token is -1 for rows that were already done."""
+def _advance(state: DecodeState, logits: jax.Array, sampling: SamplingArrays, cache: KVCache,
+             split: VocabSplit | None) -> tuple[DecodeState, jax.Array]:
+    """Sample each active row's next token from `logits` (split over the vocabulary as `split` says)
+    and update the row's progress; the recorded token is -1 for rows that were already done."""
     active = ~state.done
     token = sample(logits, sampling, state.prompt_seen, state.counts, state.generated, rules=state.token_rules,
-                   recent=state.recent)
+                   recent=state.recent, split=split)
     generated = state.generated + active
     done = state.done | (active & (is_stop_token(token, sampling) | (generated >= sampling.max_new_tokens)))
     new = DecodeState(cache, jnp.where(active, token, state.last), done, generated, state.prompt_seen,
@@ -84,7 +86,7 @@ def generate_start(params: Params, tokens: jax.Array, lengths: jax.Array, sampli
     b = tokens.shape[0]
     state = DecodeState(cache, jnp.zeros(b, jnp.int32), jnp.zeros(b, bool), jnp.zeros(b, jnp.int32), prompt_seen,
                         counts, token_rules(rule_rows, cfg.vocab_size), no_recent(b))
-    return _advance(state, logits, sampling, cache)
+    return _advance(state, logits, sampling, cache, vocab_split(mesh, rules.vocab, rules.batch, cfg.vocab_size))
 
 
 @functools.partial(jax.jit, static_argnames=(*_MODEL, "steps"), donate_argnames=("state",))
@@ -93,11 +95,12 @@ def generate_chunk(params: Params, state: DecodeState, sampling: SamplingArrays,
     """Up to `steps` decode steps on device; stops early when every row is done. Returns the new state
     and the tokens recorded `[B, steps]` (-1 where a row was done or the loop ended)."""
     out = jnp.full((state.last.shape[0], steps), -1, jnp.int32)
+    split = vocab_split(mesh, rules.vocab, rules.batch, cfg.vocab_size)
 
     def step(carry):
         i, state, out = carry
         logits, cache, _ = model.decode(params, state.cache, state.last, cfg=cfg, mesh=mesh, rules=rules)
-        state, token = _advance(state, logits, sampling, cache)
+        state, token = _advance(state, logits, sampling, cache, split)
         return i + 1, state, out.at[:, i].set(token)
 
     def running(carry):

@@ -18,6 +18,12 @@ Per token, `sample` applies, in this order (the order of HF transformers and vLL
 Ties: top-k and top-p are applied as a per-row logit threshold, so every token tied with the
 last kept token is kept too (HF's top-k does the same; top-p in HF/vLLM breaks such ties by sort
 order instead). This keeps the result independent of the sort's tie order and avoids a scatter.
+
+Logits split over the vocabulary (`VocabSplit`: the lm_head's columns on several devices) are
+sampled where they lie: each shard's candidates (its top tokens, its first maximum, its part of a
+softmax's sum) are combined, never the logits. Greedy tokens, draws and log-probabilities are the
+same as from whole logits; top-k and top-p choose among the row's `CANDIDATES` most likely tokens
+(a larger top-k, or a nucleus wider than that, is cut there).
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 # Seeds are split into two 32-bit words on the host: `jax.random.key(seed)` silently keeps only
 # the low 32 bits when x64 is off, which would make seeds 2**32 apart collide.
@@ -39,6 +47,7 @@ _PENALTY_LIMIT = 2.0  # OpenAI's documented range for presence/frequency penalti
 KEY_IMPL = "threefry2x32"  # the PRNG of every row's key
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for logit_bias values
 BAD_WORD_TOKENS = 8  # the longest bad word: the device keeps each row's last BAD_WORD_TOKENS - 1 tokens
+CANDIDATES = 4096  # tokens top-k and top-p choose among when the vocabulary is split over devices
 
 
 def _check_real(name: str, value: object) -> float:
@@ -432,6 +441,90 @@ def _scale(logits: jax.Array, temperature: jax.Array) -> jax.Array:
     return (logits - top) / safe_t
 
 
+@dataclasses.dataclass(frozen=True)
+class VocabSplit:
+    """Logits `[B, V]` split over the vocabulary: the mesh, the axis holding the vocabulary's shards,
+    and the axis holding the rows (None: every device holds every row)."""
+
+    mesh: Mesh
+    vocab: str
+    rows: str | None = None
+
+    def specs(self, batch: int) -> tuple[P, P]:
+        """The specs of `[B, V]` logits and of `[B, ...]` per-row results under `shard_map`; rows whole
+        where they do not divide their axis."""
+        rows = self.rows if self.rows and batch % self.mesh.shape[self.rows] == 0 else None
+        return P(rows, self.vocab), P(rows)
+
+
+def vocab_split(mesh: Mesh | None, vocab_axis: str | None, rows_axis: str | None, vocab_size: int) -> VocabSplit | None:
+    """How `[B, vocab_size]` logits are split under sharding rules whose vocabulary axis is
+    `vocab_axis` and rows axis `rows_axis`; None where they are whole (no mesh, one shard, or a
+    vocabulary the axis does not divide)."""
+    if mesh is None or vocab_axis is None or mesh.shape[vocab_axis] == 1 or vocab_size % mesh.shape[vocab_axis]:
+        return None
+    return VocabSplit(mesh, vocab_axis, rows_axis)
+
+
+def top_k(x: jax.Array, k: int, split: VocabSplit | None = None) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k(x, k)` of `[B, V]` (values, int32 indices; ties: the lower index first). Split
+    logits: each shard's top k, gathered (`[B, shards * k]`, not `[B, V]`), then the top k of those."""
+    if split is None:
+        values, indices = jax.lax.top_k(x, k)
+        return values, indices.astype(jnp.int32)
+
+    def per_shard(part: jax.Array) -> tuple[jax.Array, jax.Array]:
+        values, indices = jax.lax.top_k(part, min(k, part.shape[-1]))
+        indices = indices.astype(jnp.int32) + jax.lax.axis_index(split.vocab) * part.shape[-1]
+        values = jax.lax.all_gather(values, split.vocab, axis=1, tiled=True)
+        indices = jax.lax.all_gather(indices, split.vocab, axis=1, tiled=True)
+        values, best = jax.lax.top_k(values, k)  # shard order is index order: ties stay lowest-first
+        return values, jnp.take_along_axis(indices, best, axis=1)
+
+    logits_spec, rows_spec = split.specs(x.shape[0])
+    return jax.shard_map(per_shard, mesh=split.mesh, in_specs=logits_spec, out_specs=(rows_spec, rows_spec),
+                         check_vma=False)(x)
+
+
+def split_argmax(x: jax.Array, split: VocabSplit | None = None) -> jax.Array:
+    """`argmax(x)` of `[B, V]` (the first maximum; the first NaN if any). Split logits: each shard's
+    first maximum and its value, gathered (`[B, shards]`), then the first of the largest."""
+    if split is None:
+        return argmax(x)
+
+    def per_shard(part: jax.Array) -> jax.Array:
+        local = argmax(part)
+        value = jnp.take_along_axis(part, local[:, None], axis=1)
+        values = jax.lax.all_gather(value, split.vocab, axis=1, tiled=True)
+        indices = jax.lax.all_gather(local[:, None] + jax.lax.axis_index(split.vocab) * part.shape[-1],
+                                     split.vocab, axis=1, tiled=True)
+        return jnp.take_along_axis(indices, jnp.argmax(values, axis=1)[:, None], axis=1)[:, 0].astype(jnp.int32)
+
+    logits_spec, rows_spec = split.specs(x.shape[0])
+    return jax.shard_map(per_shard, mesh=split.mesh, in_specs=logits_spec, out_specs=rows_spec, check_vma=False)(x)
+
+
+def _candidates_threshold(logits: jax.Array, top_k_: jax.Array, top_p: jax.Array, split: VocabSplit) -> jax.Array:
+    """`_top_k_top_p_threshold` over the row's `CANDIDATES` most likely tokens (split logits): top-k
+    beyond them keeps them all, top-p normalizes over the whole vocabulary (or the top-k) and stops
+    at the last of them."""
+    count = min(CANDIDATES, logits.shape[-1])
+    ordered, _ = top_k(logits, count, split)  # descending
+    kth = jnp.take_along_axis(ordered, (jnp.clip(top_k_, 1, count) - 1)[:, None], axis=-1)
+    k_threshold = jnp.where(top_k_[:, None] > 0, kth, -jnp.inf)
+    in_top_k = ordered >= k_threshold
+    top = ordered[:, :1]
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    weights = jnp.where(in_top_k, jnp.exp(ordered - top), 0.0)
+    # The top-k set lies among the candidates; without top-k the sum runs over every shard's tokens.
+    whole = jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True)
+    probs = weights / jnp.where(top_k_[:, None] > 0, jnp.sum(weights, axis=-1, keepdims=True), whole)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = in_top_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
+    last_kept = jnp.maximum(jnp.sum(keep, axis=-1, keepdims=True) - 1, 0)
+    return jnp.take_along_axis(ordered, last_kept, axis=-1)
+
+
 def _top_k_top_p_threshold(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """[B, 1] logit threshold of top-k then top-p (keep logits >= threshold); -inf where both are off."""
     vocab = logits.shape[-1]
@@ -449,7 +542,7 @@ def _top_k_top_p_threshold(logits: jax.Array, top_k: jax.Array, top_p: jax.Array
     return jnp.take_along_axis(ordered, last_kept, axis=-1)
 
 
-def apply_filters(logits: jax.Array, sampling: SamplingArrays) -> jax.Array:
+def apply_filters(logits: jax.Array, sampling: SamplingArrays, split: VocabSplit | None = None) -> jax.Array:
     """Temperature, top-k, top-p and min-p: float32 [B, V] scaled logits with removed tokens at -inf.
 
     The row's maximum is always kept, so at least one token stays finite for a finite row.
@@ -460,7 +553,7 @@ def apply_filters(logits: jax.Array, sampling: SamplingArrays) -> jax.Array:
     # The full sort of a 129k vocabulary is the expensive part: skip it when no row filters.
     threshold = jax.lax.cond(
         needs_sort,
-        _top_k_top_p_threshold,
+        _top_k_top_p_threshold if split is None else lambda x, k, p: _candidates_threshold(x, k, p, split),
         lambda x, k, p: jnp.full((x.shape[0], 1), -jnp.inf, x.dtype),
         scaled,
         sampling.top_k,
@@ -497,6 +590,7 @@ def argmax(x: jax.Array) -> jax.Array:
 def sample(
     logits: jax.Array, sampling: SamplingArrays, prompt_seen: jax.Array, output_counts: jax.Array, step: jax.Array,
     rows: jax.Array | None = None, rules: TokenRules | None = None, recent: jax.Array | None = None,
+    split: VocabSplit | None = None,
 ) -> jax.Array:
     """Next token per row, int32 [B].
 
@@ -510,7 +604,7 @@ def sample(
 
     `rows` `[B]`: `prompt_seen` and `output_counts` are `[S, V]` and row b's are their row `rows[b]`
     (e.g. the serving engine's slots), gathered only when some row has penalties; None: they are
-    `[B, V]`, one per row (the same for `rules`).
+    `[B, V]`, one per row (the same for `rules`). `split`: the logits are split over the vocabulary.
     """
     generated = jnp.broadcast_to(jnp.asarray(step, jnp.int32), sampling.temperature.shape)
     logits = restrict(logits, rules, generated, recent, rows)
@@ -522,13 +616,16 @@ def sample(
     steps = jnp.broadcast_to(jnp.asarray(step, jnp.uint32), sampling.keys.shape)
 
     def draw(penalized: jax.Array) -> jax.Array:
-        filtered = apply_filters(penalized, sampling)
+        filtered = apply_filters(penalized, sampling, split)
         step_keys = jax.vmap(jax.random.fold_in)(sampling.keys, steps)
-        # One draw per row from that row's own key: rows never share random bits.
-        return jax.vmap(jax.random.categorical)(step_keys, filtered).astype(jnp.int32)
+        # One draw per row from that row's own key: rows never share random bits. The draw is
+        # `jax.random.categorical`'s (the argmax of logits plus Gumbel noise), its argmax taken where
+        # the logits lie; the noise of each vocabulary shard is generated on that shard.
+        noise = jax.vmap(lambda key: jax.random.gumbel(key, filtered.shape[1:], filtered.dtype))(step_keys)
+        return split_argmax(noise + filtered, split)
 
     def choose(penalized: jax.Array) -> jax.Array:
-        greedy_tokens = argmax(penalized)
+        greedy_tokens = split_argmax(penalized, split)
         # The draw (random bits for every vocabulary entry of every row) costs ~10x the argmax on CPU
         # at R1's vocabulary: skip it when every row is greedy.
         drawn = jax.lax.cond(jnp.any(sampling.temperature > 0), draw, lambda _: greedy_tokens, penalized)
@@ -548,21 +645,25 @@ def sample(
 TOP_LOGPROBS = 20  # the most alternatives per token OpenAI's API returns (`top_logprobs` <= 20)
 
 
-def token_logprobs(logits: jax.Array, tokens: jax.Array, wanted: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def token_logprobs(logits: jax.Array, tokens: jax.Array, wanted: jax.Array,
+                   split: VocabSplit | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Log-probabilities of the sampled `tokens [B]` under the raw `logits [B, V]` (log-softmax in float32:
     before penalties, temperature and filters, as OpenAI and vLLM report them), and each row's
     `TOP_LOGPROBS` most likely tokens: `(logprobs [B], top_ids [B, TOP], top_logprobs [B, TOP])`,
     most likely first (a vocabulary smaller than TOP pads with id -1 and -inf).
 
     Computed only when some row is `wanted [B]` (a pass over the vocabulary and a top-k that a
-    serving step does not pay otherwise); every value is 0 when none is."""
+    serving step does not pay otherwise); every value is 0 when none is. `split`: the logits are
+    split over the vocabulary (the top tokens are each shard's, combined)."""
     batch, vocab = logits.shape
     top = min(TOP_LOGPROBS, vocab)
 
     def compute(logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
-        top_logprobs, top_ids = jax.lax.top_k(logp, top)
+        # A masked sum rather than a gather: where the vocabulary is split, each shard adds its part.
+        ids = jax.lax.broadcasted_iota(jnp.int32, logp.shape, 1)
+        chosen = jnp.sum(jnp.where(ids == tokens[:, None], logp, 0.0), axis=-1)
+        top_logprobs, top_ids = top_k(logp, top, split)
         pad = ((0, 0), (0, TOP_LOGPROBS - top))
         return (chosen, jnp.pad(top_ids.astype(jnp.int32), pad, constant_values=-1),
                 jnp.pad(top_logprobs, pad, constant_values=-jnp.inf))

@@ -33,7 +33,7 @@ from ..core.mtp import mtp_logits, mtp_module, mtp_step
 from ..core.params import Params
 from ..core.sharding import ShardingRules, keep_replicated
 from ..generation import speculative
-from ..generation.sampling import TOP_LOGPROBS, SamplingArrays, TokenRuleRows, token_logprobs
+from ..generation.sampling import TOP_LOGPROBS, SamplingArrays, TokenRuleRows, VocabSplit, token_logprobs, vocab_split
 from .grammar import apply_masks
 from .step import Sampled, SlotState, StepRows, admit_slot, slot_rows, slot_state
 
@@ -132,9 +132,10 @@ def _at(x: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, index.reshape(-1, *([1] * (x.ndim - 1))), axis=1)[:, 0]
 
 
-def _verified_pack(tokens: jax.Array, logits: jax.Array, wanted: jax.Array, accepted: jax.Array) -> jax.Array:
+def _verified_pack(tokens: jax.Array, logits: jax.Array, wanted: jax.Array, accepted: jax.Array,
+                   split: VocabSplit | None) -> jax.Array:
     """`Sampled.pack` of `tokens [B]` (-1: none) with their log-probabilities where `wanted`, then `accepted`."""
-    packed = Sampled.pack(tokens, *token_logprobs(logits, jnp.maximum(tokens, 0), wanted & (tokens >= 0)))
+    packed = Sampled.pack(tokens, *token_logprobs(logits, jnp.maximum(tokens, 0), wanted & (tokens >= 0), split))
     return jnp.concatenate([packed, accepted.astype(jnp.int32)[:, None]], axis=1)
 
 
@@ -286,6 +287,7 @@ def _draft_verify(params: Params, cache: PagedKVCache, mtp_cache: PagedKVCache, 
                                state.mtp_hidden.at[target].set(_at(x, jnp.maximum(verdict.emitted - 1, 0)),
                                                                mode="drop"))
     with jax.named_scope("logprobs"):
-        out = jnp.stack([_verified_pack(verdict.tokens[:, j], logits[:, j], rows.logprobs, verdict.accepted[:, j])
+        out = jnp.stack([_verified_pack(verdict.tokens[:, j], logits[:, j], rows.logprobs, verdict.accepted[:, j],
+                                          vocab_split(mesh, rules.vocab, rules.batch, cfg.vocab_size))
                          for j in range(k + 1)])
     return out, cache, mtp_cache, jax.tree.map(lambda a: keep_replicated(a, mesh), state)

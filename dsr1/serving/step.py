@@ -30,6 +30,7 @@ from ..generation.sampling import (
     SamplingArrays,
     TokenRuleRows,
     TokenRules,
+    VocabSplit,
     init_counts,
     no_recent,
     push_recent,
@@ -37,6 +38,7 @@ from ..generation.sampling import (
     token_logprobs,
     token_rules,
     update_counts,
+    vocab_split,
 )
 from .grammar import apply_masks
 
@@ -288,33 +290,37 @@ def _serve_rows(params: Params, cache: PagedKVCache, state: SlotState, rows: Ste
     # The barrier hands the sampling conditional a row-major [B, V] operand: without it XLA:CPU passes
     # the [B, 1, V] logits in another (equivalent) layout and copies them inside the branch, a tenth
     # of a decode step on the tiny preset.
-    out, state, _ = sample_rows(jax.lax.optimization_barrier(sampling_logits), state, rows, safe, sampling, masks)
+    split = vocab_split(mesh, rules.vocab, rules.batch, cfg.vocab_size)
+    out, state, _ = sample_rows(jax.lax.optimization_barrier(sampling_logits), state, rows, safe, sampling, masks,
+                                split)
     if prompt_logprobs:
         with jax.named_scope("prompt_logprobs"):
-            out = jnp.concatenate([out[None], _prompt_logprobs(logits, rows, chunk)], axis=0)
+            out = jnp.concatenate([out[None], _prompt_logprobs(logits, rows, chunk, split)], axis=0)
     return out, cache, jax.tree.map(lambda a: keep_replicated(a, mesh), state)
 
 
-def _prompt_logprobs(logits: jax.Array, rows: StepRows, chunk: int) -> jax.Array:
+def _prompt_logprobs(logits: jax.Array, rows: StepRows, chunk: int, split: VocabSplit | None) -> jax.Array:
     """`[T, B, W]`: `Sampled.pack` of each row's token after each position (`rows.tokens[:, 1:]`) under
     the logits there, for the real positions of the rows that want prompt log-probabilities."""
     batch = logits.shape[0]
     following = rows.tokens[:, 1:chunk + 1]
     wanted = rows.prompt_logprobs[:, None] & (jnp.arange(chunk) < rows.counts[:, None])
     flat = logits.reshape(batch * chunk, -1)
-    packed = Sampled.pack(following.reshape(-1), *token_logprobs(flat, following.reshape(-1), wanted.reshape(-1)))
+    packed = Sampled.pack(following.reshape(-1), *token_logprobs(flat, following.reshape(-1), wanted.reshape(-1),
+                                                                    split))
     return packed.reshape(batch, chunk, -1).transpose(1, 0, 2)
 
 
 def sample_rows(logits: jax.Array, state: SlotState, rows: StepRows, safe: jax.Array,
-                sampling: SamplingArrays, masks: jax.Array | None = None) -> tuple[jax.Array, SlotState, jax.Array]:
+                sampling: SamplingArrays, masks: jax.Array | None = None,
+                split: VocabSplit | None = None) -> tuple[jax.Array, SlotState, jax.Array]:
     """Sample each sampling row's next token from `logits [B, V]` (obeying its grammar mask, if any) and
     record it in its slot (last token, output counts, recent tokens): the packed `Sampled` row `[B, W]`,
-    the new state and the tokens `[B]`."""
+    the new state and the tokens `[B]`. `split`: the logits are split over the vocabulary."""
     with jax.named_scope("sample"):
         masked = logits if masks is None else apply_masks(logits, masks, rows.mask_row)
         token = sample(masked, sampling, state.prompt_seen, state.counts, rows.sample_index, rows=safe,
-                       rules=state.token_rules, recent=state.recent[safe])
+                       rules=state.token_rules, recent=state.recent[safe], split=split)
         sampled = rows.sample & (rows.counts > 0)
         target = jnp.where(sampled, rows.slots, state.last.shape[0])  # out of range: dropped
         new_last = state.last.at[target].set(token, mode="drop")
@@ -323,7 +329,7 @@ def sample_rows(logits: jax.Array, state: SlotState, rows: StepRows, safe: jax.A
         state = SlotState(state.sampling, new_last, state.prompt_seen,
                           update_counts(state.counts, new_last, slot_sampled), state.token_rules, recent)
     with jax.named_scope("logprobs"):
-        out = Sampled.pack(token, *token_logprobs(logits, token, rows.logprobs & sampled))
+        out = Sampled.pack(token, *token_logprobs(logits, token, rows.logprobs & sampled, split))
     return out, state, token
 
 
