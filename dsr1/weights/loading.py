@@ -2,7 +2,9 @@
 
 `plan_load` derives once what a load does (`LoadPlan`: the folder's format and quantization, the
 weights' declarations as stored and as held, their dtype and shardings, how each stack is built),
-and `load_params` carries it out.
+and `load_params` carries it out. A process reads only the regions of the checkpoint's tensors
+that its devices hold (`planned_reads` lists them before anything is read; the disk is asked for
+the next unit's pages while one is converted).
 
 Both formats are read one unit at a time (the global weights, then one layer). Each weight is
 built on the host region by region, one buffer per distinct device region, and handed to its
@@ -378,9 +380,10 @@ def planned_reads(plan: LoadPlan, process: int | None = None, index: CheckpointI
 def load_params(folder: str | Path, cfg: Config, mesh: Mesh, rules: ShardingRules, dtype: Any, *,
                 quant: str | None = None, mtp: bool = False, progress: bool = True) -> tuple[Params, Throughput]:
     """Weights of `dtype` (int8 matmul weights with `quant="int8"`) in their shardings on `mesh`, and
-    how fast they came: the bytes read from `folder` (the tensors' bytes in the shards of a release
-    folder, FP8 scales included; the unit files of a converted one) over the wall seconds until
-    every weight is on its devices. The progress bar shows the same rate as it goes."""
+    how fast they came: the bytes this process read from `folder` (the regions of its tensors that
+    this process's devices hold, FP8 scales included, plus the tensors every device holds whole;
+    `Throughput.reads` lists them) over the wall seconds until every weight is on its devices. The
+    progress bar shows the planned bytes (`planned_reads`) at the same rate as it goes."""
     start = time.perf_counter()
     plan = plan_load(folder, cfg, mesh, rules, dtype, quant=quant, mtp=mtp)
     reader = _reader(plan)
