@@ -47,8 +47,8 @@ def _index(path: Path) -> CheckpointIndex:
 
 
 def host_shares(index: CheckpointIndex, cfg: Config, mesh: Any, layout: str, quant: str | None) -> list[dict]:
-    """Per host (process) of `mesh`'s devices: the bytes it reads, exact and in pages, the routed
-    experts' part of them, and the bytes of the tensors every host reads whole."""
+    """Per host (process) of `mesh`'s devices: its chips, the bytes it reads (exact and in 4 KiB
+    pages) and the routed experts' part of them."""
     plan = plan_load(index.folder, cfg, mesh, layout_rules(layout), "bfloat16", quant=quant, mtp=False)
     hosts = sorted({d.process_index for d in mesh.devices.flat})
     rows = []
