@@ -40,7 +40,7 @@ def _compare_sampling(mesh: jax.sharding.Mesh) -> dict[str, float]:
     seen = jnp.asarray(rng.random((batch, VOCAB)) < 0.05)
     counts = jnp.asarray((rng.random((batch, VOCAB)) < 0.05).astype(np.int32))
     sampling = S.batch_sampling(SETTINGS)
-    split = S.vocab_split(mesh, "tensor", "expert", VOCAB)
+    split = S.vocab_split(mesh, layout_rules("dp"), VOCAB)
     assert split is not None
     spread = jax.device_put(logits, NamedSharding(mesh, P("expert", "tensor")))
 

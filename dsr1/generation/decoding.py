@@ -86,7 +86,7 @@ def generate_start(params: Params, tokens: jax.Array, lengths: jax.Array, sampli
     b = tokens.shape[0]
     state = DecodeState(cache, jnp.zeros(b, jnp.int32), jnp.zeros(b, bool), jnp.zeros(b, jnp.int32), prompt_seen,
                         counts, token_rules(rule_rows, cfg.vocab_size), no_recent(b))
-    return _advance(state, logits, sampling, cache, vocab_split(mesh, rules.vocab, rules.batch, cfg.vocab_size))
+    return _advance(state, logits, sampling, cache, vocab_split(mesh, rules, cfg.vocab_size))
 
 
 @functools.partial(jax.jit, static_argnames=(*_MODEL, "steps"), donate_argnames=("state",))
@@ -95,7 +95,7 @@ def generate_chunk(params: Params, state: DecodeState, sampling: SamplingArrays,
     """Up to `steps` decode steps on device; stops early when every row is done. Returns the new state
     and the tokens recorded `[B, steps]` (-1 where a row was done or the loop ended)."""
     out = jnp.full((state.last.shape[0], steps), -1, jnp.int32)
-    split = vocab_split(mesh, rules.vocab, rules.batch, cfg.vocab_size)
+    split = vocab_split(mesh, rules, cfg.vocab_size)
 
     def step(carry):
         i, state, out = carry

@@ -40,6 +40,8 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from ..core.sharding import ShardingRules
+
 # Seeds are split into two 32-bit words on the host: `jax.random.key(seed)` silently keeps only
 # the low 32 bits when x64 is off, which would make seeds 2**32 apart collide.
 _SEED_LIMIT = 2**64
@@ -457,13 +459,14 @@ class VocabSplit:
         return P(rows, self.vocab), P(rows)
 
 
-def vocab_split(mesh: Mesh | None, vocab_axis: str | None, rows_axis: str | None, vocab_size: int) -> VocabSplit | None:
-    """How `[B, vocab_size]` logits are split under sharding rules whose vocabulary axis is
-    `vocab_axis` and rows axis `rows_axis`; None where they are whole (no mesh, one shard, or a
-    vocabulary the axis does not divide)."""
-    if mesh is None or vocab_axis is None or mesh.shape[vocab_axis] == 1 or vocab_size % mesh.shape[vocab_axis]:
+def vocab_split(mesh: Mesh | None, rules: ShardingRules, vocab_size: int) -> VocabSplit | None:
+    """How `[B, vocab_size]` logits lie under `rules` (the vocabulary as the lm_head's columns, the
+    rows as `rules.batch`); None where they are whole (no mesh, one shard, or a vocabulary the
+    axis does not divide)."""
+    axis = rules.vocab
+    if mesh is None or axis is None or mesh.shape[axis] == 1 or vocab_size % mesh.shape[axis]:
         return None
-    return VocabSplit(mesh, vocab_axis, rows_axis)
+    return VocabSplit(mesh, axis, rules.batch)
 
 
 def top_k(x: jax.Array, k: int, split: VocabSplit | None = None) -> tuple[jax.Array, jax.Array]:

@@ -263,7 +263,7 @@ def speculative_start(params: Params, tokens: jax.Array, lengths: jax.Array, sam
     seen, counts = init_counts(tokens, lengths, cfg.vocab_size)
     rules_b = token_rules(rule_rows, cfg.vocab_size)
     first = sample(logits, sampling, seen, counts, 0, rules=rules_b, recent=no_recent(b),  # as without drafts
-                   split=vocab_split(mesh, rules.vocab, rules.batch, cfg.vocab_size))
+                   split=vocab_split(mesh, rules, cfg.vocab_size))
     # The MTP prefill over the prompt: position i reads h_i and token i + 1 (padding past n - 2).
     next_tokens = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
     positions = jnp.broadcast_to(jnp.arange(width), tokens.shape)

@@ -288,6 +288,6 @@ def _draft_verify(params: Params, cache: PagedKVCache, mtp_cache: PagedKVCache, 
                                                                mode="drop"))
     with jax.named_scope("logprobs"):
         out = jnp.stack([_verified_pack(verdict.tokens[:, j], logits[:, j], rows.logprobs, verdict.accepted[:, j],
-                                          vocab_split(mesh, rules.vocab, rules.batch, cfg.vocab_size))
+                                          vocab_split(mesh, rules, cfg.vocab_size))
                          for j in range(k + 1)])
     return out, cache, mtp_cache, jax.tree.map(lambda a: keep_replicated(a, mesh), state)

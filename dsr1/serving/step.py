@@ -290,7 +290,7 @@ def _serve_rows(params: Params, cache: PagedKVCache, state: SlotState, rows: Ste
     # The barrier hands the sampling conditional a row-major [B, V] operand: without it XLA:CPU passes
     # the [B, 1, V] logits in another (equivalent) layout and copies them inside the branch, a tenth
     # of a decode step on the tiny preset.
-    split = vocab_split(mesh, rules.vocab, rules.batch, cfg.vocab_size)
+    split = vocab_split(mesh, rules, cfg.vocab_size)
     out, state, _ = sample_rows(jax.lax.optimization_barrier(sampling_logits), state, rows, safe, sampling, masks,
                                 split)
     if prompt_logprobs:

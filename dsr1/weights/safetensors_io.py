@@ -198,13 +198,6 @@ class ReadLog:
     def add(self, info: TensorInfo, region: tuple[slice, ...]) -> None:
         self.regions.append((info, tuple(region)))  # one list append: safe from the loader's threads
 
-    def ranges(self) -> dict[Path, np.ndarray]:
-        """Per file, the byte ranges read, merged (each byte counted once however often read)."""
-        runs: dict[Path, list[np.ndarray]] = {}
-        for info, region in self.regions:
-            runs.setdefault(info.file, []).append(region_runs(info, region))
-        return {file: merged_ranges(np.concatenate(r)) for file, r in runs.items()}
-
     def tensor_runs(self) -> Iterator[tuple[TensorInfo, np.ndarray]]:
         """Each tensor read, with its byte runs read (merged), one tensor at a time (tensors do not
         overlap; a column split's run per row is held for one tensor at a time)."""
@@ -218,11 +211,6 @@ class ReadLog:
         """Distinct bytes read, over every file; with `page`, in whole pages of that size (what the
         page cache reads from the disk for them)."""
         return sum(ranges_bytes(runs if page is None else page_ranges(runs, page)) for _, runs in self.tensor_runs())
-
-
-def _region_bytes(info: TensorInfo, region: tuple[slice, ...]) -> int:
-    sizes = [len(range(*r.indices(n))) for r, n in zip(region, info.shape)] + list(info.shape[len(region):])
-    return int(np.prod(sizes, dtype=np.int64)) * DTYPES[info.dtype].itemsize
 
 
 def advise(ranges: list[tuple[Path, int, int]]) -> None:
