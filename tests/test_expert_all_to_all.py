@@ -3,8 +3,10 @@ the expert axis, each token-expert pair sent to its expert's device and back, gi
 outputs and the same greedy tokens as summing partial outputs over the mesh ("psum") and as one
 device, in float32. And attention data parallelism (`layout_rules("dp")`: the rows, the decode cache
 and the page pool split over the expert axis, with the all-to-all) gives the same tokens and the
-same paged-extend logits as one device, each rank holding only its share; redundant experts
-(`dsr1.core.eplb`) change no token.
+same paged-extend logits as one device, each rank holding only its share; so does the serving
+engine on that layout (each rank its slots, pages and prefix cache; staggered requests, shared
+prefixes, pages offloaded to host memory and reloaded); redundant experts (`dsr1.core.eplb`)
+change no token.
 
 The multi-device comparison runs this file as a program in a subprocess (the device count must be
 set before JAX starts): `python -m tests.test_expert_all_to_all --expert 4 --tensor 2`.
@@ -184,6 +186,42 @@ def dp_checks(one, mesh) -> dict:
     return report
 
 
+def engine_workload(vocab: int) -> list[tuple[int, list[int], dict]]:
+    """Arrivals `(step, prompt, options)`: requests sharing four prefixes, then unrelated ones that push
+    those prefixes' pages out to host memory, then the four prefixes again (reloaded)."""
+    rng = np.random.default_rng(0)
+    prefixes = [rng.integers(2, vocab, n).tolist() for n in (13, 16, 18, 20)]
+
+    def extending(prefix: list[int]) -> list[int]:
+        return prefix + rng.integers(2, vocab, int(rng.integers(2, 10))).tolist()
+
+    arrivals = [(i // 2, extending(prefixes[i % 4])) for i in range(8)]
+    arrivals += [(6 + i, rng.integers(2, vocab, int(rng.integers(20, 30))).tolist()) for i in range(12)]
+    arrivals += [(24 + i // 2, extending(prefixes[i % 4])) for i in range(8)]
+    budgets = rng.integers(2, 9, len(arrivals)).tolist()
+    return [(at, prompt, dict(max_new_tokens=b)) for (at, prompt), b in zip(arrivals, budgets)]
+
+
+def engine_run(mesh, rules: ShardingRules) -> dict:
+    """`engine_workload` through the serving engine on `mesh` with `rules`: each request's greedy
+    tokens, the prefix cache's counts, and how the requests and the pool were spread over the ranks."""
+    from dsr1.serving import Engine
+
+    from .test_serving import run_arrivals
+
+    model = dataclasses.replace(dsr1.init_random(CONFIG, seed=11, dtype="float32", mesh=mesh), rules=rules)
+    engine = Engine(model, max_seqs=8, prefill_rows=4, page_size=4, num_pages=48, prefill_chunk=8, decode_steps=2,
+                    host_cache_bytes=1 << 24, max_seq_len=48)
+    snapshots: list = []
+    requests = run_arrivals(engine, engine_workload(CONFIG.vocab_size), snapshots)
+    engine.check()
+    stats, shards = engine.stats(), engine._runner.pool.cache.c_kv.addressable_shards
+    return {"tokens": [r.tokens for r in requests], "prefix_hit_tokens": stats.prefix_hit_tokens,
+            "offloaded_pages": stats.offloaded_pages, "reloaded_pages": stats.reloaded_pages,
+            "ranks_used": np.max([s.running_per_rank for s in snapshots], axis=0).tolist(),
+            "pool_pages_per_device": sorted({s.data.shape[1] for s in shards})}
+
+
 def compare(expert: int, tensor: int) -> dict:
     """The MoE layer's outputs and greedy tokens on an expert x tensor mesh, per dispatch, against one
     device's psum path."""
@@ -201,6 +239,7 @@ def compare(expert: int, tensor: int) -> dict:
         "tokens_eplb": {"psum": greedy_tokens(mesh, ShardingRules(), redundant=2 * expert),
                         "dp": greedy_tokens(mesh, DP, redundant=2 * expert)},
         "dp": dp_checks(one, mesh),
+        "engine": {"one_device": engine_run(one, ShardingRules()), "dp": engine_run(mesh, DP)},
     }
 
 
@@ -227,6 +266,13 @@ def test_all_to_all_and_dp_match_psum_and_one_device_on_eight_devices(expert, te
         assert dp["extend_max_rel_diff"] < 1e-5, (split, dp)
         assert dp["pool_pages_per_device"] == [dp["expected_pages_per_device"]], (split, dp)  # its share only
     assert report["dp"]["cache_rows_per_device"] == [2], report["dp"]
+    engine, ranks = report["engine"], expert
+    assert engine["dp"]["tokens"] == engine["one_device"]["tokens"]
+    assert all(engine["dp"]["tokens"]), "every request generated"
+    assert engine["dp"]["pool_pages_per_device"] == [48 // ranks]  # each rank holds its share of the pool
+    assert len(engine["dp"]["ranks_used"]) == ranks and min(engine["dp"]["ranks_used"]) > 0  # every rank served
+    for run in engine.values():
+        assert run["prefix_hit_tokens"] > 0 and run["offloaded_pages"] > 0 and run["reloaded_pages"] > 0, run
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ def checked_engines(model: dsr1.Model, shapes: dict):
     for engine in engines:
         engine.check()
         if not engine.has_work:
-            assert engine.allocator.used_count == engine.stats().pages_cached
+            assert engine.stats().pages_used == engine.stats().pages_cached
 
 
 @pytest.fixture
@@ -195,13 +195,13 @@ def test_cancel_frees_pages_and_slots(make_engine):
     while not running.tokens:  # mid-flight: the first request is decoding, the fifth waits for a slot
         engine.step()
     assert engine.stats().running == 4 and engine.stats().waiting == 1
-    used = engine.allocator.used_count
+    used = engine.stats().pages_used
     running.cancel()
     waiting.cancel()
     engine.step()
     assert running.finish_reason == waiting.finish_reason == "abort"
     assert 0 < len(running.tokens) < 16 and waiting.tokens == []
-    assert engine.allocator.used_count < used, "the cancelled request's pages are free again"
+    assert engine.stats().pages_used < used, "the cancelled request's pages are free again"
     engine.check()
     engine.run()
     assert [r.finish_reason for r in requests[1:4]] == ["length"] * 3

@@ -323,6 +323,57 @@ def write_rank_tokens(cache: PagedKVCache, c_kv: jax.Array, k_pe: jax.Array, pag
         cache, c_kv, k_pe, pages, slots, page_index)
 
 
+def _rank_only(mesh: Mesh | None, rules: ShardingRules, what: str) -> str | None:
+    """The ranks' axis of a pool split over ranks only (None: whole); ValueError for a positions split."""
+    rows_axis, positions_axis = pool_axes(mesh, rules)
+    if positions_axis is not None:
+        raise ValueError(f"{what} takes a pool split over ranks only, not over each row's positions")
+    return rows_axis
+
+
+def gather_rank_pages(cache: PagedKVCache, pages: jax.Array, mesh: Mesh | None,
+                      rules: ShardingRules) -> PagedKVCache:
+    """`gather_pages` of `pages [K]` named by their index in the whole pool (rank r's pages are
+    `r * P/R ..`), whole on every device: when the pool is split over ranks, each rank reads its own
+    pages and one sum over the ranks (K pages) gathers them; the pool itself never moves."""
+    rows_axis = _rank_only(mesh, rules, "gather_rank_pages")
+    if rows_axis is None:
+        return gather_pages(cache, pages)
+
+    def gather(cache: PagedKVCache, pages: jax.Array) -> PagedKVCache:
+        per = cache.c_kv.shape[1]
+        mine = pages // per == jax.lax.axis_index(rows_axis)
+        got = gather_pages(cache, jnp.where(mine, pages % per, SCRATCH_PAGE))
+
+        def summed(a: jax.Array) -> jax.Array:  # other ranks' pages count zero
+            return jax.lax.psum(jnp.where(mine.reshape(1, -1, *(1,) * (a.ndim - 2)), a, jnp.zeros((), a.dtype)),
+                                rows_axis)
+
+        return jax.tree.map(summed, got)
+
+    whole = jax.sharding.PartitionSpec()
+    out = PagedKVCache(whole, whole, None if cache.c_scale is None else whole)
+    return _per_device(gather, mesh, rules, (pool_specs(cache, mesh, rules), whole), out)(cache, pages)
+
+
+def scatter_rank_pages(cache: PagedKVCache, pages: jax.Array, contents: PagedKVCache, mesh: Mesh | None,
+                       rules: ShardingRules) -> PagedKVCache:
+    """`scatter_pages` of `pages [K]` named by their index in the whole pool (`gather_rank_pages`):
+    each rank writes the pages it holds (the others' contents go to its scratch page)."""
+    rows_axis = _rank_only(mesh, rules, "scatter_rank_pages")
+    if rows_axis is None:
+        return scatter_pages(cache, pages, contents)
+
+    def scatter(cache: PagedKVCache, pages: jax.Array, contents: PagedKVCache) -> PagedKVCache:
+        per = cache.c_kv.shape[1]
+        mine = pages // per == jax.lax.axis_index(rows_axis)
+        return scatter_pages(cache, jnp.where(mine, pages % per, SCRATCH_PAGE), contents)
+
+    whole, pool = jax.sharding.PartitionSpec(), pool_specs(cache, mesh, rules)
+    specs = PagedKVCache(whole, whole, None if contents.c_scale is None else whole)
+    return _per_device(scatter, mesh, rules, (pool, whole, specs), pool)(cache, pages, contents)
+
+
 def local_pages(page_table: jax.Array, cached: jax.Array, page_size: int, device: jax.Array,
                 devices: int) -> tuple[jax.Array, jax.Array]:
     """(Per device of a positions axis of `devices`) this device's share of each row's pages: its page

@@ -36,7 +36,7 @@ from .draft_step import mtp_paged_cache, unpack_verified
 from .grammar import Grammar, grammar_tokenizer
 from .page_pool import PageLog, PagePool, warm_up_ops
 from .pages import PageAllocator
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, PrefixCacheStats
 from .request import Request, TextCallback
 from .scheduler import (
     Lane,
@@ -45,6 +45,7 @@ from .scheduler import (
     StepPlan,
     lane_masks,
     lane_rows,
+    rank_rows,
     reserved_pages,
     wants_prompt_logprobs,
 )
@@ -85,6 +86,8 @@ class EngineStats:
     drafted_tokens: int = 0  # MTP drafts verified (draft_tokens > 0)
     accepted_drafts: int = 0  # ... and accepted
     draft_acceptance: float | None = None  # accepted / drafted (None without drafts or before any)
+    running_per_rank: tuple[int, ...] = ()  # running requests on each data-parallel rank
+    pages_used_per_rank: tuple[int, ...] = ()  # pages in use in each rank's share of the pool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,10 +149,14 @@ class Engine:
                  draft_tokens: int = 0, control: str = "host", batch_invariant: bool = False,
                  disaggregate: tuple[int, int] | None = None):
         _check_draft_tokens(model, draft_tokens)
-        if model.rules.batch is not None or model.rules.positions is not None:
-            # The allocator, prefix cache and scheduler hand out one pool's page ids: the engine keeps
-            # its slots and pool whole on every device (the MoE keeps the rules' dispatch).
-            model = dataclasses.replace(model, rules=dataclasses.replace(model.rules, batch=None, positions=None))
+        if model.rules.positions is not None:
+            # A rank's pages stay whole on each of its devices: a row's pages dealt out over `tensor`
+            # would need an allocator per device of the rank (docs/limits.md).
+            model = dataclasses.replace(model, rules=dataclasses.replace(model.rules, positions=None))
+        ranks = data_parallel_ranks(model)
+        if ranks > 1 and (draft_tokens or disaggregate is not None):
+            raise ValueError(f"attention data parallelism ({ranks} ranks over mesh axis {model.rules.batch!r}) "
+                             "does not run with draft_tokens or disaggregate yet: use layout 'tp' for those")
         if batch_invariant:
             model = dataclasses.replace(model, rules=dataclasses.replace(model.rules, batch_invariant=True))
         if control not in CONTROLS:
@@ -161,14 +168,14 @@ class Engine:
                              f"{model.cfg.max_position_embeddings}")
         self.model = model
         self.config = SchedulerConfig(max_seqs, page_size, num_pages, prefill_chunk, prefill_rows, max_seq_len,
-                                      decode_steps, draft_tokens, batch_invariant)
+                                      decode_steps, draft_tokens, batch_invariant, ranks)
         self.tokenizer = tokenizer or model.tokenizer
 
         def runner(on: Model) -> DeviceRunner:
             sizes = dict(cfg=on.cfg, mesh=on.mesh, num_pages=num_pages, page_size=page_size, dtype=on.dtype,
                          kv_cache_dtype=on.kv_cache_dtype)
-            pool = PagePool(programs.paged_cache(**sizes), on.mesh,
-                            mtp_cache=mtp_paged_cache(**sizes) if draft_tokens else None)
+            pool = PagePool(programs.paged_cache(**sizes, rules=on.rules), on.mesh,
+                            mtp_cache=mtp_paged_cache(**sizes) if draft_tokens else None, rules=on.rules)
             return DeviceRunner(on, pool, slots=self.config.slots, max_seq_len=max_seq_len,
                                 decode_steps=decode_steps, draft_tokens=draft_tokens)
 
@@ -185,10 +192,11 @@ class Engine:
         self.is_leader = jax.process_index() == 0
         self._closed = False
         self._log = PageLog(self._runner.pool.page_bytes)
-        self.allocator = PageAllocator(num_pages)
-        self.prefix_cache = PrefixCache(self.allocator, page_size, store=self._log, host_bytes=host_cache_bytes,
-                                        enabled=prefix_caching)
-        self.scheduler = Scheduler(self.config, self.allocator, self.prefix_cache)
+        per = self.config.rank_pages  # each rank: its own pages, prefix cache and share of the host budget
+        allocators = [PageAllocator(per, first=r * per) for r in range(ranks)]
+        self.scheduler = Scheduler(self.config, [
+            (pages, PrefixCache(pages, page_size, store=self._log, host_bytes=host_cache_bytes // ranks,
+                                enabled=prefix_caching)) for pages in allocators])
         self._submitted: deque[Request] = deque()
         self._submit_lock = threading.Lock()
         self._step_lock = threading.RLock()  # an on_text callback may ask for stats() inside a step
@@ -263,15 +271,24 @@ class Engine:
             raise ValueError(f"prompt ({len(tokens)}) + max_new_tokens ({max_new_tokens}) exceeds the engine's "
                              f"max_seq_len={self.config.max_seq_len}")
         pages = reserved_pages(len(tokens), max_new_tokens, self.config.page_size)
-        if pages > self.allocator.capacity:
-            raise ValueError(f"the request needs {pages} pages of {self.config.page_size} tokens; the pool has "
-                             f"{self.allocator.capacity}")
+        capacity = self.scheduler.ranks[0].allocator.capacity
+        if pages > capacity:
+            ranks = self.config.ranks
+            where = "the pool" if ranks == 1 else f"each of the {ranks} ranks' shares of the pool"
+            raise ValueError(f"the request needs {pages} pages of {self.config.page_size} tokens; {where} has "
+                             f"{capacity}")
 
     # ---- the loop ------------------------------------------------------------------------------
     @property
     def kv_cache_usage(self) -> float:
         """The share of the pool's pages in use (0..1): held by requests or by the prefix cache."""
-        return self.allocator.used_count / max(self.allocator.capacity, 1)
+        used, capacity = self._pages()
+        return used / max(capacity, 1)
+
+    def _pages(self) -> tuple[int, int]:
+        """Pages in use, and pages that can be handed out, over every rank."""
+        allocators = [rank.allocator for rank in self.scheduler.ranks]
+        return sum(a.used_count for a in allocators), sum(a.capacity for a in allocators)
 
     @property
     def last_step_time(self) -> float | None:
@@ -299,7 +316,7 @@ class Engine:
             if not work.empty:
                 tokens = self._launch(work)
                 if tokens:
-                    self._in_flight.append(_InFlight(tuple(zip(_lane_groups(plan), tokens)), time.perf_counter()))
+                    self._in_flight.append(_InFlight(tuple(zip(self._call_lanes(plan), tokens)), time.perf_counter()))
             waited = 0.0
             # Read the step before this one (the device is busy with this one meanwhile); with nothing
             # new dispatched, read everything.
@@ -350,12 +367,28 @@ class Engine:
         admissions = tuple(Admission(seq.slot, host_sampling([seq.request.sampling]),
                                      np.asarray(seq.request.prompt, np.int32), host_rules([seq.request.sampling]))
                            for seq in plan.admitted)
-        calls = tuple(lane_rows(lanes, *shape, cfg.slots) for lanes, shape in
-                      ((plan.prefill, _widened(cfg.prefill_shape(plan.prefill), cfg, plan.prefill) if plan.prefill
-                        else None),
-                       (plan.decode, (cfg.decode_shape(plan.decode), 1) if plan.decode else None)) if lanes)
-        masks = tuple(lane_masks(lanes, len(rows.slots)) for lanes, rows in zip(_lane_groups(plan), calls))
-        return StepWork(self._log.take(), admissions, calls, plan.page_table if calls else None, masks)
+        groups = self._call_lanes(plan)
+        calls = tuple(lane_rows(lanes, *shape, cfg.slots)
+                      for lanes, shape in zip(groups, self._call_shapes(plan)))
+        masks = tuple(lane_masks(lanes, len(rows.slots)) for lanes, rows in zip(groups, calls))
+        # Page ids as the devices holding them number them: each rank's share starts at its scratch page 0.
+        table = plan.page_table % cfg.rank_pages if calls else None
+        return StepWork(self._log.take(), admissions, calls, table, masks)
+
+    def _call_shapes(self, plan: StepPlan) -> tuple[tuple[int, int], ...]:
+        """Each call's `(rows, chunk)`: the prefill call's (the smallest shape that holds it), then the
+        decode call's."""
+        cfg, shapes = self.config, []
+        if plan.prefill:
+            shapes.append(_widened(cfg.prefill_shape(plan.prefill), cfg, plan.prefill))
+        if plan.decode:
+            shapes.append((cfg.decode_shape(plan.decode), 1))
+        return tuple(shapes)
+
+    def _call_lanes(self, plan: StepPlan) -> tuple[tuple[Lane | None, ...], ...]:
+        """Each call's lanes by row (`rank_rows`: each rank's lanes in its block of rows)."""
+        return tuple(rank_rows(lanes, shape[0], self.config.ranks)
+                     for lanes, shape in zip(_lane_groups(plan), self._call_shapes(plan)))
 
     def _launch(self, work: StepWork) -> tuple[jax.Array, ...]:
         """Send the work to the other processes (if any), then dispatch it here; each call's tokens
@@ -423,15 +456,19 @@ class Engine:
         """Verify the page allocator against every holder (running requests, the prefix cache);
         raises `PageError` on a leak, a double free or a broken free list."""
         with self._step_lock:
-            self.allocator.check(self.scheduler.holders())
+            for r, rank in enumerate(self.scheduler.ranks):
+                rank.allocator.check(self.scheduler.holders(r))
 
     def stats(self) -> EngineStats:
         with self._step_lock:
-            cache, t, s = self.prefix_cache.stats(), self._timing, self.scheduler
+            t, s = self._timing, self.scheduler
+            ranks = [rank.prefix_cache.stats() for rank in s.ranks]
+            cache = PrefixCacheStats(*(sum(values) for values in zip(*(dataclasses.astuple(r) for r in ranks))))
             per_step = 1000.0 / max(t.steps, 1)
+            used, capacity = self._pages()
             return EngineStats(
                 running=s.running, waiting=s.waiting + len(self._submitted), finished=s.finished,
-                pages_used=self.allocator.used_count, pages_free=self.allocator.free_count,
+                pages_used=used, pages_free=capacity - used,
                 pages_cached=cache.device_pages, prompt_tokens=s.prompt_tokens, prefix_hit_tokens=cache.hit_tokens,
                 offloaded_pages=cache.offloaded, reloaded_pages=cache.reloaded, host_pages=cache.host_pages,
                 host_bytes=cache.host_bytes, generated_tokens=s.generated_tokens, steps=t.steps,
@@ -439,7 +476,16 @@ class Engine:
                 host_ms_per_step=t.host * per_step, wait_ms_per_step=t.wait * per_step,
                 device_ms_per_step=t.device * per_step, drafted_tokens=s.drafted_tokens,
                 accepted_drafts=s.accepted_drafts,
-                draft_acceptance=s.accepted_drafts / s.drafted_tokens if s.drafted_tokens else None)
+                draft_acceptance=s.accepted_drafts / s.drafted_tokens if s.drafted_tokens else None,
+                running_per_rank=s.running_per_rank(),
+                pages_used_per_rank=tuple(rank.allocator.used_count for rank in s.ranks))
+
+
+def data_parallel_ranks(model: Model) -> int:
+    """The attention data-parallel ranks of `model`'s layout: the devices of its rows' mesh axis
+    (`ShardingRules.batch`), 1 when rows are not split."""
+    axis = model.rules.batch
+    return 1 if axis is None else model.mesh.shape[axis]
 
 
 def _check_draft_tokens(model: Model, draft_tokens: int) -> None:

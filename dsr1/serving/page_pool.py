@@ -13,10 +13,11 @@ Two halves, so that every JAX process can run the copies process 0's prefix cach
   through fixed-size programs (`COPY_BATCH` pages per call, padded with the scratch page) so they
   never compile after warm-up.
 
-Across processes each process keeps its own host copies, under the ids process 0 gave them: the
-pool is replicated over the mesh (`dsr1.programs.paged_cache`), so a process's local replica of a
-page is the whole page; each process copies it from its own devices to its own host memory and
-writes it back to its own devices, and no page crosses processes.
+Across processes each process keeps its own host copies, under the ids process 0 gave them: a copy
+program returns its pages whole on every device (under attention data parallelism, where each rank
+holds its share of the pool, the rank holding a page sends it to the others: `copy_pages`), so each
+process copies them from its own devices to its own host memory and writes them back to its own
+devices' shares.
 
 Ordering needs no locks: every program that touches the pool takes the previous pool as input,
 so the device runs them in dispatch order. A page saved and then handed to another request is
@@ -34,7 +35,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from ..core.cache import SCRATCH_PAGE, PagedKVCache
-from ..core.sharding import put_replicated, to_host
+from ..core.sharding import DEFAULT_RULES, ShardingRules, put_replicated, to_host
 from .step import copy_pages, restore_pages
 
 __all__ = ["COPY_BATCH", "PAGE_OP_KINDS", "HostPage", "PageLog", "PageOp", "PagePool", "page_batches", "warm_up_ops"]
@@ -134,10 +135,12 @@ class PagePool:
     """The device page pool (`cache`; with MTP drafts also `mtp_cache`, the same pages of the MTP module)
     and this process's host copies of its pages, by id; runs `PageOp`s (see the module docstring)."""
 
-    def __init__(self, cache: PagedKVCache, mesh: Mesh, mtp_cache: PagedKVCache | None = None):
+    def __init__(self, cache: PagedKVCache, mesh: Mesh, mtp_cache: PagedKVCache | None = None,
+                 rules: ShardingRules = DEFAULT_RULES):
         self.cache = cache
         self.mtp_cache = mtp_cache
         self.mesh = mesh
+        self.rules = rules  # how `cache`'s pages are split (`dsr1.core.cache.pool_axes`)
         self.page_bytes = sum(pool.nbytes() // pool.c_kv.shape[1] for pool in self.pools)
         self.copies: dict[int, HostPage] = {}
         self._this_step: list[HostPage] = []  # copies dispatched for the current step
@@ -175,15 +178,20 @@ class PagePool:
         """The contents of up to `COPY_BATCH` `pages`, per pool, as `COPY_BATCH`-page pools on this
         pool's devices (dispatched, not waited for): to host memory, or to another pool's devices."""
         placed = put_replicated(_padded(pages), self.mesh)
-        return tuple(copy_pages(pool, placed, mesh=self.mesh) for pool in self.pools)
+        return tuple(copy_pages(pool, placed, mesh=self.mesh, rules=self._rules(pool)) for pool in self.pools)
 
     def put(self, pages: np.ndarray, contents: tuple[PagedKVCache, ...]) -> None:
         """Write `contents` (`take`'s form, on this pool's devices) into the same `pages`."""
         placed = put_replicated(_padded(pages), self.mesh)
-        pools = [restore_pages(pool, placed, part, mesh=self.mesh) for pool, part in zip(self.pools, contents)]
+        pools = [restore_pages(pool, placed, part, mesh=self.mesh, rules=self._rules(pool))
+                 for pool, part in zip(self.pools, contents)]
         self.cache = pools[0]
         if self.mtp_cache is not None:
             self.mtp_cache = pools[1]
+
+    def _rules(self, pool: PagedKVCache) -> ShardingRules:
+        """The model's pool is split as `rules` say; the MTP module's is whole on every device."""
+        return self.rules if pool is self.cache else DEFAULT_RULES
 
     def begin_step(self) -> None:
         """A new step is being dispatched: copies dispatched so far precede the previous step's programs."""

@@ -35,7 +35,8 @@ class OutOfPagesError(PageError):
 
 
 class PageAllocator:
-    """Reference-counted page ids `1 .. num_pages - 1` of a pool of `num_pages` (page 0 is scratch).
+    """Reference-counted page ids `first + 1 .. first + num_pages - 1` of a pool (or one data-parallel
+    rank's share of it, `first` its first page) of `num_pages` pages; page `first` is scratch.
 
     `allocate(n)` gives n free pages with count 1; `incref(pages)` adds a holder to pages in use;
     `free(pages)` drops one holder from each, and pages nobody holds any more become free.
@@ -43,11 +44,12 @@ class PageAllocator:
     hot; nothing relies on any order.
     """
 
-    def __init__(self, num_pages: int):
+    def __init__(self, num_pages: int, first: int = SCRATCH_PAGE):
         if num_pages < 2:
             raise ValueError(f"num_pages={num_pages}: need the scratch page and at least one usable page")
+        self.first = first  # the share's scratch page
         self._counts = np.zeros(num_pages, np.int64)
-        self._free = list(range(num_pages - 1, SCRATCH_PAGE, -1))  # pop() gives 1, 2, 3, ...
+        self._free = list(range(first + num_pages - 1, first, -1))  # pop() gives first + 1, + 2, ...
 
     @property
     def num_pages(self) -> int:
@@ -70,11 +72,11 @@ class PageAllocator:
     def refcount(self, page: int) -> int:
         """How many holders `page` has (0: free)."""
         self._check_id(page)
-        return int(self._counts[page])
+        return int(self._counts[page - self.first])
 
     def refcounts(self, pages: Sequence[int]) -> np.ndarray:
         """How many holders each of `pages` has (no id checks: for bookkeeping loops over many pages)."""
-        return self._counts[np.asarray(pages, np.int64)]
+        return self._counts[np.asarray(pages, np.int64) - self.first]
 
     def allocate(self, n: int) -> list[int]:
         """`n` free pages, each now held once. Raises `OutOfPagesError` (taking nothing) if fewer are free."""
@@ -83,14 +85,14 @@ class PageAllocator:
         if n > len(self._free):
             raise OutOfPagesError(f"asked for {n} pages but only {len(self._free)} of {self.capacity} are free")
         pages = [self._free.pop() for _ in range(n)]
-        self._counts[pages] = 1
+        self._counts[np.asarray(pages, np.int64) - self.first] = 1
         return pages
 
     def incref(self, pages: Iterable[int]) -> None:
         """One more holder for each of `pages` (a page listed twice gains two); each must be in use."""
         pages = list(pages)
         self._require_held(pages, "share")
-        np.add.at(self._counts, pages, 1)
+        np.add.at(self._counts, np.asarray(pages, np.int64) - self.first, 1)
 
     def free(self, pages: Iterable[int]) -> None:
         """Drop one holder from each of `pages`; pages left with none become free. Checks everything
@@ -98,8 +100,8 @@ class PageAllocator:
         page, an unknown id) raises `PageError` and leaves the allocator as it was."""
         pages = list(pages)
         self._require_held(pages, "free")
-        np.subtract.at(self._counts, pages, 1)
-        self._free.extend(p for p in dict.fromkeys(pages) if self._counts[p] == 0)
+        np.subtract.at(self._counts, np.asarray(pages, np.int64) - self.first, 1)
+        self._free.extend(p for p in dict.fromkeys(pages) if self._counts[p - self.first] == 0)
 
     def check(self, holders: Iterable[Sequence[int]] = ()) -> None:
         """Verify the allocator against the page lists of everything that should hold pages now (each
@@ -109,41 +111,43 @@ class PageAllocator:
         held = Counter(p for pages in holders for p in pages)
         for page in held:
             self._check_id(page)
-        problems = []
-        leaked = [p for p in range(1, self.num_pages) if self._counts[p] > held[p]]
-        over_freed = [p for p in range(1, self.num_pages) if self._counts[p] < held[p]]
+        problems, first = [], self.first
+        count = {p: int(self._counts[p - first]) for p in range(first + 1, first + self.num_pages)}
+        leaked = [p for p, n in count.items() if n > held[p]]
+        over_freed = [p for p, n in count.items() if n < held[p]]
         if leaked:
-            problems.append("leaked (count above holders): " + _describe(leaked, self._counts, held))
+            problems.append("leaked (count above holders): " + _describe(leaked, count, held))
         if over_freed:
-            problems.append("freed while held (count below holders): " + _describe(over_freed, self._counts, held))
-        if (self._counts < 0).any() or self._counts[SCRATCH_PAGE] != 0:
-            problems.append(f"bad counts: {np.flatnonzero(self._counts < 0).tolist()} negative, "
-                            f"scratch page count {self._counts[SCRATCH_PAGE]}")
+            problems.append("freed while held (count below holders): " + _describe(over_freed, count, held))
+        if (self._counts < 0).any() or self._counts[0] != 0:
+            problems.append(f"bad counts: {(np.flatnonzero(self._counts < 0) + first).tolist()} negative, "
+                            f"scratch page count {self._counts[0]}")
         free = Counter(self._free)
-        unheld = {p for p in range(1, self.num_pages) if self._counts[p] == 0}
+        unheld = {p for p, n in count.items() if n == 0}
         if set(free) != unheld or any(c > 1 for c in free.values()):
             problems.append(f"free list {sorted(self._free)} is not the unheld pages {sorted(unheld)} once each")
         if problems:
             raise PageError("page allocator invariants broken: " + "; ".join(problems))
 
     def _check_id(self, page: int) -> None:
-        if not SCRATCH_PAGE < page < self.num_pages:
-            raise PageError(f"page {page} is not an allocatable page (1 .. {self.num_pages - 1}; "
-                            f"{SCRATCH_PAGE} is the scratch page)")
+        if not self.first < page < self.first + self.num_pages:
+            raise PageError(f"page {page} is not an allocatable page ({self.first + 1} .. "
+                            f"{self.first + self.num_pages - 1}; {self.first} is the scratch page)")
 
     def _require_held(self, pages: list[int], action: str) -> None:
         for page in pages:
             self._check_id(page)
         asked = Counter(pages)
         # Freeing: each page at most as often as it is held. Sharing: only pages someone holds.
-        bad = [p for p, n in asked.items() if (self._counts[p] < n if action == "free" else self._counts[p] == 0)]
+        counts = {p: int(self._counts[p - self.first]) for p in asked}
+        bad = [p for p, n in asked.items() if (counts[p] < n if action == "free" else counts[p] == 0)]
         if bad:
             raise PageError(f"cannot {action} pages {sorted(bad)}: held "
-                            f"{[int(self._counts[p]) for p in sorted(bad)]} times (double free or stale page id?)")
+                            f"{[counts[p] for p in sorted(bad)]} times (double free or stale page id?)")
 
 
-def _describe(pages: list[int], counts: np.ndarray, held: Counter) -> str:
-    return ", ".join(f"page {p} count {int(counts[p])} holders {held[p]}" for p in pages)
+def _describe(pages: list[int], counts: dict[int, int], held: Counter) -> str:
+    return ", ".join(f"page {p} count {counts[p]} holders {held[p]}" for p in pages)
 
 
 def pages_needed(tokens: int, page_size: int) -> int:

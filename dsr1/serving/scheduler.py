@@ -2,11 +2,13 @@
 which tokens each row runs, which pages it gets, and what the sampled tokens mean.
 
 Continuous batching with `max_seqs + prefill_rows` slots (prompts prefilled ahead of a free decode
-row); at most two calls per step, a prefill call and a multi-step decode call, of bucketed shapes;
-requests admitted only when every page they may need is available, never preempted; a decoding
-row's input is its slot's last token on device, so a stop is seen a step late and the extra
-token discarded. With MTP drafts the host bounds what the device may have kept. Design:
-docs/serving.md.
+row), split evenly over the data-parallel ranks (`Rank`: each its slots, its share of the page pool
+and its own prefix cache; a request is placed on the rank with the longest cached prefix, then the
+fewest running requests, then the most free pages); at most two calls per step, a prefill call and
+a multi-step decode call, of bucketed shapes; requests admitted only when every page they may need
+is available, never preempted; a decoding row's input is its slot's last token on device, so a stop
+is seen a step late and the extra token discarded. With MTP drafts the host bounds what the device
+may have kept. Design: docs/serving.md.
 """
 
 from __future__ import annotations
@@ -22,18 +24,20 @@ import numpy as np
 from ..core.cache import SCRATCH_PAGE
 from ..generation.output import TokenLogprob
 from .pages import PageAllocator, pages_needed
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, PrefixMatch
 from .request import Request
 from .step import Sampled, StepRows
 
-__all__ = ["Lane", "Running", "Scheduler", "SchedulerConfig", "StepPlan", "lane_masks", "lane_rows",
-           "wants_prompt_logprobs"]
+__all__ = ["Lane", "Rank", "Running", "Scheduler", "SchedulerConfig", "StepPlan", "lane_masks", "lane_rows",
+           "rank_rows", "wants_prompt_logprobs"]
 
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
     """The engine's fixed sizes: batch slots, page size and pool size, the prefill call's shape
-    (`prefill_rows` x `prefill_chunk`) and the longest sequence (prompt + output) a slot can hold."""
+    (`prefill_rows` x `prefill_chunk`) and the longest sequence (prompt + output) a slot can hold.
+    With `ranks` > 1 (attention data parallelism) `max_seqs`, `prefill_rows` and `num_pages` are
+    split evenly over the ranks, and every call has the same rows on each rank."""
 
     max_seqs: int
     page_size: int
@@ -44,6 +48,7 @@ class SchedulerConfig:
     decode_steps: int = 1  # decode steps per decode call
     draft_tokens: int = 0  # MTP drafts per decode iteration (0: none)
     batch_invariant: bool = False  # one shape per call kind (`prefill_shapes`, `decode_shapes`)
+    ranks: int = 1  # data-parallel ranks: each holds its rows' slots and pages
 
     def __post_init__(self) -> None:
         for name in ("max_seqs", "page_size", "prefill_chunk", "prefill_rows", "max_seq_len", "decode_steps"):
@@ -55,6 +60,24 @@ class SchedulerConfig:
             raise ValueError(f"num_pages={self.num_pages}: need the scratch page and at least one more")
         if self.prefill_rows > self.max_seqs:
             raise ValueError(f"prefill_rows={self.prefill_rows} exceeds max_seqs={self.max_seqs}")
+        for name in ("max_seqs", "prefill_rows", "num_pages"):
+            if getattr(self, name) % self.ranks:
+                raise ValueError(f"{name}={getattr(self, name)} must be a multiple of the {self.ranks} "
+                                 f"data-parallel ranks (each rank holds an equal share)")
+        if self.num_pages // self.ranks < 2:
+            raise ValueError(f"num_pages={self.num_pages}: each of the {self.ranks} ranks needs its scratch page "
+                             f"and at least one more")
+
+    @property
+    def rank_slots(self) -> int:
+        """Slots of each rank (rank r holds slots `r * rank_slots ..`)."""
+        return self.slots // self.ranks
+
+    @property
+    def rank_pages(self) -> int:
+        """Pages of each rank's share of the pool (rank r holds pages `r * rank_pages ..`; the first
+        its scratch page)."""
+        return self.num_pages // self.ranks
 
     @property
     def slots(self) -> int:
@@ -70,14 +93,23 @@ class SchedulerConfig:
         shape with the requests prefilling beside it."""
         if self.batch_invariant:
             return ((self.prefill_rows, self.prefill_chunk),)
-        rows = sorted({1, self.prefill_rows})
+        rows = sorted({self.ranks, self.prefill_rows})  # one row per rank, or all of them
         chunks = sorted({self.prefill_chunk} | ({self.prefill_chunk // 4} if self.prefill_chunk >= 64 else set()))
         return tuple((r, c) for r in rows for c in chunks)
 
     def prefill_shape(self, lanes: Sequence[Lane]) -> tuple[int, int]:
         """The smallest prefill shape that holds `lanes` (a lone row or a short last chunk costs less)."""
         longest = max(lane.count for lane in lanes)
-        return min((r * c, r, c) for r, c in self.prefill_shapes if r >= len(lanes) and c >= longest)[1:]
+        per_rank = self.rows_per_rank(lanes)
+        return min((r * c, r, c) for r, c in self.prefill_shapes
+                   if r // self.ranks >= per_rank and c >= longest)[1:]
+
+    def rows_per_rank(self, lanes: Sequence[Lane]) -> int:
+        """The most lanes any one rank has (a call gives every rank as many rows)."""
+        if self.ranks == 1:
+            return len(lanes)
+        counts = np.bincount([lane.seq.rank for lane in lanes], minlength=self.ranks)
+        return int(counts.max())
 
     @property
     def decode_shapes(self) -> tuple[int, ...]:
@@ -90,15 +122,17 @@ class SchedulerConfig:
         number of requests running (docs/serving.md, "Draft numerics")."""
         if self.batch_invariant:
             return (self.max_seqs,)
-        rows, half = {1, self.max_seqs}, self.max_seqs // 2
+        most = self.max_seqs // self.ranks  # per rank
+        rows, half = {1, most}, most // 2
         while half >= 8:
             rows.add(half)
             half //= 2
-        return tuple(sorted(rows))
+        return tuple(sorted(r * self.ranks for r in rows))
 
     def decode_shape(self, lanes: Sequence[Lane]) -> int:
         """The fewest decode rows that hold `lanes`."""
-        return min(r for r in self.decode_shapes if r >= len(lanes))
+        per_rank = self.rows_per_rank(lanes)
+        return min(r for r in self.decode_shapes if r // self.ranks >= per_rank)
 
     @property
     def prefill_width(self) -> int:
@@ -134,6 +168,7 @@ class Running:
 
     request: Request
     slot: int
+    rank: int  # the data-parallel rank holding its slot and pages
     pages: list[int]
     reserved: int
     fed: int
@@ -192,31 +227,50 @@ class StepPlan:
         return not (self.admitted or self.prefill or self.decode)
 
 
-def wants_prompt_logprobs(lanes: Sequence[Lane]) -> bool:
+Lanes = Sequence["Lane | None"]  # a call's lanes by row (None: an idle row between ranks' lanes)
+
+
+def wants_prompt_logprobs(lanes: Lanes) -> bool:
     """Some lane of a call wants prompt log-probabilities: the call carries each prompt's next token."""
-    return any(lane.prompt_logprobs for lane in lanes)
+    return any(lane.prompt_logprobs for lane in lanes if lane is not None)
 
 
-def lane_masks(lanes: Sequence[Lane], rows: int) -> np.ndarray | None:
+def rank_rows(lanes: Sequence[Lane], rows: int, ranks: int) -> tuple[Lane | None, ...]:
+    """A call's `lanes` by row: each rank's lanes in order at the start of its block of `rows / ranks`
+    rows (the block of the call's rows that the rank's devices hold), None in the idle rows between.
+    One rank: the lanes themselves (the idle rows follow them)."""
+    if ranks == 1:
+        return tuple(lanes)
+    out: list[Lane | None] = [None] * rows
+    filled = [r * (rows // ranks) for r in range(ranks)]
+    for lane in lanes:
+        out[filled[lane.seq.rank]] = lane
+        filled[lane.seq.rank] += 1
+    return tuple(out)
+
+
+def lane_masks(lanes: Lanes, rows: int) -> np.ndarray | None:
     """The grammar bitmasks of a call `[rows, words]` (row i: lane i's), or None when no lane has one."""
-    masks = [lane.mask for lane in lanes if lane.mask is not None]
+    masks = [lane.mask for lane in lanes if lane is not None and lane.mask is not None]
     if not masks:
         return None
     out = np.full((rows, masks[0].shape[0]), -1, np.int32)
     for i, lane in enumerate(lanes):
-        if lane.mask is not None:
+        if lane is not None and lane.mask is not None:
             out[i] = lane.mask
     return out
 
 
-def lane_rows(lanes: Sequence[Lane], rows: int, chunk: int, idle_slot: int) -> StepRows:
-    """The host arrays of one call: `lanes` in the first rows, the rest idle (slot `idle_slot`, count 0)."""
+def lane_rows(lanes: Lanes, rows: int, chunk: int, idle_slot: int) -> StepRows:
+    """The host arrays of one call: lane i in row i, the other rows idle (slot `idle_slot`, count 0)."""
     out = StepRows(slots=np.full(rows, idle_slot, np.int32), tokens=np.zeros((rows, chunk), np.int32),
                    starts=np.zeros(rows, np.int32), counts=np.zeros(rows, np.int32),
                    feed_last=np.zeros(rows, bool), sample=np.zeros(rows, bool), sample_index=np.zeros(rows, np.int32),
                    logprobs=np.zeros(rows, bool), steps=np.ones(rows, np.int32),
                    prompt_logprobs=np.zeros(rows, bool), mask_row=np.full(rows, -1, np.int32))
     for i, lane in enumerate(lanes):
+        if lane is None:
+            continue
         out.slots[i], out.starts[i], out.counts[i] = lane.seq.slot, lane.start, lane.count
         tokens = lane.tokens[:chunk]  # a prompt's next token only when the call carries it
         out.tokens[i, :len(tokens)] = tokens
@@ -228,17 +282,29 @@ def lane_rows(lanes: Sequence[Lane], rows: int, chunk: int, idle_slot: int) -> S
     return out
 
 
+@dataclasses.dataclass(eq=False)
+class Rank:
+    """One data-parallel rank's share of the engine: its pages (`allocator`, over the rank's page ids),
+    its prefix cache over them, and its free slots."""
+
+    allocator: PageAllocator
+    prefix_cache: PrefixCache
+    free_slots: list[int]
+
+
 class Scheduler:
     """Waiting and running requests, slots and pages; plans each step and interprets its tokens.
     Single-threaded: the engine calls it from its loop only."""
 
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, prefix_cache: PrefixCache):
+    def __init__(self, config: SchedulerConfig, ranks: Sequence[tuple[PageAllocator, PrefixCache]]):
+        if len(ranks) != config.ranks:
+            raise ValueError(f"{len(ranks)} ranks' pages for a config of {config.ranks} ranks")
         self.config = config
-        self.allocator = allocator
-        self.prefix_cache = prefix_cache
+        per = config.rank_slots
+        self.ranks = tuple(Rank(allocator, cache, list(range(r * per, (r + 1) * per)))
+                           for r, (allocator, cache) in enumerate(ranks))
         self._waiting: deque[Request] = deque()
         self._running: list[Running] = []  # in admission order
-        self._free_slots = list(range(config.slots))
         self._page_table = np.full((config.slots, config.table_width), SCRATCH_PAGE, np.int32)
         self.prompt_tokens = self.generated_tokens = self.finished = 0
         self.drafted_tokens = self.accepted_drafts = 0  # MTP drafts verified, and accepted (delivered)
@@ -251,13 +317,21 @@ class Scheduler:
     def running(self) -> int:
         return len(self._running)
 
+    def running_per_rank(self) -> tuple[int, ...]:
+        """Running requests on each rank."""
+        counts = [0] * len(self.ranks)
+        for seq in self._running:
+            counts[seq.rank] += 1
+        return tuple(counts)
+
     def add(self, request: Request) -> None:
         """Queue a request (checked by the engine: it fits in a slot and in the pool)."""
         self._waiting.append(request)
 
-    def holders(self) -> list[list[int]]:
-        """Every list of pages that should hold a reference now (for `PageAllocator.check`)."""
-        return [seq.pages for seq in self._running] + [self.prefix_cache.held_pages()]
+    def holders(self, rank: int = 0) -> list[list[int]]:
+        """Every list of `rank`'s pages that should hold a reference now (for `PageAllocator.check`)."""
+        return ([seq.pages for seq in self._running if seq.rank == rank]
+                + [self.ranks[rank].prefix_cache.held_pages()])
 
     # ---- planning ------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -279,31 +353,52 @@ class Scheduler:
         for seq in [s for s in self._running if s.request.cancel_requested]:
             self._finish(seq, "abort")
 
-    def _outstanding(self) -> int:
-        """Pages reserved by running requests and not allocated yet."""
-        return sum(seq.reserved - len(seq.pages) for seq in self._running)
+    def _outstanding(self, rank: int) -> int:
+        """Pages reserved by `rank`'s running requests and not allocated yet."""
+        return sum(seq.reserved - len(seq.pages) for seq in self._running if seq.rank == rank)
+
+    def _place(self, request: Request) -> tuple[int, PrefixMatch] | None:
+        """The rank to admit `request` on, and its prefix cache's match there; None if no rank has a free
+        slot and the pages the request may need. Affinity first (the longest cached prefix), then
+        balance: the fewest running requests, then the most free pages."""
+        prompt, best, running = request.prompt, None, self.running_per_rank()
+        # The last prompt token always runs; a request wanting prompt log-probabilities runs them all.
+        limit = 0 if request.prompt_top_logprobs is not None else len(prompt) - 1
+        reserved = reserved_pages(len(prompt), request.sampling.max_new_tokens, self.config.page_size)
+        for r, rank in enumerate(self.ranks):
+            if not rank.free_slots:
+                continue
+            match = rank.prefix_cache.match(prompt, limit)
+            need = reserved - (len(match.nodes) - match.offloaded)
+            # Free pages first; the rest from evicting cached pages other than the match's.
+            free = rank.allocator.free_count - self._outstanding(r)
+            if not rank.prefix_cache.can_evict(need - free, match):
+                continue
+            key = (-match.tokens, running[r], -free, r)
+            if best is None or key < best[0]:
+                best = (key, r, match)
+        return None if best is None else best[1:]
 
     def _admit(self) -> list[Running]:
         admitted = []
-        while self._waiting and self._free_slots:
+        while self._waiting:
             request = self._waiting[0]
             prompt = request.prompt
-            # The last prompt token always runs; a request wanting prompt log-probabilities runs them all.
-            match = self.prefix_cache.match(prompt, 0 if request.prompt_top_logprobs is not None else len(prompt) - 1)
-            reserved = reserved_pages(len(prompt), request.sampling.max_new_tokens, self.config.page_size)
-            need = reserved - (len(match.nodes) - match.offloaded)
-            # Free pages first; the rest from evicting cached pages other than the match's.
-            if not self.prefix_cache.can_evict(need + self._outstanding() - self.allocator.free_count, match):
+            placed = self._place(request)
+            if placed is None:
                 break  # wait: first come, first served
+            r, match = placed
             if self._prefix_being_written(prompt, match.tokens):
                 break  # wait for the pages a running prompt is about to write, rather than compute them twice
             self._waiting.popleft()
-            pages = self.prefix_cache.acquire(match)
+            rank = self.ranks[r]
+            reserved = reserved_pages(len(prompt), request.sampling.max_new_tokens, self.config.page_size)
+            pages = rank.prefix_cache.acquire(match)
             request.cached_tokens = match.tokens
             request.scheduled_at = time.perf_counter()
             # The prompt's last token is the request's first decode input (docs/serving.md, "Two calls
             # per step"), with drafts too: its first token comes from the decode step either way.
-            seq = Running(request, self._free_slots.pop(0), pages, reserved, fed=match.tokens, tokens=list(prompt),
+            seq = Running(request, rank.free_slots.pop(0), r, pages, reserved, fed=match.tokens, tokens=list(prompt),
                           prefill_end=len(prompt) - 1)
             self._page_table[seq.slot, :len(pages)] = pages
             self._running.append(seq)
@@ -316,7 +411,7 @@ class Scheduler:
         tokens the prefix cache holds, and has not planned them yet. Requests sharing a system prompt
         often arrive together; admitted in the same step, each would prefill it. Waiting instead (a
         step per chunk) lets the pages enter the cache when the running request's chunk is planned."""
-        if not self.prefix_cache.enabled:
+        if not self.ranks[0].prefix_cache.enabled:
             return False
         head = prompt[:len(prompt) - 1]  # the last prompt token always runs
         return any(seq.fed < shared for seq in self._running if seq.prefilling
@@ -327,18 +422,20 @@ class Scheduler:
         missing = pages_needed(tokens, self.config.page_size) - len(seq.pages)
         if missing <= 0:
             return
-        self.prefix_cache.make_room(missing)
-        pages = self.allocator.allocate(missing)
+        rank = self.ranks[seq.rank]
+        rank.prefix_cache.make_room(missing)
+        pages = rank.allocator.allocate(missing)
         self._page_table[seq.slot, len(seq.pages):len(seq.pages) + missing] = pages
         seq.pages += pages
 
     def _plan_prefill(self) -> list[Lane]:
-        lanes = []
+        lanes, per_rank = [], [0] * self.config.ranks
         for seq in self._running:
             if len(lanes) == self.config.prefill_rows:
                 break
-            if not seq.prefilling:
+            if not seq.prefilling or per_rank[seq.rank] == self.config.prefill_rows // self.config.ranks:
                 continue
+            per_rank[seq.rank] += 1
             start, count = seq.fed, min(self.config.prefill_chunk, seq.prefill_end - seq.fed)
             self._grow(seq, start + count)
             # The prompt's next token too: with drafts, or for prompt log-probabilities.
@@ -346,15 +443,15 @@ class Scheduler:
                               sample_index=0, feed_last=False))
             seq.fed += count
             # Its full prompt pages are written by the call being planned: later requests may share them.
-            self.prefix_cache.insert(seq.tokens[:seq.fed], seq.pages)
+            self.ranks[seq.rank].prefix_cache.insert(seq.tokens[:seq.fed], seq.pages)
         return lanes
 
     def _plan_decode(self, steps: int) -> list[Lane]:
-        lanes = []
+        lanes, per_rank = [], [0] * self.config.ranks
         for seq in self._running:
             if len(lanes) == self.config.max_seqs:
                 break  # the oldest decode; the rest wait for a row
-            if not seq.decoding:
+            if not seq.decoding or per_rank[seq.rank] == self.config.max_seqs // self.config.ranks:
                 continue
             matcher = seq.request.matcher
             if matcher is not None and seq.sampled > len(seq.tokens) - seq.prompt_len:
@@ -364,6 +461,7 @@ class Scheduler:
             fed = min(seq.fed + runs * (self.config.draft_tokens + 1),
                       seq.prompt_len + seq.request.sampling.max_new_tokens - 1)
             self._grow(seq, fed)
+            per_rank[seq.rank] += 1
             lanes.append(Lane(seq, seq.fed, 1, (), sample=True, sample_index=seq.sampled, feed_last=True, steps=runs,
                               mask=None if matcher is None else matcher.mask()))
             seq.fed = fed
@@ -371,7 +469,7 @@ class Scheduler:
         return lanes
 
     # ---- results -------------------------------------------------------------------------------
-    def complete(self, lanes: Sequence[Lane], steps: Sequence[Sampled],
+    def complete(self, lanes: Lanes, steps: Sequence[Sampled],
                  accepted: Sequence[np.ndarray] | None = None) -> None:
         """Hand a call's sampled tokens (each of its steps' rows in lane order) to their requests, with
         their log-probabilities where asked for, and finish the requests that hit a stop token or
@@ -381,7 +479,7 @@ class Scheduler:
         token -1 where nothing was kept)."""
         k = self.config.draft_tokens
         for row, lane in enumerate(lanes):
-            if not lane.sample:
+            if lane is None or not lane.sample:
                 continue
             if k and lane.feed_last:
                 self._complete_drafts(lane, row, steps, accepted)
@@ -414,10 +512,12 @@ class Scheduler:
         if not seq.finished:
             seq.sampled += kept - lane.steps  # the plan counted one token per iteration
 
-    def complete_prompt(self, lanes: Sequence[Lane], positions: Sequence[Sampled]) -> None:
+    def complete_prompt(self, lanes: Lanes, positions: Sequence[Sampled]) -> None:
         """Hand a prefill call's prompt log-probabilities (`positions[t]`: each row's token after chunk
         position t) to the requests that asked for them."""
         for row, lane in enumerate(lanes):
+            if lane is None:
+                continue
             top = lane.seq.request.prompt_top_logprobs
             if lane.prompt_logprobs and not lane.seq.finished:
                 count = min(lane.count, lane.seq.prompt_len - 1 - lane.start)
@@ -439,10 +539,11 @@ class Scheduler:
         seq.finished = True
         # Tokens both known here and written by a dispatched step (with drafts, the last known one may not be).
         written = min(seq.fed, len(seq.tokens) - (1 if self.config.draft_tokens else 0))
-        self.prefix_cache.insert(seq.tokens[:written], seq.pages)
-        self.allocator.free(seq.pages)
+        rank = self.ranks[seq.rank]
+        rank.prefix_cache.insert(seq.tokens[:written], seq.pages)
+        rank.allocator.free(seq.pages)
         self._page_table[seq.slot] = SCRATCH_PAGE
-        bisect.insort(self._free_slots, seq.slot)
+        bisect.insort(rank.free_slots, seq.slot)
         self._running.remove(seq)
         self.finished += 1
         seq.request.finish(reason)

@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from ..core import model
-from ..core.cache import PagedKVCache, gather_pages, scatter_pages
+from ..core.cache import PagedKVCache, gather_rank_pages, keep_pool_layout, scatter_rank_pages
 from ..core.config import Config
 from ..core.params import Params
 from ..core.sharding import ShardingRules, keep_replicated
@@ -333,14 +333,16 @@ def sample_rows(logits: jax.Array, state: SlotState, rows: StepRows, safe: jax.A
     return out, state, token
 
 
-@functools.partial(jax.jit, static_argnames=("mesh",))
-def copy_pages(cache: PagedKVCache, pages: jax.Array, *, mesh: Mesh) -> PagedKVCache:
-    """The contents of `pages [K]` (every layer) as a K-page pool, for copying to host memory."""
-    return jax.tree.map(lambda a: keep_replicated(a, mesh), gather_pages(cache, pages))
+@functools.partial(jax.jit, static_argnames=("mesh", "rules"))
+def copy_pages(cache: PagedKVCache, pages: jax.Array, *, mesh: Mesh, rules: ShardingRules) -> PagedKVCache:
+    """The contents of `pages [K]` (every layer; ids in the whole pool, whichever rank holds them) as a
+    K-page pool whole on every device, for copying to host memory."""
+    return jax.tree.map(lambda a: keep_replicated(a, mesh), gather_rank_pages(cache, pages, mesh, rules))
 
 
-@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("cache",))
-def restore_pages(cache: PagedKVCache, pages: jax.Array, contents: PagedKVCache, *, mesh: Mesh) -> PagedKVCache:
+@functools.partial(jax.jit, static_argnames=("mesh", "rules"), donate_argnames=("cache",))
+def restore_pages(cache: PagedKVCache, pages: jax.Array, contents: PagedKVCache, *, mesh: Mesh,
+                  rules: ShardingRules) -> PagedKVCache:
     """The pool with `pages [K]` overwritten by `contents` (a K-page pool, e.g. from `copy_pages`)."""
-    return jax.tree.map(lambda a: keep_replicated(a, mesh), scatter_pages(cache, pages, contents))
+    return keep_pool_layout(scatter_rank_pages(cache, pages, contents, mesh, rules), mesh, rules)
 
