@@ -202,16 +202,19 @@ def engine_workload(vocab: int) -> list[tuple[int, list[int], dict]]:
     return [(at, prompt, dict(max_new_tokens=b)) for (at, prompt), b in zip(arrivals, budgets)]
 
 
-def engine_run(mesh, rules: ShardingRules) -> dict:
-    """`engine_workload` through the serving engine on `mesh` with `rules`: each request's greedy
-    tokens, the prefix cache's counts, and how the requests and the pool were spread over the ranks."""
+def engine_run(mesh, rules: ShardingRules, draft_tokens: int = 0) -> dict:
+    """`engine_workload` through the serving engine on `mesh` with `rules` (and MTP drafts): each
+    request's greedy tokens, the prefix cache's counts, and how the requests and the pool were spread
+    over the ranks."""
     from dsr1.serving import Engine
 
     from .test_serving import run_arrivals
 
-    model = dataclasses.replace(dsr1.init_random(CONFIG, seed=11, dtype="float32", mesh=mesh), rules=rules)
-    engine = Engine(model, max_seqs=8, prefill_rows=4, page_size=4, num_pages=48, prefill_chunk=8, decode_steps=2,
-                    host_cache_bytes=1 << 24, max_seq_len=48)
+    cfg = dataclasses.replace(CONFIG, num_nextn_predict_layers=1)  # the same weights, and an MTP module
+    model = dsr1.init_random(cfg, seed=11, dtype="float32", mesh=mesh, mtp=bool(draft_tokens))
+    engine = Engine(dataclasses.replace(model, rules=rules), max_seqs=8, prefill_rows=4, page_size=4, num_pages=48,
+                    prefill_chunk=8, decode_steps=2, host_cache_bytes=1 << 24, max_seq_len=48,
+                    draft_tokens=draft_tokens)
     snapshots: list = []
     requests = run_arrivals(engine, engine_workload(CONFIG.vocab_size), snapshots)
     engine.check()
@@ -239,7 +242,8 @@ def compare(expert: int, tensor: int) -> dict:
         "tokens_eplb": {"psum": greedy_tokens(mesh, ShardingRules(), redundant=2 * expert),
                         "dp": greedy_tokens(mesh, DP, redundant=2 * expert)},
         "dp": dp_checks(one, mesh),
-        "engine": {"one_device": engine_run(one, ShardingRules()), "dp": engine_run(mesh, DP)},
+        "engine": {"one_device": engine_run(one, ShardingRules()), "dp": engine_run(mesh, DP),
+                   "dp_drafts": engine_run(mesh, DP, draft_tokens=1)},
     }
 
 
@@ -267,10 +271,11 @@ def test_all_to_all_and_dp_match_psum_and_one_device_on_eight_devices(expert, te
         assert dp["pool_pages_per_device"] == [dp["expected_pages_per_device"]], (split, dp)  # its share only
     assert report["dp"]["cache_rows_per_device"] == [2], report["dp"]
     engine, ranks = report["engine"], expert
-    assert engine["dp"]["tokens"] == engine["one_device"]["tokens"]
-    assert all(engine["dp"]["tokens"]), "every request generated"
-    assert engine["dp"]["pool_pages_per_device"] == [48 // ranks]  # each rank holds its share of the pool
-    assert len(engine["dp"]["ranks_used"]) == ranks and min(engine["dp"]["ranks_used"]) > 0  # every rank served
+    assert all(engine["one_device"]["tokens"]), "every request generated"
+    for dp in (engine["dp"], engine["dp_drafts"]):
+        assert dp["tokens"] == engine["one_device"]["tokens"]
+        assert dp["pool_pages_per_device"] == [48 // ranks]  # each rank holds its share of the pool
+        assert len(dp["ranks_used"]) == ranks and min(dp["ranks_used"]) > 0  # every rank served
     for run in engine.values():
         assert run["prefix_hit_tokens"] > 0 and run["offloaded_pages"] > 0 and run["reloaded_pages"] > 0, run
 

@@ -27,11 +27,11 @@ from jax.sharding import Mesh
 
 from ..core import model
 from ..core.attention import PagedContext, attend_extend, use_absorbed
-from ..core.cache import PagedKVCache, empty_paged_cache, token_slots, write_tokens
+from ..core.cache import PagedKVCache, empty_paged_cache, keep_pool_layout, token_slots, write_rank_tokens
 from ..core.config import Config
 from ..core.mtp import mtp_logits, mtp_module, mtp_step
 from ..core.params import Params
-from ..core.sharding import ShardingRules, keep_replicated
+from ..core.sharding import DEFAULT_RULES, ShardingRules, keep_replicated
 from ..generation import speculative
 from ..generation.sampling import TOP_LOGPROBS, SamplingArrays, TokenRuleRows, VocabSplit, token_logprobs, vocab_split
 from .grammar import apply_masks
@@ -93,13 +93,14 @@ def take_mtp_hidden(state: DraftSlotState, hidden: jax.Array, taken: jax.Array, 
     return jax.tree.map(lambda a: keep_replicated(a, mesh), state)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "num_pages", "page_size", "dtype", "kv_cache_dtype"))
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "num_pages", "page_size", "dtype", "kv_cache_dtype",
+                                             "rules"))
 def mtp_paged_cache(*, cfg: Config, mesh: Mesh, num_pages: int, page_size: int, dtype: Any,
-                    kv_cache_dtype: str | None) -> PagedKVCache:
-    """`paged_cache` for the MTP module: one layer, the same pages."""
+                    kv_cache_dtype: str | None, rules: ShardingRules = DEFAULT_RULES) -> PagedKVCache:
+    """`paged_cache` for the MTP module: one layer, the same pages (split over the ranks as the model's)."""
     cache = empty_paged_cache(1, num_pages, page_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim, jnp.dtype(dtype),
                               kv_cache_dtype, mesh.devices.flat[0].platform)
-    return jax.tree.map(lambda a: keep_replicated(a, mesh), cache)
+    return keep_pool_layout(cache, mesh, rules)
 
 
 def _paged_mtp(params: Params, pool: PagedKVCache, hidden: jax.Array, next_tokens: jax.Array, starts: jax.Array,
@@ -123,8 +124,9 @@ def _paged_mtp(params: Params, pool: PagedKVCache, hidden: jax.Array, next_token
                                        index=speculative.MTP_MODULE)
     with jax.named_scope("write_mtp_pages"):
         pages, slots = token_slots(table, cached, counts, chunk, pool.page_size)
-        pool = write_tokens(pool, c_kv[None], k_pe[None], pages, slots)
-    return logits, x, jax.tree.map(lambda a: keep_replicated(a, mesh), pool)
+        page_index = positions // pool.page_size
+        pool = write_rank_tokens(pool, c_kv[None], k_pe[None], pages, slots, page_index, mesh, rules)
+    return logits, x, keep_pool_layout(pool, mesh, rules)
 
 
 def _at(x: jax.Array, index: jax.Array) -> jax.Array:

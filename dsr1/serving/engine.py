@@ -154,9 +154,9 @@ class Engine:
             # would need an allocator per device of the rank (docs/limits.md).
             model = dataclasses.replace(model, rules=dataclasses.replace(model.rules, positions=None))
         ranks = data_parallel_ranks(model)
-        if ranks > 1 and (draft_tokens or disaggregate is not None):
+        if ranks > 1 and disaggregate is not None:
             raise ValueError(f"attention data parallelism ({ranks} ranks over mesh axis {model.rules.batch!r}) "
-                             "does not run with draft_tokens or disaggregate yet: use layout 'tp' for those")
+                             "does not run disaggregated yet: use layout 'tp' with disaggregate")
         if batch_invariant:
             model = dataclasses.replace(model, rules=dataclasses.replace(model.rules, batch_invariant=True))
         if control not in CONTROLS:
@@ -173,8 +173,8 @@ class Engine:
 
         def runner(on: Model) -> DeviceRunner:
             sizes = dict(cfg=on.cfg, mesh=on.mesh, num_pages=num_pages, page_size=page_size, dtype=on.dtype,
-                         kv_cache_dtype=on.kv_cache_dtype)
-            pool = PagePool(programs.paged_cache(**sizes, rules=on.rules), on.mesh,
+                         kv_cache_dtype=on.kv_cache_dtype, rules=on.rules)
+            pool = PagePool(programs.paged_cache(**sizes), on.mesh,
                             mtp_cache=mtp_paged_cache(**sizes) if draft_tokens else None, rules=on.rules)
             return DeviceRunner(on, pool, slots=self.config.slots, max_seq_len=max_seq_len,
                                 decode_steps=decode_steps, draft_tokens=draft_tokens)

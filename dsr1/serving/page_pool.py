@@ -140,7 +140,7 @@ class PagePool:
         self.cache = cache
         self.mtp_cache = mtp_cache
         self.mesh = mesh
-        self.rules = rules  # how `cache`'s pages are split (`dsr1.core.cache.pool_axes`)
+        self.rules = rules  # how both pools' pages are split (`dsr1.core.cache.pool_axes`)
         self.page_bytes = sum(pool.nbytes() // pool.c_kv.shape[1] for pool in self.pools)
         self.copies: dict[int, HostPage] = {}
         self._this_step: list[HostPage] = []  # copies dispatched for the current step
@@ -178,20 +178,16 @@ class PagePool:
         """The contents of up to `COPY_BATCH` `pages`, per pool, as `COPY_BATCH`-page pools on this
         pool's devices (dispatched, not waited for): to host memory, or to another pool's devices."""
         placed = put_replicated(_padded(pages), self.mesh)
-        return tuple(copy_pages(pool, placed, mesh=self.mesh, rules=self._rules(pool)) for pool in self.pools)
+        return tuple(copy_pages(pool, placed, mesh=self.mesh, rules=self.rules) for pool in self.pools)
 
     def put(self, pages: np.ndarray, contents: tuple[PagedKVCache, ...]) -> None:
         """Write `contents` (`take`'s form, on this pool's devices) into the same `pages`."""
         placed = put_replicated(_padded(pages), self.mesh)
-        pools = [restore_pages(pool, placed, part, mesh=self.mesh, rules=self._rules(pool))
+        pools = [restore_pages(pool, placed, part, mesh=self.mesh, rules=self.rules)
                  for pool, part in zip(self.pools, contents)]
         self.cache = pools[0]
         if self.mtp_cache is not None:
             self.mtp_cache = pools[1]
-
-    def _rules(self, pool: PagedKVCache) -> ShardingRules:
-        """The model's pool is split as `rules` say; the MTP module's is whole on every device."""
-        return self.rules if pool is self.cache else DEFAULT_RULES
 
     def begin_step(self) -> None:
         """A new step is being dispatched: copies dispatched so far precede the previous step's programs."""

@@ -179,10 +179,10 @@ inline Vec exp_lanes(Vec x) {
 constexpr int64_t kPrefetchBytes = 4096;
 
 // R rows against the weight rows (output columns) [o0, o1). U vectors per step keep enough
-// independent multiply-adds in flight for few rows (R * U accumulators).
-template <typename T, int R>
+// independent multiply-adds in flight for few rows (R * U accumulators); a row's summation order
+// depends on U only.
+template <typename T, int R, int U = (R >= 4 ? 1 : 4 / R)>
 void rows_block(const float* x, const T* w, float* y, int64_t in, int64_t out, int64_t o0, int64_t o1) {
-  constexpr int U = R >= 4 ? 1 : 4 / R;
   for (int64_t o = o0; o < o1; ++o) {
     const T* wo = w + o * in;
     Vec acc[R][U];
@@ -197,6 +197,10 @@ void rows_block(const float* x, const T* w, float* y, int64_t in, int64_t out, i
         const Vec wv = widen_lanes(block);
         for (int r = 0; r < R; ++r) acc[r][u] = fmadd(load(x + r * in + i + kLanes * u), wv, acc[r][u]);
       }
+    for (; i + kLanes <= in; i += kLanes) {  // whole vectors left over: into the first sums
+      const Vec wv = widen_lanes(wo + i);
+      for (int r = 0; r < R; ++r) acc[r][0] = fmadd(load(x + r * in + i), wv, acc[r][0]);
+    }
     for (int r = 0; r < R; ++r) {
       Vec a = acc[r][0];
       for (int u = 1; u < U; ++u) a = add(a, acc[r][u]);
@@ -553,6 +557,23 @@ ffi::Error CombineRowsDot(ffi::ThreadPool pool, ffi::Buffer<XD> h, ffi::Buffer<f
   return ffi::Error::Success();
 }
 
+// Every row in one row's summation order (`rows_block<T, 1>`: four sums per row), whatever the
+// number of rows: a pair's sums never depend on which other tokens picked its expert in the step
+// (batch invariance: drafts' verification meets other neighbours than plain decoding). Blocks of up
+// to three rows (12 accumulators fit AVX2's registers), so more rows read the weight again, from cache.
+template <typename T>
+void rows_each(const float* x, const T* w, float* y, int64_t rows, int64_t in, int64_t out, int64_t o0, int64_t o1) {
+  for (int64_t r = 0; r < rows; r += 3) {
+    const float* xr = x + r * in;
+    float* yr = y + r * out;
+    switch (std::min<int64_t>(3, rows - r)) {
+      case 3: rows_block<T, 3, 4>(xr, w, yr, in, out, o0, o1); break;
+      case 2: rows_block<T, 2, 4>(xr, w, yr, in, out, o0, o1); break;
+      default: rows_block<T, 1, 4>(xr, w, yr, in, out, o0, o1);
+    }
+  }
+}
+
 // A decode step's token-expert pairs straight from the router (`matrix [tokens, k]`: the matrix of a
 // stack each pair reads, negative where the expert is not this device's), grouped by matrix here: each
 // hit expert read once for all its rows, in ascending order of matrix, each group's pairs in their
@@ -622,10 +643,8 @@ ffi::Error SwigluPairs(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     gather_rows(xp, tokens.data(), n, in, rows);
     gated.resize(n * out);
     linear.resize(n * out);
-    rows_range<float, uint16_t>(rows.data(), stack_matrix(gp, groups.matrices[g], count, size), gated.data(), n, in,
-                                out, o0, o1);
-    rows_range<float, uint16_t>(rows.data(), stack_matrix(up_, groups.matrices[g], count, size), linear.data(), n,
-                                in, out, o0, o1);
+    rows_each(rows.data(), stack_matrix(gp, groups.matrices[g], count, size), gated.data(), n, in, out, o0, o1);
+    rows_each(rows.data(), stack_matrix(up_, groups.matrices[g], count, size), linear.data(), n, in, out, o0, o1);
     for (int64_t i = 0; i < n; ++i)
       for (int64_t o = o0; o < o1; ++o) hp[pairs[i] * out + o] = silu_times(gated[i * out + o], linear[i * out + o]);
   });
@@ -661,8 +680,7 @@ ffi::Error CombinePairs(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::Buff
       const int64_t n = groups.starts[g + 1] - groups.starts[g];
       gather_rows(hp, pairs, n, in, rows);
       product.resize(n * out);
-      rows_range<float, uint16_t>(rows.data(), stack_matrix(dp, groups.matrices[g], count, size), product.data(), n,
-                                  in, out, o0, o1);
+      rows_each(rows.data(), stack_matrix(dp, groups.matrices[g], count, size), product.data(), n, in, out, o0, o1);
       for (int64_t i = 0; i < n; ++i)
         add_weighted(yp + pairs[i] / k * out, product.data() + i * out, wp[pairs[i]], o0, o1);
     }
