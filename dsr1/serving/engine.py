@@ -111,6 +111,11 @@ class _Timing:
 class Engine:
     """Serve many requests at once on `model`; see docs/serving.md.
 
+    With a model on layout dp (`dsr1.layout_rules("dp")`: rows split over `rules.batch`'s devices, the
+    data-parallel ranks), `max_seqs`, `prefill_rows` and `num_pages` are split evenly over the ranks,
+    each with its own allocator and prefix cache, and each request runs on one rank (docs/serving.md,
+    "Data-parallel ranks").
+
     Args:
       max_seqs: decode rows (requests decoding at once).
       page_size: tokens per page of the latent cache.

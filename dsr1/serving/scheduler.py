@@ -227,7 +227,7 @@ class StepPlan:
         return not (self.admitted or self.prefill or self.decode)
 
 
-Lanes = Sequence["Lane | None"]  # a call's lanes by row (None: an idle row between ranks' lanes)
+Lanes = Sequence[Lane | None]  # a call's lanes by row (None: an idle row between ranks' lanes)
 
 
 def wants_prompt_logprobs(lanes: Lanes) -> bool:
