@@ -560,16 +560,21 @@ ffi::Error CombineRowsDot(ffi::ThreadPool pool, ffi::Buffer<XD> h, ffi::Buffer<f
 // Every row in one row's summation order (`rows_block<T, 1>`: four sums per row), whatever the
 // number of rows: a pair's sums never depend on which other tokens picked its expert in the step
 // (batch invariance: drafts' verification meets other neighbours than plain decoding). Blocks of up
-// to three rows (12 accumulators fit AVX2's registers), so more rows read the weight again, from cache.
+// to three rows (12 accumulators fit AVX2's registers) over a few weight rows at a time, so the
+// blocks after the first read those weight rows from cache.
 template <typename T>
 void rows_each(const float* x, const T* w, float* y, int64_t rows, int64_t in, int64_t out, int64_t o0, int64_t o1) {
-  for (int64_t r = 0; r < rows; r += 3) {
-    const float* xr = x + r * in;
-    float* yr = y + r * out;
-    switch (std::min<int64_t>(3, rows - r)) {
-      case 3: rows_block<T, 3, 4>(xr, w, yr, in, out, o0, o1); break;
-      case 2: rows_block<T, 2, 4>(xr, w, yr, in, out, o0, o1); break;
-      default: rows_block<T, 1, 4>(xr, w, yr, in, out, o0, o1);
+  constexpr int64_t kWeightRows = 8;
+  for (int64_t o = o0; o < o1; o += kWeightRows) {
+    const int64_t oe = std::min(o + kWeightRows, o1);
+    for (int64_t r = 0; r < rows; r += 3) {
+      const float* xr = x + r * in;
+      float* yr = y + r * out;
+      switch (std::min<int64_t>(3, rows - r)) {
+        case 3: rows_block<T, 3, 4>(xr, w, yr, in, out, o, oe); break;
+        case 2: rows_block<T, 2, 4>(xr, w, yr, in, out, o, oe); break;
+        default: rows_block<T, 1, 4>(xr, w, yr, in, out, o, oe);
+      }
     }
   }
 }
