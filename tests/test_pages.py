@@ -142,3 +142,19 @@ def test_check_extend_batch_names_the_slot_at_fault():
         check([0, 0], [1, 0], logits_at=logits_at + 4)
     with pytest.raises(ValueError, match=r"starts has leading shape \(1,\), expected \(2,\)"):
         check([0], [1, 0])
+
+
+def test_a_ranks_share_hands_out_its_own_ids():
+    """Under attention data parallelism each rank's allocator covers its share of the pool: ids
+    `first + 1 ..`, its first page its scratch page; the checks name the share's ids."""
+    share = PageAllocator(5, first=10)
+    assert share.allocate(4) == [11, 12, 13, 14] and share.free_count == 0
+    assert share.refcounts([11, 14]).tolist() == [1, 1]
+    with pytest.raises(PageError, match=r"11 \.\. 14; 10 is the scratch page"):
+        share.free([3])
+    share.free([12])
+    share.check([[11, 13, 14]])
+    with pytest.raises(PageError, match="leaked"):
+        share.check([[11, 13]])
+    share.free([11, 13, 14])
+    share.check()

@@ -367,6 +367,30 @@ def test_decode_call_takes_the_fewest_rows_that_hold_its_lanes():
     assert wide.prefill_shapes == ((1, 8), (2, 8)) and invariant.prefill_shapes == ((2, 8),)
 
 
+def test_data_parallel_ranks_split_slots_pages_and_call_rows():
+    """Four ranks: each holds a quarter of the slots and pages, every call gives each rank the rows the
+    busiest one needs, each rank's lanes in its own block of rows."""
+    from types import SimpleNamespace
+
+    from dsr1.serving.scheduler import SchedulerConfig, rank_rows
+
+    config = SchedulerConfig(max_seqs=64, page_size=4, num_pages=40, prefill_chunk=8, prefill_rows=4, max_seq_len=64,
+                             ranks=4)
+    assert (config.rank_slots, config.rank_pages) == (17, 10)
+    assert config.decode_shapes == (4, 32, 64) and config.prefill_shapes == ((4, 8),)
+
+    def lanes(*ranks):
+        return [SimpleNamespace(seq=SimpleNamespace(rank=r), count=8) for r in ranks]
+
+    two_on_rank_1 = lanes(1, 1, 3)
+    assert config.decode_shape(two_on_rank_1) == 32 and config.prefill_shape(lanes(0, 2, 3)) == (4, 8)
+    rows = rank_rows(two_on_rank_1, 8, 4)
+    assert [None if lane is None else lane.seq.rank for lane in rows] == [None, None, 1, 1, None, None, 3, None]
+    with pytest.raises(ValueError, match="prefill_rows=2 must be a multiple of the 4 data-parallel ranks"):
+        SchedulerConfig(max_seqs=8, page_size=4, num_pages=40, prefill_chunk=8, prefill_rows=2, max_seq_len=64,
+                        ranks=4)
+
+
 @pytest.mark.slow
 def test_sixteen_slots_decode_in_narrower_calls_without_compiling(tiny, make_engine):
     """16 slots: decode calls of 8 rows while at most 8 decode, of 16 beyond; every call shape compiled
