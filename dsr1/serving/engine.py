@@ -317,11 +317,11 @@ class Engine:
             plan = self.scheduler.schedule()
             # Page operations recorded outside planning (host copies released while reading tokens)
             # go out with the next step that runs anything.
-            work = self._work(plan) if not plan.empty else StepWork()
+            work, lanes = self._work(plan) if not plan.empty else (StepWork(), ())
             if not work.empty:
                 tokens = self._launch(work)
                 if tokens:
-                    self._in_flight.append(_InFlight(tuple(zip(self._call_lanes(plan), tokens)), time.perf_counter()))
+                    self._in_flight.append(_InFlight(tuple(zip(lanes, tokens)), time.perf_counter()))
             waited = 0.0
             # Read the step before this one (the device is busy with this one meanwhile); with nothing
             # new dispatched, read everything.
@@ -364,21 +364,21 @@ class Engine:
         if self._closed and self._channel is not None:
             raise RuntimeError(f"{action}() after close(): the other processes no longer follow")
 
-    def _work(self, plan: StepPlan) -> StepWork:
+    def _work(self, plan: StepPlan) -> tuple[StepWork, tuple[tuple[Lane | None, ...], ...]]:
         """The plan's device work: the page copies recorded while planning, the admissions, then
         the prefill call (the smallest shape that holds it) and the decode call, idle rows padding
-        each to its shape."""
+        each to its shape; and each call's lanes by row (`rank_rows`), as its results come back."""
         cfg = self.config
         admissions = tuple(Admission(seq.slot, host_sampling([seq.request.sampling]),
                                      np.asarray(seq.request.prompt, np.int32), host_rules([seq.request.sampling]))
                            for seq in plan.admitted)
-        groups = self._call_lanes(plan)
-        calls = tuple(lane_rows(lanes, *shape, cfg.slots)
-                      for lanes, shape in zip(groups, self._call_shapes(plan)))
+        shapes = self._call_shapes(plan)
+        groups = tuple(rank_rows(lanes, rows, cfg.ranks) for lanes, (rows, _) in zip(_lane_groups(plan), shapes))
+        calls = tuple(lane_rows(lanes, *shape, cfg.slots) for lanes, shape in zip(groups, shapes))
         masks = tuple(lane_masks(lanes, len(rows.slots)) for lanes, rows in zip(groups, calls))
         # Page ids as the devices holding them number them: each rank's share starts at its scratch page 0.
         table = plan.page_table % cfg.rank_pages if calls else None
-        return StepWork(self._log.take(), admissions, calls, table, masks)
+        return StepWork(self._log.take(), admissions, calls, table, masks), groups
 
     def _call_shapes(self, plan: StepPlan) -> tuple[tuple[int, int], ...]:
         """Each call's `(rows, chunk)`: the prefill call's (the smallest shape that holds it), then the
@@ -390,10 +390,6 @@ class Engine:
             shapes.append((cfg.decode_shape(plan.decode), 1))
         return tuple(shapes)
 
-    def _call_lanes(self, plan: StepPlan) -> tuple[tuple[Lane | None, ...], ...]:
-        """Each call's lanes by row (`rank_rows`: each rank's lanes in its block of rows)."""
-        return tuple(rank_rows(lanes, shape[0], self.config.ranks)
-                     for lanes, shape in zip(_lane_groups(plan), self._call_shapes(plan)))
 
     def _launch(self, work: StepWork) -> tuple[jax.Array, ...]:
         """Send the work to the other processes (if any), then dispatch it here; each call's tokens
