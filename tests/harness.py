@@ -87,9 +87,11 @@ def relative_error(ours: np.ndarray, ref: np.ndarray) -> float:
 
 
 # XLA:CPU compiles the tests' many small programs in about three quarters of the time without
-# LLVM's optimizations; numerics are unchanged (no fast-math). A test whose programs run long (the
-# eight-device expert loops, which level 0 slows more than it saves) pass `optimized=True`: level 1.
-COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+# LLVM's optimizations, and in half again with its older loop emitters in place of the MLIR fusion
+# emitters; numerics are unchanged (no fast-math). A test whose programs run long (the eight-device
+# expert loops, which level 0 slows more than it saves) pass `optimized=True`: level 1.
+COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
+                 "--xla_cpu_use_fusion_emitters=false")
 
 
 def xla_flags(devices: int | None = None, optimized: bool = False) -> str:

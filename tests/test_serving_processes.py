@@ -1,4 +1,4 @@
-"""The serving engine across JAX processes: 4 processes x 1 device (jax.distributed over gloo,
+"""The serving engine across JAX processes: 2 processes x 2 devices (jax.distributed over gloo,
 process 0 deciding and sending each step's work over the host channel, the others following) give
 the same outputs as 1 process, with prefix hits and pages offloaded to host memory and reloaded on
 all; the wire format of a step's work, and the host channel itself."""
@@ -138,10 +138,12 @@ def test_host_channel_sends_steps_and_table_deltas_to_every_follower():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("processes,devices,control", [
-    (4, 1, "host"), pytest.param(2, 2, "device", marks=pytest.mark.extended)])
+    (2, 2, "host"), pytest.param(4, 1, "host", marks=pytest.mark.extended),
+    pytest.param(2, 2, "device", marks=pytest.mark.extended)])
 def test_processes_serve_like_one(tmp_path, processes, devices, control):
-    """4 processes x 1 device (2 x 2 with device broadcasts, extended) serve the same tokens as one
-    process; with the host channel the steps' work never goes through a device collective."""
+    """2 processes x 2 devices (4 x 1, and 2 x 2 with device broadcasts: extended) serve the same
+    tokens as one process; with the host channel the steps' work never goes through a device
+    collective."""
     out, port = tmp_path / "out.json", free_port()
     common = ["--out", str(out), "--expert=2", "--tensor=2", f"--num-processes={processes}", f"--port={port}",
               f"--control={control}"]
