@@ -468,6 +468,28 @@ ffi::Error RowsDotEach(ffi::ThreadPool pool, ffi::Buffer<XD> x, ffi::Buffer<D> w
   return rows_dot<D, T, true, XD, X>(pool, x, w, index, used.typed_data(), y);
 }
 
+// Every row in one row's summation order (`rows_block<T, 1>`: four sums per row), whatever the
+// number of rows: a pair's sums never depend on which other tokens picked its expert in the step
+// (batch invariance: drafts' verification meets other neighbours than plain decoding). Blocks of up
+// to three rows (12 accumulators fit AVX2's registers) over a few weight rows at a time, so the
+// blocks after the first read those weight rows from cache.
+template <typename T>
+void rows_each(const float* x, const T* w, float* y, int64_t rows, int64_t in, int64_t out, int64_t o0, int64_t o1) {
+  constexpr int64_t kWeightRows = 8;
+  for (int64_t o = o0; o < o1; o += kWeightRows) {
+    const int64_t oe = std::min(o + kWeightRows, o1);
+    for (int64_t r = 0; r < rows; r += 3) {
+      const float* xr = x + r * in;
+      float* yr = y + r * out;
+      switch (std::min<int64_t>(3, rows - r)) {
+        case 3: rows_block<T, 3, 4>(xr, w, yr, in, out, o, oe); break;
+        case 2: rows_block<T, 2, 4>(xr, w, yr, in, out, o, oe); break;
+        default: rows_block<T, 1, 4>(xr, w, yr, in, out, o, oe);
+      }
+    }
+  }
+}
+
 // SwiGLU's value for one output: SiLU(gate) * up, in the order both SwiGLU kernels compute it.
 inline float silu_times(float gate, float up) { return up * (gate / (1.0f + std::exp(-gate))); }
 
@@ -484,7 +506,9 @@ inline void add_weighted(float* y, const float* product, float w, int64_t o0, in
 // weight[g, r] * (h[g, r] . down[index[g]]) for the first `used[g]` rows of each group, each part a
 // range of output columns of every group, so no two threads add to the same output; a negative index
 // or token skips a group or a row. h float32, or bf16 bits (`vdpbf16ps`: a prefill's blocks, whose
-// [g, rows, out] products XLA would otherwise write out and sum).
+// [g, rows, out] products XLA would otherwise write out and sum). float32 rows sum in the pairs
+// kernels' order (`rows_each`), so a verification step's blocks give each token what a decode
+// step's pairs give it.
 ffi::Error SwigluRowsDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> gate,
                          ffi::Buffer<ffi::U16> up, ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::S32> used,
                          ffi::ResultBuffer<ffi::F32> y) {
@@ -508,8 +532,8 @@ ffi::Error SwigluRowsDot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
     if (!n) return;
     thread_local std::vector<float> gated;
     gated.resize(n * out);
-    rows_range<float, uint16_t>(xp + g * rows * in, wg, gated.data(), n, in, out, o0, o1);
-    rows_range<float, uint16_t>(xp + g * rows * in, ups.of(g), yg, n, in, out, o0, o1);
+    rows_each(xp + g * rows * in, wg, gated.data(), n, in, out, o0, o1);
+    rows_each(xp + g * rows * in, ups.of(g), yg, n, in, out, o0, o1);
     for (int64_t r = 0; r < n; ++r)
       for (int64_t o = o0; o < o1; ++o) yg[r * out + o] = silu_times(gated[r * out + o], yg[r * out + o]);
   });
@@ -546,7 +570,10 @@ ffi::Error CombineRowsDot(ffi::ThreadPool pool, ffi::Buffer<XD> h, ffi::Buffer<f
       const uint16_t* wg = downs.of(g);
       const int64_t n = wg ? used_rows(counts, g, rows) : 0;
       if (!n) continue;
-      rows_range<X, uint16_t>(hp + g * rows * in, wg, product.data(), n, in, out, o0, o1);
+      if constexpr (std::is_same_v<X, float>)
+        rows_each(hp + g * rows * in, wg, product.data(), n, in, out, o0, o1);
+      else
+        rows_range<X, uint16_t>(hp + g * rows * in, wg, product.data(), n, in, out, o0, o1);
       for (int64_t r = 0; r < n; ++r) {
         const int64_t t = tp[g * rows + r];
         if (t < 0 || t >= tokens) continue;
@@ -555,28 +582,6 @@ ffi::Error CombineRowsDot(ffi::ThreadPool pool, ffi::Buffer<XD> h, ffi::Buffer<f
     }
   });
   return ffi::Error::Success();
-}
-
-// Every row in one row's summation order (`rows_block<T, 1>`: four sums per row), whatever the
-// number of rows: a pair's sums never depend on which other tokens picked its expert in the step
-// (batch invariance: drafts' verification meets other neighbours than plain decoding). Blocks of up
-// to three rows (12 accumulators fit AVX2's registers) over a few weight rows at a time, so the
-// blocks after the first read those weight rows from cache.
-template <typename T>
-void rows_each(const float* x, const T* w, float* y, int64_t rows, int64_t in, int64_t out, int64_t o0, int64_t o1) {
-  constexpr int64_t kWeightRows = 8;
-  for (int64_t o = o0; o < o1; o += kWeightRows) {
-    const int64_t oe = std::min(o + kWeightRows, o1);
-    for (int64_t r = 0; r < rows; r += 3) {
-      const float* xr = x + r * in;
-      float* yr = y + r * out;
-      switch (std::min<int64_t>(3, rows - r)) {
-        case 3: rows_block<T, 3, 4>(xr, w, yr, in, out, o, oe); break;
-        case 2: rows_block<T, 2, 4>(xr, w, yr, in, out, o, oe); break;
-        default: rows_block<T, 1, 4>(xr, w, yr, in, out, o, oe);
-      }
-    }
-  }
 }
 
 // A decode step's token-expert pairs straight from the router (`matrix [tokens, k]`: the matrix of a
