@@ -148,14 +148,17 @@ def test_extend_with_the_kernel_equals_the_xla_path(monkeypatch, kv_cache_dtype)
     monkeypatch.setattr(paged_attention, "applies", lambda platform=None: True)
     monkeypatch.setattr(paged_attention, "paged_context", lambda *a, **k: real(*a, **{**k, "interpret": True}))
     got, got_cache = run()
+    # An int8 cache: a latent a hair apart in the two programs may round to the next int8 step (below),
+    # which moves the logits, and the later layers' keys and scales, by about 1e-4 of their largest.
+    tol = 1e-3 if kv_cache_dtype else 2e-5
     for w, g in zip(want, got):
-        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5 * np.abs(w).max())
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol * np.abs(w).max())
     for w, g in zip(jax.tree.leaves(want_cache), jax.tree.leaves(got_cache)):
         int8, w, g = w.dtype == jnp.int8, np.asarray(w, np.float32), np.asarray(g, np.float32)
         if int8:  # a latent a hair apart may round to the next int8 step
             assert np.abs(g - w).max() <= 1
         else:
-            np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5 * np.abs(w).max())
+            np.testing.assert_allclose(g, w, rtol=tol, atol=tol * np.abs(w).max())
 
 
 @pytest.mark.slow
