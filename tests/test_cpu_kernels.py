@@ -775,9 +775,9 @@ def test_backend_is_chosen_by_the_mesh_devices_platform(monkeypatch):
     assert cpu.enabled(mesh) == cpu_kernels.available()
     monkeypatch.setenv("DSR1_CPU_KERNELS", "0")
     assert not cpu.enabled(mesh)
-    # The model's choices for a TPU mesh: `ragged_dot` experts, the XLA attention path, no layouts.
+    # The model's choices for a TPU mesh: the grouped-matmul experts, the XLA attention path, no layouts.
     from dsr1.core import moe
-    assert moe.default_kernel(8, 256, "tpu") is moe.ragged_experts
+    assert moe.default_kernel(8, 256, "tpu") is moe.grouped_experts
     assert attention.kernel_choice(mesh, True) == ("cpu", False)
 
 

@@ -247,13 +247,14 @@ def test_capacity_kernel_runs_the_rows_past_capacity_in_more_rounds():
 
 def test_default_kernel_by_platform_and_size():
     """CPU: the expert loop at every size. GPU: each pair's expert gathered while the pairs are at
-    most half the experts (R1 decode up to batch 16), per-expert buffers beyond. TPU: `ragged_dot`."""
+    most half the experts (R1 decode up to batch 16), per-expert buffers beyond. TPU: the grouped-matmul
+    kernel."""
     import dsr1.core.moe as moe_module
 
     assert moe_module.default_kernel(8, 256) is moe_module.loop_experts  # this machine: CPU
     for backend, small, large in (("cpu", moe_module.loop_experts, moe_module.loop_experts),
                                   ("gpu", moe_module.gather_experts, moe_module.capacity_experts),
-                                  ("tpu", moe_module.ragged_experts, moe_module.ragged_experts)):
+                                  ("tpu", moe_module.grouped_experts, moe_module.grouped_experts)):
         kernels = (moe_module.default_kernel(128, 256, backend), moe_module.default_kernel(129, 256, backend))
         assert kernels == (small, large), backend
     assert [moe_module.capacity_rows(p, 256) for p in (8, 512, 2048, 32768)] == [8, 8, 16, 192]

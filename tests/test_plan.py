@@ -9,7 +9,6 @@ import argparse
 import dataclasses
 import importlib.util
 import json
-import re
 import subprocess
 import sys
 
@@ -271,8 +270,11 @@ def test_scaled_down_serving_step_compiled_by_xla_tpu_for_v5e(tmp_path, layout):
     large: no collective moves more than the step's logits (a gathered weight, like the lm_head, would).
     Layout tp: the page pool on every device, the routed experts' partial sums all-reduced. Layout dp:
     each rank holds its share of the pool, and tokens reach their experts by two all-to-alls whose
-    buffers hold at most twice the routed activations."""
-    small = dataclasses.replace(TINY, vocab_size=1024)
+    buffers hold at most twice the routed activations. Either way the experts are read in place
+    (the grouped-matmul kernel): no copy of a device's expert stack."""
+    # Expert widths of whole lane tiles per device, as R1's are (a narrower one XLA:TPU lays out
+    # transposed, and copies into the kernel's layout).
+    small = dataclasses.replace(TINY, vocab_size=1024, moe_intermediate_size=256)
     (tmp_path / "config.json").write_text(json.dumps(small.to_hf_dict()))
     out = tmp_path / "plan.json"
     batch, context = 8, 64
@@ -318,9 +320,11 @@ def test_scaled_down_serving_step_compiled_by_xla_tpu_for_v5e(tmp_path, layout):
         "moe_layers (attention, shared experts, router)"]
     assert plan["bytes_accessed_per_step"] >= attention
     assert plan["step_time_s"] == pytest.approx(plan["bytes_accessed_per_step"] / 819e9)
-    # Copies of a device's whole expert stack are named with that stack's shape (one layer's or all).
-    experts = small.n_routed_experts // 2
-    assert all(re.search(rf"\[({small.num_moe_layers},)?{experts},", c["shape"]) for c in plan["expert_copies"])
+    # The grouped-matmul kernel reads each layer's experts in place: no copy per layer. At this toy size
+    # XLA:TPU's memory-space assignment may prefetch a whole stack (every layer's) into fast memory once
+    # a step; R1's stacks do not fit there (its plan, docs/benchmarks.md, shows no copy).
+    assert all(c["runs"] == 1 and c["name"].startswith("copy-start") and c["shape"].startswith(
+        f"(s8[{small.num_moe_layers},") for c in plan["expert_copies"]), plan["expert_copies"]
     assert "| serve_step | batch 8, cache 64 |" in proc.stdout and "collectives per serving step" in proc.stdout
 
 

@@ -14,6 +14,11 @@ per run it counts
   parameter and an in-place `dynamic-update-slice` writes only its update;
 - copies (plain `copy`, `copy-start`, copy fusions) with their shapes, so that a copy of a whole
   weight stack (XLA:TPU moving a layer's experts before a kernel) can be named.
+
+Two kernels take more than they read: the ragged paged attention kernel the whole page pool (it
+copies one layer's pages of its rows), and the grouped-matmul kernel the whole expert stack, counted
+by its own estimate (one layer's experts, at most one per row: which ones get rows is known only at
+run time).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import math
 import re
 from collections.abc import Iterable
 
-from ..core import paged_attention
+from ..core import grouped_matmul, paged_attention
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all")
 DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1,
@@ -192,6 +197,12 @@ def _layer_bytes(shape: str) -> int:
     return sum(DTYPE_BYTES.get(dt, 4) * math.prod(d[1:]) for dt, d in arrays if d) if arrays else 0
 
 
+def _kernel_estimate(ins: Instruction) -> int | None:
+    """A Pallas kernel's own bytes accessed (its `CostEstimate`, in the custom call's backend config)."""
+    m = re.search(r'"cost_estimate":\{[^}]*"bytes_accessed":"(\d+)"', ins.attributes)
+    return int(m.group(1)) if m else None
+
+
 def _operand_bytes(ins: Instruction, shapes: dict[str, str]) -> list[int]:
     return [shape_bytes(shapes.get(o, "")) for o in ins.operands]
 
@@ -285,6 +296,9 @@ def instruction_bytes(ins: Instruction, shapes: dict[str, str], module: dict[str
         # the rows it serves: a plan's rows hold every page, so one layer of each pool operand.
         pools = [_layer_bytes(shapes.get(o, "")) for o in ins.operands[paged_attention.POOLS_FROM:]]
         return sum(operands[:paged_attention.POOLS_FROM]) + sum(pools) + result
+    if ins.opcode == "custom-call" and ins.name.startswith(grouped_matmul.NAME) and (
+            estimate := _kernel_estimate(ins)) is not None:
+        return estimate
     if ins.opcode == "fusion" and (fused := module.get(ins.attribute("calls") or "")) is not None:
         return _fusion_reads(fused, operands, module) + _fusion_writes(fused, result)
     if ins.opcode in ("dynamic-slice", "slice", "gather"):

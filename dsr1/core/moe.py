@@ -12,7 +12,9 @@ summed over the expert and tensor mesh axes. Where `ragged_dot` is a dense produ
 (XLA:CPU, XLA:GPU), other kernels run instead (`default_kernel`, chosen by the mesh's platform): on
 CPU a loop over blocks of the sorted pairs slices each hit expert in place (`loop_experts`; experts
 in the CPU backend's layouts hand their blocks to it, `dsr1.cpu`); on GPU decode gathers the pairs'
-experts (`gather_experts`) and larger batches fill per-expert buffers (`capacity_experts`).
+experts (`gather_experts`) and larger batches fill per-expert buffers (`capacity_experts`); on
+TPU, where `ragged_dot` on a layer's slice of the stacks copies the whole slice first, a Pallas
+grouped matmul reads each layer's experts in place, only those with pairs (`grouped_experts`).
 
 With `ShardingRules(moe_dispatch="all_to_all")` the rows are split over the expert axis instead, and
 each device sends its rows' token-expert pairs to the devices holding their experts
@@ -35,7 +37,7 @@ from .. import cpu
 from .config import Config
 from .eplb import physical_experts
 from .layers import mlp
-from .products import einsum, ragged_dot, to_float32
+from .products import einsum, grouped_dot, ragged_dot, to_float32
 from .quant import Int8Weight
 from .sharding import ShardingRules
 
@@ -111,6 +113,26 @@ def ragged_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRu
     y = ragged_dot(h.astype(x.dtype), down, group_sizes, expert)
     return _combine(x.shape[0], token, y, jnp.where(is_local, weights.reshape(-1)[order], 0.0))
 
+
+def grouped_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRules, *, interpret: bool = False):
+    """`ragged_experts` by the TPU grouped-matmul kernel (`products.grouped_dot`): the layer's experts
+    read in place from their stacks, only those that got pairs (XLA:TPU's `ragged_dot` on a layer's
+    slice copies the whole local stack first). The kernel's cost estimate counts the local experts a
+    step hits on average with its pairs spread uniformly over every device's experts (`experts` holds
+    the step's pairs: every token's, or every pair this device may receive). `interpret`: Pallas'
+    interpreter (tests, on CPU)."""
+    n_local = gate.shape[1]
+    token, expert, is_local, order, group_sizes = _sorted_pairs(experts, n_local, rules)
+    xs = x[token]
+    n_experts = n_local * (jax.lax.axis_size(rules.experts) if rules.experts else 1)
+    hit = n_local * (1 - (1 - 1 / n_experts) ** experts.size)
+
+    def dot(rows, w):
+        return grouped_dot(rows, w, group_sizes, expert, layer, groups_hit=hit, interpret=interpret)
+
+    h = jax.nn.silu(dot(xs, gate)) * dot(xs, up)
+    y = dot(h.astype(x.dtype), down)
+    return _combine(x.shape[0], token, y, jnp.where(is_local, weights.reshape(-1)[order], 0.0))
 
 
 def dense_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRules):
@@ -292,12 +314,15 @@ def default_kernel(n_pairs: int, n_local: int, backend: str | None = None) -> Ex
     `ragged_dot` to a dense masked product over *every* local expert). GPU: XLA:GPU expands
     `ragged_dot` the same way, and a one-row matmul per expert uses a few of its cores, so decode
     gathers the pairs' experts while they are fewer than half of the experts (`gather_experts`), and
-    more pairs run through per-expert buffers (`capacity_experts`). TPU keeps `ragged_dot`.
+    more pairs run through per-expert buffers (`capacity_experts`). TPU: the grouped-matmul kernel
+    (`grouped_experts`), which reads only the experts that got pairs, in place.
     `backend`: the platform of the mesh's devices (`routed_experts` passes it); JAX's default backend
     unless given."""
     backend = backend or jax.default_backend()
     if backend == "cpu":
         return loop_experts
+    if backend == "tpu":
+        return grouped_experts
     if backend != "gpu":
         return ragged_experts
     return gather_experts if 2 * n_pairs <= n_local else capacity_experts
@@ -347,7 +372,8 @@ def routed_experts(p: dict, x: jax.Array, weights: jax.Array, experts: jax.Array
     else `p`'s experts are the stacks `[L, E, ...]` of every layer and `layer` picks one, so that
     kernels slice an expert in place. `differentiable`: a path with reverse mode (training, which
     sums partial outputs whatever the dispatch; see `_local_experts`). `kernel`: one of
-    `ragged_experts`, `loop_experts`, `dense_experts` instead of the platform's (benchmarks)."""
+    `ragged_experts`, `grouped_experts`, `loop_experts`, `dense_experts` instead of the platform's
+    (benchmarks, tests)."""
     gate, up, down = p["gate"], p["up"], p["down"]
     if layer is None:
         gate, up, down = (jax.tree.map(lambda a: a[None], w) for w in (gate, up, down))

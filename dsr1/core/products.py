@@ -1,4 +1,4 @@
-"""The products every weight goes through: `einsum`, `matmul`, `ragged_dot` and `to_float32`.
+"""The products every weight goes through: `einsum`, `matmul`, `ragged_dot`, `grouped_dot` and `to_float32`.
 
 XLA's implementation for plain and `Int8Weight` weights (on any platform). A weight held in a layout
 of the optional CPU backend (`dsr1.cpu`: made only for a CPU mesh where that backend is enabled,
@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import cpu
+from .grouped_matmul import grouped_matmul
 from .quant import Int8Weight, subscripts
 
 
@@ -64,3 +65,18 @@ def ragged_dot(x: jax.Array, w: Any, group_sizes: jax.Array, experts: jax.Array)
         return jax.lax.ragged_dot(x.astype(w.dtype), w, group_sizes, preferred_element_type=jnp.float32)
     y = jax.lax.ragged_dot(x, w.q, group_sizes, preferred_element_type=jnp.float32)
     return y * w.scale[jnp.minimum(experts, w.q.shape[0] - 1)]
+
+
+def grouped_dot(x: jax.Array, stack: Any, group_sizes: jax.Array, experts: jax.Array, layer: jax.Array, *,
+                groups_hit: float | None = None, interpret: bool = False) -> jax.Array:
+    """`ragged_dot(x, stack[layer], ...)` by the TPU grouped-matmul kernel (`grouped_matmul`), which reads
+    layer `layer` of the stacked `[L, E, in, out]` experts in place, and only the experts that got rows
+    (float32 out). int8 experts enter as int8, each row then scaled by its expert's output-channel
+    scales, as in `ragged_dot`. `groups_hit`: the experts that get rows on average (the kernel's cost
+    estimate); `interpret`: Pallas' interpreter (any backend)."""
+    if not isinstance(stack, Int8Weight):
+        return grouped_matmul(x.astype(stack.dtype), stack, group_sizes, layer, groups_hit=groups_hit,
+                              interpret=interpret)
+    y = grouped_matmul(x, stack.q, group_sizes, layer, groups_hit=groups_hit, interpret=interpret)
+    scale = jax.lax.dynamic_index_in_dim(stack.scale, layer, keepdims=False)
+    return y * scale[jnp.minimum(experts, stack.q.shape[1] - 1)]
