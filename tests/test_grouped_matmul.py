@@ -113,6 +113,16 @@ def test_widths_of_part_of_a_block_and_no_rows():
     assert empty.shape == (20, 160) and not np.asarray(empty).any()
 
 
+@pytest.mark.slow
+def test_fewer_rows_than_a_sublane_tile():
+    """A decode step's few pairs (5 rows): one block of exactly those rows, nothing padded."""
+    rng = np.random.default_rng(3)
+    lhs = jnp.asarray(rng.standard_normal((5, 256)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.integers(-128, 128, (4, 256, 128)), jnp.int8)
+    sizes = [2, 0, 2, 0]  # the last row belongs to no group
+    _close(gm.grouped_matmul(lhs, rhs, jnp.asarray(sizes, jnp.int32), interpret=True), _reference(lhs, rhs, sizes))
+
+
 def _whole_layer_values(text: str, k: int, n: int) -> list[str]:
     """The compiled HLO's instructions that produce a value of a whole layer's experts `[32, k, n]`
     (a slice or copy of the stack), whatever its element type."""
