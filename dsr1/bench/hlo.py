@@ -17,8 +17,8 @@ per run it counts
 
 Two kernels take more than they read: the ragged paged attention kernel the whole page pool (it
 copies one layer's pages of its rows), and the grouped-matmul kernel the whole expert stack, counted
-by its own estimate (one layer's experts, at most one per row: which ones get rows is known only at
-run time).
+by its own estimate (which experts get rows is known only at run time: `moe.grouped_experts` counts
+those a uniformly routed step hits).
 """
 
 from __future__ import annotations
