@@ -202,6 +202,13 @@ def engine_workload(vocab: int) -> list[tuple[int, list[int], dict]]:
     return [(at, prompt, dict(max_new_tokens=b)) for (at, prompt), b in zip(arrivals, budgets)]
 
 
+def engine_shape(mesh, rules: ShardingRules) -> tuple[int, int, int]:
+    """The engine's slots, prefill rows and pages: 8, 4 and 48 up to 4 ranks (some requests wait for
+    pages, cached prefixes go to host memory), 1 slot, 1 prefill row and 10 pages per rank beyond."""
+    ranks = mesh.shape[rules.batch] if rules.batch else 1
+    return (8, 4, 48) if ranks <= 4 else (ranks, ranks, 10 * ranks)
+
+
 def engine_run(mesh, rules: ShardingRules, draft_tokens: int = 0) -> dict:
     """`engine_workload` through the serving engine on `mesh` with `rules` (and MTP drafts): each
     request's greedy tokens, the prefix cache's counts, and how the requests and the pool were spread
@@ -212,9 +219,10 @@ def engine_run(mesh, rules: ShardingRules, draft_tokens: int = 0) -> dict:
 
     cfg = dataclasses.replace(CONFIG, num_nextn_predict_layers=1)  # the same weights, and an MTP module
     model = dsr1.init_random(cfg, seed=11, dtype="float32", mesh=mesh, mtp=bool(draft_tokens))
-    engine = Engine(dataclasses.replace(model, rules=rules), max_seqs=8, prefill_rows=4, page_size=4, num_pages=48,
-                    prefill_chunk=8, decode_steps=2, host_cache_bytes=1 << 24, max_seq_len=48,
-                    draft_tokens=draft_tokens)
+    slots, prefill_rows, pages = engine_shape(mesh, rules)
+    engine = Engine(dataclasses.replace(model, rules=rules), max_seqs=slots, prefill_rows=prefill_rows,
+                    page_size=4, num_pages=pages, prefill_chunk=8, decode_steps=2, host_cache_bytes=1 << 24,
+                    max_seq_len=48, draft_tokens=draft_tokens)
     snapshots: list = []
     requests = run_arrivals(engine, engine_workload(CONFIG.vocab_size), snapshots)
     engine.check()
@@ -244,16 +252,21 @@ def compare(expert: int, tensor: int) -> dict:
         "dp": dp_checks(one, mesh),
         "engine": {"one_device": engine_run(one, ShardingRules()), "dp": engine_run(mesh, DP),
                    "dp_drafts": engine_run(mesh, DP, draft_tokens=1)},
+        "engine_pages": engine_shape(mesh, DP)[2],
     }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("expert, tensor", [(4, 2), pytest.param(8, 1, marks=pytest.mark.extended)])
+@pytest.mark.parametrize("expert, tensor", [(4, 2), pytest.param(8, 1, marks=pytest.mark.extended),
+                                            pytest.param(16, 4, marks=pytest.mark.extended)])
 def test_all_to_all_and_dp_match_psum_and_one_device_on_eight_devices(expert, tensor):
+    """8 devices (64 in the extended tier): the MoE layer, `generate`, paged extend and the serving
+    engine on the all-to-all dispatch and on layout dp give one device's outputs."""
     from .harness import subprocess_env
 
     done = subprocess.run([sys.executable, "-m", "tests.test_expert_all_to_all", f"--expert={expert}",
-                           f"--tensor={tensor}"], env=subprocess_env(8), capture_output=True, text=True, timeout=1800)
+                           f"--tensor={tensor}"], env=subprocess_env(expert * tensor), capture_output=True, text=True,
+                          timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["ragged_exchange_errors"] == []
@@ -270,11 +283,11 @@ def test_all_to_all_and_dp_match_psum_and_one_device_on_eight_devices(expert, te
         assert dp["extend_max_rel_diff"] < 1e-5, (split, dp)
         assert dp["pool_pages_per_device"] == [dp["expected_pages_per_device"]], (split, dp)  # its share only
     assert report["dp"]["cache_rows_per_device"] == [2], report["dp"]
-    engine, ranks = report["engine"], expert
+    engine, ranks, pages = report["engine"], expert, report["engine_pages"]
     assert all(engine["one_device"]["tokens"]), "every request generated"
     for dp in (engine["dp"], engine["dp_drafts"]):
         assert dp["tokens"] == engine["one_device"]["tokens"]
-        assert dp["pool_pages_per_device"] == [48 // ranks]  # each rank holds its share of the pool
+        assert dp["pool_pages_per_device"] == [pages // ranks]  # each rank holds its share of the pool
         assert len(dp["ranks_used"]) == ranks and min(dp["ranks_used"]) > 0  # every rank served
     for run in engine.values():
         assert run["prefix_hit_tokens"] > 0 and run["offloaded_pages"] > 0 and run["reloaded_pages"] > 0, run
