@@ -166,3 +166,12 @@ def count_products(monkeypatch, module) -> dict[str, list[int]]:
         monkeypatch.setattr(owner, name,
                             lambda x, *args, f=original, c=rows, a=axis: c.append(x.shape[a]) or f(x, *args))
     return calls
+
+
+def v5e_chip():
+    """One chip of a v5e:2x2 slice from libtpu's deviceless topology (no TPU needed), to compile for."""
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2", chip_config_name="default",
+                                        chips_per_host_bounds=(2, 2, 1), num_slices=1).devices[0]

@@ -5,7 +5,6 @@ compiled for a v5e chip by libtpu's deviceless compile."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import types
 
 import jax
@@ -166,12 +165,9 @@ def test_extend_with_the_kernel_equals_the_xla_path(monkeypatch, kv_cache_dtype)
 def test_compiles_for_a_v5e_chip():
     """Mosaic's real lowering and XLA:TPU's compile, without a TPU: R1's widths (16 heads of a
     tensor-parallel 8, latent 512, rope 64), bf16 and int8 caches, pages of 16 and 64."""
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    from jax.experimental import topologies
+    from .harness import v5e_chip
 
-    device = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2", chip_config_name="default",
-                                          chips_per_host_bounds=(2, 2, 1), num_slices=1).devices[0]
-    on_chip = jax.sharding.SingleDeviceSharding(device)
+    on_chip = jax.sharding.SingleDeviceSharding(v5e_chip())
 
     def spec(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=on_chip)
