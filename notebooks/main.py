@@ -79,12 +79,14 @@ assert gate.addressable_shards[0].data.shape[1] == model.cfg.n_routed_experts //
 
 # %%
 # %%everywhere
+import dataclasses
+
 import numpy as np
 
 import dsr1
 from dsr1.core.sharding import to_host
 
-check_cfg = dsr1.Config.preset("tiny")
+check_cfg = dataclasses.replace(dsr1.Config.preset("tiny"), vocab_size=4096)   # token ids only: a small vocabulary
 check_tokens = np.random.default_rng(0).integers(0, check_cfg.vocab_size, (2, 12))
 everywhere = dsr1.init_random(check_cfg, seed=1, mesh=mesh, dtype="float32")
 cluster_logits = to_host(everywhere.forward(check_tokens, [12, 7]))

@@ -11,11 +11,19 @@ from pathlib import Path
 
 import numpy as np
 
+import dsr1
+
 from . import reference
 
 MIN_ROUTING_MARGIN = 2e-5  # below this, float32 rounding may legitimately flip an expert choice
 TOLERANCE = 1e-4  # max |dlogit| <= TOLERANCE * max |logit|
 EOS = 1
+
+# The tiny preset with a small vocabulary, for tests that feed token ids rather than text: R1's
+# 129,280-row embedding and head are 97% of the preset's parameters, and drawing them at the tests'
+# compile level (`COMPILE_FLAGS`) is most of what a random model costs. Tests of text keep the
+# preset, whose vocabulary is R1's tokenizer's.
+TINY = dataclasses.replace(dsr1.Config.preset("tiny"), vocab_size=4096)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,8 @@ import dsr1
 import dsr1.core.moe as moe_module
 from dsr1.core.moe import routed_experts
 
+from .harness import TINY
+
 KERNELS = {"ragged_dot": moe_module.ragged_experts, "loop": moe_module.loop_experts,
            "gather": moe_module.gather_experts, "capacity": moe_module.capacity_experts}
 
@@ -39,10 +41,8 @@ def kernel_outputs(model: dsr1.Model, tokens: int, experts: np.ndarray | None = 
     return outputs
 
 
-def compare(expert: int, tensor: int, quant: str | None, tokens: int, dtype: str = "float32") -> float:
-    """The worst relative difference of any kernel from `ragged_dot` on an expert x tensor mesh."""
-    mesh = dsr1.make_mesh(expert=expert, tensor=tensor)
-    model = dsr1.init_random(dsr1.Config.preset("tiny"), seed=3, dtype=dtype, quant=quant, mesh=mesh)
+def compare(model: dsr1.Model, tokens: int) -> float:
+    """The worst relative difference of any kernel from `ragged_dot` on `model`'s mesh."""
     outputs = kernel_outputs(model, tokens)
     ref = outputs["ragged_dot"]
     return max(float(np.abs(out - ref).max() / np.abs(ref).max()) for out in outputs.values())
@@ -53,10 +53,13 @@ def main() -> None:
     ap.add_argument("--expert", type=int, required=True)
     ap.add_argument("--tensor", type=int, required=True)
     args = ap.parse_args()
-    errors = {f"{quant} x {tokens}": compare(args.expert, args.tensor, quant, tokens)
-              for quant in (None, "int8") for tokens in (1, 8, 40)}
+    mesh = dsr1.make_mesh(expert=args.expert, tensor=args.tensor)
+    errors = {}
     # bf16 decode blocks (one or two rows) read the experts' transposed copy (`quant.rowwise_matmul`).
-    errors |= {f"bfloat16 x {tokens}": compare(args.expert, args.tensor, None, tokens, "bfloat16") for tokens in (1, 8)}
+    cases = (("float32", None, (1, 8, 40)), ("float32", "int8", (1, 8, 40)), ("bfloat16", None, (1, 8)))
+    for dtype, quant, sizes in cases:
+        model = dsr1.init_random(TINY, seed=3, dtype=dtype, quant=quant, mesh=mesh)
+        errors |= {f"{quant if dtype == 'float32' else dtype} x {tokens}": compare(model, tokens) for tokens in sizes}
     print(json.dumps(errors))
 
 

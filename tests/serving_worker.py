@@ -13,7 +13,7 @@ import json
 import jax
 import numpy as np
 
-from tests.harness import join_processes
+from tests.harness import TINY, join_processes
 
 # Small pool and host cache: requests wait for pages, cached prefixes are offloaded and reloaded.
 SHAPES = dict(max_seqs=3, page_size=4, num_pages=20, prefill_chunk=8, prefill_rows=2, host_cache_bytes=1 << 24)
@@ -87,7 +87,7 @@ def main() -> None:
     from dsr1.serving import Engine
 
     mesh = dsr1.make_mesh(expert=args.expert, tensor=args.tensor)
-    model = dsr1.init_random(dsr1.Config.preset("tiny"), seed=0, mesh=mesh, dtype="float32")
+    model = dsr1.init_random(TINY, seed=0, mesh=mesh, dtype="float32")
     engine = Engine(model, **SHAPES, control=args.control)
     broadcasts = count_broadcasts()  # from here on: the steps
     if engine.is_leader:

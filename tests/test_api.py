@@ -12,7 +12,7 @@ import pytest
 import dsr1
 from dsr1.generation.output import visible_text
 
-from .harness import count_products
+from .harness import TINY, count_products
 
 CFG = dsr1.Config.preset("tiny")
 
@@ -23,12 +23,11 @@ def model():
 
 
 @pytest.mark.slow
-def test_random_init_depends_on_seed_only(model):
-    again = dsr1.init_random(CFG, seed=0, dtype="float32")
-    other = dsr1.init_random(CFG, seed=1, dtype="float32")
+def test_random_init_depends_on_seed_only():
+    model, again, other = (dsr1.init_random(TINY, seed=seed, dtype="float32") for seed in (0, 0, 1))
     np.testing.assert_array_equal(np.asarray(again.params["embed"]), np.asarray(model.params["embed"]))
     assert not np.array_equal(np.asarray(other.params["embed"]), np.asarray(model.params["embed"]))
-    assert model.dtype == jnp.float32 and dsr1.init_random(CFG).dtype == jnp.bfloat16
+    assert model.dtype == jnp.float32 and dsr1.init_random(TINY).dtype == jnp.bfloat16
 
 
 def test_an_r1_expert_layer_is_drawn_in_slices_along_embed():
@@ -60,18 +59,18 @@ def test_large_weights_are_drawn_in_slices_and_int8_stacks_layer_by_layer(small_
     float32 weights of the same seed."""
     from dsr1.core import params, quant
 
-    gate_spec = params.per_layer(params.float_specs(CFG)["moe_layers"]["moe"]["gate"])
+    gate_spec = params.per_layer(params.float_specs(TINY)["moe_layers"]["moe"]["gate"])
     assert params._slicing(gate_spec) == (1, 2)  # [16, 128, 64] in 64 slices of 2 rows under the patched size
 
-    f32 = dsr1.init_random(CFG, seed=3, dtype="float32")
+    f32 = dsr1.init_random(TINY, seed=3, dtype="float32")
     gate = np.asarray(f32.params["moe_layers"]["moe"]["gate"])  # [L, E, D, F]
     slices = gate[0].reshape(16, 64, 2, 64).transpose(1, 0, 2, 3).reshape(64, -1)
     assert len({s.tobytes() for s in slices}) == 64, "every slice is a fresh draw"
     assert not np.array_equal(gate[0], gate[1]), "every layer is a fresh draw"
     assert np.std(gate) == pytest.approx(128 ** -0.5, rel=0.03)
 
-    int8 = dsr1.init_random(CFG, seed=3, dtype="float32", quant="int8")
-    expected = params.quantize_like(params.param_specs(CFG, "int8"), f32.params)
+    int8 = dsr1.init_random(TINY, seed=3, dtype="float32", quant="int8")
+    expected = params.quantize_like(params.param_specs(TINY, "int8"), f32.params)
 
     def is_int8(w):
         return isinstance(w, quant.Int8Weight)
@@ -160,7 +159,7 @@ def test_mesh_must_match_devices():
 def test_bf16_weights_read_like_arrays():
     """On CPU a bf16 model holds its matrices as `Bf16Bits` (see `dsr1.cpu.layouts`); what a user reads
     of a weight (shape, dtype, size, sharding, this process's shards, its values) is the bf16 array's."""
-    model = dsr1.init_random(dsr1.Config.preset("tiny"), seed=0)
+    model = dsr1.init_random(TINY, seed=0)
     gate = model.params["moe_layers"]["moe"]["gate"]
     assert gate.dtype == jnp.bfloat16 and gate.ndim == len(gate.shape) and gate.size == np.prod(gate.shape)
     assert gate.addressable_shards[0].data.shape == gate.sharding.shard_shape(gate.shape)
@@ -214,7 +213,7 @@ def test_output_heads_keep_a_copy_for_few_rows(cpu_kernel, monkeypatch):
     from dsr1.cpu import products as cpu_products  # noqa: F401
     from dsr1.cpu.ffi import KERNEL_ROWS
 
-    cfg = dataclasses.replace(dsr1.Config.preset("tiny"), num_nextn_predict_layers=1)
+    cfg = dataclasses.replace(TINY, num_nextn_predict_layers=1)
     model = dsr1.init_random(cfg, seed=0, mtp=True)
     head, mtp_head = model.params["lm_head"], model.params["mtp"]["head"]
     if not cpu_kernel:
@@ -251,7 +250,7 @@ def test_matrices_keep_transposed_bits_for_few_rows(cpu_kernel, monkeypatch):
     from dsr1.cpu import products as cpu_products  # noqa: F401
     from dsr1.cpu.ffi import KERNEL_ROWS
 
-    params = dsr1.init_random(dsr1.Config.preset("tiny"), seed=0).params
+    params = dsr1.init_random(TINY, seed=0).params
     if not cpu_kernel:
         assert all(isinstance(w, jax.Array) for w in jax.tree.leaves(params, is_leaf=layouts.is_laid))
         return
@@ -296,7 +295,7 @@ def test_int8_matrices_keep_transposed_values_for_few_rows(cpu_kernel, monkeypat
     from dsr1.cpu import products as cpu_products  # noqa: F401
     from dsr1.cpu.ffi import KERNEL_ROWS
 
-    layers = dsr1.init_random(dsr1.Config.preset("tiny"), seed=0, dtype="float32", quant="int8").params["moe_layers"]
+    layers = dsr1.init_random(TINY, seed=0, dtype="float32", quant="int8").params["moe_layers"]
     if not cpu_kernel:
         assert all(type(w) is quant.Int8Weight for w in (layers["q_a"], layers["moe"]["gate"]))
         return

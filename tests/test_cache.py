@@ -24,7 +24,9 @@ from dsr1.core.cache import (
     write_tokens,
 )
 
-CFG = dsr1.Config.preset("tiny")
+from .harness import TINY
+
+CFG = TINY
 L, R, ROPE = CFG.num_hidden_layers, CFG.kv_lora_rank, CFG.qk_rope_head_dim
 
 

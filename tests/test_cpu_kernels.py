@@ -21,6 +21,8 @@ from dsr1.core.params import compute_view
 from dsr1.cpu import ffi as cpu_kernels
 from dsr1.cpu import layouts
 
+from .harness import TINY
+
 needs_kernel = pytest.mark.skipif(not cpu_kernels.available(),
                                   reason="dsr1's CPU kernel is not built here (no C++ compiler, or no AVX2)")
 
@@ -351,7 +353,7 @@ def test_attention_weights_are_laid_out_for_their_decode_products(name, monkeypa
     products (per layer), which a decode product reads through the kernel and a product of many rows
     (prefill) does not; both equal the float64 einsum of the bf16 values."""
     monkeypatch.setenv("DSR1_CPU_KERNELS", "1")
-    w = dsr1.init_random(dsr1.Config.preset("tiny"), seed=0).params["moe_layers"][name]
+    w = dsr1.init_random(TINY, seed=0).params["moe_layers"][name]
     assert w.kernel_spec == DECODE_PRODUCTS[name] and w.transposed.shape[0] == w.shape[0]
     # W_UV `[L, heads, v, r]` is stored as the kernel reads it: the bits themselves, counted once.
     assert (w.transposed is w.bits) == (name == "wv_b")
@@ -382,7 +384,7 @@ def test_decode_with_the_kernel_equals_decode_without(dtype, quant_mode, monkeyp
     token where it leads by more than 2% (the rest: near ties, 0.2% apart at batch 3). At batch 5
     bf16 rows take `vdpbf16ps` where it is built (`DSR1_BF16_ROWS=1`)."""
     monkeypatch.setenv("DSR1_BF16_ROWS", "1")
-    cfg = dsr1.Config.preset("tiny")
+    cfg = TINY
     models = {}
     for switch in ("0", "1"):
         monkeypatch.setenv("DSR1_CPU_KERNELS", switch)
@@ -604,7 +606,7 @@ def test_decode_attention_by_the_kernel_equals_xlas(kv_cache_dtype):
     rows of different lengths) computes the attention in one kernel call, with the XLA path's result:
     the same bf16 outputs but where float32 summation order flips a rounding. The cache on several
     devices (`one_device=False`) keeps the XLA path."""
-    cfg = dsr1.Config.preset("tiny")
+    cfg = TINY
     model = dsr1.init_random(cfg, seed=1, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype)
     tokens = np.random.default_rng(0).integers(2, cfg.vocab_size, (3, 6))
     _, cache = model.prefill(tokens, lengths=np.array([6, 2, 4]), max_len=9)
@@ -647,7 +649,7 @@ def test_paged_decode_attention_by_the_kernel_equals_contiguous(kv_cache_dtype):
     but where float32 summation order flips a rounding. (XLA's page-by-page fold, which more tokens per row or several
     devices keep, rounds the probabilities before they are normalized: ~0.1% off the contiguous path
     on average here.)"""
-    cfg = dsr1.Config.preset("tiny")
+    cfg = TINY
     model = dsr1.init_random(cfg, seed=1, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype)
     tokens = np.random.default_rng(0).integers(2, cfg.vocab_size, (3, 6))
     _, cache = model.prefill(tokens, lengths=np.array([6, 2, 4]), max_len=9)
@@ -739,7 +741,7 @@ def test_rows_matmul_reads_a_float32_stack_in_place(rows, inputs, outputs):
 def test_decode_reads_the_router_in_its_stack():
     """A one-device decode step computes each MoE layer's router logits with the kernel, reading the
     layer's router in its stack; a prefill (more than 8 rows) slices it out for XLA's product."""
-    model = dsr1.init_random(dsr1.Config.preset("tiny"), seed=0, dtype="bfloat16")
+    model = dsr1.init_random(TINY, seed=0, dtype="bfloat16")
     tokens = np.random.default_rng(0).integers(2, model.cfg.vocab_size, (2, 12))
     _, cache = model.prefill(tokens, max_len=16)
     decode = jax.jit(lambda params, cache, tok: core.decode(params, cache, tok, **model.program_kwargs))
@@ -791,7 +793,7 @@ def test_disabled_backend_holds_weights_as_their_dtype(monkeypatch):
     from dsr1.core.params import is_spec, param_specs
 
     monkeypatch.setenv("DSR1_CPU_KERNELS", "0")
-    cfg = dataclasses.replace(dsr1.Config.preset("tiny"), num_nextn_predict_layers=1)
+    cfg = dataclasses.replace(TINY, num_nextn_predict_layers=1)
     for quant in (None, "int8"):
         model = dsr1.init_random(cfg, quant=quant, mtp=True)
         leaves = jax.tree.leaves(model.params)

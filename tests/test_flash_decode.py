@@ -12,6 +12,8 @@ import dsr1
 from dsr1 import programs
 from dsr1.core import flash_decode
 
+from .harness import TINY
+
 
 def _reference(q, q_pe, c, pe, lengths, own_score, own_value, scale, c_scale=None):
     """float64 softmax over each row's first `lengths[b]` latents plus its own key (`c_scale`: the
@@ -93,7 +95,7 @@ def test_decode_with_the_kernel_matches_the_xla_path(monkeypatch, kv_cache_dtype
     """Three greedy decode steps of the tiny model from a random 40-position cache (float32 or int8
     latents), the kernel forced on (interpret mode): the latents it writes and the tokens it picks
     equal the XLA path's."""
-    model = dsr1.init_random(dsr1.Config.preset("tiny"), seed=1, dtype="float32")
+    model = dsr1.init_random(TINY, seed=1, dtype="float32")
     tokens = jnp.asarray([[5], [9]], jnp.int32)[:, 0]
 
     def decode():

@@ -14,6 +14,8 @@ import pytest
 
 from dsr1.core import grouped_matmul as gm
 
+from .harness import TINY
+
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="libtpu is not installed (pip install 'dsr1[tpu-plan]')")
 
@@ -181,7 +183,7 @@ def test_routed_experts_by_the_kernel_equal_ragged_dot():
     import dsr1
     from dsr1.core import moe
 
-    model = dsr1.init_random(dsr1.Config.preset("tiny"), seed=5, dtype="float32", quant="int8")
+    model = dsr1.init_random(TINY, seed=5, dtype="float32", quant="int8")
     cfg, p = model.cfg, model.params["moe_layers"]["moe"]
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((13, cfg.hidden_size)), jnp.float32)

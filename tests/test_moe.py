@@ -15,9 +15,7 @@ from dsr1.cpu import ffi as cpu_kernels
 from dsr1.cpu import products as cpu_products
 from dsr1.cpu.ffi import KERNEL_ROWS
 
-from .harness import count_products
-
-TINY = dsr1.Config.preset("tiny")
+from .harness import TINY, count_products
 
 
 def numpy_route(x, router, bias, cfg):

@@ -16,6 +16,8 @@ import dsr1
 from dsr1.core import attention, paged_attention
 from dsr1.core.cache import PagedKVCache, empty_paged_cache, to_stored
 
+from .harness import TINY
+
 LENGTHS = [1, 1100, 0, 37, 600, 16, 17, 1024]  # ragged: one position, none, exactly a page, a page and one
 HEADS, TOKENS, RANK, ROPE, SCALE = 4, 2, 32, 16, 0.3
 
@@ -121,7 +123,7 @@ def test_extend_with_the_kernel_equals_the_xla_path(monkeypatch, kv_cache_dtype)
     with the kernel forced on (interpreted) gives the XLA path's logits and latents (float32)."""
     from dsr1.core import model as model_module
 
-    model = dsr1.init_random(dsr1.Config.preset("tiny"), seed=4, dtype="float32")
+    model = dsr1.init_random(TINY, seed=4, dtype="float32")
     cfg = model.cfg
     rng = np.random.default_rng(4)
     b, page_size, width = 3, 16, 6

@@ -31,7 +31,7 @@ from .harness import xla_flags
 ROOT = Path(__file__).resolve().parents[1]
 PROCESSES = 2
 
-# The notebook's first cells (notebooks/main.py), with the tiny random model.
+# The notebook's first cells (notebooks/main.py), with the tiny random model (the demo's vocabulary).
 SETUP = """
 import dsr1.workbench as mcjax
 cluster = mcjax.connect()
@@ -45,10 +45,11 @@ mcjax.initialize_everywhere(cluster, timeout=120)
 assert jax.process_count() == NUM_PROCESSES and jax.process_index() == PROCESS_ID
 """
 MODEL = """%%everywhere
+import dataclasses
 import dsr1
 mesh = dsr1.make_mesh()
-model = dsr1.init_random(dsr1.Config.preset("tiny"), mesh=mesh)
-tokenizer = dsr1.load_tokenizer(None)
+model = dsr1.init_random(dataclasses.replace(dsr1.Config.preset("tiny"), vocab_size=4096), mesh=mesh)
+tokenizer = dsr1.load_tokenizer(dsr1.demo_checkpoint())   # the demo's 4,096 tokens
 """
 GENERATE = """
 from dsr1.workbench.widgets import GenerationWidget

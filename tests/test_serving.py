@@ -22,6 +22,7 @@ import dsr1
 from dsr1.generation.sampling import Sampling
 from dsr1.serving import Engine, Request
 
+from .harness import TINY
 from .test_paged import counting_compilations
 
 SHAPES = dict(max_seqs=4, page_size=4, num_pages=40, prefill_chunk=8, prefill_rows=2)  # 39 usable pages
@@ -31,7 +32,7 @@ HOST_CACHE = 1 << 24
 
 @pytest.fixture(scope="module")
 def tiny():
-    return dsr1.init_random(dsr1.Config.preset("tiny"), seed=0, dtype="float32")
+    return dsr1.init_random(TINY, seed=0, dtype="float32")
 
 
 def checked_engines(model: dsr1.Model, shapes: dict):
@@ -98,7 +99,7 @@ def greedy_reference(model, prompt: list[int]) -> list[int]:
 @pytest.mark.slow
 def test_greedy_equals_generate_alone_with_shared_prefixes_and_offload(tiny, make_engine):
     rng = np.random.default_rng(0)
-    prompts = shared_prefix_workload(rng, 36, 5000)
+    prompts = shared_prefix_workload(rng, 36, TINY.vocab_size)
     budgets = rng.integers(2, REFERENCE_BUDGET + 1, len(prompts)).tolist()
     steps = np.sort(rng.integers(0, 40, len(prompts))).tolist()
     engine = make_engine(host_cache_bytes=HOST_CACHE)
@@ -129,12 +130,12 @@ def test_greedy_equals_generate_alone_with_shared_prefixes_and_offload(tiny, mak
 @pytest.mark.slow
 def test_seeded_request_samples_the_same_in_any_company(tiny, make_engine):
     rng = np.random.default_rng(1)
-    prompt = rng.integers(2, 5000, 23).tolist()
+    prompt = rng.integers(2, TINY.vocab_size, 23).tolist()
     seeded = Sampling(temperature=0.8, top_k=40, repetition_penalty=1.2, presence_penalty=0.5, seed=1234)
     alone = run_arrivals(make_engine(), [(0, prompt, dict(sampling=seeded, max_new_tokens=REFERENCE_BUDGET))])[0]
     busy = [(0, prompt, dict(max_new_tokens=3))]  # the same prompt first: the seeded one reuses its pages
     busy += [(at, p, dict(sampling=Sampling(temperature=1.0, top_p=0.9), max_new_tokens=9))
-             for at, p in enumerate(shared_prefix_workload(rng, 6, 5000))]
+             for at, p in enumerate(shared_prefix_workload(rng, 6, TINY.vocab_size))]
     busy += [(12, prompt, dict(sampling=seeded, max_new_tokens=REFERENCE_BUDGET)),
              (12, prompt, dict(sampling=Sampling(temperature=0.8, seed=99), max_new_tokens=REFERENCE_BUDGET))]
     late = run_arrivals(make_engine(host_cache_bytes=HOST_CACHE), busy)
@@ -149,7 +150,7 @@ def test_no_compilation_after_warm_up_during_200_steps(make_engine):
     """Requests of random lengths, budgets and settings join, share prefixes, get cancelled, wait for
     pages, get their prefixes offloaded and reloaded: the programs compiled at warm-up serve it all."""
     rng = np.random.default_rng(2)
-    prompts = shared_prefix_workload(rng, 80, 5000)
+    prompts = shared_prefix_workload(rng, 80, TINY.vocab_size)
     engine = make_engine(host_cache_bytes=HOST_CACHE)
     engine.warm_up()
     requests: list[Request] = []
@@ -176,7 +177,7 @@ def test_out_of_pages_requests_wait_and_all_complete(make_engine):
     """Each request may need 15 of the 39 pages: two run at a time, the rest wait their turn."""
     rng = np.random.default_rng(3)
     engine = make_engine()
-    requests = [engine.submit(rng.integers(2, 5000, 30).tolist(), max_new_tokens=30) for _ in range(5)]
+    requests = [engine.submit(rng.integers(2, TINY.vocab_size, 30).tolist(), max_new_tokens=30) for _ in range(5)]
     engine.step()
     assert (engine.stats().running, engine.stats().waiting) == (2, 3)
     most = 0
@@ -190,7 +191,7 @@ def test_out_of_pages_requests_wait_and_all_complete(make_engine):
 def test_cancel_frees_pages_and_slots(make_engine):
     rng = np.random.default_rng(4)
     engine = make_engine(prefix_caching=False)
-    requests = [engine.submit(rng.integers(2, 5000, 20).tolist(), max_new_tokens=16) for _ in range(5)]
+    requests = [engine.submit(rng.integers(2, TINY.vocab_size, 20).tolist(), max_new_tokens=16) for _ in range(5)]
     running, waiting = requests[0], requests[4]
     while not running.tokens:  # mid-flight: the first request is decoding, the fifth waits for a slot
         engine.step()
@@ -208,7 +209,7 @@ def test_cancel_frees_pages_and_slots(make_engine):
 
 
 def test_stop_strings_cut_exactly_and_streams_join_to_the_text(make_engine):
-    tokenizer = dsr1.load_tokenizer()
+    tokenizer = dsr1.load_tokenizer(dsr1.demo_checkpoint())  # TINY's vocabulary
     engine = make_engine(tokenizer=tokenizer)
     free = engine.submit("The quick brown fox", max_new_tokens=40)
     engine.run()
@@ -249,10 +250,10 @@ def test_submit_refuses_what_can_never_run(make_engine):
 def test_decoding_rows_keep_streaming_while_a_long_prompt_is_prefilled(make_engine):
     rng = np.random.default_rng(5)
     engine = make_engine(decode_steps=2)
-    short = engine.submit(rng.integers(2, 5000, 10).tolist(), max_new_tokens=40)
+    short = engine.submit(rng.integers(2, TINY.vocab_size, 10).tolist(), max_new_tokens=40)
     while not short.tokens:
         engine.step()
-    long = engine.submit(rng.integers(2, 5000, 100).tolist(), max_new_tokens=2)  # 13 chunks of 8
+    long = engine.submit(rng.integers(2, TINY.vocab_size, 100).tolist(), max_new_tokens=2)  # 13 chunks of 8
     produced = []
     for _ in range(10):
         engine.step()
@@ -310,10 +311,10 @@ def test_a_prompt_is_prefilled_ahead_while_every_row_decodes(tiny, make_engine):
     engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
     rows = SHAPES["max_seqs"]
     budgets = [REFERENCE_BUDGET] * (rows - 1) + [6]  # the last to start decoding frees its row first
-    busy = [engine.submit(rng.integers(2, 5000, 12).tolist(), max_new_tokens=b) for b in budgets]
+    busy = [engine.submit(rng.integers(2, TINY.vocab_size, 12).tolist(), max_new_tokens=b) for b in budgets]
     while not plans or len(plans[-1].decode) < rows:
         engine.step()
-    prompt = rng.integers(2, 5000, 9).tolist()  # 8 tokens to prefill: one chunk
+    prompt = rng.integers(2, TINY.vocab_size, 9).tolist()  # 8 tokens to prefill: one chunk
     late = engine.submit(prompt, max_new_tokens=6)
     engine.run()
     assert all(len(plan.decode) <= rows for plan in plans)
@@ -339,8 +340,8 @@ def test_requests_arriving_together_prefill_their_shared_prefix_once(tiny, make_
     assert common_pages([1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 9], 2) == 6
     assert common_pages([1, 2, 3], [1, 2, 3, 4], 2) == 2 and common_pages([1, 2], [3, 2], 2) == 0
     rng = np.random.default_rng(7)
-    system = rng.integers(2, 5000, 16).tolist()  # 4 whole pages
-    prompts = [system + rng.integers(2, 5000, 5).tolist() for _ in range(4)]
+    system = rng.integers(2, TINY.vocab_size, 16).tolist()  # 4 whole pages
+    prompts = [system + rng.integers(2, TINY.vocab_size, 5).tolist() for _ in range(4)]
     engine = make_engine()
     requests = [engine.submit(p, max_new_tokens=REFERENCE_BUDGET) for p in prompts]
     engine.run()
@@ -396,7 +397,7 @@ def test_sixteen_slots_decode_in_narrower_calls_without_compiling(tiny, make_eng
     """16 slots: decode calls of 8 rows while at most 8 decode, of 16 beyond; every call shape compiled
     at warm-up; greedy and seeded rows give the tokens they give alone."""
     rng = np.random.default_rng(5)
-    prompts = shared_prefix_workload(rng, 14, 5000)
+    prompts = shared_prefix_workload(rng, 14, TINY.vocab_size)
     seeded = Sampling(temperature=0.9, top_k=20, seed=77)
     engine = make_engine(max_seqs=16, num_pages=80)
     engine.warm_up()

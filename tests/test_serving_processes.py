@@ -22,7 +22,7 @@ from dsr1.serving.step import StepRows
 from dsr1.serving.work import Admission, StepWork, host_rules, host_sampling
 
 from . import serving_worker
-from .harness import free_port, start_processes, wait_processes
+from .harness import TINY, free_port, start_processes, wait_processes
 
 
 def assert_same_work(got: StepWork, want: StepWork) -> None:
@@ -150,7 +150,7 @@ def test_processes_serve_like_one(tmp_path, processes, devices, control):
     procs = start_processes("tests.serving_worker", common, count=processes, devices=devices)
     try:
         # The reference, in this process (1 device) while the others run.
-        model = dsr1.init_random(dsr1.Config.preset("tiny"), seed=0, dtype="float32")
+        model = dsr1.init_random(TINY, seed=0, dtype="float32")
         engine = Engine(model, **serving_worker.SHAPES)
         engine.warm_up()
         one = serving_worker.serve(engine)

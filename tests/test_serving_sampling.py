@@ -20,6 +20,7 @@ from dsr1.generation.sampling import Sampling
 from dsr1.generation.tokenizer import load_tokenizer
 from dsr1.serving import Engine
 
+from .harness import TINY
 from .test_serving import SHAPES, checked_engines
 
 BUDGET = 8
@@ -27,7 +28,7 @@ BUDGET = 8
 
 @pytest.fixture(scope="module")
 def tiny():
-    return dsr1.init_random(dsr1.Config.preset("tiny"), seed=0, dtype="float32")
+    return dsr1.init_random(TINY, seed=0, dtype="float32")
 
 
 @pytest.fixture

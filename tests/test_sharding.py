@@ -104,7 +104,8 @@ def test_converted_checkpoint_on_eight_devices_and_two_processes(single_device, 
 
 @pytest.mark.slow
 def test_default_mesh_and_indivisible_weights():
-    code = ("import dsr1; tiny = dsr1.Config.preset('tiny'); print(dict(dsr1.make_mesh().shape)); "
+    code = ("import dataclasses, dsr1; tiny = dataclasses.replace(dsr1.Config.preset('tiny'), vocab_size=4096); "
+            "print(dict(dsr1.make_mesh().shape)); "
             "m = dsr1.init_random(tiny); "
             "print(m.params['moe_layers']['moe']['gate'].addressable_shards[0].data.shape); "
             "dsr1.init_random(tiny, mesh=dsr1.make_mesh(expert=1, tensor=8))")
