@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from . import cpu, programs
 from .core.cache import KVCache, check_kv_cache_dtype
 from .core.config import Config
-from .core.eplb import ExpertPlacement, with_placement
+from .core.eplb import ExpertPlacement, moved_to, placement_of, with_placement
 from .core.params import Params, compute_view, init_params
 from .core.quant import Int8Weight, check_quant
 from .core.sharding import DEFAULT_RULES, ShardingRules, make_mesh, put_replicated, to_host
@@ -68,13 +68,15 @@ class Model:
 
     def with_expert_placement(self, placement: ExpertPlacement) -> Model:
         """This model with redundant experts (`dsr1.core.eplb`): the routed-expert stacks stored by the
-        placement's physical slots, each (token, expert) pair sent to one copy. Tokens are unchanged."""
+        placement's physical slots, each (token, expert) pair sent to one copy. Tokens are unchanged.
+        A model that holds a placement already moves its experts to the new one (same number of slots)."""
         devices = self.mesh.shape[self.rules.experts] if self.rules.experts else 1
         if devices == 1:
             raise ValueError("redundant experts balance the devices of the expert axis: this mesh has one")
         if placement.devices != devices:
             raise ValueError(f"the placement is for {placement.devices} devices; the expert axis has {devices}")
-        return dataclasses.replace(self, params=with_placement(self.params, placement))
+        placed = moved_to if placement_of(self.params) else with_placement
+        return dataclasses.replace(self, params=placed(self.params, placement))
 
     def weight_bytes(self) -> int:
         """Bytes of all weights (int8 values and their scales included; an array held twice counted once)."""

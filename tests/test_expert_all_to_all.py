@@ -209,25 +209,35 @@ def engine_shape(mesh, rules: ShardingRules) -> tuple[int, int, int]:
     return (8, 4, 48) if ranks <= 4 else (ranks, ranks, 10 * ranks)
 
 
-def engine_run(mesh, rules: ShardingRules, draft_tokens: int = 0) -> dict:
+def engine_run(mesh, rules: ShardingRules, draft_tokens: int = 0, redundant: int = 0) -> dict:
     """`engine_workload` through the serving engine on `mesh` with `rules` (and MTP drafts): each
     request's greedy tokens, the prefix cache's counts, and how the requests and the pool were spread
-    over the ranks."""
+    over the ranks. `redundant`: that many redundant expert slots per layer, first placed for an even
+    load, then placed again from the routing the engine counted every 6 steps."""
     from dsr1.serving import Engine
 
     from .test_serving import run_arrivals
 
     cfg = dataclasses.replace(CONFIG, num_nextn_predict_layers=1)  # the same weights, and an MTP module
     model = dsr1.init_random(cfg, seed=11, dtype="float32", mesh=mesh, mtp=bool(draft_tokens))
+    if redundant:
+        even = np.ones((cfg.num_moe_layers, cfg.n_routed_experts))
+        model = model.with_expert_placement(eplb.balance(even, mesh.shape[rules.experts], redundant))
+    first = eplb.placement_of(model.params)
     slots, prefill_rows, pages = engine_shape(mesh, rules)
     engine = Engine(dataclasses.replace(model, rules=rules), max_seqs=slots, prefill_rows=prefill_rows,
                     page_size=4, num_pages=pages, prefill_chunk=8, decode_steps=2, host_cache_bytes=1 << 24,
-                    max_seq_len=48, draft_tokens=draft_tokens)
+                    max_seq_len=48, draft_tokens=draft_tokens, rebalance_every=6 if redundant else 0)
     snapshots: list = []
     requests = run_arrivals(engine, engine_workload(CONFIG.vocab_size), snapshots)
     engine.check()
     stats, shards = engine.stats(), engine._runner.pool.cache.c_kv.addressable_shards
-    return {"tokens": [r.tokens for r in requests], "prefix_hit_tokens": stats.prefix_hit_tokens,
+    load = engine.expert_load()
+    placed = {} if first is None else {
+        "moved": not np.array_equal(eplb.placement_of(engine.model.params).physical, first.physical),
+        "pairs_per_layer": sorted(set(engine._runner.expert_load().sum(1).tolist())), "k": cfg.num_experts_per_tok,
+        "load_since_placed": int(load.sum())}
+    return {"tokens": [r.tokens for r in requests], "prefix_hit_tokens": stats.prefix_hit_tokens, **placed,
             "offloaded_pages": stats.offloaded_pages, "reloaded_pages": stats.reloaded_pages,
             "ranks_used": np.max([s.running_per_rank for s in snapshots], axis=0).tolist(),
             "pool_pages_per_device": sorted({s.data.shape[1] for s in shards})}
@@ -251,7 +261,8 @@ def compare(expert: int, tensor: int) -> dict:
                         "dp": greedy_tokens(mesh, DP, redundant=2 * expert)},
         "dp": dp_checks(one, mesh),
         "engine": {"one_device": engine_run(one, ShardingRules()), "dp": engine_run(mesh, DP),
-                   "dp_drafts": engine_run(mesh, DP, draft_tokens=1)},
+                   "dp_drafts": engine_run(mesh, DP, draft_tokens=1),
+                   "dp_eplb": engine_run(mesh, DP, draft_tokens=1, redundant=2 * expert)},
         "engine_pages": engine_shape(mesh, DP)[2],
     }
 
@@ -285,12 +296,17 @@ def test_all_to_all_and_dp_match_psum_and_one_device_on_eight_devices(expert, te
     assert report["dp"]["cache_rows_per_device"] == [2], report["dp"]
     engine, ranks, pages = report["engine"], expert, report["engine_pages"]
     assert all(engine["one_device"]["tokens"]), "every request generated"
-    for dp in (engine["dp"], engine["dp_drafts"]):
+    for dp in (engine["dp"], engine["dp_drafts"], engine["dp_eplb"]):
         assert dp["tokens"] == engine["one_device"]["tokens"]
         assert dp["pool_pages_per_device"] == [pages // ranks]  # each rank holds its share of the pool
         assert len(dp["ranks_used"]) == ranks and min(dp["ranks_used"]) > 0  # every rank served
     for run in engine.values():
         assert run["prefix_hit_tokens"] > 0 and run["offloaded_pages"] > 0 and run["reloaded_pages"] > 0, run
+    # Redundant experts: the engine counted every layer's pairs (K per token) and placed the copies again.
+    eplb_run = engine["dp_eplb"]
+    assert eplb_run["moved"], "the engine rebalanced from the routing it counted"
+    (pairs,) = eplb_run["pairs_per_layer"]
+    assert pairs > 0 and pairs % eplb_run["k"] == 0
 
 
 if __name__ == "__main__":

@@ -275,6 +275,17 @@ def extend(params: Params, cache: PagedKVCache, tokens: jax.Array, starts: jax.A
            page_table: jax.Array, logits_at: jax.Array, *, cfg: Config, mesh: Mesh, rules: ShardingRules,
            absorbed: bool | None = None, block_pages: int | None = None,
            hidden_at: jax.Array | None = None) -> tuple[jax.Array, jax.Array, PagedKVCache]:
+    """`extend_routed` without the routing: the logits, hidden states and cache (see there)."""
+    logits, hidden, cache, _ = extend_routed(params, cache, tokens, starts, counts, page_table, logits_at, cfg=cfg,
+                                             mesh=mesh, rules=rules, absorbed=absorbed, block_pages=block_pages,
+                                             hidden_at=hidden_at)
+    return logits, hidden, cache
+
+
+def extend_routed(params: Params, cache: PagedKVCache, tokens: jax.Array, starts: jax.Array, counts: jax.Array,
+                  page_table: jax.Array, logits_at: jax.Array, *, cfg: Config, mesh: Mesh, rules: ShardingRules,
+                  absorbed: bool | None = None, block_pages: int | None = None, hidden_at: jax.Array | None = None,
+                  ) -> tuple[jax.Array, jax.Array, PagedKVCache, jax.Array | None]:
     """Run T new tokens per row against that row's cached pages, and write their latents.
 
     The one serving primitive: chunked prefill, the prefill of a prompt's remainder after a prefix
@@ -304,7 +315,9 @@ def extend(params: Params, cache: PagedKVCache, tokens: jax.Array, starts: jax.A
       residual stream *entering* the final norm (the MTP module's input; the lm_head input is
       `rms_norm(hidden, params["final_norm"])`); each zero where its index is `>= counts[b]`. And
       the cache with the real new tokens written at positions `starts[b] + t` (padding goes to
-      `SCRATCH_PAGE`).
+      `SCRATCH_PAGE`). And the logical expert ids each MoE layer routed the tokens to, `[L_moe, B, T,
+      K]` (None without MoE layers; padding tokens' too), which `extend` drops (unused outputs cost
+      nothing under jit): the routing statistics of redundant experts (`dsr1.core.eplb`).
 
     Each new token attends to its row's cached positions `< starts[b]` and causally to the new
     tokens. Every shape is static (B, T, P, K), so rows joining, growing and leaving never compile
@@ -326,7 +339,7 @@ def extend(params: Params, cache: PagedKVCache, tokens: jax.Array, starts: jax.A
     def attend(p, h, i):
         return attend_extend(p, h, positions, context, i, cfg, absorbed=absorbed, mesh=mesh, rules=rules)
 
-    x, (c_new, pe_new), _ = _run_layers(params, x, attend, cfg, mesh, rules)
+    x, (c_new, pe_new), routing = _run_layers(params, x, attend, cfg, mesh, rules)
     with jax.named_scope("write_pages"):
         pages, slots = token_slots(page_table, cached, counts, chunk, cache.page_size)
         page_index = (cached[:, None] + jnp.arange(chunk)) // cache.page_size
@@ -346,4 +359,7 @@ def extend(params: Params, cache: PagedKVCache, tokens: jax.Array, starts: jax.A
     else:
         logits = jax.lax.cond(jnp.any(wanted), lambda h: _logits(params, h, cfg),
                               lambda h: jnp.zeros((*h.shape[:-1], cfg.vocab_size), jnp.float32), head_input)
-    return keep_rows(logits, mesh, rules), keep_rows(hidden, mesh, rules), keep_pool_layout(cache, mesh, rules)
+    if routing is not None:
+        routing = routing.reshape(routing.shape[0], *tokens.shape, routing.shape[-1])
+    return (keep_rows(logits, mesh, rules), keep_rows(hidden, mesh, rules), keep_pool_layout(cache, mesh, rules),
+            routing)

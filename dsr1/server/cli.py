@@ -4,6 +4,7 @@ SIGTERM (see `lifecycle` for the graceful shutdown).
     python -m dsr1 serve --model /ckpt/DeepSeek-R1 --quant int8 --max-seqs 16 --port 8000
     python -m dsr1 serve                                          # the embedded demo model
     python -m dsr1 serve --draft-tokens 1                         # ... with MTP speculative decoding
+    python -m dsr1 serve --model ... --layout dp --redundant-experts 32   # EPLB, rebalanced while serving
     python -m dsr1 serve --preset tiny --dtype float32            # random weights: the text is noise
     DSR1_API_KEY=secret python -m dsr1 serve --host 0.0.0.0 ...   # any non-loopback address needs a key
 """
@@ -15,6 +16,10 @@ import logging
 import sys
 from pathlib import Path
 
+import numpy as np
+
+from ..api import Model
+from ..core import eplb
 from ..generation.tokenizer import load_tokenizer
 from ..options import checkpoint_from_options, model_from_options
 from ..serving import Engine
@@ -43,15 +48,30 @@ def build_engine(args: argparse.Namespace) -> Engine:
     unless `--no-warmup` (so that no request waits for a compilation). On a cluster every process
     builds it; only process 0 warms it up (the others join in `follow()`)."""
     model = model_from_options(args, mtp=args.draft_tokens > 0)
+    if args.redundant_experts:
+        model = with_redundant_experts(model, args.redundant_experts)
     engine = Engine(model, max_seqs=args.max_seqs, page_size=args.page_size, num_pages=args.num_pages,
                     prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows,
                     decode_steps=args.decode_steps, host_cache_bytes=args.host_cache_bytes,
                     max_seq_len=args.max_seq_len, draft_tokens=args.draft_tokens,
-                    prefix_caching=not args.no_prefix_caching, tokenizer=load_tokenizer(checkpoint_from_options(args)))
+                    prefix_caching=not args.no_prefix_caching, tokenizer=load_tokenizer(checkpoint_from_options(args)),
+                    rebalance_every=args.rebalance_every if args.redundant_experts else 0)
     if engine.is_leader and not args.no_warmup:
         print("compiling the engine's programs...", file=sys.stderr, flush=True)
         engine.warm_up()
     return engine
+
+
+def with_redundant_experts(model: Model, redundant: int) -> Model:
+    """`model` with `redundant` expert slots per MoE layer, first placed for an even load (the engine
+    places them again from the routing it counts); a clear error where the mesh cannot hold them."""
+    devices = model.mesh.shape[model.rules.experts] if model.rules.experts else 1
+    slots = model.cfg.n_routed_experts + redundant
+    if redundant < 0 or devices < 2 or slots % devices:
+        raise SystemExit(f"--redundant-experts {redundant}: {model.cfg.n_routed_experts} experts + {redundant} "
+                         f"slots must split over the expert axis's {devices} devices (at least 2)")
+    even = np.ones((model.cfg.num_moe_layers, model.cfg.n_routed_experts))
+    return model.with_expert_placement(eplb.balance(even, devices, redundant))
 
 
 def run(args: argparse.Namespace) -> int:

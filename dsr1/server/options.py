@@ -104,6 +104,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-seq-len", type=int,
                         help="longest prompt + output (default: the model's limit or the pool's size)")
     engine.add_argument("--no-prefix-caching", action="store_true", help="prefill every prompt in full")
+    engine.add_argument("--redundant-experts", type=int, default=0, metavar="R",
+                        help="EPLB: R extra expert slots per MoE layer holding copies of the hottest experts, "
+                             "placed from the routing the engine counts (default: 0, off; needs an expert axis "
+                             "of more than one device; docs/layouts.md)")
+    engine.add_argument("--rebalance-every", type=int, default=1000, metavar="STEPS",
+                        help="with --redundant-experts: place the copies again every STEPS engine steps "
+                             "(default: 1000)")
     engine.add_argument("--no-warmup", action="store_true", help="compile on the first requests instead of at start")
     limits = p.add_argument_group("limits")
     limits.add_argument("--max-waiting", type=int, default=256,

@@ -64,13 +64,16 @@ def table_from_delta(base: np.ndarray | None, shape: np.ndarray, indices: np.nda
 
 
 def work_arrays(work: StepWork, base_table: np.ndarray | None = None) -> list[np.ndarray]:
-    """`work` as a flat list of arrays: a counts header `[ops, admissions, calls, op kinds...]`,
-    then each op's pages and ids, each admission's slot, prompt, sampling and rule leaves, each call's
-    rows and grammar masks, and when there are calls the page table, as its rows that differ from
-    `base_table` (the receiver's table as of the last step with calls: `table_delta`)."""
-    head = [len(work.page_ops), len(work.admissions), len(work.calls)]
+    """`work` as a flat list of arrays: a header `[ops, admissions, calls, placement?, op kinds...]`,
+    then the expert placement if any, each op's pages and ids, each admission's slot, prompt,
+    sampling and rule leaves, each call's rows and grammar masks, and when there are calls the page
+    table, as its rows that differ from `base_table` (the receiver's table as of the last step with
+    calls: `table_delta`)."""
+    head = [len(work.page_ops), len(work.admissions), len(work.calls), work.placement is not None]
     head += [PAGE_OP_KINDS.index(op.kind) for op in work.page_ops]
     arrays = [np.array(head, np.int32)]
+    if work.placement is not None:
+        arrays.append(work.placement)
     for op in work.page_ops:
         arrays += [op.pages, op.ids]
     for admission in work.admissions:
@@ -88,7 +91,8 @@ def work_from_arrays(arrays: Sequence[np.ndarray], base_table: np.ndarray | None
     """The inverse of `work_arrays` (with the same `base_table`)."""
     it: Iterator[np.ndarray] = iter(arrays)
     head = next(it).tolist()
-    n_ops, n_admissions, n_calls, kinds = head[0], head[1], head[2], head[3:]
+    n_ops, n_admissions, n_calls, placed, kinds = head[0], head[1], head[2], head[3], head[4:]
+    placement = next(it) if placed else None
     sampling, rows, rules = _treedef(SamplingArrays), _treedef(StepRows), _treedef(TokenRuleRows)
     ops = tuple(PageOp(PAGE_OP_KINDS[kind], next(it), next(it)) for kind in kinds[:n_ops])
 
@@ -103,7 +107,7 @@ def work_from_arrays(arrays: Sequence[np.ndarray], base_table: np.ndarray | None
         calls.append(jax.tree.unflatten(rows, [next(it) for _ in range(rows.num_leaves)]))
         masks.append(next(it) if next(it)[0] else None)
     table = table_from_delta(base_table, next(it), next(it), next(it)) if calls else None
-    return StepWork(ops, admissions, tuple(calls), table, tuple(masks))
+    return StepWork(ops, admissions, tuple(calls), table, tuple(masks), placement)
 
 
 def pack(arrays: Sequence[np.ndarray]) -> np.ndarray:

@@ -35,7 +35,7 @@ from ..core.sharding import DEFAULT_RULES, ShardingRules, keep_replicated
 from ..generation import speculative
 from ..generation.sampling import TOP_LOGPROBS, SamplingArrays, TokenRuleRows, VocabSplit, token_logprobs, vocab_split
 from .grammar import apply_masks
-from .step import Sampled, SlotState, StepRows, admit_slot, slot_rows, slot_state
+from .step import Sampled, SlotState, StepRows, admit_slot, count_routing, slot_rows, slot_state
 
 _MODEL = ("cfg", "mesh", "rules")  # the static arguments every program shares
 
@@ -61,11 +61,13 @@ def unpack_verified(packed: np.ndarray) -> tuple[Sampled, np.ndarray]:
     return Sampled.unpack(packed[:, :-1]), packed[:, -1] != 0
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "vocab_size", "hidden_size"))
-def draft_slot_state(sampling: SamplingArrays, *, mesh: Mesh, vocab_size: int, hidden_size: int) -> DraftSlotState:
-    """Fresh `DraftSlotState` for `sampling.batch_size` slots."""
+@functools.partial(jax.jit, static_argnames=("mesh", "vocab_size", "hidden_size", "expert_load"))
+def draft_slot_state(sampling: SamplingArrays, *, mesh: Mesh, vocab_size: int, hidden_size: int,
+                     expert_load: tuple[int, int] | None = None) -> DraftSlotState:
+    """Fresh `DraftSlotState` for `sampling.batch_size` slots (`expert_load`: see `slot_state`)."""
     slots = sampling.batch_size
-    state = DraftSlotState(slot_state(sampling, mesh=mesh, vocab_size=vocab_size), jnp.zeros(slots, jnp.int32),
+    state = DraftSlotState(slot_state(sampling, mesh=mesh, vocab_size=vocab_size, expert_load=expert_load),
+                           jnp.zeros(slots, jnp.int32),
                            jnp.zeros(slots, jnp.int32), jnp.zeros((slots, hidden_size), jnp.float32))
     return jax.tree.map(lambda a: keep_replicated(a, mesh), state)
 
@@ -158,9 +160,10 @@ def serve_draft_prefill(params: Params, cache: PagedKVCache, mtp_cache: PagedKVC
         tokens = rows.tokens[:, :chunk]
         last = jnp.maximum(rows.counts - 1, 0)
     # Hidden states at every position (the MTP module reads them all); no logits (past the chunk).
-    _, hidden, cache = model.extend(params, cache, tokens, rows.starts, rows.counts, table,
-                                    jnp.full((tokens.shape[0], 1), chunk, jnp.int32), cfg=cfg, mesh=mesh, rules=rules,
-                                    hidden_at=jnp.broadcast_to(jnp.arange(chunk), tokens.shape))
+    _, hidden, cache, routing = model.extend_routed(
+        params, cache, tokens, rows.starts, rows.counts, table, jnp.full((tokens.shape[0], 1), chunk, jnp.int32),
+        cfg=cfg, mesh=mesh, rules=rules, hidden_at=jnp.broadcast_to(jnp.arange(chunk), tokens.shape))
+    state = dataclasses.replace(state, slots=count_routing(state.slots, routing, rows.counts))
     with jax.named_scope("mtp_prefill"):
         _, x, mtp_cache = _paged_mtp(params, mtp_cache, hidden, rows.tokens[:, 1:], rows.starts, rows.counts, table,
                                      cfg, mesh, rules)
@@ -201,22 +204,25 @@ def serve_draft_step(params: Params, cache: PagedKVCache, mtp_cache: PagedKVCach
 
 def _verify_by_steps(params: Params, cache: PagedKVCache, fed: jax.Array, starts: jax.Array, width: jax.Array,
                      table: jax.Array, cfg: Config, mesh: Mesh,
-                     rules: ShardingRules) -> tuple[jax.Array, jax.Array, PagedKVCache]:
+                     rules: ShardingRules) -> tuple[jax.Array, jax.Array, PagedKVCache, jax.Array | None]:
     """Verify `fed [B, k+1]` at `starts + j`, each position j by the one-token `extend` that a decode call
     without drafts runs (the same shapes, kernels and reduction orders: its logits are bit for bit
     theirs, so drafts never change greedy output; docs/serving.md, "Draft numerics"), after position
     j - 1 was written to the row's pages. Row b runs its first `width[b]` positions. Returns logits
-    `[B, k+1, V]`, the hidden states entering the final norm `[B, k+1, D]` and the pool."""
+    `[B, k+1, V]`, the hidden states entering the final norm `[B, k+1, D]`, the pool and the routing
+    `[L_moe, B, k+1, K]` (`model.extend_routed`; None without MoE layers)."""
     at = jnp.zeros((fed.shape[0], 1), jnp.int32)
 
     def step(cache: PagedKVCache, position: tuple[jax.Array, jax.Array]):
         j, token = position
-        logits, hidden, cache = model.extend(params, cache, token[:, None], starts + j, (j < width).astype(jnp.int32),
-                                             table, at, cfg=cfg, mesh=mesh, rules=rules)
-        return cache, (logits[:, 0], hidden[:, 0])
+        logits, hidden, cache, routing = model.extend_routed(
+            params, cache, token[:, None], starts + j, (j < width).astype(jnp.int32), table, at, cfg=cfg, mesh=mesh,
+            rules=rules)
+        return cache, (logits[:, 0], hidden[:, 0], None if routing is None else routing[:, :, 0])
 
-    cache, (logits, hidden) = jax.lax.scan(step, cache, (jnp.arange(fed.shape[1]), fed.T))
-    return jnp.swapaxes(logits, 0, 1), jnp.swapaxes(hidden, 0, 1), cache
+    cache, (logits, hidden, routing) = jax.lax.scan(step, cache, (jnp.arange(fed.shape[1]), fed.T))
+    routing = None if routing is None else jnp.moveaxis(routing, 0, 2)  # [k+1, L, B, K] -> [L, B, k+1, K]
+    return jnp.swapaxes(logits, 0, 1), jnp.swapaxes(hidden, 0, 1), cache, routing
 
 
 def _draft_verify(params: Params, cache: PagedKVCache, mtp_cache: PagedKVCache, state: DraftSlotState,
@@ -269,7 +275,7 @@ def _draft_verify(params: Params, cache: PagedKVCache, mtp_cache: PagedKVCache, 
                                                           counts, generated, token_rules, recent)
     fed = jnp.stack([last, *drafts], axis=1)
     with jax.named_scope("verify"):
-        logits, hidden, cache = _verify_by_steps(params, cache, fed, starts, width, table, cfg, mesh, rules)
+        logits, hidden, cache, routing = _verify_by_steps(params, cache, fed, starts, width, table, cfg, mesh, rules)
     with jax.named_scope("accept"):
         checked = logits if masks is None else logits.at[:, 0].set(apply_masks(logits[:, 0], masks, rows.mask_row))
         verdict = speculative.accept_drafts(checked, drafts, qs, sampling, seen, counts, generated, active,
@@ -281,9 +287,10 @@ def _draft_verify(params: Params, cache: PagedKVCache, mtp_cache: PagedKVCache, 
         kept = verdict.emitted > 0
         target = jnp.where(kept, rows.slots, num_slots)  # out of range: dropped
         slots = state.slots
-        slots = SlotState(slots.sampling, slots.last.at[target].set(verdict.last_token(), mode="drop"),
-                          slots.prompt_seen, slots.counts.at[target].set(verdict.counts, mode="drop"),
-                          slots.token_rules, slots.recent.at[target].set(verdict.recent, mode="drop"))
+        slots = dataclasses.replace(count_routing(slots, routing, width),
+                                    last=slots.last.at[target].set(verdict.last_token(), mode="drop"),
+                                    counts=slots.counts.at[target].set(verdict.counts, mode="drop"),
+                                    recent=slots.recent.at[target].set(verdict.recent, mode="drop"))
         state = DraftSlotState(slots, state.lengths.at[target].set(starts + verdict.emitted, mode="drop"),
                                state.generated.at[target].set(verdict.generated, mode="drop"),
                                state.mtp_hidden.at[target].set(_at(x, jnp.maximum(verdict.emitted - 1, 0)),

@@ -25,6 +25,8 @@ import numpy as np
 
 from .. import programs
 from ..api import Model
+from ..core import eplb
+from ..core.eplb import ExpertPlacement, placement_of
 from ..core.sharding import to_host
 from ..generation.output import Prompt, encode_prompt, needs_tokenizer, opens_thinking, request_sampling
 from ..generation.sampling import TOP_LOGPROBS, Sampling
@@ -146,14 +148,20 @@ class Engine:
       disaggregate: `(p, d)`: prefill on the first `p` devices of the model's mesh and decode on the
         next `d`, each side with its own copy of the weights and of the page pool, prefilled pages
         moved to the decode side as they are written (`dsr1.serving.disaggregate`; one process).
+      rebalance_every: with a model that holds redundant experts (`Model.with_expert_placement`), the
+        steps count the (token, expert) pairs each MoE layer routes to each expert (`expert_load()`)
+        and every `rebalance_every` steps the engine places the copies again from them (`rebalance()`;
+        0: only when asked). Tokens never change: a copy holds its expert's weights. The experts move in
+        place: after a rebalance the model given here has no routed experts left; use `engine.model`.
     """
 
     def __init__(self, model: Model, *, max_seqs: int = 8, page_size: int = 16, num_pages: int = 512,
                  prefill_chunk: int = 64, prefill_rows: int = 2, host_cache_bytes: int = 0, decode_steps: int = 4,
                  max_seq_len: int | None = None, prefix_caching: bool = True, tokenizer: Tokenizer | None = None,
                  draft_tokens: int = 0, control: str = "host", batch_invariant: bool = False,
-                 disaggregate: tuple[int, int] | None = None):
+                 disaggregate: tuple[int, int] | None = None, rebalance_every: int = 0):
         _check_draft_tokens(model, draft_tokens)
+        _check_rebalance(model, rebalance_every, disaggregate)
         if model.rules.positions is not None:
             # A rank's pages stay whole on each of its devices: a row's pages dealt out over `tensor`
             # would need an allocator per device of the rank (docs/limits.md).
@@ -210,6 +218,8 @@ class Engine:
         self._timing = _Timing()
         self._last_step_time: float | None = None
         self._ll_tokenizer: tuple[Tokenizer, object] | None = None  # llguidance's form of the tokenizer
+        self._rebalance_every = rebalance_every
+        self._balanced = (0, None)  # (the step, the pairs counted) of the last placement
 
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, prompt: Prompt, *, sampling: Sampling | None = None, max_new_tokens: int | None = None,
@@ -330,6 +340,8 @@ class Engine:
             self._runner.pool.settle(everything=not self._in_flight)
             self._record(time.perf_counter() - start, waited, counted=not plan.empty or waited > 0)
             self._last_step_time = time.monotonic()
+            if self._rebalance_every and self._timing.steps - self._balanced[0] >= self._rebalance_every:
+                self.rebalance()
             return self.has_work
 
     def run(self) -> None:
@@ -345,6 +357,7 @@ class Engine:
             self._runner.pool.begin_step()
             self._runner.run(work)
             self._runner.pool.settle()
+            self.model = self._runner.model  # a rebalance moves the experts
         self._runner.pool.settle(everything=True)
         self._channel.close()
 
@@ -431,6 +444,36 @@ class Engine:
             t.host += elapsed - waited
             t.wait += waited
 
+    # ---- redundant experts ---------------------------------------------------------------------
+    def expert_load(self) -> np.ndarray | None:
+        """(Process 0) The (token, expert) pairs each MoE layer routed to each logical expert since the
+        last placement, `[L_moe, E]` (waits for the steps dispatched); None unless the model holds
+        redundant experts (`Model.with_expert_placement`)."""
+        self._require_leader("expert_load")
+        with self._step_lock:
+            total = self._runner.expert_load()
+            return None if total is None else total - (0 if self._balanced[1] is None else self._balanced[1])
+
+    def rebalance(self) -> ExpertPlacement:
+        """(Process 0) Place the model's redundant experts again from `expert_load()`
+        (`dsr1.core.eplb.balance`: the hottest experts get the copies, dealt to the least-loaded
+        devices) and move their weights there on every process; the counts start again. Returns the
+        new placement. Tokens are unchanged (a copy holds its expert's weights)."""
+        self._require_leader("rebalance")
+        with self._step_lock:
+            current = placement_of(self.model.params)
+            if current is None:
+                raise ValueError("rebalance() needs a model with redundant experts (Model.with_expert_placement)")
+            total = self._runner.expert_load()
+            load = total - (0 if self._balanced[1] is None else self._balanced[1])
+            redundant = current.physical.shape[1] - current.num_experts
+            placement = eplb.balance(load, current.devices, redundant)
+            self._launch(StepWork(placement=placement.physical))
+            self._runner.pool.settle(everything=not self._in_flight)
+            self.model = self._runner.model
+            self._balanced = (self._timing.steps, total)
+            return placement
+
     # ---- warm-up, checks, stats ----------------------------------------------------------------
     def warm_up(self) -> None:
         """Compile every program the loop runs (idle rows and out-of-range slots: nothing changes), so
@@ -496,6 +539,20 @@ def _check_draft_tokens(model: Model, draft_tokens: int) -> None:
     if draft_tokens and "mtp" not in model.params:
         raise ValueError("draft_tokens > 0 needs the model's MTP module: load it with dsr1.load(..., mtp=True) "
                          "(or dsr1.init_random(..., mtp=True) with num_nextn_predict_layers >= 1)")
+
+
+def _check_rebalance(model: Model, every: int, disaggregate: tuple[int, int] | None) -> None:
+    """`rebalance_every` is an integer >= 0, > 0 only for a model with redundant experts; those do not run
+    disaggregated (each side would need its own placement over its own devices)."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        raise ValueError(f"rebalance_every must be an integer >= 0 (0 = only when asked), got {every!r}")
+    placed = placement_of(model.params) is not None
+    if every and not placed:
+        raise ValueError("rebalance_every > 0 needs a model with redundant experts: "
+                         "model.with_expert_placement(dsr1.core.eplb.balance(load, devices, redundant))")
+    if placed and disaggregate is not None:
+        raise ValueError("a model with redundant experts does not run disaggregated: use one without "
+                         "(dsr1.init_random / dsr1.load) with disaggregate")
 
 
 def _widened(shape: tuple[int, int], cfg: SchedulerConfig, lanes: Sequence[Lane] = ()) -> tuple[int, int]:

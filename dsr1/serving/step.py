@@ -55,6 +55,9 @@ class SlotState:
     counts: jax.Array  # [S, V] int32 the request's output token counts (penalties)
     token_rules: TokenRules  # [S, ...] the request's logit bias, allowed tokens, bad words, min_tokens
     recent: jax.Array  # [S, H] int32 the request's last sampled tokens (bad words)
+    # [L_moe, E] int32: the (token, expert) pairs each MoE layer routed to each logical expert since
+    # the state was made, when the engine collects them (redundant experts' statistics); else None.
+    expert_load: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -129,13 +132,16 @@ class Sampled:
                    packed[:, 2 + top:].view(np.float32))
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "vocab_size"))
-def slot_state(sampling: SamplingArrays, *, mesh: Mesh, vocab_size: int) -> SlotState:
-    """Fresh state for `sampling.batch_size` slots: the given settings, no tokens seen or counted, no rules."""
+@functools.partial(jax.jit, static_argnames=("mesh", "vocab_size", "expert_load"))
+def slot_state(sampling: SamplingArrays, *, mesh: Mesh, vocab_size: int,
+               expert_load: tuple[int, int] | None = None) -> SlotState:
+    """Fresh state for `sampling.batch_size` slots: the given settings, no tokens seen or counted, no rules;
+    `expert_load=(L_moe, E)`: routing statistics collected from zero."""
     slots = sampling.batch_size
     no_rules = token_rules(_no_rule_rows(slots), vocab_size)
+    load = None if expert_load is None else jnp.zeros(expert_load, jnp.int32)
     state = SlotState(sampling, jnp.zeros(slots, jnp.int32), jnp.zeros((slots, vocab_size), bool),
-                      jnp.zeros((slots, vocab_size), jnp.int32), no_rules, no_recent(slots))
+                      jnp.zeros((slots, vocab_size), jnp.int32), no_rules, no_recent(slots), load)
     return jax.tree.map(lambda a: keep_replicated(a, mesh), state)
 
 
@@ -209,8 +215,9 @@ def admit_slot(state: SlotState, packed: jax.Array, rule_rows: TokenRuleRows, *,
         last = prompt[0, jnp.maximum(length[0] - 1, 0)]
         dense = token_rules(rule_rows, state.prompt_seen.shape[1])
         rules = jax.tree.map(lambda a, row: a.at[slot].set(row[0], mode="drop"), state.token_rules, dense)
-        state = SlotState(rows[0], state.last.at[slot].set(last, mode="drop"), rows[1], rows[2], rules,
-                          state.recent.at[slot].set(-1, mode="drop"))
+        state = dataclasses.replace(state, sampling=rows[0], last=state.last.at[slot].set(last, mode="drop"),
+                                    prompt_seen=rows[1], counts=rows[2], token_rules=rules,
+                                    recent=state.recent.at[slot].set(-1, mode="drop"))
     return jax.tree.map(lambda a: keep_replicated(a, mesh), state)
 
 
@@ -283,8 +290,9 @@ def _serve_rows(params: Params, cache: PagedKVCache, state: SlotState, rows: Ste
         # Logits only where a token is sampled (past the chunk elsewhere: none computed there).
         logits_at = (jnp.broadcast_to(jnp.arange(chunk), tokens.shape) if prompt_logprobs
                      else jnp.where(rows.sample, sample_at, chunk)[:, None])
-    logits, _, cache = model.extend(params, cache, tokens, rows.starts, rows.counts, table, logits_at, cfg=cfg,
-                                    mesh=mesh, rules=rules)
+    logits, _, cache, routing = model.extend_routed(params, cache, tokens, rows.starts, rows.counts, table,
+                                                    logits_at, cfg=cfg, mesh=mesh, rules=rules)
+    state = count_routing(state, routing, rows.counts)
     sampling_logits = jnp.take_along_axis(logits, sample_at[:, None, None], axis=1)[:, 0] if prompt_logprobs \
         else logits[:, 0]
     # The barrier hands the sampling conditional a row-major [B, V] operand: without it XLA:CPU passes
@@ -297,6 +305,20 @@ def _serve_rows(params: Params, cache: PagedKVCache, state: SlotState, rows: Ste
         with jax.named_scope("prompt_logprobs"):
             out = jnp.concatenate([out[None], _prompt_logprobs(logits, rows, chunk, split)], axis=0)
     return out, cache, jax.tree.map(lambda a: keep_replicated(a, mesh), state)
+
+
+def count_routing(state: SlotState, routing: jax.Array | None, counts: jax.Array) -> SlotState:
+    """`state` with the pairs of `routing [L_moe, B, T, K]` (`model.extend_routed`) added to its
+    `expert_load`, each row's first `counts [B]` tokens only (the rest is padding); unchanged when
+    the state collects none."""
+    if state.expert_load is None or routing is None:
+        return state
+    with jax.named_scope("expert_load"):
+        real = jnp.arange(routing.shape[2]) < counts[:, None]
+        pairs = jnp.broadcast_to(real[None, :, :, None], routing.shape).astype(jnp.int32)
+        experts = state.expert_load.shape[1]
+        load = jax.vmap(lambda e, w: jnp.zeros(experts, jnp.int32).at[e.ravel()].add(w.ravel()))(routing, pairs)
+    return dataclasses.replace(state, expert_load=state.expert_load + load)
 
 
 def _prompt_logprobs(logits: jax.Array, rows: StepRows, chunk: int, split: VocabSplit | None) -> jax.Array:
@@ -326,8 +348,8 @@ def sample_rows(logits: jax.Array, state: SlotState, rows: StepRows, safe: jax.A
         new_last = state.last.at[target].set(token, mode="drop")
         slot_sampled = jnp.zeros(state.last.shape, bool).at[target].set(True, mode="drop")
         recent = state.recent.at[target].set(push_recent(state.recent[safe], token), mode="drop")
-        state = SlotState(state.sampling, new_last, state.prompt_seen,
-                          update_counts(state.counts, new_last, slot_sampled), state.token_rules, recent)
+        state = dataclasses.replace(state, last=new_last, counts=update_counts(state.counts, new_last, slot_sampled),
+                                    recent=recent)
     with jax.named_scope("logprobs"):
         out = Sampled.pack(token, *token_logprobs(logits, token, rows.logprobs & sampled, split))
     return out, state, token

@@ -1,14 +1,17 @@
 """One engine step's device work as data, and the runner that dispatches it.
 
-`StepWork` is everything a step asks of the device, as host arrays, in the order it runs: the
-prefix cache's page copies (`PageOp`s recorded by the `PageLog`), slot admissions (a request's
-slot, sampling row and prompt) and the `serve_step` calls (their `StepRows` and the slots' page
-table). Process 0's scheduler decides it; with several JAX processes it is broadcast
-(`dsr1.serving.broadcast`) and every process hands the same `StepWork` to its `DeviceRunner`, so
-all of them dispatch the same programs with the same inputs in the same order.
+`StepWork` is everything a step asks of the device, as host arrays, in the order it runs: a new
+expert placement when the engine rebalances redundant experts, the prefix cache's page copies
+(`PageOp`s recorded by the `PageLog`), slot admissions (a request's slot, sampling row and prompt)
+and the `serve_step` calls (their `StepRows` and the slots' page table). Process 0's scheduler
+decides it; with several JAX processes it is broadcast (`dsr1.serving.broadcast`) and every process
+hands the same `StepWork` to its `DeviceRunner`, so all of them dispatch the same programs with the
+same inputs in the same order.
 
 The runner owns what the programs carry from step to step on device: the page pool (`PagePool`,
-with this process's host copies of offloaded pages) and the per-slot `SlotState`.
+with this process's host copies of offloaded pages), the per-slot `SlotState` (with the routing
+statistics when the model holds redundant experts) and the model, whose expert placement a
+rebalance replaces.
 
 With MTP drafts (`draft_tokens=k`) the runner carries a `DraftSlotState` and the pool's MTP pages,
 and runs the draft programs instead: a call of one-token rows is a decode call
@@ -26,7 +29,8 @@ import jax
 import numpy as np
 
 from ..api import Model
-from ..core.sharding import put_replicated
+from ..core.eplb import ExpertPlacement, moved_to, placement_of
+from ..core.sharding import put_replicated, to_host
 from ..generation.sampling import (
     KEY_IMPL,
     Sampling,
@@ -61,10 +65,11 @@ class StepWork:
     calls: tuple[StepRows, ...] = ()
     page_table: np.ndarray | None = None
     masks: tuple[np.ndarray | None, ...] = ()  # per call: its grammar bitmasks `[rows, words]`, or None
+    placement: np.ndarray | None = None  # a new expert placement `[L_moe, P]` (`ExpertPlacement.physical`)
 
     @property
     def empty(self) -> bool:
-        return not (self.page_ops or self.admissions or self.calls)
+        return not (self.page_ops or self.admissions or self.calls or self.placement is not None)
 
 
 def host_sampling(settings: Sequence[Sampling]) -> SamplingArrays:
@@ -97,14 +102,18 @@ class DeviceRunner:
         self.decode_steps = decode_steps
         self.draft_tokens = draft_tokens
         idle = device_sampling(host_sampling([Sampling(seed=0)] * slots), model.mesh)
+        # Redundant experts: the steps count each expert's pairs, from which the engine rebalances.
+        load = (model.cfg.num_moe_layers, model.cfg.n_routed_experts) if placement_of(model.params) else None
         if draft_tokens:
             self.state = draft_step.draft_slot_state(idle, mesh=model.mesh, vocab_size=model.cfg.vocab_size,
-                                                   hidden_size=model.cfg.hidden_size)
+                                                   hidden_size=model.cfg.hidden_size, expert_load=load)
         else:
-            self.state = step.slot_state(idle, mesh=model.mesh, vocab_size=model.cfg.vocab_size)
+            self.state = step.slot_state(idle, mesh=model.mesh, vocab_size=model.cfg.vocab_size, expert_load=load)
 
     def run(self, work: StepWork) -> tuple[jax.Array, ...]:
         """Dispatch the step (returns at once); the sampled tokens `[rows]` of each call, on device."""
+        if work.placement is not None:
+            self.place_experts(work.placement)
         for op in work.page_ops:
             self.pool.apply(op)
         # One transfer for the step: each admission, the page table and each call's rows packed in
@@ -142,6 +151,19 @@ class DeviceRunner:
 
     def warm_up(self) -> None:
         """Compile what the runner dispatches besides the step's calls and page operations: nothing."""
+
+    def expert_load(self) -> np.ndarray | None:
+        """The pairs the steps so far routed to each logical expert, `[L_moe, E]` on the host (waits for
+        the steps dispatched); None unless the model holds an expert placement."""
+        load = (self.state.slots if self.draft_tokens else self.state).expert_load
+        return None if load is None else to_host(load)
+
+    def place_experts(self, physical: np.ndarray) -> None:
+        """Move the model's routed experts to the placement `physical [L_moe, P]` (same slots, same
+        tokens: `eplb.moved_to`), in place: the routed-expert arrays of the model it was given are
+        deleted (steps already dispatched finish with them first)."""
+        placement = ExpertPlacement(np.asarray(physical, np.int32), placement_of(self.model.params).devices)
+        self.model = dataclasses.replace(self.model, params=moved_to(self.model.params, placement, donate=True))
 
     def call_steps(self, rows: StepRows) -> int:
         """The call's decode steps: `decode_steps` for a multi-step call (some row runs more than one;
