@@ -680,17 +680,24 @@ def test_paged_decode_attention_by_the_kernel_equals_contiguous(kv_cache_dtype):
     np.testing.assert_allclose(got, want, rtol=0, atol=2 ** -8 * np.abs(want).max())  # a rounding flip at most
 
 
+@pytest.fixture(scope="module")
+def avx2_library(tmp_path_factory):
+    """The kernel library built with AVX-512 turned off (once for the module: a build takes a while)."""
+    import ctypes
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("DSR1_KERNEL_CACHE", str(tmp_path_factory.mktemp("avx2")))
+        return ctypes.cdll.LoadLibrary(str(cpu_kernels._build(("-mno-avx512f",))))
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", ["bf16", "int8"])
 @pytest.mark.slow
-def test_the_avx2_build_computes_the_same(dtype, tmp_path, monkeypatch):
+def test_the_avx2_build_computes_the_same(dtype, avx2_library):
     """The kernel's AVX2 variant (8-lane vectors: CPUs without AVX-512, e.g. AMD Zen 3), built here with
     AVX-512 turned off and registered under its own names, equals float64 for every block size (and
     in the decode attention, against a bf16 or an int8 cache)."""
-    import ctypes
-
-    monkeypatch.setenv("DSR1_KERNEL_CACHE", str(tmp_path))
-    library = ctypes.cdll.LoadLibrary(str(cpu_kernels._build(("-mno-avx512f",))))
+    library = avx2_library
     target = f"dsr1_rows_dot_{dtype}"
     jax.ffi.register_ffi_target(f"{target}_avx2_test", jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
     rng = np.random.default_rng(2)
