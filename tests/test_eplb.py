@@ -158,4 +158,4 @@ def test_an_engine_step_counts_k_pairs_per_token_it_runs():
     engine.run()
     assert [len(r.tokens) for r in requests] == list(budgets)
     fed = sum(len(p) + b - 1 for p, b in zip(prompts, budgets))
-    assert (runner.expert_load().sum(1) == cfg.num_experts_per_tok * fed).all()
+    assert (engine.expert_load().sum(1) == cfg.num_experts_per_tok * fed).all()

@@ -232,11 +232,9 @@ def engine_run(mesh, rules: ShardingRules, draft_tokens: int = 0, redundant: int
     requests = run_arrivals(engine, engine_workload(CONFIG.vocab_size), snapshots)
     engine.check()
     stats, shards = engine.stats(), engine._runner.pool.cache.c_kv.addressable_shards
-    load = engine.expert_load()
-    placed = {} if first is None else {
+    placed = {} if first is None else {  # the pairs counted since the engine started, per layer
         "moved": not np.array_equal(eplb.placement_of(engine.model.params).physical, first.physical),
-        "pairs_per_layer": sorted(set(engine._runner.expert_load().sum(1).tolist())), "k": cfg.num_experts_per_tok,
-        "load_since_placed": int(load.sum())}
+        "pairs_per_layer": sorted(set(engine._runner.expert_load().sum(1).tolist())), "k": cfg.num_experts_per_tok}
     return {"tokens": [r.tokens for r in requests], "prefix_hit_tokens": stats.prefix_hit_tokens, **placed,
             "offloaded_pages": stats.offloaded_pages, "reloaded_pages": stats.reloaded_pages,
             "ranks_used": np.max([s.running_per_rank for s in snapshots], axis=0).tolist(),

@@ -14,7 +14,8 @@ physical slot and adds the map as device arrays (`replicas [L, E, R]`, `replica_
 the MoE parameters, and `moe.routed_experts` sends each (token, expert) pair to one copy of its
 expert, spread by token (`physical_experts`). A copy holds the same weights, so the tokens are
 unchanged. `dsr1.bench eplb` replays recorded routings and reports the load per device with and
-without a placement.
+without a placement. The serving engine counts the routing as it serves and moves the weights to a
+new placement with `moved_to` (docs/serving.md, "Redundant experts").
 """
 
 from __future__ import annotations
@@ -144,8 +145,8 @@ def moved_to(params: dict, placement: ExpertPlacement, *, donate: bool = False) 
     """Weights that hold a placement, moved to `placement` (of the same number of physical slots):
     each new slot takes the weights of a slot that held its expert, so tokens are unchanged. What a
     serving engine applies when it rebalances from the routing it collected. Device to device, a layer
-    at a time (`_moved`); `donate`: in place, the given routed-expert arrays deleted (a device holds
-    two layer slices more at most; else a second copy of its stacks)."""
+    at a time (`_moved`); `donate`: in place, the given routed-expert arrays deleted (a device holds a
+    few layer slices more at most; else a second copy of its stacks)."""
     stack = params[MOE_STACK]["moe"]
     if "replicas" not in stack:
         raise ValueError("the weights hold no placement: place logical weights with `with_placement`")

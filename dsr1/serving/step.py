@@ -47,7 +47,8 @@ _MODEL = ("cfg", "mesh", "rules")  # the static arguments every program shares
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SlotState:
-    """What the serving engine keeps on device for each of its S batch slots between steps."""
+    """What the serving engine keeps on device between steps: for each of its S batch slots, and the
+    routing statistics of redundant experts."""
 
     sampling: SamplingArrays  # [S] the slot's request's settings and random key (stops are checked on the host)
     last: jax.Array  # [S] int32 the slot's last sampled token: a decoding row's next input
