@@ -21,6 +21,7 @@ from . import cpu, programs
 from .core.cache import KVCache, check_kv_cache_dtype
 from .core.config import Config
 from .core.eplb import ExpertPlacement, moved_to, placement_of, with_placement
+from .core.eplb import balance as eplb_balance
 from .core.params import Params, compute_view, init_params
 from .core.quant import Int8Weight, check_quant
 from .core.sharding import DEFAULT_RULES, ShardingRules, make_mesh, put_replicated, to_host
@@ -77,6 +78,13 @@ class Model:
             raise ValueError(f"the placement is for {placement.devices} devices; the expert axis has {devices}")
         placed = moved_to if placement_of(self.params) else with_placement
         return dataclasses.replace(self, params=placed(self.params, placement))
+
+    def with_redundant_experts(self, redundant: int) -> Model:
+        """This model with `redundant` more expert slots per MoE layer, placed for an even load (a
+        serving engine places them again from the routing it counts: `Engine(rebalance_every=...)`)."""
+        devices = self.mesh.shape[self.rules.experts] if self.rules.experts else 1
+        even = np.ones((self.cfg.num_moe_layers, self.cfg.n_routed_experts))
+        return self.with_expert_placement(eplb_balance(even, devices, redundant))
 
     def weight_bytes(self) -> int:
         """Bytes of all weights (int8 values and their scales included; an array held twice counted once)."""

@@ -124,14 +124,15 @@ def test_a_placement_moves_to_another_with_the_same_weights_per_expert():
 
 
 def test_serve_refuses_redundant_experts_without_an_expert_axis():
-    """`python -m dsr1 serve --redundant-experts R` needs an expert axis of several devices to balance."""
+    """`python -m dsr1 serve --redundant-experts R` needs an expert axis of several devices to balance
+    (the refusal is `Model.with_redundant_experts`'s, as the command's error)."""
     import dsr1
     from dsr1.server.cli import with_redundant_experts
 
     from .harness import TINY
 
     model = dsr1.init_random(TINY, seed=0, dtype="float32")
-    with pytest.raises(SystemExit, match="must split over the expert axis's 1 devices"):
+    with pytest.raises(SystemExit, match="--redundant-experts 4: redundant experts balance the devices"):
         with_redundant_experts(model, 4)
 
 

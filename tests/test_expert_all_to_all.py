@@ -221,8 +221,7 @@ def engine_run(mesh, rules: ShardingRules, draft_tokens: int = 0, redundant: int
     cfg = dataclasses.replace(CONFIG, num_nextn_predict_layers=1)  # the same weights, and an MTP module
     model = dsr1.init_random(cfg, seed=11, dtype="float32", mesh=mesh, mtp=bool(draft_tokens))
     if redundant:
-        even = np.ones((cfg.num_moe_layers, cfg.n_routed_experts))
-        model = model.with_expert_placement(eplb.balance(even, mesh.shape[rules.experts], redundant))
+        model = dataclasses.replace(model, rules=rules).with_redundant_experts(redundant)
     first = eplb.placement_of(model.params)
     slots, prefill_rows, pages = engine_shape(mesh, rules)
     engine = Engine(dataclasses.replace(model, rules=rules), max_seqs=slots, prefill_rows=prefill_rows,

@@ -16,10 +16,7 @@ import logging
 import sys
 from pathlib import Path
 
-import numpy as np
-
 from ..api import Model
-from ..core import eplb
 from ..generation.tokenizer import load_tokenizer
 from ..options import checkpoint_from_options, model_from_options
 from ..serving import Engine
@@ -63,15 +60,12 @@ def build_engine(args: argparse.Namespace) -> Engine:
 
 
 def with_redundant_experts(model: Model, redundant: int) -> Model:
-    """`model` with `redundant` expert slots per MoE layer, first placed for an even load (the engine
-    places them again from the routing it counts); a clear error where the mesh cannot hold them."""
-    devices = model.mesh.shape[model.rules.experts] if model.rules.experts else 1
-    slots = model.cfg.n_routed_experts + redundant
-    if redundant < 0 or devices < 2 or slots % devices:
-        raise SystemExit(f"--redundant-experts {redundant}: {model.cfg.n_routed_experts} experts + {redundant} "
-                         f"slots must split over the expert axis's {devices} devices (at least 2)")
-    even = np.ones((model.cfg.num_moe_layers, model.cfg.n_routed_experts))
-    return model.with_expert_placement(eplb.balance(even, devices, redundant))
+    """`Model.with_redundant_experts`, its refusal (the slots must split over an expert axis of several
+    devices) as the command's error."""
+    try:
+        return model.with_redundant_experts(redundant)
+    except ValueError as e:
+        raise SystemExit(f"--redundant-experts {redundant}: {e}") from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -219,7 +219,7 @@ class Engine:
         self._last_step_time: float | None = None
         self._ll_tokenizer: tuple[Tokenizer, object] | None = None  # llguidance's form of the tokenizer
         self._rebalance_every = rebalance_every
-        self._balanced = (0, None)  # (the step, the pairs counted) of the last placement
+        self._placed_at, self._counted = 0, 0  # the step of the last placement, and the pairs counted by then
 
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, prompt: Prompt, *, sampling: Sampling | None = None, max_new_tokens: int | None = None,
@@ -340,7 +340,7 @@ class Engine:
             self._runner.pool.settle(everything=not self._in_flight)
             self._record(time.perf_counter() - start, waited, counted=not plan.empty or waited > 0)
             self._last_step_time = time.monotonic()
-            if self._rebalance_every and self._timing.steps - self._balanced[0] >= self._rebalance_every:
+            if self._rebalance_every and self._timing.steps - self._placed_at >= self._rebalance_every:
                 self.rebalance()
             return self.has_work
 
@@ -452,7 +452,7 @@ class Engine:
         self._require_leader("expert_load")
         with self._step_lock:
             total = self._runner.expert_load()
-            return None if total is None else total - (0 if self._balanced[1] is None else self._balanced[1])
+            return None if total is None else total - self._counted
 
     def rebalance(self) -> ExpertPlacement:
         """(Process 0) Place the model's redundant experts again from `expert_load()`
@@ -465,13 +465,12 @@ class Engine:
             if current is None:
                 raise ValueError("rebalance() needs a model with redundant experts (Model.with_expert_placement)")
             total = self._runner.expert_load()
-            load = total - (0 if self._balanced[1] is None else self._balanced[1])
             redundant = current.physical.shape[1] - current.num_experts
-            placement = eplb.balance(load, current.devices, redundant)
+            placement = eplb.balance(total - self._counted, current.devices, redundant)
             self._launch(StepWork(placement=placement.physical))
             self._runner.pool.settle(everything=not self._in_flight)
             self.model = self._runner.model
-            self._balanced = (self._timing.steps, total)
+            self._placed_at, self._counted = self._timing.steps, total
             return placement
 
     # ---- warm-up, checks, stats ----------------------------------------------------------------
