@@ -11,6 +11,7 @@ set before JAX starts): `python -m tests.test_vocab_split`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import subprocess
 import sys
@@ -44,14 +45,15 @@ def _compare_sampling(mesh: jax.sharding.Mesh) -> dict[str, float]:
     assert split is not None
     spread = jax.device_put(logits, NamedSharding(mesh, P("expert", "tensor")))
 
-    def run(x: jax.Array, split: S.VocabSplit | None, step: int) -> tuple[jax.Array, ...]:
-        tokens = S.sample(x, sampling, seen, counts, jnp.int32(step), split=split)
+    @functools.partial(jax.jit, static_argnums=1)  # one program per split, the step an argument
+    def run(x: jax.Array, split: S.VocabSplit | None, step: jax.Array) -> tuple[jax.Array, ...]:
+        tokens = S.sample(x, sampling, seen, counts, step, split=split)
         return (tokens, *S.token_logprobs(x, tokens, jnp.ones(batch, bool), split))
 
     worst = 0.0
-    for step in range(16):
-        want = jax.jit(run, static_argnums=(1, 2))(logits, None, step)
-        got = jax.jit(run, static_argnums=(1, 2))(spread, split, step)
+    for step in map(jnp.int32, range(16)):
+        want = run(logits, None, step)
+        got = run(spread, split, step)
         np.testing.assert_array_equal(got[0], want[0])  # the tokens
         np.testing.assert_array_equal(got[2], want[2])  # the top alternatives' ids
         worst = max(worst, float(jnp.max(jnp.abs(got[1] - want[1]))), float(jnp.max(jnp.abs(got[3] - want[3]))))
@@ -62,7 +64,7 @@ def _compare_sampling(mesh: jax.sharding.Mesh) -> dict[str, float]:
     ties = jnp.zeros((batch, VOCAB)).at[:, ::100].set(1.0)  # ties across shards: the lowest index first
     np.testing.assert_array_equal(jax.jit(lambda x: S.top_k(x, 5, split))(ties)[1], jax.lax.top_k(ties, 5)[1])
     np.testing.assert_array_equal(jax.jit(lambda x: S.split_argmax(x, split))(ties), jnp.zeros(batch, jnp.int32))
-    hlo = jax.jit(run, static_argnums=(1, 2)).lower(spread, split, 1).compile().as_text()
+    hlo = run.lower(spread, split, jnp.int32(1)).compile().as_text()
     gathered = [int(n) for n in re.findall(r"= \w+\[\d+,(\d+)\][^ ]* all-gather\(", hlo)]
     assert gathered and max(gathered) <= 4 * S.CANDIDATES < VOCAB, gathered  # candidates, never the logits
     return {"logprob_diff": worst, "gathered": sorted(set(gathered))}
