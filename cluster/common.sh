@@ -246,9 +246,11 @@ mcjax_controller_start() {
   chmod 700 "$MCJAX_PROFILE_DIR" "$sec"
   # Stale connection files of a previous run would send engines to dead ports.
   rm -f "$(mcjax_client_json)" "$(mcjax_engine_json)"
+  # The hub counts an engine as registered at its first heartbeat: a 1 s period (3 s by default)
+  # makes starts and restarts seconds shorter; 30 misses keep ipyparallel's 30 s before one is dropped.
   mcjax_start_bg controller "$MCJAX_STATE/logs/controller.log" \
     "$py" -m ipyparallel.controller --ip="$ip" --profile-dir="$MCJAX_PROFILE_DIR" \
-    --cluster-id="$MCJAX_CLUSTER_ID" --log-level=WARN
+    --cluster-id="$MCJAX_CLUSTER_ID" --log-level=WARN --HeartMonitor.period=1000 --HeartMonitor.max_heartmonitor_misses=30
   for i in $(seq 1 $((MCJAX_START_TIMEOUT * 10))); do
     if [ -s "$(mcjax_client_json)" ] && [ -s "$(mcjax_engine_json)" ]; then break; fi
     if [ -z "$(mcjax_running_pid controller)" ]; then
