@@ -684,9 +684,9 @@ def test_sigterm_drains_cancels_and_exits_0(tmp_path):
     port = free_port("127.0.0.1")
     url = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if k != "DSR1_API_KEY"}
-    # The demo model (its small vocabulary samples quickly), named as the module's server is.
-    cmd = [sys.executable, "-m", "dsr1", "serve", "--served-model-name", MODEL, "--dtype", "float32",
-           "--port", str(port), "--max-seqs", "4", "--page-size", "16", "--num-pages", "64", "--prefill-chunk", "32",
+    # A random model: the stream runs into the drain's timeout, not into an end-of-sequence token.
+    cmd = [sys.executable, "-m", "dsr1", "serve", "--preset", "tiny", "--dtype", "float32", "--port", str(port),
+           "--max-seqs", "4", "--page-size", "16", "--num-pages", "64", "--prefill-chunk", "32",
            "--max-seq-len", "256", "--shutdown-timeout", "0.5", "--log-level", "warning",  # before 200 tokens
            "--no-warmup"]  # the programs this request runs compile as it runs: the drain is the point here
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
