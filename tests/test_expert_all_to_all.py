@@ -219,12 +219,12 @@ def engine_run(mesh, rules: ShardingRules, draft_tokens: int = 0, redundant: int
     from .test_serving import run_arrivals
 
     cfg = dataclasses.replace(CONFIG, num_nextn_predict_layers=1)  # the same weights, and an MTP module
-    model = dsr1.init_random(cfg, seed=11, dtype="float32", mesh=mesh, mtp=bool(draft_tokens))
+    model = dsr1.init_random(cfg, seed=11, dtype="float32", mesh=mesh, mtp=bool(draft_tokens), rules=rules)
     if redundant:
-        model = dataclasses.replace(model, rules=rules).with_redundant_experts(redundant)
+        model = model.with_redundant_experts(redundant)
     first = eplb.placement_of(model.params)
     slots, prefill_rows, pages = engine_shape(mesh, rules)
-    engine = Engine(dataclasses.replace(model, rules=rules), max_seqs=slots, prefill_rows=prefill_rows,
+    engine = Engine(model, max_seqs=slots, prefill_rows=prefill_rows,
                     page_size=4, num_pages=pages, prefill_chunk=8, decode_steps=2, host_cache_bytes=1 << 24,
                     max_seq_len=48, draft_tokens=draft_tokens, rebalance_every=6 if redundant else 0)
     snapshots: list = []
