@@ -316,22 +316,36 @@ def test_rows_dot_names_what_is_wrong():
 def test_switch_off_and_build_cache(tmp_path, monkeypatch):
     """`DSR1_CPU_KERNELS=0` turns the kernel off; a build lands in `$DSR1_KERNEL_CACHE` under a name
     keyed by source, compiler, jaxlib and CPU, and is found there the next time; without a compiler
-    there is no build (dsr1 computes with XLA's products)."""
+    there is no build (dsr1 computes with XLA's products). The compiler here is a stand-in that
+    writes its output and logs each build: the real build is the AVX2 test's (`avx2_library`)."""
     monkeypatch.setenv("DSR1_CPU_KERNELS", "0")
     assert not cpu_kernels.available()
-    monkeypatch.setenv("DSR1_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("DSR1_KERNEL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CXX", "no-such-compiler")
     monkeypatch.setenv("PATH", str(tmp_path))  # nor g++ / c++
     assert cpu_kernels._build() is None
     monkeypatch.undo()
-    if not cpu_kernels.available():
-        pytest.skip("no kernel build here")
-    monkeypatch.setenv("DSR1_KERNEL_CACHE", str(tmp_path))
+    compiler, log = tmp_path / "stand-in-c++", tmp_path / "builds.log"
+    compiler.write_text('#!/bin/sh\n[ "$1" = --version ] && { echo "stand-in $VERSION"; exit 0; }\n'
+                        'while [ $# -gt 0 ]; do [ "$1" = -o ] && { echo "$2" >> "$LOG"; : > "$2"; }; shift; done\n')
+    compiler.chmod(0o755)
+    monkeypatch.setenv("DSR1_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(compiler))
+    monkeypatch.setenv("LOG", str(log))
+    monkeypatch.setenv("VERSION", "1")
     library = cpu_kernels._build()
-    assert library.parent == tmp_path and library.name.startswith("rows_dot-") and library.suffix == ".so"
+    if library is None:
+        pytest.skip("not an x86-64 CPU: no kernel build")
+    assert library.parent == tmp_path / "cache" and library.name.startswith("rows_dot-") and library.suffix == ".so"
     mtime = library.stat().st_mtime_ns
     assert cpu_kernels._build() == library and library.stat().st_mtime_ns == mtime  # cached, not rebuilt
-    assert [p.name for p in tmp_path.iterdir()] == [library.name]  # no temporary left behind
+    assert len(log.read_text().splitlines()) == 1
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [library.name]  # no temporary left behind
+    monkeypatch.setenv("VERSION", "2")  # another compiler: a build of its own, beside the first
+    other = cpu_kernels._build()
+    assert other != library and sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(
+        [library.name, other.name])
+    assert len(log.read_text().splitlines()) == 2
 
 
 @pytest.mark.parametrize("spec,expected", [
