@@ -20,14 +20,11 @@ def pytest_configure(config) -> None:
     clusters (`mcjax_setup.sh` reads $MCJAX_JAX_CACHE): a program that one of them compiled is
     read, not compiled again, by the next that runs it (the same mesh in another test, the same
     notebook cells under another numbering). Per run, so nothing stale from an earlier checkout is
-    read; removed at exit. The pytest process itself keeps JAX's in-memory cache only: it compiles
-    each of its programs once, and writing them all to disk would cost more than it saves; and a
-    test that numbers a simulated cluster's processes from this process (`assign_process_ids`
-    with the kernel's part run here) would otherwise turn the cluster's disk cache on for every
-    later test of this worker."""
+    read; removed at exit. The pytest workers read it and write to it too, but only programs that
+    took half a second or more to compile: the quick tier's many small ones cost more to write than
+    another process saves by reading them."""
     import jax
 
-    jax.config.update("jax_enable_compilation_cache", False)
     flags = os.environ.get("XLA_FLAGS", "")
     if "--xla_backend_optimization_level" not in flags:  # the caller's own level wins
         os.environ["XLA_FLAGS"] = " ".join([*COMPILE_FLAGS, flags]).strip()
@@ -35,6 +32,8 @@ def pytest_configure(config) -> None:
         cache = tempfile.mkdtemp(prefix="dsr1-test-jax-cache-")
         os.environ["MCJAX_JAX_CACHE"] = cache
         atexit.register(shutil.rmtree, cache, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", os.environ["MCJAX_JAX_CACHE"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 @pytest.hookimpl(tryfirst=True)
