@@ -18,7 +18,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAMS = ["mcjax_setup.sh", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "cluster").glob("*.sh")
                                       if p.name != "common.sh")]  # common.sh is sourced, not run
-SHELL_FILES = ["mcjax_setup.sh", "mcjax_defs.sh", *sorted(f"cluster/{p.name}" for p in (ROOT / "cluster").glob("*.sh"))]
+SHELL_FILES = ["mcjax_setup.sh", "mcjax_defs.sh", *sorted(f"cluster/{p.name}" for p in (ROOT / "cluster").glob("*.sh")),
+               "tests/install_browser.sh"]
 
 # The first and the last option (or command) each --help documents, and a line of the text after
 # the options: together they show that the whole usage was printed.
@@ -185,6 +186,13 @@ def test_shellcheck_finds_nothing():
     assert len(SHELL_FILES) >= 10  # setup, defs, and cluster/: common, gcsfuse, ipcluster, local, nfs, ...
     done = subprocess.run([shellcheck(), "-x", *SHELL_FILES], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout == "", done.stdout + done.stderr
+
+
+def test_ruff_finds_nothing():
+    """`ruff check` (settings in pyproject.toml) over the repository: lint runs as part of the tests."""
+    done = subprocess.run([str(Path(sys.executable).parent / "ruff"), "check"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 # A reader that stops early (`head`, `grep -q`, `grep -m`) after a pipe: the writer's next write dies
