@@ -27,6 +27,7 @@ import heapq
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 MOE_STACK = "moe_layers"
@@ -172,7 +173,7 @@ def _stored_by_slot(params: dict, source: np.ndarray, placement: ExpertPlacement
             raise ValueError(f"a routed-expert stack of shape {w.shape} does not match the placement's "
                              f"{source.shape[0]} layers x {rows} entries")
         if w.shape[1] != source.shape[1]:  # logical -> physical: the stack grows to P entries
-            return jax.device_put(jax.jit(jax.vmap(lambda a, i: a[i]))(w, jnp.asarray(source)), w.sharding)
+            return jax.device_put(_taken(w, np.asarray(source, np.int32)), w.sharding)
         return _moved(w, source, donate)
 
     moved = {k: jax.tree.map(by_slot, stack[k]) for k in ("gate", "up", "down")}
@@ -182,17 +183,43 @@ def _stored_by_slot(params: dict, source: np.ndarray, placement: ExpertPlacement
     return {**params, MOE_STACK: {**params[MOE_STACK], "moe": {**stack, **moved, **extra}}}
 
 
+@jax.jit
+def _taken(w: jax.Array, source: jax.Array) -> jax.Array:
+    """`w [L, E, ...]`'s entry `[l, source[l, s]]` at `[l, s]`."""
+    return jax.vmap(lambda a, i: a[i])(w, source)
+
+
 def _moved(w: jax.Array, source: np.ndarray, donate: bool) -> jax.Array:
     """`w [L, P, ...]` with entry `[l, source[l, s]]` at `[l, s]`, one layer at a time, each device
     sending its slots of the layer round the devices of the expert axis (`ppermute`) and keeping the
     ones its new slots need, so no device ever gathers a whole stack. `donate`: written into `w`'s
-    own buffer layer by layer."""
+    own buffer layer by layer. The map is an argument of the programs, so a rebalance after the
+    first compiles nothing."""
     spec = tuple(w.sharding.spec) + (None,) * (w.ndim - len(w.sharding.spec))
-    axis, mesh = spec[1], w.sharding.mesh
-    names = () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
-    devices = int(np.prod([mesh.shape[name] for name in names])) if names else 1
-    per = source.shape[1] // devices
-    holder, index = jnp.asarray(source // per, jnp.int32), jnp.asarray(source % per, jnp.int32)
+    mesh = w.sharding.mesh
+    per = source.shape[1] // _ring_size(mesh, spec)
+    holder, index = (source // per).astype(np.int32), (source % per).astype(np.int32)
+    if not donate:
+        return _moved_stack(w, holder, index, mesh=mesh, spec=spec)
+    for layer in range(w.shape[0]):
+        w = _moved_layer(w, holder, index, np.int32(layer), mesh=mesh, spec=spec)
+    return w
+
+
+def _ring_names(spec: tuple) -> tuple[str, ...]:
+    """The mesh axes a stack's slots (its second dimension) are split over."""
+    axis = spec[1]
+    return () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+def _ring_size(mesh: Mesh, spec: tuple) -> int:
+    return int(np.prod([mesh.shape[name] for name in _ring_names(spec)]))
+
+
+def _ring_move(mesh: Mesh, spec: tuple):
+    """One layer's move as a `shard_map`: `(local slots, holder, index) -> new local slots`, where
+    slot `s`'s weights come from slot `index[s]` of device `holder[s]` of the expert axis."""
+    names, devices = _ring_names(spec), _ring_size(mesh, spec)
 
     def move(local: jax.Array, holder: jax.Array, index: jax.Array) -> jax.Array:
         me = jax.lax.axis_index(names) if names else 0
@@ -204,17 +231,18 @@ def _moved(w: jax.Array, source: np.ndarray, donate: bool) -> jax.Array:
                 chunk = jax.lax.ppermute(chunk, names, [(d, (d + 1) % devices) for d in range(devices)])
         return out
 
-    layer_spec, slot_spec = P(*spec[1:]), P(axis)
-    moved = jax.shard_map(move, mesh=mesh, in_specs=(layer_spec, slot_spec, slot_spec), out_specs=layer_spec)
+    layer_spec, slot_spec = P(*spec[1:]), P(spec[1])
+    return jax.shard_map(move, mesh=mesh, in_specs=(layer_spec, slot_spec, slot_spec), out_specs=layer_spec)
 
-    if not donate:
-        return jax.jit(lambda w: jnp.stack([moved(w[i], holder[i], index[i]) for i in range(w.shape[0])]),
-                       out_shardings=w.sharding)(w)
 
-    @functools.partial(jax.jit, donate_argnums=0)
-    def set_layer(w: jax.Array, layer: jax.Array) -> jax.Array:
-        return w.at[layer].set(moved(w[layer], holder[layer], index[layer]))
+@functools.partial(jax.jit, static_argnames=("mesh", "spec"))
+def _moved_stack(w: jax.Array, holder: jax.Array, index: jax.Array, *, mesh: Mesh, spec: tuple) -> jax.Array:
+    moved = _ring_move(mesh, spec)
+    out = jnp.stack([moved(w[i], holder[i], index[i]) for i in range(w.shape[0])])
+    return jax.lax.with_sharding_constraint(out, NamedSharding(mesh, P(*spec)))
 
-    for layer in range(w.shape[0]):
-        w = set_layer(w, layer)
-    return w
+
+@functools.partial(jax.jit, static_argnames=("mesh", "spec"), donate_argnums=0)
+def _moved_layer(w: jax.Array, holder: jax.Array, index: jax.Array, layer: jax.Array, *, mesh: Mesh,
+                 spec: tuple) -> jax.Array:
+    return w.at[layer].set(_ring_move(mesh, spec)(w[layer], holder[layer], index[layer]))
