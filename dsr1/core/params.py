@@ -337,6 +337,12 @@ def compute_view(params: Params, cfg: Config, mesh: Mesh) -> Params:
     return with_placement_arrays(cpu.view(logical, float_specs(cfg, mtp="mtp" in params), mesh), placement)
 
 
+def without_mtp(params: Params) -> Params:
+    """The weights without the MTP modules (`params["mtp"]`): what a program that drafts nothing
+    takes, so that it is the same program whether the model carries them or not."""
+    return {k: v for k, v in params.items() if k != "mtp"}
+
+
 PLACEMENT = ("replicas", "replica_counts")  # a redundant-expert placement's map (`dsr1.core.eplb`)
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..core.params import without_mtp
 from ..core.sharding import put_replicated, to_host
 from . import decoding
 from .output import (
@@ -136,8 +137,9 @@ def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | N
                                                   **model.program_kwargs, max_len=max_len,
                                                   kv_cache_dtype=model.kv_cache_dtype, draft_tokens=draft_tokens)
     else:
-        state, first = decoding.generate_start(model.params, tokens, lengths, arrays, rule_rows, **model.program_kwargs,
-                                               max_len=max_len, kv_cache_dtype=model.kv_cache_dtype)
+        state, first = decoding.generate_start(without_mtp(model.params), tokens, lengths, arrays, rule_rows,
+                                               **model.program_kwargs, max_len=max_len,
+                                               kv_cache_dtype=model.kv_cache_dtype)
     chunk = to_host(first)[:, None]
     prefill_seconds = time.perf_counter() - start
     chunks, steady_start, steady_from = 0, time.perf_counter(), 0
@@ -153,7 +155,7 @@ def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | N
                                                     steps=max(1, chunk_size // (draft_tokens + 1)),
                                                     draft_tokens=draft_tokens)
         else:
-            state, out = decoding.generate_chunk(model.params, state, arrays, **model.program_kwargs,
+            state, out = decoding.generate_chunk(without_mtp(model.params), state, arrays, **model.program_kwargs,
                                                  steps=chunk_size)
         chunk = to_host(out)
         chunks += 1

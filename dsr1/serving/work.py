@@ -30,6 +30,7 @@ import numpy as np
 
 from ..api import Model
 from ..core.eplb import ExpertPlacement, moved_to, placement_of
+from ..core.params import without_mtp
 from ..core.sharding import put_replicated, to_host
 from ..generation.sampling import (
     KEY_IMPL,
@@ -176,7 +177,7 @@ class DeviceRunner:
             return self._serve_drafts(packed_rows, table, steps, decode, masks)
         with jax.named_scope("serve"):
             tokens, self.pool.cache, self.state = step.serve_step(
-                self.model.params, self.pool.cache, self.state, packed_rows, table, masks, steps=steps,
+                without_mtp(self.model.params), self.pool.cache, self.state, packed_rows, table, masks, steps=steps,
                 prompt_logprobs=prompt_logprobs, **self.model.program_kwargs)
         return tokens
 
