@@ -128,6 +128,7 @@ def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | N
     rule_rows = put_replicated(host_token_rules(settings), model.mesh)
     rows = [RowOutput(tokenizer, s) for s in settings]
     thinking = [opens_thinking(p, tokenizer) for p in encoded]
+    plain = without_mtp(model.params)  # what the programs that draft nothing take
 
     start = time.perf_counter()
     if draft_tokens:
@@ -137,7 +138,7 @@ def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | N
                                                   **model.program_kwargs, max_len=max_len,
                                                   kv_cache_dtype=model.kv_cache_dtype, draft_tokens=draft_tokens)
     else:
-        state, first = decoding.generate_start(without_mtp(model.params), tokens, lengths, arrays, rule_rows,
+        state, first = decoding.generate_start(plain, tokens, lengths, arrays, rule_rows,
                                                **model.program_kwargs, max_len=max_len,
                                                kv_cache_dtype=model.kv_cache_dtype)
     chunk = to_host(first)[:, None]
@@ -155,7 +156,7 @@ def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | N
                                                     steps=max(1, chunk_size // (draft_tokens + 1)),
                                                     draft_tokens=draft_tokens)
         else:
-            state, out = decoding.generate_chunk(without_mtp(model.params), state, arrays, **model.program_kwargs,
+            state, out = decoding.generate_chunk(plain, state, arrays, **model.program_kwargs,
                                                  steps=chunk_size)
         chunk = to_host(out)
         chunks += 1
