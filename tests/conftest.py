@@ -6,6 +6,7 @@ import atexit
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -60,6 +61,9 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if item.get_closest_marker("extended") and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
+    root = Path(__file__).parents[1]
+    if missing := [path for path in LONGEST_FIRST if not (root / path).exists()]:
+        raise pytest.UsageError(f"tests/conftest.py: LONGEST_FIRST names files that do not exist: {missing}")
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
     if config.pluginmanager.hasplugin("xdist"):
