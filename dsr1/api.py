@@ -71,7 +71,7 @@ class Model:
         """This model with redundant experts (`dsr1.core.eplb`): the routed-expert stacks stored by the
         placement's physical slots, each (token, expert) pair sent to one copy. Tokens are unchanged.
         A model that holds a placement already moves its experts to the new one (same number of slots)."""
-        devices = self.mesh.shape[self.rules.experts] if self.rules.experts else 1
+        devices = self.rules.devices(self.mesh, "experts")
         if devices == 1:
             raise ValueError("redundant experts balance the devices of the expert axis: this mesh has one")
         if placement.devices != devices:
@@ -82,7 +82,7 @@ class Model:
     def with_redundant_experts(self, redundant: int) -> Model:
         """This model with `redundant` more expert slots per MoE layer, placed for an even load (a
         serving engine places them again from the routing it counts: `Engine(rebalance_every=...)`)."""
-        devices = self.mesh.shape[self.rules.experts] if self.rules.experts else 1
+        devices = self.rules.devices(self.mesh, "experts")
         even = np.ones((self.cfg.num_moe_layers, self.cfg.n_routed_experts))
         return self.with_expert_placement(eplb_balance(even, devices, redundant))
 

@@ -283,7 +283,7 @@ def abstract_cache(cfg: Config, mesh: Mesh, batch: int, max_len: int, dtype: Any
 def row_split(mesh: Mesh, rules: ShardingRules) -> int:
     """Into how many shares the rows (and their decode cache) are split: the data-parallel ranks, or 1
     (the serving step's page pool may also split each row's positions: `cache.pool_axes`)."""
-    return mesh.shape[rules.batch] if rules.batch is not None else 1
+    return rules.devices(mesh, "batch")
 
 
 def device_bytes(tree: Any) -> int:

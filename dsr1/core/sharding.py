@@ -70,6 +70,11 @@ class ShardingRules:
             raise ValueError(f"no sharding rule for logical axis {logical!r}")
         return getattr(self, logical)
 
+    def devices(self, mesh: Mesh, logical: str) -> int:
+        """Over how many devices of `mesh` a logical axis is split (1: not split)."""
+        axis = self.mesh_axis(logical)
+        return 1 if axis is None else mesh.shape[axis]
+
     def spec(self, axes: LogicalAxes) -> P:
         """The PartitionSpec of an array whose dimensions carry these logical axes. Two dimensions
         mapped to one mesh axis would be split twice over the same devices: that is an error."""

@@ -527,8 +527,7 @@ class Engine:
 def data_parallel_ranks(model: Model) -> int:
     """The attention data-parallel ranks of `model`'s layout: the devices of its rows' mesh axis
     (`ShardingRules.batch`), 1 when rows are not split."""
-    axis = model.rules.batch
-    return 1 if axis is None else model.mesh.shape[axis]
+    return model.rules.devices(model.mesh, "batch")
 
 
 def _check_draft_tokens(model: Model, draft_tokens: int) -> None:
