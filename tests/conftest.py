@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -23,9 +24,15 @@ def pytest_configure(config) -> None:
     notebook cells under another numbering). Per run, so nothing stale from an earlier checkout is
     read; removed at exit. The pytest workers read it and write to it too, but only programs that
     took half a second or more to compile: the quick tier's many small ones cost more to write than
-    another process saves by reading them."""
+    another process saves by reading them. Python writes the bytecode of what this run imports
+    (`$PYTHONDONTWRITEBYTECODE` dropped for it and its subprocesses): CI installs with
+    `pip install --no-compile`, as compiling every file of torch, transformers and Jupyter ahead
+    costs more than the run's imports, and without bytecode written each of the run's processes
+    would compile its imports again."""
     import jax
 
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    sys.dont_write_bytecode = False
     flags = os.environ.get("XLA_FLAGS", "")
     if "--xla_backend_optimization_level" not in flags:  # the caller's own level wins
         os.environ["XLA_FLAGS"] = " ".join([*COMPILE_FLAGS, flags]).strip()
