@@ -15,6 +15,15 @@ from .harness import COMPILE_FLAGS, Fixture, build_fixture
 from .reference import CONFIGS
 
 
+def _write_bytecode() -> None:
+    """Python writes the bytecode of what this run imports, here and in every process it starts
+    (`$PYTHONDONTWRITEBYTECODE` dropped): CI installs with `pip install --no-compile`, since compiling
+    every file of torch, transformers and Jupyter ahead costs more than the run's imports, and
+    without bytecode written each of the run's processes would compile its imports again."""
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    sys.dont_write_bytecode = False
+
+
 def pytest_configure(config) -> None:
     """XLA's quicker compilation (`harness.COMPILE_FLAGS`) for this pytest, its subprocesses,
     notebook kernels and simulated clusters (which keep the caller's XLA flags). One JAX
@@ -24,15 +33,10 @@ def pytest_configure(config) -> None:
     notebook cells under another numbering). Per run, so nothing stale from an earlier checkout is
     read; removed at exit. The pytest workers read it and write to it too, but only programs that
     took half a second or more to compile: the quick tier's many small ones cost more to write than
-    another process saves by reading them. Python writes the bytecode of what this run imports
-    (`$PYTHONDONTWRITEBYTECODE` dropped for it and its subprocesses): CI installs with
-    `pip install --no-compile`, as compiling every file of torch, transformers and Jupyter ahead
-    costs more than the run's imports, and without bytecode written each of the run's processes
-    would compile its imports again."""
+    another process saves by reading them."""
     import jax
 
-    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-    sys.dont_write_bytecode = False
+    _write_bytecode()
     flags = os.environ.get("XLA_FLAGS", "")
     if "--xla_backend_optimization_level" not in flags:  # the caller's own level wins
         os.environ["XLA_FLAGS"] = " ".join([*COMPILE_FLAGS, flags]).strip()
