@@ -17,7 +17,7 @@ from dsr1.workbench import profiling
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--logdir", required=True)
+    parser.add_argument("--logdir", help="where to keep the trace (default: a temporary folder, removed)")
     args = parser.parse_args()
     model = dsr1.init_random(dsr1.Config.preset("tiny"))
     p = profiling.profile_decode(model, batch=2, batches=(1, 2), context=16, steps=4, copy_bytes=32 * 2**20,

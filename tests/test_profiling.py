@@ -42,12 +42,15 @@ def test_block_times_are_per_device_and_per_step():
 
 @pytest.mark.slow
 def test_profile_decode(tmp_path):
-    """`profile_decode` and its plot, in a process of their own (see tests/profiling_worker.py)."""
+    """`profile_decode` and its plot, in a process of their own (see tests/profiling_worker.py). Given
+    no folder for the trace, it leaves none behind."""
     from .harness import subprocess_env
 
-    done = subprocess.run([sys.executable, "-m", "tests.profiling_worker", f"--logdir={tmp_path}"],
-                          env=subprocess_env(1), capture_output=True, text=True, timeout=900)
+    env = subprocess_env(1) | {"TMPDIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "tests.profiling_worker"],
+                          env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert not list(tmp_path.glob("dsr1-trace-*"))
     *summary, figures = done.stdout.strip().splitlines()
     print("\n" + "\n".join(summary))
     p = json.loads(figures)

@@ -96,13 +96,24 @@ def _scope_of_ops(hlo_text: str) -> dict[str, str]:
 def time_by_block(model: Model, batch: int, context: int, steps: int,
                   logdir: str | Path | None = None) -> tuple[dict[str, float], float]:
     """Device time per decode step by model block, per device, from a `jax.profiler` trace of `steps`
-    steps (`per_device_block_ms`), and the wall time per step while the trace ran (ms)."""
+    steps (`per_device_block_ms`), and the wall time per step while the trace ran (ms). The trace is
+    kept in `logdir` when one is given (for TensorBoard or Perfetto); otherwise it is removed."""
     cache = random_cache(model, batch, context, context + steps + 2)
     tokens = put_replicated(np.ones(batch, np.int32), model.mesh)
     hlo = programs.decode.lower(model.params, cache, tokens, **model.program_kwargs).compile().as_text()
     blocks = _scope_of_ops(hlo)
     _, cache = model.decode(cache, tokens)  # compile the jitted path too
-    logdir = Path(logdir or tempfile.mkdtemp(prefix="dsr1-trace-"))
+    if logdir is None:
+        with tempfile.TemporaryDirectory(prefix="dsr1-trace-") as tmp:
+            events, wall_ms = _trace_decode(model, cache, tokens, steps, Path(tmp))
+    else:
+        events, wall_ms = _trace_decode(model, cache, tokens, steps, Path(logdir))
+    return per_device_block_ms(events, blocks, steps, _local_devices(model)), wall_ms
+
+
+def _trace_decode(model: Model, cache, tokens, steps: int, logdir: Path) -> tuple[list[dict], float]:
+    """The trace events of `steps` decode steps, written to and read back from `logdir`, and the wall
+    time per step while the trace ran (ms)."""
     with jax.profiler.trace(str(logdir), create_perfetto_trace=True):
         start = time.perf_counter()
         for _ in range(steps):
@@ -112,8 +123,7 @@ def time_by_block(model: Model, batch: int, context: int, steps: int,
     trace = max(logdir.glob("**/*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
     with gzip.open(trace, "rt") as f:
         events = json.load(f)
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    return per_device_block_ms(events, blocks, steps, _local_devices(model)), wall_ms
+    return (events["traceEvents"] if isinstance(events, dict) else events), wall_ms
 
 
 def per_device_block_ms(events: list[dict], blocks: dict[str, str], steps: int, devices: int) -> dict[str, float]:
