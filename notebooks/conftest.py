@@ -41,8 +41,12 @@ def _setup(*args: str) -> None:
 
 
 def _stop() -> None:
+    """Stop the notebook's cluster and remove its state folder, unless one of its cells failed: then
+    the engines' logs stay there to read."""
     if _running.pop("notebook", None) is not None:
         _setup("--stop")
+        if _running.pop("failed", None) is None:
+            shutil.rmtree(os.environ["MCJAX_STATE"], ignore_errors=True)
 
 
 def _free_port() -> int:
@@ -85,6 +89,15 @@ def pytest_runtest_setup(item) -> None:
     notebook = Path(str(item.fspath))
     if notebook.suffix == ".ipynb" and _running.get("notebook") != notebook:
         _start(notebook)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed cell's report says where its cluster's logs are kept (`_stop`)."""
+    report = (yield).get_result()
+    if report.failed and Path(str(item.fspath)).suffix == ".ipynb":
+        _running["failed"] = Path(str(item.fspath))
+        report.sections.append(("cluster", f"the cluster's state and logs are kept in {os.environ['MCJAX_STATE']}"))
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
