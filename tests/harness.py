@@ -96,10 +96,12 @@ def relative_error(ours: np.ndarray, ref: np.ndarray) -> float:
 
 # XLA:CPU compiles the tests' many small programs in about three quarters of the time without
 # LLVM's optimizations, and in half again with its older loop emitters in place of the MLIR fusion
-# emitters; numerics are unchanged (no fast-math). A test whose programs run long (the eight-device
+# emitters; numerics are unchanged (no fast-math). One LLVM module per program, not split into
+# parts compiled on threads: the split adds work that its threads repay only on idle cores, and a
+# run with a test worker per core has none. A test whose programs run long (the eight-device
 # expert loops, which level 0 slows more than it saves) pass `optimized=True`: level 1.
 COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
-                 "--xla_cpu_use_fusion_emitters=false")
+                 "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1")
 
 
 def xla_flags(devices: int | None = None, optimized: bool = False) -> str:
