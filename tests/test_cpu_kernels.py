@@ -3,9 +3,11 @@ cache, and the einsums that read weights laid out for it (`layouts.kernel_layout
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -312,6 +314,21 @@ def test_rows_dot_names_what_is_wrong():
         cpu_kernels.rows_dot(jnp.zeros((1, 8)), jnp.zeros((4, 6, 8), jnp.int8), 0, jnp.int32(1))
 
 
+def _stand_in_compiler(tmp_path, monkeypatch, seconds: float = 0) -> Path:
+    """A compiler for `cpu_kernels._build` that takes `seconds`, writes an empty output, and logs each
+    build to the file returned; the cache is `tmp_path / "cache"`."""
+    compiler, log = tmp_path / "stand-in-c++", tmp_path / "builds.log"
+    compiler.write_text('#!/bin/sh\n[ "$1" = --version ] && { echo "stand-in $VERSION"; exit 0; }\n'
+                        f'sleep {seconds}\n'
+                        'while [ $# -gt 0 ]; do [ "$1" = -o ] && { echo "$2" >> "$LOG"; : > "$2"; }; shift; done\n')
+    compiler.chmod(0o755)
+    monkeypatch.setenv("DSR1_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(compiler))
+    monkeypatch.setenv("LOG", str(log))
+    monkeypatch.setenv("VERSION", "1")
+    return log
+
+
 @pytest.mark.slow
 def test_switch_off_and_build_cache(tmp_path, monkeypatch):
     """`DSR1_CPU_KERNELS=0` turns the kernel off; a build lands in `$DSR1_KERNEL_CACHE` under a name
@@ -325,14 +342,7 @@ def test_switch_off_and_build_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # nor g++ / c++
     assert cpu_kernels._build() is None
     monkeypatch.undo()
-    compiler, log = tmp_path / "stand-in-c++", tmp_path / "builds.log"
-    compiler.write_text('#!/bin/sh\n[ "$1" = --version ] && { echo "stand-in $VERSION"; exit 0; }\n'
-                        'while [ $# -gt 0 ]; do [ "$1" = -o ] && { echo "$2" >> "$LOG"; : > "$2"; }; shift; done\n')
-    compiler.chmod(0o755)
-    monkeypatch.setenv("DSR1_KERNEL_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("CXX", str(compiler))
-    monkeypatch.setenv("LOG", str(log))
-    monkeypatch.setenv("VERSION", "1")
+    log = _stand_in_compiler(tmp_path, monkeypatch)
     library = cpu_kernels._build()
     if library is None:
         pytest.skip("not an x86-64 CPU: no kernel build")
@@ -346,6 +356,18 @@ def test_switch_off_and_build_cache(tmp_path, monkeypatch):
     assert other != library and sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(
         [library.name, other.name])
     assert len(log.read_text().splitlines()) == 2
+
+
+def test_builds_starting_together_compile_once(tmp_path, monkeypatch):
+    """Processes that start together on a host (a local cluster's) build the library once: the first
+    holds the cache's lock while it compiles, the others wait and load its library."""
+    log = _stand_in_compiler(tmp_path, monkeypatch, seconds=0.5)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:  # separate opens: flock's locks exclude each other
+        built = list(pool.map(lambda _: cpu_kernels._build(), range(3)))
+    if built[0] is None:
+        pytest.skip("not an x86-64 CPU: no kernel build")
+    assert len(set(built)) == 1 and len(log.read_text().splitlines()) == 1
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [built[0].name]  # no temporary left behind
 
 
 @pytest.mark.parametrize("spec,expected", [

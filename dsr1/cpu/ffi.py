@@ -23,6 +23,7 @@ products with XLA's own operations. Which devices the kernels serve is `dsr1.cpu
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -311,8 +312,8 @@ def _registered() -> ctypes.CDLL | None:
 
 def _build(extra_flags: tuple[str, ...] = ()) -> Path | None:
     """The compiled library for this CPU, built into the cache if not there yet (None: no compiler, or
-    not an x86-64 CPU with AVX2). Written to a temporary file, then renamed: processes racing build it
-    alike. `extra_flags` (tests: `-mno-avx512f` builds the AVX2 variant on an AVX-512 CPU)."""
+    not an x86-64 CPU with AVX2). Built once under the cache's lock (`_cache_lock`), into a temporary
+    folder, then renamed into place. `extra_flags` (tests: `-mno-avx512f` builds the AVX2 variant on an AVX-512 CPU)."""
     compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
     if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
         return None
@@ -326,7 +327,9 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Path | None:
     if library.exists():
         return library
     cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+    with _cache_lock(cache), tempfile.TemporaryDirectory(dir=cache) as tmp:
+        if library.exists():  # built by another process while this one waited for the lock
+            return library
         for name, text in sources.items():
             (Path(tmp) / name).write_bytes(text)
         built = Path(tmp) / library.name
@@ -337,6 +340,34 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Path | None:
             raise OSError(f"{compiler} failed on {', '.join(sources)}: {result.stderr[-2000:]}")
         os.replace(built, library)
     return library
+
+
+@contextlib.contextmanager
+def _cache_lock(cache: Path):
+    """Hold the cache folder's lock: processes that start together on one host (a local cluster, a
+    pytest and its subprocesses) build once, the others waiting for the first's library instead of
+    each compiling it. Where the lock cannot be taken (no `flock`, or a file system that refuses it)
+    each builds its own, as they would without it; the rename keeps that safe."""
+    fd = _locked(cache)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # which releases the lock
+
+
+def _locked(folder: Path) -> int | None:
+    try:
+        import fcntl  # POSIX only
+        fd = os.open(folder, os.O_RDONLY)
+    except (ImportError, OSError):
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def _cpu_flags() -> str:
