@@ -313,7 +313,8 @@ def _registered() -> ctypes.CDLL | None:
 def _build(extra_flags: tuple[str, ...] = ()) -> Path | None:
     """The compiled library for this CPU, built into the cache if not there yet (None: no compiler, or
     not an x86-64 CPU with AVX2). Built once under the cache's lock (`_cache_lock`), into a temporary
-    folder, then renamed into place. `extra_flags` (tests: `-mno-avx512f` builds the AVX2 variant on an AVX-512 CPU)."""
+    folder, then renamed into place. `extra_flags` (tests: `-mno-avx512f` builds the AVX2 variant on
+    an AVX-512 CPU)."""
     compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
     if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
         return None
@@ -357,6 +358,7 @@ def _cache_lock(cache: Path):
 
 
 def _locked(folder: Path) -> int | None:
+    """An open descriptor of `folder` holding its exclusive `flock` (None where that cannot be had)."""
     try:
         import fcntl  # POSIX only
         fd = os.open(folder, os.O_RDONLY)
