@@ -328,18 +328,20 @@ def _build(extra_flags: tuple[str, ...] = ()) -> Path | None:
     if library.exists():
         return library
     cache.mkdir(parents=True, exist_ok=True)
-    with _cache_lock(cache), tempfile.TemporaryDirectory(dir=cache) as tmp:
+    with _cache_lock(cache):
         if library.exists():  # built by another process while this one waited for the lock
             return library
-        for name, text in sources.items():
-            (Path(tmp) / name).write_bytes(text)
-        built = Path(tmp) / library.name
-        result = subprocess.run([compiler, *flags, *sources, "-o", str(built)], capture_output=True, text=True, cwd=tmp)
-        if result.returncode != 0:
-            if "rows_dot kernel needs" in result.stderr:  # a CPU without AVX2
-                return None
-            raise OSError(f"{compiler} failed on {', '.join(sources)}: {result.stderr[-2000:]}")
-        os.replace(built, library)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            for name, text in sources.items():
+                (Path(tmp) / name).write_bytes(text)
+            built = Path(tmp) / library.name
+            result = subprocess.run([compiler, *flags, *sources, "-o", str(built)], capture_output=True, text=True,
+                                    cwd=tmp)
+            if result.returncode != 0:
+                if "rows_dot kernel needs" in result.stderr:  # a CPU without AVX2
+                    return None
+                raise OSError(f"{compiler} failed on {', '.join(sources)}: {result.stderr[-2000:]}")
+            os.replace(built, library)
     return library
 
 
