@@ -22,9 +22,10 @@ from .core.cache import KVCache, check_kv_cache_dtype
 from .core.config import Config
 from .core.eplb import ExpertPlacement, moved_to, placement_of, with_placement
 from .core.eplb import balance as eplb_balance
-from .core.params import Params, compute_view, init_params
+from .core.params import Params, init_params
 from .core.quant import Int8Weight, check_quant
 from .core.sharding import DEFAULT_RULES, ShardingRules, make_mesh, put_replicated, to_host
+from .cpu import loading as cpu_loading
 from .generation.tokenizer import Tokenizer, checkpoint_tokenizer
 from .weights.loading import load_params
 
@@ -163,8 +164,8 @@ def init_random(cfg: Config, *, seed: int = 0, mesh: Mesh | None = None, dtype: 
     mesh, dtype = _resolve(mesh, dtype)
     if mtp and not cfg.num_nextn_predict_layers:
         raise ValueError("init_random(mtp=True) needs a config with num_nextn_predict_layers > 0")
-    params = compute_view(init_params(cfg, mesh, rules, seed=seed, dtype=dtype, quant=quant, mtp=mtp), cfg, mesh)
-    return Model(cfg, cpu.held(params, mesh), mesh, kv_cache_dtype, rules)
+    params = cpu.prepare(init_params(cfg, mesh, rules, seed=seed, dtype=dtype, quant=quant, mtp=mtp), cfg, mesh)
+    return Model(cfg, params, mesh, kv_cache_dtype, rules)
 
 
 def load(path: str | Path, *, mesh: Mesh | None = None, dtype: Any = "bfloat16", quant: str | None = None,
@@ -186,7 +187,8 @@ def load(path: str | Path, *, mesh: Mesh | None = None, dtype: Any = "bfloat16",
     """
     mesh, dtype = _resolve(mesh, dtype)
     cfg = Config.from_hf(path)
-    params, read = load_params(path, cfg, mesh, rules, dtype, quant=check_quant(quant), mtp=mtp, progress=progress)
+    params, read = load_params(path, cfg, mesh, rules, dtype, quant=check_quant(quant), mtp=mtp, progress=progress,
+                               host=cpu_loading.host_layout(mesh))
     log.info("loaded %s: read %s", path, read, extra={"throughput": read})
-    params = cpu.held(compute_view(params, cfg, mesh), mesh)
+    params = cpu.prepare(params, cfg, mesh)
     return Model(cfg, params, mesh, kv_cache_dtype, rules, checkpoint_tokenizer(path))

@@ -179,11 +179,11 @@ def test_load_reports_the_bytes_it_read(tmp_path, tensors, caplog):
 def test_loaded_transposed_copies_are_the_transposes_and_the_view_is_complete(tmp_path):
     """On CPU the loader writes each layer's `[..., out, in]` copy as it reads it (FP8 experts
     dequantized by threads): every copy is the transpose of its bits, and the compute view is the one
-    `compute_view` makes of the same weights (same leaves, same copies)."""
+    `dsr1.cpu.view` makes of the same weights (same leaves, same copies)."""
     import jax
 
+    from dsr1 import cpu
     from dsr1.bench.loading import write_fp8_checkpoint
-    from dsr1.core.params import compute_view
     from dsr1.cpu import Bf16Bits
 
     cfg = dsr1.Config.preset("tiny")
@@ -196,7 +196,7 @@ def test_loaded_transposed_copies_are_the_transposes_and_the_view_is_complete(tm
         np.testing.assert_array_equal(np.asarray(w.transposed), np.swapaxes(np.asarray(w.bits), -1, -2))
     plain = jax.tree.map(lambda w: jax.numpy.asarray(np.asarray(w)) if isinstance(w, Bf16Bits) else w, model.params,
                          is_leaf=lambda x: isinstance(x, Bf16Bits))
-    again = compute_view(plain, cfg, model.mesh)
+    again = cpu.view(plain, cfg, model.mesh)
     assert jax.tree.structure(again) == jax.tree.structure(model.params)
     for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(model.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -19,7 +19,6 @@ from dsr1.core import attention, products
 from dsr1.core import model as core
 from dsr1.core.attention import DECODE_PRODUCTS
 from dsr1.core.cache import PagedKVCache
-from dsr1.core.params import compute_view
 from dsr1.cpu import ffi as cpu_kernels
 from dsr1.cpu import layouts
 
@@ -647,7 +646,7 @@ def test_decode_attention_by_the_kernel_equals_xlas(kv_cache_dtype):
     tokens = np.random.default_rng(0).integers(2, cfg.vocab_size, (3, 6))
     _, cache = model.prefill(tokens, lengths=np.array([6, 2, 4]), max_len=9)
     assert (cache.c_scale is not None) == (kv_cache_dtype == "int8")
-    p = jax.tree.map(lambda a: a[1], compute_view(model.params, cfg, model.mesh)["moe_layers"])
+    p = jax.tree.map(lambda a: a[1], model.params["moe_layers"])
     x = jnp.asarray(np.random.default_rng(1).standard_normal((3, cfg.hidden_size)), jnp.bfloat16)
 
     def attend(one_device: bool):
@@ -690,7 +689,7 @@ def test_paged_decode_attention_by_the_kernel_equals_contiguous(kv_cache_dtype):
     tokens = np.random.default_rng(0).integers(2, cfg.vocab_size, (3, 6))
     _, cache = model.prefill(tokens, lengths=np.array([6, 2, 4]), max_len=9)
     pool, table = _paged_cache(cache, page_size=3)
-    p = jax.tree.map(lambda a: a[1], compute_view(model.params, cfg, model.mesh)["moe_layers"])
+    p = jax.tree.map(lambda a: a[1], model.params["moe_layers"])
     x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 2, cfg.hidden_size)), jnp.bfloat16)
 
     def extend(one_device: bool, chunk: int = 1):
@@ -820,10 +819,11 @@ def test_backend_is_chosen_by_the_mesh_devices_platform(monkeypatch):
     assert cpu.enabled(mesh) == cpu_kernels.available()
     monkeypatch.setenv("DSR1_CPU_KERNELS", "0")
     assert not cpu.enabled(mesh)
-    # The model's choices for a TPU mesh: the grouped-matmul experts, the XLA attention path, no layouts.
+    # The model's choices for a TPU mesh: the grouped-matmul experts; the attention kernel is the
+    # backend's that holds the weights (none here: XLA's, `test_disabled_backend_holds_weights_as_their_dtype`).
     from dsr1.core import moe
     assert moe.default_kernel(8, 256, "tpu") is moe.grouped_experts
-    assert attention.kernel_choice(mesh, True) == ("cpu", False)
+    assert attention.kernel_choice(mesh, True) == ("cpu", True)
 
 
 @pytest.mark.slow
@@ -833,6 +833,7 @@ def test_disabled_backend_holds_weights_as_their_dtype(monkeypatch):
     device buffers they are) equal the declared shapes times their itemsize."""
     import dsr1
     from dsr1 import cpu
+    from dsr1.core.backend import XLA, backend_of
     from dsr1.core.params import is_spec, param_specs
 
     monkeypatch.setenv("DSR1_CPU_KERNELS", "0")
@@ -840,7 +841,8 @@ def test_disabled_backend_holds_weights_as_their_dtype(monkeypatch):
     for quant in (None, "int8"):
         model = dsr1.init_random(cfg, quant=quant, mtp=True)
         leaves = jax.tree.leaves(model.params)
-        assert not any(cpu.holds(w) for w in jax.tree.leaves(model.params, is_leaf=cpu.holds))
+        assert not any(cpu.is_laid(w) for w in jax.tree.leaves(model.params, is_leaf=cpu.is_laid))
+        assert backend_of(model.params) is XLA  # the core computes every product with XLA
         declared = sum(math.prod(s.shape) * jnp.dtype(s.dtype or jnp.bfloat16).itemsize
                        for s in jax.tree.leaves(param_specs(cfg, quant, mtp=True), is_leaf=is_spec))
         assert sum(w.nbytes for w in leaves) == declared
@@ -849,5 +851,6 @@ def test_disabled_backend_holds_weights_as_their_dtype(monkeypatch):
     monkeypatch.setenv("DSR1_CPU_KERNELS", "1")
     if cpu_kernels.available():  # the backend's layouts hold more: the copies its kernels read
         model = dsr1.init_random(cfg)
-        laid = [w for w in jax.tree.leaves(model.params, is_leaf=cpu.holds) if cpu.holds(w)]
+        laid = [w for w in jax.tree.leaves(model.params, is_leaf=cpu.is_laid) if cpu.is_laid(w)]
+        assert backend_of(model.params) is cpu.CPU
         assert laid and sum(w.nbytes for w in laid) > sum(w.bits.nbytes for w in laid if isinstance(w, cpu.Bf16Bits))

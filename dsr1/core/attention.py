@@ -29,8 +29,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from .. import cpu
 from . import flash_decode, paged_attention, products
+from .backend import backend_of
 from .cache import KVCache, PagedKVCache, latent_values, local_pages, pool_axes, pool_specs, read_rank_pages
 from .config import Config
 from .layers import rms_norm
@@ -40,7 +40,7 @@ from .sharding import DEFAULT_RULES, ShardingRules
 NEG_INF = -1e30  # a large finite negative: fully masked rows stay NaN-free
 
 # The decode products of the attention weights (q up-projection, absorbed W_UK and W_UV, o), which the
-# CPU backend computes from copies laid out for them (`dsr1.cpu.layouts`).
+# CPU backend computes from copies laid out for them (`dsr1.core.backend`).
 DECODE_PRODUCTS = {"q_b": "btq,qhk->bthk", "wk_b": "bthn,hnr->bthr", "wv_b": "bhtr,hvr->bhtv", "o": "bhtv,hvd->btd"}
 
 
@@ -189,7 +189,7 @@ def attend_cached(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache, l
     here; the caller writes the returned `(c_kv [B, T, r], k_pe [B, T, rope])` once for all layers.
     `query_at [B]`: only row b's token `query_at[b]` queries (out `[B, 1, D]`); all T latents are
     still returned (the MTP catch-up needs the others' latents, not their outputs). `one_device`: the
-    cache is whole on one device, so the CPU backend's kernel may attend (`_kernel_attends`). `mesh`:
+    cache is whole on one device, so a backend's kernel may attend (`_kernel_attends`). `mesh`:
     the devices the step runs on, which choose the attention kernel (`kernel_choice`); by default
     JAX's default backend and `one_device`.
     """
@@ -208,7 +208,7 @@ def attend_cached(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache, l
         q = make_query(p, q_nope, q_pe, absorbed=True)
         own = make_keys(p, c_new, None, pe_new, absorbed=True, dtype=dt)
         platform, one_device = kernel_choice(mesh, one_device)
-        if query_at is None and _kernel_attends(cache, t, one_device):
+        if query_at is None and _kernel_attends(p, cache, t, one_device):
             return _attend_by_kernel(p, q, own, cache, layer, cache.lengths, dt, cfg), (c_new, pe_new)
         if flash_decode.applies(q.main.shape[2], q.main.shape[3], q.pe.shape[3], t, cache.c_kv.dtype,
                                 cache.c_scale is not None, backend=platform,
@@ -229,28 +229,30 @@ CACHE_BLOCK = 256  # cached positions per step of `_fold_cache`; a cache of at m
 
 def kernel_choice(mesh: Mesh | None, one_device: bool) -> tuple[str | None, bool]:
     """The platform whose attention kernels a step on `mesh` may take (None: JAX's default backend),
-    and whether the CPU backend's kernel may attend: `one_device` without a mesh, else a mesh of one
-    device where the backend runs (`dsr1.cpu.enabled`)."""
+    and whether the cache is whole on one device (so a backend's kernel may attend: `one_device`
+    without a mesh, else a mesh of one device)."""
     if mesh is None:
         return None, one_device
-    return mesh.devices.flat[0].platform, mesh.size == 1 and cpu.enabled(mesh)
+    return mesh.devices.flat[0].platform, mesh.size == 1
 
 
-def _kernel_attends(cache: KVCache | PagedKVCache, queries: int, one_device: bool) -> bool:
-    """Whether the CPU backend computes a decode step's attention (`dsr1.cpu.attends`): its kernel
-    takes every cache length in one softmax, as `_cache_softmax` (the XLA path folds caches of more
-    than `CACHE_BLOCK` positions, and page pools a block of pages at a time)."""
-    return cpu.attends(cache.c_kv, cache.c_scale, cache.k_pe, queries, one_device)
+def _kernel_attends(p: dict, cache: KVCache | PagedKVCache, queries: int, one_device: bool) -> bool:
+    """Whether the backend holding the layer's weights `p` computes a decode step's attention
+    (`Backend.attends`): its kernel takes every cache length in one softmax, as `_cache_softmax` (the
+    XLA path folds caches of more than `CACHE_BLOCK` positions, and page pools a block of pages at a
+    time)."""
+    return backend_of(p).attends(cache, queries, one_device)
 
 
 def _attend_by_kernel(p: dict, q: Query, own: Keys, cache: KVCache | PagedKVCache, layer: jax.Array,
                       lengths: jax.Array, dtype: jnp.dtype, cfg: Config,
                       page_table: jax.Array | None = None) -> jax.Array:
     """The attention output `[B, 1, D]` of one absorbed query per row against `lengths[b]` cached
-    positions of `layer` (a page pool: through `page_table`) and its own key `own`, by dsr1's CPU
-    kernel (`_kernel_attends`)."""
-    ctx = cpu.decode_attention(q.main[:, 0], q.pe[:, 0], cache.c_kv, cache.k_pe, layer, lengths, own.values[:, 0],
-                               own.pe[:, 0], cfg.softmax_scale, page_table=page_table, c_scale=cache.c_scale)
+    positions of `layer` (a page pool: through `page_table`) and its own key `own`, by the kernel of
+    the backend holding `p` (`_kernel_attends`)."""
+    ctx = backend_of(p).decode_attention(q.main[:, 0], q.pe[:, 0], cache.c_kv, cache.k_pe, layer, lengths,
+                                         own.values[:, 0], own.pe[:, 0], cfg.softmax_scale, page_table=page_table,
+                                         c_scale=cache.c_scale)
     return attention_output(p, ctx[:, :, None], absorbed=True, dtype=dtype)
 
 
@@ -489,7 +491,7 @@ def attend_extend(p: dict, x: jax.Array, positions: jax.Array, context: PagedCon
     The new tokens' latents join the softmax directly (the pool is only read here); the caller writes
     the returned `(c_kv [B, T, r], k_pe [B, T, rope])` for all layers at once. `absorbed` picks the
     form (see `use_absorbed`). `one_device`: the pool is whole on one device, so with one new token per
-    row the CPU backend's kernel may attend (`_kernel_attends`); `mesh`: see `attend_cached`; on TPU
+    row a backend's kernel may attend (`_kernel_attends`); `mesh`: see `attend_cached`; on TPU
     (absorbed) the ragged paged kernel reads the pages, its heads split as `rules` split them.
     Returns `(out [B, T, D], (c_kv, k_pe))`.
     """
@@ -498,7 +500,7 @@ def attend_extend(p: dict, x: jax.Array, positions: jax.Array, context: PagedCon
         c_new, pe_new = latents(p, x, positions, cfg)
         dt = q_nope.dtype
         q = make_query(p, q_nope, q_pe, absorbed)
-        if absorbed and _kernel_attends(context.cache, x.shape[1], kernel_choice(mesh, one_device)[1]):
+        if absorbed and _kernel_attends(p, context.cache, x.shape[1], kernel_choice(mesh, one_device)[1]):
             own = make_keys(p, c_new, None, pe_new, absorbed=True, dtype=dt)
             return (_attend_by_kernel(p, q, own, context.cache, layer, context.cached, dt, cfg, context.page_table),
                     (c_new, pe_new))

@@ -6,8 +6,8 @@ time does not grow with depth. The residual stream is float32; matmuls run in th
 - `forward`: logits for every position (prefill attention path).
 - `prefill`: logits at each row's last token, and a KVCache holding the prompts' latents.
 - `decode`: one token per row with absorbed attention against the cache.
-- `verify`, `verify_by_steps`: T tokens per row against the cache (speculative verification), in one
-  step or as T decode steps (the numerics of `decode`, bit for bit).
+- `verify_by_steps`: T tokens per row against the cache (speculative verification), as T decode
+  steps (the numerics of `decode`, bit for bit).
 - `extend`: T new tokens per row against each row's pages of a `PagedKVCache` (serving: chunked
   prefill, prefill after a prefix-cache hit, decode with T = 1, speculative verification).
 """
@@ -20,13 +20,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from .. import cpu
-from .attention import PagedContext, attend_cached, attend_decode, attend_extend, attend_prefill, use_absorbed
+from .attention import PagedContext, attend_decode, attend_extend, attend_prefill, use_absorbed
+from .backend import backend_of
 from .cache import (
     KVCache,
     PagedKVCache,
     append_token,
-    append_tokens,
     cache_from_prefill,
     keep_cache_rows,
     keep_pool_layout,
@@ -37,7 +36,7 @@ from .cache import (
 from .config import Config
 from .layers import mlp, rms_norm
 from .moe import RouterStats, moe, router_stats
-from .params import STACKS, Params, compute_view, stack_layers
+from .params import STACKS, Params, stack_layers
 from .products import einsum, to_float32
 from .sharding import ShardingRules, keep_rows
 
@@ -114,17 +113,18 @@ def _run_layers(params: Params, x: jax.Array, attend: Attend, cfg: Config, mesh:
         if stack not in params:
             continue
         layers = stack_layers(cfg, stack)
-        # Where the CPU backend runs, its kernel reads the layer's router and copies in their stacks.
-        backend = cpu.enabled(mesh)
-        scanned, routed = _split_routed_experts(params[stack], backend and not train and mesh.size == 1)
-        scanned, copies = cpu.in_place_copies(scanned) if backend else (scanned, None)
+        # A backend holding the weights may read the layer's router and weight copies in their stacks.
+        backend = backend_of(params[stack])
+        in_place = backend.routers_in_stack and not train and mesh.size == 1
+        scanned, routed = _split_routed_experts(params[stack], in_place)
+        scanned, copies = backend.in_place_copies(scanned)
 
-        def layer(x, inputs, routed=routed, copies=copies):
+        def layer(x, inputs, routed=routed, copies=copies, backend=backend):
             p, i, in_stack = inputs
             if copies is not None:
-                p = cpu.with_layer_copies(p, copies, in_stack)
+                p = backend.with_layer_copies(p, copies, in_stack)
             if routed is not None:
-                router = {"router": cpu.StackSlice(routed["router"], in_stack)} if "router" in routed else {}
+                router = {"router": backend.router_in_stack(routed["router"], in_stack)} if "router" in routed else {}
                 p = {**p, "moe": {**p["moe"], **routed, **router}}
             return _block(p, x, lambda p, h: attend(p, h, i), cfg, mesh, rules, in_stack, train)
 
@@ -156,7 +156,6 @@ def forward_hidden(params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg
                    rules: ShardingRules) -> tuple[jax.Array, jax.Array]:
     """`forward`'s logits `[B, T, V]` and the residual stream entering the final norm `[B, T, D]`
     (float32; the MTP module's input, `dsr1.core.mtp`); both zero at positions >= lengths."""
-    params = compute_view(params, cfg, mesh)
     x, _ = _prefill_hidden(params, tokens, cfg, mesh, rules)
     valid = (jnp.arange(tokens.shape[1])[None, :] < lengths[:, None])[..., None]
     logits = jnp.where(valid, _logits(params, x, cfg), 0.0)
@@ -168,7 +167,7 @@ def forward_train(params: Params, tokens: jax.Array, *, cfg: Config, mesh: Mesh,
     """The differentiable full-sequence forward that `dsr1.train` trains: logits `[B, T, V]` (float32)
     of full-length `tokens [B, T]`, the residual stream entering the final norm `[B, T, D]` (the MTP
     module's input), and the MoE layers' `RouterStats` stacked `[L_moe, ...]` (None without MoE).
-    The weights are used as given (no `compute_view`): pass float32 or bf16 arrays."""
+    Pass float32 or bf16 arrays (weights in a backend's layout are for inference)."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     x = _embed(params, tokens)
     x, _, stats = _run_layers(params, x, lambda p, h, _: attend_prefill(p, h, positions, cfg), cfg, mesh, rules,
@@ -189,7 +188,6 @@ def prefill_hidden(params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg
                    kv_cache_dtype: str | None = None) -> tuple[jax.Array, KVCache, jax.Array]:
     """`prefill`, and the residual stream entering the final norm at every position `[B, T, D]`
     (float32; what the MTP module reads, `dsr1.generation.speculative`)."""
-    params = compute_view(params, cfg, mesh)
     x, (c_kv, k_pe) = _prefill_hidden(params, tokens, cfg, mesh, rules)
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]
     logits = keep_rows(_logits(params, last, cfg), mesh, rules)
@@ -211,7 +209,6 @@ def decode_hidden(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Con
     """`decode`, and the residual stream entering the final norm `[B, D]` (float32; the MTP module's
     input): the one-token step that `verify_by_steps` repeats."""
     positions = cache.lengths
-    params = compute_view(params, cfg, mesh)
     x = keep_rows(_embed(params, tokens), mesh, rules)
 
     def attend(p, h, i):
@@ -225,13 +222,16 @@ def decode_hidden(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Con
 
 def verify_by_steps(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config, mesh: Mesh,
                     rules: ShardingRules) -> tuple[jax.Array, jax.Array, KVCache]:
-    """`verify` with the numerics of decoding: position t is `decode_hidden`'s own one-token step
+    """T new tokens per row at positions `cache.lengths + t` against a contiguous cache (speculative
+    verification) with the numerics of decoding: position t is `decode_hidden`'s own one-token step
     against the cache holding positions `< lengths + t` (the step before wrote t - 1), so every
     position's logits are bit for bit those that decoding the same tokens one at a time gives, on any
     platform and with any cache dtype: the same kernels, shapes and reduction orders. (A T-token step
     computes the same values in other shapes, and in bfloat16 their roundings differ enough to flip a
-    greedy choice.) The price: T passes over the weights instead of one. Returns what `verify` does."""
-    params = compute_view(params, cfg, mesh)
+    greedy choice.) The price: T passes over the weights instead of one. Returns logits `[B, T, V]`
+    (float32), the residual stream entering the final norm `[B, T, D]` (the MTP module's input) and
+    the cache with all T written and `lengths + T`; keep fewer by setting `lengths` back (rejected
+    drafts are then never read, and later overwritten)."""
 
     def step(cache, token):
         logits, cache, _, hidden = decode_hidden(params, cache, token, cfg=cfg, mesh=mesh, rules=rules)
@@ -239,27 +239,6 @@ def verify_by_steps(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: C
 
     cache, (logits, hidden) = jax.lax.scan(step, cache, tokens.T)
     return jnp.swapaxes(logits, 0, 1), jnp.swapaxes(hidden, 0, 1), cache
-
-
-def verify(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config, mesh: Mesh,
-           rules: ShardingRules) -> tuple[jax.Array, jax.Array, KVCache]:
-    """T new tokens per row at positions `cache.lengths + t` against a contiguous cache, causal among
-    themselves (absorbed attention; `decode` for T tokens): the verification step of speculative
-    decoding. Returns logits `[B, T, V]` (float32), the residual stream entering the final norm
-    `[B, T, D]` (the MTP module's input) and the cache with all T written and `lengths + T`; keep
-    fewer by setting `lengths` back (rejected drafts are then never read, and later overwritten).
-    One pass over the weights for all T, but not the numerics of `decode` (see `verify_by_steps`)."""
-    positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])
-    params = compute_view(params, cfg, mesh)
-    x = keep_rows(_embed(params, tokens), mesh, rules)
-
-    def attend(p, h, i):
-        return attend_cached(p, h, positions, cache, i, cfg)
-
-    x, (c_new, pe_new), _ = _run_layers(params, x, attend, cfg, mesh, rules)
-    logits = keep_rows(_logits(params, x, cfg), mesh, rules)
-    cache = append_tokens(cache, c_new, pe_new)
-    return logits, keep_rows(x, mesh, rules), keep_cache_rows(cache, mesh, rules)
 
 
 def default_block_pages(page_size: int, table_width: int, chunk: int = 1) -> int:
@@ -333,7 +312,6 @@ def extend_routed(params: Params, cache: PagedKVCache, tokens: jax.Array, starts
     cached = jnp.where(in_use, starts, 0)  # idle slots read nothing and do not lengthen the page loop
     context = PagedContext(cache, page_table, cached, block_pages)
     positions = cached[:, None] + jnp.arange(chunk)
-    params = compute_view(params, cfg, mesh)
     x = keep_rows(_embed(params, tokens), mesh, rules)
 
     def attend(p, h, i):

@@ -11,7 +11,7 @@ runs `ragged_dot` for gate/up and down on its slice of the expert ffw, and the p
 summed over the expert and tensor mesh axes. Where `ragged_dot` is a dense product over every expert
 (XLA:CPU, XLA:GPU), other kernels run instead (`default_kernel`, chosen by the mesh's platform): on
 CPU a loop over blocks of the sorted pairs slices each hit expert in place (`loop_experts`; experts
-in the CPU backend's layouts hand their blocks to it, `dsr1.cpu`); on GPU decode gathers the pairs'
+in a backend's layouts hand their blocks to it, `dsr1.core.backend`); on GPU decode gathers the pairs'
 experts (`gather_experts`) and larger batches fill per-expert buffers (`capacity_experts`); on
 TPU, where `ragged_dot` on a layer's slice of the stacks copies the whole slice first, a Pallas
 grouped matmul reads each layer's experts in place, only those with pairs (`grouped_experts`).
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from .. import cpu
+from .backend import HeldWeight, backend_of, is_held
 from .config import Config
 from .eplb import physical_experts
 from .layers import mlp
@@ -45,11 +45,10 @@ from .sharding import ShardingRules
 ExpertKernel = Callable[..., jax.Array]
 
 
-def route(x: jax.Array, router: jax.Array | cpu.StackSlice, bias: jax.Array,
+def route(x: jax.Array, router: jax.Array | HeldWeight, bias: jax.Array,
           cfg: Config) -> tuple[jax.Array, jax.Array]:
     """`x [N, D]` -> `(weights [N, K] float32, expert ids [N, K] int32)`. `router [D, E]`, or a layer's
-    router in its stack (`dsr1.cpu.StackSlice`, a layer scan's where the CPU backend runs: see
-    `router_logits`)."""
+    router read in its stack by a backend (`Backend.router_in_stack`: see `router_logits`)."""
     with jax.named_scope("router"):
         logits = router_logits(x, router)
         scores = jax.nn.sigmoid(logits)
@@ -69,15 +68,11 @@ def route(x: jax.Array, router: jax.Array | cpu.StackSlice, bias: jax.Array,
     return weights * cfg.routed_scaling_factor, experts.astype(jnp.int32)
 
 
-def router_logits(x: jax.Array, router: jax.Array | cpu.StackSlice) -> jax.Array:
-    """`x [N, D] @ router` in float32. A router in its stack is read there by the CPU backend where it
-    takes it (`dsr1.cpu.router_logits`), else sliced out."""
+def router_logits(x: jax.Array, router: jax.Array | HeldWeight) -> jax.Array:
+    """`x [N, D] @ router` in float32 (a router held by a backend: that backend's product)."""
     x = x.astype(jnp.float32)
-    if isinstance(router, cpu.StackSlice):
-        logits = cpu.router_logits(x, router)
-        if logits is not None:
-            return logits
-        router = router.stack[router.index]
+    if is_held(router):
+        return router.backend.einsum("nd,de->ne", x, router, precision=jax.lax.Precision.HIGHEST)
     return jnp.matmul(x, router, precision=jax.lax.Precision.HIGHEST)
 
 
@@ -172,10 +167,10 @@ def _expert_slice(w: Any, layer: jax.Array, expert: jax.Array) -> Any:
 
 def _expert_matmul(x: jax.Array, stack: Any, layer: jax.Array, expert: jax.Array) -> jax.Array:
     """float32 `x @ w` for expert `expert` of layer `layer` of a stacked `[L, E, in, out]` weight, sliced
-    in place: in the weight's own dtype with float32 sums, as `ragged_dot` (a stack in the CPU
-    backend's layouts: its own product, `dsr1.cpu.expert_matmul`)."""
-    if cpu.holds(stack):
-        return cpu.expert_matmul(x, stack, layer, expert)
+    in place: in the weight's own dtype with float32 sums, as `ragged_dot` (a stack in a backend's
+    layout: that backend's product, `Backend.expert_matmul`)."""
+    if is_held(stack):
+        return stack.backend.expert_matmul(x, stack, layer, expert)
     w = _expert_slice(stack, layer, expert)
     if isinstance(w, Int8Weight):
         return jnp.dot(x, w.q.astype(x.dtype), preferred_element_type=jnp.float32) * w.scale
@@ -204,24 +199,25 @@ def loop_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRule
     """CPU: sort the pairs by expert, then a loop over blocks of sorted rows, each block one expert's,
     which slices that expert of `layer` from the stacks in place and runs its rows. Reads each hit
     expert once per block and computes only its (padded) rows: its cost follows the pairs and the hit
-    experts, not the expert count (XLA:CPU's `ragged_dot` computes every expert). Experts in the CPU
-    backend's layouts take a decode step's pairs as the router chose them (`dsr1.cpu.expert_pairs`),
-    or every block at once (`dsr1.cpu.expert_blocks`), where its kernel reads them."""
+    experts, not the expert count (XLA:CPU's `ragged_dot` computes every expert). Experts in a
+    backend's layouts take a decode step's pairs as the router chose them (`Backend.expert_pairs`),
+    or every block at once (`Backend.expert_blocks`), where its kernels read them."""
     n_local, n_tokens = gate.shape[1], x.shape[0]
     varying = functools.partial(jax.lax.pcast, axis_name=rules.moe_reduce_axes(), to="varying")
     # The kernels group an expert's rows and sum each row by how many there are; the loop's blocks
     # have one shape whatever the routing.
     kernels = not rules.batch_invariant
-    if kernels and cpu.takes_pairs(gate, up, down, n_tokens):  # decode, bf16
+    backend = backend_of(gate)
+    if kernels and backend.takes_pairs(gate, up, down, n_tokens):  # decode, bf16
         local, is_local = _local_pairs(experts, n_local, rules)
         matrix = jnp.where(is_local, layer * n_local + local, -1).reshape(experts.shape)  # others' experts: skipped
-        return varying(cpu.expert_pairs(x, weights, matrix, gate, up, down))
+        return varying(backend.expert_pairs(x, weights, matrix, gate, up, down))
     token, _, is_local, order, group_sizes = _sorted_pairs(experts, n_local, rules)
     block = loop_block_rows(n_tokens, experts.size, n_local)
     n_blocks, block_at = _blocks(group_sizes, block)
-    xs = jnp.pad((x.astype(jnp.float32) if cpu.holds(gate) else x)[token], ((0, block), (0, 0)))
+    xs = jnp.pad((x.astype(jnp.float32) if is_held(gate) else x)[token], ((0, block), (0, 0)))
     weight = jnp.where(is_local, weights.reshape(-1)[order], 0.0)
-    if kernels and cpu.takes_blocks(gate, up, down, block):
+    if kernels and backend.takes_blocks(gate, up, down, block):
         n_pairs = token.shape[0]
         slots = jnp.arange(n_pairs // block + min(n_local, n_pairs))  # blocks <= pairs / block + hit experts
         expert, start, mine = block_at(slots)
@@ -230,7 +226,7 @@ def loop_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRule
         pair = jnp.minimum(rows, n_pairs - 1)
         used = jnp.where(slots < n_blocks, mine, 0)  # a block's rows past its expert's: not computed
         out = varying(jnp.zeros((n_tokens, down.shape[-1]), jnp.float32))
-        return cpu.expert_blocks(xs[rows], index, used, token[pair], weight[pair], gate, up, down, out)
+        return backend.expert_blocks(xs[rows], index, used, token[pair], weight[pair], gate, up, down, out)
 
     def step(j, ys):
         expert, start, mine = block_at(j)
@@ -354,8 +350,8 @@ def _partition_spec(w: Any, axes: tuple[str, ...], rules: ShardingRules) -> Any:
     scale = None
     if isinstance(w, Int8Weight):
         scale = rules.spec(tuple(a for i, a in enumerate(axes) if i - 1 not in w.input_axes))
-    if cpu.holds(w):  # a copy with the last two axes swapped is split like the weight
-        return cpu.partition_spec(w, spec, rules.spec((*axes[:-2], axes[-1], axes[-2])), scale)
+    if is_held(w):  # a copy with the last two axes swapped is split like the weight
+        return w.backend.partition_spec(w, spec, rules.spec((*axes[:-2], axes[-1], axes[-2])), scale)
     return spec if scale is None else Int8Weight(spec, scale, w.input_axes)
 
 

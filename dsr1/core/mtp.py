@@ -110,7 +110,7 @@ def mtp_forward(params: Params, hidden: jax.Array, next_tokens: jax.Array, lengt
     """The MTP module over full right-padded sequences (causal attention over the same positions).
 
     Args:
-      params: the model's params, holding `params["mtp"]`; used as given (no `compute_view`), like
+      params: the model's params, holding `params["mtp"]`; used as given, like
         `model.forward_train`: differentiable for float32 or bf16 weights.
       hidden: `[B, T, D]` the main model's residual stream entering its final norm, every position
         (`model.forward_hidden` or `model.forward_train` return it).

@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from .. import cpu
 from .config import Config
 from .quant import Int8Weight, check_quant, quantize
 from .sharding import DEFAULT_RULES, LogicalAxes, ShardingRules
@@ -325,16 +324,6 @@ def init_params(cfg: Config, mesh: Mesh, rules: ShardingRules, *, seed: int, dty
     `mtp=True` adds the MTP modules (`params["mtp"]`) when `cfg.num_nextn_predict_layers > 0`."""
     return _random_params(jax.random.key(seed), cfg=cfg, mesh=mesh, rules=rules, dtype=jnp.dtype(dtype),
                           quant=check_quant(quant), mtp=mtp)
-
-
-def compute_view(params: Params, cfg: Config, mesh: Mesh) -> Params:
-    """The weights as programs on `mesh` compute them: where the mesh's devices run the CPU backend,
-    in its layouts (`dsr1.cpu.view`: bf16 matrices as their bits, with copies laid out for decode's
-    products); elsewhere, and with that backend off, the weights unchanged. `api.load` and
-    `init_random` hold the weights this way, and the model's programs apply it again (idempotent: a
-    program given plain weights reinterprets them, without copies)."""
-    placement, logical = split_placement(params)
-    return with_placement_arrays(cpu.view(logical, float_specs(cfg, mtp="mtp" in params), mesh), placement)
 
 
 def without_mtp(params: Params) -> Params:

@@ -1,8 +1,8 @@
 """The products every weight goes through: `einsum`, `matmul`, `ragged_dot`, `grouped_dot` and `to_float32`.
 
-XLA's implementation for plain and `Int8Weight` weights (on any platform). A weight held in a layout
-of the optional CPU backend (`dsr1.cpu`: made only for a CPU mesh where that backend is enabled,
-`dsr1.cpu.view`) is computed by that backend instead: the one place the model hands a product over.
+XLA's implementation for plain and `Int8Weight` weights (on any platform). A weight held in a
+backend's layout (`dsr1.core.backend.HeldWeight`: the CPU backend's, made only for a mesh of CPU
+devices where it runs) is computed by that backend: the one place the model hands a product over.
 """
 
 from __future__ import annotations
@@ -12,23 +12,23 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .. import cpu
+from .backend import is_held
 from .grouped_matmul import grouped_matmul
 from .quant import Int8Weight, subscripts
 
 
 def to_float32(w: Any) -> jax.Array:
     """A weight's values (or int8 values) as float32."""
-    if cpu.holds(w):
-        return cpu.to_float32(w)
+    if is_held(w):
+        return w.backend.to_float32(w)
     return w.astype(jnp.float32)
 
 
 def einsum(spec: str, x: jax.Array, w: Any, **kwargs) -> jax.Array:
     """`jnp.einsum(spec, x, w)` for a plain or `Int8Weight` weight (the second operand), or one held in
-    a CPU backend layout (computed by `dsr1.cpu`)."""
-    if cpu.holds(w):
-        return cpu.einsum(spec, x, w, **kwargs)
+    a backend's layout (computed by that backend)."""
+    if is_held(w):
+        return w.backend.einsum(spec, x, w, **kwargs)
     if not isinstance(w, Int8Weight):
         return jnp.einsum(spec, x.astype(w.dtype), w, **kwargs)
     x_sub, w_sub, out_sub = subscripts(spec)
@@ -59,8 +59,8 @@ def ragged_dot(x: jax.Array, w: Any, group_sizes: jax.Array, experts: jax.Array)
     int8 experts enter `ragged_dot` as int8 (mixed bf16 x int8), then each row is scaled by its
     expert's output-channel scales: no dequantized copy of the expert stack is ever built.
     """
-    if cpu.holds(w):
-        return cpu.ragged_dot(x, w, group_sizes, experts)
+    if is_held(w):
+        return w.backend.ragged_dot(x, w, group_sizes, experts)
     if not isinstance(w, Int8Weight):
         return jax.lax.ragged_dot(x.astype(w.dtype), w, group_sizes, preferred_element_type=jnp.float32)
     y = jax.lax.ragged_dot(x, w.q, group_sizes, preferred_element_type=jnp.float32)

@@ -1,4 +1,4 @@
-"""dsr1's optional CPU backend, behind the few calls the model core makes.
+"""dsr1's optional CPU backend, which the model core reaches only through the weights it holds.
 
 What it accelerates (docs/cpu-backend.md): decode's products of a few rows, a step's routed experts
 and its absorbed MLA attention, with dsr1's own C++ kernels (`ffi`, compiled at first use), on
@@ -7,10 +7,11 @@ weights held in layouts made for them (`layouts`: bf16 bits, transposed copies),
 
 The choice is made from a mesh's devices: `enabled(mesh)` is True for a mesh of CPU devices where the
 kernels are built (an x86-64 CPU with AVX2 and a C++ compiler) and `DSR1_CPU_KERNELS` is not `0`.
-Only then does `view` put the weights in the backend's layouts; the model's products (`dsr1.core.
-products`) hand a weight in a layout to `einsum` / `ragged_dot` here, and everything else to XLA.
-GPU and TPU meshes never reach the compiler, and a disabled backend holds every weight as its dtype
-says.
+Only then does `prepare` put the weights in the backend's layouts, before any program runs
+(`dsr1.api` calls it at load); those weights name the backend (`backend.CPU`, a
+`dsr1.core.backend.Backend`), and the core hands it their products and the few operations it takes
+over. GPU and TPU meshes never reach the compiler, and a disabled backend holds every weight as its
+dtype says.
 """
 
 from __future__ import annotations
@@ -21,27 +22,13 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from ..core.config import Config
+from ..core.params import float_specs, is_spec, split_placement, with_placement_arrays
 from . import ffi, huge_pages
-from .experts import blocks as expert_blocks
-from .experts import pairs as expert_pairs
-from .experts import router_logits, takes_blocks, takes_pairs
-from .layouts import (
-    Bf16Bits,
-    Int8Rows,
-    StackSlice,
-    holds_transposed_bits,
-    in_place_copies,
-    laid_out,
-    partition_spec,
-    with_layer_copies,
-)
-from .layouts import is_laid as holds
-from .products import einsum, expert_matmul, ragged_dot, to_float32
+from .backend import CPU, CpuBackend
+from .layouts import Bf16Bits, Int8Rows, is_laid, laid_out
 
-__all__ = ["Bf16Bits", "Int8Rows", "StackSlice", "attends", "decode_attention", "einsum",
-           "enabled", "expert_blocks", "expert_matmul", "expert_pairs", "held", "holds", "holds_transposed_bits",
-           "in_place_copies", "partition_spec", "ragged_dot", "router_logits", "takes_blocks", "takes_pairs",
-           "to_float32", "view", "with_layer_copies"]
+__all__ = ["CPU", "Bf16Bits", "CpuBackend", "Int8Rows", "enabled", "held", "is_laid", "prepare", "view"]
 
 
 def enabled(mesh: Mesh | Any) -> bool:
@@ -54,13 +41,15 @@ def enabled(mesh: Mesh | Any) -> bool:
     return ffi.library() is not None
 
 
-def view(params: Any, specs: Any, mesh: Mesh) -> Any:
-    """`params` in the backend's layouts (`layouts.laid_out`, per weight against its declaration in
-    `specs`, the float declaration tree) where `enabled(mesh)`; else `params` unchanged. Idempotent."""
+def view(params: Any, cfg: Config, mesh: Mesh) -> Any:
+    """`params` (a model's weights, `cfg`'s) in the backend's layouts (`layouts.laid_out`, per weight
+    against its declaration) where `enabled(mesh)`; else `params` unchanged. Idempotent."""
     if not enabled(mesh):
         return params
-    from ..core.params import is_spec
-    return jax.tree_util.tree_map_with_path(laid_out, specs, params, is_leaf=is_spec)
+    placement, logical = split_placement(params)
+    specs = float_specs(cfg, mtp="mtp" in params)
+    return with_placement_arrays(jax.tree_util.tree_map_with_path(laid_out, specs, logical, is_leaf=is_spec),
+                                 placement)
 
 
 def held(params: Any, mesh: Mesh) -> Any:
@@ -69,15 +58,8 @@ def held(params: Any, mesh: Mesh) -> Any:
     return huge_pages.on_huge_pages(params) if enabled(mesh) else params
 
 
-def attends(c_kv: jax.Array, c_scale: jax.Array | None, k_pe: jax.Array, queries: int, one_device: bool) -> bool:
-    """Whether the kernel computes a decode step's attention (`decode_attention`): one query per row
-    against a cache (contiguous or paged) of bf16 bits, or of int8 latents beside bf16 bits of `k_pe`,
-    whole on one device (XLA would gather a sharded operand of a custom call)."""
-    bits = c_kv.dtype == jax.numpy.uint16 and c_scale is None
-    int8 = c_kv.dtype == jax.numpy.int8 and c_scale is not None and k_pe.dtype == jax.numpy.uint16
-    return one_device and queries == 1 and (bits or int8) and ffi.available()
+def prepare(params: Any, cfg: Config, mesh: Mesh) -> Any:
+    """A model's weights as programs on `mesh` compute them: in the backend's layouts and pages (`view`,
+    `held`) where `enabled(mesh)`; else unchanged."""
+    return held(view(params, cfg, mesh), mesh)
 
-
-def decode_attention(*args, **kwargs) -> jax.Array:
-    """A decode step's absorbed attention by the kernel (`ffi.mla_decode_context`, its arguments)."""
-    return ffi.mla_decode_context(*args, **kwargs)

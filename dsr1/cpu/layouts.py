@@ -25,13 +25,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..core.attention import DECODE_PRODUCTS
+from ..core.backend import HeldWeight
+from ..core.params import is_output_head, multiplies_last_two_axes
 from ..core.quant import Int8Weight, subscripts
-from . import host_copy, huge_pages
+from . import ffi, host_copy, huge_pages
+
+# The rows from which a product of a bf16 weight runs as a bf16 dot (`products.native_bf16`).
+NATIVE_BF16_ROWS = 16
 
 
-class Laid:
+class Laid(HeldWeight):
     """A weight in one of the backend's layouts, which may also hold its values with the last two axes
-    swapped (`transposed`, `[..., out, in]`) for products of a few rows."""
+    swapped (`transposed`, `[..., out, in]`) for products of a few rows. Its `backend` is
+    `dsr1.cpu.backend.CPU`."""
 
     transposed: Any
     one_device: bool
@@ -48,7 +55,6 @@ class Laid:
     def kernel_reads(self, rows: int) -> bool:
         """Whether a product of `rows` rows reads the transposed copy with dsr1's kernel
         (`products.kernel_matmul`): up to `ffi.KERNEL_ROWS`, where the kernel is built."""
-        from . import ffi
         return self.transposed is not None and rows <= ffi.KERNEL_ROWS and ffi.available()
 
     def bf16_reads(self, rows: int) -> bool:
@@ -77,7 +83,6 @@ class Int8Rows(Int8Weight, Laid):
     def kernel_reads(self, rows: int) -> bool:
         """int8: dsr1's kernel at any number of rows (XLA widens the whole weight, or each expert block's
         slice, to float32 in memory first)."""
-        from . import ffi
         return self.transposed is not None and ffi.available()
 
     @property
@@ -109,13 +114,10 @@ class Bf16Bits(Laid):
         rounding the rows to bf16 as it does) read the transposed copy in place, with AMX tiles on a
         CPU that has them (`amx_fits`), else with `vdpbf16ps` where the kernel multiplies bf16 rows
         (`ffi.bf16_rows`): XLA's dot of a block needs the expert's slice copied out first."""
-        from . import ffi
-        from .products import NATIVE_BF16_ROWS
         return self.transposed is not None and rows >= NATIVE_BF16_ROWS and (self.amx_fits() or ffi.bf16_rows())
 
     def amx_fits(self) -> bool:
         """Whether products of many rows take AMX tiles: sizes multiples of 32, on a CPU with AMX."""
-        from . import ffi
         return self.shape[-1] % 32 == 0 and self.shape[-2] % 32 == 0 and ffi.amx_available()
 
     @property
@@ -158,9 +160,10 @@ class Bf16Bits(Laid):
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class StackSlice:
+class StackSlice(HeldWeight):
     """Matrix `index` of a weight copy's stack `[L, ...]`, read in place by the kernel: a layer scan
-    gives the kernel copies of its weights this way (`in_place_copies`), not sliced out (a copy)."""
+    gives the kernel copies of its weights this way (`in_place_copies`), not sliced out (a copy), and
+    the router of its layer (`CpuBackend.router_in_stack`)."""
 
     stack: Any
     index: Any
@@ -303,8 +306,6 @@ def laid_out(path: tuple, spec: Any, w: Any) -> Any:
     every bf16 matrix (not the norms) as `Bf16Bits`, the attention weights of `DECODE_PRODUCTS` laid
     out for those products, the matrices of `x @ W` products and the output heads with their bits
     transposed. Other weights as they are. Idempotent."""
-    from ..core.attention import DECODE_PRODUCTS
-    from ..core.params import multiplies_last_two_axes
     if isinstance(w, Int8Weight):
         return with_transposed(w, keep=multiplies_last_two_axes(spec))
     if spec.init != "normal" or isinstance(w, Bf16Bits) or w.dtype != jnp.bfloat16:
@@ -319,8 +320,6 @@ def holds_transposed_bits(name: str | None, spec: Any, dtype: Any) -> bool:
     """Whether the layout of the weight `name` (`spec`, held in `dtype`) is bf16 bits with a transposed
     copy, `[..., out, in]`: the matrices of `x @ W` products and the output heads (the loader makes
     that copy itself, layer by layer, where it can: `dsr1.weights.loading`)."""
-    from ..core.attention import DECODE_PRODUCTS
-    from ..core.params import is_output_head, multiplies_last_two_axes
     if spec.init != "normal" or jnp.dtype(dtype) != jnp.bfloat16 or name in DECODE_PRODUCTS:
         return False
     return multiplies_last_two_axes(spec) or is_output_head(spec)

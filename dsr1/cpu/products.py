@@ -18,9 +18,8 @@ import jax.numpy as jnp
 from ..core import products as xla
 from ..core.quant import Int8Weight, subscripts
 from . import ffi
-from .layouts import Bf16Bits, Int8Rows, Laid, StackSlice, kernel_operand, product_axes
+from .layouts import NATIVE_BF16_ROWS, Bf16Bits, Int8Rows, Laid, StackSlice, kernel_operand, product_axes
 
-NATIVE_BF16_ROWS = 16
 WIDEN_CHUNK_ELEMENTS = 1 << 19  # float32 elements widened at a time (2 MB: a core's cache holds them)
 HIGHEST = jax.lax.Precision.HIGHEST  # XLA:CPU runs a few-row float32 dot 2-3x faster than at DEFAULT
 

@@ -29,9 +29,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .. import cpu
 from ..api import Model
 from ..core.cache import SCRATCH_PAGE
-from ..core.params import compute_view
 from ..core.sharding import make_mesh, put_replicated, replicated_sharding
 from .draft_step import DraftSlotState, take_mtp_hidden
 from .page_pool import PagePool, page_batches
@@ -67,7 +67,7 @@ def model_on(model: Model, mesh: Mesh) -> Model:
         spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else PartitionSpec()
         return jax.device_put(x, NamedSharding(mesh, spec))
 
-    return dataclasses.replace(model, params=compute_view(jax.tree.map(move, model.params), model.cfg, mesh),
+    return dataclasses.replace(model, params=cpu.view(jax.tree.map(move, model.params), model.cfg, mesh),
                                mesh=mesh)
 
 

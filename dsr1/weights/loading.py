@@ -30,7 +30,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
-from .. import cpu
 from ..core.config import Config
 from ..core.params import (
     Params,
@@ -45,8 +44,7 @@ from ..core.params import (
 )
 from ..core.quant import check_quant
 from ..core.sharding import ShardingRules
-from ..cpu import host_copy, huge_pages
-from ..cpu.layouts import as_bits
+from ..cpu import host_copy
 from . import store
 from .release import (
     FP8_BLOCK,
@@ -227,8 +225,8 @@ def _read_stack_in_place(fills: Callable[[str, int | None], list[Fill]], plan: L
     next (after the load, `compute_view` would make it with the disk idle)."""
     abstract = abstract_params(plan.stored[unit], plan.mesh, plan.rules, plan.dtype)
     leaves = jax.tree.leaves(abstract)
-    buffers = [_host_regions(a, plan.empty) for a in leaves]
-    copies = [huge_pages.empty(_swapped_shape(a.shape), a.dtype) if flag and len(a.sharding.device_set) == 1
+    buffers = [_host_regions(a, plan.host.empty) for a in leaves]
+    copies = [plan.host.empty(_swapped_shape(a.shape), a.dtype) if flag and len(a.sharding.device_set) == 1
               else None for a, flag in zip(leaves, plan.transposed_flags(unit))]
     layers = stack_layers(plan.cfg, unit)
     for i, layer in enumerate(layers):
@@ -241,8 +239,7 @@ def _read_stack_in_place(fills: Callable[[str, int | None], list[Fill]], plan: L
                         host_copy.transpose_into(copy[i], out[i])
         advance(unit, layer)
     arrays = [_to_devices(a, r) for a, r in zip(leaves, buffers)]
-    arrays = [w if copy is None else as_bits(w, keep_transposed=True, transposed=jax.device_put(
-        copy.view(np.uint16), next(iter(w.sharding.device_set)))) for w, copy in zip(arrays, copies)]
+    arrays = [w if copy is None else plan.host.with_transposed(w, copy) for w, copy in zip(arrays, copies)]
     return jax.tree.unflatten(jax.tree.structure(abstract), arrays)
 
 
@@ -284,6 +281,26 @@ def _assemble_stack(read: Callable[[str, int | None], Any], plan: LoadPlan, unit
     return jax.tree.unflatten(jax.tree.structure(target, is_leaf=is_spec), stacked)
 
 
+class HostLayout:
+    """How the devices' backend holds the weights that loading builds on the host. This one: as plain
+    arrays. A backend that holds some weights with a transposed copy (the CPU backend's,
+    `dsr1.cpu.loading`) passes its own, with these three methods, which the loader fills layer by
+    layer as it reads."""
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """A host buffer for weights."""
+        return np.empty(shape, dtype)
+
+    def keeps_transposed(self, name: str | None, spec: Any, dtype: Any) -> bool:
+        """Whether the weight `name` (declared `spec`, held in `dtype`) is held with a copy of its values
+        with the last two axes swapped."""
+        return False
+
+    def with_transposed(self, w: jax.Array, copy: np.ndarray) -> Any:
+        """The weight `w` (on one device) as held with its transposed copy `copy` (host values)."""
+        return w
+
+
 @dataclasses.dataclass(frozen=True)
 class LoadPlan:
     """What a load does, derived once from the folder, the model's settings and the mesh (`plan_load`)."""
@@ -297,7 +314,7 @@ class LoadPlan:
     stored_quant: str | None  # the folder's quantization (a converted int8 folder: "int8")
     quant: str | None  # the weights' quantization as held
     manifest: dict[str, Any] | None  # a converted folder's manifest; None: a release-layout folder
-    cpu_backend: bool  # the mesh runs `dsr1.cpu`: buffers in huge pages, transposed copies made on load
+    host: HostLayout  # how the devices' backend holds what is built on the host
 
     @property
     def quantize(self) -> bool:
@@ -336,31 +353,28 @@ class LoadPlan:
         read_dtype = jnp.float32 if self.quantize and unit != "globals" else self.dtype
         return abstract_params(unit_specs(self.stored, unit), self.mesh, self.rules, read_dtype)
 
-    def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-        """A host buffer for weights: where the CPU backend holds them, in huge pages."""
-        return huge_pages.empty(shape, dtype) if self.cpu_backend else np.empty(shape, dtype)
-
     def transposed_flags(self, unit: str) -> list[bool]:
-        """Per leaf of a stack, whether the CPU backend's layout holds its transposed bits
-        (`dsr1.cpu.holds_transposed_bits`), made on load; all False without that backend."""
-        if not self.cpu_backend or self.stored_quant is not None:
+        """Per leaf of a stack, whether the backend holds its values transposed (`HostLayout.keeps_transposed`),
+        a copy made on load; all False for a converted folder's stored quantization."""
+        if self.stored_quant is not None:
             return [False] * len(jax.tree.leaves(self.stored[unit], is_leaf=is_spec))
         return jax.tree.leaves(jax.tree_util.tree_map_with_path(
-            lambda path, spec: cpu.holds_transposed_bits(getattr(path[-1], "key", None), spec, self.dtype),
+            lambda path, spec: self.host.keeps_transposed(getattr(path[-1], "key", None), spec, self.dtype),
             self.stored[unit], is_leaf=is_spec))
 
 
 def plan_load(folder: str | Path, cfg: Config, mesh: Mesh, rules: ShardingRules, dtype: Any, *,
-              quant: str | None = None, mtp: bool = False) -> LoadPlan:
+              quant: str | None = None, mtp: bool = False, host: HostLayout | None = None) -> LoadPlan:
     """The plan of loading `folder` into `mesh`; raises a `store.CheckpointError` naming what a
-    converted folder lacks."""
+    converted folder lacks. `host`: how the devices' backend holds weights built on the host (by
+    default as plain arrays)."""
     folder = Path(folder)
     manifest = store.read_manifest(folder) if store.is_converted(folder) else None
     stored_quant = None if manifest is None else manifest["quant"]
     if manifest is not None and mtp and not manifest["mtp"]:
         raise store.CheckpointError(f"{folder}: converted without the MTP module; cannot load mtp=True")
     return LoadPlan(folder, cfg, mesh, rules, jnp.dtype(dtype), mtp, stored_quant, check_quant(quant) or stored_quant,
-                    manifest, cpu.enabled(mesh))
+                    manifest, HostLayout() if host is None else host)
 
 
 def _reader(plan: LoadPlan, process: int | None = None, index: CheckpointIndex | None = None) -> UnitReader:
@@ -378,14 +392,16 @@ def planned_reads(plan: LoadPlan, process: int | None = None, index: CheckpointI
 
 
 def load_params(folder: str | Path, cfg: Config, mesh: Mesh, rules: ShardingRules, dtype: Any, *,
-                quant: str | None = None, mtp: bool = False, progress: bool = True) -> tuple[Params, Throughput]:
+                quant: str | None = None, mtp: bool = False, progress: bool = True,
+                host: HostLayout | None = None) -> tuple[Params, Throughput]:
     """Weights of `dtype` (int8 matmul weights with `quant="int8"`) in their shardings on `mesh`, and
     how fast they came: the bytes this process read from `folder` (the regions of its tensors that
     this process's devices hold, FP8 scales included, plus the tensors every device holds whole;
     `Throughput.reads` lists them) over the wall seconds until every weight is on its devices. The
-    progress bar shows the planned bytes (`planned_reads`) at the same rate as it goes."""
+    progress bar shows the planned bytes (`planned_reads`) at the same rate as it goes. `host`: see
+    `plan_load`."""
     start = time.perf_counter()
-    plan = plan_load(folder, cfg, mesh, rules, dtype, quant=quant, mtp=mtp)
+    plan = plan_load(folder, cfg, mesh, rules, dtype, quant=quant, mtp=mtp, host=host)
     reader = _reader(plan)
     units = plan.units
     regions = {u: reader.regions(*u, plan.unit_abstract(u[0])) for u in units}
@@ -400,7 +416,7 @@ def load_params(folder: str | Path, cfg: Config, mesh: Mesh, rules: ShardingRule
     def read(unit: str, layer: int | None) -> Any:  # one unit on its devices (`_assemble_stack`)
         abstract = plan.unit_abstract(unit)
         abstract = reader.stored(unit, layer, abstract) if plan.accelerators else abstract
-        return _read_unit(fills(unit, layer, abstract), abstract, plan.empty)
+        return _read_unit(fills(unit, layer, abstract), abstract, plan.host.empty)
 
     with tqdm(total=sum(sizes.values()), desc=f"loading {plan.folder.name}", unit="B", unit_scale=True,
               disable=not progress) as bar:
