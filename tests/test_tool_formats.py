@@ -14,8 +14,8 @@ import dsr1
 from dsr1.generation.output import opens_thinking
 from dsr1.generation.tokenizer import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, TOOL_SEP, Tokenizer
 from dsr1.server.errors import APIError
-from dsr1.server.prepare import Limits, plan_chat
-from dsr1.server.protocol import ChatCompletionRequest
+from dsr1.server.prepare import Limits, plan_chat, plan_tokenize
+from dsr1.server.protocol import ChatCompletionRequest, TokenizeRequest
 from dsr1.server.reasoning import ReasoningSplitter, split_reply
 from dsr1.server.tools import ToolCallSplitter, parse_tools, split_tool_calls, tool_call_grammar, tools_system_prompt
 
@@ -135,6 +135,8 @@ def test_v31_chat_requests(demo_tokenizers):
     assert tokenizer.decode(thinking.prompts[0]).endswith("<｜Assistant｜><think>")
     assert not opens_thinking(chat.prompts[0], tokenizer) and opens_thinking(thinking.prompts[0], tokenizer)
     assert plan(chat_template_kwargs={"thinking": False}).prompts == chat.prompts
+    asked = TokenizeRequest(messages=ASK, chat_template_kwargs={"thinking": True})
+    assert plan_tokenize(asked, tokenizer, limits) == thinking.prompts[0]
     calls = plan(tools=TOOLS, tool_choice="required")
     assert calls.tool_format == "v3.1" and calls.grammars[0]
     system = tokenizer.decode(calls.prompts[0])
