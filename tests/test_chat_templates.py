@@ -13,7 +13,14 @@ import pytest
 
 from dsr1.generation.chat_templates import TemplateKwargError, chat_format_of, render
 from dsr1.generation.output import opens_thinking
-from dsr1.generation.tokenizer import BOS, EOS, Tokenizer, load_tokenizer, packaged_tokenizer_json
+from dsr1.generation.tokenizer import (
+    BOS,
+    EOS,
+    Tokenizer,
+    folder_chat_format,
+    load_tokenizer,
+    packaged_tokenizer_json,
+)
 
 DATA = Path(__file__).parent / "data"
 TEMPLATES = {name: (DATA / "chat_templates" / f"{name}.jinja").read_text(encoding="utf-8")
@@ -191,4 +198,7 @@ def test_folder_template_decides_the_format(v31_folder, r1, tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
     with pytest.raises(ValueError, match="tokenizer_config.json: chat_template: the chat template is none"):
         load_tokenizer(tmp_path)
+    # transformers' save_pretrained writes the template beside the config, as chat_template.jinja
+    (tmp_path / "chat_template.jinja").write_text(TEMPLATES["deepseek-r1-0528"], encoding="utf-8")
+    assert folder_chat_format(tmp_path) == "deepseek-r1-0528"
     assert Tokenizer(r1.backend, "deepseek-v3-0324").render_chat(ask) == render("deepseek-v3-0324", ask)

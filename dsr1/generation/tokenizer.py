@@ -75,10 +75,14 @@ def checkpoint_tokenizer(path: str | Path) -> Tokenizer | None:
 
 
 def folder_chat_format(folder: str | Path) -> str:
-    """The chat format of the `chat_template` in `folder/tokenizer_config.json` (R1's when the folder
-    has no such file or the file no template); ValueError naming the file for one dsr1 cannot render."""
+    """The chat format of the `chat_template` in `folder/tokenizer_config.json`, or of
+    `folder/chat_template.jinja` (where transformers' `save_pretrained` writes it); R1's when the
+    folder has neither. ValueError naming the file for a template dsr1 cannot render."""
     from .chat_templates import chat_format_of  # it builds on this module's markers and R1's renderer
 
+    jinja = Path(folder) / "chat_template.jinja"
+    if jinja.is_file():
+        return chat_format_of(jinja.read_text(encoding="utf-8"), str(jinja))
     file = Path(folder) / "tokenizer_config.json"
     if not file.is_file():
         return "deepseek-r1"
