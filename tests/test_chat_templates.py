@@ -197,7 +197,11 @@ def test_folder_template_decides_the_format(v31_folder, r1, tmp_path):
     assert opens_thinking(r1.apply_chat_template(ask), r1)  # R1's "<think>" + newline
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
     with pytest.raises(ValueError, match="tokenizer_config.json: chat_template: the chat template is none"):
-        load_tokenizer(tmp_path)
+        folder_chat_format(tmp_path)
+    unknown = load_tokenizer(tmp_path)  # loads (ids and text encode); rendering is the error
+    assert unknown.chat_format is None and unknown.encode("Hi") == r1.encode("Hi")
+    with pytest.raises(ValueError, match="tokenizer_config.json: chat_template: the chat template is none.*token ids"):
+        unknown.render_chat(ask)
     # transformers' save_pretrained writes the template beside the config, as chat_template.jinja
     (tmp_path / "chat_template.jinja").write_text(TEMPLATES["deepseek-r1-0528"], encoding="utf-8")
     assert folder_chat_format(tmp_path) == "deepseek-r1-0528"

@@ -152,6 +152,11 @@ def test_v31_chat_requests(demo_tokenizers):
         plan_chat(ChatCompletionRequest(model="m", messages=ASK, chat_template_kwargs={"thinking": True}),
                   demo_tokenizers["deepseek-r1"], limits)
     assert info.value.param == "chat_template_kwargs.thinking"
+    unknown = Tokenizer(tokenizer.backend)
+    unknown.chat_format, unknown.template_error = None, "x/tokenizer_config.json: chat_template: not DeepSeek's"
+    with pytest.raises(APIError, match="messages cannot be rendered: x/tokenizer_config.json") as info:
+        plan_chat(ChatCompletionRequest(model="m", messages=ASK, tools=TOOLS), unknown, limits)
+    assert info.value.status == 400 and info.value.param == "messages"
 
 
 @pytest.mark.parametrize("thinking,output,expected", [

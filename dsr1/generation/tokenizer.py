@@ -60,9 +60,9 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
     if not path.exists():
         raise FileNotFoundError(f"tokenizer path {str(path)!r} does not exist")
     if path.is_file():
-        return Tokenizer.from_file(path, folder_chat_format(path.parent))
+        return _with_folder_format(Tokenizer.from_file(path), path.parent)
     local = path / "tokenizer.json"
-    return Tokenizer.from_file(local if local.is_file() else packaged_tokenizer_json(), folder_chat_format(path))
+    return _with_folder_format(Tokenizer.from_file(local if local.is_file() else packaged_tokenizer_json()), path)
 
 
 def checkpoint_tokenizer(path: str | Path) -> Tokenizer | None:
@@ -71,7 +71,18 @@ def checkpoint_tokenizer(path: str | Path) -> Tokenizer | None:
     folder = Path(path)
     folder = folder.parent if folder.is_file() else folder
     local = folder / "tokenizer.json"
-    return Tokenizer.from_file(local, folder_chat_format(folder)) if local.is_file() else None
+    return _with_folder_format(Tokenizer.from_file(local), folder) if local.is_file() else None
+
+
+def _with_folder_format(tokenizer: Tokenizer, folder: Path) -> Tokenizer:
+    """`tokenizer` rendering `folder`'s chat template. A template dsr1 does not render leaves it
+    without one (`chat_format` None): the folder still loads, token ids and text still encode, and
+    rendering messages is the error that names the file."""
+    try:
+        tokenizer.chat_format = folder_chat_format(folder)
+    except ValueError as e:
+        tokenizer.chat_format, tokenizer.template_error = None, str(e)
+    return tokenizer
 
 
 def folder_chat_format(folder: str | Path) -> str:
@@ -104,7 +115,10 @@ class Tokenizer:
         from .chat_templates import chat_format as known_format
 
         self.backend = backend
-        self.chat_format = known_format(chat_format).name  # whose chat template `render_chat` renders
+        # Whose chat template `render_chat` renders (None: a folder's template dsr1 does not render,
+        # `template_error` says which).
+        self.chat_format: str | None = known_format(chat_format).name
+        self.template_error = ""
         self.bos_id = self._required_id(BOS)
         self.eos_id = self._required_id(EOS)
         # In R1's vocabulary both are single added tokens (128798, 128799); None for a vocabulary without them.
@@ -157,6 +171,8 @@ class Tokenizer:
         `messages`, with the template's switches (V3.1: `{"thinking": True}`)."""
         from .chat_templates import render
 
+        if self.chat_format is None:
+            raise ValueError(f"{self.template_error}; send token ids instead")
         return render(self.chat_format, messages, add_generation_prompt, chat_template_kwargs)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,

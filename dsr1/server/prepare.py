@@ -119,7 +119,8 @@ def plan_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits)
     tools = parse_tools(body.tools or [])
     choice = parse_tool_choice(body.tool_choice, tools)
     messages = _template_messages(body.messages)
-    tool_format = chat_format(tokenizer.chat_format).tool_calls
+    # (A tokenizer without a template fails to render below, with the reason.)
+    tool_format = chat_format(tokenizer.chat_format).tool_calls if tokenizer.chat_format else "v3"
     if tools and choice != "none":
         messages.append({"role": "system", "content": tools_system_prompt(tools, tool_format)})
     prompt = _render(tokenizer, messages, True, body.chat_template_kwargs)
@@ -191,7 +192,8 @@ def _render(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation
             kwargs: dict[str, Any] | None) -> list[int]:
     """The token ids of `messages` through the chat template, or a 400 naming the field at fault."""
     try:
-        template_kwargs(chat_format(tokenizer.chat_format), kwargs)
+        if tokenizer.chat_format:
+            template_kwargs(chat_format(tokenizer.chat_format), kwargs)
     except TemplateKwargError as e:
         raise APIError(400, str(e), param=e.param, code="invalid_value") from None
     try:
