@@ -14,6 +14,7 @@ Shakespeare, with its own tokenizer); `--preset tiny` runs random weights with R
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
 
@@ -38,6 +39,22 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
 
 
+def _template_kwargs(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+def _template_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat-template-kwargs", type=_template_kwargs, metavar="JSON",
+                   help='the chat template\'s switches, as vLLM takes them: \'{"thinking": true}\' opens V3.1\'s '
+                        "reasoning (its default is chat mode)")
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m dsr1", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -46,7 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     add_model_options(gen, default_preset=None)
     gen.add_argument("--prompt", action="append", metavar="TEXT",
                      help="prompt text (repeat for a batch; default: a short question)")
-    gen.add_argument("--chat", action="store_true", help="wrap each prompt in R1's chat template")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    _template_args(gen)
     gen.add_argument("--draft-tokens", type=int, default=0, metavar="K",
                      help="MTP speculative decoding: draft K tokens per step with the model's MTP module (0 = off)")
     gen.add_argument("--no-warmup", action="store_true",
@@ -55,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="interactive multi-turn chat (/reset clears, /exit or Ctrl-D quits)")
     add_model_options(chat, default_preset=None)
     chat.add_argument("--system", help="system prompt")
+    _template_args(chat)
     _sampling_args(chat)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)",
                            description="Serve the model over HTTP with OpenAI's API, on the serving engine.")
@@ -93,7 +112,8 @@ def run_generate(args: argparse.Namespace) -> int:
     model = model_from_options(args, mtp=args.draft_tokens > 0)  # text in and out with the model's own tokenizer
     prompts = args.prompt or ["Why is the sky blue?"]
     sampling = _sampling(args)
-    kwargs = dict(sampling=sampling, chat=args.chat, draft_tokens=args.draft_tokens)
+    kwargs = dict(sampling=sampling, chat=args.chat, draft_tokens=args.draft_tokens,
+                  chat_template_kwargs=args.chat_template_kwargs)
     if not args.no_warmup:
         generate(model, prompts, **kwargs)  # compiles the programs this run uses
     result = generate(model, prompts, stream=_echo, **kwargs)
@@ -127,9 +147,10 @@ def run_chat(args: argparse.Namespace, stdin=sys.stdin) -> int:
             continue
         history.append({"role": "user", "content": line.rstrip("\n")})
         print("r1> ", end="", file=sys.stderr, flush=True)
-        result = generate(model, [system + history], sampling=sampling, stream=_echo)
+        result = generate(model, [system + history], sampling=sampling, stream=_echo,
+                          chat_template_kwargs=args.chat_template_kwargs)
         print()
-        # Earlier turns go back without their reasoning, as R1's chat template renders them.
+        # Earlier turns go back without their reasoning, as the chat templates render them.
         history.append({"role": "assistant", "content": result.completions[0].answer})
         print(f"[{_speed(result)}]", file=sys.stderr)
 

@@ -47,7 +47,8 @@ def add_model_options(p: argparse.ArgumentParser, *, default_preset: str | None,
                          + (" (default: the embedded demo model)" if default_preset is None else ""))
     default = default_preset or "none: the embedded demo model"
     src.add_argument("--preset", default=default_preset,
-                     help=f"random weights for a named config: deepseek-r1, tiny, bench or demo (default: {default})")
+                     help=f"random weights for a named config: deepseek-r1, deepseek-v3.1 (R1's shapes), tiny, bench "
+                          f"or demo (default: {default})")
     src.add_argument("--config", metavar="PATH", help="random weights for a HF config.json")
     p.add_argument("--layers", type=int, metavar="N",
                    help="random weights with N layers of the preset's or config's shape (its dense layers kept up "

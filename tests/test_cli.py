@@ -31,6 +31,15 @@ def test_chat_repl_keeps_the_conversation(capsys):
     assert err.count("r1> ") == 3 and err.count("decode:") == 3
 
 
+def test_chat_template_kwargs_flag():
+    args = _parser().parse_args(["generate", "--chat", "--chat-template-kwargs", '{"thinking": true}'])
+    assert args.chat_template_kwargs == {"thinking": True}
+    assert _parser().parse_args(["chat"]).chat_template_kwargs is None
+    for bad in ("{thinking}", "[1]"):
+        with pytest.raises(SystemExit):
+            _parser().parse_args(["generate", "--chat-template-kwargs", bad])
+
+
 @pytest.mark.slow
 def test_bad_values_fail_clearly():
     proc = subprocess.run([sys.executable, "-m", "dsr1", "generate", "--top-p", "1.5", "--no-warmup"],

@@ -57,6 +57,26 @@ def test_r1_facts():
     assert inv[-1] == pytest.approx(10000 ** (-62 / 64) / 40, rel=1e-6)  # the slowest is divided by factor
 
 
+# V3-0324, R1-0528, V3.1 and V3.1-Terminus: R1's fields; V3.1's FP8 scales are powers of two ("ue8m0").
+V31 = {**R1, "quantization_config": {**R1["quantization_config"], "scale_fmt": "ue8m0"}}
+
+
+def test_v3_line_configs_are_r1s_architecture(tmp_path):
+    assert Config.from_hf(write(tmp_path, V31)) == Config.preset("deepseek-r1") == Config.preset("deepseek-v3.1")
+
+
+@pytest.mark.parametrize("quant,message", [
+    ({"scale_fmt": "e4m3"}, "quantization_config.scale_fmt='e4m3' is not supported"),
+    ({"weight_block_size": [64, 64]}, r"quantization_config.weight_block_size=\[64, 64\] is not supported"),
+    ({"fmt": "e5m2"}, "quantization_config.fmt='e5m2' is not supported"),
+])
+def test_unknown_quantization_fails_naming_the_field(tmp_path, quant, message):
+    folder = write(tmp_path, {**V31, "quantization_config": {**V31["quantization_config"], **quant}})
+    with pytest.raises(ConfigError, match=message) as info:
+        Config.from_hf(folder)
+    assert str(folder / "config.json") in str(info.value)
+
+
 def test_newer_hf_rope_parameters(tmp_path):
     assert Config.from_hf(write(tmp_path, R1_NEW_HF)) == Config.preset("deepseek-r1")
 

@@ -57,8 +57,9 @@ def is_fp8_in_release(name: str) -> bool:
             and ".eh_proj." not in name)
 
 
-def fp8_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(fp8 weight, scale_inv per 128x128 block, the dequantized weight), block by block."""
+def fp8_blocks(w: np.ndarray, ue8m0: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(fp8 weight, scale_inv per 128x128 block, the dequantized weight), block by block. `ue8m0`:
+    each scale rounded up to a power of two, as V3.1's release (`scale_fmt: "ue8m0"`) stores them."""
     rows, cols = w.shape
     nr, nc = -(-rows // 128), -(-cols // 128)
     q = np.empty(w.shape, ml_dtypes.float8_e4m3fn)
@@ -68,33 +69,32 @@ def fp8_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         for j in range(nc):
             block = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
             scale[i, j] = np.abs(block).max() / FP8_MAX
+            if ue8m0:
+                scale[i, j] = 2.0 ** np.ceil(np.log2(scale[i, j]))
             q[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = (block / scale[i, j]).astype(ml_dtypes.float8_e4m3fn)
             deq[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = (
                 q[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].astype(np.float32) * scale[i, j])
     return q, scale, deq
 
 
-@pytest.fixture(scope="module")
-def fp8(tmp_path_factory):
-    """An FP8 release-layout folder (with MTP layer) and a float32 folder of its dequantized weights."""
+def write_release(folder: Path, config: dict, tensors: dict[str, np.ndarray], ue8m0: bool = False
+                  ) -> dict[str, np.ndarray]:
+    """An FP8 release-layout folder of `tensors` in three shards; returns the weights it stands for."""
     import torch
     from safetensors.torch import save_file
 
-    root = tmp_path_factory.mktemp("fp8")
-    tensors = release_tensors(FP8_CONFIG, seed=3, mtp=True)
     fp8_tensors, dequantized = {}, {}
     for name, w in tensors.items():
         if is_fp8_in_release(name):
-            q, scale, deq = fp8_blocks(w)
+            q, scale, deq = fp8_blocks(w, ue8m0)
             fp8_tensors[name] = torch.from_numpy(q.view(np.uint8)).view(torch.float8_e4m3fn)
             fp8_tensors[name + "_scale_inv"] = torch.from_numpy(scale)
             dequantized[name] = deq
         else:
             fp8_tensors[name] = torch.from_numpy(w).to(torch.bfloat16)
             dequantized[name] = torch.from_numpy(w).to(torch.bfloat16).float().numpy()
-    folder = root / "release"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(FP8_CONFIG))
+    (folder / "config.json").write_text(json.dumps(config))
     names = sorted(fp8_tensors)
     weight_map = {}
     for i in range(3):
@@ -102,6 +102,15 @@ def fp8(tmp_path_factory):
         save_file({n: fp8_tensors[n].contiguous() for n in names[i::3]}, str(folder / file))
         weight_map.update({n: file for n in names[i::3]})
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return dequantized
+
+
+@pytest.fixture(scope="module")
+def fp8(tmp_path_factory):
+    """An FP8 release-layout folder (with MTP layer) and a float32 folder of its dequantized weights."""
+    root = tmp_path_factory.mktemp("fp8")
+    folder = root / "release"
+    dequantized = write_release(folder, FP8_CONFIG, release_tensors(FP8_CONFIG, seed=3, mtp=True))
     plain_config = {k: v for k, v in FP8_CONFIG.items() if k != "quantization_config"}
     reference = write_checkpoint(root / "dequantized", plain_config, dequantized)
     tokens, lengths = prompt_batch(FP8_CONFIG["vocab_size"], seed=3)
@@ -122,6 +131,19 @@ def test_fp8_release_matches_hf_on_dequantized_weights(fp8):
     print(f"\nFP8 release (dims 160/136/200, partial 128-blocks) vs HF on dequantized weights: forward "
           f"{max(errors):.2e}, decode {dec_err:.2e}")
     assert max(errors) <= TOLERANCE and dec_err <= TOLERANCE
+
+
+@pytest.mark.slow
+def test_ue8m0_release_loads_as_its_dequantized_weights(tmp_path):
+    """V3.1's release (`scale_fmt: "ue8m0"`: power-of-two scales stored as float32) loads with the same
+    dequantization: the loaded weights equal the fp8 values times their scales, bit for bit."""
+    config = {**FP8_CONFIG, "num_hidden_layers": 1, "num_nextn_predict_layers": 0,
+              "quantization_config": {**FP8_CONFIG["quantization_config"], "scale_fmt": "ue8m0"}}
+    dequantized = write_release(tmp_path / "release", config, release_tensors(config, seed=4), ue8m0=True)
+    plain = write_checkpoint(tmp_path / "plain", {k: v for k, v in config.items() if k != "quantization_config"},
+                             dequantized)
+    loaded = dsr1.load(tmp_path / "release", dtype="float32", progress=False).params
+    assert _leaves_equal(loaded, dsr1.load(plain, dtype="float32", progress=False).params)
 
 
 def _leaves_equal(a, b) -> bool:

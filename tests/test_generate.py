@@ -7,6 +7,7 @@ import pytest
 import dsr1
 from dsr1.generation.batch import generate, split_reasoning
 from dsr1.generation.sampling import Sampling
+from dsr1.generation.tokenizer import Tokenizer, load_tokenizer
 
 NEW_TOKENS = 24
 
@@ -114,6 +115,20 @@ def test_chat_output_separates_reasoning(tiny):
     c = result.completions[0]
     assert c.reasoning == c.text.strip("\n") and c.answer == ""  # the chat prompt opened <think>
     assert result.prefill_tokens == c.prompt_tokens
+
+
+@pytest.mark.slow
+def test_v31_thinking_switch_decides_the_reasoning_split(tiny):
+    """V3.1's template: thinking on, the prompt ends `<think>` and the output is reasoning until `</think>`;
+    off (its default), the prompt ends `</think>` and the output is all answer."""
+    tokenizer = Tokenizer(load_tokenizer().backend, "deepseek-v3.1")
+    ask = [{"role": "user", "content": "Why is the sky blue?"}]
+    on, off = (generate(tiny, [ask], tokenizer=tokenizer, max_new_tokens=8,
+                        chat_template_kwargs=kwargs).completions[0] for kwargs in ({"thinking": True}, None))
+    assert on.reasoning == on.text.strip("\n") and on.answer == ""
+    assert off.reasoning == "" and off.answer == off.text
+    with pytest.raises(ValueError, match="chat_template_kwargs.thinking: the deepseek-r1 chat template has no"):
+        generate(tiny, [ask], max_new_tokens=8, chat_template_kwargs={"thinking": True})
 
 
 def test_split_reasoning():

@@ -119,8 +119,8 @@ def parse_mesh(text: str) -> dict[str, int]:
 def add_plan_options(p: argparse.ArgumentParser) -> None:
     """The `plan` command's options."""
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", default="deepseek-r1", help="a named config: deepseek-r1, tiny or bench "
-                     "(default: deepseek-r1)")
+    src.add_argument("--preset", default="deepseek-r1", help="a named config: deepseek-r1, deepseek-v3.1 "
+                     "(R1's shapes), tiny or bench (default: deepseek-r1)")
     src.add_argument("--config", metavar="PATH", help="a HF config.json (or a folder holding one)")
     p.add_argument("--target", choices=sorted(TARGETS), help="a named machine; sets the device count, --hbm and "
                    "--mesh (each overridable): " + "; ".join(f"{t.name}: {t.devices} devices x {t.hbm_gib:g} GiB, "

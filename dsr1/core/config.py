@@ -115,6 +115,7 @@ class Config:
             raise ConfigError(f"{source}: moe_layer_freq={raw['moe_layer_freq']} is not supported (only 1)")
         if raw.get("attention_bias", False):
             raise ConfigError(f"{source}: attention_bias=true is not supported")
+        _check_quantization(raw.get("quantization_config"), source)
 
         def get(name: str, default: Any = dataclasses.MISSING) -> Any:
             if name in raw and raw[name] is not None:
@@ -159,8 +160,9 @@ class Config:
 
     @classmethod
     def preset(cls, name: str) -> Config:
-        """A named configuration: `deepseek-r1` (the release config), `tiny` (a CPU demo model with R1's
-        vocabulary), `bench` (memory-bound on CPU, for benchmarks) or `demo` (the trained demo model's shape)."""
+        """A named configuration: `deepseek-r1` (the release config; `deepseek-v3.1` is the same
+        architecture and shapes), `tiny` (a CPU demo model with R1's vocabulary), `bench` (memory-bound
+        on CPU, for benchmarks) or `demo` (the trained demo model's shape)."""
         if name not in PRESETS:
             raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
         return PRESETS[name]
@@ -186,6 +188,30 @@ def _require(raw: dict, field: str, expected: str, source: str) -> None:
     value = raw.get(field, expected)
     if value != expected:
         raise ConfigError(f"{source}: {field}={value!r} is not supported (dsr1 implements {expected!r})")
+
+
+# The FP8 releases' weight scales: R1's and V3's any float32 (absent), V3.1's on powers of two stored as
+# float32 ("ue8m0"); both dequantize as w * scale, so the loader reads them alike.
+SCALE_FORMATS = (None, "ue8m0")
+
+
+def _check_quantization(quant: Any, source: str) -> None:
+    """A release's `quantization_config`: DeepSeek's FP8 (e4m3 weights in 128x128 blocks, each with a
+    float32 scale, `scale_fmt` absent or "ue8m0"); a ConfigError naming the field for anything else
+    dsr1's FP8 loader would misread. Other quantization methods are left to the weight loader."""
+    if quant is None:
+        return
+    if not isinstance(quant, dict):
+        raise ConfigError(f"{source}: quantization_config must be an object, got {type(quant).__name__}")
+    if quant.get("scale_fmt") not in SCALE_FORMATS:
+        raise ConfigError(f"{source}: quantization_config.scale_fmt={quant['scale_fmt']!r} is not supported "
+                          f"(dsr1 reads float32 block scales: absent, or 'ue8m0' for powers of two)")
+    if quant.get("quant_method") != "fp8":
+        return
+    for field, expected in (("fmt", "e4m3"), ("weight_block_size", [128, 128])):
+        if field in quant and quant[field] != expected:
+            raise ConfigError(f"{source}: quantization_config.{field}={quant[field]!r} is not supported "
+                              f"(DeepSeek's FP8 releases use {expected!r})")
 
 
 def _read_rope(raw: dict, source: str) -> tuple[float, RopeScaling]:
@@ -285,4 +311,6 @@ def _demo() -> Config:
     )
 
 
-PRESETS: dict[str, Config] = {"deepseek-r1": _r1(), "tiny": _tiny(), "bench": _bench(), "demo": _demo()}
+# V3-0324, R1-0528, V3.1 and V3.1-Terminus have R1's architecture and shapes: `deepseek-v3.1` is R1's config.
+PRESETS: dict[str, Config] = {"deepseek-r1": _r1(), "deepseek-v3.1": _r1(), "tiny": _tiny(), "bench": _bench(),
+                              "demo": _demo()}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -83,11 +83,13 @@ def _pad(prompts: list[list[int]], limit: int) -> tuple[np.ndarray, np.ndarray]:
 def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | None = None,
              sampling: Sampling | Sequence[Sampling] | None = None, tokenizer: Tokenizer | None = None,
              chat: bool = False, stream: StreamCallback | None = None, chunk_size: int = 16,
-             draft_tokens: int = 0) -> GenerationResult:
+             draft_tokens: int = 0, chat_template_kwargs: dict[str, Any] | None = None) -> GenerationResult:
     """Generate for a batch of prompts of different lengths.
 
     `prompts`: strings (encoded with BOS, or as one user turn of the chat template with `chat=True`),
-    chat message lists, or token id lists. `tokenizer`: default the model's own (`Model.tokenizer`,
+    chat message lists, or token id lists. `chat_template_kwargs`: the chat template's switches, as
+    vLLM takes them (V3.1's `{"thinking": True}` opens the reply's reasoning; its default is chat
+    mode). `tokenizer`: default the model's own (`Model.tokenizer`,
     the checkpoint's), else R1's. `sampling`: one `Sampling` for all rows or one per row
     (default greedy); the model's EOS is always a stop token. `max_new_tokens` overrides every
     row's `Sampling.max_new_tokens`. `stream(row, text)` receives each row's new text after every
@@ -116,7 +118,7 @@ def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | N
     settings = [request_sampling(s, eos, max_new_tokens) for s in settings]
     if any(s.stop_strings for s in settings) and tokenizer is None:
         raise ValueError("stop strings need a tokenizer")
-    encoded = [encode_prompt(p, tokenizer, chat) for p in prompts]
+    encoded = [encode_prompt(p, tokenizer, chat, chat_template_kwargs) for p in prompts]
     budget = max(s.max_new_tokens for s in settings)
     tokens, lengths = _pad(encoded, model.cfg.max_position_embeddings - budget)
     max_len = tokens.shape[1] + budget

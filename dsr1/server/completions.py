@@ -265,7 +265,7 @@ class CompletionService:
         for i, request in enumerate(submission.requests):
             reasoning, content = split_reply(request.text, request.thinking)
             calls, finish = [], finish_reason(request)
-            if plan.calls_tools and (parsed := split_tool_calls(content)) is not None:
+            if plan.calls_tools and (parsed := split_tool_calls(content, plan.tool_format)) is not None:
                 content, found = parsed
                 calls = [ToolCall(id=c.id, function={"name": c.name, "arguments": c.arguments}) for c in found]
                 finish = "tool_calls" if finish == "stop" else finish
@@ -317,7 +317,7 @@ class CompletionService:
             for i in range(len(submission.requests)):
                 yield reply.chat_chunk(plan, i, {"role": "assistant", "content": ""})
             splitters = [ReasoningSplitter(r.thinking) for r in submission.requests]
-            callers = [ToolCallSplitter() if plan.calls_tools else None for _ in submission.requests]
+            callers = [ToolCallSplitter(plan.tool_format) if plan.calls_tools else None for _ in submission.requests]
             cursors = [LogprobCursor(self.tokenizer, chat=True) for _ in submission.requests]
             async for update in submission.updates():
                 i = submission.index(update.request)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ..generation.chat_templates import TemplateKwargError, chat_format, template_kwargs
 from ..generation.output import opens_thinking
 from ..generation.sampling import Sampling
 from ..generation.tokenizer import Tokenizer
@@ -66,6 +67,7 @@ class Plan:
     grammars: tuple[str | None, ...] = ()
     tools: tuple[ToolSpec, ...] = ()
     tool_choice: str = "none"
+    tool_format: str = "v3"  # how the model writes its calls (`tools.TOOL_FORMATS`)
     echo: tuple[str, ...] | None = None  # each prompt's text, repeated before its choices' outputs
     prompt_logprobs: int | None = None  # alternatives per prompt token the engine records (None: none)
     report_prompt_logprobs: bool = False  # vLLM's `prompt_logprobs` field in the reply (not only echo's)
@@ -102,7 +104,8 @@ def check_size(body: ChatCompletionRequest | CompletionRequest, limits: Limits) 
 
 
 def plan_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits) -> Plan:
-    """Check a chat request and encode its messages (and tools) with R1's chat template."""
+    """Check a chat request and encode its messages (and tools) with the model's chat template
+    (`tokenizer.chat_format`), with the request's `chat_template_kwargs`."""
     _check_common(body, limits)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
@@ -116,12 +119,11 @@ def plan_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits)
     tools = parse_tools(body.tools or [])
     choice = parse_tool_choice(body.tool_choice, tools)
     messages = _template_messages(body.messages)
+    # (A tokenizer without a template fails to render below, with the reason.)
+    tool_format = chat_format(tokenizer.chat_format).tool_calls if tokenizer.chat_format else "v3"
     if tools and choice != "none":
-        messages.append({"role": "system", "content": tools_system_prompt(tools)})
-    try:
-        prompt = tokenizer.apply_chat_template(messages)
-    except ValueError as e:
-        raise APIError(400, f"messages cannot be rendered: {e}", param="messages", code="invalid_value") from None
+        messages.append({"role": "system", "content": tools_system_prompt(tools, tool_format)})
+    prompt = _render(tokenizer, messages, True, body.chat_template_kwargs)
     prompt = _truncated(prompt, body.truncate_prompt_tokens)
     constraint = constraint_of(body)
     thinking = opens_thinking(prompt, tokenizer)
@@ -132,7 +134,7 @@ def plan_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits)
         if constraint is not None:
             raise APIError(400, f"tool_choice {body.tool_choice!r} and {constraint.param} both constrain the reply; "
                                 "send one", param=constraint.param, code="invalid_value")
-        grammar = tool_call_grammar(tools, choice, tokenizer, reasoning)
+        grammar = tool_call_grammar(tools, choice, tokenizer, reasoning, tool_format)
     else:
         grammar = constraint.grammar(tokenizer, reasoning) if constraint is not None else None
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -140,7 +142,7 @@ def plan_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits)
     keep_special = (tools and choice != "none") or thinking
     return Plan([prompt], _samplings(body, [budget], tokenizer, limits, keep_special=bool(keep_special)), body.n,
                 body.stream, body.include_usage, top_logprobs, grammars=(grammar,), tools=tuple(tools),
-                tool_choice=choice, prompt_logprobs=body.prompt_logprobs,
+                tool_choice=choice, tool_format=tool_format, prompt_logprobs=body.prompt_logprobs,
                 report_prompt_logprobs=body.prompt_logprobs is not None)
 
 
@@ -182,8 +184,20 @@ def plan_tokenize(body: TokenizeRequest, tokenizer: Tokenizer, limits: Limits) -
         raise APIError(400, "send either prompt or messages", param="prompt", code="invalid_value")
     if body.prompt is not None:
         return tokenizer.encode(body.prompt, add_bos=body.add_special_tokens)
+    return _render(tokenizer, _template_messages(body.messages), body.add_generation_prompt,
+                   body.chat_template_kwargs)
+
+
+def _render(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
+            kwargs: dict[str, Any] | None) -> list[int]:
+    """The token ids of `messages` through the chat template, or a 400 naming the field at fault."""
     try:
-        return tokenizer.apply_chat_template(_template_messages(body.messages), body.add_generation_prompt)
+        if tokenizer.chat_format:
+            template_kwargs(chat_format(tokenizer.chat_format), kwargs)
+    except TemplateKwargError as e:
+        raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt, kwargs)
     except ValueError as e:
         raise APIError(400, f"messages cannot be rendered: {e}", param="messages", code="invalid_value") from None
 

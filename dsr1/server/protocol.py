@@ -129,6 +129,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     echo: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: the template's switches (V3.1: thinking)
 
     @property
     def token_budget(self) -> int | None:
@@ -311,6 +312,7 @@ class TokenizeRequest(_Strict):
     add_special_tokens: bool = True  # a text prompt gets BOS
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Strict):

@@ -6,7 +6,8 @@
 pieces it emits join to exactly what `split_reply` gives for the whole text. That split is
 `dsr1.generation.output.split_reasoning`'s (the reasoning without its surrounding newlines, the
 answer without leading ones) for every output that thinks: the prompt opened `<think>` (R1's chat
-template does) or the output starts with it. Output that does not think is all `content`.
+template does, V3.1's with `chat_template_kwargs` `{"thinking": true}`) or the output starts with
+it. Output that does not think is all `content` (V3.1's chat mode, whose prompt ends `</think>`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""Function calling in DeepSeek-V3/R1's format: the tools described to the model, its calls parsed
-out of the reply (whole or streamed as OpenAI's `tool_calls` deltas), and the grammar that makes
+"""Function calling in DeepSeek's formats: the tools described to the model, its calls parsed out
+of the reply (whole or streamed as OpenAI's `tool_calls` deltas), and the grammar that makes
 `tool_choice` `required` or a named function always produce calls whose arguments parse.
 
-The model writes calls as its release chat template renders them in earlier turns::
+The model writes calls as its release chat template renders them in earlier turns. R1, V3-0324 and
+R1-0528 (tool format `"v3"`)::
 
     <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
     ```json
@@ -10,10 +11,19 @@ The model writes calls as its release chat template renders them in earlier turn
     ```<｜tool▁call▁end｜>
     <｜tool▁call▁begin｜>...<｜tool▁call▁end｜><｜tool▁calls▁end｜>
 
-Text before `<｜tool▁calls▁begin｜>` is the reply's content (vLLM's `deepseek_v3` parser and
-SGLang's `deepseekv3` read the same format). The release template has no place for the tool
-definitions, so they are given to the model in the system prompt (`tools_system_prompt`), in the
-format above, as vLLM's DeepSeek tool templates do.
+V3.1 and V3.1-Terminus (`"v3.1"`), calls chained without separators::
+
+    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{"arg": 1}<｜tool▁call▁end｜>
+    <｜tool▁call▁begin｜>...<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+
+(shown on two lines here; the model writes no newline between calls).
+
+Text before `<｜tool▁calls▁begin｜>` is the reply's content (vLLM's `deepseek_v3` / `deepseek_v31`
+parsers and SGLang's `deepseekv3` / `deepseekv31` read the same formats). The release templates have
+no place for the tool definitions, so they are given to the model in the system prompt
+(`tools_system_prompt`): for V3.1 in the words of its model card, for the others in the format
+above, as vLLM's DeepSeek tool templates do. `TOOL_FORMATS` names the formats; a tokenizer's chat
+format says which one its model writes (`dsr1.generation.chat_templates`).
 """
 
 from __future__ import annotations
@@ -28,11 +38,17 @@ from ..generation.tokenizer import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END,
 from .errors import APIError
 from .guided import output_grammar, special_token
 
-__all__ = ["ToolCall", "ToolCallSplitter", "ToolSpec", "parse_tool_choice", "parse_tools", "split_tool_calls",
-           "tool_call_grammar", "tools_system_prompt"]
+__all__ = ["TOOL_FORMATS", "ToolCall", "ToolCallSplitter", "ToolSpec", "parse_tool_choice", "parse_tools",
+           "split_tool_calls", "tool_call_grammar", "tools_system_prompt"]
 
+TOOL_FORMATS = ("v3", "v3.1")
 _ARGS_OPEN = "\n```json\n"
 _ARGS_CLOSE = "\n```" + CALL_END
+
+
+def _check_format(tool_format: str) -> None:
+    if tool_format not in TOOL_FORMATS:
+        raise ValueError(f"unknown tool-call format {tool_format!r}; known: {TOOL_FORMATS}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,38 +110,53 @@ def parse_tool_choice(choice: str | dict[str, Any] | None, tools: list[ToolSpec]
     return name
 
 
-def tools_system_prompt(tools: list[ToolSpec]) -> str:
-    """The tools described for the model, with the exact format of a call."""
+def tools_system_prompt(tools: list[ToolSpec], tool_format: str = "v3") -> str:
+    """The tools described for the model, with the exact format of a call in `tool_format`."""
+    _check_format(tool_format)
     lines = ["## Tools", "You have access to the following tools:"]
     for t in tools:
         lines += ["", f"### {t.name}", f"Description: {t.description}", "",
                   f"Parameters: {json.dumps(t.parameters, ensure_ascii=False)}"]
-    lines += ["", "IMPORTANT: ALWAYS adhere to this exact format for tool use:",
-              f"{CALLS_BEGIN}{CALL_BEGIN}function{TOOL_SEP}tool_call_name{_ARGS_OPEN}tool_call_arguments"
+    lines += ["", "IMPORTANT: ALWAYS adhere to this exact format for tool use:"]
+    if tool_format == "v3.1":  # V3.1's model card, word for word
+        return "\n".join([*lines, f"{CALLS_BEGIN}{CALL_BEGIN}tool_call_name{TOOL_SEP}tool_call_arguments{CALL_END}"
+                                   f"{{{{additional_tool_calls}}}}{CALLS_END}", "", "Where:", "",
+                           "- `tool_call_name` must be an exact match to one of the available tools",
+                           "- `tool_call_arguments` must be valid JSON that strictly follows the tool's Parameters "
+                           "Schema", "- For multiple tool calls, chain them directly without separators or spaces"])
+    lines += [f"{CALLS_BEGIN}{CALL_BEGIN}function{TOOL_SEP}tool_call_name{_ARGS_OPEN}tool_call_arguments"
               f"{_ARGS_CLOSE}{{additional_tool_calls}}{CALLS_END}", "",
               "Where `tool_call_name` is exactly one of the tools' names and `tool_call_arguments` is valid JSON "
               "for the tool's parameters. Additional calls follow on new lines, in the same format."]
     return "\n".join(lines)
 
 
-def tool_call_grammar(tools: list[ToolSpec], choice: str, tokenizer: Tokenizer, reasoning: int | None) -> str:
-    """The llguidance grammar of a reply that must call tools: one or more calls of any of `tools`
-    (`choice` "required") or exactly one of the named function, each call's arguments valid
-    against its schema. `reasoning`: the prompt opened R1's `<think>`, so the reply reasons first, for
-    at most that many tokens (None: it did not)."""
+def tool_call_grammar(tools: list[ToolSpec], choice: str, tokenizer: Tokenizer, reasoning: int | None,
+                      tool_format: str = "v3") -> str:
+    """The llguidance grammar of a reply that must call tools, written in `tool_format`: one or more
+    calls of any of `tools` (`choice` "required") or exactly one of the named function, each call's
+    arguments valid against its schema. `reasoning`: the prompt opened `<think>`, so the reply
+    reasons first, for at most that many tokens (None: it did not)."""
+    _check_format(tool_format)
 
     def special(text: str) -> str:
         return special_token(tokenizer, text, "tools")
 
     chosen = tools if choice == "required" else [t for t in tools if t.name == choice]
-    close = json.dumps(_ARGS_CLOSE.removesuffix(CALL_END))
-    rules = [f"call_{i}: {json.dumps(t.name)} {json.dumps(_ARGS_OPEN)} %json {json.dumps(_compact(t.parameters))} "
-             f"{close} {special(CALL_END)}" for i, t in enumerate(chosen)]
+    if tool_format == "v3.1":
+        rules = [f"call_{i}: {json.dumps(t.name)} {special(TOOL_SEP)} %json {json.dumps(_compact(t.parameters))} "
+                 f"{special(CALL_END)}" for i, t in enumerate(chosen)]
+        head, between = special(CALL_BEGIN), ""
+    else:
+        close = json.dumps(_ARGS_CLOSE.removesuffix(CALL_END))
+        rules = [f"call_{i}: {json.dumps(t.name)} {json.dumps(_ARGS_OPEN)} %json {json.dumps(_compact(t.parameters))} "
+                 f"{close} {special(CALL_END)}" for i, t in enumerate(chosen)]
+        head, between = f'{special(CALL_BEGIN)} "function" {special(TOOL_SEP)}', '"\\n" '
     alternatives = " | ".join(f"call_{i}" for i in range(len(chosen)))
-    rules.append(f'call: {special(CALL_BEGIN)} "function" {special(TOOL_SEP)} ({alternatives})')
+    rules.append(f"call: {head} ({alternatives})")
     # "required": up to one call per offered tool, so the calls end within the reply's budget.
     more = len(chosen) - 1 if choice == "required" else 0  # lark's {0,0} is an error: no repeat then
-    calls = f'call ("\\n" call){{0,{more}}}' if more else "call"
+    calls = f"call ({between}call){{0,{more}}}" if more else "call"
     return output_grammar(f"{special(CALLS_BEGIN)} {calls} {special(CALLS_END)}", tokenizer, reasoning, rules=rules,
                           param="tools")
 
@@ -161,19 +192,27 @@ def _partial_suffix(text: str, marker: str) -> int:
     return max((k for k in range(1, len(marker)) if text.endswith(marker[:k])), default=0)
 
 
-def _parse_calls(text: str, final: bool) -> tuple[list[tuple[str, str, bool]], bool]:
-    """The calls in `text` (what follows `<｜tool▁calls▁begin｜>`): (name, arguments so far, complete)
-    for each call whose name is known, and whether the text is well formed so far (at the end,
-    `final`: every call complete)."""
+def _calls_end(text: str, pos: int, calls: list[tuple[str, str, bool]], final: bool) -> tuple[bool, bool]:
+    """At `pos`, between calls: (whether the calls end here, whether the text is well formed so far)."""
+    if text.startswith(CALLS_END, pos) or pos == len(text):
+        return True, not final or text.startswith(CALLS_END, pos) or (pos == len(text) and bool(calls))
+    if not text.startswith(CALL_BEGIN, pos):
+        return True, CALL_BEGIN.startswith(text[pos:]) and not final
+    return False, True
+
+
+def _parse_v3(text: str, final: bool) -> tuple[list[tuple[str, str, bool]], bool]:
+    """The calls in `text` (what follows `<｜tool▁calls▁begin｜>`) in R1's / V3-0324's format: (name,
+    arguments so far, complete) for each call whose name is known, and whether the text is well
+    formed so far (at the end, `final`: every call complete)."""
     calls: list[tuple[str, str, bool]] = []
     pos = 0
     while True:
         while text.startswith("\n", pos):
             pos += 1
-        if text.startswith(CALLS_END, pos) or pos == len(text):
-            return calls, not final or text.startswith(CALLS_END, pos) or (pos == len(text) and bool(calls))
-        if not text.startswith(CALL_BEGIN, pos):
-            return calls, CALL_BEGIN.startswith(text[pos:]) and not final
+        done, ok = _calls_end(text, pos, calls, final)
+        if done:
+            return calls, ok
         head = pos + len(CALL_BEGIN)
         sep = text.find(TOOL_SEP, head)
         opened = text.find(_ARGS_OPEN, sep + len(TOOL_SEP)) if sep >= 0 else -1
@@ -190,13 +229,44 @@ def _parse_calls(text: str, final: bool) -> tuple[list[tuple[str, str, bool]], b
         pos = close + len(_ARGS_CLOSE)
 
 
-def split_tool_calls(text: str) -> tuple[str, list[ToolCall]] | None:
-    """A finished reply's (content, calls), or None when it makes no well-formed call (then the whole
-    text is the content)."""
+def _parse_v31(text: str, final: bool) -> tuple[list[tuple[str, str, bool]], bool]:
+    """`_parse_v3` for V3.1's format: `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>`,
+    chained (newlines between calls are tolerated, as vLLM's parser does)."""
+    calls: list[tuple[str, str, bool]] = []
+    pos = 0
+    while True:
+        while text.startswith("\n", pos):
+            pos += 1
+        done, ok = _calls_end(text, pos, calls, final)
+        if done:
+            return calls, ok
+        head = pos + len(CALL_BEGIN)
+        sep = text.find(TOOL_SEP, head)
+        if sep < 0:  # the name is still coming: well formed while it is one line
+            return calls, not final and "\n" not in text[head:]
+        name, args_at = text[head:sep], sep + len(TOOL_SEP)
+        if "\n" in name:
+            return calls, False
+        close = text.find(CALL_END, args_at)
+        if close < 0:
+            rest = text[args_at:]
+            calls.append((name, rest[:len(rest) - _partial_suffix(rest, CALL_END)], False))
+            return calls, not final
+        calls.append((name, text[args_at:close], True))
+        pos = close + len(CALL_END)
+
+
+_PARSERS = {"v3": _parse_v3, "v3.1": _parse_v31}
+
+
+def split_tool_calls(text: str, tool_format: str = "v3") -> tuple[str, list[ToolCall]] | None:
+    """A finished reply's (content, calls) in `tool_format`, or None when it makes no well-formed call
+    (then the whole text is the content)."""
+    _check_format(tool_format)
     start = text.find(CALLS_BEGIN)
     if start < 0:
         return None
-    parsed, ok = _parse_calls(text[start + len(CALLS_BEGIN):], final=True)
+    parsed, ok = _PARSERS[tool_format](text[start + len(CALLS_BEGIN):], final=True)
     if not ok or not parsed:
         return None
     return text[:start], [ToolCall(_new_id(), name, args, True) for name, args, _ in parsed]
@@ -205,9 +275,12 @@ def split_tool_calls(text: str) -> tuple[str, list[ToolCall]] | None:
 class ToolCallSplitter:
     """Split a streamed reply's content into content deltas and OpenAI `tool_calls` deltas: a call's
     first delta has its index, id, type and name (arguments ""), the next ones more of its arguments,
-    as the `openai` client joins them. Text that could begin `<｜tool▁calls▁begin｜>` is held back."""
+    as the `openai` client joins them. Text that could begin `<｜tool▁calls▁begin｜>` is held back.
+    `tool_format`: how the model writes its calls (`TOOL_FORMATS`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tool_format: str = "v3") -> None:
+        _check_format(tool_format)
+        self._parse = _PARSERS[tool_format]
         self._raw = ""
         self._calls_at: int | None = None  # where the calls begin in `_raw`
         self._content_sent = 0
@@ -228,7 +301,7 @@ class ToolCallSplitter:
                 stable = len(self._raw) if final else len(self._raw) - _partial_suffix(self._raw, CALLS_BEGIN)
                 content, self._content_sent = self._raw[self._content_sent:stable], stable
                 return content, []
-        parsed, ok = _parse_calls(self._raw[self._calls_at + len(CALLS_BEGIN):], final)
+        parsed, ok = self._parse(self._raw[self._calls_at + len(CALLS_BEGIN):], final)
         if final and not (ok and parsed) and not self._sent:  # no well-formed call: all content, as whole
             content, self._content_sent = self._raw[self._content_sent:], len(self._raw)
             return content, []

@@ -19,6 +19,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -224,7 +225,8 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, prompt: Prompt, *, sampling: Sampling | None = None, max_new_tokens: int | None = None,
                chat: bool = False, on_text: TextCallback | None = None, logprobs: int | None = None,
-               grammar: str | None = None, prompt_logprobs: int | None = None) -> Request:
+               grammar: str | None = None, prompt_logprobs: int | None = None,
+               chat_template_kwargs: dict[str, Any] | None = None) -> Request:
         """Queue a prompt (token ids, text, or chat messages, as `dsr1.generate` takes them) and return its
         `Request`. Thread-safe. `max_new_tokens` overrides `sampling.max_new_tokens`; the model's EOS
         always stops; a request without a seed gets a random one now. `on_text(piece)` receives the
@@ -235,14 +237,15 @@ class Engine:
         `grammar`: an llguidance grammar (`llguidance.LLMatcher.grammar_from_json_schema`, `..._regex`,
         `..._lark`) the output must follow; the request stops when the grammar is complete.
         Raises ValueError for a prompt that could never run (bad token, longer than `max_seq_len`,
-        more pages than the pool holds), a bad `logprobs` or `prompt_logprobs`, or a bad grammar."""
+        more pages than the pool holds), a bad `logprobs` or `prompt_logprobs`, or a bad grammar.
+        `chat_template_kwargs`: the chat template's switches, as `dsr1.generate` takes them."""
         self._require_leader("submit")
         for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or not 0 <= value <= TOP_LOGPROBS):
                 raise ValueError(f"{name} must be None or an integer in [0, {TOP_LOGPROBS}], got {value!r}")
         tokenizer = self._tokenizer_for(prompt, sampling)
-        tokens = encode_prompt(prompt, tokenizer, chat)
+        tokens = encode_prompt(prompt, tokenizer, chat, chat_template_kwargs)
         eos = tokenizer.eos_id if tokenizer else self.model.cfg.eos_token_id
         settings = request_sampling(sampling or Sampling(), eos, max_new_tokens)
         if settings.seed is None:
