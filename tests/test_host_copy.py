@@ -1,4 +1,4 @@
-"""Host copies for loading on CPU (`dsr1.cpu.host_copy`): compiled where the kernel library builds,
+"""Host copies for loading on CPU (`dsr1.host.copy`): compiled where the kernel library builds,
 numpy elsewhere; both give the same bits."""
 
 from __future__ import annotations
@@ -7,16 +7,15 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dsr1.cpu import ffi as cpu_kernels
-from dsr1.cpu import host_copy
+from dsr1.host import copy as host_copy
 
-compiled = pytest.mark.skipif(cpu_kernels.library() is None, reason="dsr1's kernel library is not built here")
+compiled = pytest.mark.skipif(host_copy.library() is None, reason="dsr1's kernel library is not built here")
 
 
 @pytest.fixture(params=["compiled", "numpy"])
 def path(request, monkeypatch):
     """Each test once with the library's functions and once with numpy's (`DSR1_CPU_KERNELS=0`)."""
-    if request.param == "compiled" and cpu_kernels.library() is None:
+    if request.param == "compiled" and host_copy.library() is None:
         pytest.skip("dsr1's kernel library is not built here")
     if request.param == "numpy":
         monkeypatch.setenv("DSR1_CPU_KERNELS", "0")

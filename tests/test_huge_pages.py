@@ -1,4 +1,4 @@
-"""Weights on CPU in 2 MiB pages (`dsr1.cpu.huge_pages`)."""
+"""Weights on CPU in 2 MiB pages (`dsr1.host.huge_pages`)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import dsr1
-from dsr1.cpu import huge_pages
-from dsr1.cpu.huge_pages import HUGE_PAGE, on_huge_pages
+from dsr1.host import huge_pages
+from dsr1.host.huge_pages import HUGE_PAGE, on_huge_pages
 
 needs_madvise = pytest.mark.skipif(not huge_pages.supported(), reason="no madvise(MADV_HUGEPAGE) here (not Linux)")
 

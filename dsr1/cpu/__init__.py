@@ -24,7 +24,8 @@ from jax.sharding import Mesh
 
 from ..core.config import Config
 from ..core.params import float_specs, is_spec, split_placement, with_placement_arrays
-from . import ffi, huge_pages
+from ..host import huge_pages
+from . import ffi
 from .backend import CPU, CpuBackend
 from .layouts import Bf16Bits, Int8Rows, is_laid, laid_out
 

@@ -15,23 +15,18 @@ bf16 cache (`mla_decode_context`), each in place of tens of small XLA operations
 
 The kernel is compiled on first use with the system's C++ compiler for the CPU it runs on (x86-64
 with AVX-512, or AVX2 and FMA) and cached under `$DSR1_KERNEL_CACHE` (default
-`~/.cache/dsr1/kernels`), keyed by the sources, the compiler, jaxlib and the CPU; the same library
-holds the host copies that loading runs (kernels/host_copy.cc, `host_copy`). Without a compiler,
+`~/.cache/dsr1/kernels`), keyed by the sources, the compiler, jaxlib and the CPU (`dsr1.host.native`);
+building it also builds the host copies that loading runs (`dsr1.host.copy`). Without a compiler,
 on another CPU, or with `DSR1_CPU_KERNELS=0`, `available()` is False and dsr1 computes these
 products with XLA's own operations. Which devices the kernels serve is `dsr1.cpu.enabled`'s choice.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
-import hashlib
 import os
-import platform
-import shutil
 import subprocess
-import tempfile
 import warnings
 from importlib import resources
 from pathlib import Path
@@ -39,7 +34,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-SOURCES = ("rows_dot.cc", "host_copy.cc")  # in kernels/, built into one library
+from ..host import copy as host_copy
+from ..host import native
+
+SOURCES = ("rows_dot.cc",)  # in kernels/
 KERNEL_ROWS = 8  # the kernel's block: more rows re-read the weight per block (prefill: AMX, or XLA's bf16 dot)
 _WEIGHTS = {jnp.dtype(jnp.uint16): "bf16", jnp.dtype(jnp.int8): "int8"}  # the handlers' names end so
 
@@ -281,9 +279,8 @@ def _target(weights: str, each: bool, bf16: bool = False) -> str:
 
 
 def library(build: bool = True) -> ctypes.CDLL | None:
-    """The built kernel library, also for its host functions (`host_copy`); None without a compiler,
-    on another CPU, or with `DSR1_CPU_KERNELS=0`. `build=False`: only where this process has built
-    it already (for a CPU mesh, `dsr1.cpu.enabled`): host copies on a GPU or TPU host never compile."""
+    """The built kernel library; None without a compiler, on another CPU, or with `DSR1_CPU_KERNELS=0`.
+    `build=False`: only where this process has built it already (for a CPU mesh, `dsr1.cpu.enabled`)."""
     if os.environ.get("DSR1_CPU_KERNELS", "1") == "0" or not (build or _registered.cache_info().currsize):
         return None
     return _registered()
@@ -292,6 +289,7 @@ def library(build: bool = True) -> ctypes.CDLL | None:
 @functools.cache
 def _registered() -> ctypes.CDLL | None:
     """Build (or find) the kernel library and register its handlers with XLA, once per process."""
+    host_copy.library()  # the host copies too: a process that runs the kernels loads weights for them
     try:
         library = _build()
     except (OSError, subprocess.CalledProcessError) as e:  # a broken compiler: say so, compute without
@@ -311,75 +309,9 @@ def _registered() -> ctypes.CDLL | None:
 
 
 def _build(extra_flags: tuple[str, ...] = ()) -> Path | None:
-    """The compiled library for this CPU, built into the cache if not there yet (None: no compiler, or
-    not an x86-64 CPU with AVX2). Built once under the cache's lock (`_cache_lock`), into a temporary
-    folder, then renamed into place. `extra_flags` (tests: `-mno-avx512f` builds the AVX2 variant on
-    an AVX-512 CPU)."""
-    compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
-    if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
-        return None
+    """The compiled library for this CPU (`dsr1.host.native.build`: cached, built once under the cache's
+    lock; None: no compiler, or not an x86-64 CPU with AVX2). `extra_flags` (tests: `-mno-avx512f`
+    builds the AVX2 variant on an AVX-512 CPU)."""
     sources = {name: resources.files("dsr1.cpu").joinpath(f"kernels/{name}").read_bytes() for name in SOURCES}
     flags = ["-O3", "-march=native", *extra_flags, "-std=c++17", "-shared", "-fPIC", "-isystem", jax.ffi.include_dir()]
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(b"\0".join(s if isinstance(s, bytes) else s.encode() for s in (
-        *sources.values(), version, " ".join(flags), jax.__version__, _cpu_flags()))).hexdigest()[:16]
-    cache = Path(os.environ.get("DSR1_KERNEL_CACHE", Path.home() / ".cache" / "dsr1" / "kernels"))
-    library = cache / f"rows_dot-{key}.so"
-    if library.exists():
-        return library
-    cache.mkdir(parents=True, exist_ok=True)
-    with _cache_lock(cache):
-        if library.exists():  # built by another process while this one waited for the lock
-            return library
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            for name, text in sources.items():
-                (Path(tmp) / name).write_bytes(text)
-            built = Path(tmp) / library.name
-            result = subprocess.run([compiler, *flags, *sources, "-o", str(built)], capture_output=True, text=True,
-                                    cwd=tmp)
-            if result.returncode != 0:
-                if "rows_dot kernel needs" in result.stderr:  # a CPU without AVX2
-                    return None
-                raise OSError(f"{compiler} failed on {', '.join(sources)}: {result.stderr[-2000:]}")
-            os.replace(built, library)
-    return library
-
-
-@contextlib.contextmanager
-def _cache_lock(cache: Path):
-    """Hold the cache folder's lock: processes that start together on one host (a local cluster, a
-    pytest and its subprocesses) build once, the others waiting for the first's library instead of
-    each compiling it. Where the lock cannot be taken (no `flock`, or a file system that refuses it)
-    each builds its own, as they would without it; the rename keeps that safe."""
-    fd = _locked(cache)
-    try:
-        yield
-    finally:
-        if fd is not None:
-            os.close(fd)  # which releases the lock
-
-
-def _locked(folder: Path) -> int | None:
-    """An open descriptor of `folder` holding its exclusive `flock` (None where that cannot be had)."""
-    try:
-        import fcntl  # POSIX only
-        fd = os.open(folder, os.O_RDONLY)
-    except (ImportError, OSError):
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
-
-
-def _cpu_flags() -> str:
-    """The CPU's feature flags (Linux), so a cache shared by different machines keeps one build each."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+    return native.build("rows_dot", sources, flags, unsupported="rows_dot kernel needs")

@@ -29,7 +29,9 @@ from ..core.attention import DECODE_PRODUCTS
 from ..core.backend import HeldWeight
 from ..core.params import is_output_head, multiplies_last_two_axes
 from ..core.quant import Int8Weight, subscripts
-from . import ffi, host_copy, huge_pages
+from ..host import copy as host_copy
+from ..host import huge_pages
+from . import ffi
 
 # The rows from which a product of a bf16 weight runs as a bf16 dot (`products.native_bf16`).
 NATIVE_BF16_ROWS = 16

@@ -13,7 +13,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from . import enabled, huge_pages
+from ..host import huge_pages
+from . import enabled
 from .layouts import as_bits, holds_transposed_bits
 
 

@@ -24,7 +24,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .tokenizer import (
+from .markup import (
     ASSISTANT,
     BOS,
     CALL_BEGIN,

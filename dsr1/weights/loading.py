@@ -44,7 +44,7 @@ from ..core.params import (
 )
 from ..core.quant import check_quant
 from ..core.sharding import ShardingRules
-from ..cpu import host_copy
+from ..host import copy as host_copy
 from . import store
 from .release import (
     FP8_BLOCK,

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..core.config import Config
 from ..core.params import ArrayInfo, float_specs, is_spec, loading_units, unit_specs
-from ..cpu import host_copy
+from ..host import copy as host_copy
 from .safetensors_io import DTYPES, CheckpointError, ReadLog, TensorInfo, map_file, prefetch, read_header, read_tensor
 
 FP8_BLOCK = 128

@@ -1,31 +1,36 @@
-"""Host copies that loading weights on CPU spends its time in: a transpose (the `[..., out, in]` copies
-decode reads) and the table lookup that dequantizes the release's FP8 blocks.
+"""Host copies that loading weights spends its time in: a transpose (the `[..., out, in]` copies
+the CPU backend's decode reads) and the table lookup that dequantizes the release's FP8 blocks.
 
-Both run in C++ (kernels/host_copy.cc, in the CPU kernel's library) where it is built, a part of
-the array per call and the calls in threads (ctypes releases the GIL): several times faster than
-XLA's transpose or numpy's copy of a transposed view, and than numpy's `take`, which holds the GIL.
-The library is used only where this process built it for a CPU mesh (`ffi.library(build=False)`):
-a GPU or TPU host never compiles it. Elsewhere numpy computes the same values.
+Both run in C++ (kernels/host_copy.cc) where it is built, a part of the array per call and the calls
+in threads (ctypes releases the GIL): several times faster than XLA's transpose or numpy's copy of a
+transposed view, and than numpy's `take`, which holds the GIL. The library is built only where a
+process runs on CPU devices (`library()`, which the CPU backend calls when it builds its kernels): a
+GPU or TPU host never compiles it. Elsewhere, and with `DSR1_CPU_KERNELS=0`, numpy computes the same
+values.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
+import subprocess
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from importlib import resources
 from typing import Any
 
 import numpy as np
 
-from . import ffi
+from . import native
 
 TRANSPOSE_ROWS = 256  # rows per call of a single matrix: splits a large one (an lm_head) over the threads
 
 
 def releases_gil() -> bool:
     """Whether `take_blocks_into` runs compiled, without the GIL: callers may then run it in threads."""
-    return ffi.library(build=False) is not None
+    return library(build=False) is not None
 
 
 def transpose_into(out: np.ndarray, x: np.ndarray) -> None:
@@ -95,10 +100,31 @@ _ARGUMENTS = {"dsr1_transpose": [_POINTER, _INT, _INT, _INT, _POINTER, _INT],
               "dsr1_take_blocks": [_POINTER, _INT, _INT, _INT, _POINTER, _INT, _INT, _INT, _POINTER, _INT, _INT]}
 
 
+def library(build: bool = True) -> ctypes.CDLL | None:
+    """The built library of host copies; None without a compiler, on another CPU, or with
+    `DSR1_CPU_KERNELS=0`. `build=False`: only where this process has built it already."""
+    if os.environ.get("DSR1_CPU_KERNELS", "1") == "0" or not (build or _built.cache_info().currsize):
+        return None
+    return _built()
+
+
+@functools.cache
+def _built() -> ctypes.CDLL | None:
+    """Build (or find) the library, once per process."""
+    source = resources.files("dsr1.host").joinpath("kernels/host_copy.cc").read_bytes()
+    try:
+        path = native.build("host_copy", {"host_copy.cc": source}, ["-O3", "-march=native", "-std=c++17", "-shared",
+                                                                    "-fPIC"])
+    except (OSError, subprocess.CalledProcessError) as e:  # a broken compiler: say so, copy with numpy
+        warnings.warn(f"dsr1: host copies not built ({e}); using numpy instead", stacklevel=3)
+        return None
+    return None if path is None else ctypes.cdll.LoadLibrary(str(path))
+
+
 def _function(name: str, itemsize: int) -> Callable[..., None] | None:
     """The library's `name` for elements of `itemsize` bytes (None: not built, or no such size)."""
-    library = ffi.library(build=False)
-    function = None if library is None else getattr(library, f"{name}_{itemsize}", None)
+    built = library(build=False)
+    function = None if built is None else getattr(built, f"{name}_{itemsize}", None)
     if function is not None:
         function.restype, function.argtypes = None, _ARGUMENTS[name]
     return function
