@@ -133,6 +133,30 @@ def _kernel(layer_ref, offsets_ref, groups_ref, tiles_ref, out_tiles_ref, counts
         out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
 
 
+def _blocks(tile: tuple[int, int, int], m: int, k: int, n: int) -> tuple[int, int, int]:
+    """The (rows, k, n) of a block for `tile` on an `[m, k] x [k, n]` product (see `grouped_matmul`)."""
+    tm, tk, tn = tile
+    # Fewer rows than a sublane tile: one block of exactly the rows (Mosaic takes a block as tall as its array).
+    tm = m if m < ROW_ALIGN else min(_round_up(tm, ROW_ALIGN), _round_up(m, ROW_ALIGN))
+    return tm, _lane_block(tk, k), _lane_block(tn, n)
+
+
+def _cost(lhs: jax.Array, rhs: jax.Array, m: int, blocks: tuple[int, int], groups_hit: float | None
+          ) -> pl.CostEstimate:
+    """The kernel's cost on the padded `lhs [mp, kp]` (`m` real rows) and `rhs [L, G, kp, np]` with
+    `blocks` (rows per block, n-blocks)."""
+    (mp, kp), (g, np_), (tm, tiles_n) = lhs.shape, (rhs.shape[1], rhs.shape[3]), blocks
+    # At most one real visit per row: the rows bound the matrices read when there are fewer than visits.
+    # The matrices read: at most one per row, and per group; `groups_hit` where the caller knows better.
+    reads = min(g, m) if groups_hit is None else min(g, m, groups_hit)
+    real_visits = mp // tm + reads  # each tile once, plus once more per group that starts inside it
+    return pl.CostEstimate(
+        flops=int(2 * real_visits * tm * kp * np_),
+        bytes_accessed=int(reads * kp * np_ * rhs.dtype.itemsize + real_visits * tm * kp * lhs.dtype.itemsize * tiles_n
+                           + mp * np_ * 4),
+        transcendentals=0)
+
+
 @functools.partial(jax.jit, static_argnames=("tile", "groups_hit", "interpret"))
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, layer: jax.Array | int | None = None, *,
                    tile: tuple[int, int, int] = (128, 512, 512), groups_hit: float | None = None,
@@ -147,18 +171,14 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, layer
     block does not divide is padded to whole blocks, which copies `rhs` (the model's widths divide).
     `groups_hit`: how many groups get rows on average, for the kernel's cost estimate only (which
     XLA's cost analysis reports; default: the most, one per row)."""
-    if rhs.ndim == 3:
-        rhs, layer = rhs[None], 0  # a stack of one layer: a free reshape
+    rhs, layer = (rhs[None], 0) if rhs.ndim == 3 else (rhs, layer)  # a stack of one layer: a free reshape
     if layer is None:
         raise ValueError("a stacked rhs [L, G, k, n] needs its layer")
     m, k = lhs.shape
     _, g, k_rhs, n = rhs.shape
     if k_rhs != k or group_sizes.shape != (g,):
         raise ValueError(f"lhs {lhs.shape}, rhs {rhs.shape} and group_sizes {group_sizes.shape} do not match")
-    tm, tk, tn = tile
-    # Fewer rows than a sublane tile: one block of exactly the rows (Mosaic takes a block as tall as its array).
-    tm = m if m < ROW_ALIGN else min(_round_up(tm, ROW_ALIGN), _round_up(m, ROW_ALIGN))
-    tk, tn = _lane_block(tk, k), _lane_block(tn, n)
+    tm, tk, tn = _blocks(tile, m, k, n)
     mp, kp, np_ = _round_up(m, tm), _round_up(k, tk), _round_up(n, tn)
     tiles_m, tiles_k, tiles_n = mp // tm, kp // tk, np_ // tn
     lhs = jnp.pad(lhs, [(0, mp - m), (0, kp - k)]) if (mp, kp) != (m, k) else lhs
@@ -179,15 +199,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, layer
     def out_block(nb, visit, kb, layer_ref, offsets, groups, tiles, out_tiles, counts):
         return out_tiles[visit], nb
 
-    # At most one real visit per row: the rows bound the matrices read when there are fewer than visits.
-    # The matrices read: at most one per row, and per group; `groups_hit` where the caller knows better.
-    reads = min(g, m) if groups_hit is None else min(g, m, groups_hit)
-    real_visits = tiles_m + reads  # each tile once, plus once more per group that starts inside it
-    cost = pl.CostEstimate(
-        flops=int(2 * real_visits * tm * kp * np_),
-        bytes_accessed=int(reads * kp * np_ * rhs.dtype.itemsize + real_visits * tm * kp * lhs.dtype.itemsize * tiles_n
-                           + mp * np_ * 4),
-        transcendentals=0)
+    cost = _cost(lhs, rhs, m, (tm, tiles_n), groups_hit)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=6,
         grid=(tiles_n, bound, tiles_k),

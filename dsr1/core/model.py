@@ -261,14 +261,50 @@ def extend(params: Params, cache: PagedKVCache, tokens: jax.Array, starts: jax.A
     return logits, hidden, cache
 
 
+def _extend_form(cfg: Config, chunk: int, absorbed: bool | None, mesh: Mesh, rules: ShardingRules) -> bool:
+    """Whether `extend` attends in the absorbed form: as asked, else the cheaper for `chunk` tokens
+    (`use_absorbed`); always where a row's positions are split over devices, which meet all heads'
+    queries as latents."""
+    if pool_axes(mesh, rules)[1] is not None:
+        return True
+    return use_absorbed(cfg, chunk) if absorbed is None else absorbed
+
+
+def _write_new_tokens(cache: PagedKVCache, c_new: jax.Array, pe_new: jax.Array, page_table: jax.Array,
+                      cached: jax.Array, counts: jax.Array, chunk: int, mesh: Mesh,
+                      rules: ShardingRules) -> PagedKVCache:
+    """The pool with each row's real new latents (`chunk` per row, padded) written at positions
+    `cached[b] + t` (padding goes to `SCRATCH_PAGE`)."""
+    with jax.named_scope("write_pages"):
+        pages, slots = token_slots(page_table, cached, counts, chunk, cache.page_size)
+        page_index = (cached[:, None] + jnp.arange(chunk)) // cache.page_size
+        return write_rank_tokens(cache, c_new, pe_new, pages, slots, page_index, mesh, rules)
+
+
+def _at(x: jax.Array, indices: jax.Array, counts: jax.Array) -> jax.Array:
+    """`x [B, T, D]` at `indices [B, K]` into T, zero where an index is `>= counts[b]`."""
+    picked = jnp.take_along_axis(x, jnp.clip(indices, 0, x.shape[1] - 1)[..., None], axis=1)
+    return jnp.where((indices < counts[:, None])[..., None], picked, 0.0)
+
+
+def _wanted_logits(params: Params, head_input: jax.Array, wanted: jax.Array, chunk: int, cfg: Config) -> jax.Array:
+    """The logits of `head_input [B, K, D]` (zero rows give zero logits: rms_norm(0) = 0, no bias, so no
+    second `[B, K, V]` select). A call wanting no logits at all (prompt chunks that sample nothing)
+    skips the lm_head's weight read; a one-token call (decode: every row samples) has no branch,
+    whose output XLA would copy."""
+    if chunk == 1:
+        return _logits(params, head_input, cfg)
+    return jax.lax.cond(jnp.any(wanted), lambda h: _logits(params, h, cfg),
+                        lambda h: jnp.zeros((*h.shape[:-1], cfg.vocab_size), jnp.float32), head_input)
+
+
 def extend_routed(params: Params, cache: PagedKVCache, tokens: jax.Array, starts: jax.Array, counts: jax.Array,
                   page_table: jax.Array, logits_at: jax.Array, *, cfg: Config, mesh: Mesh, rules: ShardingRules,
                   absorbed: bool | None = None, block_pages: int | None = None, hidden_at: jax.Array | None = None,
                   ) -> tuple[jax.Array, jax.Array, PagedKVCache, jax.Array | None]:
-    """Run T new tokens per row against that row's cached pages, and write their latents.
-
-    The one serving primitive: chunked prefill, the prefill of a prompt's remainder after a prefix
-    hit, decode (T = 1) and speculative verification (T = draft length + 1).
+    """Run T new tokens per row against that row's cached pages, and write their latents: the one
+    serving primitive (chunked prefill, a prompt's remainder after a prefix hit, decode with T = 1,
+    speculative verification with T = draft length + 1).
 
     Args:
       cache: the page pool; donated by `dsr1.programs.extend`.
@@ -299,17 +335,13 @@ def extend_routed(params: Params, cache: PagedKVCache, tokens: jax.Array, starts
       nothing under jit): the routing statistics of redundant experts (`dsr1.core.eplb`).
 
     Each new token attends to its row's cached positions `< starts[b]` and causally to the new
-    tokens. Every shape is static (B, T, P, K), so rows joining, growing and leaving never compile
-    a new program; the page loop's trip count is dynamic, set by the longest row in use.
+    tokens. Every shape is static (B, T, P, K), so rows joining, growing and leaving compile nothing;
+    the page loop's trip count is dynamic, set by the longest row in use.
     """
     chunk = tokens.shape[1]
-    absorbed = use_absorbed(cfg, chunk) if absorbed is None else absorbed
-    if pool_axes(mesh, rules)[1] is not None:
-        absorbed = True  # a row's positions split over devices meet all heads' queries as latents
-    if block_pages is None:
-        block_pages = default_block_pages(cache.page_size, page_table.shape[1], chunk)
-    in_use = counts > 0
-    cached = jnp.where(in_use, starts, 0)  # idle slots read nothing and do not lengthen the page loop
+    absorbed = _extend_form(cfg, chunk, absorbed, mesh, rules)
+    block_pages = block_pages or default_block_pages(cache.page_size, page_table.shape[1], chunk)
+    cached = jnp.where(counts > 0, starts, 0)  # idle slots read nothing and do not lengthen the page loop
     context = PagedContext(cache, page_table, cached, block_pages)
     positions = cached[:, None] + jnp.arange(chunk)
     x = keep_rows(_embed(params, tokens), mesh, rules)
@@ -318,25 +350,10 @@ def extend_routed(params: Params, cache: PagedKVCache, tokens: jax.Array, starts
         return attend_extend(p, h, positions, context, i, cfg, absorbed=absorbed, mesh=mesh, rules=rules)
 
     x, (c_new, pe_new), routing = _run_layers(params, x, attend, cfg, mesh, rules)
-    with jax.named_scope("write_pages"):
-        pages, slots = token_slots(page_table, cached, counts, chunk, cache.page_size)
-        page_index = (cached[:, None] + jnp.arange(chunk)) // cache.page_size
-        cache = write_rank_tokens(cache, c_new, pe_new, pages, slots, page_index, mesh, rules)
-    def at(indices: jax.Array) -> jax.Array:
-        picked = jnp.take_along_axis(x, jnp.clip(indices, 0, chunk - 1)[..., None], axis=1)
-        return jnp.where((indices < counts[:, None])[..., None], picked, 0.0)
-
-    wanted = logits_at < counts[:, None]
-    head_input = at(logits_at)
-    hidden = head_input if hidden_at is None else at(hidden_at)
-    # Zero hidden gives zero logits (rms_norm(0) = 0, no bias): no second [B, K, V] select. A call
-    # wanting no logits at all (prompt chunks that sample nothing) skips the lm_head's weight read;
-    # a one-token call (decode: every row samples) has no branch, whose output XLA would copy.
-    if chunk == 1:
-        logits = _logits(params, head_input, cfg)
-    else:
-        logits = jax.lax.cond(jnp.any(wanted), lambda h: _logits(params, h, cfg),
-                              lambda h: jnp.zeros((*h.shape[:-1], cfg.vocab_size), jnp.float32), head_input)
+    cache = _write_new_tokens(cache, c_new, pe_new, page_table, cached, counts, chunk, mesh, rules)
+    head_input = _at(x, logits_at, counts)
+    hidden = head_input if hidden_at is None else _at(x, hidden_at, counts)
+    logits = _wanted_logits(params, head_input, logits_at < counts[:, None], chunk, cfg)
     if routing is not None:
         routing = routing.reshape(routing.shape[0], *tokens.shape, routing.shape[-1])
     return (keep_rows(logits, mesh, rules), keep_rows(hidden, mesh, rules), keep_pool_layout(cache, mesh, rules),

@@ -22,7 +22,9 @@ compiled, it needs a TPU (or libtpu's deviceless compile, `tests/test_paged_atte
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -55,80 +57,108 @@ def pages_read(lengths: jax.Array, page_size: int) -> jax.Array:
     return jnp.sum(-(-lengths // page_size))
 
 
+@dataclasses.dataclass(frozen=True)
+class _RowPages:
+    """One row's pages of one layer, copied from HBM into VMEM a block of `block` pages at a time, into
+    one of two buffers (`slot`) while the other is read; with an int8 pool, their scales too."""
+
+    table_ref: Any
+    pools: tuple  # (c_hbm, pe_hbm[, s_hbm])
+    buffers: tuple  # (c_buf, pe_buf[, s_buf]), each [2, block, ...]
+    sems: Any
+    row: jax.Array
+    layer: jax.Array
+    block: int
+    pages: jax.Array  # the row's pages in use
+
+    def copies(self, i, slot, k) -> list:
+        """The copies of page k of block i into buffer `slot`."""
+        page = self.table_ref[self.row, i * self.block + k]
+        out = []
+        for j, (pool, buffer) in enumerate(zip(self.pools, self.buffers)):
+            one = (page,) if j < 2 else (pl.ds(page, 1),)  # the scales: a page's row of their [pages, page] array
+            to = buffer.at[slot, k] if j < 2 else buffer.at[slot, pl.ds(k, 1)]
+            out.append(pltpu.make_async_copy(pool.at[(self.layer, *one)], to, self.sems.at[j, slot, k]))
+        return out
+
+    def each_held_page(self, i, action) -> None:
+        for k in range(self.block):
+            pl.when(i * self.block + k < self.pages)(functools.partial(action, k))
+
+    def start(self, i, slot) -> None:
+        def start_page(k):
+            for c in self.copies(i, slot, k):
+                c.start()
+        self.each_held_page(i, start_page)
+
+    def wait(self, i, slot) -> None:
+        def wait_page(k):
+            for c in self.copies(i, slot, k):
+                c.wait()
+        self.each_held_page(i, wait_page)
+
+
+def _attend_page(q, qpe, bufs: tuple, state: tuple, slot, k, first: jax.Array, length: jax.Array, page_size: int,
+                 scale: float) -> None:
+    """Fold page k of buffer `slot` (cached positions `first + [0, page_size)`, those `< length` real) into
+    the running softmax `state` (acc, max, sum refs)."""
+    f32 = jnp.float32
+    acc_ref, max_ref, sum_ref = state
+    scaled = len(bufs) == 3
+    c_buf, pe_buf = bufs[:2]
+    c = c_buf[slot, k].astype(f32).astype(q.dtype) if scaled else c_buf[slot, k]  # int8 values are exact
+    product = functools.partial(jax.lax.dot_general, dimension_numbers=(((1,), (1,)), ((), ())),
+                                preferred_element_type=f32)
+    s = product(q, c)  # [G, page]
+    if scaled:
+        key_scale = bufs[2][slot, pl.ds(k, 1), :]  # [1, page]
+        s = s * key_scale
+    s = (s + product(qpe, pe_buf[slot, k])) * scale
+    positions = first + jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
+    s = jnp.where(positions < length, s, NEG_INF)  # a held page holds at least one position
+    run_max = max_ref[...]
+    new_max = jnp.maximum(run_max, s.max(axis=1, keepdims=True))
+    rescale = jnp.exp(run_max - new_max)
+    probs = jnp.exp(s - new_max)
+    sum_ref[...] = sum_ref[...] * rescale + probs.sum(axis=1, keepdims=True)
+    weights = (probs * key_scale if scaled else probs).astype(c.dtype)
+    acc_ref[...] = acc_ref[...] * rescale + jnp.dot(weights, c, preferred_element_type=f32)
+    max_ref[...] = new_max
+
+
 def _kernel(layer_ref, lengths_ref, table_ref, q_ref, qpe_ref, c_hbm, pe_hbm, *refs, page_size: int, block: int,
             scale: float, scaled: bool):
     """One program: one row's block of queries against the row's cached positions, page by page."""
     if scaled:
         s_hbm, acc_ref, max_ref, sum_ref, c_buf, pe_buf, s_buf, sems = refs
+        pools, bufs = (c_hbm, pe_hbm, s_hbm), (c_buf, pe_buf, s_buf)
     else:
-        (acc_ref, max_ref, sum_ref, c_buf, pe_buf, sems), s_hbm, s_buf = refs, None, None
-    f32 = jnp.float32
-    row, layer = pl.program_id(0), layer_ref[0]
-    length = lengths_ref[row]
+        acc_ref, max_ref, sum_ref, c_buf, pe_buf, sems = refs
+        pools, bufs = (c_hbm, pe_hbm), (c_buf, pe_buf)
+    row, length = pl.program_id(0), lengths_ref[pl.program_id(0)]
     # lax's division and remainder: jnp's floor division asks Mosaic for the chip's generation.
     pages = jax.lax.div(length + page_size - 1, page_size)
     blocks = jax.lax.div(pages + block - 1, block)
-
-    def copies(i, slot, k):  # page k of block i, into buffer `slot`
-        page = table_ref[row, i * block + k]
-        out = [pltpu.make_async_copy(c_hbm.at[layer, page], c_buf.at[slot, k], sems.at[0, slot, k]),
-               pltpu.make_async_copy(pe_hbm.at[layer, page], pe_buf.at[slot, k], sems.at[1, slot, k])]
-        if scaled:
-            out.append(pltpu.make_async_copy(s_hbm.at[layer, pl.ds(page, 1)], s_buf.at[slot, pl.ds(k, 1)],
-                                             sems.at[2, slot, k]))
-        return out
-
-    def each_held_page(i, action):
-        for k in range(block):
-            pl.when(i * block + k < pages)(functools.partial(action, k))
-
-    def start(i, slot):
-        def start_page(k):
-            for c in copies(i, slot, k):
-                c.start()
-        each_held_page(i, start_page)
-
+    held = _RowPages(table_ref, pools, bufs, sems, row, layer_ref[0], block, pages)
     q, qpe = q_ref[...], qpe_ref[...]
-    acc_ref[...] = jnp.zeros(acc_ref.shape, f32)
-    max_ref[...] = jnp.full(max_ref.shape, NEG_INF, f32)
-    sum_ref[...] = jnp.zeros(sum_ref.shape, f32)
-
-    def attend_page(i, slot, k):
-        c = c_buf[slot, k].astype(f32).astype(q.dtype) if scaled else c_buf[slot, k]  # int8 values are exact
-        product = functools.partial(jax.lax.dot_general, dimension_numbers=(((1,), (1,)), ((), ())),
-                                    preferred_element_type=f32)
-        s = product(q, c)  # [G, page]
-        if scaled:
-            key_scale = s_buf[slot, pl.ds(k, 1), :]  # [1, page]
-            s = s * key_scale
-        s = (s + product(qpe, pe_buf[slot, k])) * scale
-        positions = (i * block + k) * page_size + jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
-        s = jnp.where(positions < length, s, NEG_INF)  # a held page holds at least one position
-        run_max = max_ref[...]
-        new_max = jnp.maximum(run_max, s.max(axis=1, keepdims=True))
-        rescale = jnp.exp(run_max - new_max)
-        probs = jnp.exp(s - new_max)
-        sum_ref[...] = sum_ref[...] * rescale + probs.sum(axis=1, keepdims=True)
-        weights = (probs * key_scale if scaled else probs).astype(c.dtype)
-        acc_ref[...] = acc_ref[...] * rescale + jnp.dot(weights, c, preferred_element_type=f32)
-        max_ref[...] = new_max
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    max_ref[...] = jnp.full(max_ref.shape, NEG_INF, jnp.float32)
+    sum_ref[...] = jnp.zeros(sum_ref.shape, jnp.float32)
 
     @pl.when(blocks > 0)
     def _():
-        start(0, 0)
+        held.start(0, 0)
 
     def step(i, carry):
         slot = jax.lax.rem(i, 2)
-        def wait_page(k):
-            for c in copies(i, slot, k):
-                c.wait()
-        each_held_page(i, wait_page)
+        held.wait(i, slot)
 
         @pl.when(i + 1 < blocks)
         def _():
-            start(i + 1, 1 - slot)
+            held.start(i + 1, 1 - slot)
 
-        each_held_page(i, lambda k: attend_page(i, slot, k))
+        held.each_held_page(i, lambda k: _attend_page(q, qpe, bufs, (acc_ref, max_ref, sum_ref), slot, k,
+                                                      (i * block + k) * page_size, length, page_size, scale))
         return carry
 
     jax.lax.fori_loop(0, blocks, step, 0)
