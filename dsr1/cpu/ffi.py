@@ -59,7 +59,7 @@ def bf16_rows() -> bool:
     """Whether `rows_dot` multiplies bf16 rows (a bf16 model's activations) against bf16 weights as
     bf16, with AVX-512 BF16's `vdpbf16ps`, instead of widening both to float32: where the kernel was
     built with it and the CPU retires it at least `BF16_DOT_RATE` times as often as a float32 FMA
-    (measured once per process, ~1 ms). `DSR1_BF16_ROWS=0` turns it off, `=1` on wherever it is
+    (measured once per process). `DSR1_BF16_ROWS=0` turns it off, `=1` on wherever it is
     built. The products and their float32 sums are those of the float32 path, summed in another order:
     the rows are exact bf16 already."""
     choice = os.environ.get("DSR1_BF16_ROWS", "")

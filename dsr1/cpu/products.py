@@ -21,7 +21,7 @@ from . import ffi
 from .layouts import NATIVE_BF16_ROWS, Bf16Bits, Int8Rows, Laid, StackSlice, kernel_operand, product_axes
 
 WIDEN_CHUNK_ELEMENTS = 1 << 19  # float32 elements widened at a time (2 MB: a core's cache holds them)
-HIGHEST = jax.lax.Precision.HIGHEST  # XLA:CPU runs a few-row float32 dot 2-3x faster than at DEFAULT
+HIGHEST = jax.lax.Precision.HIGHEST  # XLA:CPU runs a few-row float32 dot faster than at DEFAULT
 
 
 def to_float32(w: Any) -> jax.Array:

@@ -54,7 +54,7 @@ def _movable(x: Any) -> bool:
 
 def _memory_asking_for_huge_pages() -> list[tuple[int, int]]:
     """The address ranges of this process's mappings that asked for huge pages (`hg` among their
-    VmFlags in /proc/self/smaps; ~10 ms with a loaded model's mappings)."""
+    VmFlags in /proc/self/smaps)."""
     ranges, current = [], None
     try:
         with open("/proc/self/smaps") as smaps:
