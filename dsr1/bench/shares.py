@@ -49,13 +49,13 @@ def _index(path: Path) -> CheckpointIndex:
 def host_shares(index: CheckpointIndex, cfg: Config, mesh: Any, layout: str, quant: str | None) -> list[dict]:
     """Per host (process) of `mesh`'s devices: its chips, the bytes it reads (exact and in 4 KiB
     pages) and the routed experts' part of them."""
-    plan = plan_load(index.folder, cfg, mesh, layout_rules(layout), "bfloat16", quant=quant, mtp=False)
+    plan = plan_load(index.folder, cfg, mesh, layout_rules(layout), "bfloat16", quant=quant, mtp=False, index=index)
     hosts = sorted({d.process_index for d in mesh.devices.flat})
     rows = []
     for host in tqdm(hosts, desc="hosts", file=sys.stderr):
         row = {"host": host, "chips": sum(d.process_index == host for d in mesh.devices.flat),
                "bytes": 0, "page_bytes": 0, "expert_bytes": 0, "expert_page_bytes": 0}
-        for info, runs in planned_reads(plan, host, index).tensor_runs():
+        for info, runs in planned_reads(plan, host).tensor_runs():
             exact, pages = ranges_bytes(runs), ranges_bytes(page_ranges(runs, PAGE_BYTES))
             kinds = ("", "expert_") if ".mlp.experts." in info.name else ("",)
             for kind in kinds:

@@ -86,15 +86,16 @@ class UnitReader:
                 for b, e in page_ranges(region_runs(info, region))])
 
 
-def _hf_reader(folder: Path, cfg: Config, mtp: bool, process: int | None = None,
-               index: CheckpointIndex | None = None) -> UnitReader:
-    index = CheckpointIndex.open(folder) if index is None else index
-    validate(index, cfg, mtp=mtp)
+def _hf_reader(plan: LoadPlan, process: int | None = None) -> UnitReader:
+    index = plan.index
+
+    def unit_sources(unit: str) -> tuple:
+        return plan.parts[unit].sources
 
     def fills(unit: str, layer: int | None, abstract: Any) -> list[Fill]:
         at, out = 0 if layer is None else layer, []
         slots = jax.tree.leaves(abstract, is_leaf=is_fp8_experts)
-        for slot, (spec, src) in zip(slots, unit_sources(cfg, unit, mtp=mtp)):
+        for slot, (spec, src) in zip(slots, unit_sources(unit)):
             if is_fp8_experts(slot):  # codes, then scales: `Fp8Experts`' leaf order
                 out += [functools.partial(read_stored_into, index, src, suffix, at, spec.shape[0])
                         for suffix in ("", "_scale_inv")]
@@ -107,13 +108,13 @@ def _hf_reader(folder: Path, cfg: Config, mtp: bool, process: int | None = None,
             as_stored = layer is not None and stored_experts(index, src, layer, spec.shape[0])
             return _fp8_experts_abstract(a) if as_stored else a
 
-        sources = unit_sources(cfg, unit, mtp=mtp)
+        sources = unit_sources(unit)
         slots = [one(a, spec, src) for a, (spec, src) in zip(jax.tree.leaves(abstract), sources)]
         return jax.tree.unflatten(jax.tree.structure(abstract), slots)
 
     def regions(unit: str, layer: int | None, abstract: Any) -> list[tuple[TensorInfo, tuple[slice, ...]]]:
         out = []
-        for a, (spec, src) in zip(jax.tree.leaves(abstract), unit_sources(cfg, unit, mtp=mtp)):
+        for a, (spec, src) in zip(jax.tree.leaves(abstract), unit_sources(unit)):
             for region in process_regions(a, process):
                 for name, box in tensor_regions(src, spec.shape, 0 if layer is None else layer, region):
                     info = index.info(name)
@@ -220,15 +221,16 @@ def _read_stack_in_place(fills: Callable[[str, int | None], list[Fill]], plan: L
                          advance: Callable[[str, int], None]) -> Any:
     """A whole layer stack filled on the host layer by layer, each layer's region of every weight read
     straight into its slot, then handed to the devices (CPU devices: no copy, no program compiled).
-    A weight on one device that the plan holds transposed (`LoadPlan.transposed_flags`) also gets its
+    A weight on one device that the plan holds transposed (`UnitPlan.transposed`) also gets its
     `[..., out, in]` copy here, each layer written as soon as it is read, while the disk reads the
     next (after the load, `compute_view` would make it with the disk idle)."""
-    abstract = abstract_params(plan.stored[unit], plan.mesh, plan.rules, plan.dtype)
+    part = plan.parts[unit]
+    abstract = part.stored_as
     leaves = jax.tree.leaves(abstract)
     buffers = [_host_regions(a, plan.host.empty) for a in leaves]
     copies = [plan.host.empty(_swapped_shape(a.shape), a.dtype) if flag and len(a.sharding.device_set) == 1
-              else None for a, flag in zip(leaves, plan.transposed_flags(unit))]
-    layers = stack_layers(plan.cfg, unit)
+              else None for a, flag in zip(leaves, part.transposed)]
+    layers = part.layers
     for i, layer in enumerate(layers):
         for fill, regions, copy in zip(fills(unit, layer), buffers, copies):
             for region, out in regions.values():
@@ -270,15 +272,14 @@ def _frozen(specs: Any) -> tuple[Any, tuple[Any, ...]]:
 def _assemble_stack(read: Callable[[str, int | None], Any], plan: LoadPlan, unit: str,
                     advance: Callable[[str, int], None]) -> Any:
     """Allocate a stack in its shardings, then fill it layer by layer (quantizing each layer if asked)."""
-    target = plan.target[unit]
-    leaves = jax.tree.leaves(abstract_params(target, plan.mesh, plan.rules, plan.dtype))
+    part = plan.parts[unit]
+    leaves = jax.tree.leaves(part.held_as)
     shardings = tuple(a.sharding for a in leaves)
     stacked = [jnp.zeros(a.shape, a.dtype, device=a.sharding) for a in leaves]
-    layer_target = _frozen(per_layer(target)) if plan.quantize else None
-    for i, layer in enumerate(stack_layers(plan.cfg, unit)):
-        stacked = _set_layer(layer_target, shardings, stacked, read(unit, layer), np.int32(i))
+    for i, layer in enumerate(part.layers):
+        stacked = _set_layer(part.layer_target, shardings, stacked, read(unit, layer), np.int32(i))
         advance(unit, layer)
-    return jax.tree.unflatten(jax.tree.structure(target, is_leaf=is_spec), stacked)
+    return jax.tree.unflatten(jax.tree.structure(part.held_as), stacked)
 
 
 class HostLayout:
@@ -302,19 +303,35 @@ class HostLayout:
 
 
 @dataclasses.dataclass(frozen=True)
+class UnitPlan:
+    """One loading unit of a plan: the global weights, or a layer stack read layer by layer."""
+
+    layers: tuple[int, ...]  # a stack's release layer numbers (`model.layers.N`); () for the globals
+    read_as: Any  # the ShapeDtypeStructs a unit (a layer of a stack) is read as
+    stored_as: Any  # a stack's ShapeDtypeStructs as the folder stores it, whole (filled in place)
+    held_as: Any  # a stack's ShapeDtypeStructs as the model holds it, whole
+    layer_target: tuple | None  # a stack's per-layer declarations to quantize to on load (frozen), or None
+    transposed: tuple[bool, ...]  # per leaf of a stack: held with a transposed copy, made on load
+    sources: tuple | None  # the release layout: each leaf's (declaration, `Source`); None: converted
+
+
+@dataclasses.dataclass(frozen=True)
 class LoadPlan:
-    """What a load does, derived once from the folder, the model's settings and the mesh (`plan_load`)."""
+    """What a load does, derived once from the folder (its index or manifest), the model's settings
+    and the mesh (`plan_load`): every unit's shapes, shardings, dtypes and sources, handed down to the
+    readers as they are."""
 
     folder: Path
     cfg: Config
     mesh: Mesh
-    rules: ShardingRules
     dtype: jnp.dtype  # the weights' dtype (int8 weights: their other weights')
     mtp: bool
     stored_quant: str | None  # the folder's quantization (a converted int8 folder: "int8")
     quant: str | None  # the weights' quantization as held
     manifest: dict[str, Any] | None  # a converted folder's manifest; None: a release-layout folder
+    index: CheckpointIndex | None  # a release-layout folder's tensors (validated against `cfg`)
     host: HostLayout  # how the devices' backend holds what is built on the host
+    parts: dict[str, UnitPlan]  # "globals", then each stack, in reading order
 
     @property
     def quantize(self) -> bool:
@@ -333,61 +350,77 @@ class LoadPlan:
         """Whether stacks are filled on the host straight into the buffers the devices then hold."""
         return not self.quantize and not self.accelerators
 
-    @functools.cached_property
-    def stored(self) -> dict[str, Any]:
-        """The declarations of the weights as the folder holds them."""
-        return param_specs(self.cfg, self.stored_quant, mtp=self.mtp)
-
-    @functools.cached_property
-    def target(self) -> dict[str, Any]:
-        """The declarations of the weights as the model holds them."""
-        return param_specs(self.cfg, self.quant, mtp=self.mtp)
+    @property
+    def stacks(self) -> list[str]:
+        """The layer stacks, in reading order."""
+        return [k for k in self.parts if k != "globals"]
 
     @property
     def units(self) -> list[tuple[str, int | None]]:
         """The loading units in reading order: the globals, then every layer of every stack."""
-        return [("globals", None)] + [(k, i) for k in stack_names(self.target) for i in stack_layers(self.cfg, k)]
+        return [("globals", None)] + [(k, i) for k in self.stacks for i in self.parts[k].layers]
 
     def unit_abstract(self, unit: str) -> Any:
         """What a unit's weights are read as (a layer to quantize on load: in full precision)."""
-        read_dtype = jnp.float32 if self.quantize and unit != "globals" else self.dtype
-        return abstract_params(unit_specs(self.stored, unit), self.mesh, self.rules, read_dtype)
-
-    def transposed_flags(self, unit: str) -> list[bool]:
-        """Per leaf of a stack, whether the backend holds its values transposed (`HostLayout.keeps_transposed`),
-        a copy made on load; all False for a converted folder's stored quantization."""
-        if self.stored_quant is not None:
-            return [False] * len(jax.tree.leaves(self.stored[unit], is_leaf=is_spec))
-        return jax.tree.leaves(jax.tree_util.tree_map_with_path(
-            lambda path, spec: self.host.keeps_transposed(getattr(path[-1], "key", None), spec, self.dtype),
-            self.stored[unit], is_leaf=is_spec))
+        return self.parts[unit].read_as
 
 
 def plan_load(folder: str | Path, cfg: Config, mesh: Mesh, rules: ShardingRules, dtype: Any, *,
-              quant: str | None = None, mtp: bool = False, host: HostLayout | None = None) -> LoadPlan:
+              quant: str | None = None, mtp: bool = False, host: HostLayout | None = None,
+              index: CheckpointIndex | None = None) -> LoadPlan:
     """The plan of loading `folder` into `mesh`; raises a `store.CheckpointError` naming what a
-    converted folder lacks. `host`: how the devices' backend holds weights built on the host (by
-    default as plain arrays)."""
+    converted folder lacks, or what a release-layout folder's tensors do not match in `cfg`. `host`:
+    how the devices' backend holds weights built on the host (by default as plain arrays). `index`
+    stands for a release folder's shards (`CheckpointIndex.from_shape_index`: a plan from a listing of
+    the tensors, no weights needed)."""
     folder = Path(folder)
     manifest = store.read_manifest(folder) if store.is_converted(folder) else None
     stored_quant = None if manifest is None else manifest["quant"]
     if manifest is not None and mtp and not manifest["mtp"]:
         raise store.CheckpointError(f"{folder}: converted without the MTP module; cannot load mtp=True")
-    return LoadPlan(folder, cfg, mesh, rules, jnp.dtype(dtype), mtp, stored_quant, check_quant(quant) or stored_quant,
-                    manifest, HostLayout() if host is None else host)
+    if manifest is None:
+        index = CheckpointIndex.open(folder) if index is None else index
+        validate(index, cfg, mtp=mtp)
+    quant, dtype, host = check_quant(quant) or stored_quant, jnp.dtype(dtype), HostLayout() if host is None else host
+    stored, target = param_specs(cfg, stored_quant, mtp=mtp), param_specs(cfg, quant, mtp=mtp)
+    units = ("globals", *stack_names(target))
+    sources = {u: None if manifest is not None else tuple(unit_sources(cfg, u, mtp=mtp)) for u in units}
+    abstract = functools.partial(abstract_params, mesh=mesh, rules=rules)
+    read_as = {u: abstract(unit_specs(stored, u), dtype=jnp.float32 if quant != stored_quant and u != "globals"
+                           else dtype) for u in units}
+    parts = {"globals": UnitPlan((), read_as["globals"], None, None, None, (), sources["globals"])}
+    for unit in units[1:]:
+        parts[unit] = UnitPlan(tuple(stack_layers(cfg, unit)), read_as[unit], abstract(stored[unit], dtype=dtype),
+                               abstract(target[unit], dtype=dtype),
+                               _frozen(per_layer(target[unit])) if quant != stored_quant else None,
+                               _transposed_flags(host, stored[unit], dtype, stored_quant), sources[unit])
+    return LoadPlan(folder, cfg, mesh, dtype, mtp, stored_quant, quant, manifest, index, host, parts)
 
 
-def _reader(plan: LoadPlan, process: int | None = None, index: CheckpointIndex | None = None) -> UnitReader:
-    return (_hf_reader(plan.folder, plan.cfg, plan.mtp, process, index) if plan.manifest is None
-            else _converted_reader(plan.folder, plan.manifest, process))
+def _transposed_flags(host: HostLayout, stack: Any, dtype: Any, stored_quant: str | None) -> tuple[bool, ...]:
+    """Per leaf of a stack's declarations, whether the backend holds its values transposed
+    (`HostLayout.keeps_transposed`), a copy made on load; all False for a converted folder's stored
+    quantization."""
+    if stored_quant is not None:
+        return (False,) * len(jax.tree.leaves(stack, is_leaf=is_spec))
+
+    def keeps(path: tuple, spec: Any) -> bool:
+        return host.keeps_transposed(getattr(path[-1], "key", None), spec, dtype)
+
+    return tuple(jax.tree.leaves(jax.tree_util.tree_map_with_path(keeps, stack, is_leaf=is_spec)))
 
 
-def planned_reads(plan: LoadPlan, process: int | None = None, index: CheckpointIndex | None = None) -> ReadLog:
+def _reader(plan: LoadPlan, process: int | None = None) -> UnitReader:
+    if plan.manifest is None:
+        return _hf_reader(plan, process)
+    return _converted_reader(plan.folder, plan.manifest, process)
+
+
+def planned_reads(plan: LoadPlan, process: int | None = None) -> ReadLog:
     """The tensor regions loading by `plan` reads for the devices of `process` (None: this process),
     without reading any: the regions its devices hold, plus what every process reads (the tensors
-    held whole). `index` stands for a release folder's shards (`CheckpointIndex.from_shape_index`:
-    planned from a listing of the tensors, no weights needed)."""
-    reader = _reader(plan, process, index)
+    held whole)."""
+    reader = _reader(plan, process)
     return ReadLog([r for unit in plan.units for r in reader.regions(*unit, plan.unit_abstract(unit[0]))])
 
 
@@ -426,7 +459,7 @@ def load_params(folder: str | Path, cfg: Config, mesh: Mesh, rules: ShardingRule
         reader.prefetch(regions[units[0]])
         params: dict[str, Any] = dict(read("globals", None))
         advance("globals", None)
-        for unit in stack_names(plan.target):
+        for unit in plan.stacks:
             if plan.in_place:
                 params[unit] = _read_stack_in_place(fills, plan, unit, advance)
             else:
