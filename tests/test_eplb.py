@@ -75,7 +75,7 @@ def test_a_serving_state_counts_the_pairs_of_real_tokens_only():
     each layer's pairs of the real tokens of each row (`counts`), none of the padding."""
     import dsr1
     from dsr1.generation.sampling import Sampling
-    from dsr1.serving import step
+    from dsr1.programs import step
     from dsr1.serving.work import device_sampling, host_sampling
 
     from .harness import TINY
@@ -141,7 +141,8 @@ def test_an_engine_step_counts_k_pairs_per_token_it_runs():
     every token they run: each prompt token once, each sampled token but the last fed back once."""
     import dsr1
     from dsr1.generation.sampling import Sampling
-    from dsr1.serving import Engine, step
+    from dsr1.programs import step
+    from dsr1.serving import Engine
     from dsr1.serving.work import device_sampling, host_sampling
 
     from .harness import TINY

@@ -32,17 +32,11 @@ from ..api import Model
 from ..core.eplb import ExpertPlacement, moved_to, placement_of
 from ..core.params import without_mtp
 from ..core.sharding import put_replicated, to_host
-from ..generation.sampling import (
-    KEY_IMPL,
-    Sampling,
-    SamplingArrays,
-    TokenRuleRows,
-    host_sampling_arrays,
-    host_token_rules,
-)
-from . import draft_step, step
+from ..generation.sampling import Sampling, host_sampling_arrays, host_token_rules
+from ..programs import draft_step, step
+from ..programs.sampling import KEY_IMPL, SamplingArrays, TokenRuleRows
+from ..programs.step import StepRows
 from .page_pool import PageOp, PagePool
-from .step import StepRows
 
 __all__ = ["Admission", "DeviceRunner", "StepWork", "device_sampling", "host_rules", "host_sampling"]
 
