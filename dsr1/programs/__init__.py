@@ -20,6 +20,8 @@ so the caller must not use it again.
   `slot_state`, `admit_slot`, `copy_pages`, `restore_pages`; `draft_step`: the same with MTP drafts
   (`serve_draft_step`, `serve_draft_prefill`, `draft_slot_state`, `admit_draft_slot`,
   `take_mtp_hidden`, `mtp_paged_cache`).
+- `eplb`: the redundant experts' weight moves (`with_placement`, `moved_to`: device to device, a
+  layer at a time; the placements themselves are `dsr1.core.eplb`).
 - `sampling`: what the programs sample with (`sample`, penalties, token rules, log-probabilities,
   logits split over the vocabulary); a request's settings are `dsr1.Sampling` on the host.
 
@@ -38,10 +40,11 @@ from .draft_step import (
     serve_draft_step,
     take_mtp_hidden,
 )
+from .eplb import moved_to, with_placement
 from .model import decode, extend, forward, greedy_decode, paged_cache, prefill, random_cache
 from .step import admit_slot, copy_pages, restore_pages, serve_step, slot_state
 
 __all__ = ["admit_draft_slot", "admit_slot", "copy_pages", "decode", "draft_slot_state", "extend", "forward",
-           "generate_chunk", "generate_start", "greedy_decode", "mtp_paged_cache", "paged_cache", "prefill",
+           "generate_chunk", "generate_start", "greedy_decode", "moved_to", "mtp_paged_cache", "paged_cache", "prefill",
            "random_cache", "restore_pages", "serve_draft_prefill", "serve_draft_step", "serve_step", "slot_state",
-           "speculative_chunk", "speculative_start", "take_mtp_hidden"]
+           "speculative_chunk", "speculative_start", "take_mtp_hidden", "with_placement"]
