@@ -42,7 +42,7 @@ from ..core.sharding import DEFAULT_RULES, ShardingRules, make_mesh, replicated_
 from ..generation.sampling import Sampling, batch_sampling
 from ..programs import step as serving
 from . import hlo
-from .chips import SLICES, Slice
+from .chips import Slice
 
 GIB = 2**30
 PAGE_SIZE = 16  # the serving engine's default page size
@@ -81,12 +81,6 @@ def topology_mesh(slice_: Slice, sizes: dict[str, int]) -> Mesh:
         raise TpuPlanError(f"the mesh {sizes} needs {math.prod(sizes.values())} devices; {slice_.name} "
                            f"({slice_.topology}) has {len(devices)}")
     return make_mesh(devices=devices, **sizes)
-
-
-def slice_for(target: str | None) -> Slice:
-    if target not in SLICES:
-        raise TpuPlanError(f"--compiler tpu needs a TPU --target: one of {', '.join(SLICES)}")
-    return SLICES[target]
 
 
 # ---- the programs' abstract arguments ------------------------------------------------------------
