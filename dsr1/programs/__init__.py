@@ -11,6 +11,7 @@ so the caller must not use it again.
   compiled once per (B, T, P, K) bucket whatever the rows' starts, counts and page tables, and an
   empty page pool on the mesh; `greedy_decode`: `steps` greedy steps in one `fori_loop`, recording
   the tokens fed and the experts routed (what benchmarks and profiles account for);
+  `greedy_main_and_draft`: the model's and the MTP module's teacher-forced argmaxes (`dsr1.bench quality`);
   `random_cache`: a cache as if prompts had been prefilled, for timing decode at any context.
 - `decoding`: `generate`'s device loop. `generate_start`, `generate_chunk`: prefill and sample the
   first token, then up to `steps` decode-and-sample steps in one `lax.while_loop` that leaves early
@@ -41,10 +42,10 @@ from .draft_step import (
     take_mtp_hidden,
 )
 from .eplb import moved_to, with_placement
-from .model import decode, extend, forward, greedy_decode, paged_cache, prefill, random_cache
+from .model import decode, extend, forward, greedy_decode, greedy_main_and_draft, paged_cache, prefill, random_cache
 from .step import admit_slot, copy_pages, restore_pages, serve_step, slot_state
 
 __all__ = ["admit_draft_slot", "admit_slot", "copy_pages", "decode", "draft_slot_state", "extend", "forward",
-           "generate_chunk", "generate_start", "greedy_decode", "moved_to", "mtp_paged_cache", "paged_cache", "prefill",
-           "random_cache", "restore_pages", "serve_draft_prefill", "serve_draft_step", "serve_step", "slot_state",
-           "speculative_chunk", "speculative_start", "take_mtp_hidden", "with_placement"]
+           "generate_chunk", "generate_start", "greedy_decode", "greedy_main_and_draft", "moved_to", "mtp_paged_cache",
+           "paged_cache", "prefill", "random_cache", "restore_pages", "serve_draft_prefill", "serve_draft_step",
+           "serve_step", "slot_state", "speculative_chunk", "speculative_start", "take_mtp_hidden", "with_placement"]

@@ -1,5 +1,5 @@
 """The model's passes as programs: `forward`, `prefill`, `decode` and `extend` of `dsr1.core.model`,
-`greedy_decode` and `random_cache` for benchmarks and profiles, `paged_cache` for the serving
+`greedy_decode`, `random_cache` and `greedy_main_and_draft` for benchmarks and profiles, `paged_cache` for the serving
 engine's page pool (the table: `dsr1.programs`).
 """
 
@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from ..core import model
+from ..core import model, mtp
 from ..core.cache import (
     KVCache,
     PagedKVCache,
@@ -27,7 +27,8 @@ from ..core.params import Params
 from ..core.sharding import DEFAULT_RULES, ShardingRules
 from .sampling import argmax
 
-__all__ = ["decode", "extend", "forward", "greedy_decode", "paged_cache", "prefill", "random_cache"]
+__all__ = ["decode", "extend", "forward", "greedy_decode", "greedy_main_and_draft", "paged_cache", "prefill",
+           "random_cache"]
 
 _MODEL = ("cfg", "mesh", "rules")  # the static arguments every program shares
 
@@ -75,6 +76,19 @@ def random_cache(key: jax.Array, *, cfg: Config, mesh: Mesh, batch: int, context
     platform = mesh.devices.flat[0].platform
     cache = KVCache(to_stored(c_kv, platform), to_stored(pe, platform), c_scale, jnp.full((batch,), context, jnp.int32))
     return keep_cache_rows(cache, mesh, rules)
+
+
+@functools.partial(jax.jit, static_argnames=_MODEL)
+def greedy_main_and_draft(params: Params, tokens: jax.Array, *, cfg: Config, mesh: Mesh,
+                          rules: ShardingRules) -> tuple[jax.Array, jax.Array]:
+    """Teacher-forced argmaxes of whole rows `tokens [B, T]`: the model's at each position `[B, T]`, and
+    the MTP module's from the model's hidden state there and the true next token `[B, T]` (what
+    `dsr1.bench quality` compares to count the drafts greedy decoding would accept)."""
+    lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
+    logits, hidden = model.forward_hidden(params, tokens, lengths, cfg=cfg, mesh=mesh, rules=rules)
+    following = jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)  # the token after each position
+    drafts, _ = mtp.mtp_forward(params, hidden, following, lengths, cfg=cfg, mesh=mesh, rules=rules)
+    return logits.argmax(-1), drafts.argmax(-1)
 
 
 # ---- serving -------------------------------------------------------------------------------------
