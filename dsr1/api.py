@@ -20,13 +20,14 @@ from jax.sharding import Mesh
 from . import cpu, programs
 from .core.cache import KVCache, check_kv_cache_dtype
 from .core.config import Config
-from .core.eplb import ExpertPlacement, moved_to, placement_of, with_placement
+from .core.eplb import ExpertPlacement, placement_of
 from .core.eplb import balance as eplb_balance
 from .core.params import Params, init_params
 from .core.quant import Int8Weight, check_quant
 from .core.sharding import DEFAULT_RULES, ShardingRules, make_mesh, put_replicated, to_host
 from .cpu import loading as cpu_loading
 from .generation.tokenizer import Tokenizer, checkpoint_tokenizer
+from .programs.eplb import moved_to, with_placement
 from .weights.loading import load_params
 
 DEFAULT_DECODE_ROOM = 256

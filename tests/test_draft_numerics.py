@@ -2,7 +2,7 @@
 bf16 and an int8 latent cache, in `dsr1.generate` and in the serving engine.
 
 Verification runs each drafted position through the decode step's own one-token computation
-(`dsr1.core.model.verify_by_steps`, `dsr1.serving.draft_step._verify_by_steps`), so its logits are bit
+(`dsr1.core.model.verify_by_steps`, `dsr1.programs.draft_step._verify_by_steps`), so its logits are bit
 for bit those of decoding without drafts. A multi-token verification step rounds differently in
 bfloat16, and on this model that flipped greedy tokens within a dozen steps (docs/serving.md, "Draft
 numerics"). CI runs `dsr1.generate` on 4 held-out prompts x 64 tokens and the engine on 6 prompts

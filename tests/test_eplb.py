@@ -13,6 +13,7 @@ import pytest
 
 from dsr1.bench.cli import main as bench_main
 from dsr1.core import eplb
+from dsr1.programs.eplb import moved_to, with_placement
 
 
 def skewed_load(layers: int = 3, experts: int = 16, seed: int = 0) -> np.ndarray:
@@ -75,7 +76,7 @@ def test_a_serving_state_counts_the_pairs_of_real_tokens_only():
     each layer's pairs of the real tokens of each row (`counts`), none of the padding."""
     import dsr1
     from dsr1.generation.sampling import Sampling
-    from dsr1.serving import step
+    from dsr1.programs import step
     from dsr1.serving.work import device_sampling, host_sampling
 
     from .harness import TINY
@@ -107,20 +108,20 @@ def test_a_placement_moves_to_another_with_the_same_weights_per_expert():
     held = jax.device_put(stack, jax.sharding.NamedSharding(dsr1.make_mesh(), jax.sharding.PartitionSpec()))
     params = {"moe_layers": {"moe": {name: held for name in ("gate", "up", "down")}}}
     first = eplb.balance(skewed_load(2, 8, seed=1), devices=1, redundant=4)
-    placed = eplb.with_placement(params, first)
+    placed = with_placement(params, first)
     assert np.array_equal(eplb.placement_of(placed).physical, first.physical)
     second = eplb.balance(skewed_load(2, 8, seed=2), devices=1, redundant=4)
-    moved = eplb.moved_to(placed, second)
+    moved = moved_to(placed, second)
     assert np.array_equal(eplb.placement_of(moved).physical, second.physical)
     gate = np.asarray(moved["moe_layers"]["moe"]["gate"])
     for layer, slot in np.ndindex(second.physical.shape):
         np.testing.assert_array_equal(gate[layer, slot], stack[layer, second.physical[layer, slot]])
-    in_place = eplb.moved_to(eplb.with_placement(params, first), second, donate=True)  # what an engine does
+    in_place = moved_to(with_placement(params, first), second, donate=True)  # what an engine does
     np.testing.assert_array_equal(np.asarray(in_place["moe_layers"]["moe"]["up"]), gate)
     with pytest.raises(ValueError, match="hold no placement"):
-        eplb.moved_to(params, second)
+        moved_to(params, second)
     with pytest.raises(ValueError, match="already hold a placement"):
-        eplb.with_placement(placed, second)
+        with_placement(placed, second)
 
 
 def test_serve_refuses_redundant_experts_without_an_expert_axis():
@@ -141,7 +142,8 @@ def test_an_engine_step_counts_k_pairs_per_token_it_runs():
     every token they run: each prompt token once, each sampled token but the last fed back once."""
     import dsr1
     from dsr1.generation.sampling import Sampling
-    from dsr1.serving import Engine, step
+    from dsr1.programs import step
+    from dsr1.serving import Engine
     from dsr1.serving.work import device_sampling, host_sampling
 
     from .harness import TINY

@@ -9,13 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsr1.generation.sampling import (
-    Sampling,
+from dsr1.generation.sampling import Sampling, batch_sampling, find_stop_string
+from dsr1.programs.sampling import (
     SamplingArrays,
     apply_filters,
     apply_penalties,
-    batch_sampling,
-    find_stop_string,
     init_counts,
     is_stop_token,
     sample,
@@ -508,7 +506,8 @@ def test_jitted_sampler_does_not_recompile_for_new_values(logits):
 
 @pytest.mark.slow
 def test_restrict_applies_bias_allowed_tokens_bad_words_and_min_tokens():
-    from dsr1.generation.sampling import host_token_rules, restrict, token_rules
+    from dsr1.generation.sampling import host_token_rules
+    from dsr1.programs.sampling import restrict, token_rules
 
     vocab = 12
     settings = [Sampling(logit_bias={3: 2.0, 4: -500}, allowed_token_ids=(3, 4, 5, 6), min_tokens=2,
@@ -527,7 +526,7 @@ def test_restrict_applies_bias_allowed_tokens_bad_words_and_min_tokens():
 
 
 def test_grammar_bitmask_bits_are_llguidances():
-    from dsr1.serving.grammar import apply_masks
+    from dsr1.programs.sampling import apply_masks
 
     rng = np.random.default_rng(0)
     vocab = 70

@@ -419,7 +419,7 @@ def test_sixteen_slots_decode_in_narrower_calls_without_compiling(tiny, make_eng
 def test_step_rows_pack_round_trip():
     import jax
 
-    from dsr1.serving.step import StepRows
+    from dsr1.programs.step import StepRows
 
     rng = np.random.default_rng(0)
     rows = StepRows(slots=np.array([2, 4, 0], np.int32), tokens=rng.integers(0, 1000, (3, 5), dtype=np.int32),
@@ -438,7 +438,8 @@ def test_step_rows_pack_round_trip():
 def test_sampled_pack_round_trip():
     import jax
 
-    from dsr1.serving.step import Sampled
+    from dsr1.programs.step import Sampled
+    from dsr1.serving.scheduler import sampled_logprob
 
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, 1000, 3).astype(np.int32)
@@ -450,8 +451,8 @@ def test_sampled_pack_round_trip():
     for want, got in zip((tokens, logprobs, top_ids, top_logprobs), (back.tokens, back.logprobs, back.top_ids,
                                                                       back.top_logprobs)):
         assert got.dtype == want.dtype and np.array_equal(got, want)
-    assert back.logprob(0, None) is None
-    entry = back.logprob(2, 2)
+    assert sampled_logprob(back, 0, None) is None
+    entry = sampled_logprob(back, 2, 2)
     assert entry.token == tokens[2] and entry.logprob == logprobs[2] and len(entry.top) == 2
 
 
@@ -522,7 +523,7 @@ def test_blocked_argmax_equals_jnp_argmax(vocab):
     the first maximum, ties, -inf rows, the first NaN."""
     import jax.numpy as jnp
 
-    from dsr1.generation.sampling import argmax
+    from dsr1.programs.sampling import argmax
 
     rng = np.random.default_rng(vocab)
     x = rng.normal(size=(6, vocab)).astype(np.float32)

@@ -1,5 +1,6 @@
-"""The package's import graph: the jitted programs' table, generation and serving import each other
-in one direction only, so any of them can be imported first."""
+"""The package's import graph: the jitted programs, generation and serving import each other in one
+direction only (the programs below, generation and serving above), so any of them can be imported
+first; and every jit of the package is one of the programs."""
 
 from __future__ import annotations
 
@@ -83,14 +84,37 @@ def test_no_import_cycle_through(unit):
     assert not cycle, f"{unit} imports {cycle}, which import {unit} back"
 
 
-def test_programs_table_does_not_import_serving():
+def test_programs_import_only_the_core():
+    """The programs sit on the core and below everything that runs them."""
     edges = _graph()
-    assert "dsr1.core" in edges["dsr1.programs"]
-    assert "dsr1.serving" not in edges["dsr1.programs"]
-    assert "dsr1.programs" not in edges["dsr1.generation"]
+    assert edges["dsr1.programs"] == {"dsr1.core"}
+    for above in ("dsr1.api", "dsr1.generation", "dsr1.serving"):
+        assert "dsr1.programs" in edges[above] and above not in edges["dsr1.programs"]
 
 
-@pytest.mark.parametrize("module", ["dsr1.programs", "dsr1.generation.batch", "dsr1.serving.step"])
+# Modules that may jit outside `dsr1.programs` (docs/design.md, "One layer of programs"): the model core's
+# kernels, the backend's and the loader's one-off layout conversions, training, the benchmarks'
+# microbenchmarks and the workbench's smoke check.
+JIT_ELSEWHERE = ("dsr1/core/", "dsr1/cpu/layouts.py", "dsr1/weights/loading.py", "dsr1/train/", "dsr1/bench/",
+                 "dsr1/workbench/smoke.py")
+
+
+def _jits(path: Path) -> list[int]:
+    """The lines of `path` that name `jax.jit` (or a bare `jit` imported from jax)."""
+    tree = ast.parse(path.read_text())
+    return [node.lineno for node in ast.walk(tree)
+            if (isinstance(node, ast.Attribute) and node.attr == "jit" and ast.unparse(node.value) == "jax")
+            or (isinstance(node, ast.ImportFrom) and node.module == "jax" and any(a.name == "jit" for a in node.names))]
+
+
+def test_every_jit_is_a_program():
+    outside = [f"{path.relative_to(PACKAGE.parent)}:{line}" for path in sorted(PACKAGE.rglob("*.py"))
+               if not str(path.relative_to(PACKAGE.parent)).startswith(("dsr1/programs/", *JIT_ELSEWHERE))
+               for line in _jits(path)]
+    assert not outside, f"jitted outside dsr1.programs: {outside}"
+
+
+@pytest.mark.parametrize("module", ["dsr1.programs", "dsr1.generation.batch", "dsr1.programs.step"])
 @pytest.mark.slow
 def test_imports_fresh(module):
     """Each imports first in a fresh interpreter (a cycle would leave a partly initialized module)."""

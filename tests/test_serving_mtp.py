@@ -22,8 +22,8 @@ import pytest
 import dsr1
 from dsr1.core.model import forward_hidden
 from dsr1.core.mtp import mtp_forward
-from dsr1.generation import speculative
 from dsr1.generation.sampling import Sampling
+from dsr1.programs import speculative
 from dsr1.serving import Engine
 
 from .test_paged import counting_compilations

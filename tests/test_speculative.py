@@ -17,9 +17,10 @@ import pytest
 
 import dsr1
 from dsr1 import Sampling
-from dsr1.generation import speculative
 from dsr1.generation.batch import generate
-from dsr1.generation.sampling import apply_filters, batch_sampling
+from dsr1.generation.sampling import batch_sampling
+from dsr1.programs import speculative
+from dsr1.programs.sampling import apply_filters
 
 from .test_sampling import assert_follows
 

@@ -25,13 +25,14 @@ from jax.sharding import PartitionSpec as P
 
 import dsr1
 from dsr1.core.sharding import layout_rules
-from dsr1.generation import sampling as S
+from dsr1.generation.sampling import Sampling, batch_sampling
+from dsr1.programs import sampling as S
 
 VOCAB = 32768  # each of 4 shards holds 8,192: more than the CANDIDATES (4,096) each contributes
-SETTINGS = [S.Sampling(), S.Sampling(temperature=0.8, seed=1), S.Sampling(temperature=1.0, top_k=5, seed=2),
-            S.Sampling(temperature=1.0, top_p=0.9, seed=3), S.Sampling(temperature=0.7, top_k=40, top_p=0.8, seed=4),
-            S.Sampling(temperature=1.0, min_p=0.1, seed=5), S.Sampling(repetition_penalty=1.3, seed=6),
-            S.Sampling(temperature=0.9, top_k=1, presence_penalty=0.5, frequency_penalty=0.5, seed=7)]
+SETTINGS = [Sampling(), Sampling(temperature=0.8, seed=1), Sampling(temperature=1.0, top_k=5, seed=2),
+            Sampling(temperature=1.0, top_p=0.9, seed=3), Sampling(temperature=0.7, top_k=40, top_p=0.8, seed=4),
+            Sampling(temperature=1.0, min_p=0.1, seed=5), Sampling(repetition_penalty=1.3, seed=6),
+            Sampling(temperature=0.9, top_k=1, presence_penalty=0.5, frequency_penalty=0.5, seed=7)]
 
 
 def _compare_sampling(mesh: jax.sharding.Mesh) -> dict[str, float]:
@@ -40,7 +41,7 @@ def _compare_sampling(mesh: jax.sharding.Mesh) -> dict[str, float]:
     logits = jnp.asarray(rng.standard_normal((batch, VOCAB)).astype(np.float32) * 3)
     seen = jnp.asarray(rng.random((batch, VOCAB)) < 0.05)
     counts = jnp.asarray((rng.random((batch, VOCAB)) < 0.05).astype(np.int32))
-    sampling = S.batch_sampling(SETTINGS)
+    sampling = batch_sampling(SETTINGS)
     split = S.vocab_split(mesh, layout_rules("dp"), VOCAB)
     assert split is not None
     spread = jax.device_put(logits, NamedSharding(mesh, P("expert", "tensor")))
@@ -74,8 +75,8 @@ def _compare_generate(mesh: jax.sharding.Mesh) -> None:
     cfg = dataclasses.replace(dsr1.Config.preset("tiny"), vocab_size=1024)
     one = dsr1.init_random(cfg, seed=0, dtype="float32", mesh=dsr1.make_mesh(devices=jax.devices()[:1]))
     prompts = [[0, 17, 300, 42, 5], [0, 99], [0, 7, 8, 9, 10, 11, 12, 250, 251], [0, 400, 3]]
-    settings = [S.Sampling(max_new_tokens=8), S.Sampling(temperature=0.8, top_p=0.9, seed=3, max_new_tokens=8),
-                S.Sampling(temperature=1.0, top_k=20, seed=4, max_new_tokens=8), S.Sampling(max_new_tokens=8)]
+    settings = [Sampling(max_new_tokens=8), Sampling(temperature=0.8, top_p=0.9, seed=3, max_new_tokens=8),
+                Sampling(temperature=1.0, top_k=20, seed=4, max_new_tokens=8), Sampling(max_new_tokens=8)]
     want = dsr1.generate(one, prompts, sampling=settings)
     for rules in (layout_rules("tp"), layout_rules("dp")):
         model = dsr1.init_random(cfg, seed=0, dtype="float32", mesh=mesh, rules=rules)

@@ -17,7 +17,6 @@ and what MTP speculative decoding buys on it.
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 import tempfile
 import time
@@ -29,9 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from .. import programs
 from ..api import Model, load
-from ..core import model as core
-from ..core import mtp
 from ..core.config import Config
 from ..generation.batch import generate
 from ..generation.sampling import Sampling
@@ -156,15 +154,6 @@ def fp8_round_trip(folder: Path, out: Path) -> Path:
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "rules"))
-def _greedy_main_and_draft(params, tokens, *, cfg, mesh, rules):
-    lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
-    logits, hidden = core.forward_hidden(params, tokens, lengths, cfg=cfg, mesh=mesh, rules=rules)
-    following = jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)  # the token after each position
-    drafts, _ = mtp.mtp_forward(params, hidden, following, lengths, cfg=cfg, mesh=mesh, rules=rules)
-    return logits.argmax(-1), drafts.argmax(-1)
-
-
 def draft_agreement(model: Model, tokens: Any, batch: int = 16) -> np.ndarray:
     """Teacher-forced agreement `[B, T - 1]` (bool) of `tokens [T]` or `[B, T]`: at t, whether the MTP
     module's argmax for token t+2 (from h_t and the true token t+1) equals the model's argmax at t+1,
@@ -176,8 +165,8 @@ def draft_agreement(model: Model, tokens: Any, batch: int = 16) -> np.ndarray:
         raise ValueError(f"teacher-forced acceptance needs at least 2 tokens per row, got {tokens.shape[1]}")
     agree = []
     for i in range(0, len(tokens), batch):  # [batch, T, V] logits at a time
-        main, draft = (np.asarray(a) for a in _greedy_main_and_draft(model.params, jnp.asarray(tokens[i:i + batch]),
-                                                                      **model.program_kwargs))
+        rows = jnp.asarray(tokens[i:i + batch])
+        main, draft = map(np.asarray, programs.greedy_main_and_draft(model.params, rows, **model.program_kwargs))
         agree.append(draft[:, :-1] == main[:, 1:])  # the draft at T-1 has no true next token
     return np.concatenate(agree)
 

@@ -3,7 +3,7 @@
 libtpu compiles for a TPU topology on a host without a TPU: `jax.experimental.topologies` describes
 the slice's devices, the mesh is made of them, and the real programs are lowered with abstract,
 sharded arguments and compiled by XLA:TPU (the runtime stays on CPU; nothing runs). Compiled are the
-serving engine's step (`dsr1.serving.step.serve_step`: one decode token per row against a page pool, the
+serving engine's step (`dsr1.programs.step.serve_step`: one decode token per row against a page pool, the
 program the server runs), at the asked batch x context and at twice the context, and
 `dsr1.programs.prefill` of one prompt. From each:
 
@@ -40,9 +40,9 @@ from ..core.config import Config
 from ..core.model import default_block_pages
 from ..core.sharding import DEFAULT_RULES, ShardingRules, make_mesh, replicated_sharding
 from ..generation.sampling import Sampling, batch_sampling
-from ..serving import step as serving
+from ..programs import step as serving
 from . import hlo
-from .chips import SLICES, Slice
+from .chips import Slice
 
 GIB = 2**30
 PAGE_SIZE = 16  # the serving engine's default page size
@@ -81,12 +81,6 @@ def topology_mesh(slice_: Slice, sizes: dict[str, int]) -> Mesh:
         raise TpuPlanError(f"the mesh {sizes} needs {math.prod(sizes.values())} devices; {slice_.name} "
                            f"({slice_.topology}) has {len(devices)}")
     return make_mesh(devices=devices, **sizes)
-
-
-def slice_for(target: str | None) -> Slice:
-    if target not in SLICES:
-        raise TpuPlanError(f"--compiler tpu needs a TPU --target: one of {', '.join(SLICES)}")
-    return SLICES[target]
 
 
 # ---- the programs' abstract arguments ------------------------------------------------------------
@@ -200,7 +194,7 @@ def compile_tpu(program: str, shape: str, jitted: Any, args: tuple, kwargs: dict
 
 def compile_serve_step(weights: Any, cfg: Config, mesh: Mesh, rules: ShardingRules, batch: int, context: int,
                        dtype: Any, kv_cache_dtype: str | None) -> TpuCompiled:
-    """The serving engine's step (`dsr1.serving.step.serve_step`): one decode token for each of `batch`
+    """The serving engine's step (`dsr1.programs.step.serve_step`): one decode token for each of `batch`
     slots holding `context` positions."""
     args = serving_args(cfg, mesh, batch, context, dtype, kv_cache_dtype, rules=rules)
     return compile_tpu("serve_step", f"batch {batch}, cache {context}", serving.serve_step, (weights, *args),

@@ -1,7 +1,7 @@
 """Text generation: prefill the batch, then decode on device in chunks of steps.
 
-One `jax.lax.while_loop` (`dsr1.generation.decoding.generate_chunk`) runs up to `chunk_size` decode steps
-without returning to the host: decode, sample (per-row settings, `dsr1.generation.sampling`),
+One `jax.lax.while_loop` (`dsr1.programs.decoding.generate_chunk`) runs up to `chunk_size` decode steps
+without returning to the host: decode, sample (per-row settings, `dsr1.programs.sampling`),
 record, stop rows that hit a stop token or their token budget, and leave early when every row is
 done. Between chunks the host detokenizes the new tokens, streams text, and looks for stop
 strings; a row that hits one is cut exactly there and marked done on the device. R1's reasoning
@@ -20,7 +20,7 @@ import numpy as np
 
 from ..core.params import without_mtp
 from ..core.sharding import put_replicated, to_host
-from . import decoding
+from ..programs import decoding
 from .output import (
     Completion,
     Prompt,
@@ -34,7 +34,7 @@ from .output import (
 from .sampling import Sampling, batch_sampling, host_token_rules
 from .tokenizer import Tokenizer
 
-if TYPE_CHECKING:  # `dsr1.api` imports `dsr1.programs`, which imports this package
+if TYPE_CHECKING:  # annotations only
     from ..api import Model
 
 __all__ = ["STOP_WIDTH", "Completion", "GenerationResult", "Prompt", "generate", "split_reasoning"]
@@ -96,7 +96,7 @@ def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | N
     chunk of `chunk_size` decode steps (the only host round trips of the loop), as displayed: the
     pieces join to the completion's `text`, with no `<think>` marker.
 
-    `draft_tokens=k > 0`: MTP speculative decoding (`dsr1.generation.speculative`; the model needs
+    `draft_tokens=k > 0`: MTP speculative decoding (`dsr1.programs.speculative`; the model needs
     its MTP module: `dsr1.load(..., mtp=True)`). The MTP module drafts k tokens, the model verifies
     them in one step; greedy output is the same token for token, sampled output has the same
     distribution. A chunk is then `chunk_size // (k + 1)` (at least 1) draft-verify steps, and

@@ -19,7 +19,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..generation.sampling import TOP_LOGPROBS
+from ..programs.sampling import TOP_LOGPROBS
 from .errors import APIError
 
 __all__ = [

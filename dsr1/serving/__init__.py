@@ -2,7 +2,7 @@
 
 The device side is one primitive, `dsr1.programs.extend` (`dsr1.core.model.extend`): T new tokens
 per batch slot against that slot's pages of a `PagedKVCache`, with fixed (bucketed) shapes so
-sequences joining, growing and leaving never compile a new program. `dsr1.serving.step.serve_step`
+sequences joining, growing and leaving never compile a new program. `dsr1.programs.step.serve_step`
 runs it with per-request sampling. Design: docs/serving.md. The host side, one concept per module:
 
 - `pages`: the page allocator (reference-counted, so sequences with a common prefix can share
@@ -15,8 +15,9 @@ runs it with per-request sampling. Design: docs/serving.md. The host side, one c
   `PageLog` on process 0, run by every process's `PagePool`).
 - `scheduler`: admissions, chunked prefill interleaved with decode, pages, finishing requests.
 - `work`: a step's device work as host arrays (`StepWork`) and the `DeviceRunner` that dispatches it.
-- `step`, `draft_step`: the per-slot device state and the engine's programs (with MTP drafts).
-- `grammar`: llguidance matchers and the on-device token bitmask of constrained requests.
+- the per-slot device state and the engine's programs (with MTP drafts) are `dsr1.programs.step` and
+  `dsr1.programs.draft_step`.
+- `grammar`: llguidance matchers and the token bitmasks of constrained requests.
 - `broadcast`: a `StepWork`'s wire format (page tables as changed entries), and a device-broadcast channel.
 - `control`: the host control plane: process 0's `StepWork` to the other JAX processes over TCP.
 - `engine`: `Engine`, the event loop over asynchronous dispatch (`submit`, `step`, `run`, `stats`;

@@ -26,9 +26,9 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from ..generation.sampling import SamplingArrays, TokenRuleRows
+from ..programs.sampling import SamplingArrays, TokenRuleRows
+from ..programs.step import StepRows
 from .page_pool import PAGE_OP_KINDS, PageOp
-from .step import StepRows
 from .work import Admission, StepWork
 
 __all__ = ["MIN_PAYLOAD", "StepChannel", "decode_work", "encode_work", "table_delta", "table_from_delta"]

@@ -33,9 +33,9 @@ from .. import cpu
 from ..api import Model
 from ..core.cache import SCRATCH_PAGE
 from ..core.sharding import make_mesh, put_replicated, replicated_sharding
-from .draft_step import DraftSlotState, take_mtp_hidden
+from ..programs.draft_step import DraftSlotState, take_mtp_hidden
+from ..programs.step import SlotState, StepRows
 from .page_pool import PagePool, page_batches
-from .step import SlotState, StepRows
 from .work import Admission, DeviceRunner, StepWork
 
 __all__ = ["SplitRunner", "check_split", "model_on", "split_devices"]

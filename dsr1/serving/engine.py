@@ -30,12 +30,14 @@ from ..core import eplb
 from ..core.eplb import ExpertPlacement, placement_of
 from ..core.sharding import to_host
 from ..generation.output import Prompt, encode_prompt, needs_tokenizer, opens_thinking, request_sampling
-from ..generation.sampling import TOP_LOGPROBS, Sampling
+from ..generation.sampling import Sampling
 from ..generation.tokenizer import Tokenizer, load_tokenizer
+from ..programs.draft_step import mtp_paged_cache, unpack_verified
+from ..programs.sampling import TOP_LOGPROBS
+from ..programs.step import Sampled
 from .broadcast import StepChannel
 from .control import HostChannel
 from .disaggregate import SplitRunner, check_split, model_on, split_devices
-from .draft_step import mtp_paged_cache, unpack_verified
 from .grammar import Grammar, grammar_tokenizer
 from .page_pool import PageLog, PagePool, warm_up_ops
 from .pages import PageAllocator
@@ -52,7 +54,6 @@ from .scheduler import (
     reserved_pages,
     wants_prompt_logprobs,
 )
-from .step import Sampled
 from .work import Admission, DeviceRunner, StepWork, host_rules, host_sampling
 
 __all__ = ["CONTROLS", "Engine", "EngineStats"]

@@ -2,21 +2,19 @@
 
 The engine asks each constrained request's `Grammar` for the mask of its next token on the host
 while the device runs the previous step, and applies it in its on-device sampler (a bitmask per
-row, `apply_masks`); the sampled token is then fed back (`advance`). llguidance is optional: it
-is imported when a grammar is first given.
+row, `dsr1.programs.sampling.apply_masks`); the sampled token is then fed back (`advance`).
+llguidance is optional: it is imported when a grammar is first given.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ..generation.tokenizer import Tokenizer
 
-__all__ = ["Grammar", "apply_masks", "grammar_tokenizer", "mask_words"]
+__all__ = ["Grammar", "grammar_tokenizer", "mask_words"]
 
 
 def mask_words(vocab_size: int) -> int:
@@ -62,21 +60,3 @@ class Grammar:
         """Feed a sampled token; True when the grammar is complete (nothing but EOS may follow) or broken."""
         self.matcher.consume_token(token)
         return self.matcher.is_stopped() or self.matcher.is_error()
-
-    @property
-    def accepting(self) -> bool:
-        return self.matcher.is_accepting()
-
-
-def apply_masks(logits: jax.Array, masks: jax.Array, mask_rows: jax.Array) -> jax.Array:
-    """(In a program) `logits [B, V]` with the tokens that row b's bitmask `masks[mask_rows[b]]` forbids at
-    -inf; rows with `mask_rows` -1 are unchanged. Skipped when no row has a mask."""
-    vocab = logits.shape[1]
-
-    def apply(x: jax.Array) -> jax.Array:
-        words = masks[jnp.maximum(mask_rows, 0)]
-        bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
-        allowed = bits.reshape(words.shape[0], -1)[:, :vocab] != 0
-        return jnp.where(allowed | (mask_rows < 0)[:, None], x, -jnp.inf)
-
-    return jax.lax.cond(jnp.any(mask_rows >= 0), apply, lambda x: x, logits.astype(jnp.float32))

@@ -36,7 +36,7 @@ from jax.sharding import Mesh
 
 from ..core.cache import SCRATCH_PAGE, PagedKVCache
 from ..core.sharding import DEFAULT_RULES, ShardingRules, put_replicated, to_host
-from .step import copy_pages, restore_pages
+from ..programs.step import copy_pages, restore_pages
 
 __all__ = ["COPY_BATCH", "PAGE_OP_KINDS", "HostPage", "PageLog", "PageOp", "PagePool", "page_batches", "warm_up_ops"]
 

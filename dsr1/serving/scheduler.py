@@ -23,13 +23,13 @@ import numpy as np
 
 from ..core.cache import SCRATCH_PAGE
 from ..generation.output import TokenLogprob
+from ..programs.step import Sampled, StepRows
 from .pages import PageAllocator, pages_needed
 from .prefix_cache import PrefixCache, PrefixMatch
 from .request import Request
-from .step import Sampled, StepRows
 
 __all__ = ["Lane", "Rank", "Running", "Scheduler", "SchedulerConfig", "StepPlan", "lane_masks", "lane_rows",
-           "rank_rows", "wants_prompt_logprobs"]
+           "rank_rows", "sampled_logprob", "wants_prompt_logprobs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,6 +228,16 @@ class StepPlan:
 
 
 Lanes = Sequence[Lane | None]  # a call's lanes by row (None: an idle row between ranks' lanes)
+
+
+def sampled_logprob(sampled: Sampled, row: int, top: int | None) -> TokenLogprob | None:
+    """Row `row`'s token of `sampled` with its log-probability and `top` alternatives (None when `top`
+    is None)."""
+    if top is None:
+        return None
+    alternatives = zip(sampled.top_ids[row, :top].tolist(), sampled.top_logprobs[row, :top].tolist())
+    return TokenLogprob(int(sampled.tokens[row]), float(sampled.logprobs[row]),
+                        tuple((token, logprob) for token, logprob in alternatives if token >= 0))
 
 
 def wants_prompt_logprobs(lanes: Lanes) -> bool:
@@ -487,7 +497,8 @@ class Scheduler:
             for sampled in steps[:lane.steps]:
                 if lane.seq.finished:
                     break
-                self._deliver(lane.seq, int(sampled.tokens[row]), sampled.logprob(row, lane.seq.request.top_logprobs))
+                logprob = sampled_logprob(sampled, row, lane.seq.request.top_logprobs)
+                self._deliver(lane.seq, int(sampled.tokens[row]), logprob)
 
     def _complete_drafts(self, lane: Lane, row: int, steps: Sequence[Sampled], accepted: Sequence[np.ndarray]) -> None:
         """A decode lane's tokens with drafts, iteration by iteration; counts the drafts each iteration
@@ -505,7 +516,7 @@ class Scheduler:
                     break
                 taken += bool(accepted[start + j][row])
                 kept += 1
-                self._deliver(seq, token, steps[start + j].logprob(row, seq.request.top_logprobs))
+                self._deliver(seq, token, sampled_logprob(steps[start + j], row, seq.request.top_logprobs))
             seq.request.count_drafts(drafted, taken)
             self.drafted_tokens += drafted
             self.accepted_drafts += taken
@@ -521,7 +532,7 @@ class Scheduler:
             top = lane.seq.request.prompt_top_logprobs
             if lane.prompt_logprobs and not lane.seq.finished:
                 count = min(lane.count, lane.seq.prompt_len - 1 - lane.start)
-                lane.seq.request.add_prompt_logprobs([positions[t].logprob(row, top) for t in range(count)])
+                lane.seq.request.add_prompt_logprobs([sampled_logprob(positions[t], row, top) for t in range(count)])
 
     def _deliver(self, seq: Running, token: int, logprob: TokenLogprob | None) -> None:
         seq.tokens.append(token)

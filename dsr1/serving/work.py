@@ -29,20 +29,15 @@ import jax
 import numpy as np
 
 from ..api import Model
-from ..core.eplb import ExpertPlacement, moved_to, placement_of
+from ..core.eplb import ExpertPlacement, placement_of
 from ..core.params import without_mtp
 from ..core.sharding import put_replicated, to_host
-from ..generation.sampling import (
-    KEY_IMPL,
-    Sampling,
-    SamplingArrays,
-    TokenRuleRows,
-    host_sampling_arrays,
-    host_token_rules,
-)
-from . import draft_step, step
+from ..generation.sampling import Sampling, host_sampling_arrays, host_token_rules
+from ..programs import draft_step, step
+from ..programs.eplb import moved_to
+from ..programs.sampling import KEY_IMPL, SamplingArrays, TokenRuleRows
+from ..programs.step import StepRows
 from .page_pool import PageOp, PagePool
-from .step import StepRows
 
 __all__ = ["Admission", "DeviceRunner", "StepWork", "device_sampling", "host_rules", "host_sampling"]
 
@@ -161,8 +156,8 @@ class DeviceRunner:
 
     def place_experts(self, physical: np.ndarray) -> None:
         """Move the model's routed experts to the placement `physical [L_moe, P]` (same slots, same
-        tokens: `eplb.moved_to`), in place: the routed-expert arrays of the model it was given are
-        deleted (steps already dispatched finish with them first)."""
+        tokens: `dsr1.programs.eplb.moved_to`), in place: the routed-expert arrays of the model it was
+        given are deleted (steps already dispatched finish with them first)."""
         placement = ExpertPlacement(np.asarray(physical, np.int32), placement_of(self.model.params).devices)
         self.model = dataclasses.replace(self.model, params=moved_to(self.model.params, placement, donate=True))
 

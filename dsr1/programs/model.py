@@ -1,28 +1,6 @@
-"""The model's jitted entry points, defined once: the `Model` methods, `generate`, the benchmarks
-and the profiles call these, so each compiles once per shape and static setting.
-
-Static arguments are the hashable description of the program (`cfg`, `mesh`, `rules`, sizes and
-dtypes); arrays are the weights, tokens and caches. A cache passed to a decoding program is
-donated: its buffers are reused for the grown cache, so the caller must not use it again.
-
-- `forward`, `prefill`, `decode`: the model's three passes (`dsr1.core.model`).
-- `extend`, `paged_cache`: T new tokens per row against each row's pages of a `PagedKVCache`
-  (donated), writing their latents; it compiles once per (B, T, P, K) bucket and static setting,
-  whatever the rows' starts, counts and page tables. `paged_cache` creates an empty page pool on
-  the mesh.
-- `generate_start`, `generate_chunk` (`dsr1.generation.decoding`): prefill and sample the first
-  token; then up to `steps` decode-and-sample steps in one `lax.while_loop` that leaves early when
-  every row is done. `speculative_start`, `speculative_chunk`: the same with MTP drafts.
-- `greedy_decode`: `steps` greedy steps in one `fori_loop`, recording the tokens fed and the
-  experts routed (what benchmarks and profiles account for).
-- `random_cache`: a cache as if prompts had been prefilled, for timing decode at any context.
-
-The serving engine's programs (`serve_step`, `admit_slot`, `copy_pages`, `restore_pages` and,
-with MTP drafts, `serve_draft_step` and `serve_draft_prefill`) live with the engine, in
-`dsr1.serving.step` and `dsr1.serving.draft_step`, together with the device state they carry.
-
-This module imports the model core and generation's device functions only; nothing it imports
-imports it back.
+"""The model's passes as programs: `forward`, `prefill`, `decode` and `extend` of `dsr1.core.model`,
+`greedy_decode`, `random_cache` and `greedy_main_and_draft` for benchmarks and profiles, `paged_cache` for the serving
+engine's page pool (the table: `dsr1.programs`).
 """
 
 from __future__ import annotations
@@ -34,8 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from .core import model
-from .core.cache import (
+from ..core import model, mtp
+from ..core.cache import (
     KVCache,
     PagedKVCache,
     empty_paged_cache,
@@ -44,14 +22,13 @@ from .core.cache import (
     quantize_latent,
     to_stored,
 )
-from .core.config import Config
-from .core.params import Params
-from .core.sharding import DEFAULT_RULES, ShardingRules
-from .generation.decoding import generate_chunk, generate_start, speculative_chunk, speculative_start
-from .generation.sampling import argmax
+from ..core.config import Config
+from ..core.params import Params
+from ..core.sharding import DEFAULT_RULES, ShardingRules
+from .sampling import argmax
 
-__all__ = ["decode", "extend", "forward", "generate_chunk", "generate_start", "greedy_decode", "paged_cache",
-           "prefill", "random_cache", "speculative_chunk", "speculative_start"]
+__all__ = ["decode", "extend", "forward", "greedy_decode", "greedy_main_and_draft", "paged_cache", "prefill",
+           "random_cache"]
 
 _MODEL = ("cfg", "mesh", "rules")  # the static arguments every program shares
 
@@ -99,6 +76,19 @@ def random_cache(key: jax.Array, *, cfg: Config, mesh: Mesh, batch: int, context
     platform = mesh.devices.flat[0].platform
     cache = KVCache(to_stored(c_kv, platform), to_stored(pe, platform), c_scale, jnp.full((batch,), context, jnp.int32))
     return keep_cache_rows(cache, mesh, rules)
+
+
+@functools.partial(jax.jit, static_argnames=_MODEL)
+def greedy_main_and_draft(params: Params, tokens: jax.Array, *, cfg: Config, mesh: Mesh,
+                          rules: ShardingRules) -> tuple[jax.Array, jax.Array]:
+    """Teacher-forced argmaxes of whole rows `tokens [B, T]`: the model's at each position `[B, T]`, and
+    the MTP module's from the model's hidden state there and the true next token `[B, T]` (what
+    `dsr1.bench quality` compares to count the drafts greedy decoding would accept)."""
+    lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
+    logits, hidden = model.forward_hidden(params, tokens, lengths, cfg=cfg, mesh=mesh, rules=rules)
+    following = jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)  # the token after each position
+    drafts, _ = mtp.mtp_forward(params, hidden, following, lengths, cfg=cfg, mesh=mesh, rules=rules)
+    return logits.argmax(-1), drafts.argmax(-1)
 
 
 # ---- serving -------------------------------------------------------------------------------------

@@ -32,9 +32,16 @@ from ..core.config import Config
 from ..core.mtp import mtp_logits, mtp_module, mtp_step
 from ..core.params import Params
 from ..core.sharding import DEFAULT_RULES, ShardingRules, keep_replicated
-from ..generation import speculative
-from ..generation.sampling import TOP_LOGPROBS, SamplingArrays, TokenRuleRows, VocabSplit, token_logprobs, vocab_split
-from .grammar import apply_masks
+from . import speculative
+from .sampling import (
+    TOP_LOGPROBS,
+    SamplingArrays,
+    TokenRuleRows,
+    VocabSplit,
+    apply_masks,
+    token_logprobs,
+    vocab_split,
+)
 from .step import Sampled, SlotState, StepRows, admit_slot, count_routing, slot_rows, slot_state
 
 _MODEL = ("cfg", "mesh", "rules")  # the static arguments every program shares
@@ -229,7 +236,7 @@ def _draft_verify(params: Params, cache: PagedKVCache, mtp_cache: PagedKVCache, 
                   rows: StepRows, active: jax.Array, page_table: jax.Array, masks: jax.Array | None, cfg: Config,
                   mesh: Mesh,
                   rules: ShardingRules, k: int) -> tuple[jax.Array, PagedKVCache, PagedKVCache, DraftSlotState]:
-    """One iteration (`dsr1.generation.speculative`'s steps 2-4 and its catch-up, on pages) for the `active`
+    """One iteration (`dsr1.programs.speculative`'s steps 2-4 and its catch-up, on pages) for the `active`
     rows, each at its slot's `L = lengths` with last token `t_L`:
 
     1. draft `d_1` from the module's logits at `L - 1` (`mtp_hidden`), then `d_2..d_k` by applying it

@@ -1,4 +1,4 @@
-"""The serving engine's device state and its programs (`dsr1.serving.engine`).
+"""The serving engine's device state and its programs (the engine: `dsr1.serving.engine`).
 
 `serve_step` is extend plus per-slot sampling in one program, reading and writing the per-slot
 `SlotState` (sampling settings, last token, penalty counts) so a decoding row's next input never
@@ -22,8 +22,7 @@ from ..core.cache import PagedKVCache, gather_rank_pages, keep_pool_layout, scat
 from ..core.config import Config
 from ..core.params import Params
 from ..core.sharding import ShardingRules, keep_replicated
-from ..generation.output import TokenLogprob
-from ..generation.sampling import (
+from .sampling import (
     BAD_WORD_TOKENS,
     KEY_IMPL,
     TOP_LOGPROBS,
@@ -31,6 +30,7 @@ from ..generation.sampling import (
     TokenRuleRows,
     TokenRules,
     VocabSplit,
+    apply_masks,
     init_counts,
     no_recent,
     push_recent,
@@ -40,7 +40,6 @@ from ..generation.sampling import (
     update_counts,
     vocab_split,
 )
-from .grammar import apply_masks
 
 _MODEL = ("cfg", "mesh", "rules")  # the static arguments every program shares
 
@@ -115,14 +114,6 @@ class Sampled:
         a call's results reach the host in one transfer."""
         as_int = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
         return jnp.concatenate([tokens[:, None], as_int(logprobs)[:, None], top_ids, as_int(top_logprobs)], axis=1)
-
-    def logprob(self, row: int, top: int | None) -> TokenLogprob | None:
-        """Row `row`'s token with its log-probability and `top` alternatives (None when `top` is None)."""
-        if top is None:
-            return None
-        alternatives = zip(self.top_ids[row, :top].tolist(), self.top_logprobs[row, :top].tolist())
-        return TokenLogprob(int(self.tokens[row]), float(self.logprobs[row]),
-                            tuple((token, logprob) for token, logprob in alternatives if token >= 0))
 
     @classmethod
     def unpack(cls, packed: np.ndarray) -> Sampled:

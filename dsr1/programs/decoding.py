@@ -1,7 +1,7 @@
 """The generation loop's programs: prefill and sample the first token (`generate_start`), then
 chunks of decode-and-sample steps in one `lax.while_loop` (`generate_chunk`); and the same with MTP
-drafts (`speculative_start`, `speculative_chunk`, `dsr1.generation.speculative`). `dsr1.generate`
-calls these; `dsr1.programs` lists them with the model's other entry points.
+drafts (`speculative_start`, `speculative_chunk`, `dsr1.programs.speculative`). `dsr1.generate`
+calls these; `dsr1.programs` lists them with the package's other programs.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from .sampling import (
 
 _MODEL = ("cfg", "mesh", "rules")  # the static arguments every program shares
 
-# MTP speculative decoding (`dsr1.generation.speculative`): prefill + first token, then chunks of
+# MTP speculative decoding (`dsr1.programs.speculative`): prefill + first token, then chunks of
 # draft-verify-accept iterations in one `lax.while_loop`.
 speculative_start = jax.jit(speculative.speculative_start,
                             static_argnames=(*_MODEL, "max_len", "kv_cache_dtype", "draft_tokens"))
