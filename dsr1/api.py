@@ -22,7 +22,7 @@ from .core.cache import KVCache, check_kv_cache_dtype
 from .core.config import Config
 from .core.eplb import ExpertPlacement, placement_of
 from .core.eplb import balance as eplb_balance
-from .core.params import Params, init_params
+from .core.params import Params
 from .core.quant import Int8Weight, check_quant
 from .core.sharding import DEFAULT_RULES, ShardingRules, make_mesh, put_replicated, to_host
 from .cpu import loading as cpu_loading
@@ -165,7 +165,8 @@ def init_random(cfg: Config, *, seed: int = 0, mesh: Mesh | None = None, dtype: 
     mesh, dtype = _resolve(mesh, dtype)
     if mtp and not cfg.num_nextn_predict_layers:
         raise ValueError("init_random(mtp=True) needs a config with num_nextn_predict_layers > 0")
-    params = cpu.prepare(init_params(cfg, mesh, rules, seed=seed, dtype=dtype, quant=quant, mtp=mtp), cfg, mesh)
+    params = cpu.prepare(programs.init_params(cfg, mesh, rules, seed=seed, dtype=dtype, quant=quant, mtp=mtp), cfg,
+                         mesh)
     return Model(cfg, params, mesh, kv_cache_dtype, rules)
 
 

@@ -141,7 +141,6 @@ def _kernel(length_ref, q_ref, qpe_ref, c_ref, pe_ref, *refs, split_len: int, ke
     sum_ref[...] = run_sum
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "tiling"))
 def cached_context(q: jax.Array, q_pe: jax.Array, c_cache: jax.Array, pe_cache: jax.Array, lengths: jax.Array,
                    scale: float, c_scale: jax.Array | None = None, interpret: bool = False,
                    tiling: Tiling | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:

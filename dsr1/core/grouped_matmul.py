@@ -157,7 +157,6 @@ def _cost(lhs: jax.Array, rhs: jax.Array, m: int, blocks: tuple[int, int], group
         transcendentals=0)
 
 
-@functools.partial(jax.jit, static_argnames=("tile", "groups_hit", "interpret"))
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, layer: jax.Array | int | None = None, *,
                    tile: tuple[int, int, int] = (128, 512, 512), groups_hit: float | None = None,
                    interpret: bool = False) -> jax.Array:

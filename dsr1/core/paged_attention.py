@@ -164,7 +164,6 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, qpe_ref, c_hbm, pe_hbm, *r
     jax.lax.fori_loop(0, blocks, step, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
 def paged_context(q: jax.Array, q_pe: jax.Array, c_pool: jax.Array, pe_pool: jax.Array, c_scale: jax.Array | None,
                   layer: jax.Array, page_table: jax.Array, lengths: jax.Array, scale: float,
                   interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:

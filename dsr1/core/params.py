@@ -11,7 +11,6 @@ own subtree, loaded only on request.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import zlib
 from typing import Any
@@ -309,21 +308,15 @@ def _init_leaf(path, spec: ArrayInfo, target: Any, key: jax.Array, dtype: Any, m
     return jax.lax.fori_loop(0, spec.shape[0], put, zeros)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "rules", "dtype", "quant", "mtp"))
-def _random_params(key: jax.Array, *, cfg: Config, mesh: Mesh, rules: ShardingRules, dtype: jnp.dtype,
-                   quant: str | None, mtp: bool = False) -> Params:
+def random_params(key: jax.Array, *, cfg: Config, mesh: Mesh, rules: ShardingRules, dtype: jnp.dtype,
+                  quant: str | None, mtp: bool = False) -> Params:
+    """Random weights (std 1/sqrt(fan_in)) in their shardings, drawn from `key`: one program when
+    jitted (`dsr1.programs.init_params`), with no host copy. `mtp=True` adds the MTP modules
+    (`params["mtp"]`) when `cfg.num_nextn_predict_layers > 0`."""
     specs = param_specs(cfg, quant, mtp=mtp)
     params = jax.tree_util.tree_map_with_path(lambda p, s, t: _init_leaf(p, s, t, key, dtype, mesh, rules),
                                               float_specs(cfg, mtp=mtp), specs, is_leaf=is_spec)
     return jax.tree.map(jax.lax.with_sharding_constraint, params, spec_shardings(specs, mesh, rules))
-
-
-def init_params(cfg: Config, mesh: Mesh, rules: ShardingRules, *, seed: int, dtype: Any,
-                quant: str | None = None, mtp: bool = False) -> Params:
-    """Random weights created directly in their shardings (one jitted program, no host copy);
-    `mtp=True` adds the MTP modules (`params["mtp"]`) when `cfg.num_nextn_predict_layers > 0`."""
-    return _random_params(jax.random.key(seed), cfg=cfg, mesh=mesh, rules=rules, dtype=jnp.dtype(dtype),
-                          quant=check_quant(quant), mtp=mtp)
 
 
 def without_mtp(params: Params) -> Params:

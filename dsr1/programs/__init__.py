@@ -6,7 +6,8 @@ of the program (`cfg`, `mesh`, `rules`, sizes and dtypes); arrays are the weight
 and device state. A cache or state passed to a program that donates it is reused for the result,
 so the caller must not use it again.
 
-- `model`: the model's passes. `forward`, `prefill`, `decode` (`dsr1.core.model`); `extend` and
+- `model`: the model's passes. `forward`, `prefill`, `decode` (`dsr1.core.model`); `init_params`
+  (`random_params`): random weights made in their shardings in one program; `extend` and
   `paged_cache`: T new tokens per row against each row's pages of a `PagedKVCache` (donated),
   compiled once per (B, T, P, K) bucket whatever the rows' starts, counts and page tables, and an
   empty page pool on the mesh; `greedy_decode`: `steps` greedy steps in one `fori_loop`, recording
@@ -42,10 +43,22 @@ from .draft_step import (
     take_mtp_hidden,
 )
 from .eplb import moved_to, with_placement
-from .model import decode, extend, forward, greedy_decode, greedy_main_and_draft, paged_cache, prefill, random_cache
+from .model import (
+    decode,
+    extend,
+    forward,
+    greedy_decode,
+    greedy_main_and_draft,
+    init_params,
+    paged_cache,
+    prefill,
+    random_cache,
+    random_params,
+)
 from .step import admit_slot, copy_pages, restore_pages, serve_step, slot_state
 
 __all__ = ["admit_draft_slot", "admit_slot", "copy_pages", "decode", "draft_slot_state", "extend", "forward",
-           "generate_chunk", "generate_start", "greedy_decode", "greedy_main_and_draft", "moved_to", "mtp_paged_cache",
-           "paged_cache", "prefill", "random_cache", "restore_pages", "serve_draft_prefill", "serve_draft_step",
-           "serve_step", "slot_state", "speculative_chunk", "speculative_start", "take_mtp_hidden", "with_placement"]
+           "generate_chunk", "generate_start", "greedy_decode", "greedy_main_and_draft", "init_params", "moved_to",
+           "mtp_paged_cache", "paged_cache", "prefill", "random_cache", "random_params", "restore_pages",
+           "serve_draft_prefill", "serve_draft_step", "serve_step", "slot_state", "speculative_chunk",
+           "speculative_start", "take_mtp_hidden", "with_placement"]

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from ..core import model, mtp
+from ..core import model, mtp, params
 from ..core.cache import (
     KVCache,
     PagedKVCache,
@@ -24,6 +24,7 @@ from ..core.cache import (
 )
 from ..core.config import Config
 from ..core.params import Params
+from ..core.quant import check_quant
 from ..core.sharding import DEFAULT_RULES, ShardingRules
 from .sampling import argmax
 
@@ -36,6 +37,15 @@ forward = jax.jit(model.forward, static_argnames=_MODEL)
 prefill = jax.jit(model.prefill, static_argnames=(*_MODEL, "max_len", "kv_cache_dtype"))
 decode = jax.jit(model.decode, static_argnames=_MODEL, donate_argnames=("cache",))
 extend = jax.jit(model.extend, static_argnames=(*_MODEL, "absorbed", "block_pages"), donate_argnames=("cache",))
+random_params = jax.jit(params.random_params, static_argnames=(*_MODEL, "dtype", "quant", "mtp"))
+
+
+def init_params(cfg: Config, mesh: Mesh, rules: ShardingRules, *, seed: int, dtype: Any, quant: str | None = None,
+                mtp: bool = False) -> Params:
+    """Random weights created directly in their shardings (`dsr1.core.params.random_params`, one program,
+    no host copy); the values depend on `seed` only, not on the mesh."""
+    return random_params(jax.random.key(seed), cfg=cfg, mesh=mesh, rules=rules, dtype=jnp.dtype(dtype),
+                         quant=check_quant(quant), mtp=mtp)
 
 
 # ---- benchmarks and profiles ---------------------------------------------------------------------
