@@ -22,6 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import anthropic
 import httpx
 import jsonschema
 import numpy as np
@@ -619,3 +620,101 @@ def test_64_concurrent_streams_mix_tools_schemas_echo_and_chat(demo, tokenizer):
             assert joined["content"] == plain[0]
 
     run_all(64, work)
+
+
+# ---- Anthropic's Messages API -------------------------------------------------------------------------
+ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                    "input_schema": t["function"]["parameters"]} for t in TOOLS]
+RESULT = '{"forecast": "rain, then sun"}'
+# The block events a Messages stream sends (the SDK adds its own: text, thinking, input_json...).
+RAW_EVENTS = {"message_start", "content_block_start", "content_block_delta", "content_block_stop", "message_delta",
+              "message_stop"}
+
+
+def anthropic_client(served: Served) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=served.url, api_key="unused", max_retries=0, timeout=300.0)
+
+
+def streamed_message(client: anthropic.Anthropic, **settings: Any) -> tuple[Any, list[str]]:
+    """`messages.stream`'s final message and the raw events it was made of."""
+    with client.messages.stream(**settings) as stream:
+        events = [event.type for event in stream if event.type in RAW_EVENTS]
+        return stream.get_final_message(), events
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_messages_tool_use_round_trip_with_thinking_passed_back(demo, stream):
+    """`tool_choice` any: a valid call (after R1's thinking), then the tool's result and the answer,
+    the first reply passed back as it came (its thinking block included)."""
+    client = anthropic_client(demo)
+    ask = [{"role": "user", "content": ASK[0]["content"]}]
+    settings = dict(model=MODEL, max_tokens=150, tools=ANTHROPIC_TOOLS, extra_body={"temperature": 0})
+    if stream:
+        first, events = streamed_message(client, messages=ask, tool_choice={"type": "any"}, **settings)
+        assert events[0] == "message_start" and events[-2:] == ["message_delta", "message_stop"]
+        assert events.count("content_block_start") == events.count("content_block_stop") == len(first.content)
+    else:
+        first = client.messages.create(messages=ask, tool_choice={"type": "any"}, **settings)
+    uses = [block for block in first.content if block.type == "tool_use"]
+    assert first.stop_reason == "tool_use" and uses and [b.type for b in first.content[:1]] == ["thinking"]
+    for use in uses:
+        assert use.id.startswith("toolu_")
+        jsonschema.validate(use.input, SCHEMAS[use.name])
+    results = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": u.id, "content": RESULT}
+                                           for u in uses]}
+    turns = [*ask, first.to_param(), results]
+    answer = client.messages.create(messages=turns, **settings)
+    assert answer.stop_reason in ("end_turn", "max_tokens")
+    assert [b.type for b in answer.content if b.type != "thinking"] == ["text"] and answer.content[-1].text
+    counted = client.messages.count_tokens(model=MODEL, messages=turns, tools=ANTHROPIC_TOOLS).input_tokens
+    assert answer.usage.input_tokens + answer.usage.cache_read_input_tokens == counted
+    if stream:
+        return
+    # The same conversation on the chat endpoint renders the same prompt; R1's template drops the thinking.
+    chat_turns = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": u.id, "type": "function", "function": {"name": u.name, "arguments": json.dumps(u.input)}}
+        for u in uses]}, *[{"role": "tool", "tool_call_id": u.id, "content": RESULT} for u in uses]]
+    chat = demo.client().chat.completions.create(model=MODEL, messages=chat_turns, tools=TOOLS, max_tokens=1)
+    assert chat.usage.prompt_tokens == counted
+    unthought = [*ask, {"role": "assistant", "content": [b for b in turns[1]["content"] if b.type != "thinking"]},
+                 results]
+    assert client.messages.count_tokens(model=MODEL, messages=unthought, tools=ANTHROPIC_TOOLS).input_tokens == counted
+
+
+def test_messages_stop_sequences_max_tokens_and_the_stream_equal_whole(demo):
+    client = anthropic_client(demo)
+    settings = dict(model=MODEL, messages=[{"role": "user", "content": "Good morrow."}], extra_body={"temperature": 0})
+    free = client.messages.create(max_tokens=60, **settings)
+    thought = "".join(b.thinking for b in free.content if b.type == "thinking")
+    text = "".join(b.text for b in free.content if b.type == "text")
+    stop = next(text[k:k + 4] for k in range(len(text) // 2, len(text) - 4) if text[k:k + 4] not in thought)
+    cut = client.messages.create(max_tokens=60, stop_sequences=["never said", stop], **settings)
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    assert "".join(b.text for b in cut.content if b.type == "text") == text[:text.index(stop)]
+    streamed, _ = streamed_message(client, max_tokens=60, stop_sequences=["never said", stop], **settings)
+    assert [b.model_dump(exclude={"parsed_output"}) for b in streamed.content] == [b.model_dump() for b in cut.content]
+    assert (streamed.stop_reason, streamed.stop_sequence, streamed.usage.output_tokens) == (
+        cut.stop_reason, stop, cut.usage.output_tokens)
+    short = client.messages.create(max_tokens=3, **settings)
+    assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 3
+    assert client.messages.count_tokens(model=MODEL, messages=settings["messages"]).input_tokens == \
+        short.usage.input_tokens + short.usage.cache_read_input_tokens
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_messages_any_and_named_tool_use_validate_50_of_50(demo):
+    client = anthropic_client(demo)
+
+    def call(j: int) -> Any:
+        choice = {"type": "any"} if j % 2 else {"type": "tool", "name": "lookup"}
+        settings = dict(model=MODEL, max_tokens=200, messages=[{"role": "user", "content": ASK[0]["content"]}],
+                        tools=ANTHROPIC_TOOLS, tool_choice=choice, extra_body={"temperature": 1.0})
+        return streamed_message(client, **settings)[0] if j % 4 < 2 else client.messages.create(**settings)
+
+    for j, message in enumerate(run_all(50, call)):
+        uses = [block for block in message.content if block.type == "tool_use"]
+        assert message.stop_reason == "tool_use" and uses, (j, message)
+        assert j % 2 or [u.name for u in uses] == ["lookup"]
+        for use in uses:
+            jsonschema.validate(use.input, SCHEMAS[use.name])
