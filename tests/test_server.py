@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -634,6 +635,14 @@ def test_bad_messages_get_anthropic_errors_and_the_server_keeps_serving(served, 
     with pytest.raises(anthropic.BadRequestError):
         anthropic.Anthropic(base_url=served.url, api_key="x", max_retries=0).messages.create(
             **with_(OK_MESSAGES, max_tokens=0))
+    url = httpx.URL(served.url)
+    with socket.create_connection((url.host, url.port), timeout=30) as conn:  # declares more than it sends
+        conn.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n{}" % (65 << 20))
+        reply = b""
+        while b"request_too_large" not in reply and (piece := conn.recv(4096)):
+            reply += piece
+    assert reply.split(b" ")[1] == b"413" and b'"type":"request_too_large"' in reply
     reply = httpx.post(served.url + MESSAGES, json=OK_MESSAGES).json()
     assert reply["usage"]["output_tokens"] == 2 and reply["stop_reason"] == "max_tokens"
 
@@ -747,6 +756,9 @@ def test_drain_refuses_new_requests_and_cancels_after_the_timeout(tiny, tokenize
         stream = client.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=LONG_BUDGET, stream=True)
         chunks = iter(stream)
         next(chunks)
+        events = iter(anthropic.Anthropic(base_url=served.url, api_key="x", max_retries=0).messages.create(
+            **with_(OK_MESSAGES, max_tokens=LONG_BUDGET), stream=True))
+        next(events)
         served.app.state.runner.drain()
         response = httpx.post(served.url + CHAT, json=OK_CHAT)
         assert response.status_code == 503 and response.headers["retry-after"] == "1"
@@ -759,6 +771,8 @@ def test_drain_refuses_new_requests_and_cancels_after_the_timeout(tiny, tokenize
         stopping = threading.Thread(target=served.stop)
         stopping.start()
         finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        with pytest.raises(anthropic.APIStatusError, match="overloaded_error"):
+            list(events)  # a Messages stream cut short ends with an error event
         stopping.join(30)
         assert finishes == ["abort"] and not stopping.is_alive()
     finally:
