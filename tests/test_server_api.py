@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
 import anthropic
@@ -701,6 +702,14 @@ def test_messages_stop_sequences_max_tokens_and_the_stream_equal_whole(demo):
         short.usage.input_tokens + short.usage.cache_read_input_tokens
 
 
+def test_messages_output_config_format_is_json_valid_against_its_schema(demo):
+    message = anthropic_client(demo).messages.create(
+        model=MODEL, max_tokens=200, messages=[{"role": "user", "content": "Who is the king?"}],
+        output_config={"format": {"type": "json_schema", "schema": PERSON}}, extra_body={"temperature": 1.0})
+    assert message.stop_reason == "end_turn" and message.content[-1].type == "text"
+    jsonschema.validate(json.loads(message.content[-1].text), PERSON)
+
+
 @pytest.mark.extended
 @pytest.mark.slow
 def test_messages_any_and_named_tool_use_validate_50_of_50(demo):
@@ -718,3 +727,64 @@ def test_messages_any_and_named_tool_use_validate_50_of_50(demo):
         assert j % 2 or [u.name for u in uses] == ["lookup"]
         for use in uses:
             jsonschema.validate(use.input, SCHEMAS[use.name])
+
+
+def messages_stream(claude: anthropic.Anthropic, **settings: Any) -> dict[str, Any]:
+    """A Messages stream's text, tool uses and stop reason, read from its raw events."""
+    out: dict[str, Any] = {"text": "", "inputs": [], "names": [], "stop": None}
+    for event in claude.messages.create(stream=True, **settings):
+        if event.type == "content_block_start" and event.content_block.type == "tool_use":
+            out["names"].append(event.content_block.name)
+        elif event.type == "content_block_delta" and event.delta.type == "text_delta":
+            out["text"] += event.delta.text
+        elif event.type == "content_block_delta" and event.delta.type == "input_json_delta":
+            out["inputs"].append(json.loads(event.delta.partial_json))
+        elif event.type == "message_delta":
+            out["stop"] = event.delta.stop_reason
+    return out
+
+
+def mixed_streams(url: str, count: int = 64) -> None:
+    """`count` concurrent streams against the server at `url`, Messages and chat, tools and text, each
+    checked (run in a process of its own, so the clients do not share the server's GIL)."""
+    claude = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=300.0)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300.0)
+    ask = [{"role": "user", "content": ASK[0]["content"]}]
+    plain = {"model": MODEL, "max_tokens": 20, "messages": [{"role": "user", "content": "Good morrow."}],
+             "extra_body": {"temperature": 0}}
+    alone = "".join(b.text for b in claude.messages.create(**plain).content if b.type == "text")
+
+    def work(j: int) -> None:
+        if j % 4 == 0:
+            reply = messages_stream(claude, model=MODEL, max_tokens=200, messages=ask, tools=ANTHROPIC_TOOLS,
+                                    tool_choice={"type": "any"}, extra_body={"temperature": 1.0})
+            assert reply["stop"] == "tool_use" and reply["inputs"]
+            for name, value in zip(reply["names"], reply["inputs"], strict=True):
+                jsonschema.validate(value, SCHEMAS[name])
+        elif j % 4 == 1:
+            assert messages_stream(claude, **plain)["text"] == alone
+        else:
+            joined = assemble_stream(client.chat.completions.create(
+                model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", temperature=1.0, max_tokens=200,
+                stream=True) if j % 4 == 2 else client.chat.completions.create(
+                model=MODEL, messages=plain["messages"], temperature=0, max_tokens=20, stream=True))
+            assert joined["finish"] in ("tool_calls", "stop", "length") and (j % 4 == 3 or joined["calls"])
+
+    run_all(count, work)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_64_concurrent_messages_and_chat_streams_complete_while_health_answers_fast(demo):
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pool.submit(int).result()  # the client process is up before the probing starts
+        latencies: list[float] = []
+        with httpx.Client(base_url=demo.url, timeout=10) as http:
+            load = pool.submit(mixed_streams, demo.url)
+            while not load.done():
+                start = time.perf_counter()
+                assert http.get("/health").status_code == 200
+                latencies.append(time.perf_counter() - start)
+                time.sleep(0.02)
+        load.result()
+    assert latencies and max(latencies) < 0.1, sorted(latencies)[-5:]

@@ -13,9 +13,12 @@ queue's 429, the drain's 503, cancellation when the client leaves):
   template says: R1's drops earlier turns' reasoning); `redacted_thinking` blocks are dropped;
 - `tools[].input_schema` is each function's parameters; `tool_choice` `auto`, `any`, `tool`,
   `none` is `auto`, `required`, the named function, `none` (`any` and `tool` are the grammar's:
-  the calls always parse); `disable_parallel_tool_use` is `parallel_tool_calls: false`;
+  the calls always parse); `disable_parallel_tool_use` is `parallel_tool_calls: false` (which
+  the chat endpoint does not yet enforce);
 - `stop_sequences` are stop strings (matched in the raw output, so the reply names the one that
   stopped it); `max_tokens`, `temperature`, `top_p`, `top_k` are the chat's;
+- `output_config.format` (`json_schema`) is `response_format`: the text is JSON valid against the
+  schema (after R1's thinking); `output_config.effort` changes nothing on R1, which has no switch;
 - `thinking.budget_tokens` is the reasoning budget of a reply the grammar constrains
   (`max_reasoning_tokens`); R1 always thinks, so its reasoning comes back as a `thinking` block
   whatever `thinking.type` says (`display: "omitted"`: the block without its text).
@@ -88,6 +91,9 @@ def chat_request(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRe
     fields: dict[str, Any] = dict(model=body.model, messages=messages, max_tokens=max_tokens or 1, stop=list(stops),
                                   include_stop_str_in_output=bool(stops), tools=_chat_tools(body.tools),
                                   max_reasoning_tokens=budget, **_tool_choice(body.tool_choice, body.tools))
+    if body.output_config is not None and body.output_config.format is not None:
+        fields["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "output", "schema": body.output_config.format.schema_}}
     for name in ("temperature", "top_p", "top_k"):
         if getattr(body, name, None) is not None:
             fields[name] = getattr(body, name)
@@ -239,9 +245,11 @@ def _tool_choice(choice: ToolChoice | None, tools: list[Tool] | None) -> dict[st
 
 
 def _renamed(error: APIError) -> APIError:
-    """A chat-side error about tools, in the Messages request's field names."""
+    """A chat-side error about tools or the output format, in the Messages request's field names."""
     def rename(text: str) -> str:
-        return text.replace("function.parameters", "input_schema").replace("function.", "")
+        return text.replace("function.parameters", "input_schema").replace("function.", "").replace(
+            "response_format.json_schema.schema", "output_config.format.schema").replace(
+            "response_format", "output_config.format")
 
     return APIError(error.status, rename(error.message), param=error.param and rename(error.param), code=error.code,
                     headers=error.headers)
@@ -453,8 +461,8 @@ class MessagesService(CompletionService):
             yield _event("ping")
             reply = StreamedReply(request, stops, plan.calls_tools, omit_thinking)
             async for update in submission.updates():
-                for event in reply.push(update.text, update.done):
-                    yield event
+                if events := reply.push(update.text, update.done):
+                    yield "".join(events)  # one write per step, however many events it made
             if request.finish_reason == ABORT:
                 yield _event("error", error={"type": error_type(503), "message": _CANCELLED})
                 return

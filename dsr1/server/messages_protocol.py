@@ -17,8 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .protocol import MAX_STOP_STRINGS
 
-__all__ = ["ContentBlock", "CountTokensRequest", "MessageParam", "MessagesRequest", "ThinkingConfig", "Tool",
-           "ToolChoice", "error_type"]
+__all__ = ["ContentBlock", "CountTokensRequest", "MessageParam", "MessagesRequest", "OutputConfig", "ThinkingConfig",
+           "Tool", "ToolChoice", "error_type"]
 
 
 class _Strict(BaseModel):
@@ -75,6 +75,20 @@ class ThinkingConfig(_Strict):
     display: Literal["summarized", "omitted"] | None = None
 
 
+class OutputFormat(_Strict):
+    """Structured output: the reply's text is JSON valid against `schema`."""
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Strict):
+    """`format`: a structured output; `effort`: how hard the model thinks (R1 has no such switch)."""
+
+    format: OutputFormat | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+
 class _Prompt(_Strict):
     """What both endpoints render into the prompt."""
 
@@ -84,6 +98,7 @@ class _Prompt(_Strict):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
 
 
 class MessagesRequest(_Prompt):
