@@ -664,7 +664,7 @@ def test_messages_tool_use_round_trip_with_thinking_passed_back(demo, stream):
     results = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": u.id, "content": RESULT}
                                            for u in uses]}
     turns = [*ask, first.to_param(), results]
-    answer = client.messages.create(messages=turns, **settings)
+    answer = client.messages.create(messages=turns, **{**settings, "max_tokens": 40})
     assert answer.stop_reason in ("end_turn", "max_tokens")
     assert [b.type for b in answer.content if b.type != "thinking"] == ["text"] and answer.content[-1].text
     counted = client.messages.count_tokens(model=MODEL, messages=turns, tools=ANTHROPIC_TOOLS).input_tokens
