@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import anthropic
 import httpx
 import numpy as np
 import openai
@@ -533,6 +535,149 @@ def test_parse_errors_name_the_field():
     assert info.value.param == "stop[1]" and "stop[1]" in info.value.message
 
 
+# ---- Anthropic's Messages API --------------------------------------------------------------------------
+MESSAGES = "/v1/messages"
+OK_MESSAGES = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+TOOL = {"name": "f", "input_schema": {"type": "object"}}
+IMAGE = {"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}
+
+
+def turn(*content: Any) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": list(content)}]
+
+
+BAD_MESSAGES: list[tuple[str, str, Any, int, str]] = [
+    # (name, path, body (bytes are sent as they are), status, what the message names)
+    ("malformed JSON", MESSAGES, b'{"model": "tiny", "messages": [', 400, "JSON"),
+    ("not an object", MESSAGES, b"[1]", 400, "object"),
+    ("missing max_tokens", MESSAGES, {"model": MODEL, "messages": OK_MESSAGES["messages"]}, 400, "max_tokens"),
+    ("zero max_tokens", MESSAGES, with_(OK_MESSAGES, max_tokens=0), 400, "max_tokens"),
+    ("max_tokens a string", MESSAGES, with_(OK_MESSAGES, max_tokens="2"), 400, "max_tokens"),
+    ("missing messages", MESSAGES, {"model": MODEL, "max_tokens": 2}, 400, "messages"),
+    ("missing model", MESSAGES, {"max_tokens": 2, "messages": OK_MESSAGES["messages"]}, 400, "model"),
+    ("empty messages", MESSAGES, with_(OK_MESSAGES, messages=[]), 400, "messages"),
+    ("a system role", MESSAGES, with_(OK_MESSAGES, messages=[{"role": "system", "content": "hi"}]), 400,
+     "messages[0].role"),
+    ("content a number", MESSAGES, with_(OK_MESSAGES, messages=[{"role": "user", "content": 7}]), 400,
+     "messages[0].content"),
+    ("empty content", MESSAGES, with_(OK_MESSAGES, messages=turn()), 400, "messages[0].content"),
+    ("an image block", MESSAGES, with_(OK_MESSAGES, messages=turn(IMAGE)), 400, "messages[0].content[0]"),
+    ("a text block without text", MESSAGES, with_(OK_MESSAGES, messages=turn({"type": "text"})), 400,
+     "messages[0].content[0].text"),
+    ("a tool_result without tool_use_id", MESSAGES, with_(OK_MESSAGES, messages=turn(
+        {"type": "tool_result", "content": "ok"})), 400, "messages[0].content[0].tool_use_id"),
+    ("an image in a tool_result", MESSAGES, with_(OK_MESSAGES, messages=turn(
+        {"type": "tool_result", "tool_use_id": "t", "content": [IMAGE]})), 400, "messages[0].content[0].content[0]"),
+    ("a tool_use in a user turn", MESSAGES, with_(OK_MESSAGES, messages=turn(
+        {"type": "tool_use", "id": "t", "name": "f", "input": {}})), 400, "messages[0].content[0]"),
+    ("a tool_use without input", MESSAGES, with_(OK_MESSAGES, messages=[
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "tool_use", "id": "t",
+                                                                               "name": "f"}]},
+        {"role": "user", "content": "go on"}]), 400, "messages[1].content[0].input"),
+    ("a final assistant turn", MESSAGES, with_(OK_MESSAGES, messages=[
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]), 400, "messages[1]"),
+    ("a block of the wrong type", MESSAGES, with_(OK_MESSAGES, messages=turn({"type": 3})), 400,
+     "messages[0].content[0].type"),
+    ("system a number", MESSAGES, with_(OK_MESSAGES, system=5), 400, "system"),
+    ("an image in system", MESSAGES, with_(OK_MESSAGES, system=[IMAGE]), 400, "system[0]"),
+    ("temperature over 1", MESSAGES, with_(OK_MESSAGES, temperature=1.5), 400, "temperature"),
+    ("top_p zero", MESSAGES, with_(OK_MESSAGES, top_p=0), 400, "top_p"),
+    ("negative top_k", MESSAGES, with_(OK_MESSAGES, top_k=-1), 400, "top_k"),
+    ("an empty stop sequence", MESSAGES, with_(OK_MESSAGES, stop_sequences=["ok", ""]), 400, "stop_sequences[1]"),
+    ("a stop sequence not a string", MESSAGES, with_(OK_MESSAGES, stop_sequences=[1]), 400, "stop_sequences[0]"),
+    ("stream not a bool", MESSAGES, with_(OK_MESSAGES, stream="yes"), 400, "stream"),
+    ("a tool without input_schema", MESSAGES, with_(OK_MESSAGES, tools=[{"name": "f"}]), 400,
+     "tools[0].input_schema"),
+    ("a tool without a name", MESSAGES, with_(OK_MESSAGES, tools=[{"input_schema": {}}]), 400, "tools[0].name"),
+    ("a tool name with a newline", MESSAGES, with_(OK_MESSAGES, tools=[with_(TOOL, name="a\nb")]), 400,
+     "tools[0].name"),
+    ("input_schema not an object", MESSAGES, with_(OK_MESSAGES, tools=[with_(TOOL, input_schema=[1])]), 400,
+     "tools[0].input_schema"),
+    ("two tools of one name", MESSAGES, with_(OK_MESSAGES, tools=[TOOL, TOOL]), 400, "unique"),
+    ("a server tool", MESSAGES, with_(OK_MESSAGES, tools=[{"type": "web_search_20250305", "name": "web_search"}]),
+     400, "tools[0]"),
+    ("tool_choice any without tools", MESSAGES, with_(OK_MESSAGES, tool_choice={"type": "any"}), 400,
+     "tool_choice"),
+    ("tool_choice naming no tool", MESSAGES, with_(OK_MESSAGES, tools=[TOOL], tool_choice={"type": "tool",
+                                                                                          "name": "g"}), 400,
+     "tool_choice"),
+    ("tool_choice of no known type", MESSAGES, with_(OK_MESSAGES, tool_choice={"type": "maybe"}), 400,
+     "tool_choice.type"),
+    ("thinking of no known type", MESSAGES, with_(OK_MESSAGES, thinking={"type": "deep"}), 400, "thinking.type"),
+    ("budget_tokens not under max_tokens", MESSAGES, with_(OK_MESSAGES, thinking={"type": "enabled",
+                                                                                  "budget_tokens": 2}), 400,
+     "thinking.budget_tokens"),
+    ("budget_tokens with thinking disabled", MESSAGES, with_(OK_MESSAGES, max_tokens=9, thinking={
+        "type": "disabled", "budget_tokens": 2}), 400, "thinking.budget_tokens"),
+    ("a prompt longer than the context", MESSAGES, with_(OK_MESSAGES, messages=[
+        {"role": "user", "content": LONG_PROMPT}]), 400, "context"),
+    ("max_tokens over the context", MESSAGES, with_(OK_MESSAGES, max_tokens=256), 400, "max_tokens"),
+    ("an unknown model", MESSAGES, with_(OK_MESSAGES, model="claude-x"), 404, "claude-x"),
+    ("count_tokens: missing messages", MESSAGES + "/count_tokens", {"model": MODEL}, 400, "messages"),
+    ("count_tokens: an image block", MESSAGES + "/count_tokens", {"model": MODEL, "messages": turn(IMAGE)}, 400,
+     "messages[0].content[0]"),
+    ("count_tokens: an unknown model", MESSAGES + "/count_tokens", {"model": "claude-x", "messages": turn(
+        {"type": "text", "text": "hi"})}, 404,
+     "claude-x"),
+]
+
+
+def test_bad_messages_get_anthropic_errors_and_the_server_keeps_serving(served, client):
+    kinds = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error"}
+    for name, path, body, status, named in [*BAD_MESSAGES, ("wrong method", MESSAGES, None, 405, "GET")]:
+        content = body if isinstance(body, bytes) else None if body is None else json.dumps(body).encode()
+        response = httpx.request("GET" if body is None else "POST", served.url + path, content=content,
+                                 headers={"Content-Type": "application/json"})
+        assert response.status_code == status, (name, response.text)
+        assert response.json()["type"] == "error" and set(response.json()["error"]) == {"type", "message"}, name
+        assert response.json()["error"]["type"] == kinds[status], name
+        assert named in response.json()["error"]["message"], (name, response.text)
+    with pytest.raises(anthropic.BadRequestError):
+        anthropic.Anthropic(base_url=served.url, api_key="x", max_retries=0).messages.create(
+            **with_(OK_MESSAGES, max_tokens=0))
+    url = httpx.URL(served.url)
+    with socket.create_connection((url.host, url.port), timeout=30) as conn:  # declares more than it sends
+        conn.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n{}" % (65 << 20))
+        reply = b""
+        while b"request_too_large" not in reply and (piece := conn.recv(4096)):
+            reply += piece
+    assert reply.split(b" ")[1] == b"413" and b'"type":"request_too_large"' in reply
+    reply = httpx.post(served.url + MESSAGES, json=OK_MESSAGES).json()
+    assert reply["usage"]["output_tokens"] == 2 and reply["stop_reason"] == "max_tokens"
+
+
+def test_a_messages_stream_left_early_is_cancelled(served, client):
+    before = served.metrics()
+    messages = anthropic.Anthropic(base_url=served.url, api_key="x", max_retries=0).messages
+    with messages.stream(**with_(OK_MESSAGES, max_tokens=LONG_BUDGET)) as stream:
+        next(iter(stream))
+    served.wait_idle(timeout=20.0)
+    key = ("dsr1_requests_finished_total", (("endpoint", "messages"), ("finish_reason", "abort")))
+    assert served.metrics()[key] - before.get(key, 0) == 1
+
+
+def test_messages_take_the_key_as_x_api_key_and_share_the_queue(guarded):
+    url = guarded.url + MESSAGES
+    for headers in ({}, {"x-api-key": "wrong"}, {"Authorization": "Bearer wrong"}):
+        denied = httpx.post(url, json=OK_MESSAGES, headers=headers)
+        assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
+    assert httpx.post(url, json=OK_MESSAGES, headers={"x-api-key": "s3cret"}).json()["usage"]["output_tokens"] == 2
+    assert httpx.get(guarded.url + "/v1/models", headers={"x-api-key": "s3cret"}).status_code == 200
+    messages = anthropic.Anthropic(base_url=guarded.url, api_key="s3cret", max_retries=0).messages
+    slots = SHAPES["max_seqs"] + SHAPES["prefill_rows"]
+    streams = [messages.create(**with_(OK_MESSAGES, max_tokens=LONG_BUDGET), stream=True) for _ in range(slots)]
+    try:
+        with pytest.raises(anthropic.RateLimitError) as info:
+            messages.create(**OK_MESSAGES)
+        assert info.value.response.headers["retry-after"] == "1"
+        assert info.value.body["error"]["type"] == "rate_limit_error"
+    finally:
+        for stream in streams:
+            stream.close()
+    guarded.wait_idle()
+
+
 # ---- metrics -------------------------------------------------------------------------------------
 def test_metrics_parse_and_count_what_was_sent(served, client):
     before = served.metrics()
@@ -611,15 +756,23 @@ def test_drain_refuses_new_requests_and_cancels_after_the_timeout(tiny, tokenize
         stream = client.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=LONG_BUDGET, stream=True)
         chunks = iter(stream)
         next(chunks)
+        events = iter(anthropic.Anthropic(base_url=served.url, api_key="x", max_retries=0).messages.create(
+            **with_(OK_MESSAGES, max_tokens=LONG_BUDGET), stream=True))
+        next(events)
         served.app.state.runner.drain()
         response = httpx.post(served.url + CHAT, json=OK_CHAT)
         assert response.status_code == 503 and response.headers["retry-after"] == "1"
         assert response.json()["error"]["code"] == "shutting_down"
+        response = httpx.post(served.url + MESSAGES, json=OK_MESSAGES)
+        assert response.status_code == 503 and response.headers["retry-after"] == "1"
+        assert response.json()["error"]["type"] == "overloaded_error"
         health = httpx.get(served.url + "/health")
         assert health.status_code == 503 and health.json()["status"] == "draining"
         stopping = threading.Thread(target=served.stop)
         stopping.start()
         finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        with pytest.raises(anthropic.APIStatusError, match="overloaded_error"):
+            list(events)  # a Messages stream cut short ends with an error event
         stopping.join(30)
         assert finishes == ["abort"] and not stopping.is_alive()
     finally:

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
+import anthropic
 import httpx
 import jsonschema
 import numpy as np
@@ -619,3 +621,170 @@ def test_64_concurrent_streams_mix_tools_schemas_echo_and_chat(demo, tokenizer):
             assert joined["content"] == plain[0]
 
     run_all(64, work)
+
+
+# ---- Anthropic's Messages API -------------------------------------------------------------------------
+ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                    "input_schema": t["function"]["parameters"]} for t in TOOLS]
+RESULT = '{"forecast": "rain, then sun"}'
+# The block events a Messages stream sends (the SDK adds its own: text, thinking, input_json...).
+RAW_EVENTS = {"message_start", "content_block_start", "content_block_delta", "content_block_stop", "message_delta",
+              "message_stop"}
+
+
+def anthropic_client(served: Served) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=served.url, api_key="unused", max_retries=0, timeout=300.0)
+
+
+def streamed_message(client: anthropic.Anthropic, **settings: Any) -> tuple[Any, list[str]]:
+    """`messages.stream`'s final message and the raw events it was made of."""
+    with client.messages.stream(**settings) as stream:
+        events = [event.type for event in stream if event.type in RAW_EVENTS]
+        return stream.get_final_message(), events
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_messages_tool_use_round_trip_with_thinking_passed_back(demo, stream):
+    """`tool_choice` any: a valid call (after R1's thinking), then the tool's result and the answer,
+    the first reply passed back as it came (its thinking block included)."""
+    client = anthropic_client(demo)
+    ask = [{"role": "user", "content": ASK[0]["content"]}]
+    settings = dict(model=MODEL, max_tokens=150, tools=ANTHROPIC_TOOLS, extra_body={"temperature": 0})
+    if stream:
+        first, events = streamed_message(client, messages=ask, tool_choice={"type": "any"}, **settings)
+        assert events[0] == "message_start" and events[-2:] == ["message_delta", "message_stop"]
+        assert events.count("content_block_start") == events.count("content_block_stop") == len(first.content)
+    else:
+        first = client.messages.create(messages=ask, tool_choice={"type": "any"}, **settings)
+    uses = [block for block in first.content if block.type == "tool_use"]
+    assert first.stop_reason == "tool_use" and uses and [b.type for b in first.content[:1]] == ["thinking"]
+    for use in uses:
+        assert use.id.startswith("toolu_")
+        jsonschema.validate(use.input, SCHEMAS[use.name])
+    results = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": u.id, "content": RESULT}
+                                           for u in uses]}
+    turns = [*ask, first.to_param(), results]
+    answer = client.messages.create(messages=turns, **{**settings, "max_tokens": 40})
+    assert answer.stop_reason in ("end_turn", "max_tokens")
+    assert [b.type for b in answer.content if b.type != "thinking"] == ["text"] and answer.content[-1].text
+    counted = client.messages.count_tokens(model=MODEL, messages=turns, tools=ANTHROPIC_TOOLS).input_tokens
+    assert answer.usage.input_tokens + answer.usage.cache_read_input_tokens == counted
+    if stream:
+        return
+    # The same conversation on the chat endpoint renders the same prompt; R1's template drops the thinking.
+    chat_turns = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": u.id, "type": "function", "function": {"name": u.name, "arguments": json.dumps(u.input)}}
+        for u in uses]}, *[{"role": "tool", "tool_call_id": u.id, "content": RESULT} for u in uses]]
+    chat = demo.client().chat.completions.create(model=MODEL, messages=chat_turns, tools=TOOLS, max_tokens=1)
+    assert chat.usage.prompt_tokens == counted
+    unthought = [*ask, {"role": "assistant", "content": [b for b in turns[1]["content"] if b.type != "thinking"]},
+                 results]
+    assert client.messages.count_tokens(model=MODEL, messages=unthought, tools=ANTHROPIC_TOOLS).input_tokens == counted
+
+
+def test_messages_stop_sequences_max_tokens_and_the_stream_equal_whole(demo):
+    client = anthropic_client(demo)
+    settings = dict(model=MODEL, messages=[{"role": "user", "content": "Good morrow."}], extra_body={"temperature": 0})
+    free = client.messages.create(max_tokens=60, **settings)
+    thought = "".join(b.thinking for b in free.content if b.type == "thinking")
+    text = "".join(b.text for b in free.content if b.type == "text")
+    stop = next(text[k:k + 4] for k in range(len(text) // 2, len(text) - 4) if text[k:k + 4] not in thought)
+    cut = client.messages.create(max_tokens=60, stop_sequences=["never said", stop], **settings)
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    assert "".join(b.text for b in cut.content if b.type == "text") == text[:text.index(stop)]
+    streamed, _ = streamed_message(client, max_tokens=60, stop_sequences=["never said", stop], **settings)
+    assert [b.model_dump(exclude={"parsed_output"}) for b in streamed.content] == [b.model_dump() for b in cut.content]
+    assert (streamed.stop_reason, streamed.stop_sequence, streamed.usage.output_tokens) == (
+        cut.stop_reason, stop, cut.usage.output_tokens)
+    short = client.messages.create(max_tokens=3, **settings)
+    assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 3
+    assert client.messages.count_tokens(model=MODEL, messages=settings["messages"]).input_tokens == \
+        short.usage.input_tokens + short.usage.cache_read_input_tokens
+
+
+def test_messages_output_config_format_is_json_valid_against_its_schema(demo):
+    message = anthropic_client(demo).messages.create(
+        model=MODEL, max_tokens=200, messages=[{"role": "user", "content": "Who is the king?"}],
+        output_config={"format": {"type": "json_schema", "schema": PERSON}}, extra_body={"temperature": 1.0})
+    assert message.stop_reason == "end_turn" and message.content[-1].type == "text"
+    jsonschema.validate(json.loads(message.content[-1].text), PERSON)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_messages_any_and_named_tool_use_validate_50_of_50(demo):
+    client = anthropic_client(demo)
+
+    def call(j: int) -> Any:
+        choice = {"type": "any"} if j % 2 else {"type": "tool", "name": "lookup"}
+        settings = dict(model=MODEL, max_tokens=200, messages=[{"role": "user", "content": ASK[0]["content"]}],
+                        tools=ANTHROPIC_TOOLS, tool_choice=choice, extra_body={"temperature": 1.0})
+        return streamed_message(client, **settings)[0] if j % 4 < 2 else client.messages.create(**settings)
+
+    for j, message in enumerate(run_all(50, call)):
+        uses = [block for block in message.content if block.type == "tool_use"]
+        assert message.stop_reason == "tool_use" and uses, (j, message)
+        assert j % 2 or [u.name for u in uses] == ["lookup"]
+        for use in uses:
+            jsonschema.validate(use.input, SCHEMAS[use.name])
+
+
+def messages_stream(claude: anthropic.Anthropic, **settings: Any) -> dict[str, Any]:
+    """A Messages stream's text, tool uses and stop reason, read from its raw events."""
+    out: dict[str, Any] = {"text": "", "inputs": [], "names": [], "stop": None}
+    for event in claude.messages.create(stream=True, **settings):
+        if event.type == "content_block_start" and event.content_block.type == "tool_use":
+            out["names"].append(event.content_block.name)
+        elif event.type == "content_block_delta" and event.delta.type == "text_delta":
+            out["text"] += event.delta.text
+        elif event.type == "content_block_delta" and event.delta.type == "input_json_delta":
+            out["inputs"].append(json.loads(event.delta.partial_json))
+        elif event.type == "message_delta":
+            out["stop"] = event.delta.stop_reason
+    return out
+
+
+def mixed_streams(url: str, count: int = 64) -> None:
+    """`count` concurrent streams against the server at `url`, Messages and chat, tools and text, each
+    checked (run in a process of its own, so the clients do not share the server's GIL)."""
+    claude = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=300.0)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300.0)
+    ask = [{"role": "user", "content": ASK[0]["content"]}]
+    plain = {"model": MODEL, "max_tokens": 20, "messages": [{"role": "user", "content": "Good morrow."}],
+             "extra_body": {"temperature": 0}}
+    alone = "".join(b.text for b in claude.messages.create(**plain).content if b.type == "text")
+
+    def work(j: int) -> None:
+        if j % 4 == 0:
+            reply = messages_stream(claude, model=MODEL, max_tokens=200, messages=ask, tools=ANTHROPIC_TOOLS,
+                                    tool_choice={"type": "any"}, extra_body={"temperature": 1.0})
+            assert reply["stop"] == "tool_use" and reply["inputs"]
+            for name, value in zip(reply["names"], reply["inputs"], strict=True):
+                jsonschema.validate(value, SCHEMAS[name])
+        elif j % 4 == 1:
+            assert messages_stream(claude, **plain)["text"] == alone
+        else:
+            joined = assemble_stream(client.chat.completions.create(
+                model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", temperature=1.0, max_tokens=200,
+                stream=True) if j % 4 == 2 else client.chat.completions.create(
+                model=MODEL, messages=plain["messages"], temperature=0, max_tokens=20, stream=True))
+            assert joined["finish"] in ("tool_calls", "stop", "length") and (j % 4 == 3 or joined["calls"])
+
+    run_all(count, work)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_64_concurrent_messages_and_chat_streams_complete_while_health_answers_fast(demo):
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pool.submit(int).result()  # the client process is up before the probing starts
+        latencies: list[float] = []
+        with httpx.Client(base_url=demo.url, timeout=10) as http:
+            load = pool.submit(mixed_streams, demo.url)
+            while not load.done():
+                start = time.perf_counter()
+                assert http.get("/health").status_code == 200
+                latencies.append(time.perf_counter() - start)
+                time.sleep(0.02)
+        load.result()
+    assert latencies and max(latencies) < 0.1, sorted(latencies)[-5:]

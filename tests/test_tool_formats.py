@@ -179,3 +179,25 @@ def test_v31_reasoning_split_in_both_modes(thinking, output, expected):
         for k, part in enumerate(splitter.finish()):
             joined[k] += part
         assert tuple(joined) == expected
+
+
+@pytest.mark.parametrize("chat_format,thinking,kwargs,expected", [
+    ("deepseek-v3.1", "enabled", None, {"thinking": True}),
+    ("deepseek-v3.1", "disabled", {}, {"thinking": False}),
+    ("deepseek-v3.1", "enabled", {"thinking": False}, {"thinking": False}),  # the kwargs decide
+    ("deepseek-v3.1", None, None, None),
+    ("deepseek-r1", "disabled", None, None),  # R1's template has no switch: it always thinks
+    ("deepseek-v3-0324", "enabled", {"x": 1}, {"x": 1}),  # (the template's check refuses "x")
+])
+def test_deepseeks_thinking_switch_becomes_the_templates(chat_format, thinking, kwargs, expected):
+    """A chat request's `thinking: {"type": ...}` (DeepSeek's API) is the template's `thinking` switch
+    where the model's template has one, unless `chat_template_kwargs` sets it."""
+    from types import SimpleNamespace
+
+    from dsr1.server.prepare import template_switches
+    from dsr1.server.protocol import ChatCompletionRequest
+
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                 "chat_template_kwargs": kwargs,
+                                                 **({"thinking": {"type": thinking}} if thinking else {})})
+    assert template_switches(body, SimpleNamespace(chat_format=chat_format)) == expected

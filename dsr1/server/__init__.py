@@ -9,6 +9,8 @@
 - `reasoning`: R1's `<think>` text split into `reasoning_content` and `content`, streamed or not.
 - `runner`: the engine's background thread, the queue cap and draining.
 - `completions`: the two completion endpoints, whole or streamed (server-sent events).
+- `messages_protocol`, `messages`: Anthropic's Messages API (`/v1/messages`, `count_tokens`) over
+  the chat machinery, with Anthropic's events and error shape.
 - `metrics`: Prometheus metrics (a registry per app).
 - `app`: `create_app(engine, config)`, the FastAPI app.
 - `lifecycle`: uvicorn in the foreground with a graceful SIGTERM, or `BackgroundServer` on a thread.

@@ -5,6 +5,7 @@ registry, the tokenizer), so several apps can live in one process. Its lifespan 
 engine's thread and stops it (cancelling whatever is left). Routes:
 
 - `POST /v1/chat/completions`, `POST /v1/completions`: `completions.CompletionService`.
+- `POST /v1/messages`, `POST /v1/messages/count_tokens` (Anthropic's Messages API): `messages`.
 - `GET /v1/models`, `GET /v1/models/{id}`: the one model served.
 - `POST /tokenize`, `POST /detokenize` (vLLM's): a prompt's or chat's token ids, and ids' text.
 - `GET /tokenizer_info` (vLLM's): the special tokens, the context and the chat template, which
@@ -16,8 +17,8 @@ engine's thread and stops it (cancelling whatever is left). Routes:
 - `GET /metrics`: Prometheus text (`metrics.Metrics`), vLLM's `vllm:*` names and dsr1's own.
 
 With `ServerConfig.api_key` set, every route but `/health` and `/version` needs
-`Authorization: Bearer <key>`. With `ServerConfig.allowed_origins`, browsers on those origins may
-call the API (CORS, preflights included).
+`Authorization: Bearer <key>` or `x-api-key: <key>` (Anthropic's header). With
+`ServerConfig.allowed_origins`, browsers on those origins may call the API (CORS, preflights included).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from ..serving import Engine
 from ..train.bpe import chat_template
 from .completions import CompletionService, read_body
 from .errors import APIError, install_error_handlers
+from .messages import MessagesService, install_messages
 from .metrics import HTTPMetricsMiddleware, Metrics
 from .options import ServerConfig
 from .prepare import Limits, plan_tokenize
@@ -141,6 +143,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    install_messages(app, MessagesService(runner, engine.tokenizer, limits, metrics), guarded)
     routes = {route.path for route in app.routes}
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics, endpoints=lambda: routes)
     if config.allowed_origins:
@@ -165,15 +168,18 @@ def max_token_bytes(tokenizer: Tokenizer) -> int:
 
 
 def _bearer_check(api_key: str | None):
-    """A dependency that requires `Authorization: Bearer <api_key>` (nothing when the key is None)."""
+    """A dependency that requires `Authorization: Bearer <api_key>` or `x-api-key: <api_key>`
+    (nothing when the key is None)."""
 
     async def check(request: HTTPRequest) -> None:
         if api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        given = [token.strip()] if scheme.lower() == "bearer" else []
+        given += [request.headers["x-api-key"]] if "x-api-key" in request.headers else []
         # compare_digest: the comparison's time does not tell how much of a guess was right.
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        if not any(secrets.compare_digest(key.encode(), api_key.encode()) for key in given):
+            raise APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>' or "
+                                "'x-api-key: <key>'", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     return check

@@ -103,6 +103,17 @@ def check_size(body: ChatCompletionRequest | CompletionRequest, limits: Limits) 
                        param=param, code="context_length_exceeded")
 
 
+def template_switches(body: ChatCompletionRequest, tokenizer: Tokenizer) -> dict[str, Any] | None:
+    """The request's `chat_template_kwargs`, with DeepSeek's `thinking: {"type": ...}` as the template's
+    `thinking` switch where the model's template has one (V3.1) and the kwargs do not set it already.
+    R1's and V3-0324's templates have none: R1 always thinks, V3-0324 never does."""
+    kwargs = body.chat_template_kwargs
+    fmt = chat_format(tokenizer.chat_format) if tokenizer.chat_format else None
+    if body.thinking is None or fmt is None or "thinking" not in fmt.kwargs or not isinstance(kwargs, dict | None):
+        return kwargs  # (kwargs of another type: the template's check names them)
+    return {"thinking": body.thinking.type == "enabled", **(kwargs or {})}
+
+
 def plan_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits) -> Plan:
     """Check a chat request and encode its messages (and tools) with the model's chat template
     (`tokenizer.chat_format`), with the request's `chat_template_kwargs`."""
@@ -123,7 +134,7 @@ def plan_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits)
     tool_format = chat_format(tokenizer.chat_format).tool_calls if tokenizer.chat_format else "v3"
     if tools and choice != "none":
         messages.append({"role": "system", "content": tools_system_prompt(tools, tool_format)})
-    prompt = _render(tokenizer, messages, True, body.chat_template_kwargs)
+    prompt = _render(tokenizer, messages, True, template_switches(body, tokenizer))
     prompt = _truncated(prompt, body.truncate_prompt_tokens)
     constraint = constraint_of(body)
     thinking = opens_thinking(prompt, tokenizer)

@@ -36,6 +36,12 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+class ThinkingSwitch(_Strict):
+    """DeepSeek's `thinking: {"type": "enabled" | "disabled"}`."""
+
+    type: Literal["enabled", "disabled"]
+
+
 class ContentPart(_Strict):
     """One part of a message's content given as a list (only `{"type": "text", "text": ...}` parts
     are supported: `prepare` refuses the others by name)."""
@@ -130,6 +136,8 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = True
     echo: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: the template's switches (V3.1: thinking)
+    thinking: ThinkingSwitch | None = None  # DeepSeek's API: the template's thinking switch, where it has one
+    reasoning_effort: Literal["low", "medium", "high", "max"] | None = None  # accepted; no V3-line template reads it
 
     @property
     def token_budget(self) -> int | None:
