@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from . import cpu, programs
 from .core.cache import KVCache, check_kv_cache_dtype
-from .core.config import Config
+from .core.config import Config, outside_vocabulary
 from .core.eplb import ExpertPlacement, placement_of
 from .core.eplb import balance as eplb_balance
 from .core.params import Params
@@ -129,12 +129,19 @@ class Model:
     def _check_tokens(self, tokens: np.ndarray, ndim: int) -> np.ndarray:
         if tokens.ndim != ndim or not np.issubdtype(tokens.dtype, np.integer):
             raise ValueError(f"tokens must be an integer array of rank {ndim}, got {tokens.dtype}{list(tokens.shape)}")
-        bad = (tokens < 0) | (tokens >= self.cfg.vocab_size)
-        if bad.any():
-            where = tuple(int(i) for i in np.argwhere(bad)[0])
-            raise ValueError(f"token id {int(tokens[where])} at index {where} is outside the vocabulary "
-                             f"[0, {self.cfg.vocab_size})")
+        if (problem := outside_vocabulary(tokens, self.cfg.vocab_size)) is not None:
+            raise ValueError(problem)
         return tokens.astype(np.int32)
+
+    def check_draft_tokens(self, draft_tokens: Any) -> int:
+        """`draft_tokens` (MTP drafts per decode step) as `generate` and the engine take it: an integer
+        >= 0, and > 0 only for a model holding its MTP module."""
+        if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 0:
+            raise ValueError(f"draft_tokens must be an integer >= 0 (0 = off), got {draft_tokens!r}")
+        if draft_tokens and "mtp" not in self.params:
+            raise ValueError("draft_tokens > 0 needs the model's MTP module: load it with dsr1.load(..., mtp=True) "
+                             "(or dsr1.init_random(..., mtp=True) with num_nextn_predict_layers >= 1)")
+        return draft_tokens
 
     def check_prompt(self, tokens: Any, lengths: Any = None) -> tuple[jax.Array, jax.Array]:
         """Validate right-padded prompts `tokens [B, T]` with `lengths [B]` (default T) and place

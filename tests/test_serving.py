@@ -283,7 +283,7 @@ def test_request_handle_is_usable_from_other_threads():
 
 
 def test_prefill_call_takes_the_smallest_shape_that_holds_its_rows():
-    from dsr1.serving.scheduler import SchedulerConfig
+    from dsr1.serving.shapes import SchedulerConfig
 
     config = SchedulerConfig(max_seqs=8, page_size=16, num_pages=64, prefill_chunk=64, prefill_rows=2, max_seq_len=512)
     assert config.prefill_shapes == ((1, 16), (1, 64), (2, 16), (2, 64))
@@ -352,7 +352,7 @@ def test_requests_arriving_together_prefill_their_shared_prefix_once(tiny, make_
 
 
 def test_decode_call_takes_the_fewest_rows_that_hold_its_lanes():
-    from dsr1.serving.scheduler import SchedulerConfig
+    from dsr1.serving.shapes import SchedulerConfig
 
     def config(max_seqs):
         return SchedulerConfig(max_seqs=max_seqs, page_size=4, num_pages=40, prefill_chunk=8, prefill_rows=2,
@@ -373,7 +373,8 @@ def test_data_parallel_ranks_split_slots_pages_and_call_rows():
     busiest one needs, each rank's lanes in its own block of rows."""
     from types import SimpleNamespace
 
-    from dsr1.serving.scheduler import SchedulerConfig, rank_rows
+    from dsr1.serving.rows import rank_rows
+    from dsr1.serving.shapes import SchedulerConfig
 
     config = SchedulerConfig(max_seqs=64, page_size=4, num_pages=40, prefill_chunk=8, prefill_rows=4, max_seq_len=64,
                              ranks=4)

@@ -18,7 +18,7 @@ from dsr1.programs.step import StepRows
 from dsr1.serving import Engine
 from dsr1.serving.broadcast import decode_work, encode_work, payload_bucket
 from dsr1.serving.page_pool import PageOp
-from dsr1.serving.scheduler import lane_rows
+from dsr1.serving.rows import lane_rows
 from dsr1.serving.work import Admission, StepWork, host_rules, host_sampling
 
 from . import serving_worker

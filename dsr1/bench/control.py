@@ -21,7 +21,7 @@ import numpy as np
 from ..options import positive_int, positive_ints
 from ..serving.broadcast import encode_work
 from ..serving.control import HostChannel
-from ..serving.scheduler import lane_rows
+from ..serving.rows import lane_rows
 from ..serving.work import Admission, StepWork, host_rules, host_sampling
 from .report import markdown_table
 

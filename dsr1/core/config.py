@@ -8,6 +8,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 
 
@@ -177,6 +179,20 @@ class Config:
         if s.factor != 1.0:
             d["rope_scaling"] = dict(type="yarn", **dataclasses.asdict(s))
         return d
+
+
+def outside_vocabulary(ids: Any, vocab_size: int) -> str | None:
+    """What is wrong with token `ids` (any integer sequence or array) for a vocabulary of `vocab_size`:
+    the first id outside `[0, vocab_size)`, with its index where `ids` has more than one; None when
+    every id is in it. The one check of token ids that every entry point (the API, the engine, the
+    server) makes."""
+    ids = np.asarray(ids)
+    bad = (ids < 0) | (ids >= vocab_size)
+    if not bad.any():
+        return None
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    at = f" at index {where if len(where) > 1 else where[0]}" if ids.size > 1 else ""
+    return f"token id {int(ids[where])}{at} is outside the vocabulary [0, {vocab_size})"
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:

@@ -105,11 +105,7 @@ def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | N
     n = len(prompts)
     if n == 0:
         raise ValueError("generate needs at least one prompt")
-    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 0:
-        raise ValueError(f"draft_tokens must be an integer >= 0 (0 = off), got {draft_tokens!r}")
-    if draft_tokens and "mtp" not in model.params:
-        raise ValueError("draft_tokens > 0 needs the model's MTP module: load it with dsr1.load(..., mtp=True) "
-                         "(or dsr1.init_random(..., mtp=True))")
+    model.check_draft_tokens(draft_tokens)
     tokenizer = text_tokenizer(tokenizer, model.tokenizer, model.cfg.vocab_size, prompts)
     settings = list(sampling) if isinstance(sampling, Sequence) else [sampling or Sampling()] * n
     if len(settings) != n:

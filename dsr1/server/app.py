@@ -45,7 +45,7 @@ from .errors import APIError, install_error_handlers
 from .messages import MessagesService, install_messages
 from .metrics import HTTPMetricsMiddleware, Metrics
 from .options import ServerConfig
-from .prepare import Limits, plan_tokenize
+from .prepare import Limits, check_token_ids, plan_tokenize
 from .protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest, parse_request
 from .runner import EngineRunner
 
@@ -113,10 +113,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         body = parse_request(await read_body(request), DetokenizeRequest)
         if body.model is not None and body.model != config.model_name:
             raise APIError(404, f"the model '{body.model}' does not exist", param="model", code="model_not_found")
-        bad = next((t for t in body.tokens if not 0 <= t < limits.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})", param="tokens",
-                           code="invalid_value")
+        check_token_ids(body.tokens, "tokens", limits)
         return JSONResponse({"prompt": await run_in_threadpool(engine.tokenizer.decode, body.tokens)})
 
     @app.get("/tokenizer_info", dependencies=guarded)

@@ -18,8 +18,10 @@ The planning itself (tokenization, grammars) runs on a worker thread (`completio
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
+from ..core.config import outside_vocabulary
 from ..generation.chat_templates import TemplateKwargError, chat_format, template_kwargs
 from ..generation.output import opens_thinking
 from ..generation.sampling import Sampling
@@ -277,10 +279,7 @@ def _encode(prompt: str | list[int], tokenizer: Tokenizer, limits: Limits) -> li
         return tokenizer.encode(prompt, add_bos=True)
     if not prompt:
         raise APIError(400, "a prompt of token ids must not be empty", param="prompt", code="invalid_value")
-    bad = next((t for t in prompt if not 0 <= t < limits.vocab_size), None)
-    if bad is not None:
-        raise APIError(400, f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})", param="prompt",
-                       code="invalid_value")
+    check_token_ids(prompt, "prompt", limits)
     return list(prompt)
 
 
@@ -306,11 +305,14 @@ def _truncated(prompt: list[int], keep: int | None) -> list[int]:
     return prompt if keep is None else prompt[-keep:]
 
 
+def check_token_ids(ids: Sequence[int], param: str, limits: Limits) -> None:
+    """A 400 naming `param` and the first of `ids` outside the model's vocabulary, if any."""
+    if ids and (problem := outside_vocabulary(ids, limits.vocab_size)) is not None:
+        raise APIError(400, problem, param=param, code="invalid_value")
+
+
 def _token_ids(ids: list[int] | None, param: str, limits: Limits) -> tuple[int, ...]:
-    bad = next((t for t in ids or () if not 0 <= t < limits.vocab_size), None)
-    if bad is not None:
-        raise APIError(400, f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})", param=param,
-                       code="invalid_value")
+    check_token_ids(ids or (), param, limits)
     return tuple(ids or ())
 
 

@@ -29,13 +29,14 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .. import cpu
+from .. import cpu, programs
 from ..api import Model
 from ..core.cache import SCRATCH_PAGE
 from ..core.sharding import make_mesh, put_replicated, replicated_sharding
-from ..programs.draft_step import DraftSlotState, take_mtp_hidden
+from ..programs.draft_step import DraftSlotState, mtp_paged_cache, take_mtp_hidden
 from ..programs.step import SlotState, StepRows
 from .page_pool import PagePool, page_batches
+from .shapes import SchedulerConfig
 from .work import Admission, DeviceRunner, StepWork
 
 __all__ = ["SplitRunner", "check_split", "model_on", "split_devices"]
@@ -150,3 +151,22 @@ def _move(source: PagePool, target: PagePool, pages: Sequence[int]) -> None:
     for batch in page_batches(list(dict.fromkeys(pages))):
         contents = jax.device_put(source.take(np.asarray(batch, np.int32)), replicated_sharding(target.mesh))
         target.put(np.asarray(batch, np.int32), contents)
+
+
+def runner_for(model: Model, config: SchedulerConfig, disaggregate: tuple[int, int] | None = None
+               ) -> DeviceRunner | SplitRunner:
+    """The engine's device side for `config` (its page pool, with the MTP module's beside it where it
+    drafts, and its slot state): on the model's mesh, or split `(p, d)` into prefill and decode
+    devices, each with its own copy of the weights and of the pool."""
+    def on(part: Model) -> DeviceRunner:
+        sizes = dict(cfg=part.cfg, mesh=part.mesh, num_pages=config.num_pages, page_size=config.page_size,
+                     dtype=part.dtype, kv_cache_dtype=part.kv_cache_dtype, rules=part.rules)
+        pool = PagePool(programs.paged_cache(**sizes), part.mesh,
+                        mtp_cache=mtp_paged_cache(**sizes) if config.draft_tokens else None, rules=part.rules)
+        return DeviceRunner(part, pool, slots=config.slots, max_seq_len=config.max_seq_len,
+                            decode_steps=config.decode_steps, draft_tokens=config.draft_tokens)
+
+    if disaggregate is None:
+        return on(model)
+    meshes = split_devices(model.mesh, *check_split(disaggregate, model.mesh.size))
+    return SplitRunner(*(on(model_on(model, mesh)) for mesh in meshes), config.page_size)

@@ -24,41 +24,31 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import programs
 from ..api import Model
-from ..core import eplb
-from ..core.eplb import ExpertPlacement, placement_of
+from ..core.config import outside_vocabulary
+from ..core.eplb import ExpertPlacement
 from ..core.sharding import to_host
 from ..generation.output import Prompt, encode_prompt, needs_tokenizer, opens_thinking, request_sampling
 from ..generation.sampling import Sampling
 from ..generation.tokenizer import Tokenizer, load_tokenizer
-from ..programs.draft_step import mtp_paged_cache, unpack_verified
+from ..programs.draft_step import unpack_verified
 from ..programs.sampling import TOP_LOGPROBS
 from ..programs.step import Sampled
-from .broadcast import StepChannel
-from .control import HostChannel
-from .disaggregate import SplitRunner, check_split, model_on, split_devices
+from .disaggregate import runner_for
 from .grammar import Grammar, grammar_tokenizer
-from .page_pool import PageLog, PagePool, warm_up_ops
-from .pages import PageAllocator
-from .prefix_cache import PrefixCache, PrefixCacheStats
+from .page_pool import PageLog, warm_up_ops
+from .plan import Lane, StepPlan, reserved_pages
+from .prefix_cache import PrefixCacheStats
+from .processes import CONTROLS, Processes
+from .rebalancing import Rebalancing, check_rebalance
 from .request import Request, TextCallback
-from .scheduler import (
-    Lane,
-    Scheduler,
-    SchedulerConfig,
-    StepPlan,
-    lane_masks,
-    lane_rows,
-    rank_rows,
-    reserved_pages,
-    wants_prompt_logprobs,
-)
-from .work import Admission, DeviceRunner, StepWork, host_rules, host_sampling
+from .rows import lane_masks, lane_rows, rank_rows, wants_prompt_logprobs
+from .scheduler import Scheduler
+from .shapes import SchedulerConfig
+from .work import Admission, StepWork, host_rules, host_sampling
 
 __all__ = ["CONTROLS", "Engine", "EngineStats"]
 
-CONTROLS = ("host", "device")  # how process 0's step work reaches the other processes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,56 +152,18 @@ class Engine:
                  max_seq_len: int | None = None, prefix_caching: bool = True, tokenizer: Tokenizer | None = None,
                  draft_tokens: int = 0, control: str = "host", batch_invariant: bool = False,
                  disaggregate: tuple[int, int] | None = None, rebalance_every: int = 0):
-        _check_draft_tokens(model, draft_tokens)
-        _check_rebalance(model, rebalance_every, disaggregate)
-        if model.rules.positions is not None:
-            # A rank's pages stay whole on each of its devices: a row's pages dealt out over `tensor`
-            # would need an allocator per device of the rank (docs/limits.md).
-            model = dataclasses.replace(model, rules=dataclasses.replace(model.rules, positions=None))
-        ranks = data_parallel_ranks(model)
-        if ranks > 1 and disaggregate is not None:
-            raise ValueError(f"attention data parallelism ({ranks} ranks over mesh axis {model.rules.batch!r}) "
-                             "does not run disaggregated yet: use layout 'tp' with disaggregate")
-        if batch_invariant:
-            model = dataclasses.replace(model, rules=dataclasses.replace(model.rules, batch_invariant=True))
-        if control not in CONTROLS:
-            raise ValueError(f"control must be one of {CONTROLS}, got {control!r}")
-        if max_seq_len is None:
-            max_seq_len = min(model.cfg.max_position_embeddings, (num_pages - 1) * page_size)
-        if max_seq_len > model.cfg.max_position_embeddings:
-            raise ValueError(f"max_seq_len={max_seq_len} exceeds max_position_embeddings="
-                             f"{model.cfg.max_position_embeddings}")
-        self.model = model
+        model.check_draft_tokens(draft_tokens)
+        check_rebalance(model.params, rebalance_every, disaggregate)
+        model = serving_model(model, batch_invariant, disaggregate)
+        max_seq_len = _max_seq_len(model, max_seq_len, num_pages * page_size - page_size)
         self.config = SchedulerConfig(max_seqs, page_size, num_pages, prefill_chunk, prefill_rows, max_seq_len,
-                                      decode_steps, draft_tokens, batch_invariant, ranks)
-        self.tokenizer = tokenizer or model.tokenizer
-
-        def runner(on: Model) -> DeviceRunner:
-            sizes = dict(cfg=on.cfg, mesh=on.mesh, num_pages=num_pages, page_size=page_size, dtype=on.dtype,
-                         kv_cache_dtype=on.kv_cache_dtype, rules=on.rules)
-            pool = PagePool(programs.paged_cache(**sizes), on.mesh,
-                            mtp_cache=mtp_paged_cache(**sizes) if draft_tokens else None, rules=on.rules)
-            return DeviceRunner(on, pool, slots=self.config.slots, max_seq_len=max_seq_len,
-                                decode_steps=decode_steps, draft_tokens=draft_tokens)
-
-        if disaggregate is None:
-            self._runner = runner(model)
-        else:
-            meshes = split_devices(model.mesh, *check_split(disaggregate, model.mesh.size))
-            self._runner = SplitRunner(*(runner(model_on(model, mesh)) for mesh in meshes), page_size)
-        # Several processes: process 0 decides and sends each step's work; the others follow.
-        self._channel = None
-        if jax.process_count() > 1:
-            self._channel = (HostChannel(jax.process_index(), jax.process_count()) if control == "host"
-                             else StepChannel())
-        self.is_leader = jax.process_index() == 0
-        self._closed = False
+                                      decode_steps, draft_tokens, batch_invariant, data_parallel_ranks(model))
+        self.model, self.tokenizer = model, tokenizer or model.tokenizer
+        self._runner = runner_for(model, self.config, disaggregate)
+        self._processes = Processes(control)  # several processes: process 0 decides, the others follow
+        self.is_leader = self._processes.is_leader
         self._log = PageLog(self._runner.pool.page_bytes)
-        per = self.config.rank_pages  # each rank: its own pages, prefix cache and share of the host budget
-        allocators = [PageAllocator(per, first=r * per) for r in range(ranks)]
-        self.scheduler = Scheduler(self.config, [
-            (pages, PrefixCache(pages, page_size, store=self._log, host_bytes=host_cache_bytes // ranks,
-                                enabled=prefix_caching)) for pages in allocators])
+        self.scheduler = Scheduler.over_ranks(self.config, self._log, host_cache_bytes, prefix_caching)
         self._submitted: deque[Request] = deque()
         self._submit_lock = threading.Lock()
         self._step_lock = threading.RLock()  # an on_text callback may ask for stats() inside a step
@@ -220,8 +172,7 @@ class Engine:
         self._timing = _Timing()
         self._last_step_time: float | None = None
         self._ll_tokenizer: tuple[Tokenizer, object] | None = None  # llguidance's form of the tokenizer
-        self._rebalance_every = rebalance_every
-        self._placed_at, self._counted = 0, 0  # the step of the last placement, and the pairs counted by then
+        self._rebalancing = Rebalancing(rebalance_every)
 
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, prompt: Prompt, *, sampling: Sampling | None = None, max_new_tokens: int | None = None,
@@ -281,10 +232,8 @@ class Engine:
         return self.tokenizer
 
     def _check_fits(self, tokens: list[int], max_new_tokens: int) -> None:
-        vocab = self.model.cfg.vocab_size
-        bad = [t for t in tokens if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if (problem := outside_vocabulary(tokens, self.model.cfg.vocab_size)) is not None:
+            raise ValueError(problem)
         total = len(tokens) + max_new_tokens - 1
         if total > self.config.max_seq_len:
             raise ValueError(f"prompt ({len(tokens)}) + max_new_tokens ({max_new_tokens}) exceeds the engine's "
@@ -344,7 +293,7 @@ class Engine:
             self._runner.pool.settle(everything=not self._in_flight)
             self._record(time.perf_counter() - start, waited, counted=not plan.empty or waited > 0)
             self._last_step_time = time.monotonic()
-            if self._rebalance_every and self._timing.steps - self._placed_at >= self._rebalance_every:
+            if self._rebalancing.due(self._timing.steps):
                 self.rebalance()
             return self.has_work
 
@@ -355,31 +304,24 @@ class Engine:
 
     def follow(self) -> None:
         """(Processes other than 0) Dispatch the steps process 0 decides, until it calls `close()`."""
-        if self.is_leader:
-            raise RuntimeError("process 0 decides the steps: call step() or run(), not follow()")
-        while (work := self._channel.receive()) is not None:
+        def run(work: StepWork) -> None:
             self._runner.pool.begin_step()
             self._runner.run(work)
             self._runner.pool.settle()
             self.model = self._runner.model  # a rebalance moves the experts
+
+        self._processes.follow(run)
         self._runner.pool.settle(everything=True)
-        self._channel.close()
 
     def close(self) -> None:
         """(Process 0) Release the processes in `follow()`; the engine cannot step afterwards. A no-op in
         a single process."""
         self._require_leader("close")
         with self._step_lock:
-            if self._channel is not None and not self._closed:
-                self._channel.send(None)
-                self._channel.close()
-            self._closed = True
+            self._processes.close()
 
     def _require_leader(self, action: str) -> None:
-        if not self.is_leader:
-            raise RuntimeError(f"{action}() runs on process 0 only; process {jax.process_index()} calls follow()")
-        if self._closed and self._channel is not None:
-            raise RuntimeError(f"{action}() after close(): the other processes no longer follow")
+        self._processes.require_leader(action)
 
     def _work(self, plan: StepPlan) -> tuple[StepWork, tuple[tuple[Lane | None, ...], ...]]:
         """The plan's device work: the page copies recorded while planning, the admissions, then
@@ -411,8 +353,7 @@ class Engine:
     def _launch(self, work: StepWork) -> tuple[jax.Array, ...]:
         """Send the work to the other processes (if any), then dispatch it here; each call's tokens
         start their copy to the host."""
-        if self._channel is not None:
-            self._channel.send(work)
+        self._processes.send(work)
         self._runner.pool.begin_step()
         tokens = self._runner.run(work)
         for out in tokens:
@@ -455,8 +396,7 @@ class Engine:
         redundant experts (`Model.with_expert_placement`)."""
         self._require_leader("expert_load")
         with self._step_lock:
-            total = self._runner.expert_load()
-            return None if total is None else total - self._counted
+            return self._rebalancing.since(self._runner.expert_load())
 
     def rebalance(self) -> ExpertPlacement:
         """(Process 0) Place the model's redundant experts again from `expert_load()`
@@ -465,16 +405,12 @@ class Engine:
         new placement. Tokens are unchanged (a copy holds its expert's weights)."""
         self._require_leader("rebalance")
         with self._step_lock:
-            current = placement_of(self.model.params)
-            if current is None:
-                raise ValueError("rebalance() needs a model with redundant experts (Model.with_expert_placement)")
             total = self._runner.expert_load()
-            redundant = current.physical.shape[1] - current.num_experts
-            placement = eplb.balance(total - self._counted, current.devices, redundant)
+            placement = self._rebalancing.placement(self.model.params, total)
             self._launch(StepWork(placement=placement.physical))
             self._runner.pool.settle(everything=not self._in_flight)
             self.model = self._runner.model
-            self._placed_at, self._counted = self._timing.steps, total
+            self._rebalancing.placed(self._timing.steps, total)
             return placement
 
     # ---- warm-up, checks, stats ----------------------------------------------------------------
@@ -534,27 +470,27 @@ def data_parallel_ranks(model: Model) -> int:
     return model.rules.devices(model.mesh, "batch")
 
 
-def _check_draft_tokens(model: Model, draft_tokens: int) -> None:
-    """`draft_tokens` is an integer >= 0, and > 0 only for a model with its MTP module."""
-    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 0:
-        raise ValueError(f"draft_tokens must be an integer >= 0 (0 = off), got {draft_tokens!r}")
-    if draft_tokens and "mtp" not in model.params:
-        raise ValueError("draft_tokens > 0 needs the model's MTP module: load it with dsr1.load(..., mtp=True) "
-                         "(or dsr1.init_random(..., mtp=True) with num_nextn_predict_layers >= 1)")
+def serving_model(model: Model, batch_invariant: bool, disaggregate: tuple[int, int] | None) -> Model:
+    """`model` as the engine runs it: a rank's pages whole on each of its devices (the positions not
+    split over `tensor`: a row's pages dealt out over a rank's devices would need an allocator per
+    device, docs/limits.md), and with `batch_invariant` its products' per-row sums independent of
+    the other rows. Data-parallel ranks do not run disaggregated."""
+    rules = dataclasses.replace(model.rules, positions=None, batch_invariant=model.rules.batch_invariant
+                                or batch_invariant)
+    ranks = data_parallel_ranks(model)
+    if ranks > 1 and disaggregate is not None:
+        raise ValueError(f"attention data parallelism ({ranks} ranks over mesh axis {model.rules.batch!r}) "
+                         "does not run disaggregated yet: use layout 'tp' with disaggregate")
+    return model if rules == model.rules else dataclasses.replace(model, rules=rules)
 
 
-def _check_rebalance(model: Model, every: int, disaggregate: tuple[int, int] | None) -> None:
-    """`rebalance_every` is an integer >= 0, > 0 only for a model with redundant experts; those do not run
-    disaggregated (each side would need its own placement over its own devices)."""
-    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-        raise ValueError(f"rebalance_every must be an integer >= 0 (0 = only when asked), got {every!r}")
-    placed = placement_of(model.params) is not None
-    if every and not placed:
-        raise ValueError("rebalance_every > 0 needs a model with redundant experts: "
-                         "model.with_expert_placement(dsr1.core.eplb.balance(load, devices, redundant))")
-    if placed and disaggregate is not None:
-        raise ValueError("a model with redundant experts does not run disaggregated: use one without "
-                         "(dsr1.init_random / dsr1.load) with disaggregate")
+def _max_seq_len(model: Model, asked: int | None, pool_tokens: int) -> int:
+    """The engine's longest prompt + output: as asked, else the model's limit or the pool's size."""
+    if asked is None:
+        return min(model.cfg.max_position_embeddings, pool_tokens)
+    if asked > model.cfg.max_position_embeddings:
+        raise ValueError(f"max_seq_len={asked} exceeds max_position_embeddings={model.cfg.max_position_embeddings}")
+    return asked
 
 
 def _widened(shape: tuple[int, int], cfg: SchedulerConfig, lanes: Sequence[Lane] = ()) -> tuple[int, int]:

@@ -18,132 +18,20 @@ import dataclasses
 import time
 from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from ..core.cache import SCRATCH_PAGE
 from ..generation.output import TokenLogprob
-from ..programs.step import Sampled, StepRows
+from ..programs.step import Sampled
 from .pages import PageAllocator, pages_needed
+from .plan import Lane, Lanes, Running, StepPlan, reserved_pages
 from .prefix_cache import PrefixCache, PrefixMatch
 from .request import Request
+from .shapes import SchedulerConfig
 
-__all__ = ["Lane", "Rank", "Running", "Scheduler", "SchedulerConfig", "StepPlan", "lane_masks", "lane_rows",
-           "rank_rows", "sampled_logprob", "wants_prompt_logprobs"]
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerConfig:
-    """The engine's fixed sizes: batch slots, page size and pool size, the prefill call's shape
-    (`prefill_rows` x `prefill_chunk`) and the longest sequence (prompt + output) a slot can hold.
-    With `ranks` > 1 (attention data parallelism) `max_seqs`, `prefill_rows` and `num_pages` are
-    split evenly over the ranks, and every call has the same rows on each rank."""
-
-    max_seqs: int
-    page_size: int
-    num_pages: int
-    prefill_chunk: int
-    prefill_rows: int
-    max_seq_len: int
-    decode_steps: int = 1  # decode steps per decode call
-    draft_tokens: int = 0  # MTP drafts per decode iteration (0: none)
-    batch_invariant: bool = False  # one shape per call kind (`prefill_shapes`, `decode_shapes`)
-    ranks: int = 1  # data-parallel ranks: each holds its rows' slots and pages
-
-    def __post_init__(self) -> None:
-        for name in ("max_seqs", "page_size", "prefill_chunk", "prefill_rows", "max_seq_len", "decode_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.draft_tokens < 0:
-            raise ValueError(f"draft_tokens must be >= 0, got {self.draft_tokens}")
-        if self.num_pages < 2:
-            raise ValueError(f"num_pages={self.num_pages}: need the scratch page and at least one more")
-        if self.prefill_rows > self.max_seqs:
-            raise ValueError(f"prefill_rows={self.prefill_rows} exceeds max_seqs={self.max_seqs}")
-        for name in ("max_seqs", "prefill_rows", "num_pages"):
-            if getattr(self, name) % self.ranks:
-                raise ValueError(f"{name}={getattr(self, name)} must be a multiple of the {self.ranks} "
-                                 f"data-parallel ranks (each rank holds an equal share)")
-        if self.num_pages // self.ranks < 2:
-            raise ValueError(f"num_pages={self.num_pages}: each of the {self.ranks} ranks needs its scratch page "
-                             f"and at least one more")
-
-    @property
-    def rank_slots(self) -> int:
-        """Slots of each rank (rank r holds slots `r * rank_slots ..`)."""
-        return self.slots // self.ranks
-
-    @property
-    def rank_pages(self) -> int:
-        """Pages of each rank's share of the pool (rank r holds pages `r * rank_pages ..`; the first
-        its scratch page)."""
-        return self.num_pages // self.ranks
-
-    @property
-    def slots(self) -> int:
-        """Batch slots: `max_seqs` decoding requests, and `prefill_rows` more whose prompts are
-        prefilled ahead of a free decode row (docs/serving.md, "Slots")."""
-        return self.max_seqs + self.prefill_rows
-
-    @property
-    def prefill_shapes(self) -> tuple[tuple[int, int], ...]:
-        """The prefill call's shapes `(rows, chunk)`, all compiled at warm-up: one row or
-        `prefill_rows`, and chunks of `prefill_chunk` or a quarter of it (from 16 tokens up).
-        `batch_invariant`: `(prefill_rows, prefill_chunk)` only, so a chunk's products never change
-        shape with the requests prefilling beside it."""
-        if self.batch_invariant:
-            return ((self.prefill_rows, self.prefill_chunk),)
-        rows = sorted({self.ranks, self.prefill_rows})  # one row per rank, or all of them
-        chunks = sorted({self.prefill_chunk} | ({self.prefill_chunk // 4} if self.prefill_chunk >= 64 else set()))
-        return tuple((r, c) for r in rows for c in chunks)
-
-    def prefill_shape(self, lanes: Sequence[Lane]) -> tuple[int, int]:
-        """The smallest prefill shape that holds `lanes` (a lone row or a short last chunk costs less)."""
-        longest = max(lane.count for lane in lanes)
-        per_rank = self.rows_per_rank(lanes)
-        return min((r * c, r, c) for r, c in self.prefill_shapes
-                   if r // self.ranks >= per_rank and c >= longest)[1:]
-
-    def rows_per_rank(self, lanes: Sequence[Lane]) -> int:
-        """The most lanes any one rank has (a call gives every rank as many rows)."""
-        if self.ranks == 1:
-            return len(lanes)
-        counts = np.bincount([lane.seq.rank for lane in lanes], minlength=self.ranks)
-        return int(counts.max())
-
-    @property
-    def decode_shapes(self) -> tuple[int, ...]:
-        """The decode call's row counts, all compiled at warm-up: `max_seqs` and its halvings down to
-        8 rows, and one row. A call reads every weight whatever its rows, but the lm_head's product,
-        the sampling and the attention grow with them, so a lone request (a single user, the last
-        long request of a busy period) gets a one-row call; two and four rows cost about as much as
-        eight on CPU (XLA:CPU's lm_head product of a few rows), so they get no shape of their own.
-        `batch_invariant`: `max_seqs` rows only, so a row's products never change shape with the
-        number of requests running (docs/serving.md, "Draft numerics")."""
-        if self.batch_invariant:
-            return (self.max_seqs,)
-        most = self.max_seqs // self.ranks  # per rank
-        rows, half = {1, most}, most // 2
-        while half >= 8:
-            rows.add(half)
-            half //= 2
-        return tuple(sorted(r * self.ranks for r in rows))
-
-    def decode_shape(self, lanes: Sequence[Lane]) -> int:
-        """The fewest decode rows that hold `lanes`."""
-        per_rank = self.rows_per_rank(lanes)
-        return min(r for r in self.decode_shapes if r // self.ranks >= per_rank)
-
-    @property
-    def prefill_width(self) -> int:
-        """Token columns a prefill row carries beyond its chunk: 1 with drafts (the prompt's token after
-        the chunk, which the MTP module reads; docs/serving.md), else 0."""
-        return 1 if self.draft_tokens else 0
-
-    @property
-    def table_width(self) -> int:
-        """Pages in each slot's page table."""
-        return pages_needed(self.max_seq_len, self.page_size)
+__all__ = ["Rank", "Scheduler", "common_pages", "sampled_logprob"]
 
 
 def common_pages(a: Sequence[int], b: Sequence[int], page_size: int) -> int:
@@ -154,82 +42,6 @@ def common_pages(a: Sequence[int], b: Sequence[int], page_size: int) -> int:
     return shared
 
 
-def reserved_pages(prompt_tokens: int, max_new_tokens: int, page_size: int) -> int:
-    """The pages a request may ever hold: its prompt and every sampled token but the last (which is
-    never fed back)."""
-    return pages_needed(prompt_tokens + max_new_tokens - 1, page_size)
-
-
-@dataclasses.dataclass(eq=False)
-class Running:
-    """A request holding a batch slot: its pages and how far it got. `fed` counts the tokens whose
-    latents are written or being written; `sampled` the tokens sampled by dispatched steps;
-    `tokens` is the prompt followed by every sampled token read back so far."""
-
-    request: Request
-    slot: int
-    rank: int  # the data-parallel rank holding its slot and pages
-    pages: list[int]
-    reserved: int
-    fed: int
-    tokens: list[int]
-    prefill_end: int  # the prompt tokens prefill calls run: all but the last
-    sampled: int = 0
-    finished: bool = False
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.request.prompt)
-
-    @property
-    def prefilling(self) -> bool:
-        return self.fed < self.prefill_end
-
-    @property
-    def decoding(self) -> bool:
-        """Prefilled, and budget left for another token."""
-        return not self.prefilling and self.sampled < self.request.sampling.max_new_tokens
-
-
-@dataclasses.dataclass(frozen=True)
-class Lane:
-    """One row of a `serve_step` call: `count` new tokens of `seq` from position `start` (`tokens`
-    for a prompt chunk; a decode row feeds its slot's last sampled token instead)."""
-
-    seq: Running
-    start: int
-    count: int
-    tokens: tuple[int, ...]
-    sample: bool  # a token is sampled after the last new token
-    sample_index: int  # tokens the request sampled before this one
-    feed_last: bool
-    steps: int = 1  # decode steps of a multi-step call (a token sampled after each)
-    mask: np.ndarray | None = None  # the grammar's bitmask for the sampled token (one step only)
-
-    @property
-    def prompt_logprobs(self) -> bool:
-        """A prompt chunk whose request wants its prompt tokens' log-probabilities."""
-        return not self.feed_last and self.seq.request.prompt_top_logprobs is not None
-
-
-@dataclasses.dataclass(frozen=True)
-class StepPlan:
-    """What one step runs: requests newly given slots, the prefill call's lanes, the decode call's lanes,
-    and the page tables of every slot `[slots, table_width]` as they are for this step."""
-
-    admitted: tuple[Running, ...]
-    prefill: tuple[Lane, ...]
-    decode: tuple[Lane, ...]
-    page_table: np.ndarray
-
-    @property
-    def empty(self) -> bool:
-        return not (self.admitted or self.prefill or self.decode)
-
-
-Lanes = Sequence[Lane | None]  # a call's lanes by row (None: an idle row between ranks' lanes)
-
-
 def sampled_logprob(sampled: Sampled, row: int, top: int | None) -> TokenLogprob | None:
     """Row `row`'s token of `sampled` with its log-probability and `top` alternatives (None when `top`
     is None)."""
@@ -238,58 +50,6 @@ def sampled_logprob(sampled: Sampled, row: int, top: int | None) -> TokenLogprob
     alternatives = zip(sampled.top_ids[row, :top].tolist(), sampled.top_logprobs[row, :top].tolist())
     return TokenLogprob(int(sampled.tokens[row]), float(sampled.logprobs[row]),
                         tuple((token, logprob) for token, logprob in alternatives if token >= 0))
-
-
-def wants_prompt_logprobs(lanes: Lanes) -> bool:
-    """Some lane of a call wants prompt log-probabilities: the call carries each prompt's next token."""
-    return any(lane.prompt_logprobs for lane in lanes if lane is not None)
-
-
-def rank_rows(lanes: Sequence[Lane], rows: int, ranks: int) -> tuple[Lane | None, ...]:
-    """A call's `lanes` by row: each rank's lanes in order at the start of its block of `rows / ranks`
-    rows (the block of the call's rows that the rank's devices hold), None in the idle rows between.
-    One rank: the lanes themselves (the idle rows follow them)."""
-    if ranks == 1:
-        return tuple(lanes)
-    out: list[Lane | None] = [None] * rows
-    filled = [r * (rows // ranks) for r in range(ranks)]
-    for lane in lanes:
-        out[filled[lane.seq.rank]] = lane
-        filled[lane.seq.rank] += 1
-    return tuple(out)
-
-
-def lane_masks(lanes: Lanes, rows: int) -> np.ndarray | None:
-    """The grammar bitmasks of a call `[rows, words]` (row i: lane i's), or None when no lane has one."""
-    masks = [lane.mask for lane in lanes if lane is not None and lane.mask is not None]
-    if not masks:
-        return None
-    out = np.full((rows, masks[0].shape[0]), -1, np.int32)
-    for i, lane in enumerate(lanes):
-        if lane is not None and lane.mask is not None:
-            out[i] = lane.mask
-    return out
-
-
-def lane_rows(lanes: Lanes, rows: int, chunk: int, idle_slot: int) -> StepRows:
-    """The host arrays of one call: lane i in row i, the other rows idle (slot `idle_slot`, count 0)."""
-    out = StepRows(slots=np.full(rows, idle_slot, np.int32), tokens=np.zeros((rows, chunk), np.int32),
-                   starts=np.zeros(rows, np.int32), counts=np.zeros(rows, np.int32),
-                   feed_last=np.zeros(rows, bool), sample=np.zeros(rows, bool), sample_index=np.zeros(rows, np.int32),
-                   logprobs=np.zeros(rows, bool), steps=np.ones(rows, np.int32),
-                   prompt_logprobs=np.zeros(rows, bool), mask_row=np.full(rows, -1, np.int32))
-    for i, lane in enumerate(lanes):
-        if lane is None:
-            continue
-        out.slots[i], out.starts[i], out.counts[i] = lane.seq.slot, lane.start, lane.count
-        tokens = lane.tokens[:chunk]  # a prompt's next token only when the call carries it
-        out.tokens[i, :len(tokens)] = tokens
-        out.prompt_logprobs[i] = lane.prompt_logprobs
-        out.mask_row[i] = i if lane.mask is not None else -1
-        out.feed_last[i], out.sample[i], out.sample_index[i] = lane.feed_last, lane.sample, lane.sample_index
-        out.logprobs[i] = lane.sample and lane.seq.request.top_logprobs is not None
-        out.steps[i] = lane.steps
-    return out
 
 
 @dataclasses.dataclass(eq=False)
@@ -318,6 +78,16 @@ class Scheduler:
         self._page_table = np.full((config.slots, config.table_width), SCRATCH_PAGE, np.int32)
         self.prompt_tokens = self.generated_tokens = self.finished = 0
         self.drafted_tokens = self.accepted_drafts = 0  # MTP drafts verified, and accepted (delivered)
+
+    @classmethod
+    def over_ranks(cls, config: SchedulerConfig, store: Any, host_cache_bytes: int = 0,
+                   prefix_caching: bool = True) -> Scheduler:
+        """A scheduler whose every data-parallel rank has its own pages, prefix cache (its pages' copies
+        recorded in `store`, `page_pool.PageLog`) and share of `host_cache_bytes` for offloaded pages."""
+        per = config.rank_pages
+        return cls(config, [(pages, PrefixCache(pages, config.page_size, store=store,
+                                                host_bytes=host_cache_bytes // config.ranks, enabled=prefix_caching))
+                            for pages in (PageAllocator(per, first=r * per) for r in range(config.ranks))])
 
     @property
     def waiting(self) -> int:
