@@ -17,6 +17,7 @@ from .process import ClusterError, initialized_port, jax_started, probe, use_fak
 from .recovery import reset_engines
 from .single import connect_single, single_host_requested
 from .watchdog import stuck_tasks
+from .weights_form import AUTO, weights_form
 
 
 def connect(*, state: str | os.PathLike | None = None, timeout: float = 30.0, probe_timeout: float = 20.0,
@@ -109,28 +110,40 @@ def stale_engines(cluster: Cluster, expected: int, timeout: float) -> str | None
     return None
 
 
-def load_here(checkpoint: str | None, mtp: bool = False, namespace: dict | None = None) -> None:
-    """This process's part of :func:`load_everywhere`: ``mesh``, ``model``, ``tokenizer`` and
-    ``CHECKPOINT`` in its user namespace (progress shown in the kernel only)."""
+def load_here(checkpoint: str | None, mtp: bool = False, namespace: dict | None = None, quant: str | None = AUTO,
+              kv_cache_dtype: str | None = AUTO) -> None:
+    """This process's part of :func:`load_everywhere`: ``mesh``, ``model``, ``tokenizer``,
+    ``CHECKPOINT`` and ``WEIGHTS_FORM`` in its user namespace (progress shown in the kernel only)."""
     import dsr1
 
     names = user_namespace(namespace)
     mesh = dsr1.make_mesh()
     path = checkpoint or dsr1.demo_checkpoint()  # the package ships the demo model on every host
+    form = weights_form(path, mesh, quant, kv_cache_dtype, mtp=mtp)
     progress = names.get("PROCESS_ID") == names.get("KERNEL_PROCESS_ID")
-    model = dsr1.load(path, mesh=mesh, mtp=mtp, progress=progress)
-    names.update(CHECKPOINT=checkpoint, mesh=mesh, model=model, tokenizer=dsr1.load_tokenizer(path))
+    if progress:
+        print(f"loading {checkpoint or 'the demo model'} with {form.describe()}", flush=True)
+    model = dsr1.load(path, mesh=mesh, quant=form.quant, kv_cache_dtype=form.kv_cache_dtype, mtp=mtp,
+                      progress=progress)
+    names.update(CHECKPOINT=checkpoint, mesh=mesh, model=model, tokenizer=dsr1.load_tokenizer(path),
+                 WEIGHTS_FORM=form)
 
 
 def load_everywhere(cluster: Cluster, checkpoint: str | None = None, *, mtp: bool = False,
+                    quant: str | None = AUTO, kv_cache_dtype: str | None = AUTO,
                     namespace: dict | None = None, timeout: float | None = None) -> tuple[Any, Any]:
     """Load the model in every process, under the watchdog: one mesh over every device of every
     process (``dsr1.make_mesh()``), the weights of ``checkpoint`` (None: the embedded demo model)
-    read straight into their shards, and its tokenizer. Defines ``mesh``, ``model``, ``tokenizer``
-    and ``CHECKPOINT`` in every process's namespace, for the ``%%everywhere`` cells that follow.
-    Returns this kernel's (model, tokenizer)."""
+    read straight into their shards, and its tokenizer. Defines ``mesh``, ``model``, ``tokenizer``,
+    ``CHECKPOINT`` and ``WEIGHTS_FORM`` in every process's namespace, for the ``%%everywhere`` cells
+    that follow.
+
+    ``quant`` and ``kv_cache_dtype`` (as :func:`dsr1.load` takes them) default to ``"auto"``: the
+    form the capacity plan fits on these devices (:func:`~dsr1.workbench.weights_form.choose_form`:
+    full precision where it fits, else int8 weights, else int8 weights and cache; CPU devices:
+    full precision). Give them to override. Returns this kernel's (model, tokenizer)."""
     ids = engine_targets(cluster, None)
-    call_everywhere(cluster, {e: functools.partial(load_here, checkpoint, mtp) for e in ids}, timeout,
-                    local=functools.partial(load_here, checkpoint, mtp, namespace))
+    load = functools.partial(load_here, checkpoint, mtp, quant=quant, kv_cache_dtype=kv_cache_dtype)
+    call_everywhere(cluster, {e: load for e in ids}, timeout, local=functools.partial(load, namespace=namespace))
     names = user_namespace(namespace)
     return names["model"], names["tokenizer"]
