@@ -316,6 +316,37 @@ def test_only_the_adapter_reaches_into_jax_private_modules():
     assert offenders == [], f"use dsr1.workbench.jax_internals instead of jax._src in {offenders}"
 
 
+def test_a_second_kernel_is_refused_while_the_first_holds_the_cluster(tmp_path):
+    """connect() in a second kernel (another notebook on host 0) while the first still runs: refused
+    before it touches the controller or the engines, naming the first kernel, whose record stays; once
+    the first is gone (or with take_over=True) the cluster is this kernel's."""
+    import dsr1.workbench as mcjax
+    from dsr1.workbench import ownership
+
+    state = tmp_path / "state"
+    first = subprocess.Popen(["sleep", "60"])
+    try:
+        held = {"pid": first.pid, "hostname": socket.gethostname(), "started": ownership._start_ticks(first.pid),
+                "connection_file": "/run/user/1/jupyter/kernel-first.json", "notebook": "cluster_check.ipynb"}
+        state.mkdir()
+        (state / "kernel.json").write_text(json.dumps(held))
+        with pytest.raises(mcjax.ClusterError) as refused:
+            mcjax.connect(state=state, namespace={})
+        message = str(refused.value)
+        assert f"pid {first.pid} on {socket.gethostname()}" in message, message
+        assert "notebook cluster_check.ipynb" in message and "kernel-first.json" in message, message
+        assert json.loads((state / "kernel.json").read_text()) == held  # the first kernel's record stays
+        assert ownership.claim(state, take_over=True)["pid"] == os.getpid()
+        (state / "kernel.json").write_text(json.dumps(held))
+    finally:
+        first.kill()
+        first.wait()
+    assert not ownership.alive(held)  # gone (a later process with its pid would have another start time)
+    assert ownership.claim(state)["pid"] == os.getpid()
+    assert ownership.claim(state)["pid"] == os.getpid()  # connecting again in the same kernel
+    assert json.loads((state / "kernel.json").read_text())["pid"] == os.getpid()
+
+
 def test_probe_describes_this_process():
     import dsr1.workbench as mcjax
 

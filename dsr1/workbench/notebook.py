@@ -9,10 +9,11 @@ import os
 import time
 from typing import Any
 
-from .connection import Cluster, cluster_info, connect_controller
+from .connection import Cluster, cluster_info, connect_controller, state_dir
 from .engines import call_everywhere, engine_targets
 from .layout import assign_process_ids
 from .magics import activate, ipython_shell
+from .ownership import claim
 from .process import ClusterError, initialized_port, jax_started, probe, use_fake_cpu_devices, user_namespace
 from .recovery import reset_engines
 from .single import connect_single, single_host_requested
@@ -21,13 +22,17 @@ from .weights_form import AUTO, weights_form
 
 
 def connect(*, state: str | os.PathLike | None = None, timeout: float = 30.0, probe_timeout: float = 20.0,
-            restart: bool = True, namespace: dict | None = None) -> Cluster:
+            restart: bool = True, namespace: dict | None = None, take_over: bool = False) -> Cluster:
     """The notebook's first cell: connect to the cluster and make it ready for "Initialize".
 
     1. ``MCJAX_SINGLE=1`` in the environment (``./mcjax_setup.sh --single``): no controller, no
        engine; returns this kernel as a cluster of one process (:mod:`dsr1.workbench.single`),
        whose ``%%everywhere`` cells run here alone.
-    2. On a simulated cluster (``--local N``) this kernel takes the engines' fake CPU devices.
+    2. Claims the cluster for this kernel (:func:`~dsr1.workbench.ownership.claim`,
+       ``<state>/kernel.json``): while another kernel that still runs holds it (another notebook
+       opened on host 0), a ClusterError names that kernel (pid, connection file, notebook) and
+       nothing is touched, so it keeps working. ``take_over=True``: take the cluster anyway.
+       On a simulated cluster (``--local N``) this kernel then takes the engines' fake CPU devices.
     3. Connects to the controller (:func:`~dsr1.workbench.connection.connect_controller`).
     4. **Restarts the engines itself** (:func:`~dsr1.workbench.reset_engines`, through the
        scripts' ``cluster_restart``) when they cannot join a new ``jax.distributed`` group with this
@@ -48,6 +53,7 @@ def connect(*, state: str | os.PathLike | None = None, timeout: float = 30.0, pr
     if single_host_requested():
         cluster = connect_single(namespace)
     else:
+        claim(state_dir(state), take_over)
         info = cluster_info(state)
         if info.get("provider") == "local":
             _use_fake_devices(int(info["local_devices"]))
