@@ -14,6 +14,15 @@
 # Host 0 runs the ipyparallel controller, the Jupyter server and the notebook kernel; hosts 1..N-1
 # run one ipyparallel engine each. Which JAX process the kernel is depends on MCJAX_NUMBERING.
 
+# mcjax_cluster_tag: what keeps one cluster's files in a home apart from another's where the hosts
+# share that home (Slurm, NFS homes): "" for the default cluster id (mcjax), else "-ID"
+# (./mcjax_setup.sh --name ID). It ends ~/$MCJAX_REMOTE_DIR (scripts, mcjax.env), host 0's ssh key,
+# its known hosts and the comment of its authorized_keys lines.
+mcjax_cluster_tag() {
+  [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
+  [ "${MCJAX_CLUSTER_ID:-mcjax}" = mcjax ] || printf '%s' "-$MCJAX_CLUSTER_ID"
+}
+
 : "${MCJAX_PROVIDER:=gcloud}"                 # gcloud | ssh | slurm | local
 : "${MCJAX_STATE:=$HOME/.mcjax}"              # pid files, logs, cluster.json (per host, local disk, mode 700); on
                                               #   your machine also what setup started from it (setup.env): --stop
@@ -92,7 +101,8 @@ fi
                                               #   local: $MCJAX_STATE/jax_cache; off: none
 : "${MCJAX_JAX_CACHE_MIN_SECS:=0}"            # cache programs that took at least this long to compile
 : "${MCJAX_JUPYTER_PORT:=8888}"               # Jupyter on host 0 (bound to 127.0.0.1; setup fails if it is taken)
-: "${MCJAX_REMOTE_DIR:=.mcjax-setup}"         # where mcjax_setup.sh copies these scripts (relative to home)
+: "${MCJAX_REMOTE_DIR:=.mcjax-setup$(mcjax_cluster_tag)}"  # where mcjax_setup.sh copies these scripts and
+                                              #   mcjax.env (relative to home; -ID for a cluster --name ID)
 : "${MCJAX_START_TIMEOUT:=120}"               # seconds to wait for the controller / engines to come up
 : "${MCJAX_STOP_TIMEOUT:=5}"                  # seconds between SIGTERM and SIGKILL when stopping
 : "${MCJAX_DRY_RUN:=0}"                       # 1: cluster_exec / cluster_scp / cluster_restart print each command

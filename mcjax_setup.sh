@@ -30,7 +30,8 @@ mcjax_setup.sh: prepare a cluster for the multi-host JAX notebook (settings: mcj
                                                 (a cluster set up from another machine or state folder)
   ./mcjax_setup.sh --name NAME ...              any of the above for the cluster NAME: its own state folder
                                                 $MCJAX_STATE/clusters/NAME (and cluster id), so several clusters
-                                                are kept side by side
+                                                are kept side by side; on the hosts ~/.mcjax-setup-NAME and
+                                                host 0's key ~/.ssh/mcjax_ed25519-NAME (homes may be shared)
   ./mcjax_setup.sh --forget                     forget the real cluster $MCJAX_STATE records (hosts gone: allocation
                                                 ended, TPU deleted), after printing what it forgets; stops nothing
   ./mcjax_setup.sh --local-stop                 stop the local cluster of $MCJAX_STATE
@@ -282,8 +283,8 @@ export MCJAX_HOSTS MCJAX_INTERNAL_IPS MCJAX_HOST_LIST
 # internal IPs, with the key the `keys` step makes and the host keys it collected (no prompt, no
 # trust on first use). Slurm: srun, as from here.
 # shellcheck disable=SC2088  # ssh expands the ~ (on host 0)
-HOST_KEY='~/.ssh/mcjax_ed25519'
-HOST_SSH_OPTS="-i $HOST_KEY -o IdentitiesOnly=yes -o UserKnownHostsFile=~/.ssh/mcjax_known_hosts -o StrictHostKeyChecking=yes -o BatchMode=yes -o ConnectTimeout=$MCJAX_CONNECT_TIMEOUT -o ServerAliveInterval=15 -o ServerAliveCountMax=4"
+HOST_KEY="~/.ssh/mcjax_ed25519$(mcjax_cluster_tag)"
+HOST_SSH_OPTS="-i $HOST_KEY -o IdentitiesOnly=yes -o UserKnownHostsFile=~/.ssh/mcjax_known_hosts$(mcjax_cluster_tag) -o StrictHostKeyChecking=yes -o BatchMode=yes -o ConnectTimeout=$MCJAX_CONNECT_TIMEOUT -o ServerAliveInterval=15 -o ServerAliveCountMax=4"
 
 # The hosts' internal IPs as host 0 addresses them (user@IP where the host list names a user).
 host_side_list() {

@@ -205,3 +205,64 @@ def test_a_restart_that_hangs_is_a_cluster_error_naming_host_and_command(tmp_pat
 def test_a_failing_command_is_a_cluster_error_with_its_output(tmp_path):
     with pytest.raises(ClusterError, match=r"restarting the engines \(exit status 3\):\nboom"):
         run_command(["bash", "-c", "echo boom >&2; exit 3"], dict(os.environ), 10, "restarting the engines")
+
+
+@pytest.mark.skipif(shutil.which("ssh-keygen") is None, reason="no ssh-keygen")
+def test_two_clusters_on_one_home_keep_their_own_key_known_hosts_and_authorized_line(tmp_path):
+    """Clusters A (the default id) and B (--name B) whose hosts share a home: each has its own key,
+    known hosts and authorized_keys line; B's setup and stop leave A's alone, and the other way round."""
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "authorized_keys").write_text("ssh-ed25519 AAAAmine me@laptop\n")
+
+    def ssh_sh(cluster_id: str, *args: str) -> str:
+        env = base_env(tmp_path, tmp_path, MCJAX_PROVIDER="ssh", HOME=str(home), PATH=os.environ["PATH"],
+                       MCJAX_CLUSTER_ID=cluster_id)
+        done = run(["bash", ROOT / "cluster/ssh.sh", *args], env, ROOT)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    a_key, b_key = ssh_sh("mcjax", "key"), ssh_sh("B", "key")
+    assert a_key != b_key
+    assert (home / ".ssh" / "mcjax_ed25519").exists() and (home / ".ssh" / "mcjax_ed25519-B").exists()
+    ssh_sh("mcjax", "authorize", a_key, "10.0.0.10")
+    ssh_sh("B", "authorize", b_key, "10.0.1.10")
+    ssh_sh("mcjax", "known-hosts", "10.0.0.11 ssh-ed25519 AAAAa")
+    ssh_sh("B", "known-hosts", "10.0.1.11 ssh-ed25519 AAAAb")
+    authorized = home / ".ssh" / "authorized_keys"
+    a_line, b_line = f'from="10.0.0.10" {a_key} mcjax-host0', f'from="10.0.1.10" {b_key} mcjax-host0-B'
+    assert authorized.read_text().splitlines() == ["ssh-ed25519 AAAAmine me@laptop", a_line, b_line]
+    assert (home / ".ssh" / "mcjax_known_hosts").read_text() == "10.0.0.11 ssh-ed25519 AAAAa\n"
+    assert (home / ".ssh" / "mcjax_known_hosts-B").read_text() == "10.0.1.11 ssh-ed25519 AAAAb\n"
+    ssh_sh("B", "authorize", b_key, "10.0.1.99")  # B's host 0 moved: A's line stays
+    ssh_sh("mcjax", "unauthorize")  # A stops: B's line stays
+    assert authorized.read_text().splitlines() == ["ssh-ed25519 AAAAmine me@laptop",
+                                                   f'from="10.0.1.99" {b_key} mcjax-host0-B']
+    ssh_sh("B", "unauthorize")
+    assert authorized.read_text().splitlines() == ["ssh-ed25519 AAAAmine me@laptop"]
+
+
+def test_a_named_cluster_gets_its_own_settings_folder_and_key_on_the_hosts(tmp_path):
+    """--name B: the hosts' scripts and mcjax.env in ~/.mcjax-setup-B, host 0's key and known hosts
+    -B, so B's setup does not rewrite the mcjax.env the default cluster's --stop then reads."""
+    bin_dir, log = fake_tools(tmp_path)
+    env = base_env(tmp_path, bin_dir, **{k: v for k, v in PROVIDERS["ssh"].items() if k != "MCJAX_REMOTE_DIR"})
+
+    def settings(*args: str) -> dict[str, str]:
+        done = run([ROOT / "mcjax_setup.sh", *args, "--print-env"], env, ROOT)
+        assert done.returncode == 0, done.stderr
+        lines = run(["bash", "-c", f"{done.stdout}\nenv | grep ^MCJAX_ | sort"],
+                    {"HOME": "/h", "PATH": "/usr/bin:/bin"}, ROOT).stdout
+        return dict(line.split("=", 1) for line in lines.splitlines())
+
+    a, b = settings(), settings("--name", "B")
+    assert (a["MCJAX_REMOTE_DIR"], b["MCJAX_REMOTE_DIR"]) == (".mcjax-setup", ".mcjax-setup-B")
+    assert "-i ~/.ssh/mcjax_ed25519 " in a["MCJAX_SSH_OPTS"] and "mcjax_known_hosts " in a["MCJAX_SSH_OPTS"]
+    assert "-i ~/.ssh/mcjax_ed25519-B " in b["MCJAX_SSH_OPTS"] and "mcjax_known_hosts-B " in b["MCJAX_SSH_OPTS"]
+    assert b["MCJAX_STATE"].endswith("/clusters/B") and b["MCJAX_CLUSTER_ID"] == "B"
+    pushed = run([ROOT / "mcjax_setup.sh", "--name", "B", "--dry-run", "--steps", "push"], env, ROOT)
+    assert pushed.returncode == 0, pushed.stderr
+    assert ".mcjax-setup-B" in pushed.stdout and " .mcjax-setup " not in pushed.stdout, pushed.stdout
+    tags = run(["bash", "-c", ". ./mcjax_defs.sh; echo \"[$(mcjax_cluster_tag)]\"; MCJAX_CLUSTER_ID=x.1 "
+                "mcjax_cluster_tag"], env, ROOT).stdout.split()
+    assert tags == ["[]", "-x.1"]
