@@ -144,6 +144,29 @@ def test_platform_numbering_gives_the_kernel_the_platform_variables_and_a_bind_a
     assert process_env(cluster, kernel_last, kernel=True) == {}
 
 
+def test_an_engine_is_dead_by_its_own_host_not_by_a_shared_hostname():
+    """Hosts cloned from one image share a hostname: an engine elsewhere whose pid does not run here
+    is alive; one of this host (its probe's host key) whose process is gone is dead, as is one that
+    left the controller."""
+    from types import SimpleNamespace
+
+    from dsr1.workbench.connection import Cluster
+    from dsr1.workbench.engines import dead_engines
+    from dsr1.workbench.layout import number_processes
+    from dsr1.workbench.process import host_key
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    here, name = host_key(), socket.gethostname()
+    infos = [dict(host_index=str(i), hostname=name, pid=gone.pid, address=f"10.0.0.{i}", host_key=key)
+             for i, key in ((1, "another-boot net:[1]"), (2, here), (3, "another-boot net:[1]"))]
+    layout = number_processes([0, 1, 2], infos, 9999, "kernel-last")
+    assert [e.host_key for e in layout.engines] == ["another-boot net:[1]", here, "another-boot net:[1]"]
+    cluster = Cluster(SimpleNamespace(ids=[0, 1]), layout=layout)
+    assert dead_engines(cluster, [0, 1, 2]) == [1, 2]
+    assert here.split()[0] == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+
+
 def test_watchdog_ends_a_stuck_call_when_an_engine_is_dead():
     import threading
 

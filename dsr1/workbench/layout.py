@@ -29,6 +29,7 @@ class EngineInfo:
     pid: int
     host_index: int | None
     address: str
+    host_key: str = ""  # process.host_key() of the engine's host ("": unknown)
 
     def describe(self) -> str:
         return f"engine {self.engine_id} (process {self.process_id}, host {self.hostname}, pid {self.pid})"
@@ -79,7 +80,7 @@ def number_processes(engine_ids: list[int], infos: list[dict], port: int, number
     engines = tuple(
         EngineInfo(engine_id=eid, process_id=first + rank, hostname=info["hostname"], pid=int(info["pid"]),
                    host_index=None if info["host_index"] is None else int(info["host_index"]),
-                   address=info["address"])
+                   address=info["address"], host_key=info.get("host_key") or "")
         for rank, (eid, info) in enumerate(ranked))
     return Layout(num_processes=n, kernel_process_id=0 if platform else n - 1, coordinator=coordinator,
                   engines=engines, numbering=numbering, port=port)

@@ -133,7 +133,7 @@ def probe(controller_ip: str, devices: bool, namespace: dict | None = None) -> d
         "environment": f"{sys.prefix} ({os.path.realpath(sys.executable)})", "python": sys.version.split()[0],
         "host_index": os.environ.get("MCJAX_HOST_INDEX"), "provider": os.environ.get("MCJAX_PROVIDER"),
         "PROCESS_ID": names.get("PROCESS_ID"), "NUM_PROCESSES": names.get("NUM_PROCESSES"),
-        "address": address_towards(controller_ip), "accelerator": detect_platform(),
+        "address": address_towards(controller_ip), "accelerator": detect_platform(), "host_key": host_key(),
     }
     info.update({name: _version(name) for name in ("dsr1", "jax", "jaxlib", "ipyparallel")})
     info["jax_started"] = jax_started()
@@ -151,6 +151,21 @@ def jax_started() -> bool:
 
     return (_INIT is not None or jax.distributed.is_initialized() or jax_internals.has_distributed_state()
             or jax_internals.backends_are_initialized())
+
+
+def host_key() -> str:
+    """What tells this host from another: the kernel's boot id (a new one each boot, so cloned
+    machines with one hostname differ) and the network namespace (hosts sharing a kernel, in
+    containers or namespaces, differ there). Processes of one host have the same key."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = socket.gethostname()
+    try:
+        network = os.readlink("/proc/self/ns/net")
+    except OSError:
+        network = ""
+    return f"{boot} {network}".strip()
 
 
 def address_towards(ip: str) -> str:
