@@ -22,6 +22,12 @@ mcjax_cluster_tag() {
   [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
   [ "${MCJAX_CLUSTER_ID:-mcjax}" = mcjax ] || printf '%s' "-$MCJAX_CLUSTER_ID"
 }
+# _mcjax_slurm_cpus SLURM_JOB_CPUS_PER_NODE: the fewest CPUs a node of the allocation has ("64(x2),32"
+# -> 32; empty: none).
+_mcjax_slurm_cpus() {
+  [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
+  printf '%s\n' "$1" | tr ',' '\n' | sed -n 's/^\([0-9][0-9]*\).*/\1/p' | sort -n | sed -n 1p
+}
 
 : "${MCJAX_PROVIDER:=gcloud}"                 # gcloud | ssh | slurm | local
 : "${MCJAX_STATE:=$HOME/.mcjax}"              # pid files, logs, cluster.json (per host, local disk, mode 700); on
@@ -56,6 +62,10 @@ fi
 : "${MCJAX_SLURM_JOB_ID:=${SLURM_JOB_ID:-}}"  # slurm: the allocation every srun joins (srun --jobid)
 : "${MCJAX_SRUN_OPTS:=}"                      # slurm: extra srun options for the engines' and Jupyter's steps,
                                               #   e.g. --gpus-per-node=8 where a step does not get the job's GPUs
+: "${MCJAX_SRUN_CPUS:=$(_mcjax_slurm_cpus "${SLURM_JOB_CPUS_PER_NODE:-}")}"  # slurm: CPUs of each step
+                                              #   (--cpus-per-task, with --mem=0: all the job's memory on the
+                                              #   node; empty: the fewest CPUs per node of the allocation,
+                                              #   SLURM_JOB_CPUS_PER_NODE; srun's default step gets one)
 : "${MCJAX_NFS_DIR:=}"                        # shared folder, same path on every host (empty: /mnt/mcjax, exported
                                               #   by host 0 over NFS; slurm: ~/mcjax-shared, a folder the nodes share)
 : "${MCJAX_SHARED_FS:=}"                      # 1: MCJAX_NFS_DIR is on a file system every host shares already (setup
@@ -162,7 +172,7 @@ fi
 MCJAX_SETTINGS="MCJAX_PROVIDER MCJAX_CLUSTER MCJAX_ZONE MCJAX_PROJECT MCJAX_GCLOUD_SSH MCJAX_GCLOUD_PARALLEL \
 MCJAX_GCLOUD_RETRIES MCJAX_HOSTS \
 MCJAX_HOST_LIST MCJAX_INTERNAL_IPS MCJAX_USER MCJAX_CONNECT_TIMEOUT MCJAX_SSH_OPTS MCJAX_TRANSPORT \
-MCJAX_SLURM_JOB_ID MCJAX_SRUN_OPTS MCJAX_NFS_DIR MCJAX_SHARED_FS MCJAX_KEY_FROM MCJAX_BUCKET MCJAX_BUCKET_DIR MCJAX_VENV \
+MCJAX_SLURM_JOB_ID MCJAX_SRUN_OPTS MCJAX_SRUN_CPUS MCJAX_NFS_DIR MCJAX_SHARED_FS MCJAX_KEY_FROM MCJAX_BUCKET MCJAX_BUCKET_DIR MCJAX_VENV \
 MCJAX_UV_VERSION MCJAX_HOST_PYTHON MCJAX_UV_DIR MCJAX_REPO_DIR MCJAX_LOCK_PLATFORM MCJAX_LOCK MCJAX_JAX_SPEC MCJAX_STATE \
 MCJAX_PROFILE MCJAX_PROFILE_DIR MCJAX_CLUSTER_ID MCJAX_PYTHON MCJAX_LOCAL_DEVICES MCJAX_NUMBERING \
 MCJAX_COORDINATOR_PORT MCJAX_JAX_CACHE MCJAX_JAX_CACHE_MIN_SECS MCJAX_JUPYTER_PORT MCJAX_REMOTE_DIR \
@@ -283,8 +293,9 @@ _mcjax_srun_line() {
   fi
   node=$(_mcjax_host_addr "$1") || return 1
   shift
+  # --overlap: every step shares the node's CPUs, memory and GPUs; each may use all the job's.
   _mcjax_q srun "--jobid=$MCJAX_SLURM_JOB_ID" --overlap --nodes=1 --ntasks=1 "--nodelist=$node" \
-    --export=HOME,PATH,USER "$@"
+    ${MCJAX_SRUN_CPUS:+"--cpus-per-task=$MCJAX_SRUN_CPUS"} --mem=0 --export=HOME,PATH,USER "$@"
 }
 
 # The command line (quoted) that runs the command string $2 on host $1, by MCJAX_TRANSPORT (empty:

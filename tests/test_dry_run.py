@@ -87,6 +87,7 @@ PROVIDERS = {
                 MCJAX_INTERNAL_IPS="10.0.0.10,10.0.0.11,10.0.0.12", MCJAX_VENV=f"{HOME}/dsr1 venv",
                 MCJAX_REMOTE_DIR=".mcjax setup", MCJAX_COORDINATOR_PORT="8477"),
     "slurm": dict(MCJAX_PROVIDER="slurm", SLURM_JOB_ID="4711", SLURM_JOB_NODELIST="node[01-03]",
+                  SLURM_JOB_CPUS_PER_NODE="64(x2),48",
                   MCJAX_INTERNAL_IPS="10.2.0.1 10.2.0.2 10.2.0.3", MCJAX_SRUN_OPTS="--gpus-per-node=8",
                   MCJAX_NFS_DIR="/scratch/o'brien/mcjax"),
 }
@@ -195,6 +196,9 @@ def test_dry_run_commands_survive_the_quoting(provider, tmp_path):
         assert [remote_words(c[2:])[2:] for c in launched] == [
             ["controller", "run", "10.2.0.1"], ["engine", "run"], ["engine", "run"], ["jupyter", "run"]]
         assert all("--jobid=4711" in c and "--overlap" in c for c in cmds)
+        # Each step gets the allocation's CPUs per node (the fewest of "64(x2),48") and the job's memory,
+        # not srun's one core.
+        assert all("--cpus-per-task=48" in c and "--mem=0" in c for c in cmds)
         assert ("--gpus-per-node=8" in launched[1]) and ("--gpus-per-node=8" not in launched[0])
         assert ["bash", ".mcjax-setup/cluster/nfs.sh", "shared-check", "mcjax-4711"] in scripts
 
