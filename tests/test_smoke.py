@@ -267,6 +267,7 @@ def test_venv_syncs_to_the_lock_and_check_names_what_differs(tmp_path):
     (uv_dir / "0.13.9").mkdir(parents=True)
     uv = uv_dir / "0.13.9" / "uv"
     uv.write_text(f'#!/bin/sh\necho "$*" >>"{log}"\ncase "$*" in --version) echo "uv 0.13.9";; '
+                  f'"python find"*) echo "{sys.executable}";; '
                   '*"--dry-run"*) printf " - dsr1==0.1.0\\n - jax==0.9.0\\n + jax==0.10.2\\n" >&2;; esac\nexit 0\n')
     uv.chmod(0o755)
     venv = _venv(tmp_path)
@@ -289,6 +290,46 @@ def test_venv_syncs_to_the_lock_and_check_names_what_differs(tmp_path):
     off = subprocess.run(["bash", str(ROOT / "cluster" / "venv.sh"), "deps"], env=dict(env, MCJAX_LOCK="off"),
                          capture_output=True, text=True, timeout=60)
     assert off.returncode == 0 and "pip install --quiet" in log.read_text().splitlines()[-1], off.stderr
+
+
+def test_a_venv_of_another_patch_release_is_made_anew(tmp_path):
+    """The venv is reused only when its Python is the very CPython uv installed for
+    MCJAX_HOST_PYTHON (3.12.9), not any 3.12: a 3.12.4 venv is made anew with that interpreter."""
+    log, uv_dir = tmp_path / "uv.log", tmp_path / "uv"
+    (uv_dir / "0.13.9").mkdir(parents=True)
+
+    def fake_python(path: Path, version: str) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"#!/bin/sh\necho {version}\n")
+        path.chmod(0o755)
+        return path
+
+    managed = fake_python(tmp_path / "managed" / "bin" / "python3.12", "3.12.9")
+    uv = uv_dir / "0.13.9" / "uv"
+    uv.write_text(f'#!/bin/sh\necho "$*" >>"{log}"\ncase "$*" in --version) echo "uv 0.13.9";; '
+                  f'"python find"*) echo "{managed}";; esac\nexit 0\n')
+    uv.chmod(0o755)
+    venv = tmp_path / "venv"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MCJAX_")}
+    env.update(MCJAX_PROVIDER="ssh", MCJAX_UV_DIR=str(uv_dir), MCJAX_VENV=str(venv), MCJAX_LOCK="off",
+               MCJAX_REPO_DIR=str(tmp_path / "repo"), MCJAX_STATE=str(tmp_path / "state"), MCJAX_HOST_PYTHON="3.12")
+    (tmp_path / "repo").mkdir()
+    (tmp_path / "repo" / "pyproject.toml").write_text("")
+
+    def deps() -> str:
+        done = subprocess.run(["bash", str(ROOT / "cluster" / "venv.sh"), "deps"], env=env, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    fake_python(venv / "bin" / "python", "3.12.4")
+    made = deps()
+    assert "creating the venv" in made and "with CPython 3.12.9 (it had 3.12.4)" in made, made
+    assert f"venv --clear --seed --python {managed} {venv}" in log.read_text().splitlines()
+    fake_python(venv / "bin" / "python", "3.12.9")
+    log.write_text("")
+    kept = deps()
+    assert "reusing the venv" in kept and "venv --clear" not in log.read_text(), kept
 
 
 # ----------------------------------------------------------------------------- one machine
