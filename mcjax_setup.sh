@@ -334,6 +334,27 @@ write_env() {
 
 dry() { [ "$MCJAX_DRY_RUN" = 1 ]; }
 
+# What the code step leaves out of the repository: git, venvs, caches, build output, training runs,
+# checkpoints and macOS metadata (._* files; COPYFILE_DISABLE keeps macOS's tar from adding them for
+# extended attributes).
+CODE_EXCLUDES=(.git .venv venv .mcjax __pycache__ '*.egg-info' '._*' .DS_Store runs checkpoints .ipynb_checkpoints
+  .pytest_cache build dist .whl)
+CODE_MAX_MB=100  # a file over this is weights, wherever it sits (the demo model, which dsr1 ships, is 21 MB)
+
+# The code step's tar command line, in the array CODE_TAR: CODE_EXCLUDES, and each file over
+# CODE_MAX_MB, named on stderr.
+code_archive() {
+  local f
+  CODE_TAR=(tar -C "$SETUP_DIR")
+  for f in "${CODE_EXCLUDES[@]}"; do CODE_TAR+=("--exclude=$f"); done
+  while IFS= read -r f; do
+    printf 'code: leaving out %s (over %s MB: weights belong on the shared folder or in a bucket)\n' "$f" "$CODE_MAX_MB" >&2
+    CODE_TAR+=("--exclude=$f")
+  done < <(cd "$SETUP_DIR" && find . \( -name .git -o -name .venv -o -name venv -o -name runs -o -name checkpoints \) \
+    -prune -o -type f -size +"$CODE_MAX_MB"M -print)
+  CODE_TAR+=(-czf - .)
+}
+
 # True for an IPv4 address of a private range (RFC 1918, carrier-grade NAT, loopback, link-local):
 # what the controller, JAX's coordinator and NFS may listen on.
 private_ip() {
@@ -524,10 +545,8 @@ for s in $steps; do
       ;;
     code)
       step "code: $SETUP_DIR -> $MCJAX_REPO_DIR (shared folder, via host 0; files the repository no longer has are deleted there)"
-      # Nothing of git, venvs, caches or macOS metadata (._* files; COPYFILE_DISABLE keeps macOS's
-      # tar from adding them for extended attributes).
-      set -- tar -C "$SETUP_DIR" --exclude=.git --exclude=.venv --exclude=.mcjax --exclude=__pycache__ \
-        --exclude='*.egg-info' --exclude='._*' --exclude=.DS_Store -czf - .
+      code_archive
+      set -- "${CODE_TAR[@]}"
       if dry; then
         _mcjax_stdin="COPYFILE_DISABLE=1 $(_mcjax_q "$@")"
         _mcjax_exec_one 0 "$(remote nfs.sh receive "$MCJAX_REPO_DIR")"

@@ -21,7 +21,7 @@ import pytest
 from dsr1.workbench.process import ClusterError
 from dsr1.workbench.scripts import run_command, run_scripts
 
-from .test_dry_run import PROVIDERS, ROOT, base_env, calls, commands, fake_tools, remote_words, run
+from .test_dry_run import PROVIDERS, ROOT, base_env, calls, commands, fake_tools, remote_words, repo_copy, run
 
 
 def archive(files: dict[str, str]) -> bytes:
@@ -175,6 +175,38 @@ def test_the_code_step_leaves_out_macos_metadata(tmp_path):
     line = next(line for line in done.stdout.splitlines() if line.startswith("+ COPYFILE_DISABLE=1 tar "))
     assert "'--exclude=._*'" in line and "--exclude=.DS_Store" in line
     assert remote_words(commands(line)[0])[2:] == ["receive", "/mnt/mcjax/dsr1"]
+
+
+def test_the_code_copy_leaves_out_venvs_runs_and_checkpoints(tmp_path):
+    """The archive the code step sends: the sources and the demo model, not a venv, training runs,
+    a checkpoint folder or a weights file over 100 MB anywhere in the tree (named as it is left out)."""
+    import shlex
+
+    repo = repo_copy(tmp_path)
+    files = ["dsr1/api.py", "dsr1/demo_model/model.safetensors", "notebooks/main.ipynb", "venv/bin/python",
+             "runs/demo/step-100.npz", "checkpoints/r1/model-00001.safetensors", "my weights/config.json"]
+    for name in files:
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text("x")
+    with open(repo / "my weights" / "model-00001.safetensors", "wb") as f:
+        f.truncate(101 * 2**20)  # sparse: no disk used
+    bin_dir, _ = fake_tools(tmp_path)
+    env = base_env(tmp_path, bin_dir, **PROVIDERS["ssh"])
+    done = run([repo / "mcjax_setup.sh", "--dry-run", "--steps", "code"], env, repo)
+    assert done.returncode == 0, done.stderr
+    assert "code: leaving out ./my weights/model-00001.safetensors (over 100 MB" in done.stderr, done.stderr
+    line = next(line for line in done.stdout.splitlines() if line.startswith("+ COPYFILE_DISABLE=1 tar "))
+    tar = shlex.split(line.split(" | ", 1)[0])[2:]
+    assert tar[-3:] == ["-czf", "-", "."]
+    archive = tmp_path / "code.tgz"
+    made = subprocess.run([*tar[:-2], str(archive), "."], capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    with tarfile.open(archive) as t:
+        names = {n.removeprefix("./") for n in t.getnames()}
+    assert {"dsr1/api.py", "dsr1/demo_model/model.safetensors", "notebooks/main.ipynb", "my weights/config.json",
+            "mcjax_setup.sh"} <= names, names
+    assert not {n for n in names if n.split("/")[0] in ("venv", "runs", "checkpoints")}, names
+    assert "my weights/model-00001.safetensors" not in names
 
 
 # ----------------------------------------------------------------------------- reset_engines
