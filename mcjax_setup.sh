@@ -154,8 +154,21 @@ fi
 # says (it may well be exported for another cluster), so that a caller's exit trap stops its own.
 STATE=${MCJAX_STATE:-$HOME/.mcjax}
 RECORD="$STATE/setup.env"
+# A cluster.json field ("provider", "cluster_id") of the state folder, or nothing.
+recorded_field() {
+  [ -f "$STATE/cluster.json" ] || return 0
+  sed -n "s/^ *\"$1\": *\"\([^\"]*\)\".*/\1/p" "$STATE/cluster.json" | sed -n 1p
+}
+# A host of a real cluster: its processes' pid files and a cluster.json naming another provider than
+# local, without setup.env (which is on the machine that set the cluster up).
+host_of_real_cluster() {
+  local p
+  [ ! -f "$STATE/local.env" ] && [ ! -f "$RECORD" ] || return 1
+  p=$(recorded_field provider)
+  [ -n "$p" ] && [ "$p" != local ]
+}
 local_recorded() {
-  [ -f "$STATE/local.env" ] || { [ ! -f "$RECORD" ] && compgen -G "$STATE/pids/*.pid" >/dev/null; }
+  [ -f "$STATE/local.env" ] || { [ ! -f "$RECORD" ] && ! host_of_real_cluster && compgen -G "$STATE/pids/*.pid" >/dev/null; }
 }
 
 SINGLE="$STATE/single.env"
@@ -217,6 +230,9 @@ case "$mode" in
         exit 0
       fi
       exec bash "$SETUP_DIR/cluster/single.sh" "$mode"
+    fi
+    if [ -z "$provider" ] && host_of_real_cluster; then
+      mcjax_die "MCJAX_STATE=$STATE is a host's of the $(recorded_field provider) cluster '$(recorded_field cluster_id)' (its cluster.json), not a local cluster: --$mode it from the machine that set it up (./mcjax_setup.sh --$mode there, with the same --name)"
     fi
     if [ "$provider" = local ] || { [ -z "$provider" ] && local_recorded; }; then
       local_cmd=$mode

@@ -288,6 +288,27 @@ def test_stop_acts_on_the_state_folders_local_cluster_not_on_mcjax_provider(tmp_
     assert status.returncode == 1 and calls(log) == []
 
 
+def test_stop_on_host_0_does_not_take_the_real_cluster_for_a_local_one(tmp_path):
+    """Host 0's state folder holds the controller's pid files and cluster.json, but no setup.env: --stop,
+    --status and --check there say which cluster it is and where to stop it, and stop nothing."""
+    bin_dir, log = fake_tools(tmp_path)
+    state = tmp_path / "state"
+    (state / "pids").mkdir(parents=True)
+    (state / "pids" / "controller.pid").write_text("4242\n")
+    (state / "cluster.json").write_text(json.dumps({"provider": "gcloud", "cluster_id": "big", "engines": 15},
+                                                   indent=1))
+    env = base_env(tmp_path, bin_dir, MCJAX_PROVIDER="gcloud")
+    for mode in ("--stop", "--status", "--check"):
+        done = run([ROOT / "mcjax_setup.sh", mode, "--dry-run"], env, ROOT)
+        assert done.returncode == 1 and "local.sh" not in done.stdout, done.stdout + done.stderr
+        assert (f"is a host's of the gcloud cluster 'big' (its cluster.json), not a local cluster: {mode} it from "
+                f"the machine that set it up") in done.stderr, done.stderr
+    assert (state / "pids" / "controller.pid").exists() and calls(log) == []
+    (state / "cluster.json").write_text(json.dumps({"provider": "local", "cluster_id": "mine"}, indent=1))
+    local = run([ROOT / "mcjax_setup.sh", "--stop", "--dry-run"], env, ROOT)
+    assert local.returncode == 0 and "local.sh stop" in local.stdout, local.stdout + local.stderr
+
+
 def test_a_state_folder_holds_one_cluster(tmp_path):
     bin_dir, log = fake_tools(tmp_path)
     env = base_env(tmp_path, bin_dir, **PROVIDERS["gcloud"])
