@@ -724,13 +724,16 @@ cluster_status() {
   cluster_exec 0 $((n - 1)) "$(_mcjax_q bash "$MCJAX_REMOTE_DIR/cluster/ipcluster.sh") status"
 }
 
-# cluster_port_forward [PORT]: forward 127.0.0.1:PORT here to Jupyter on host 0 (blocks; Ctrl-C
-# ends it). Both ends are bound to localhost: nothing is exposed on the network.
+# cluster_port_forward [LOCAL_PORT [REMOTE_PORT]]: forward 127.0.0.1:LOCAL_PORT here to
+# 127.0.0.1:REMOTE_PORT on host 0 (default: Jupyter's port, MCJAX_JUPYTER_PORT, for both; a taken
+# port here needs only another LOCAL_PORT). Blocks; Ctrl-C ends it. Both ends are bound to
+# localhost: nothing is exposed on the network.
 cluster_port_forward() {
   [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
-  local port=${1:-$MCJAX_JUPYTER_PORT} addr line
-  _mcjax_is_uint "$port" || { _mcjax_fail 2 "bad port '$port' (usage: cluster_port_forward [PORT])"; return; }
-  echo "forwarding http://127.0.0.1:$port -> host 0 127.0.0.1:$port (Ctrl-C to stop)"
+  local port=${1:-$MCJAX_JUPYTER_PORT} remote=${2:-$MCJAX_JUPYTER_PORT} addr line
+  _mcjax_is_uint "$port" || { _mcjax_fail 2 "bad port '$port' (usage: cluster_port_forward [LOCAL_PORT [REMOTE_PORT]])"; return; }
+  _mcjax_is_uint "$remote" || { _mcjax_fail 2 "bad port '$remote' (usage: cluster_port_forward [LOCAL_PORT [REMOTE_PORT]])"; return; }
+  echo "forwarding http://127.0.0.1:$port -> host 0 127.0.0.1:$remote (Ctrl-C to stop)"
   case "$MCJAX_PROVIDER" in
     local)
       echo "local provider: Jupyter runs on this machine, nothing to forward"
@@ -741,10 +744,10 @@ cluster_port_forward() {
       addr=$(_mcjax_host_addr 0) || return 1
       case "$addr" in *@*) ;; *) addr="$MCJAX_USER@$addr" ;; esac
       # shellcheck disable=SC2086
-      ssh -N $MCJAX_SSH_OPTS -L "127.0.0.1:$port:127.0.0.1:$port" "$addr"
+      ssh -N $MCJAX_SSH_OPTS -L "127.0.0.1:$port:127.0.0.1:$remote" "$addr"
       ;;
     gcloud)
-      line=$(_mcjax_gcloud_ssh_line 0 -- -N -L "127.0.0.1:$port:127.0.0.1:$port") || return 1
+      line=$(_mcjax_gcloud_ssh_line 0 -- -N -L "127.0.0.1:$port:127.0.0.1:$remote") || return 1
       eval "$line"
       ;;
     *) _mcjax_fail 1 "unknown MCJAX_PROVIDER '$MCJAX_PROVIDER' (gcloud, ssh, slurm or local)" ;;

@@ -224,6 +224,20 @@ def test_print_env_gives_host_0_what_it_needs_to_restart(tmp_path):
     assert calls(log) == []
 
 
+def test_port_forward_takes_a_local_port_apart_from_host_0s(tmp_path):
+    """cluster_port_forward [LOCAL [REMOTE]]: REMOTE (default Jupyter's port) on host 0's loopback,
+    reached from LOCAL here (default the same): a port taken here needs only another LOCAL."""
+    bin_dir, log = fake_tools(tmp_path)
+    env = base_env(tmp_path, bin_dir, **PROVIDERS["ssh"], MCJAX_JUPYTER_PORT="8890")
+    for args, forward in (("", "127.0.0.1:8890:127.0.0.1:8890"), ("9999", "127.0.0.1:9999:127.0.0.1:8890"),
+                          ("9000 8000", "127.0.0.1:9000:127.0.0.1:8000")):
+        log.write_text("")
+        run(["bash", "-c", f". ./mcjax_defs.sh && cluster_port_forward {args}"], env, ROOT)
+        assert f"[-L] [{forward}] [o'brien@gpu-0]" in log.read_text(), (args, log.read_text())
+    bad = run(["bash", "-c", ". ./mcjax_defs.sh && cluster_port_forward 9000 http"], env, ROOT)
+    assert bad.returncode == 2 and "bad port 'http'" in bad.stderr
+
+
 def test_the_quoted_commands_run_as_printed(tmp_path):
     """What a dry run prints is what runs: a fake ssh that runs its command string in a "remote"
     home gets the words intact (a copy into a folder whose name has a space and a quote)."""
