@@ -28,7 +28,9 @@ The exports go to their own file, /etc/exports.d/mcjax.exports (MCJAX_EXPORTS_FI
 whole on every run: one entry per host IP, never a network range or '*'. The fstab line is
 written only after the mount worked. apt waits for the dpkg lock of a fresh VM. receive lists
 what it unpacked in DIR/.mcjax-manifest and deletes only files that list named before: files made
-on the cluster (notebooks, build metadata) are never touched. Idempotent.
+on the cluster (notebooks, build metadata) are never touched. A file it brought and that was edited
+on the cluster since (its sha256 is not the one in DIR/.mcjax-sums) stays as it is: the repository's
+version goes next to it (notebooks/main.ipynb: notebooks/main.repo.ipynb). Idempotent.
 EOF
 }
 
@@ -111,23 +113,32 @@ cmd_client() {
 
 # The code step's receiving end: unpack the archive on stdin into DIR. The previous archive's names
 # are in DIR/.mcjax-manifest: those this one lacks (files removed from the repository) are deleted,
-# deepest first, a folder only when it is empty. Nothing else in DIR is touched.
+# deepest first, a folder only when it is empty. A file edited on the cluster since (its sha256 is
+# not the one in DIR/.mcjax-sums, what the last copy brought: a notebook saved in Jupyter) is kept
+# as it is, neither overwritten nor deleted; the repository's version goes next to it (edited_copy).
+# Nothing else in DIR is touched.
 cmd_receive() {
-  local dir=${1:-} manifest listed f removed=0
+  local dir=${1:-} manifest listed f removed=0 edited
   [ -n "$dir" ] || mcjax_usage_error "receive needs DIR"
   mkdir -p "$dir" || mcjax_die "cannot create $dir"
   manifest="$dir/.mcjax-manifest"
+  edited=$(edited_files "$dir")
+  while IFS= read -r f; do [ -z "$f" ] || mv "$dir/$f" "$dir/$f.mcjax-edited"; done <<<"$edited"
   listed=$(mktemp "$dir/.mcjax-manifest.XXXXXX") || mcjax_die "cannot write in $dir"
   # tar -v names each member it unpacks: "./", "./dsr1/", "./dsr1/api.py".
   if ! tar -xzvf - -C "$dir" >"$listed"; then
     rm -f "$listed"
+    restore_edited "$dir" "$edited"
     mcjax_die "unpacking the code into $dir failed"
   fi
   sed -e 's#^\./##' -e 's#/$##' -e '/^\.\{0,1\}$/d' "$listed" | LC_ALL=C sort -u >"$listed.sorted"
   rm -f "$listed"
+  write_sums "$dir" "$listed.sorted"
+  restore_edited "$dir" "$edited"
   if [ -f "$manifest" ]; then
     while IFS= read -r f; do
-      case "$f" in '' | /* | ../* | */../* | *.. | .mcjax-manifest*) continue ;; esac
+      case "$f" in '' | /* | ../* | */../* | *.. | .mcjax-manifest* | .mcjax-sums*) continue ;; esac
+      case $'\n'"$edited"$'\n' in *$'\n'"$f"$'\n'*) continue ;; esac  # edited here: kept
       if [ -d "$dir/$f" ] && [ ! -L "$dir/$f" ]; then
         rmdir "$dir/$f" 2>/dev/null || continue  # not empty: holds files made here
       elif [ -e "$dir/$f" ] || [ -L "$dir/$f" ]; then
@@ -140,6 +151,46 @@ cmd_receive() {
   fi
   mv "$listed.sorted" "$manifest"
   mcjax_log "unpacked $(wc -l <"$manifest" | tr -d ' ') entries into $dir; deleted $removed that the repository no longer has"
+}
+
+# The files under DIR that were edited since the last copy: their sha256 differs from the one in
+# DIR/.mcjax-sums (files gone since are not listed), one a line, relative to DIR.
+edited_files() {
+  [ -s "$1/.mcjax-sums" ] || return 0
+  (cd "$1" && sha256sum --quiet -c .mcjax-sums 2>/dev/null || true) | sed -n 's#^\./\(.*\): FAILED$#\1#p'
+}
+
+# DIR/.mcjax-sums: the sha256 of each regular file that LIST (names relative to DIR) names, as unpacked.
+write_sums() {
+  local dir=$1 list=$2 f
+  while IFS= read -r f; do
+    if [ -f "$dir/$f" ] && [ ! -L "$dir/$f" ]; then printf './%s\0' "$f"; fi
+  done <"$list" | (cd "$dir" && xargs -0 -r sha256sum) >"$dir/.mcjax-sums.tmp" &&
+    mv "$dir/.mcjax-sums.tmp" "$dir/.mcjax-sums"
+}
+
+# The name of the repository's version of an edited FILE: notebooks/main.ipynb -> notebooks/main.repo.ipynb.
+edited_copy() {
+  local f=$1 base=${1##*/}
+  case "$base" in
+    ?*.*) echo "${f%.*}.repo.${f##*.}" ;;
+    *) echo "$f.repo" ;;
+  esac
+}
+
+# Put the edited files (moved aside to NAME.mcjax-edited before unpacking) back in place; where the
+# archive brought a different version, it goes to edited_copy's name.
+restore_edited() {
+  local dir=$1 f copy
+  while IFS= read -r f; do
+    [ -n "$f" ] && [ -e "$dir/$f.mcjax-edited" ] || continue
+    if [ -f "$dir/$f" ] && ! cmp -s "$dir/$f" "$dir/$f.mcjax-edited"; then
+      copy=$(edited_copy "$f")
+      mv "$dir/$f" "$dir/$copy"
+      mcjax_log "kept $f as edited on the cluster; the repository's version is $copy"
+    fi
+    mv "$dir/$f.mcjax-edited" "$dir/$f"
+  done <<<"$2"
 }
 
 # A shared file system (Slurm, or MCJAX_SHARED_FS=1): check that $MCJAX_NFS_DIR is on it.

@@ -58,10 +58,35 @@ def test_the_code_copy_loses_what_the_repository_dropped_and_nothing_else(tmp_pa
     second = receive(tmp_path, target, {"README.md": "b", "dsr1/api.py": "3", "dsr1/new.py": "4"})
     assert second.returncode == 0, second.stderr
     left = sorted(str(p.relative_to(target)) for p in target.rglob("*"))
-    assert left == [".mcjax-manifest", "README.md", "dsr1", "dsr1.egg-info", "dsr1/api.py", "dsr1/new.py",
-                    "notebooks", "notebooks/mine.ipynb", "old", "old/kept", "old/kept/results.txt"], left
+    assert left == [".mcjax-manifest", ".mcjax-sums", "README.md", "dsr1", "dsr1.egg-info", "dsr1/api.py",
+                    "dsr1/new.py", "notebooks", "notebooks/mine.ipynb", "old", "old/kept", "old/kept/results.txt"], left
     assert (target / "README.md").read_text() == "b"
     assert "deleted 3 that the repository no longer has" in second.stderr.decode() + second.stdout.decode()
+
+
+def test_setup_again_keeps_notebooks_edited_on_the_cluster(tmp_path):
+    """A file the last copy brought and that was edited on the cluster since (a notebook saved in
+    Jupyter) is neither overwritten nor deleted by the next copy: the repository's version goes next
+    to it (main.repo.ipynb); a file not edited is updated; one deleted on the cluster comes back."""
+    target = tmp_path / "dsr1"
+    notebook, dropped = target / "notebooks" / "main.ipynb", target / "notebooks" / "old.ipynb"
+    first = receive(tmp_path, target, {"notebooks/main.ipynb": "a", "notebooks/old.ipynb": "o", "dsr1/api.py": "1"})
+    assert first.returncode == 0, first.stderr
+    notebook.write_text("mine")
+    dropped.write_text("mine too")
+    second = receive(tmp_path, target, {"notebooks/main.ipynb": "b", "dsr1/api.py": "2"})
+    assert second.returncode == 0, second.stderr
+    assert (notebook.read_text(), (target / "notebooks" / "main.repo.ipynb").read_text()) == ("mine", "b")
+    assert dropped.read_text() == "mine too" and (target / "dsr1" / "api.py").read_text() == "2"
+    assert "kept notebooks/main.ipynb as edited on the cluster; the repository's version is " \
+           "notebooks/main.repo.ipynb" in second.stdout.decode()
+    third = receive(tmp_path, target, {"notebooks/main.ipynb": "c", "dsr1/api.py": "2"})
+    assert third.returncode == 0, third.stderr
+    assert (notebook.read_text(), (target / "notebooks" / "main.repo.ipynb").read_text()) == ("mine", "c")
+    assert not list(target.rglob("*.mcjax-edited"))
+    notebook.unlink()  # given up on the cluster: the repository's comes back
+    assert receive(tmp_path, target, {"notebooks/main.ipynb": "d", "dsr1/api.py": "2"}).returncode == 0
+    assert notebook.read_text() == "d"
 
 
 def test_gcsfuse_mounts_as_its_fstab_line_says_and_the_line_has_nofail(tmp_path):
