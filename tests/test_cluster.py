@@ -370,6 +370,20 @@ def test_a_second_kernel_is_refused_while_the_first_holds_the_cluster(tmp_path):
     assert json.loads((state / "kernel.json").read_text())["pid"] == os.getpid()
 
 
+def test_an_engine_works_in_the_kernels_folder_where_its_host_has_it(tmp_path, monkeypatch):
+    """prepare_process(cwd=the kernel's folder): an engine moves there when its host has that folder
+    (the notebook's, on the shared folder) and stays where it is otherwise."""
+    from dsr1.workbench.process import prepare_process
+
+    monkeypatch.chdir(tmp_path)
+    notebooks = tmp_path / "shared" / "notebooks"
+    notebooks.mkdir(parents=True)
+    prepare_process(0, 2, None, namespace={}, cwd=str(tmp_path / "not on this host"))
+    assert Path.cwd() == tmp_path
+    prepare_process(0, 2, None, namespace={}, cwd=str(notebooks))
+    assert Path.cwd() == notebooks
+
+
 def test_probe_describes_this_process():
     import dsr1.workbench as mcjax
 
@@ -573,8 +587,9 @@ def test_px_local_initializes_jax_distributed_across_processes(local_cluster):
     assert sorted(r["index"] for r in results) == list(range(N))
     total = float(sum(range(1, 4 * N * DEVICES + 1)))
     for r in results:
+        # cwd: the engines work in the kernel's folder (the notebook's), not the scripts' run folder.
         assert r == dict(index=r["index"], count=N, devices=N * DEVICES, local=DEVICES, total=total,
-                         gathered=list(range(N))), r
+                         gathered=list(range(N)), cwd=str(ROOT)), r
     assert out["problems"] == [] and len(out["health"]) == N
     assert {p["local_devices"] for p in out["health"]} == {DEVICES}
     assert sorted(p["PROCESS_ID"] for p in out["health"]) == list(range(N))  # read from each user namespace
@@ -671,7 +686,7 @@ import psutil
 import dsr1.workbench as mcjax
 
 ALLREDUCE = """
-import jax, jax.numpy as jnp, numpy as np
+import os, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jax.experimental import multihost_utils
 mesh = Mesh(np.array(jax.devices()), ("d",))
@@ -680,7 +695,8 @@ x = jax.make_array_from_callback((n,), NamedSharding(mesh, P("d")), lambda i: np
 total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(x)
 gathered = multihost_utils.process_allgather(jnp.array([PROCESS_ID]))
 RESULT = dict(index=jax.process_index(), count=jax.process_count(), devices=jax.device_count(),
-              local=jax.local_device_count(), total=float(total), gathered=np.asarray(gathered).ravel().tolist())
+              local=jax.local_device_count(), total=float(total), gathered=np.asarray(gathered).ravel().tolist(),
+              cwd=os.getcwd())
 """
 
 mode, ports = sys.argv[1], [int(p) for p in sys.argv[2:]]

@@ -61,12 +61,17 @@ def define_process_names(process_id: int, num_processes: int, coordinator: str |
 
 def prepare_process(process_id: int, num_processes: int, coordinator: str | None, *,
                     env: dict[str, str] | None = None, cache_dir: str | None = None,
-                    kernel_process_id: int | None = None, namespace: dict | None = None) -> None:
+                    kernel_process_id: int | None = None, namespace: dict | None = None,
+                    cwd: str | None = None) -> None:
     """This process's part of ``assign_process_ids``, before ``initialize``: the names of
     :func:`define_process_names`, the environment variables ``env`` (the platform's variables
     from which JAX numbers the processes itself, ``JAX_COORDINATOR_PORT``,
-    ``JAX_COORDINATOR_BIND_ADDRESS``) and, with ``cache_dir``, JAX's persistent compilation cache.
+    ``JAX_COORDINATOR_BIND_ADDRESS``), with ``cache_dir`` JAX's persistent compilation cache and,
+    with ``cwd`` (the kernel's working folder: the notebook's, on the shared folder) that working
+    folder where this host has it, so that relative paths in cells mean the same everywhere.
     """
+    if cwd and os.path.isdir(cwd):
+        os.chdir(cwd)
     os.environ.update(env or {})
     if cache_dir:
         use_compilation_cache(cache_dir)
