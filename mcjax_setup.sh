@@ -315,14 +315,19 @@ host_side_list() {
   echo "${out# }"
 }
 
+NOTEBOOK_SETTINGS="DSR1_CHECKPOINT DSR1_API_KEY"  # set here: into mcjax.env, for host 0's Jupyter
 # write_env hosts|record: the settings as shell assignments. hosts: mcjax.env, which every host gets
 # in ~/$MCJAX_REMOTE_DIR: defaults there, so a variable set in a host's own environment wins; paths
 # under $HOME are taken under each host's home. record: setup.env in the state folder here, what
 # --stop and --status use (read with every MCJAX_* variable unset, so it is what counts).
 write_env() {
-  local kind=$1 var value
+  local kind=$1 var value vars=$MCJAX_SETTINGS
   echo "# written by mcjax_setup.sh ($kind); sourced by cluster/common.sh (hosts) or mcjax_setup.sh --stop (record)"
-  for var in $MCJAX_SETTINGS; do
+  # The notebooks' settings given here reach the kernel on host 0 (serve.ipynb, main.ipynb).
+  if [ "$kind" = hosts ]; then
+    for var in $NOTEBOOK_SETTINGS; do [ -z "${!var:-}" ] || vars="$vars $var"; done
+  fi
+  for var in $vars; do
     value=${!var}
     if [ "$kind" = hosts ]; then
       case "$MCJAX_PROVIDER:$var" in

@@ -224,6 +224,24 @@ def test_print_env_gives_host_0_what_it_needs_to_restart(tmp_path):
     assert calls(log) == []
 
 
+def test_the_notebooks_settings_given_here_reach_the_hosts(tmp_path):
+    """DSR1_CHECKPOINT and DSR1_API_KEY set for setup go into mcjax.env (for host 0's Jupyter and its
+    kernels); unset, they are not written, and a host's own value wins."""
+    bin_dir, _ = fake_tools(tmp_path)
+    env = base_env(tmp_path, bin_dir, **PROVIDERS["ssh"], DSR1_CHECKPOINT="/mnt/weights/DeepSeek-R1",
+                   DSR1_API_KEY="s3cret key")
+    done = run([ROOT / "mcjax_setup.sh", "--print-env"], env, ROOT)
+    assert done.returncode == 0, done.stderr
+    shown = run(["bash", "-c", f"{done.stdout}\necho \"$DSR1_CHECKPOINT|$DSR1_API_KEY\""],
+                {"HOME": "/h", "PATH": "/usr/bin:/bin"}, ROOT).stdout.strip()
+    assert shown == "/mnt/weights/DeepSeek-R1|s3cret key"
+    own = run(["bash", "-c", f"{done.stdout}\necho \"$DSR1_CHECKPOINT\""],
+              {"HOME": "/h", "PATH": "/usr/bin:/bin", "DSR1_CHECKPOINT": "/local/r1"}, ROOT).stdout.strip()
+    assert own == "/local/r1"
+    plain = run([ROOT / "mcjax_setup.sh", "--print-env"], base_env(tmp_path, bin_dir, **PROVIDERS["ssh"]), ROOT)
+    assert "DSR1_" not in plain.stdout
+
+
 def test_port_forward_takes_a_local_port_apart_from_host_0s(tmp_path):
     """cluster_port_forward [LOCAL [REMOTE]]: REMOTE (default Jupyter's port) on host 0's loopback,
     reached from LOCAL here (default the same): a port taken here needs only another LOCAL."""
