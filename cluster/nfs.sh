@@ -5,7 +5,9 @@
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 EXPORT_OPTIONS="rw,sync,no_subtree_check,root_squash"
-MOUNT_OPTIONS="rw,hard,noatime,_netdev"
+MOUNT_OPTIONS="rw,hard,noatime"
+# At boot: after the network (_netdev), and a host 0 that is gone does not stop the boot (nofail).
+FSTAB_OPTIONS="$MOUNT_OPTIONS,_netdev,nofail"
 : "${MCJAX_EXPORTS_FILE:=/etc/exports.d/mcjax.exports}"
 : "${MCJAX_FSTAB:=/etc/fstab}"
 
@@ -89,7 +91,35 @@ fstab_line() {
   local server=${1:-}
   [ -n "$server" ] || mcjax_usage_error "SERVER_IP missing (nfs.sh fstab-line|fstab-ensure|client SERVER_IP)"
   check_dir
-  printf '%s:%s %s nfs %s 0 0\n' "$server" "$MCJAX_NFS_DIR" "$MCJAX_NFS_DIR" "$MOUNT_OPTIONS"
+  printf '%s:%s %s nfs %s 0 0\n' "$server" "$MCJAX_NFS_DIR" "$MCJAX_NFS_DIR" "$FSTAB_OPTIONS"
+}
+
+# The fstab line of LINE's server folder on this mount point, when it has other options (an earlier
+# setup's, without nofail), squeezed; nothing otherwise.
+older_line() {
+  local spec
+  [ -f "$MCJAX_FSTAB" ] || return 0
+  spec=$(echo "$1" | awk '{ print $1 }')
+  awk -v s="$spec" -v m="$MCJAX_NFS_DIR" -v l="$(echo "$1" | tr -s ' \t' '  ')" \
+    '{ x = $0; gsub(/[ \t]+/, " ", x) } $1 == s && $2 == m && $3 == "nfs" && x != l { print x }' "$MCJAX_FSTAB"
+}
+
+# An earlier setup's line for LINE's mount (older_line) is removed, before LINE is added.
+drop_older_line() {
+  local spec tmp
+  [ -n "$(older_line "$1")" ] || return 0
+  spec=$(echo "$1" | awk '{ print $1 }')
+  mcjax_log "replacing the older $MCJAX_FSTAB line of $spec"
+  tmp=$(mktemp) || mcjax_die "cannot make a temporary file"
+  awk -v s="$spec" -v m="$MCJAX_NFS_DIR" '!($1 == s && $2 == m && $3 == "nfs")' "$MCJAX_FSTAB" >"$tmp"
+  if [ -w "$MCJAX_FSTAB" ]; then cat "$tmp" >"$MCJAX_FSTAB"; else mcjax_sudo tee "$MCJAX_FSTAB" <"$tmp" >/dev/null; fi
+  rm -f "$tmp"
+}
+
+# LINE in the fstab, replacing an earlier setup's line for the same mount.
+fstab_ensure() {
+  drop_older_line "$1"
+  mcjax_fstab_ensure "$MCJAX_FSTAB" "$1"
 }
 
 cmd_client() {
@@ -99,16 +129,17 @@ cmd_client() {
     mcjax_log "installing the NFS client (nfs-common)"
     mcjax_apt_install nfs-common
   fi
-  mcjax_fstab_has "$MCJAX_FSTAB" "$line" || true  # a conflicting entry stops us before mounting
+  # A conflicting entry stops us before mounting (an earlier setup's is replaced once the mount works).
+  [ -n "$(older_line "$line")" ] || mcjax_fstab_has "$MCJAX_FSTAB" "$line" || true
   mcjax_sudo mkdir -p "$MCJAX_NFS_DIR"
   if mountpoint -q "$MCJAX_NFS_DIR"; then
     mcjax_log "$MCJAX_NFS_DIR is already mounted"
   else
     mcjax_log "mounting $server:$MCJAX_NFS_DIR on $MCJAX_NFS_DIR"
-    mcjax_sudo mount -t nfs -o "${MOUNT_OPTIONS%,_netdev}" "$server:$MCJAX_NFS_DIR" "$MCJAX_NFS_DIR" ||
+    mcjax_sudo mount -t nfs -o "$MOUNT_OPTIONS" "$server:$MCJAX_NFS_DIR" "$MCJAX_NFS_DIR" ||
       mcjax_die "mount of $server:$MCJAX_NFS_DIR failed: is host 0 exporting it (nfs.sh server) and reachable? (nothing was added to $MCJAX_FSTAB)"
   fi
-  mcjax_fstab_ensure "$MCJAX_FSTAB" "$line"
+  fstab_ensure "$line"
 }
 
 # The code step's receiving end: unpack the archive on stdin into DIR. The previous archive's names
@@ -210,7 +241,7 @@ case "${1:-}" in
   exports) shift; exports_lines "$@" ;;
   server) shift; cmd_server "$@" ;;
   fstab-line) fstab_line "${2:-}" ;;
-  fstab-ensure) fstab_line "${2:-}" >/dev/null; mcjax_fstab_ensure "$MCJAX_FSTAB" "$(fstab_line "${2:-}")" ;;
+  fstab-ensure) fstab_line "${2:-}" >/dev/null; fstab_ensure "$(fstab_line "${2:-}")" ;;
   client) cmd_client "${2:-}" ;;
   shared-mark) shared_mark "${2:-}" ;;
   shared-check) shared_check "${2:-}" ;;

@@ -98,8 +98,11 @@ def test_nfs_exports_list_exactly_the_hosts(tmp_path):
 
 
 def test_fstab_entry_is_added_once(tmp_path):
+    """One line per mount, with nofail (a boot whose host 0 is gone goes on); an earlier setup's line
+    for the same mount (without nofail) is replaced, another server's is an error."""
     fstab = tmp_path / "fstab"
-    fstab.write_text("UUID=abc / ext4 defaults 0 1\n")
+    earlier = "10.128.0.11:/mnt/shared /mnt/shared nfs rw,hard,noatime,_netdev 0 0"
+    fstab.write_text(f"UUID=abc / ext4 defaults 0 1\n{earlier}\n")
     env = clean_env(MCJAX_PROVIDER="ssh", MCJAX_NFS_DIR="/mnt/shared", MCJAX_FSTAB=str(fstab),
                     MCJAX_STATE=str(tmp_path))
     for _ in range(2):
@@ -107,7 +110,7 @@ def test_fstab_entry_is_added_once(tmp_path):
         assert done.returncode == 0, done.stderr
     lines = fstab.read_text().splitlines()
     assert lines == ["UUID=abc / ext4 defaults 0 1",
-                     "10.128.0.11:/mnt/shared /mnt/shared nfs rw,hard,noatime,_netdev 0 0"]
+                     "10.128.0.11:/mnt/shared /mnt/shared nfs rw,hard,noatime,_netdev,nofail 0 0"]
     other = run(["bash", ROOT / "cluster/nfs.sh", "fstab-ensure", "10.128.0.99"], env=env)  # another server
     assert other.returncode != 0 and "different entry for /mnt/shared" in other.stderr
     assert fstab.read_text().splitlines() == lines

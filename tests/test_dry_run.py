@@ -426,18 +426,22 @@ def test_nfs_client_writes_fstab_only_after_the_mount_worked(tmp_path):
     (bin_dir / "mount.nfs").write_text("#!/bin/sh\nexit 0\n")
     (bin_dir / "mount.nfs").chmod(0o755)
     fstab = tmp_path / "fstab"
-    fstab.write_text("UUID=abc / ext4 defaults 0 1\n")
-    env = base_env(tmp_path, bin_dir, MCJAX_PROVIDER="ssh", MCJAX_NFS_DIR=str(tmp_path / "shared"),
-                   MCJAX_FSTAB=str(fstab))
+    shared = tmp_path / "shared"
+    # An earlier setup's line (without nofail): kept until the mount works, then replaced.
+    earlier = f"127.0.0.1:{shared} {shared} nfs rw,hard,noatime,_netdev 0 0"
+    fstab.write_text(f"UUID=abc / ext4 defaults 0 1\n{earlier}\n")
+    env = base_env(tmp_path, bin_dir, MCJAX_PROVIDER="ssh", MCJAX_NFS_DIR=str(shared), MCJAX_FSTAB=str(fstab))
     done = run(["bash", ROOT / "cluster/nfs.sh", "client", "127.0.0.1"], env, ROOT)
     assert done.returncode == 1 and "nothing was added" in done.stderr, done.stdout + done.stderr
-    assert fstab.read_text() == "UUID=abc / ext4 defaults 0 1\n"
+    assert fstab.read_text() == f"UUID=abc / ext4 defaults 0 1\n{earlier}\n"
     assert [c for c in calls(log) if c.startswith("mount ")]
     (bin_dir / "mount").write_text("#!/bin/sh\nexit 0\n")
     again = run(["bash", ROOT / "cluster/nfs.sh", "client", "127.0.0.1"], env, ROOT)
     assert again.returncode == 0, again.stderr
-    shared = tmp_path / "shared"
-    assert fstab.read_text().splitlines()[1] == f"127.0.0.1:{shared} {shared} nfs rw,hard,noatime,_netdev 0 0"
+    assert fstab.read_text().splitlines() == ["UUID=abc / ext4 defaults 0 1",
+                                              f"127.0.0.1:{shared} {shared} nfs rw,hard,noatime,_netdev,nofail 0 0"]
+    mounted = [c for c in calls(log) if c.startswith("mount ")][-1]
+    assert "[-o] [rw,hard,noatime]" in mounted, mounted
 
 
 def test_apt_always_waits_for_the_dpkg_lock():
