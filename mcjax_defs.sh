@@ -62,7 +62,7 @@ fi
 : "${MCJAX_SLURM_JOB_ID:=${SLURM_JOB_ID:-}}"  # slurm: the allocation every srun joins (srun --jobid)
 : "${MCJAX_SRUN_OPTS:=}"                      # slurm: extra srun options for the engines' and Jupyter's steps,
                                               #   e.g. --gpus-per-node=8 where a step does not get the job's GPUs
-: "${MCJAX_SRUN_CPUS:=$(_mcjax_slurm_cpus "${SLURM_JOB_CPUS_PER_NODE:-}")}"  # slurm: CPUs of each step
+: "${MCJAX_SRUN_CPUS:=${SLURM_JOB_CPUS_PER_NODE:+$(_mcjax_slurm_cpus "$SLURM_JOB_CPUS_PER_NODE")}}"  # slurm: step CPUs
                                               #   (--cpus-per-task, with --mem=0: all the job's memory on the
                                               #   node; empty: the fewest CPUs per node of the allocation,
                                               #   SLURM_JOB_CPUS_PER_NODE; srun's default step gets one)

@@ -89,6 +89,27 @@ def test_setup_again_keeps_notebooks_edited_on_the_cluster(tmp_path):
     assert notebook.read_text() == "d"
 
 
+def test_installing_without_root_or_apt_fails_at_once_saying_why(tmp_path):
+    """A user whose sudo asks for a password (or a host without apt-get) is told so before apt's
+    retries (ten tries, 10 s apart), and apt-get is never run."""
+    bin_dir, log = fake_tools(tmp_path, sudo="exit 1", id='case "$1" in -u) echo 1000;; -un) echo alice;; esac',
+                              **{"apt-get": "exit 0"})
+    env = base_env(tmp_path, bin_dir, MCJAX_PROVIDER="ssh")
+    start = time.monotonic()
+    done = run(["bash", "-c", ". cluster/common.sh && mcjax_apt_install nfs-common"], env, ROOT)
+    assert done.returncode == 1 and time.monotonic() - start < 5
+    assert "installing nfs-common needs root, and sudo asks this user (alice) for a password or refuses" in done.stderr
+    assert not [c for c in calls(log) if c.startswith("apt-get")]
+    (bin_dir / "apt-get").unlink()
+    tools = tmp_path / "tools"  # this host's tools, but apt-get
+    tools.mkdir()
+    for tool in ("bash", "dirname", "sed", "tr", "awk", "sort", "cat", "mkdir", "grep"):
+        (tools / tool).symlink_to(shutil.which(tool))
+    no_apt = run([tools / "bash", "-c", ". cluster/common.sh && mcjax_apt_install nfs-common"],
+                 dict(env, PATH=f"{bin_dir}{os.pathsep}{tools}"), ROOT)
+    assert no_apt.returncode == 1 and "needs apt-get, which this host lacks" in no_apt.stderr, no_apt.stderr
+
+
 def test_gcsfuse_mounts_as_its_fstab_line_says_and_the_line_has_nofail(tmp_path):
     bin_dir, log = fake_tools(tmp_path, mount="exit 0", mountpoint="exit 1", sudo='exec "$@"', gcsfuse="exit 0",
                               chown="exit 0")
