@@ -314,6 +314,11 @@ def test_health_check_flags_mismatches():
                       for i in range(3)]) == []
     same_host = find_problems([dict(base, role=f"engine {i}", PROCESS_ID=i, process_index=i) for i in range(3)])
     assert same_host == ["engine 0, engine 1, engine 2 run on the same host h: one engine per host expected"]
+    clones = [dict(base, role=f"engine {i}", PROCESS_ID=i, process_index=i, host_key=f"boot-{i} net:[1]")
+              for i in range(3)]  # hosts cloned from one image: one hostname, three machines
+    assert find_problems(clones) == []
+    clones[2]["host_key"] = clones[1]["host_key"]
+    assert find_problems(clones) == ["engine 1, engine 2 run on the same host h: one engine per host expected"]
 
 
 def test_jax_still_has_the_private_names_the_workbench_relies_on():
