@@ -467,7 +467,7 @@ for s in $steps; do
         slurm) command -v srun >/dev/null || mcjax_die "srun is not on PATH (run this inside a Slurm allocation)" ;;
         *) mcjax_die "unknown MCJAX_PROVIDER '$MCJAX_PROVIDER' (gcloud, ssh, slurm or local)" ;;
       esac
-      [ "$N" -ge 2 ] || mcjax_die "a cluster needs at least 2 hosts (host 0: controller + kernel; hosts 1..N-1: engines)"
+      [ "$N" -ge 2 ] || mcjax_die "a cluster needs at least 2 hosts (host 0: controller + kernel; hosts 1..N-1: engines), this one has $N: for one machine (a TPU VM such as a v6e-8, one GPU box) run ./mcjax_setup.sh --single on it"
       i=0
       for ip in $IPS; do
         echo "  host $i: internal IP $ip"

@@ -242,6 +242,17 @@ def test_the_notebooks_settings_given_here_reach_the_hosts(tmp_path):
     assert "DSR1_" not in plain.stdout
 
 
+def test_a_one_host_cluster_is_pointed_to_single(tmp_path):
+    """A TPU VM of one host (a v6e-8): setup stops, naming --single, the way to use one machine."""
+    bin_dir, _ = fake_tools(tmp_path)
+    env = base_env(tmp_path, bin_dir, **dict(PROVIDERS["gcloud"], MCJAX_CLUSTER="my-v6e-8", MCJAX_HOSTS="1",
+                                             MCJAX_INTERNAL_IPS="10.130.0.2"))
+    done = run([ROOT / "mcjax_setup.sh", "--dry-run"], env, ROOT)
+    assert done.returncode == 1 and "a cluster needs at least 2 hosts" in done.stderr, done.stdout + done.stderr
+    assert "this one has 1: for one machine (a TPU VM such as a v6e-8, one GPU box) run ./mcjax_setup.sh " \
+           "--single on it" in done.stderr
+
+
 def test_port_forward_takes_a_local_port_apart_from_host_0s(tmp_path):
     """cluster_port_forward [LOCAL [REMOTE]]: REMOTE (default Jupyter's port) on host 0's loopback,
     reached from LOCAL here (default the same): a port taken here needs only another LOCAL."""
