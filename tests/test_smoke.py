@@ -379,6 +379,69 @@ def test_single_records_the_machine_and_starts_jupyter_with_mcjax_single(tmp_pat
         _kill_leftovers(state, f"--port={port}")
 
 
+@pytest.mark.slow
+def test_single_on_an_accelerator_machine_leaves_the_kernel_its_devices(tmp_path):
+    """--single where JAX would use the TPU (libtpu here, chips injected through MCJAX_DEV_DIR):
+    Jupyter, and so the kernel, gets neither JAX_PLATFORMS=cpu nor MCJAX_LOCAL_DEVICES' fake CPU
+    devices (the kernel would take them in connect())."""
+    pytest.importorskip("jupyterlab")
+    import importlib.util
+
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip("no libtpu: JAX here would not take the injected chips for a TPU")
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    (dev / "accel0").touch()
+    port = _free_port()
+    env = _local_env(tmp_path, f"single-{os.getpid()}", MCJAX_JUPYTER_PORT=str(port), MCJAX_DEV_DIR=str(dev),
+                     MCJAX_LOCAL_DEVICES="4", PYTHONPATH=str(ROOT))
+    env.pop("JAX_PLATFORMS", None)
+    state = tmp_path / "state"
+    try:
+        done = _setup(env, "--single", timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "one machine (tpu)" in done.stdout
+        pid = int((state / "pids" / "jupyter.pid").read_text())
+        environ = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+                       if "=" in item)
+        assert environ["MCJAX_SINGLE"] == "1" and "MCJAX_LOCAL_DEVICES" not in environ
+        assert "JAX_PLATFORMS" not in environ and "device_count" not in environ.get("XLA_FLAGS", "")
+        assert _setup(env, "--stop", timeout=120).returncode == 0
+    finally:
+        _kill_leftovers(state, f"--port={port}")
+
+
+def test_single_with_chips_but_a_cpu_only_jax_is_refused_naming_the_lock(tmp_path, monkeypatch):
+    """--single on a machine whose device files show GPUs (injected: MCJAX_DEV_DIR) while its jax
+    has no CUDA plugin: refused before Jupyter starts, naming cluster/locks/cuda12.txt; JAX_PLATFORMS=cpu
+    is the explicit way to the CPU."""
+    import importlib.util
+
+    from dsr1.workbench import process
+
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    (dev / "nvidia0").touch()
+    (dev / "nvidia1").touch()
+    monkeypatch.setenv("MCJAX_DEV_DIR", str(dev))
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    message = process.unused_accelerator("/repo")
+    assert message and "has GPU chips (" in message and "pip install -r /repo/cluster/locks/cuda12.txt" in message
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert process.unused_accelerator("/repo") is None
+    monkeypatch.undo()
+    if importlib.util.find_spec("jax_cuda12_plugin") is not None:
+        pytest.skip("this Python has the CUDA plugin: it would use the GPUs")
+    env = _local_env(tmp_path, f"single-{os.getpid()}", MCJAX_JUPYTER_PORT=str(_free_port()), MCJAX_DEV_DIR=str(dev),
+                     PYTHONPATH=str(ROOT))
+    env.pop("JAX_PLATFORMS", None)
+    done = _setup(env, "--single", timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "has GPU chips" in done.stderr and f"pip install -r {ROOT}/cluster/locks/cuda12.txt" in done.stderr
+    assert not (tmp_path / "state" / "pids" / "jupyter.pid").exists()
+
+
 @pytest.mark.parametrize("plugin,devices,expected", [
     ("libtpu", [], "cpu"), ("libtpu", ["/dev/accel0"], "tpu"), ("libtpu", ["/dev/vfio/0"], "tpu"),
     ("jax_cuda12_plugin", [], "cpu"), ("jax_cuda12_plugin", ["/dev/nvidia0"], "gpu"), (None, ["/dev/accel0"], "cpu")])

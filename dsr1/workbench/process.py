@@ -106,6 +106,18 @@ def use_compilation_cache(path: str) -> None:
 
 # ----------------------------------------------------------------------------- probe
 
+ACCELERATOR_FILES = {"tpu": ("accel*", "vfio/[0-9]*"), "gpu": ("nvidia[0-9]*", "kfd")}  # under /dev
+LOCKS = {"tpu": "tpu", "gpu": "cuda12"}  # the cluster/locks/<name>.txt that brings JAX's plugin for each
+
+
+def accelerator_files() -> dict[str, list[str]]:
+    """The accelerator chips' device files by platform: under ``$MCJAX_DEV_DIR`` (a test's stand-in
+    for this machine's devices), else ``/dev``."""
+    root = os.environ.get("MCJAX_DEV_DIR") or "/dev"
+    return {kind: sorted(f for pattern in patterns for f in glob.glob(f"{root}/{pattern}"))
+            for kind, patterns in ACCELERATOR_FILES.items()}
+
+
 def detect_platform() -> str:
     """``tpu``, ``gpu`` or ``cpu``, without starting JAX: from ``JAX_PLATFORMS``, else an installed
     plugin (libtpu, jax's CUDA/ROCm plugins) together with the chips' device files. A plugin alone
@@ -113,13 +125,29 @@ def detect_platform() -> str:
     first = os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip().lower()
     if first:
         return "gpu" if first in ("cuda", "rocm", "gpu") else first
-    if importlib.util.find_spec("libtpu") is not None and (glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")):
+    chips = accelerator_files()
+    if importlib.util.find_spec("libtpu") is not None and chips["tpu"]:
         return "tpu"
     if any(importlib.util.find_spec(m) is not None for m in
-           ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin")) and (
-            glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd")):
+           ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin")) and chips["gpu"]:
         return "gpu"
     return "cpu"
+
+
+def unused_accelerator(root: str = ".") -> str | None:
+    """Why this machine would run on CPU although it has accelerator chips (their device files are
+    here but JAX's plugin for them is not installed), naming the lock under ``root`` (the repository)
+    to install; None when JAX here uses what the machine has, or ``JAX_PLATFORMS`` chose."""
+    if os.environ.get("JAX_PLATFORMS") or detect_platform() != "cpu":
+        return None
+    for kind, files in accelerator_files().items():
+        if files:
+            lock = os.path.join(root, "cluster", "locks", f"{LOCKS[kind]}.txt")
+            return (f"this machine has {kind.upper()} chips ({', '.join(files[:4])}) but {sys.executable}'s jax "
+                    f"cannot use them (its {kind} plugin is not installed), so it would run on the CPU: install "
+                    f"the platform's lock, pip install -r {lock} (then pip install --no-deps -e {root}), or set "
+                    f"JAX_PLATFORMS=cpu to run on the CPU")
+    return None
 
 
 def probe(controller_ip: str, devices: bool, namespace: dict | None = None) -> dict[str, Any]:
