@@ -14,6 +14,21 @@
 # Host 0 runs the ipyparallel controller, the Jupyter server and the notebook kernel; hosts 1..N-1
 # run one ipyparallel engine each. Which JAX process the kernel is depends on MCJAX_NUMBERING.
 
+# mcjax_cluster_tag: what keeps one cluster's files in a home apart from another's where the hosts
+# share that home (Slurm, NFS homes): "" for the default cluster id (mcjax), else "-ID"
+# (./mcjax_setup.sh --name ID). It ends ~/$MCJAX_REMOTE_DIR (scripts, mcjax.env), host 0's ssh key,
+# its known hosts and the comment of its authorized_keys lines.
+mcjax_cluster_tag() {
+  [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
+  [ "${MCJAX_CLUSTER_ID:-mcjax}" = mcjax ] || printf '%s' "-$MCJAX_CLUSTER_ID"
+}
+# _mcjax_slurm_cpus SLURM_JOB_CPUS_PER_NODE: the fewest CPUs a node of the allocation has ("64(x2),32"
+# -> 32; empty: none).
+_mcjax_slurm_cpus() {
+  [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
+  printf '%s\n' "$1" | tr ',' '\n' | sed -n 's/^\([0-9][0-9]*\).*/\1/p' | sort -n | sed -n 1p
+}
+
 : "${MCJAX_PROVIDER:=gcloud}"                 # gcloud | ssh | slurm | local
 : "${MCJAX_STATE:=$HOME/.mcjax}"              # pid files, logs, cluster.json (per host, local disk, mode 700); on
                                               #   your machine also what setup started from it (setup.env): --stop
@@ -47,6 +62,10 @@ fi
 : "${MCJAX_SLURM_JOB_ID:=${SLURM_JOB_ID:-}}"  # slurm: the allocation every srun joins (srun --jobid)
 : "${MCJAX_SRUN_OPTS:=}"                      # slurm: extra srun options for the engines' and Jupyter's steps,
                                               #   e.g. --gpus-per-node=8 where a step does not get the job's GPUs
+: "${MCJAX_SRUN_CPUS:=${SLURM_JOB_CPUS_PER_NODE:+$(_mcjax_slurm_cpus "$SLURM_JOB_CPUS_PER_NODE")}}"  # slurm: step CPUs
+                                              #   (--cpus-per-task, with --mem=0: all the job's memory on the
+                                              #   node; empty: the fewest CPUs per node of the allocation,
+                                              #   SLURM_JOB_CPUS_PER_NODE; srun's default step gets one)
 : "${MCJAX_NFS_DIR:=}"                        # shared folder, same path on every host (empty: /mnt/mcjax, exported
                                               #   by host 0 over NFS; slurm: ~/mcjax-shared, a folder the nodes share)
 : "${MCJAX_SHARED_FS:=}"                      # 1: MCJAX_NFS_DIR is on a file system every host shares already (setup
@@ -92,7 +111,8 @@ fi
                                               #   local: $MCJAX_STATE/jax_cache; off: none
 : "${MCJAX_JAX_CACHE_MIN_SECS:=0}"            # cache programs that took at least this long to compile
 : "${MCJAX_JUPYTER_PORT:=8888}"               # Jupyter on host 0 (bound to 127.0.0.1; setup fails if it is taken)
-: "${MCJAX_REMOTE_DIR:=.mcjax-setup}"         # where mcjax_setup.sh copies these scripts (relative to home)
+: "${MCJAX_REMOTE_DIR:=.mcjax-setup$(mcjax_cluster_tag)}"  # where mcjax_setup.sh copies these scripts and
+                                              #   mcjax.env (relative to home; -ID for a cluster --name ID)
 : "${MCJAX_START_TIMEOUT:=120}"               # seconds to wait for the controller / engines to come up
 : "${MCJAX_STOP_TIMEOUT:=5}"                  # seconds between SIGTERM and SIGKILL when stopping
 : "${MCJAX_DRY_RUN:=0}"                       # 1: cluster_exec / cluster_scp / cluster_restart print each command
@@ -152,7 +172,7 @@ fi
 MCJAX_SETTINGS="MCJAX_PROVIDER MCJAX_CLUSTER MCJAX_ZONE MCJAX_PROJECT MCJAX_GCLOUD_SSH MCJAX_GCLOUD_PARALLEL \
 MCJAX_GCLOUD_RETRIES MCJAX_HOSTS \
 MCJAX_HOST_LIST MCJAX_INTERNAL_IPS MCJAX_USER MCJAX_CONNECT_TIMEOUT MCJAX_SSH_OPTS MCJAX_TRANSPORT \
-MCJAX_SLURM_JOB_ID MCJAX_SRUN_OPTS MCJAX_NFS_DIR MCJAX_SHARED_FS MCJAX_KEY_FROM MCJAX_BUCKET MCJAX_BUCKET_DIR MCJAX_VENV \
+MCJAX_SLURM_JOB_ID MCJAX_SRUN_OPTS MCJAX_SRUN_CPUS MCJAX_NFS_DIR MCJAX_SHARED_FS MCJAX_KEY_FROM MCJAX_BUCKET MCJAX_BUCKET_DIR MCJAX_VENV \
 MCJAX_UV_VERSION MCJAX_HOST_PYTHON MCJAX_UV_DIR MCJAX_REPO_DIR MCJAX_LOCK_PLATFORM MCJAX_LOCK MCJAX_JAX_SPEC MCJAX_STATE \
 MCJAX_PROFILE MCJAX_PROFILE_DIR MCJAX_CLUSTER_ID MCJAX_PYTHON MCJAX_LOCAL_DEVICES MCJAX_NUMBERING \
 MCJAX_COORDINATOR_PORT MCJAX_JAX_CACHE MCJAX_JAX_CACHE_MIN_SECS MCJAX_JUPYTER_PORT MCJAX_REMOTE_DIR \
@@ -273,8 +293,9 @@ _mcjax_srun_line() {
   fi
   node=$(_mcjax_host_addr "$1") || return 1
   shift
+  # --overlap: every step shares the node's CPUs, memory and GPUs; each may use all the job's.
   _mcjax_q srun "--jobid=$MCJAX_SLURM_JOB_ID" --overlap --nodes=1 --ntasks=1 "--nodelist=$node" \
-    --export=HOME,PATH,USER "$@"
+    ${MCJAX_SRUN_CPUS:+"--cpus-per-task=$MCJAX_SRUN_CPUS"} --mem=0 --export=HOME,PATH,USER "$@"
 }
 
 # The command line (quoted) that runs the command string $2 on host $1, by MCJAX_TRANSPORT (empty:
@@ -703,13 +724,16 @@ cluster_status() {
   cluster_exec 0 $((n - 1)) "$(_mcjax_q bash "$MCJAX_REMOTE_DIR/cluster/ipcluster.sh") status"
 }
 
-# cluster_port_forward [PORT]: forward 127.0.0.1:PORT here to Jupyter on host 0 (blocks; Ctrl-C
-# ends it). Both ends are bound to localhost: nothing is exposed on the network.
+# cluster_port_forward [LOCAL_PORT [REMOTE_PORT]]: forward 127.0.0.1:LOCAL_PORT here to
+# 127.0.0.1:REMOTE_PORT on host 0 (default: Jupyter's port, MCJAX_JUPYTER_PORT, for both; a taken
+# port here needs only another LOCAL_PORT). Blocks; Ctrl-C ends it. Both ends are bound to
+# localhost: nothing is exposed on the network.
 cluster_port_forward() {
   [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
-  local port=${1:-$MCJAX_JUPYTER_PORT} addr line
-  _mcjax_is_uint "$port" || { _mcjax_fail 2 "bad port '$port' (usage: cluster_port_forward [PORT])"; return; }
-  echo "forwarding http://127.0.0.1:$port -> host 0 127.0.0.1:$port (Ctrl-C to stop)"
+  local port=${1:-$MCJAX_JUPYTER_PORT} remote=${2:-$MCJAX_JUPYTER_PORT} addr line
+  _mcjax_is_uint "$port" || { _mcjax_fail 2 "bad port '$port' (usage: cluster_port_forward [LOCAL_PORT [REMOTE_PORT]])"; return; }
+  _mcjax_is_uint "$remote" || { _mcjax_fail 2 "bad port '$remote' (usage: cluster_port_forward [LOCAL_PORT [REMOTE_PORT]])"; return; }
+  echo "forwarding http://127.0.0.1:$port -> host 0 127.0.0.1:$remote (Ctrl-C to stop)"
   case "$MCJAX_PROVIDER" in
     local)
       echo "local provider: Jupyter runs on this machine, nothing to forward"
@@ -720,10 +744,10 @@ cluster_port_forward() {
       addr=$(_mcjax_host_addr 0) || return 1
       case "$addr" in *@*) ;; *) addr="$MCJAX_USER@$addr" ;; esac
       # shellcheck disable=SC2086
-      ssh -N $MCJAX_SSH_OPTS -L "127.0.0.1:$port:127.0.0.1:$port" "$addr"
+      ssh -N $MCJAX_SSH_OPTS -L "127.0.0.1:$port:127.0.0.1:$remote" "$addr"
       ;;
     gcloud)
-      line=$(_mcjax_gcloud_ssh_line 0 -- -N -L "127.0.0.1:$port:127.0.0.1:$port") || return 1
+      line=$(_mcjax_gcloud_ssh_line 0 -- -N -L "127.0.0.1:$port:127.0.0.1:$remote") || return 1
       eval "$line"
       ;;
     *) _mcjax_fail 1 "unknown MCJAX_PROVIDER '$MCJAX_PROVIDER' (gcloud, ssh, slurm or local)" ;;

@@ -30,7 +30,8 @@ mcjax_setup.sh: prepare a cluster for the multi-host JAX notebook (settings: mcj
                                                 (a cluster set up from another machine or state folder)
   ./mcjax_setup.sh --name NAME ...              any of the above for the cluster NAME: its own state folder
                                                 $MCJAX_STATE/clusters/NAME (and cluster id), so several clusters
-                                                are kept side by side
+                                                are kept side by side; on the hosts ~/.mcjax-setup-NAME and
+                                                host 0's key ~/.ssh/mcjax_ed25519-NAME (homes may be shared)
   ./mcjax_setup.sh --forget                     forget the real cluster $MCJAX_STATE records (hosts gone: allocation
                                                 ended, TPU deleted), after printing what it forgets; stops nothing
   ./mcjax_setup.sh --local-stop                 stop the local cluster of $MCJAX_STATE
@@ -153,8 +154,21 @@ fi
 # says (it may well be exported for another cluster), so that a caller's exit trap stops its own.
 STATE=${MCJAX_STATE:-$HOME/.mcjax}
 RECORD="$STATE/setup.env"
+# A cluster.json field ("provider", "cluster_id") of the state folder, or nothing.
+recorded_field() {
+  [ -f "$STATE/cluster.json" ] || return 0
+  sed -n "s/^ *\"$1\": *\"\([^\"]*\)\".*/\1/p" "$STATE/cluster.json" | sed -n 1p
+}
+# A host of a real cluster: its processes' pid files and a cluster.json naming another provider than
+# local, without setup.env (which is on the machine that set the cluster up).
+host_of_real_cluster() {
+  local p
+  [ ! -f "$STATE/local.env" ] && [ ! -f "$RECORD" ] || return 1
+  p=$(recorded_field provider)
+  [ -n "$p" ] && [ "$p" != local ]
+}
 local_recorded() {
-  [ -f "$STATE/local.env" ] || { [ ! -f "$RECORD" ] && compgen -G "$STATE/pids/*.pid" >/dev/null; }
+  [ -f "$STATE/local.env" ] || { [ ! -f "$RECORD" ] && ! host_of_real_cluster && compgen -G "$STATE/pids/*.pid" >/dev/null; }
 }
 
 SINGLE="$STATE/single.env"
@@ -216,6 +230,9 @@ case "$mode" in
         exit 0
       fi
       exec bash "$SETUP_DIR/cluster/single.sh" "$mode"
+    fi
+    if [ -z "$provider" ] && host_of_real_cluster; then
+      mcjax_die "MCJAX_STATE=$STATE is a host's of the $(recorded_field provider) cluster '$(recorded_field cluster_id)' (its cluster.json), not a local cluster: --$mode it from the machine that set it up (./mcjax_setup.sh --$mode there, with the same --name)"
     fi
     if [ "$provider" = local ] || { [ -z "$provider" ] && local_recorded; }; then
       local_cmd=$mode
@@ -282,8 +299,8 @@ export MCJAX_HOSTS MCJAX_INTERNAL_IPS MCJAX_HOST_LIST
 # internal IPs, with the key the `keys` step makes and the host keys it collected (no prompt, no
 # trust on first use). Slurm: srun, as from here.
 # shellcheck disable=SC2088  # ssh expands the ~ (on host 0)
-HOST_KEY='~/.ssh/mcjax_ed25519'
-HOST_SSH_OPTS="-i $HOST_KEY -o IdentitiesOnly=yes -o UserKnownHostsFile=~/.ssh/mcjax_known_hosts -o StrictHostKeyChecking=yes -o BatchMode=yes -o ConnectTimeout=$MCJAX_CONNECT_TIMEOUT -o ServerAliveInterval=15 -o ServerAliveCountMax=4"
+HOST_KEY="~/.ssh/mcjax_ed25519$(mcjax_cluster_tag)"
+HOST_SSH_OPTS="-i $HOST_KEY -o IdentitiesOnly=yes -o UserKnownHostsFile=~/.ssh/mcjax_known_hosts$(mcjax_cluster_tag) -o StrictHostKeyChecking=yes -o BatchMode=yes -o ConnectTimeout=$MCJAX_CONNECT_TIMEOUT -o ServerAliveInterval=15 -o ServerAliveCountMax=4"
 
 # The hosts' internal IPs as host 0 addresses them (user@IP where the host list names a user).
 host_side_list() {
@@ -298,14 +315,19 @@ host_side_list() {
   echo "${out# }"
 }
 
+NOTEBOOK_SETTINGS="DSR1_CHECKPOINT DSR1_API_KEY"  # set here: into mcjax.env, for host 0's Jupyter
 # write_env hosts|record: the settings as shell assignments. hosts: mcjax.env, which every host gets
 # in ~/$MCJAX_REMOTE_DIR: defaults there, so a variable set in a host's own environment wins; paths
 # under $HOME are taken under each host's home. record: setup.env in the state folder here, what
 # --stop and --status use (read with every MCJAX_* variable unset, so it is what counts).
 write_env() {
-  local kind=$1 var value
+  local kind=$1 var value vars=$MCJAX_SETTINGS
   echo "# written by mcjax_setup.sh ($kind); sourced by cluster/common.sh (hosts) or mcjax_setup.sh --stop (record)"
-  for var in $MCJAX_SETTINGS; do
+  # The notebooks' settings given here reach the kernel on host 0 (serve.ipynb, main.ipynb).
+  if [ "$kind" = hosts ]; then
+    for var in $NOTEBOOK_SETTINGS; do [ -z "${!var:-}" ] || vars="$vars $var"; done
+  fi
+  for var in $vars; do
     value=${!var}
     if [ "$kind" = hosts ]; then
       case "$MCJAX_PROVIDER:$var" in
@@ -332,6 +354,27 @@ write_env() {
 }
 
 dry() { [ "$MCJAX_DRY_RUN" = 1 ]; }
+
+# What the code step leaves out of the repository: git, venvs, caches, build output, training runs,
+# checkpoints and macOS metadata (._* files; COPYFILE_DISABLE keeps macOS's tar from adding them for
+# extended attributes).
+CODE_EXCLUDES=(.git .venv venv .mcjax __pycache__ '*.egg-info' '._*' .DS_Store runs checkpoints .ipynb_checkpoints
+  .pytest_cache build dist .whl)
+CODE_MAX_MB=100  # a file over this is weights, wherever it sits (the demo model, which dsr1 ships, is 21 MB)
+
+# The code step's tar command line, in the array CODE_TAR: CODE_EXCLUDES, and each file over
+# CODE_MAX_MB, named on stderr.
+code_archive() {
+  local f
+  CODE_TAR=(tar -C "$SETUP_DIR")
+  for f in "${CODE_EXCLUDES[@]}"; do CODE_TAR+=("--exclude=$f"); done
+  while IFS= read -r f; do
+    printf 'code: leaving out %s (over %s MB: weights belong on the shared folder or in a bucket)\n' "$f" "$CODE_MAX_MB" >&2
+    CODE_TAR+=("--exclude=$f")
+  done < <(cd "$SETUP_DIR" && find . \( -name .git -o -name .venv -o -name venv -o -name runs -o -name checkpoints \) \
+    -prune -o -type f -size +"$CODE_MAX_MB"M -print)
+  CODE_TAR+=(-czf - .)
+}
 
 # True for an IPv4 address of a private range (RFC 1918, carrier-grade NAT, loopback, link-local):
 # what the controller, JAX's coordinator and NFS may listen on.
@@ -424,7 +467,7 @@ for s in $steps; do
         slurm) command -v srun >/dev/null || mcjax_die "srun is not on PATH (run this inside a Slurm allocation)" ;;
         *) mcjax_die "unknown MCJAX_PROVIDER '$MCJAX_PROVIDER' (gcloud, ssh, slurm or local)" ;;
       esac
-      [ "$N" -ge 2 ] || mcjax_die "a cluster needs at least 2 hosts (host 0: controller + kernel; hosts 1..N-1: engines)"
+      [ "$N" -ge 2 ] || mcjax_die "a cluster needs at least 2 hosts (host 0: controller + kernel; hosts 1..N-1: engines), this one has $N: for one machine (a TPU VM such as a v6e-8, one GPU box) run ./mcjax_setup.sh --single on it"
       i=0
       for ip in $IPS; do
         echo "  host $i: internal IP $ip"
@@ -523,10 +566,8 @@ for s in $steps; do
       ;;
     code)
       step "code: $SETUP_DIR -> $MCJAX_REPO_DIR (shared folder, via host 0; files the repository no longer has are deleted there)"
-      # Nothing of git, venvs, caches or macOS metadata (._* files; COPYFILE_DISABLE keeps macOS's
-      # tar from adding them for extended attributes).
-      set -- tar -C "$SETUP_DIR" --exclude=.git --exclude=.venv --exclude=.mcjax --exclude=__pycache__ \
-        --exclude='*.egg-info' --exclude='._*' --exclude=.DS_Store -czf - .
+      code_archive
+      set -- "${CODE_TAR[@]}"
       if dry; then
         _mcjax_stdin="COPYFILE_DISABLE=1 $(_mcjax_q "$@")"
         _mcjax_exec_one 0 "$(remote nfs.sh receive "$MCJAX_REPO_DIR")"

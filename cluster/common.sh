@@ -42,6 +42,10 @@ mcjax_sudo() {
 : "${MCJAX_APT_LOCK_TIMEOUT:=600}"
 mcjax_apt_install() {
   local i
+  # Before the retries: a host without apt or without root for this user never gets there.
+  command -v apt-get >/dev/null 2>&1 || mcjax_die "installing $* needs apt-get, which this host lacks: install $* yourself, then run setup again"
+  [ "$(id -u)" -eq 0 ] || sudo -n true 2>/dev/null ||
+    mcjax_die "installing $* needs root, and sudo asks this user ($(id -un)) for a password or refuses: install $* yourself (or give the user passwordless sudo), then run setup again"
   for i in $(seq 1 10); do
     mcjax_sudo apt-get -o DPkg::Lock::Timeout="$MCJAX_APT_LOCK_TIMEOUT" update -qq && break
     [ "$i" -lt 10 ] || mcjax_die "apt-get update kept failing (another apt running? network?)"

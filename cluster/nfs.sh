@@ -5,7 +5,9 @@
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 EXPORT_OPTIONS="rw,sync,no_subtree_check,root_squash"
-MOUNT_OPTIONS="rw,hard,noatime,_netdev"
+MOUNT_OPTIONS="rw,hard,noatime"
+# At boot: after the network (_netdev), and a host 0 that is gone does not stop the boot (nofail).
+FSTAB_OPTIONS="$MOUNT_OPTIONS,_netdev,nofail"
 : "${MCJAX_EXPORTS_FILE:=/etc/exports.d/mcjax.exports}"
 : "${MCJAX_FSTAB:=/etc/fstab}"
 
@@ -28,7 +30,9 @@ The exports go to their own file, /etc/exports.d/mcjax.exports (MCJAX_EXPORTS_FI
 whole on every run: one entry per host IP, never a network range or '*'. The fstab line is
 written only after the mount worked. apt waits for the dpkg lock of a fresh VM. receive lists
 what it unpacked in DIR/.mcjax-manifest and deletes only files that list named before: files made
-on the cluster (notebooks, build metadata) are never touched. Idempotent.
+on the cluster (notebooks, build metadata) are never touched. A file it brought and that was edited
+on the cluster since (its sha256 is not the one in DIR/.mcjax-sums) stays as it is: the repository's
+version goes next to it (notebooks/main.ipynb: notebooks/main.repo.ipynb). Idempotent.
 EOF
 }
 
@@ -87,7 +91,35 @@ fstab_line() {
   local server=${1:-}
   [ -n "$server" ] || mcjax_usage_error "SERVER_IP missing (nfs.sh fstab-line|fstab-ensure|client SERVER_IP)"
   check_dir
-  printf '%s:%s %s nfs %s 0 0\n' "$server" "$MCJAX_NFS_DIR" "$MCJAX_NFS_DIR" "$MOUNT_OPTIONS"
+  printf '%s:%s %s nfs %s 0 0\n' "$server" "$MCJAX_NFS_DIR" "$MCJAX_NFS_DIR" "$FSTAB_OPTIONS"
+}
+
+# The fstab line of LINE's server folder on this mount point, when it has other options (an earlier
+# setup's, without nofail), squeezed; nothing otherwise.
+older_line() {
+  local spec
+  [ -f "$MCJAX_FSTAB" ] || return 0
+  spec=$(echo "$1" | awk '{ print $1 }')
+  awk -v s="$spec" -v m="$MCJAX_NFS_DIR" -v l="$(echo "$1" | tr -s ' \t' '  ')" \
+    '{ x = $0; gsub(/[ \t]+/, " ", x) } $1 == s && $2 == m && $3 == "nfs" && x != l { print x }' "$MCJAX_FSTAB"
+}
+
+# An earlier setup's line for LINE's mount (older_line) is removed, before LINE is added.
+drop_older_line() {
+  local spec tmp
+  [ -n "$(older_line "$1")" ] || return 0
+  spec=$(echo "$1" | awk '{ print $1 }')
+  mcjax_log "replacing the older $MCJAX_FSTAB line of $spec"
+  tmp=$(mktemp) || mcjax_die "cannot make a temporary file"
+  awk -v s="$spec" -v m="$MCJAX_NFS_DIR" '!($1 == s && $2 == m && $3 == "nfs")' "$MCJAX_FSTAB" >"$tmp"
+  if [ -w "$MCJAX_FSTAB" ]; then cat "$tmp" >"$MCJAX_FSTAB"; else mcjax_sudo tee "$MCJAX_FSTAB" <"$tmp" >/dev/null; fi
+  rm -f "$tmp"
+}
+
+# LINE in the fstab, replacing an earlier setup's line for the same mount.
+fstab_ensure() {
+  drop_older_line "$1"
+  mcjax_fstab_ensure "$MCJAX_FSTAB" "$1"
 }
 
 cmd_client() {
@@ -97,37 +129,47 @@ cmd_client() {
     mcjax_log "installing the NFS client (nfs-common)"
     mcjax_apt_install nfs-common
   fi
-  mcjax_fstab_has "$MCJAX_FSTAB" "$line" || true  # a conflicting entry stops us before mounting
+  # A conflicting entry stops us before mounting (an earlier setup's is replaced once the mount works).
+  [ -n "$(older_line "$line")" ] || mcjax_fstab_has "$MCJAX_FSTAB" "$line" || true
   mcjax_sudo mkdir -p "$MCJAX_NFS_DIR"
   if mountpoint -q "$MCJAX_NFS_DIR"; then
     mcjax_log "$MCJAX_NFS_DIR is already mounted"
   else
     mcjax_log "mounting $server:$MCJAX_NFS_DIR on $MCJAX_NFS_DIR"
-    mcjax_sudo mount -t nfs -o "${MOUNT_OPTIONS%,_netdev}" "$server:$MCJAX_NFS_DIR" "$MCJAX_NFS_DIR" ||
+    mcjax_sudo mount -t nfs -o "$MOUNT_OPTIONS" "$server:$MCJAX_NFS_DIR" "$MCJAX_NFS_DIR" ||
       mcjax_die "mount of $server:$MCJAX_NFS_DIR failed: is host 0 exporting it (nfs.sh server) and reachable? (nothing was added to $MCJAX_FSTAB)"
   fi
-  mcjax_fstab_ensure "$MCJAX_FSTAB" "$line"
+  fstab_ensure "$line"
 }
 
 # The code step's receiving end: unpack the archive on stdin into DIR. The previous archive's names
 # are in DIR/.mcjax-manifest: those this one lacks (files removed from the repository) are deleted,
-# deepest first, a folder only when it is empty. Nothing else in DIR is touched.
+# deepest first, a folder only when it is empty. A file edited on the cluster since (its sha256 is
+# not the one in DIR/.mcjax-sums, what the last copy brought: a notebook saved in Jupyter) is kept
+# as it is, neither overwritten nor deleted; the repository's version goes next to it (edited_copy).
+# Nothing else in DIR is touched.
 cmd_receive() {
-  local dir=${1:-} manifest listed f removed=0
+  local dir=${1:-} manifest listed f removed=0 edited
   [ -n "$dir" ] || mcjax_usage_error "receive needs DIR"
   mkdir -p "$dir" || mcjax_die "cannot create $dir"
   manifest="$dir/.mcjax-manifest"
+  edited=$(edited_files "$dir")
+  while IFS= read -r f; do [ -z "$f" ] || mv "$dir/$f" "$dir/$f.mcjax-edited"; done <<<"$edited"
   listed=$(mktemp "$dir/.mcjax-manifest.XXXXXX") || mcjax_die "cannot write in $dir"
   # tar -v names each member it unpacks: "./", "./dsr1/", "./dsr1/api.py".
   if ! tar -xzvf - -C "$dir" >"$listed"; then
     rm -f "$listed"
+    restore_edited "$dir" "$edited"
     mcjax_die "unpacking the code into $dir failed"
   fi
   sed -e 's#^\./##' -e 's#/$##' -e '/^\.\{0,1\}$/d' "$listed" | LC_ALL=C sort -u >"$listed.sorted"
   rm -f "$listed"
+  write_sums "$dir" "$listed.sorted"
+  restore_edited "$dir" "$edited"
   if [ -f "$manifest" ]; then
     while IFS= read -r f; do
-      case "$f" in '' | /* | ../* | */../* | *.. | .mcjax-manifest*) continue ;; esac
+      case "$f" in '' | /* | ../* | */../* | *.. | .mcjax-manifest* | .mcjax-sums*) continue ;; esac
+      case $'\n'"$edited"$'\n' in *$'\n'"$f"$'\n'*) continue ;; esac  # edited here: kept
       if [ -d "$dir/$f" ] && [ ! -L "$dir/$f" ]; then
         rmdir "$dir/$f" 2>/dev/null || continue  # not empty: holds files made here
       elif [ -e "$dir/$f" ] || [ -L "$dir/$f" ]; then
@@ -140,6 +182,46 @@ cmd_receive() {
   fi
   mv "$listed.sorted" "$manifest"
   mcjax_log "unpacked $(wc -l <"$manifest" | tr -d ' ') entries into $dir; deleted $removed that the repository no longer has"
+}
+
+# The files under DIR that were edited since the last copy: their sha256 differs from the one in
+# DIR/.mcjax-sums (files gone since are not listed), one a line, relative to DIR.
+edited_files() {
+  [ -s "$1/.mcjax-sums" ] || return 0
+  (cd "$1" && sha256sum --quiet -c .mcjax-sums 2>/dev/null || true) | sed -n 's#^\./\(.*\): FAILED$#\1#p'
+}
+
+# DIR/.mcjax-sums: the sha256 of each regular file that LIST (names relative to DIR) names, as unpacked.
+write_sums() {
+  local dir=$1 list=$2 f
+  while IFS= read -r f; do
+    if [ -f "$dir/$f" ] && [ ! -L "$dir/$f" ]; then printf './%s\0' "$f"; fi
+  done <"$list" | (cd "$dir" && xargs -0 -r sha256sum) >"$dir/.mcjax-sums.tmp" &&
+    mv "$dir/.mcjax-sums.tmp" "$dir/.mcjax-sums"
+}
+
+# The name of the repository's version of an edited FILE: notebooks/main.ipynb -> notebooks/main.repo.ipynb.
+edited_copy() {
+  local f=$1 base=${1##*/}
+  case "$base" in
+    ?*.*) echo "${f%.*}.repo.${f##*.}" ;;
+    *) echo "$f.repo" ;;
+  esac
+}
+
+# Put the edited files (moved aside to NAME.mcjax-edited before unpacking) back in place; where the
+# archive brought a different version, it goes to edited_copy's name.
+restore_edited() {
+  local dir=$1 f copy
+  while IFS= read -r f; do
+    [ -n "$f" ] && [ -e "$dir/$f.mcjax-edited" ] || continue
+    if [ -f "$dir/$f" ] && ! cmp -s "$dir/$f" "$dir/$f.mcjax-edited"; then
+      copy=$(edited_copy "$f")
+      mv "$dir/$f" "$dir/$copy"
+      mcjax_log "kept $f as edited on the cluster; the repository's version is $copy"
+    fi
+    mv "$dir/$f.mcjax-edited" "$dir/$f"
+  done <<<"$2"
 }
 
 # A shared file system (Slurm, or MCJAX_SHARED_FS=1): check that $MCJAX_NFS_DIR is on it.
@@ -159,7 +241,7 @@ case "${1:-}" in
   exports) shift; exports_lines "$@" ;;
   server) shift; cmd_server "$@" ;;
   fstab-line) fstab_line "${2:-}" ;;
-  fstab-ensure) fstab_line "${2:-}" >/dev/null; mcjax_fstab_ensure "$MCJAX_FSTAB" "$(fstab_line "${2:-}")" ;;
+  fstab-ensure) fstab_line "${2:-}" >/dev/null; fstab_ensure "$(fstab_line "${2:-}")" ;;
   client) cmd_client "${2:-}" ;;
   shared-mark) shared_mark "${2:-}" ;;
   shared-check) shared_check "${2:-}" ;;

@@ -23,11 +23,22 @@ this machine.
 The Python is $MCJAX_PYTHON (dsr1 with the notebook extra installed). Jupyter starts in
 $MCJAX_STATE/run with PYTHONSAFEPATH=1 and the compilation cache ($MCJAX_JAX_CACHE); its root is
 this repository. A machine without an accelerator gets JAX_PLATFORMS=cpu and
-$MCJAX_LOCAL_DEVICES CPU devices (XLA_FLAGS).
+$MCJAX_LOCAL_DEVICES CPU devices (XLA_FLAGS); one with accelerators uses them (MCJAX_LOCAL_DEVICES
+does not reach its kernel), and one whose jax cannot use its chips (a CPU-only jax) is refused,
+naming the lock to install (cluster/locks/tpu.txt, cuda12.txt), unless JAX_PLATFORMS=cpu asks for
+the CPU.
 EOF
 }
 
 MARKER="--port=$MCJAX_JUPYTER_PORT"
+
+# Why this machine would run on CPU although it has accelerators (JAX's plugin for them is not
+# installed), naming the lock to install; nothing when JAX uses what it has.
+unused_accelerator() {
+  (cd "$(mcjax_run_dir)" && "$MCJAX_PYTHON" -P -c 'import sys
+from dsr1.workbench.process import unused_accelerator
+print(unused_accelerator(sys.argv[1]) or "")' "$MCJAX_ROOT")
+}
 
 # tpu, gpu or cpu: what JAX would use here (without starting it).
 platform() {
@@ -35,7 +46,7 @@ platform() {
 }
 
 cmd_start() {
-  local kind pid line root
+  local kind pid line root unused keep
   [ ! -f "$MCJAX_STATE/setup.env" ] && [ ! -f "$MCJAX_STATE/local.env" ] ||
     mcjax_die "MCJAX_STATE=$MCJAX_STATE records another cluster: stop it (./mcjax_setup.sh --stop) or use another MCJAX_STATE"
   (cd "$(mcjax_run_dir)" && "$MCJAX_PYTHON" -P -c 'import jax, jupyterlab, dsr1') 2>/dev/null ||
@@ -46,11 +57,17 @@ cmd_start() {
     return 0
   fi
   kind=$(platform) || mcjax_die "cannot tell this machine's platform"
+  if [ "$kind" = cpu ]; then
+    unused=$(unused_accelerator) || mcjax_die "cannot tell whether this machine has accelerators"
+    [ -z "$unused" ] || mcjax_die "$unused"
+  fi
   set -- MCJAX_SINGLE=1 MCJAX_STATE="$MCJAX_STATE"
   while IFS= read -r line; do set -- "$@" "$line"; done < <(mcjax_process_env)
   root=""
   if [ "$(id -u)" -eq 0 ]; then root=--allow-root; fi  # containers run as root; Jupyter refuses it otherwise
+  keep=(-u MCJAX_LOCAL_DEVICES)  # the accelerators' own devices, not MCJAX_LOCAL_DEVICES fake CPU ones
   if [ "$kind" = cpu ]; then
+    keep=()
     set -- "$@" JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=$MCJAX_LOCAL_DEVICES"
   fi
   port_free "$MCJAX_JUPYTER_PORT" ||
@@ -60,7 +77,7 @@ cmd_start() {
   printf 'MCJAX_SINGLE=1\nMCJAX_PLATFORM=%s\nMCJAX_JUPYTER_PORT=%s\nMCJAX_PYTHON=%s\nMCJAX_LOCAL_DEVICES=%s\nMCJAX_JAX_CACHE=%s\n' \
     "$kind" "$MCJAX_JUPYTER_PORT" "$MCJAX_PYTHON" "$MCJAX_LOCAL_DEVICES" "$MCJAX_JAX_CACHE" >"$SINGLE_ENV"
   write_cluster_json "$kind"
-  mcjax_start_bg jupyter "$MCJAX_STATE/logs/jupyter.log" env "$@" \
+  mcjax_start_bg jupyter "$MCJAX_STATE/logs/jupyter.log" env ${keep[@]+"${keep[@]}"} "$@" \
     "$MCJAX_PYTHON" -m jupyter lab --no-browser --ip=127.0.0.1 "$MARKER" --ServerApp.port_retries=0 \
     --notebook-dir="$MCJAX_ROOT" ${root:+"$root"}
   for _ in $(seq 1 "$MCJAX_START_TIMEOUT"); do

@@ -21,11 +21,16 @@ reset_engines work on host 0 (a TPU VM's workers cannot `gcloud ... ssh` each ot
 The host keys are read on each host through the provider's own authenticated channel (gcloud or
 ssh from your machine), so host 0 checks them strictly and never trusts a key on first use.
 mcjax.env on the hosts then has MCJAX_TRANSPORT=ssh, the internal IPs and these files in
-MCJAX_SSH_OPTS. Idempotent.
+MCJAX_SSH_OPTS. Idempotent. The cluster named ID (mcjax_setup.sh --name ID) has its own key, known
+hosts and lines: mcjax_ed25519-ID, mcjax_known_hosts-ID and mcjax-host0-ID, so that clusters whose
+hosts share a home leave each other's alone.
 EOF
 }
 
-KEY="$HOME/.ssh/mcjax_ed25519"
+TAG=$(mcjax_cluster_tag)
+KEY="$HOME/.ssh/mcjax_ed25519$TAG"
+MARK="mcjax-host0$TAG"             # the comment ending this cluster's authorized_keys lines
+KNOWN="$HOME/.ssh/mcjax_known_hosts$TAG"
 
 ssh_dir() {
   mkdir -p "$HOME/.ssh"
@@ -65,7 +70,7 @@ cmd_authorize() {
   case "$from" in
     *[!A-Za-z0-9.:,*?!/-]*) mcjax_usage_error "authorize: FROM must be addresses or patterns, not '$from'" ;;
   esac
-  line="$pub mcjax-host0"
+  line="$pub $MARK"
   if [ -n "$from" ]; then line="from=\"$from\" $line"; fi
   ssh_dir
   if [ -f "$file" ] && grep -qxF -- "$line" "$file"; then
@@ -79,18 +84,18 @@ cmd_authorize() {
   mcjax_log "authorized host 0's key${from:+ from $from}"
 }
 
-# Remove the lines of FILE holding the fixed string TEXT and ending in " mcjax-host0"; the other
+# Remove the lines of FILE holding the fixed string TEXT and ending in " $MARK"; the other
 # lines, their order and the file's mode stay.
 drop_lines() {
   local file=$1 text=$2
   [ -f "$file" ] || return 0
-  awk -v t="$text" '!((t == "" || index($0, t)) && $NF == "mcjax-host0")' "$file" >"$file.mcjax.tmp" &&
+  awk -v t="$text" -v m="$MARK" '!((t == "" || index($0, t)) && $NF == m)' "$file" >"$file.mcjax.tmp" &&
     chmod 600 "$file.mcjax.tmp" && mv "$file.mcjax.tmp" "$file"
 }
 
 cmd_unauthorize() {
   local file="$HOME/.ssh/authorized_keys"
-  if [ -f "$file" ] && awk '$NF == "mcjax-host0" { found = 1 } END { exit !found }' "$file"; then
+  if [ -f "$file" ] && awk -v m="$MARK" '$NF == m { found = 1 } END { exit !found }' "$file"; then
     drop_lines "$file" ""
     mcjax_log "removed host 0's key from $file"
   else
@@ -101,8 +106,8 @@ cmd_unauthorize() {
 cmd_known_hosts() {
   [ "$#" -ge 1 ] || mcjax_usage_error "known-hosts needs LINEs (IP TYPE KEY)"
   ssh_dir
-  (umask 077 && printf '%s\n' "$@" >"$HOME/.ssh/mcjax_known_hosts.tmp")
-  mv "$HOME/.ssh/mcjax_known_hosts.tmp" "$HOME/.ssh/mcjax_known_hosts"
+  (umask 077 && printf '%s\n' "$@" >"$KNOWN.tmp")
+  mv "$KNOWN.tmp" "$KNOWN"
   mcjax_log "host 0 knows the host keys of $# hosts"
 }
 

@@ -85,17 +85,28 @@ venv_is_host0s() {
   [ -s "$OWNER_SHARED" ] && cmp -s "$OWNER_SHARED" "$OWNER_VENV"
 }
 
-# The venv with uv's CPython $MCJAX_HOST_PYTHON (made anew when it has another Python).
+# The full version (3.12.9) of a Python interpreter, or nothing.
+python_version() {
+  "$1" -c 'import sys; print(sys.version.split()[0])' 2>/dev/null || true
+}
+
+# The venv with uv's CPython $MCJAX_HOST_PYTHON, made anew when its Python is another version, down
+# to the patch level (a 3.12 venv of another 3.12.x is not every host's Python).
 ensure_venv() {
+  local python want have
   ensure_uv
   "$UV" python install "$MCJAX_HOST_PYTHON" || mcjax_die "uv could not install CPython $MCJAX_HOST_PYTHON"
-  if [ -x "$MCJAX_VENV/bin/python" ] &&
-    "$MCJAX_VENV/bin/python" -c 'import sys; v = sys.argv[1].split("."); sys.exit([str(x) for x in sys.version_info[:len(v)]] != v)' "$MCJAX_HOST_PYTHON" 2>/dev/null; then
-    mcjax_log "reusing the venv $MCJAX_VENV ($("$MCJAX_VENV/bin/python" --version 2>&1))"
+  python=$("$UV" python find --managed-python "$MCJAX_HOST_PYTHON") && [ -n "$python" ] ||
+    mcjax_die "uv installed CPython $MCJAX_HOST_PYTHON but cannot find it"
+  want=$(python_version "$python")
+  [ -n "$want" ] || mcjax_die "$python (uv's CPython $MCJAX_HOST_PYTHON) does not run"
+  have=""
+  if [ -x "$MCJAX_VENV/bin/python" ]; then have=$(python_version "$MCJAX_VENV/bin/python"); fi
+  if [ "$have" = "$want" ]; then
+    mcjax_log "reusing the venv $MCJAX_VENV (Python $have)"
   else
-    mcjax_log "creating the venv $MCJAX_VENV with CPython $MCJAX_HOST_PYTHON"
-    "$UV" venv --clear --seed --python "$MCJAX_HOST_PYTHON" --managed-python "$MCJAX_VENV" ||
-      mcjax_die "uv could not create $MCJAX_VENV"
+    mcjax_log "creating the venv $MCJAX_VENV with CPython $want${have:+ (it had $have)}"
+    "$UV" venv --clear --seed --python "$python" "$MCJAX_VENV" || mcjax_die "uv could not create $MCJAX_VENV"
   fi
 }
 

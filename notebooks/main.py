@@ -63,10 +63,13 @@ print(f"process {jax.process_index()} of {jax.process_count()}: {jax.local_devic
 # ## Mesh and model
 # One mesh over every device of every process; weights are created (or read) directly into their shards,
 # in every process (`mesh`, `model` and `tokenizer` are defined everywhere for the `%%everywhere` cells).
+# The weights' form comes from the capacity plan for these devices: full precision where it fits, else
+# int8 (R1 on a v5e-64 or 8xH200); pass `quant=` / `kv_cache_dtype=` to choose it yourself.
 
 # %%
 CHECKPOINT = os.environ.get("DSR1_CHECKPOINT")   # None: the embedded demo model, shipped on every host
-model, tokenizer = mcjax.load_everywhere(cluster, CHECKPOINT, mtp=True)
+model, tokenizer = mcjax.load_everywhere(cluster, CHECKPOINT, mtp=True)   # quant="auto", kv_cache_dtype="auto"
+print(WEIGHTS_FORM.describe())
 gate = model.params["moe_layers"]["moe"]["gate"]
 print(f"checkpoint: {CHECKPOINT or 'none: the embedded demo model'}; mesh {dict(mesh.shape)}; this process holds "
       f"{len(gate.addressable_shards)} expert shards of shape {gate.addressable_shards[0].data.shape}")

@@ -58,6 +58,7 @@ from dsr1.server.options import bind_refusal
 
 CHECKPOINT = os.environ.get("DSR1_CHECKPOINT")   # None: the embedded demo model
 MODEL_NAME = Path(CHECKPOINT).resolve().name if CHECKPOINT else "dsr1-demo"
+QUANT = KV_CACHE_DTYPE = "auto"   # the capacity plan's form for these devices (int8 where bf16 does not fit)
 leader_engine = next((e for e in layout.engines if e.process_id == 0), None)
 SERVE_HOST = leader_engine.address if leader_engine else "127.0.0.1"
 SERVE_PORT = 0
@@ -65,7 +66,7 @@ API_KEY = os.environ.get("DSR1_API_KEY") or secrets.token_urlsafe(16)
 if refusal := bind_refusal(SERVE_HOST, API_KEY):   # as `python -m dsr1 serve` refuses it
     raise ValueError(refusal)
 settings = dict(CHECKPOINT=CHECKPOINT, MODEL_NAME=MODEL_NAME, SERVE_HOST=SERVE_HOST, SERVE_PORT=SERVE_PORT,
-                API_KEY=API_KEY)
+                API_KEY=API_KEY, QUANT=QUANT, KV_CACHE_DTYPE=KV_CACHE_DTYPE)
 cluster.client[:].push(settings, block=True)
 print(f"model {MODEL_NAME!r} ({CHECKPOINT or 'the embedded demo model'}); process 0 "
       f"({leader_engine.describe() if leader_engine else 'this kernel'}) will serve on {SERVE_HOST}")
@@ -83,17 +84,21 @@ print(f"process {jax.process_index()} of {jax.process_count()}: {jax.local_devic
 
 # %% [markdown]
 # ## Mesh and model
-# One mesh over every device of every process; weights are created (or read) directly into their shards.
+# One mesh over every device of every process; weights are created (or read) directly into their shards,
+# in the form the capacity plan fits on these devices (`QUANT` and `KV_CACHE_DTYPE` above: "auto", or your own).
 
 # %%
 # %%everywhere
 import dsr1
+from dsr1.workbench.weights_form import weights_form
 
 mesh = dsr1.make_mesh()
 path = CHECKPOINT or dsr1.demo_checkpoint()      # the package ships the demo model on every host
-model = dsr1.load(path, mesh=mesh, progress=PROCESS_ID == KERNEL_PROCESS_ID)
+form = weights_form(path, mesh, QUANT, KV_CACHE_DTYPE)
+model = dsr1.load(path, mesh=mesh, quant=form.quant, kv_cache_dtype=form.kv_cache_dtype,
+                  progress=PROCESS_ID == KERNEL_PROCESS_ID)
 tokenizer = dsr1.load_tokenizer(path)
-print(f"mesh {dict(mesh.shape)}")
+print(f"mesh {dict(mesh.shape)}; {form.describe()}")
 
 # %% [markdown]
 # ## Start serving in background threads

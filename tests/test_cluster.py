@@ -98,8 +98,11 @@ def test_nfs_exports_list_exactly_the_hosts(tmp_path):
 
 
 def test_fstab_entry_is_added_once(tmp_path):
+    """One line per mount, with nofail (a boot whose host 0 is gone goes on); an earlier setup's line
+    for the same mount (without nofail) is replaced, another server's is an error."""
     fstab = tmp_path / "fstab"
-    fstab.write_text("UUID=abc / ext4 defaults 0 1\n")
+    earlier = "10.128.0.11:/mnt/shared /mnt/shared nfs rw,hard,noatime,_netdev 0 0"
+    fstab.write_text(f"UUID=abc / ext4 defaults 0 1\n{earlier}\n")
     env = clean_env(MCJAX_PROVIDER="ssh", MCJAX_NFS_DIR="/mnt/shared", MCJAX_FSTAB=str(fstab),
                     MCJAX_STATE=str(tmp_path))
     for _ in range(2):
@@ -107,7 +110,7 @@ def test_fstab_entry_is_added_once(tmp_path):
         assert done.returncode == 0, done.stderr
     lines = fstab.read_text().splitlines()
     assert lines == ["UUID=abc / ext4 defaults 0 1",
-                     "10.128.0.11:/mnt/shared /mnt/shared nfs rw,hard,noatime,_netdev 0 0"]
+                     "10.128.0.11:/mnt/shared /mnt/shared nfs rw,hard,noatime,_netdev,nofail 0 0"]
     other = run(["bash", ROOT / "cluster/nfs.sh", "fstab-ensure", "10.128.0.99"], env=env)  # another server
     assert other.returncode != 0 and "different entry for /mnt/shared" in other.stderr
     assert fstab.read_text().splitlines() == lines
@@ -142,6 +145,29 @@ def test_platform_numbering_gives_the_kernel_the_platform_variables_and_a_bind_a
     assert process_env(cluster, layout, kernel=False) == {"JAX_COORDINATOR_PORT": "4321"}
     kernel_last = number_processes([3], engine, 4321, "kernel-last")
     assert process_env(cluster, kernel_last, kernel=True) == {}
+
+
+def test_an_engine_is_dead_by_its_own_host_not_by_a_shared_hostname():
+    """Hosts cloned from one image share a hostname: an engine elsewhere whose pid does not run here
+    is alive; one of this host (its probe's host key) whose process is gone is dead, as is one that
+    left the controller."""
+    from types import SimpleNamespace
+
+    from dsr1.workbench.connection import Cluster
+    from dsr1.workbench.engines import dead_engines
+    from dsr1.workbench.layout import number_processes
+    from dsr1.workbench.process import host_key
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    here, name = host_key(), socket.gethostname()
+    infos = [dict(host_index=str(i), hostname=name, pid=gone.pid, address=f"10.0.0.{i}", host_key=key)
+             for i, key in ((1, "another-boot net:[1]"), (2, here), (3, "another-boot net:[1]"))]
+    layout = number_processes([0, 1, 2], infos, 9999, "kernel-last")
+    assert [e.host_key for e in layout.engines] == ["another-boot net:[1]", here, "another-boot net:[1]"]
+    cluster = Cluster(SimpleNamespace(ids=[0, 1]), layout=layout)
+    assert dead_engines(cluster, [0, 1, 2]) == [1, 2]
+    assert here.split()[0] == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
 
 
 def test_watchdog_ends_a_stuck_call_when_an_engine_is_dead():
@@ -288,6 +314,11 @@ def test_health_check_flags_mismatches():
                       for i in range(3)]) == []
     same_host = find_problems([dict(base, role=f"engine {i}", PROCESS_ID=i, process_index=i) for i in range(3)])
     assert same_host == ["engine 0, engine 1, engine 2 run on the same host h: one engine per host expected"]
+    clones = [dict(base, role=f"engine {i}", PROCESS_ID=i, process_index=i, host_key=f"boot-{i} net:[1]")
+              for i in range(3)]  # hosts cloned from one image: one hostname, three machines
+    assert find_problems(clones) == []
+    clones[2]["host_key"] = clones[1]["host_key"]
+    assert find_problems(clones) == ["engine 1, engine 2 run on the same host h: one engine per host expected"]
 
 
 def test_jax_still_has_the_private_names_the_workbench_relies_on():
@@ -314,6 +345,51 @@ def test_only_the_adapter_reaches_into_jax_private_modules():
     offenders = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "dsr1").rglob("*.py"))
                  if "jax._src" in p.read_text() and p.name != "jax_internals.py"]
     assert offenders == [], f"use dsr1.workbench.jax_internals instead of jax._src in {offenders}"
+
+
+def test_a_second_kernel_is_refused_while_the_first_holds_the_cluster(tmp_path):
+    """connect() in a second kernel (another notebook on host 0) while the first still runs: refused
+    before it touches the controller or the engines, naming the first kernel, whose record stays; once
+    the first is gone (or with take_over=True) the cluster is this kernel's."""
+    import dsr1.workbench as mcjax
+    from dsr1.workbench import ownership
+
+    state = tmp_path / "state"
+    first = subprocess.Popen(["sleep", "60"])
+    try:
+        held = {"pid": first.pid, "hostname": socket.gethostname(), "started": ownership._start_ticks(first.pid),
+                "connection_file": "/run/user/1/jupyter/kernel-first.json", "notebook": "cluster_check.ipynb"}
+        state.mkdir()
+        (state / "kernel.json").write_text(json.dumps(held))
+        with pytest.raises(mcjax.ClusterError) as refused:
+            mcjax.connect(state=state, namespace={})
+        message = str(refused.value)
+        assert f"pid {first.pid} on {socket.gethostname()}" in message, message
+        assert "notebook cluster_check.ipynb" in message and "kernel-first.json" in message, message
+        assert json.loads((state / "kernel.json").read_text()) == held  # the first kernel's record stays
+        assert ownership.claim(state, take_over=True)["pid"] == os.getpid()
+        (state / "kernel.json").write_text(json.dumps(held))
+    finally:
+        first.kill()
+        first.wait()
+    assert not ownership.alive(held)  # gone (a later process with its pid would have another start time)
+    assert ownership.claim(state)["pid"] == os.getpid()
+    assert ownership.claim(state)["pid"] == os.getpid()  # connecting again in the same kernel
+    assert json.loads((state / "kernel.json").read_text())["pid"] == os.getpid()
+
+
+def test_an_engine_works_in_the_kernels_folder_where_its_host_has_it(tmp_path, monkeypatch):
+    """prepare_process(cwd=the kernel's folder): an engine moves there when its host has that folder
+    (the notebook's, on the shared folder) and stays where it is otherwise."""
+    from dsr1.workbench.process import prepare_process
+
+    monkeypatch.chdir(tmp_path)
+    notebooks = tmp_path / "shared" / "notebooks"
+    notebooks.mkdir(parents=True)
+    prepare_process(0, 2, None, namespace={}, cwd=str(tmp_path / "not on this host"))
+    assert Path.cwd() == tmp_path
+    prepare_process(0, 2, None, namespace={}, cwd=str(notebooks))
+    assert Path.cwd() == notebooks
 
 
 def test_probe_describes_this_process():
@@ -519,8 +595,9 @@ def test_px_local_initializes_jax_distributed_across_processes(local_cluster):
     assert sorted(r["index"] for r in results) == list(range(N))
     total = float(sum(range(1, 4 * N * DEVICES + 1)))
     for r in results:
+        # cwd: the engines work in the kernel's folder (the notebook's), not the scripts' run folder.
         assert r == dict(index=r["index"], count=N, devices=N * DEVICES, local=DEVICES, total=total,
-                         gathered=list(range(N))), r
+                         gathered=list(range(N)), cwd=str(ROOT)), r
     assert out["problems"] == [] and len(out["health"]) == N
     assert {p["local_devices"] for p in out["health"]} == {DEVICES}
     assert sorted(p["PROCESS_ID"] for p in out["health"]) == list(range(N))  # read from each user namespace
@@ -617,7 +694,7 @@ import psutil
 import dsr1.workbench as mcjax
 
 ALLREDUCE = """
-import jax, jax.numpy as jnp, numpy as np
+import os, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jax.experimental import multihost_utils
 mesh = Mesh(np.array(jax.devices()), ("d",))
@@ -626,7 +703,8 @@ x = jax.make_array_from_callback((n,), NamedSharding(mesh, P("d")), lambda i: np
 total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(x)
 gathered = multihost_utils.process_allgather(jnp.array([PROCESS_ID]))
 RESULT = dict(index=jax.process_index(), count=jax.process_count(), devices=jax.device_count(),
-              local=jax.local_device_count(), total=float(total), gathered=np.asarray(gathered).ravel().tolist())
+              local=jax.local_device_count(), total=float(total), gathered=np.asarray(gathered).ravel().tolist(),
+              cwd=os.getcwd())
 """
 
 mode, ports = sys.argv[1], [int(p) for p in sys.argv[2:]]

@@ -87,6 +87,7 @@ PROVIDERS = {
                 MCJAX_INTERNAL_IPS="10.0.0.10,10.0.0.11,10.0.0.12", MCJAX_VENV=f"{HOME}/dsr1 venv",
                 MCJAX_REMOTE_DIR=".mcjax setup", MCJAX_COORDINATOR_PORT="8477"),
     "slurm": dict(MCJAX_PROVIDER="slurm", SLURM_JOB_ID="4711", SLURM_JOB_NODELIST="node[01-03]",
+                  SLURM_JOB_CPUS_PER_NODE="64(x2),48",
                   MCJAX_INTERNAL_IPS="10.2.0.1 10.2.0.2 10.2.0.3", MCJAX_SRUN_OPTS="--gpus-per-node=8",
                   MCJAX_NFS_DIR="/scratch/o'brien/mcjax"),
 }
@@ -195,6 +196,9 @@ def test_dry_run_commands_survive_the_quoting(provider, tmp_path):
         assert [remote_words(c[2:])[2:] for c in launched] == [
             ["controller", "run", "10.2.0.1"], ["engine", "run"], ["engine", "run"], ["jupyter", "run"]]
         assert all("--jobid=4711" in c and "--overlap" in c for c in cmds)
+        # Each step gets the allocation's CPUs per node (the fewest of "64(x2),48") and the job's memory,
+        # not srun's one core.
+        assert all("--cpus-per-task=48" in c and "--mem=0" in c for c in cmds)
         assert ("--gpus-per-node=8" in launched[1]) and ("--gpus-per-node=8" not in launched[0])
         assert ["bash", ".mcjax-setup/cluster/nfs.sh", "shared-check", "mcjax-4711"] in scripts
 
@@ -218,6 +222,49 @@ def test_print_env_gives_host_0_what_it_needs_to_restart(tmp_path):
     gcloud = run([ROOT / "mcjax_setup.sh", "--print-env"], base_env(tmp_path, bin_dir, **PROVIDERS["gcloud"]), ROOT)
     assert 'MCJAX_USER=$(id -un)' in gcloud.stdout and "MCJAX_NUMBERING=platform" in gcloud.stdout
     assert calls(log) == []
+
+
+def test_the_notebooks_settings_given_here_reach_the_hosts(tmp_path):
+    """DSR1_CHECKPOINT and DSR1_API_KEY set for setup go into mcjax.env (for host 0's Jupyter and its
+    kernels); unset, they are not written, and a host's own value wins."""
+    bin_dir, _ = fake_tools(tmp_path)
+    env = base_env(tmp_path, bin_dir, **PROVIDERS["ssh"], DSR1_CHECKPOINT="/mnt/weights/DeepSeek-R1",
+                   DSR1_API_KEY="s3cret key")
+    done = run([ROOT / "mcjax_setup.sh", "--print-env"], env, ROOT)
+    assert done.returncode == 0, done.stderr
+    shown = run(["bash", "-c", f"{done.stdout}\necho \"$DSR1_CHECKPOINT|$DSR1_API_KEY\""],
+                {"HOME": "/h", "PATH": "/usr/bin:/bin"}, ROOT).stdout.strip()
+    assert shown == "/mnt/weights/DeepSeek-R1|s3cret key"
+    own = run(["bash", "-c", f"{done.stdout}\necho \"$DSR1_CHECKPOINT\""],
+              {"HOME": "/h", "PATH": "/usr/bin:/bin", "DSR1_CHECKPOINT": "/local/r1"}, ROOT).stdout.strip()
+    assert own == "/local/r1"
+    plain = run([ROOT / "mcjax_setup.sh", "--print-env"], base_env(tmp_path, bin_dir, **PROVIDERS["ssh"]), ROOT)
+    assert "DSR1_" not in plain.stdout
+
+
+def test_a_one_host_cluster_is_pointed_to_single(tmp_path):
+    """A TPU VM of one host (a v6e-8): setup stops, naming --single, the way to use one machine."""
+    bin_dir, _ = fake_tools(tmp_path)
+    env = base_env(tmp_path, bin_dir, **dict(PROVIDERS["gcloud"], MCJAX_CLUSTER="my-v6e-8", MCJAX_HOSTS="1",
+                                             MCJAX_INTERNAL_IPS="10.130.0.2"))
+    done = run([ROOT / "mcjax_setup.sh", "--dry-run"], env, ROOT)
+    assert done.returncode == 1 and "a cluster needs at least 2 hosts" in done.stderr, done.stdout + done.stderr
+    assert "this one has 1: for one machine (a TPU VM such as a v6e-8, one GPU box) run ./mcjax_setup.sh " \
+           "--single on it" in done.stderr
+
+
+def test_port_forward_takes_a_local_port_apart_from_host_0s(tmp_path):
+    """cluster_port_forward [LOCAL [REMOTE]]: REMOTE (default Jupyter's port) on host 0's loopback,
+    reached from LOCAL here (default the same): a port taken here needs only another LOCAL."""
+    bin_dir, log = fake_tools(tmp_path)
+    env = base_env(tmp_path, bin_dir, **PROVIDERS["ssh"], MCJAX_JUPYTER_PORT="8890")
+    for args, forward in (("", "127.0.0.1:8890:127.0.0.1:8890"), ("9999", "127.0.0.1:9999:127.0.0.1:8890"),
+                          ("9000 8000", "127.0.0.1:9000:127.0.0.1:8000")):
+        log.write_text("")
+        run(["bash", "-c", f". ./mcjax_defs.sh && cluster_port_forward {args}"], env, ROOT)
+        assert f"[-L] [{forward}] [o'brien@gpu-0]" in log.read_text(), (args, log.read_text())
+    bad = run(["bash", "-c", ". ./mcjax_defs.sh && cluster_port_forward 9000 http"], env, ROOT)
+    assert bad.returncode == 2 and "bad port 'http'" in bad.stderr
 
 
 def test_the_quoted_commands_run_as_printed(tmp_path):
@@ -282,6 +329,27 @@ def test_stop_acts_on_the_state_folders_local_cluster_not_on_mcjax_provider(tmp_
     assert nothing.returncode == 0 and "records no cluster: nothing to stop" in nothing.stdout
     status = run([ROOT / "mcjax_setup.sh", "--status"], env, ROOT)
     assert status.returncode == 1 and calls(log) == []
+
+
+def test_stop_on_host_0_does_not_take_the_real_cluster_for_a_local_one(tmp_path):
+    """Host 0's state folder holds the controller's pid files and cluster.json, but no setup.env: --stop,
+    --status and --check there say which cluster it is and where to stop it, and stop nothing."""
+    bin_dir, log = fake_tools(tmp_path)
+    state = tmp_path / "state"
+    (state / "pids").mkdir(parents=True)
+    (state / "pids" / "controller.pid").write_text("4242\n")
+    (state / "cluster.json").write_text(json.dumps({"provider": "gcloud", "cluster_id": "big", "engines": 15},
+                                                   indent=1))
+    env = base_env(tmp_path, bin_dir, MCJAX_PROVIDER="gcloud")
+    for mode in ("--stop", "--status", "--check"):
+        done = run([ROOT / "mcjax_setup.sh", mode, "--dry-run"], env, ROOT)
+        assert done.returncode == 1 and "local.sh" not in done.stdout, done.stdout + done.stderr
+        assert (f"is a host's of the gcloud cluster 'big' (its cluster.json), not a local cluster: {mode} it from "
+                f"the machine that set it up") in done.stderr, done.stderr
+    assert (state / "pids" / "controller.pid").exists() and calls(log) == []
+    (state / "cluster.json").write_text(json.dumps({"provider": "local", "cluster_id": "mine"}, indent=1))
+    local = run([ROOT / "mcjax_setup.sh", "--stop", "--dry-run"], env, ROOT)
+    assert local.returncode == 0 and "local.sh stop" in local.stdout, local.stdout + local.stderr
 
 
 def test_a_state_folder_holds_one_cluster(tmp_path):
@@ -369,18 +437,22 @@ def test_nfs_client_writes_fstab_only_after_the_mount_worked(tmp_path):
     (bin_dir / "mount.nfs").write_text("#!/bin/sh\nexit 0\n")
     (bin_dir / "mount.nfs").chmod(0o755)
     fstab = tmp_path / "fstab"
-    fstab.write_text("UUID=abc / ext4 defaults 0 1\n")
-    env = base_env(tmp_path, bin_dir, MCJAX_PROVIDER="ssh", MCJAX_NFS_DIR=str(tmp_path / "shared"),
-                   MCJAX_FSTAB=str(fstab))
+    shared = tmp_path / "shared"
+    # An earlier setup's line (without nofail): kept until the mount works, then replaced.
+    earlier = f"127.0.0.1:{shared} {shared} nfs rw,hard,noatime,_netdev 0 0"
+    fstab.write_text(f"UUID=abc / ext4 defaults 0 1\n{earlier}\n")
+    env = base_env(tmp_path, bin_dir, MCJAX_PROVIDER="ssh", MCJAX_NFS_DIR=str(shared), MCJAX_FSTAB=str(fstab))
     done = run(["bash", ROOT / "cluster/nfs.sh", "client", "127.0.0.1"], env, ROOT)
     assert done.returncode == 1 and "nothing was added" in done.stderr, done.stdout + done.stderr
-    assert fstab.read_text() == "UUID=abc / ext4 defaults 0 1\n"
+    assert fstab.read_text() == f"UUID=abc / ext4 defaults 0 1\n{earlier}\n"
     assert [c for c in calls(log) if c.startswith("mount ")]
     (bin_dir / "mount").write_text("#!/bin/sh\nexit 0\n")
     again = run(["bash", ROOT / "cluster/nfs.sh", "client", "127.0.0.1"], env, ROOT)
     assert again.returncode == 0, again.stderr
-    shared = tmp_path / "shared"
-    assert fstab.read_text().splitlines()[1] == f"127.0.0.1:{shared} {shared} nfs rw,hard,noatime,_netdev 0 0"
+    assert fstab.read_text().splitlines() == ["UUID=abc / ext4 defaults 0 1",
+                                              f"127.0.0.1:{shared} {shared} nfs rw,hard,noatime,_netdev,nofail 0 0"]
+    mounted = [c for c in calls(log) if c.startswith("mount ")][-1]
+    assert "[-o] [rw,hard,noatime]" in mounted, mounted
 
 
 def test_apt_always_waits_for_the_dpkg_lock():

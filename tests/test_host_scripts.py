@@ -21,7 +21,7 @@ import pytest
 from dsr1.workbench.process import ClusterError
 from dsr1.workbench.scripts import run_command, run_scripts
 
-from .test_dry_run import PROVIDERS, ROOT, base_env, calls, commands, fake_tools, remote_words, run
+from .test_dry_run import PROVIDERS, ROOT, base_env, calls, commands, fake_tools, remote_words, repo_copy, run
 
 
 def archive(files: dict[str, str]) -> bytes:
@@ -58,10 +58,56 @@ def test_the_code_copy_loses_what_the_repository_dropped_and_nothing_else(tmp_pa
     second = receive(tmp_path, target, {"README.md": "b", "dsr1/api.py": "3", "dsr1/new.py": "4"})
     assert second.returncode == 0, second.stderr
     left = sorted(str(p.relative_to(target)) for p in target.rglob("*"))
-    assert left == [".mcjax-manifest", "README.md", "dsr1", "dsr1.egg-info", "dsr1/api.py", "dsr1/new.py",
-                    "notebooks", "notebooks/mine.ipynb", "old", "old/kept", "old/kept/results.txt"], left
+    assert left == [".mcjax-manifest", ".mcjax-sums", "README.md", "dsr1", "dsr1.egg-info", "dsr1/api.py",
+                    "dsr1/new.py", "notebooks", "notebooks/mine.ipynb", "old", "old/kept", "old/kept/results.txt"], left
     assert (target / "README.md").read_text() == "b"
     assert "deleted 3 that the repository no longer has" in second.stderr.decode() + second.stdout.decode()
+
+
+def test_setup_again_keeps_notebooks_edited_on_the_cluster(tmp_path):
+    """A file the last copy brought and that was edited on the cluster since (a notebook saved in
+    Jupyter) is neither overwritten nor deleted by the next copy: the repository's version goes next
+    to it (main.repo.ipynb); a file not edited is updated; one deleted on the cluster comes back."""
+    target = tmp_path / "dsr1"
+    notebook, dropped = target / "notebooks" / "main.ipynb", target / "notebooks" / "old.ipynb"
+    first = receive(tmp_path, target, {"notebooks/main.ipynb": "a", "notebooks/old.ipynb": "o", "dsr1/api.py": "1"})
+    assert first.returncode == 0, first.stderr
+    notebook.write_text("mine")
+    dropped.write_text("mine too")
+    second = receive(tmp_path, target, {"notebooks/main.ipynb": "b", "dsr1/api.py": "2"})
+    assert second.returncode == 0, second.stderr
+    assert (notebook.read_text(), (target / "notebooks" / "main.repo.ipynb").read_text()) == ("mine", "b")
+    assert dropped.read_text() == "mine too" and (target / "dsr1" / "api.py").read_text() == "2"
+    assert "kept notebooks/main.ipynb as edited on the cluster; the repository's version is " \
+           "notebooks/main.repo.ipynb" in second.stdout.decode()
+    third = receive(tmp_path, target, {"notebooks/main.ipynb": "c", "dsr1/api.py": "2"})
+    assert third.returncode == 0, third.stderr
+    assert (notebook.read_text(), (target / "notebooks" / "main.repo.ipynb").read_text()) == ("mine", "c")
+    assert not list(target.rglob("*.mcjax-edited"))
+    notebook.unlink()  # given up on the cluster: the repository's comes back
+    assert receive(tmp_path, target, {"notebooks/main.ipynb": "d", "dsr1/api.py": "2"}).returncode == 0
+    assert notebook.read_text() == "d"
+
+
+def test_installing_without_root_or_apt_fails_at_once_saying_why(tmp_path):
+    """A user whose sudo asks for a password (or a host without apt-get) is told so before apt's
+    retries (ten tries, 10 s apart), and apt-get is never run."""
+    bin_dir, log = fake_tools(tmp_path, sudo="exit 1", id='case "$1" in -u) echo 1000;; -un) echo alice;; esac',
+                              **{"apt-get": "exit 0"})
+    env = base_env(tmp_path, bin_dir, MCJAX_PROVIDER="ssh")
+    start = time.monotonic()
+    done = run(["bash", "-c", ". cluster/common.sh && mcjax_apt_install nfs-common"], env, ROOT)
+    assert done.returncode == 1 and time.monotonic() - start < 5
+    assert "installing nfs-common needs root, and sudo asks this user (alice) for a password or refuses" in done.stderr
+    assert not [c for c in calls(log) if c.startswith("apt-get")]
+    (bin_dir / "apt-get").unlink()
+    tools = tmp_path / "tools"  # this host's tools, but apt-get
+    tools.mkdir()
+    for tool in ("bash", "dirname", "sed", "tr", "awk", "sort", "cat", "mkdir", "grep"):
+        (tools / tool).symlink_to(shutil.which(tool))
+    no_apt = run([tools / "bash", "-c", ". cluster/common.sh && mcjax_apt_install nfs-common"],
+                 dict(env, PATH=f"{bin_dir}{os.pathsep}{tools}"), ROOT)
+    assert no_apt.returncode == 1 and "needs apt-get, which this host lacks" in no_apt.stderr, no_apt.stderr
 
 
 def test_gcsfuse_mounts_as_its_fstab_line_says_and_the_line_has_nofail(tmp_path):
@@ -177,6 +223,38 @@ def test_the_code_step_leaves_out_macos_metadata(tmp_path):
     assert remote_words(commands(line)[0])[2:] == ["receive", "/mnt/mcjax/dsr1"]
 
 
+def test_the_code_copy_leaves_out_venvs_runs_and_checkpoints(tmp_path):
+    """The archive the code step sends: the sources and the demo model, not a venv, training runs,
+    a checkpoint folder or a weights file over 100 MB anywhere in the tree (named as it is left out)."""
+    import shlex
+
+    repo = repo_copy(tmp_path)
+    files = ["dsr1/api.py", "dsr1/demo_model/model.safetensors", "notebooks/main.ipynb", "venv/bin/python",
+             "runs/demo/step-100.npz", "checkpoints/r1/model-00001.safetensors", "my weights/config.json"]
+    for name in files:
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text("x")
+    with open(repo / "my weights" / "model-00001.safetensors", "wb") as f:
+        f.truncate(101 * 2**20)  # sparse: no disk used
+    bin_dir, _ = fake_tools(tmp_path)
+    env = base_env(tmp_path, bin_dir, **PROVIDERS["ssh"])
+    done = run([repo / "mcjax_setup.sh", "--dry-run", "--steps", "code"], env, repo)
+    assert done.returncode == 0, done.stderr
+    assert "code: leaving out ./my weights/model-00001.safetensors (over 100 MB" in done.stderr, done.stderr
+    line = next(line for line in done.stdout.splitlines() if line.startswith("+ COPYFILE_DISABLE=1 tar "))
+    tar = shlex.split(line.split(" | ", 1)[0])[2:]
+    assert tar[-3:] == ["-czf", "-", "."]
+    archive = tmp_path / "code.tgz"
+    made = subprocess.run([*tar[:-2], str(archive), "."], capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    with tarfile.open(archive) as t:
+        names = {n.removeprefix("./") for n in t.getnames()}
+    assert {"dsr1/api.py", "dsr1/demo_model/model.safetensors", "notebooks/main.ipynb", "my weights/config.json",
+            "mcjax_setup.sh"} <= names, names
+    assert not {n for n in names if n.split("/")[0] in ("venv", "runs", "checkpoints")}, names
+    assert "my weights/model-00001.safetensors" not in names
+
+
 # ----------------------------------------------------------------------------- reset_engines
 
 @pytest.mark.slow
@@ -205,3 +283,64 @@ def test_a_restart_that_hangs_is_a_cluster_error_naming_host_and_command(tmp_pat
 def test_a_failing_command_is_a_cluster_error_with_its_output(tmp_path):
     with pytest.raises(ClusterError, match=r"restarting the engines \(exit status 3\):\nboom"):
         run_command(["bash", "-c", "echo boom >&2; exit 3"], dict(os.environ), 10, "restarting the engines")
+
+
+@pytest.mark.skipif(shutil.which("ssh-keygen") is None, reason="no ssh-keygen")
+def test_two_clusters_on_one_home_keep_their_own_key_known_hosts_and_authorized_line(tmp_path):
+    """Clusters A (the default id) and B (--name B) whose hosts share a home: each has its own key,
+    known hosts and authorized_keys line; B's setup and stop leave A's alone, and the other way round."""
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "authorized_keys").write_text("ssh-ed25519 AAAAmine me@laptop\n")
+
+    def ssh_sh(cluster_id: str, *args: str) -> str:
+        env = base_env(tmp_path, tmp_path, MCJAX_PROVIDER="ssh", HOME=str(home), PATH=os.environ["PATH"],
+                       MCJAX_CLUSTER_ID=cluster_id)
+        done = run(["bash", ROOT / "cluster/ssh.sh", *args], env, ROOT)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    a_key, b_key = ssh_sh("mcjax", "key"), ssh_sh("B", "key")
+    assert a_key != b_key
+    assert (home / ".ssh" / "mcjax_ed25519").exists() and (home / ".ssh" / "mcjax_ed25519-B").exists()
+    ssh_sh("mcjax", "authorize", a_key, "10.0.0.10")
+    ssh_sh("B", "authorize", b_key, "10.0.1.10")
+    ssh_sh("mcjax", "known-hosts", "10.0.0.11 ssh-ed25519 AAAAa")
+    ssh_sh("B", "known-hosts", "10.0.1.11 ssh-ed25519 AAAAb")
+    authorized = home / ".ssh" / "authorized_keys"
+    a_line, b_line = f'from="10.0.0.10" {a_key} mcjax-host0', f'from="10.0.1.10" {b_key} mcjax-host0-B'
+    assert authorized.read_text().splitlines() == ["ssh-ed25519 AAAAmine me@laptop", a_line, b_line]
+    assert (home / ".ssh" / "mcjax_known_hosts").read_text() == "10.0.0.11 ssh-ed25519 AAAAa\n"
+    assert (home / ".ssh" / "mcjax_known_hosts-B").read_text() == "10.0.1.11 ssh-ed25519 AAAAb\n"
+    ssh_sh("B", "authorize", b_key, "10.0.1.99")  # B's host 0 moved: A's line stays
+    ssh_sh("mcjax", "unauthorize")  # A stops: B's line stays
+    assert authorized.read_text().splitlines() == ["ssh-ed25519 AAAAmine me@laptop",
+                                                   f'from="10.0.1.99" {b_key} mcjax-host0-B']
+    ssh_sh("B", "unauthorize")
+    assert authorized.read_text().splitlines() == ["ssh-ed25519 AAAAmine me@laptop"]
+
+
+def test_a_named_cluster_gets_its_own_settings_folder_and_key_on_the_hosts(tmp_path):
+    """--name B: the hosts' scripts and mcjax.env in ~/.mcjax-setup-B, host 0's key and known hosts
+    -B, so B's setup does not rewrite the mcjax.env the default cluster's --stop then reads."""
+    bin_dir, log = fake_tools(tmp_path)
+    env = base_env(tmp_path, bin_dir, **{k: v for k, v in PROVIDERS["ssh"].items() if k != "MCJAX_REMOTE_DIR"})
+
+    def settings(*args: str) -> dict[str, str]:
+        done = run([ROOT / "mcjax_setup.sh", *args, "--print-env"], env, ROOT)
+        assert done.returncode == 0, done.stderr
+        lines = run(["bash", "-c", f"{done.stdout}\nenv | grep ^MCJAX_ | sort"],
+                    {"HOME": "/h", "PATH": "/usr/bin:/bin"}, ROOT).stdout
+        return dict(line.split("=", 1) for line in lines.splitlines())
+
+    a, b = settings(), settings("--name", "B")
+    assert (a["MCJAX_REMOTE_DIR"], b["MCJAX_REMOTE_DIR"]) == (".mcjax-setup", ".mcjax-setup-B")
+    assert "-i ~/.ssh/mcjax_ed25519 " in a["MCJAX_SSH_OPTS"] and "mcjax_known_hosts " in a["MCJAX_SSH_OPTS"]
+    assert "-i ~/.ssh/mcjax_ed25519-B " in b["MCJAX_SSH_OPTS"] and "mcjax_known_hosts-B " in b["MCJAX_SSH_OPTS"]
+    assert b["MCJAX_STATE"].endswith("/clusters/B") and b["MCJAX_CLUSTER_ID"] == "B"
+    pushed = run([ROOT / "mcjax_setup.sh", "--name", "B", "--dry-run", "--steps", "push"], env, ROOT)
+    assert pushed.returncode == 0, pushed.stderr
+    assert ".mcjax-setup-B" in pushed.stdout and " .mcjax-setup " not in pushed.stdout, pushed.stdout
+    tags = run(["bash", "-c", ". ./mcjax_defs.sh; echo \"[$(mcjax_cluster_tag)]\"; MCJAX_CLUSTER_ID=x.1 "
+                "mcjax_cluster_tag"], env, ROOT).stdout.split()
+    assert tags == ["[]", "-x.1"]

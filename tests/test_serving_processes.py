@@ -89,7 +89,7 @@ def test_host_channel_sends_steps_and_table_deltas_to_every_follower():
 
     def stranger():  # connects first, as process 1 with a wrong token: the leader drops it
         offer = json.loads(offers.get(timeout=30))
-        with socket.create_connection(("127.0.0.1", offer["port"])) as s:
+        with socket.create_connection((offer["hosts"][0], offer["port"])) as s:
             s.sendall(b"\x01\x00\x00\x00" + b"x" * 16)
             assert s.recv(1) == b""
         turned_away.set()
@@ -134,6 +134,36 @@ def test_host_channel_sends_steps_and_table_deltas_to_every_follower():
     HostChannel(0, 2, rendezvous=lambda data: rendezvous(data, copies=1), timeout=30).close()  # no stop
     thread.join(30)
     assert "process 0 closed the serving control channel before its stop" in received["error"]
+
+
+def test_host_channel_listens_on_one_address_not_every_interface():
+    """Process 0 binds the first of its addresses it can (DSR1_CONTROL_HOST's first; one that is not
+    this host's is passed over), never 0.0.0.0, and offers the others only that one."""
+    import json
+    import os
+    import threading
+
+    from dsr1.serving import control
+
+    offered: list = []
+
+    def rendezvous(data):
+        offered.append(json.loads(data))
+        threading.Thread(target=lambda: control.HostChannel(1, 2, rendezvous=lambda _: data, timeout=30)).start()
+        return data
+
+    old = os.environ.get("DSR1_CONTROL_HOST")
+    os.environ["DSR1_CONTROL_HOST"] = "198.51.100.7"  # TEST-NET-2: no host's address
+    try:
+        expected = control.leader_addresses()[1]
+        with control._listen(8) as server:
+            assert server.getsockname()[0] == expected != "0.0.0.0"
+        leader = control.HostChannel(0, 2, rendezvous=rendezvous, timeout=30)
+    finally:
+        os.environ.pop("DSR1_CONTROL_HOST") if old is None else os.environ.update(DSR1_CONTROL_HOST=old)
+    leader.send(None)
+    leader.close()
+    assert offered[0]["hosts"] == [expected], offered
 
 
 @pytest.mark.slow

@@ -267,6 +267,7 @@ def test_venv_syncs_to_the_lock_and_check_names_what_differs(tmp_path):
     (uv_dir / "0.13.9").mkdir(parents=True)
     uv = uv_dir / "0.13.9" / "uv"
     uv.write_text(f'#!/bin/sh\necho "$*" >>"{log}"\ncase "$*" in --version) echo "uv 0.13.9";; '
+                  f'"python find"*) echo "{sys.executable}";; '
                   '*"--dry-run"*) printf " - dsr1==0.1.0\\n - jax==0.9.0\\n + jax==0.10.2\\n" >&2;; esac\nexit 0\n')
     uv.chmod(0o755)
     venv = _venv(tmp_path)
@@ -289,6 +290,46 @@ def test_venv_syncs_to_the_lock_and_check_names_what_differs(tmp_path):
     off = subprocess.run(["bash", str(ROOT / "cluster" / "venv.sh"), "deps"], env=dict(env, MCJAX_LOCK="off"),
                          capture_output=True, text=True, timeout=60)
     assert off.returncode == 0 and "pip install --quiet" in log.read_text().splitlines()[-1], off.stderr
+
+
+def test_a_venv_of_another_patch_release_is_made_anew(tmp_path):
+    """The venv is reused only when its Python is the very CPython uv installed for
+    MCJAX_HOST_PYTHON (3.12.9), not any 3.12: a 3.12.4 venv is made anew with that interpreter."""
+    log, uv_dir = tmp_path / "uv.log", tmp_path / "uv"
+    (uv_dir / "0.13.9").mkdir(parents=True)
+
+    def fake_python(path: Path, version: str) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"#!/bin/sh\necho {version}\n")
+        path.chmod(0o755)
+        return path
+
+    managed = fake_python(tmp_path / "managed" / "bin" / "python3.12", "3.12.9")
+    uv = uv_dir / "0.13.9" / "uv"
+    uv.write_text(f'#!/bin/sh\necho "$*" >>"{log}"\ncase "$*" in --version) echo "uv 0.13.9";; '
+                  f'"python find"*) echo "{managed}";; esac\nexit 0\n')
+    uv.chmod(0o755)
+    venv = tmp_path / "venv"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MCJAX_")}
+    env.update(MCJAX_PROVIDER="ssh", MCJAX_UV_DIR=str(uv_dir), MCJAX_VENV=str(venv), MCJAX_LOCK="off",
+               MCJAX_REPO_DIR=str(tmp_path / "repo"), MCJAX_STATE=str(tmp_path / "state"), MCJAX_HOST_PYTHON="3.12")
+    (tmp_path / "repo").mkdir()
+    (tmp_path / "repo" / "pyproject.toml").write_text("")
+
+    def deps() -> str:
+        done = subprocess.run(["bash", str(ROOT / "cluster" / "venv.sh"), "deps"], env=env, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    fake_python(venv / "bin" / "python", "3.12.4")
+    made = deps()
+    assert "creating the venv" in made and "with CPython 3.12.9 (it had 3.12.4)" in made, made
+    assert f"venv --clear --seed --python {managed} {venv}" in log.read_text().splitlines()
+    fake_python(venv / "bin" / "python", "3.12.9")
+    log.write_text("")
+    kept = deps()
+    assert "reusing the venv" in kept and "venv --clear" not in log.read_text(), kept
 
 
 # ----------------------------------------------------------------------------- one machine
@@ -336,6 +377,69 @@ def test_single_records_the_machine_and_starts_jupyter_with_mcjax_single(tmp_pat
         assert _setup(env, "--status").returncode == 1
     finally:
         _kill_leftovers(state, f"--port={port}")
+
+
+@pytest.mark.slow
+def test_single_on_an_accelerator_machine_leaves_the_kernel_its_devices(tmp_path):
+    """--single where JAX would use the TPU (libtpu here, chips injected through MCJAX_DEV_DIR):
+    Jupyter, and so the kernel, gets neither JAX_PLATFORMS=cpu nor MCJAX_LOCAL_DEVICES' fake CPU
+    devices (the kernel would take them in connect())."""
+    pytest.importorskip("jupyterlab")
+    import importlib.util
+
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip("no libtpu: JAX here would not take the injected chips for a TPU")
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    (dev / "accel0").touch()
+    port = _free_port()
+    env = _local_env(tmp_path, f"single-{os.getpid()}", MCJAX_JUPYTER_PORT=str(port), MCJAX_DEV_DIR=str(dev),
+                     MCJAX_LOCAL_DEVICES="4", PYTHONPATH=str(ROOT))
+    env.pop("JAX_PLATFORMS", None)
+    state = tmp_path / "state"
+    try:
+        done = _setup(env, "--single", timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "one machine (tpu)" in done.stdout
+        pid = int((state / "pids" / "jupyter.pid").read_text())
+        environ = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+                       if "=" in item)
+        assert environ["MCJAX_SINGLE"] == "1" and "MCJAX_LOCAL_DEVICES" not in environ
+        assert "JAX_PLATFORMS" not in environ and "device_count" not in environ.get("XLA_FLAGS", "")
+        assert _setup(env, "--stop", timeout=120).returncode == 0
+    finally:
+        _kill_leftovers(state, f"--port={port}")
+
+
+def test_single_with_chips_but_a_cpu_only_jax_is_refused_naming_the_lock(tmp_path, monkeypatch):
+    """--single on a machine whose device files show GPUs (injected: MCJAX_DEV_DIR) while its jax
+    has no CUDA plugin: refused before Jupyter starts, naming cluster/locks/cuda12.txt; JAX_PLATFORMS=cpu
+    is the explicit way to the CPU."""
+    import importlib.util
+
+    from dsr1.workbench import process
+
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    (dev / "nvidia0").touch()
+    (dev / "nvidia1").touch()
+    monkeypatch.setenv("MCJAX_DEV_DIR", str(dev))
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    message = process.unused_accelerator("/repo")
+    assert message and "has GPU chips (" in message and "pip install -r /repo/cluster/locks/cuda12.txt" in message
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert process.unused_accelerator("/repo") is None
+    monkeypatch.undo()
+    if importlib.util.find_spec("jax_cuda12_plugin") is not None:
+        pytest.skip("this Python has the CUDA plugin: it would use the GPUs")
+    env = _local_env(tmp_path, f"single-{os.getpid()}", MCJAX_JUPYTER_PORT=str(_free_port()), MCJAX_DEV_DIR=str(dev),
+                     PYTHONPATH=str(ROOT))
+    env.pop("JAX_PLATFORMS", None)
+    done = _setup(env, "--single", timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "has GPU chips" in done.stderr and f"pip install -r {ROOT}/cluster/locks/cuda12.txt" in done.stderr
+    assert not (tmp_path / "state" / "pids" / "jupyter.pid").exists()
 
 
 @pytest.mark.parametrize("plugin,devices,expected", [

@@ -9,9 +9,10 @@ followers dispatch it as soon as it arrives; the devices see only the steps' own
 
 Each message is `broadcast.encode_work` (the page table as the entries that changed since the last
 step's) behind an 8-byte length (-1: stop). Setup takes one device broadcast, at construction:
-process 0 listens on a free port and sends its addresses, the port and a random token to the others,
-which connect and present the token. `DSR1_CONTROL_HOST` (comma-separated) names the addresses
-to try first, for hosts whose name resolves to an address the others cannot reach.
+process 0 listens on a free port of one address, the first of `leader_addresses` it can bind (never
+every interface), and sends that address, the port and a random token to the others, which connect
+and present the token. `DSR1_CONTROL_HOST` (comma-separated) names the addresses to try first, for
+hosts whose name resolves to an address the others cannot reach.
 """
 
 from __future__ import annotations
@@ -54,6 +55,20 @@ def leader_addresses() -> list[str]:
     return list(dict.fromkeys([*routable, "127.0.0.1"]))
 
 
+def _listen(backlog: int) -> socket.socket:
+    """A server socket on the first of `leader_addresses()` this host can bind, on a free port: the
+    address the others reach this host at, never every interface."""
+    errors = {}
+    for host in leader_addresses():
+        try:
+            return socket.create_server((host, 0), backlog=backlog)
+        except OSError as e:
+            errors[host] = e
+    raise ConnectionError(f"process 0 could not listen for the serving control channel on any of its addresses "
+                          f"({'; '.join(f'{h}: {e}' for h, e in errors.items())}); set DSR1_CONTROL_HOST to one "
+                          f"of this host's addresses")
+
+
 def device_rendezvous(data: bytes | None) -> bytes:
     """Process 0's `data` on every process (the others pass None), by one device broadcast."""
     from jax.experimental import multihost_utils
@@ -81,10 +96,10 @@ class HostChannel:
         self._peers: dict[int, socket.socket] = {}
         self._leader: socket.socket | None = None
         if process_id == 0:
-            with socket.create_server(("", 0), backlog=max(num_processes, 8)) as server:
+            with _listen(max(num_processes, 8)) as server:
                 token = secrets.token_bytes(16)
-                port = server.getsockname()[1]
-                rendezvous(json.dumps({"hosts": leader_addresses(), "port": port, "token": token.hex()}).encode())
+                host, port = server.getsockname()[:2]
+                rendezvous(json.dumps({"hosts": [host], "port": port, "token": token.hex()}).encode())
                 self._peers = _accept(server, token, num_processes, timeout)
         else:
             offer = json.loads(rendezvous(None))

@@ -8,28 +8,29 @@ from __future__ import annotations
 import functools
 import os
 import re
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .connection import RESTART_HINT, Cluster
-from .process import ClusterError, probe
+from .process import ClusterError, host_key, probe
 
 
 def dead_engines(cluster: Cluster, engine_ids: list[int]) -> list[int]:
-    """Engines among ``engine_ids`` that left the controller, or whose process here is gone."""
+    """Engines among ``engine_ids`` that left the controller, or whose process on this host is gone.
+    An engine is on this host when its probe's ``host_key`` is this host's: hosts cloned from one
+    image share a hostname, and a pid of another host says nothing here."""
     registered = set(cluster.client.ids)
     engines = {e.engine_id: e for e in cluster.layout.engines} if cluster.layout else {}
-    here = socket.gethostname()
+    here = host_key()
     dead = []
     for eid in engine_ids:
         if eid not in registered:
             dead.append(eid)
             continue
         info = engines.get(eid)
-        if info is not None and info.hostname == here and not _pid_alive(info.pid):
+        if info is not None and info.host_key == here and not _pid_alive(info.pid):
             dead.append(eid)
     return dead
 

@@ -62,11 +62,12 @@ def find_problems(processes: list[dict]) -> list[str]:
         problems.append("different device counts per process: "
                         + ", ".join(f"{p['role']}: {p['local_devices']}" for p in processes if "local_devices" in p))
     if not any(p.get("provider") == "local" for p in processes):
-        hosts: dict[str, list[str]] = {}
+        # One host by its host key (boot id, network namespace), not its name: cloned hosts share one.
+        hosts: dict[str, list[dict]] = {}
         for p in processes:
-            hosts.setdefault(p["hostname"], []).append(p["role"])
-        problems += [f"{', '.join(r)} run on the same host {h}: one engine per host expected"
-                     for h, r in hosts.items() if len(r) > 1]
+            hosts.setdefault(p.get("host_key") or p["hostname"], []).append(p)
+        problems += [f"{', '.join(q['role'] for q in same)} run on the same host {same[0]['hostname']}: one engine "
+                     f"per host expected" for same in hosts.values() if len(same) > 1]
     return problems
 
 

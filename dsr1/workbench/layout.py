@@ -29,6 +29,7 @@ class EngineInfo:
     pid: int
     host_index: int | None
     address: str
+    host_key: str = ""  # process.host_key() of the engine's host ("": unknown)
 
     def describe(self) -> str:
         return f"engine {self.engine_id} (process {self.process_id}, host {self.hostname}, pid {self.pid})"
@@ -79,7 +80,7 @@ def number_processes(engine_ids: list[int], infos: list[dict], port: int, number
     engines = tuple(
         EngineInfo(engine_id=eid, process_id=first + rank, hostname=info["hostname"], pid=int(info["pid"]),
                    host_index=None if info["host_index"] is None else int(info["host_index"]),
-                   address=info["address"])
+                   address=info["address"], host_key=info.get("host_key") or "")
         for rank, (eid, info) in enumerate(ranked))
     return Layout(num_processes=n, kernel_process_id=0 if platform else n - 1, coordinator=coordinator,
                   engines=engines, numbering=numbering, port=port)
@@ -132,8 +133,10 @@ def assign_process_ids(cluster: Cluster, *, port: int | None = None, timeout: fl
     Sets ``PROCESS_ID``, ``NUM_PROCESSES`` and ``COORDINATOR`` in each engine's namespace and in the
     kernel's (``namespace``, else IPython's user namespace), so one ``%%everywhere`` cell reads the
     right values everywhere; turns on JAX's compilation cache in cluster.json's ``jax_cache_dir``
-    everywhere; keeps the layout in ``cluster.layout``. Run it again after engines were restarted
-    (:func:`reset_engines` does). On a single host the kernel is the only process: its layout stays.
+    everywhere; moves each engine to the kernel's working folder where its host has it (the
+    notebook's folder, on the shared folder); keeps the layout in ``cluster.layout``. Run it again
+    after engines were restarted (:func:`reset_engines` does). On a single host the kernel is the
+    only process: its layout stays.
     """
     if cluster.single and cluster.layout is not None:
         return cluster.layout
@@ -146,7 +149,8 @@ def assign_process_ids(cluster: Cluster, *, port: int | None = None, timeout: fl
     engine_env = process_env(cluster, layout, kernel=False)
     call_everywhere(
         cluster, {e.engine_id: functools.partial(prepare_process, e.process_id, n, coordinator, env=engine_env,
-                                                 cache_dir=cache, kernel_process_id=layout.kernel_process_id)
+                                                 cache_dir=cache, kernel_process_id=layout.kernel_process_id,
+                                                 cwd=os.getcwd())
                   for e in layout.engines}, timeout,
         local=functools.partial(prepare_process, layout.kernel_process_id, n, coordinator,
                                 env=process_env(cluster, layout, kernel=True), cache_dir=cache,

@@ -9,24 +9,30 @@ import os
 import time
 from typing import Any
 
-from .connection import Cluster, cluster_info, connect_controller
+from .connection import Cluster, cluster_info, connect_controller, state_dir
 from .engines import call_everywhere, engine_targets
 from .layout import assign_process_ids
 from .magics import activate, ipython_shell
+from .ownership import claim
 from .process import ClusterError, initialized_port, jax_started, probe, use_fake_cpu_devices, user_namespace
 from .recovery import reset_engines
 from .single import connect_single, single_host_requested
 from .watchdog import stuck_tasks
+from .weights_form import AUTO, weights_form
 
 
 def connect(*, state: str | os.PathLike | None = None, timeout: float = 30.0, probe_timeout: float = 20.0,
-            restart: bool = True, namespace: dict | None = None) -> Cluster:
+            restart: bool = True, namespace: dict | None = None, take_over: bool = False) -> Cluster:
     """The notebook's first cell: connect to the cluster and make it ready for "Initialize".
 
     1. ``MCJAX_SINGLE=1`` in the environment (``./mcjax_setup.sh --single``): no controller, no
        engine; returns this kernel as a cluster of one process (:mod:`dsr1.workbench.single`),
        whose ``%%everywhere`` cells run here alone.
-    2. On a simulated cluster (``--local N``) this kernel takes the engines' fake CPU devices.
+    2. Claims the cluster for this kernel (:func:`~dsr1.workbench.ownership.claim`,
+       ``<state>/kernel.json``): while another kernel that still runs holds it (another notebook
+       opened on host 0), a ClusterError names that kernel (pid, connection file, notebook) and
+       nothing is touched, so it keeps working. ``take_over=True``: take the cluster anyway.
+       On a simulated cluster (``--local N``) this kernel then takes the engines' fake CPU devices.
     3. Connects to the controller (:func:`~dsr1.workbench.connection.connect_controller`).
     4. **Restarts the engines itself** (:func:`~dsr1.workbench.reset_engines`, through the
        scripts' ``cluster_restart``) when they cannot join a new ``jax.distributed`` group with this
@@ -47,6 +53,7 @@ def connect(*, state: str | os.PathLike | None = None, timeout: float = 30.0, pr
     if single_host_requested():
         cluster = connect_single(namespace)
     else:
+        claim(state_dir(state), take_over)
         info = cluster_info(state)
         if info.get("provider") == "local":
             _use_fake_devices(int(info["local_devices"]))
@@ -109,28 +116,40 @@ def stale_engines(cluster: Cluster, expected: int, timeout: float) -> str | None
     return None
 
 
-def load_here(checkpoint: str | None, mtp: bool = False, namespace: dict | None = None) -> None:
-    """This process's part of :func:`load_everywhere`: ``mesh``, ``model``, ``tokenizer`` and
-    ``CHECKPOINT`` in its user namespace (progress shown in the kernel only)."""
+def load_here(checkpoint: str | None, mtp: bool = False, namespace: dict | None = None, quant: str | None = AUTO,
+              kv_cache_dtype: str | None = AUTO) -> None:
+    """This process's part of :func:`load_everywhere`: ``mesh``, ``model``, ``tokenizer``,
+    ``CHECKPOINT`` and ``WEIGHTS_FORM`` in its user namespace (progress shown in the kernel only)."""
     import dsr1
 
     names = user_namespace(namespace)
     mesh = dsr1.make_mesh()
     path = checkpoint or dsr1.demo_checkpoint()  # the package ships the demo model on every host
+    form = weights_form(path, mesh, quant, kv_cache_dtype, mtp=mtp)
     progress = names.get("PROCESS_ID") == names.get("KERNEL_PROCESS_ID")
-    model = dsr1.load(path, mesh=mesh, mtp=mtp, progress=progress)
-    names.update(CHECKPOINT=checkpoint, mesh=mesh, model=model, tokenizer=dsr1.load_tokenizer(path))
+    if progress:
+        print(f"loading {checkpoint or 'the demo model'} with {form.describe()}", flush=True)
+    model = dsr1.load(path, mesh=mesh, quant=form.quant, kv_cache_dtype=form.kv_cache_dtype, mtp=mtp,
+                      progress=progress)
+    names.update(CHECKPOINT=checkpoint, mesh=mesh, model=model, tokenizer=dsr1.load_tokenizer(path),
+                 WEIGHTS_FORM=form)
 
 
 def load_everywhere(cluster: Cluster, checkpoint: str | None = None, *, mtp: bool = False,
+                    quant: str | None = AUTO, kv_cache_dtype: str | None = AUTO,
                     namespace: dict | None = None, timeout: float | None = None) -> tuple[Any, Any]:
     """Load the model in every process, under the watchdog: one mesh over every device of every
     process (``dsr1.make_mesh()``), the weights of ``checkpoint`` (None: the embedded demo model)
-    read straight into their shards, and its tokenizer. Defines ``mesh``, ``model``, ``tokenizer``
-    and ``CHECKPOINT`` in every process's namespace, for the ``%%everywhere`` cells that follow.
-    Returns this kernel's (model, tokenizer)."""
+    read straight into their shards, and its tokenizer. Defines ``mesh``, ``model``, ``tokenizer``,
+    ``CHECKPOINT`` and ``WEIGHTS_FORM`` in every process's namespace, for the ``%%everywhere`` cells
+    that follow.
+
+    ``quant`` and ``kv_cache_dtype`` (as :func:`dsr1.load` takes them) default to ``"auto"``: the
+    form the capacity plan fits on these devices (:func:`~dsr1.workbench.weights_form.choose_form`:
+    full precision where it fits, else int8 weights, else int8 weights and cache; CPU devices:
+    full precision). Give them to override. Returns this kernel's (model, tokenizer)."""
     ids = engine_targets(cluster, None)
-    call_everywhere(cluster, {e: functools.partial(load_here, checkpoint, mtp) for e in ids}, timeout,
-                    local=functools.partial(load_here, checkpoint, mtp, namespace))
+    load = functools.partial(load_here, checkpoint, mtp, quant=quant, kv_cache_dtype=kv_cache_dtype)
+    call_everywhere(cluster, {e: load for e in ids}, timeout, local=functools.partial(load, namespace=namespace))
     names = user_namespace(namespace)
     return names["model"], names["tokenizer"]

@@ -61,12 +61,17 @@ def define_process_names(process_id: int, num_processes: int, coordinator: str |
 
 def prepare_process(process_id: int, num_processes: int, coordinator: str | None, *,
                     env: dict[str, str] | None = None, cache_dir: str | None = None,
-                    kernel_process_id: int | None = None, namespace: dict | None = None) -> None:
+                    kernel_process_id: int | None = None, namespace: dict | None = None,
+                    cwd: str | None = None) -> None:
     """This process's part of ``assign_process_ids``, before ``initialize``: the names of
     :func:`define_process_names`, the environment variables ``env`` (the platform's variables
     from which JAX numbers the processes itself, ``JAX_COORDINATOR_PORT``,
-    ``JAX_COORDINATOR_BIND_ADDRESS``) and, with ``cache_dir``, JAX's persistent compilation cache.
+    ``JAX_COORDINATOR_BIND_ADDRESS``), with ``cache_dir`` JAX's persistent compilation cache and,
+    with ``cwd`` (the kernel's working folder: the notebook's, on the shared folder) that working
+    folder where this host has it, so that relative paths in cells mean the same everywhere.
     """
+    if cwd and os.path.isdir(cwd):
+        os.chdir(cwd)
     os.environ.update(env or {})
     if cache_dir:
         use_compilation_cache(cache_dir)
@@ -101,6 +106,18 @@ def use_compilation_cache(path: str) -> None:
 
 # ----------------------------------------------------------------------------- probe
 
+ACCELERATOR_FILES = {"tpu": ("accel*", "vfio/[0-9]*"), "gpu": ("nvidia[0-9]*", "kfd")}  # under /dev
+LOCKS = {"tpu": "tpu", "gpu": "cuda12"}  # the cluster/locks/<name>.txt that brings JAX's plugin for each
+
+
+def accelerator_files() -> dict[str, list[str]]:
+    """The accelerator chips' device files by platform: under ``$MCJAX_DEV_DIR`` (a test's stand-in
+    for this machine's devices), else ``/dev``."""
+    root = os.environ.get("MCJAX_DEV_DIR") or "/dev"
+    return {kind: sorted(f for pattern in patterns for f in glob.glob(f"{root}/{pattern}"))
+            for kind, patterns in ACCELERATOR_FILES.items()}
+
+
 def detect_platform() -> str:
     """``tpu``, ``gpu`` or ``cpu``, without starting JAX: from ``JAX_PLATFORMS``, else an installed
     plugin (libtpu, jax's CUDA/ROCm plugins) together with the chips' device files. A plugin alone
@@ -108,13 +125,29 @@ def detect_platform() -> str:
     first = os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip().lower()
     if first:
         return "gpu" if first in ("cuda", "rocm", "gpu") else first
-    if importlib.util.find_spec("libtpu") is not None and (glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")):
+    chips = accelerator_files()
+    if importlib.util.find_spec("libtpu") is not None and chips["tpu"]:
         return "tpu"
     if any(importlib.util.find_spec(m) is not None for m in
-           ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin")) and (
-            glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd")):
+           ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin")) and chips["gpu"]:
         return "gpu"
     return "cpu"
+
+
+def unused_accelerator(root: str = ".") -> str | None:
+    """Why this machine would run on CPU although it has accelerator chips (their device files are
+    here but JAX's plugin for them is not installed), naming the lock under ``root`` (the repository)
+    to install; None when JAX here uses what the machine has, or ``JAX_PLATFORMS`` chose."""
+    if os.environ.get("JAX_PLATFORMS") or detect_platform() != "cpu":
+        return None
+    for kind, files in accelerator_files().items():
+        if files:
+            lock = os.path.join(root, "cluster", "locks", f"{LOCKS[kind]}.txt")
+            return (f"this machine has {kind.upper()} chips ({', '.join(files[:4])}) but {sys.executable}'s jax "
+                    f"cannot use them (its {kind} plugin is not installed), so it would run on the CPU: install "
+                    f"the platform's lock, pip install -r {lock} (then pip install --no-deps -e {root}), or set "
+                    f"JAX_PLATFORMS=cpu to run on the CPU")
+    return None
 
 
 def probe(controller_ip: str, devices: bool, namespace: dict | None = None) -> dict[str, Any]:
@@ -133,7 +166,7 @@ def probe(controller_ip: str, devices: bool, namespace: dict | None = None) -> d
         "environment": f"{sys.prefix} ({os.path.realpath(sys.executable)})", "python": sys.version.split()[0],
         "host_index": os.environ.get("MCJAX_HOST_INDEX"), "provider": os.environ.get("MCJAX_PROVIDER"),
         "PROCESS_ID": names.get("PROCESS_ID"), "NUM_PROCESSES": names.get("NUM_PROCESSES"),
-        "address": address_towards(controller_ip), "accelerator": detect_platform(),
+        "address": address_towards(controller_ip), "accelerator": detect_platform(), "host_key": host_key(),
     }
     info.update({name: _version(name) for name in ("dsr1", "jax", "jaxlib", "ipyparallel")})
     info["jax_started"] = jax_started()
@@ -151,6 +184,21 @@ def jax_started() -> bool:
 
     return (_INIT is not None or jax.distributed.is_initialized() or jax_internals.has_distributed_state()
             or jax_internals.backends_are_initialized())
+
+
+def host_key() -> str:
+    """What tells this host from another: the kernel's boot id (a new one each boot, so cloned
+    machines with one hostname differ) and the network namespace (hosts sharing a kernel, in
+    containers or namespaces, differ there). Processes of one host have the same key."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = socket.gethostname()
+    try:
+        network = os.readlink("/proc/self/ns/net")
+    except OSError:
+        network = ""
+    return f"{boot} {network}".strip()
 
 
 def address_towards(ip: str) -> str:
