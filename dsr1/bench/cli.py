@@ -390,11 +390,8 @@ def _run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
 
 
-def parser() -> argparse.ArgumentParser:
-    """The `python -m dsr1.bench` command line."""
-    ap = argparse.ArgumentParser(prog="python -m dsr1.bench", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="command", required=True)
+def _decode_command(sub: Any) -> None:
+    """The `decode` command's options."""
     dec = sub.add_parser("decode", help="decode tok/s and achieved bandwidth vs the measured copy and read bandwidths",
                          description="Times greedy decode steps in one jitted loop at each (batch, context) on a "
                                      "directly built cache, and reports the bytes a step must read against the "
@@ -409,6 +406,10 @@ def parser() -> argparse.ArgumentParser:
                           f"(default: {COPY_BYTES // 2**20})")
     add_model_options(dec, default_preset="bench")
     _run_options(dec)
+
+
+def _prefill_command(sub: Any) -> None:
+    """The `prefill` command's options."""
     pre = sub.add_parser("prefill", help="prefill time and FLOP/s against the measured matmul peak (MFU)",
                          description="Times the prefill of random prompts at each (batch, tokens) and reports "
                                      "its FLOP/s against the matmul peak of the dtype the device computes in, "
@@ -418,6 +419,10 @@ def parser() -> argparse.ArgumentParser:
                      help="comma-separated prompt lengths (default: 512,4096)")
     add_model_options(pre, default_preset="bench")
     _run_options(pre)
+
+
+def _moe_command(sub: Any) -> None:
+    """The `moe` command's options."""
     kern = sub.add_parser("moe", help="routed-expert kernels side by side: ragged_dot, the expert loop, gather, "
                                       "capacity, dense",
                           description="Runs the first MoE layer's routed experts on random activations with each "
@@ -433,6 +438,10 @@ def parser() -> argparse.ArgumentParser:
                       help=f"comma-separated kernels, the first the reference (default: {','.join(KERNELS)})")
     add_model_options(kern, default_preset="bench")
     _run_options(kern)
+
+
+def _compare_hf_command(sub: Any) -> None:
+    """The `compare-hf` command's options."""
     cmp = sub.add_parser("compare-hf", help="decode tok/s of HF transformers (torch, bf16) and dsr1 on the same "
                                             "random checkpoint",
                          description="Writes one random release-layout checkpoint (bf16), loads it into HF "
@@ -444,6 +453,10 @@ def parser() -> argparse.ArgumentParser:
     cmp.add_argument("--prompt-len", type=positive_int, default=32, help="prompt tokens per row (default: 32)")
     add_model_options(cmp, default_preset="bench", checkpoints=False)
     _run_options(cmp)
+
+
+def _serve_command(sub: Any) -> None:
+    """The `serve` command's options."""
     srv = sub.add_parser("serve", help="continuous batching (dsr1.serving.Engine) against static batches of "
                                        "dsr1.generate on one workload",
                          description="Runs a seeded workload (Poisson arrivals, mixed prompt and output lengths, "
@@ -457,6 +470,18 @@ def parser() -> argparse.ArgumentParser:
     srv.add_argument("--repeats", type=positive_int, default=1,
                      help="runs of each, alternating; the fastest of each is reported (default: 1)")
     srv.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+
+
+def parser() -> argparse.ArgumentParser:
+    """The `python -m dsr1.bench` command line."""
+    ap = argparse.ArgumentParser(prog="python -m dsr1.bench", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    _decode_command(sub)
+    _prefill_command(sub)
+    _moe_command(sub)
+    _compare_hf_command(sub)
+    _serve_command(sub)
     pln = sub.add_parser("plan", help="capacity plan: compile decode and prefill for a full-size model on a fake "
                                       "CPU mesh; weight and cache bytes per device, the batch x context that fits",
                          description="Lowers and compiles the real decode step and prefill from abstract sharded "

@@ -35,6 +35,8 @@ from .sampling import Sampling, batch_sampling, host_token_rules
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # annotations only
+    import jax
+
     from ..api import Model
 
 __all__ = ["STOP_WIDTH", "Completion", "GenerationResult", "Prompt", "generate", "split_reasoning"]
@@ -107,38 +109,17 @@ def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | N
         raise ValueError("generate needs at least one prompt")
     model.check_draft_tokens(draft_tokens)
     tokenizer = text_tokenizer(tokenizer, model.tokenizer, model.cfg.vocab_size, prompts)
-    settings = list(sampling) if isinstance(sampling, Sequence) else [sampling or Sampling()] * n
-    if len(settings) != n:
-        raise ValueError(f"got {len(settings)} Sampling settings for {n} prompts")
-    eos = tokenizer.eos_id if tokenizer else model.cfg.eos_token_id
-    settings = [request_sampling(s, eos, max_new_tokens) for s in settings]
-    if any(s.stop_strings for s in settings) and tokenizer is None:
-        raise ValueError("stop strings need a tokenizer")
+    settings = _row_settings(model, sampling, n, tokenizer, max_new_tokens)
     encoded = [encode_prompt(p, tokenizer, chat, chat_template_kwargs) for p in prompts]
-    budget = max(s.max_new_tokens for s in settings)
-    tokens, lengths = _pad(encoded, model.cfg.max_position_embeddings - budget)
-    max_len = tokens.shape[1] + budget
-    if max_len > model.cfg.max_position_embeddings:
-        raise ValueError(f"prompt ({tokens.shape[1]}) + max_new_tokens ({budget}) exceeds max_position_embeddings="
-                         f"{model.cfg.max_position_embeddings}")
-    tokens, lengths = model.check_prompt(tokens, lengths)
+    tokens, lengths, max_len = _prompt_arrays(model, encoded, max(s.max_new_tokens for s in settings))
     arrays = put_replicated(batch_sampling(settings, stop_width=STOP_WIDTH), model.mesh)
     rule_rows = put_replicated(host_token_rules(settings), model.mesh)
     rows = [RowOutput(tokenizer, s) for s in settings]
     thinking = [opens_thinking(p, tokenizer) for p in encoded]
-    plain = without_mtp(model.params)  # what the programs that draft nothing take
+    start_program, chunk_program = _programs(model, draft_tokens, chunk_size, max_len)
 
     start = time.perf_counter()
-    if draft_tokens:
-        # The cache of the same length as without drafts (the same attention shapes): a verification's
-        # positions past it are never emitted, and their latents are dropped.
-        state, first = decoding.speculative_start(model.params, tokens, lengths, arrays, rule_rows,
-                                                  **model.program_kwargs, max_len=max_len,
-                                                  kv_cache_dtype=model.kv_cache_dtype, draft_tokens=draft_tokens)
-    else:
-        state, first = decoding.generate_start(plain, tokens, lengths, arrays, rule_rows,
-                                               **model.program_kwargs, max_len=max_len,
-                                               kv_cache_dtype=model.kv_cache_dtype)
+    state, first = start_program(tokens, lengths, arrays, rule_rows)
     chunk = to_host(first)[:, None]
     prefill_seconds = time.perf_counter() - start
     chunks, steady_start, steady_from = 0, time.perf_counter(), 0
@@ -149,13 +130,7 @@ def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | N
             state = dataclasses.replace(state, done=state.done | put_replicated(stopped, model.mesh))
         if to_host(state.done).all():
             break
-        if draft_tokens:
-            state, out = decoding.speculative_chunk(model.params, state, arrays, **model.program_kwargs,
-                                                    steps=max(1, chunk_size // (draft_tokens + 1)),
-                                                    draft_tokens=draft_tokens)
-        else:
-            state, out = decoding.generate_chunk(plain, state, arrays, **model.program_kwargs,
-                                                 steps=chunk_size)
+        state, out = chunk_program(state, arrays)
         chunk = to_host(out)
         chunks += 1
         if chunks == 1:
@@ -164,20 +139,67 @@ def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | N
         row.finish()
     _consume(rows, np.zeros((n, 0), np.int32), stream, thinking, final=True)
     end = time.perf_counter()
-    decode_seconds = end - start - prefill_seconds
-
     generated = to_host(state.generated)
     decode_tokens = int(generated.sum()) - n
-    completions = []
-    for i, row in enumerate(rows):
-        reason = "stop" if row.stopped_by_string or len(row.tokens) < generated[i] else "length"
-        completions.append(row.completion(reason, len(encoded[i]), thinking[i]))
+    completions = [row.completion("stop" if row.stopped_by_string or len(row.tokens) < generated[i] else "length",
+                                  len(encoded[i]), thinking[i]) for i, row in enumerate(rows)]
     steady = decode_tokens - steady_from if chunks > 1 else 0
-    acceptance = None
+    acceptance = int(to_host(state.accepted)) / max(int(to_host(state.drafted)), 1) if draft_tokens else None
+    return GenerationResult(completions, prefill_seconds, end - start - prefill_seconds,
+                            int(sum(len(p) for p in encoded)), decode_tokens, end - steady_start if steady else 0.0,
+                            steady, acceptance)
+
+
+def _row_settings(model: Model, sampling: Sampling | Sequence[Sampling] | None, n: int, tokenizer: Tokenizer | None,
+                  max_new_tokens: int | None) -> list[Sampling]:
+    """Each row's sampling settings: one for all rows or one per row, the EOS a stop token."""
+    settings = list(sampling) if isinstance(sampling, Sequence) else [sampling or Sampling()] * n
+    if len(settings) != n:
+        raise ValueError(f"got {len(settings)} Sampling settings for {n} prompts")
+    eos = tokenizer.eos_id if tokenizer else model.cfg.eos_token_id
+    settings = [request_sampling(s, eos, max_new_tokens) for s in settings]
+    if any(s.stop_strings for s in settings) and tokenizer is None:
+        raise ValueError("stop strings need a tokenizer")
+    return settings
+
+
+def _prompt_arrays(model: Model, encoded: list[list[int]], budget: int) -> tuple[jax.Array, jax.Array, int]:
+    """The right-padded prompts and their lengths on the model's devices, and the cache's length."""
+    tokens, lengths = _pad(encoded, model.cfg.max_position_embeddings - budget)
+    max_len = tokens.shape[1] + budget
+    if max_len > model.cfg.max_position_embeddings:
+        raise ValueError(f"prompt ({tokens.shape[1]}) + max_new_tokens ({budget}) exceeds max_position_embeddings="
+                         f"{model.cfg.max_position_embeddings}")
+    tokens, lengths = model.check_prompt(tokens, lengths)
+    return tokens, lengths, max_len
+
+
+def _programs(model: Model, draft_tokens: int, chunk_size: int, max_len: int) -> tuple[Callable, Callable]:
+    """The loop's two programs on `model`: prefill and the first token `(tokens, lengths, arrays,
+    rules) -> (state, first)`, then a chunk of steps `(state, arrays) -> (state, tokens)`; with
+    drafts, their speculative forms."""
     if draft_tokens:
-        acceptance = int(to_host(state.accepted)) / max(int(to_host(state.drafted)), 1)
-    return GenerationResult(completions, prefill_seconds, decode_seconds, int(sum(len(p) for p in encoded)),
-                            decode_tokens, end - steady_start if steady else 0.0, steady, acceptance)
+        # The cache of the same length as without drafts (the same attention shapes): a verification's
+        # positions past it are never emitted, and their latents are dropped.
+        def start(*args):
+            return decoding.speculative_start(model.params, *args, **model.program_kwargs, max_len=max_len,
+                                              kv_cache_dtype=model.kv_cache_dtype, draft_tokens=draft_tokens)
+
+        def chunk(state, arrays):
+            return decoding.speculative_chunk(model.params, state, arrays, **model.program_kwargs,
+                                              steps=max(1, chunk_size // (draft_tokens + 1)), draft_tokens=draft_tokens)
+
+        return start, chunk
+    plain = without_mtp(model.params)  # what the programs that draft nothing take
+
+    def plain_start(*args):
+        return decoding.generate_start(plain, *args, **model.program_kwargs, max_len=max_len,
+                                       kv_cache_dtype=model.kv_cache_dtype)
+
+    def plain_chunk(state, arrays):
+        return decoding.generate_chunk(plain, state, arrays, **model.program_kwargs, steps=chunk_size)
+
+    return plain_start, plain_chunk
 
 
 def _consume(rows: list[RowOutput], chunk: np.ndarray, stream: StreamCallback | None, thinking: list[bool],

@@ -79,6 +79,21 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     app.state.runner, app.state.metrics, app.state.engine = runner, metrics, engine
     install_error_handlers(app)
     guarded = [Depends(_bearer_check(config.api_key))]
+    _install_openai(app, service, engine, limits, config, guarded)
+    _install_status(app, runner, metrics, limits, config, guarded)
+    install_messages(app, MessagesService(runner, engine.tokenizer, limits, metrics), guarded)
+    routes = {route.path for route in app.routes}
+    app.add_middleware(HTTPMetricsMiddleware, metrics=metrics, endpoints=lambda: routes)
+    if config.allowed_origins:
+        # Outermost, so that preflights are answered before the key check (browsers send them without it).
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials="*" not in config.allowed_origins)
+    return app
+
+
+def _install_openai(app: FastAPI, service: CompletionService, engine: Engine, limits: Limits, config: ServerConfig,
+                    guarded: list) -> None:
+    """OpenAI's endpoints (and vLLM's tokenizer ones) on `app`."""
     card = ModelCard(id=config.model_name, created=int(time.time()), max_model_len=limits.context)
 
     @app.post("/v1/chat/completions", dependencies=guarded)
@@ -116,6 +131,10 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         check_token_ids(body.tokens, "tokens", limits)
         return JSONResponse({"prompt": await run_in_threadpool(engine.tokenizer.decode, body.tokens)})
 
+
+def _install_status(app: FastAPI, runner: EngineRunner, metrics: Metrics, limits: Limits, config: ServerConfig,
+                    guarded: list) -> None:
+    """The server's own endpoints: its tokenizer's card, version, health and metrics."""
     @app.get("/tokenizer_info", dependencies=guarded)
     async def tokenizer_info() -> JSONResponse:
         return JSONResponse(tokenizer_card(limits.context))
@@ -139,15 +158,6 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     @app.get("/metrics", dependencies=guarded)
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    install_messages(app, MessagesService(runner, engine.tokenizer, limits, metrics), guarded)
-    routes = {route.path for route in app.routes}
-    app.add_middleware(HTTPMetricsMiddleware, metrics=metrics, endpoints=lambda: routes)
-    if config.allowed_origins:
-        # Outermost, so that preflights are answered before the key check (browsers send them without it).
-        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
-                           allow_headers=["*"], allow_credentials="*" not in config.allowed_origins)
-    return app
 
 
 def tokenizer_card(context: int) -> dict[str, Any]:
