@@ -1,0 +1,153 @@
+"""DeepSeek-V3.2's sparse attention (`dsr1.core.sparse_attention`) against the official inference code
+(transcribed: `tests/reference_dsa.py`) and transformers' token-by-token path, float32, on tiny
+release-layout checkpoints whose sequences are 3-4x index_topk long."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dsr1
+from dsr1.core.model import forward_hidden
+from dsr1.core.mtp import mtp_forward
+from dsr1.generation.batch import generate
+
+from . import reference, reference_dsa
+from .harness import MIN_ROUTING_MARGIN, TOLERANCE, relative_error
+
+LENGTHS = np.array([32, 21], np.int32)  # 4x and 2.6x index_topk (8)
+
+
+@dataclasses.dataclass(frozen=True)
+class V32Fixture:
+    name: str
+    folder: Path
+    hf_config: dict
+    tensors: dict
+    tokens: np.ndarray  # [B, T] right-padded with 0
+    official: list[np.ndarray]  # per row: the official transcription's logits [n, V]
+    official_hidden: list[np.ndarray]  # per row: its residual stream entering the final norm [n, D]
+    hf: list[np.ndarray]  # per row: HF's token-by-token logits [n, V]
+    seed: int
+    margins: reference_dsa.Margins
+
+
+def _rows(vocab: int, seed: int) -> np.ndarray:
+    tokens = np.random.default_rng(2000 + seed).integers(2, vocab, (len(LENGTHS), LENGTHS.max())).astype(np.int32)
+    for row, n in enumerate(LENGTHS):
+        tokens[row, n:] = 0
+    return tokens
+
+
+def build(root: Path, name: str) -> V32Fixture:
+    """The first seed whose routing and index margins (on the official transcription) are safe."""
+    cfg = reference_dsa.CONFIGS[name]
+    for seed in range(20):
+        tensors, tokens, margins = reference_dsa.v32_tensors(cfg, seed), _rows(cfg["vocab_size"], seed), \
+            reference_dsa.Margins()
+        official = [reference_dsa.official_forward(tensors, cfg, tokens[r:r + 1, :n], margins)
+                    for r, n in enumerate(LENGTHS)]
+        if margins.routing < MIN_ROUTING_MARGIN or margins.index < reference_dsa.MIN_INDEX_MARGIN:
+            continue
+        folder = reference.write_checkpoint(root / f"{name}-{seed}", cfg, tensors)
+        hf = reference_dsa.hf_model(folder)
+        by_token = [reference_dsa.hf_token_by_token(hf, tokens[r, :n].tolist()) for r, n in enumerate(LENGTHS)]
+        return V32Fixture(name, folder, cfg, tensors, tokens, [o[0][0] for o in official],
+                          [o[1][0] for o in official], by_token, seed, margins)
+    raise RuntimeError(f"{name}: no seed gave safe routing and index margins")
+
+
+@pytest.fixture(scope="module", params=sorted(reference_dsa.CONFIGS))
+def v32(request, tmp_path_factory) -> V32Fixture:
+    return build(tmp_path_factory.mktemp("v32"), request.param)
+
+
+@pytest.fixture(scope="module")
+def v32_model(v32):
+    return dsr1.load(v32.folder, dtype="float32", mtp=bool(v32.hf_config["num_nextn_predict_layers"]), progress=False)
+
+
+def test_forward_matches_official_and_hf_token_by_token(v32, v32_model):
+    """Every position of both rows (past index_topk: the selection matters) within 1e-4 of both."""
+    assert v32_model.cfg.sparse_attention and v32_model.cfg.index_topk == 8
+    logits = np.asarray(v32_model.forward(v32.tokens, LENGTHS))
+    vs_official = [relative_error(logits[r, :n], v32.official[r]) for r, n in enumerate(LENGTHS)]
+    vs_hf = [relative_error(logits[r, :n], v32.hf[r]) for r, n in enumerate(LENGTHS)]
+    print(f"\n[{v32.name}] forward: vs official {max(vs_official):.1e}, vs HF token by token {max(vs_hf):.1e} "
+          f"(seed {v32.seed}, {v32.margins})")
+    assert max(vs_official) <= TOLERANCE and max(vs_hf) <= TOLERANCE
+
+
+@pytest.mark.slow
+def test_decode_equals_own_prefill_and_hf_token_by_token(v32, v32_model):
+    """Prefill 12 tokens (past index_topk: prefill writes the indexer keys decode reads) or 3, then
+    decode to the end: each position's logits are the forward's and HF's token-by-token ones."""
+    forward = np.asarray(v32_model.forward(v32.tokens, LENGTHS))
+    prefix = np.array([12, 3], np.int32)
+    logits, cache = v32_model.prefill(v32.tokens[:, :prefix.max()], prefix, max_len=int(LENGTHS.max()) + 1)
+    assert cache.index_k.shape == (v32_model.cfg.num_hidden_layers, 2, LENGTHS.max() + 1, 16)
+    own, hf = [], []
+    for r in range(2):
+        own.append(relative_error(np.asarray(logits)[r], forward[r, prefix[r] - 1]))
+    for step in range(int((LENGTHS - prefix).max())):
+        pos = prefix + step
+        feed = np.where(pos < LENGTHS, v32.tokens[np.arange(2), np.minimum(pos, LENGTHS.max() - 1)], 0)
+        logits, cache = v32_model.decode(cache, feed)
+        for r in np.flatnonzero(pos < LENGTHS):
+            own.append(relative_error(np.asarray(logits)[r], forward[r, pos[r]]))
+            hf.append(relative_error(np.asarray(logits)[r], v32.hf[r][pos[r]]))
+    print(f"\n[{v32.name}] decode: {len(hf)} positions, vs own prefill {max(own):.1e}, vs HF {max(hf):.1e}")
+    assert max(own) <= TOLERANCE and max(hf) <= TOLERANCE
+
+
+@pytest.mark.slow
+def test_greedy_equals_hf_token_by_token_greedy(v32, v32_model):
+    """A 5-token prompt continued by 24 greedy tokens (29 positions: 3.6x index_topk)."""
+    prompt = v32.tokens[0, :5].tolist()
+    hf = reference_dsa.hf_greedy_token_by_token(reference_dsa.hf_model(v32.folder), prompt, 24)
+    expected = hf[: hf.index(1)] if 1 in hf else hf  # EOS ends the row; it is not output
+    got = generate(v32_model, [prompt], max_new_tokens=24).completions[0].tokens
+    assert got == expected
+
+
+@pytest.mark.slow
+def test_mtp_layer_matches_official(v32, v32_model):
+    """The MTP layer, with its own indexer, over the longer row: dsr1's `mtp_forward` against the
+    transcription's (the official code has no MTP layer; it is V3's module around a V3.2 block)."""
+    if not v32.hf_config["num_nextn_predict_layers"]:
+        pytest.skip("this config has no MTP layer")
+    n = int(LENGTHS[0])
+    tokens = v32.tokens[:1, :n]
+    kw = v32_model.program_kwargs
+    _, hidden = jax.jit(lambda p, t, m: forward_hidden(p, t, m, **kw))(v32_model.params, tokens, LENGTHS[:1])
+    nxt = np.concatenate([tokens[:, 1:], np.zeros_like(tokens[:, :1])], axis=1)
+    ours, _ = jax.jit(lambda p, h, t, m: mtp_forward(p, h, t, m, **kw))(v32_model.params, hidden, jnp.asarray(nxt),
+                                                                       LENGTHS[:1])
+    margins = reference_dsa.Margins()
+    want = reference_dsa.official_mtp(v32.tensors, v32.hf_config, v32.official_hidden[0][None], nxt, margins)
+    assert relative_error(np.asarray(hidden)[0], v32.official_hidden[0]) <= TOLERANCE
+    if margins.routing < MIN_ROUTING_MARGIN or margins.index < reference_dsa.MIN_INDEX_MARGIN:
+        pytest.skip(f"the MTP block's selections are near ties on this seed ({margins})")
+    assert relative_error(np.asarray(ours)[0], want[0]) <= TOLERANCE
+
+
+def test_release_layout_names_the_indexer_tensors():
+    """The V3.2 release's (and transformers' `deepseek_v32`) indexer tensors, the MTP layer's too,
+    FP8 where the release quantizes them."""
+    from dsr1.weights.release import expected_tensors
+
+    cfg = dsr1.Config.preset("deepseek-v3.2")
+    expected = expected_tensors(cfg, mtp=True)
+    for layer in (0, 60, 61):
+        p = f"model.layers.{layer}.self_attn.indexer."
+        assert expected[p + "wq_b.weight"].shape == (64 * 128, 1536) and expected[p + "wq_b.weight"].fp8_in_release
+        assert expected[p + "wk.weight"].shape == (128, 7168) and expected[p + "wk.weight"].fp8_in_release
+        assert expected[p + "weights_proj.weight"].shape == (64, 7168)
+        assert not expected[p + "weights_proj.weight"].fp8_in_release
+        assert expected[p + "k_norm.weight"].shape == expected[p + "k_norm.bias"].shape == (128,)
+    assert not any(".indexer." in name for name in expected_tensors(dsr1.Config.preset("deepseek-r1"), mtp=True))
