@@ -274,7 +274,7 @@ def hf_token_by_token(model, tokens: list[int]) -> np.ndarray:
     cache, out = None, []
     with torch.no_grad():
         for token in tokens:
-            step = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+            step = model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True)
             cache = step.past_key_values
             out.append(step.logits[0, -1].float().numpy())
     return np.stack(out)
@@ -296,7 +296,7 @@ def hf_greedy_token_by_token(model, prompt: list[int], new_tokens: int) -> list[
     with torch.no_grad():
         for _ in range(new_tokens):
             for token in feed:
-                step = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+                step = model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True)
                 cache = step.past_key_values
             out.append(int(step.logits[0, -1].argmax()))
             feed = [out[-1]]

@@ -72,6 +72,7 @@ def v32_model(v32):
     return dsr1.load(v32.folder, dtype="float32", mtp=bool(v32.hf_config["num_nextn_predict_layers"]), progress=False)
 
 
+@pytest.mark.slow
 def test_forward_matches_official_and_hf_token_by_token(v32, v32_model):
     """Every position of both rows (past index_topk: the selection matters) within 1e-4 of both."""
     assert v32_model.cfg.sparse_attention and v32_model.cfg.index_topk == 8
@@ -107,12 +108,17 @@ def test_decode_equals_own_prefill_and_hf_token_by_token(v32, v32_model):
 
 @pytest.mark.slow
 def test_greedy_equals_hf_token_by_token_greedy(v32, v32_model):
-    """A 5-token prompt continued by 24 greedy tokens (29 positions: 3.6x index_topk)."""
+    """A 5-token prompt continued by 24 greedy tokens (29 positions: 3.6x index_topk); with the MTP
+    layer's drafts (its own indexer, its own cache) the same tokens. On the MTP config only (the
+    other adds compilation, not coverage: its forward and decode are checked above)."""
+    if not v32.hf_config["num_nextn_predict_layers"]:
+        pytest.skip("greedy runs on the MTP config")
     prompt = v32.tokens[0, :5].tolist()
     hf = reference_dsa.hf_greedy_token_by_token(reference_dsa.hf_model(v32.folder), prompt, 24)
     expected = hf[: hf.index(1)] if 1 in hf else hf  # EOS ends the row; it is not output
     got = generate(v32_model, [prompt], max_new_tokens=24).completions[0].tokens
     assert got == expected
+    assert generate(v32_model, [prompt], max_new_tokens=24, draft_tokens=2).completions[0].tokens == expected
 
 
 @pytest.mark.slow
