@@ -84,26 +84,54 @@ def test_forward_matches_official_and_hf_token_by_token(v32, v32_model):
     assert max(vs_official) <= TOLERANCE and max(vs_hf) <= TOLERANCE
 
 
+PREFIX = np.array([12, 3], np.int32)  # past index_topk (prefill writes the indexer keys decode reads), and not
+
+
+def _prefill_then_decode(model, tokens: np.ndarray) -> dict[tuple[int, int], np.ndarray]:
+    """Prefill `PREFIX` tokens of each row, then decode the rest: the logits at every position from
+    `PREFIX - 1` on, by (row, position)."""
+    logits, cache = model.prefill(tokens[:, :PREFIX.max()], PREFIX, max_len=int(LENGTHS.max()) + 1)
+    assert cache.index_k.shape == (model.cfg.num_hidden_layers, 2, LENGTHS.max() + 1, model.cfg.index_head_dim)
+    out = {(r, int(PREFIX[r]) - 1): np.asarray(logits)[r] for r in range(2)}
+    for step in range(int((LENGTHS - PREFIX).max())):
+        pos = PREFIX + step
+        feed = np.where(pos < LENGTHS, tokens[np.arange(2), np.minimum(pos, LENGTHS.max() - 1)], 0)
+        logits, cache = model.decode(cache, feed)
+        out.update({(r, int(pos[r])): np.asarray(logits)[r] for r in np.flatnonzero(pos < LENGTHS)})
+    return out
+
+
 @pytest.mark.slow
 def test_decode_equals_own_prefill_and_hf_token_by_token(v32, v32_model):
-    """Prefill 12 tokens (past index_topk: prefill writes the indexer keys decode reads) or 3, then
-    decode to the end: each position's logits are the forward's and HF's token-by-token ones."""
+    """Each decoded position's logits are the forward's (dsr1's own prefill) and HF's token-by-token ones."""
     forward = np.asarray(v32_model.forward(v32.tokens, LENGTHS))
-    prefix = np.array([12, 3], np.int32)
-    logits, cache = v32_model.prefill(v32.tokens[:, :prefix.max()], prefix, max_len=int(LENGTHS.max()) + 1)
-    assert cache.index_k.shape == (v32_model.cfg.num_hidden_layers, 2, LENGTHS.max() + 1, 16)
-    own, hf = [], []
-    for r in range(2):
-        own.append(relative_error(np.asarray(logits)[r], forward[r, prefix[r] - 1]))
-    for step in range(int((LENGTHS - prefix).max())):
-        pos = prefix + step
-        feed = np.where(pos < LENGTHS, v32.tokens[np.arange(2), np.minimum(pos, LENGTHS.max() - 1)], 0)
-        logits, cache = v32_model.decode(cache, feed)
-        for r in np.flatnonzero(pos < LENGTHS):
-            own.append(relative_error(np.asarray(logits)[r], forward[r, pos[r]]))
-            hf.append(relative_error(np.asarray(logits)[r], v32.hf[r][pos[r]]))
-    print(f"\n[{v32.name}] decode: {len(hf)} positions, vs own prefill {max(own):.1e}, vs HF {max(hf):.1e}")
-    assert max(own) <= TOLERANCE and max(hf) <= TOLERANCE
+    decoded = _prefill_then_decode(v32_model, v32.tokens)
+    own = max(relative_error(v, forward[key]) for key, v in decoded.items())
+    hf = max(relative_error(v, v32.hf[key[0]][key[1]]) for key, v in decoded.items())
+    print(f"\n[{v32.name}] decode: {len(decoded)} positions, vs own prefill {own:.1e}, vs HF {hf:.1e}")
+    assert own <= TOLERANCE and hf <= TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_cache_dtype", [None, "int8"])
+def test_selecting_every_position_is_mla(kv_cache_dtype):
+    """With index_topk above every query's positions the selection is all of them: sparse attention is
+    MLA, in prefill and against a cache (T = 2 new tokens, rows of different lengths; an int8 latent
+    cache's scales gathered with the selected latents)."""
+    from dsr1.core import attention, sparse_attention
+    from dsr1.core.cache import cache_from_prefill
+
+    cfg = dataclasses.replace(dsr1.Config.preset("tiny-v3.2"), vocab_size=64, index_topk=64)
+    p = jax.tree.map(lambda a: a[0], dsr1.init_random(cfg, seed=0, dtype="float32").params["dense_layers"])
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 18, cfg.hidden_size)), jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(16), (2, 16))
+    out, (c_kv, k_pe, index_k) = sparse_attention.attend_prefill(p, x[:, :16], positions, cfg)
+    assert relative_error(np.asarray(out), np.asarray(attention.attend_prefill(p, x[:, :16], positions, cfg)[0])) < 1e-5
+    cache = cache_from_prefill(c_kv[None], k_pe[None], jnp.array([16, 11]), 24, kv_cache_dtype, index_k=index_k[None])
+    new, at = x[:, 16:], jnp.array([[16, 17], [11, 12]])
+    dense = attention.attend_cached(p, new, at, cache, jnp.int32(0), cfg)[0]
+    assert relative_error(np.asarray(sparse_attention.attend_cached(p, new, at, cache, jnp.int32(0), cfg)[0]),
+                          np.asarray(dense)) < 1e-5
 
 
 @pytest.mark.slow
@@ -157,3 +185,13 @@ def test_release_layout_names_the_indexer_tensors():
         assert not expected[p + "weights_proj.weight"].fp8_in_release
         assert expected[p + "k_norm.weight"].shape == expected[p + "k_norm.bias"].shape == (128,)
     assert not any(".indexer." in name for name in expected_tensors(dsr1.Config.preset("deepseek-r1"), mtp=True))
+
+
+def test_paged_extend_refuses_sparse_attention():
+    """The serving engine's paged cache holds no indexer keys: `extend` says so, before tracing anything."""
+    from dsr1.core.model import extend
+
+    cfg = dsr1.Config.preset("tiny-v3.2")
+    with pytest.raises(ValueError, match="paged cache holds no indexer keys"):
+        extend({}, None, np.zeros((1, 1), np.int32), np.zeros(1, np.int32), np.ones(1, np.int32),
+               np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int32), cfg=cfg, mesh=None, rules=None)
