@@ -195,3 +195,22 @@ def test_paged_extend_refuses_sparse_attention():
     with pytest.raises(ValueError, match="paged cache holds no indexer keys"):
         extend({}, None, np.zeros((1, 1), np.int32), np.zeros(1, np.int32), np.ones(1, np.int32),
                np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int32), cfg=cfg, mesh=None, rules=None)
+
+
+@pytest.mark.slow
+def test_decode_step_reads_only_the_selected_latents():
+    """The compiled decode step of a 1,000-position cache holds no layer's latents of every position,
+    nor a block of them as MLA's decode reads (in any dtype): it scans the indexer keys, then gathers
+    the 8 selected positions' latents."""
+    from dsr1 import programs
+
+    cfg = dataclasses.replace(dsr1.Config.preset("tiny-v3.2"), vocab_size=64, index_head_dim=24)  # shapes apart
+    model = dsr1.init_random(cfg, seed=0, dtype="float32")
+    cache = programs.random_cache(jax.random.key(0), cfg=cfg, mesh=model.mesh, batch=2, context=5, max_len=1000,
+                                  dtype=jnp.float32, kv_cache_dtype=None)
+    hlo = programs.decode.lower(model.params, cache, jnp.ones(2, jnp.int32), **model.program_kwargs).compile().as_text()
+    r, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    assert f"f32[2,1000,{cfg.index_head_dim}]" in hlo or "f32[2,1,1000]" in hlo  # the keys are scanned
+    whole = [f"{t}[2,{n},{d}]" for t in ("f32", "bf16", "u16") for d in (r, rope) for n in (1000, 256)]
+    assert [s for s in whole if s in hlo] == []
+    assert f"f32[2,1,8,{r}]" in hlo  # the selected latents
