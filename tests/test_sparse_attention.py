@@ -48,8 +48,8 @@ def build(root: Path, name: str) -> V32Fixture:
     """The first seed whose routing and index margins (on the official transcription) are safe."""
     cfg = reference_dsa.CONFIGS[name]
     for seed in range(20):
-        tensors, tokens, margins = reference_dsa.v32_tensors(cfg, seed), _rows(cfg["vocab_size"], seed), \
-            reference_dsa.Margins()
+        tensors, tokens = reference_dsa.v32_tensors(cfg, seed), _rows(cfg["vocab_size"], seed)
+        margins = reference_dsa.Margins()
         official = [reference_dsa.official_forward(tensors, cfg, tokens[r:r + 1, :n], margins)
                     for r, n in enumerate(LENGTHS)]
         if margins.routing < MIN_ROUTING_MARGIN or margins.index < reference_dsa.MIN_INDEX_MARGIN:
@@ -214,3 +214,40 @@ def test_decode_step_reads_only_the_selected_latents():
     whole = [f"{t}[2,{n},{d}]" for t in ("f32", "bf16", "u16") for d in (r, rope) for n in (1000, 256)]
     assert [s for s in whole if s in hlo] == []
     assert f"f32[2,1,8,{r}]" in hlo  # the selected latents
+
+
+def test_fp8_release_indexer_loads_and_is_checked(tmp_path):
+    """The release's FP8 indexer projections (`wq_b`, `wk`, 128x128 blocks with partial edges, the MTP
+    layer's too) load as their dequantized values; `check_tensors` passes the folder and names a
+    missing indexer tensor."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from dsr1.weights.release import CheckpointIndex, check_tensors, dequantize_fp8, quantize_fp8
+
+    cfg = reference_dsa.CONFIGS["v32_grouped_mtp"]
+    tensors = reference_dsa.v32_tensors(cfg, 0)
+    fp8 = [n for n in tensors if ".indexer.wq_b." in n or ".indexer.wk." in n]
+    reference.write_checkpoint(tmp_path, cfg, {k: v for k, v in tensors.items() if k not in fp8})
+    stored = {}
+    for name in fp8:
+        q, scale = quantize_fp8(tensors[name])
+        stored[name] = torch.from_numpy(q.view(np.uint8)).view(torch.float8_e4m3fn)
+        stored[name + "_scale_inv"] = torch.from_numpy(scale)
+    save_file(stored, str(tmp_path / "fp8.safetensors"))
+    index_file = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    index["weight_map"].update({name: "fp8.safetensors" for name in stored})
+    index_file.write_text(json.dumps(index))
+    v32 = dsr1.Config.from_hf(tmp_path)
+    assert check_tensors(CheckpointIndex.open(tmp_path), v32, mtp=True, strict=True) == []
+    model = dsr1.load(tmp_path, dtype="float32", mtp=True, progress=False)
+    name = "model.layers.3.self_attn.indexer.wq_b.weight"  # the MTP layer's
+    q, scale = quantize_fp8(tensors[name])
+    want = dequantize_fp8(q, scale).T.reshape(cfg["q_lora_rank"], cfg["index_n_heads"], cfg["index_head_dim"])
+    np.testing.assert_array_equal(np.asarray(model.params["mtp"]["block"]["indexer"]["wq_b"][0]), want)
+    opened, missing = CheckpointIndex.open(tmp_path), "model.layers.1.self_attn.indexer.k_norm.bias"
+    without = dataclasses.replace(opened, tensors={k: v for k, v in opened.tensors.items() if k != missing})
+    assert check_tensors(without, v32, mtp=True) == [f"missing tensor {missing!r} (expected shape [16])"]
