@@ -134,3 +134,27 @@ def test_hf_dict_round_trip(tmp_path):
     for name in ("tiny", "deepseek-r1"):
         cfg = Config.preset(name)
         assert Config.from_hf(write(tmp_path, cfg.to_hf_dict())) == cfg
+
+
+V32 = {**R1, "model_type": "deepseek_v32", "architectures": ["DeepseekV32ForCausalLM"], "index_n_heads": 64,
+       "index_head_dim": 128, "index_topk": 2048}
+
+
+def test_v32_release_config_is_r1_with_the_indexer(tmp_path):
+    cfg = Config.from_hf(write(tmp_path, V32))
+    assert cfg == Config.preset("deepseek-v3.2") and cfg.sparse_attention
+    assert not Config.preset("deepseek-r1").sparse_attention
+    for name in ("tiny-v3.2", "deepseek-v3.2"):
+        preset = Config.preset(name)
+        assert preset.to_hf_dict()["model_type"] == "deepseek_v32"
+        assert Config.from_hf(write(tmp_path, preset.to_hf_dict())) == preset
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"index_topk": None}, "missing field 'index_topk'"),
+    ({"q_lora_rank": None}, "needs q_lora_rank"),
+    ({"index_head_dim": 32}, "index_head_dim=32 must be at least qk_rope_head_dim=64"),
+])
+def test_v32_configs_fail_clearly(tmp_path, change, message):
+    with pytest.raises(ConfigError, match=message):
+        Config.from_hf(write(tmp_path, {**V32, **change}))

@@ -79,7 +79,7 @@ def test_kernel_equals_the_xla_page_loop_and_reads_only_held_pages(page_size, dt
     own = attention.Keys(*(jnp.asarray(rng.standard_normal((b, TOKENS, w)), dtype) for w in (RANK, RANK, ROPE)), None)
     cfg = types.SimpleNamespace(softmax_scale=SCALE)  # the scores' only use of the config
     layer, cached = jnp.int32(1), jnp.asarray(LENGTHS, jnp.int32)
-    start = attention.fold_keys(None, q, own, attention._causal(TOKENS), cfg)
+    start = attention.fold_keys(None, q, own, attention.causal_mask(TOKENS), cfg)
     want = attention._fold_pages(start, {}, q, attention.PagedContext(clean, table, cached, 4), layer, dtype, cfg)
     stored = [to_stored(a, "cpu") for a in (poisoned.c_kv, poisoned.k_pe)]  # bf16 as its bits, as on CPU
     acc, run_max, total = paged_attention.paged_context(

@@ -44,12 +44,19 @@ NEG_INF = -1e30  # a large finite negative: fully masked rows stay NaN-free
 DECODE_PRODUCTS = {"q_b": "btq,qhk->bthk", "wk_b": "bthn,hnr->bthr", "wv_b": "bhtr,hvr->bhtv", "o": "bhtv,hvd->btd"}
 
 
-def queries(p: dict, x: jax.Array, positions: jax.Array, cfg: Config) -> tuple[jax.Array, jax.Array]:
-    """`x [B, T, D]` -> `q_nope [B, T, H, nope]`, `q_pe [B, T, H, rope]` (rope applied)."""
+def query_latent(p: dict, x: jax.Array, cfg: Config) -> jax.Array:
+    """`x [B, T, D]` -> the normed query latent `c_q [B, T, q_lora_rank]` (V3.2's indexer reads it too)."""
+    return rms_norm(products.matmul(x, p["q_a"]), p["q_a_norm"], cfg.rms_norm_eps)
+
+
+def queries(p: dict, x: jax.Array, positions: jax.Array, cfg: Config,
+            c_q: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """`x [B, T, D]` -> `q_nope [B, T, H, nope]`, `q_pe [B, T, H, rope]` (rope applied). `c_q`: the
+    query latent of `x` where the caller has it already (`query_latent`)."""
     if cfg.q_lora_rank is None:
         q = products.einsum("btd,dhk->bthk", x, p["q"])
     else:
-        c_q = rms_norm(products.matmul(x, p["q_a"]), p["q_a_norm"], cfg.rms_norm_eps)
+        c_q = query_latent(p, x, cfg) if c_q is None else c_q
         q = products.einsum(DECODE_PRODUCTS["q_b"], c_q, p["q_b"])
     q_nope, q_pe = jnp.split(q, [cfg.qk_nope_head_dim], axis=-1)
     return q_nope, apply_rope(q_pe, positions, cfg)
@@ -142,11 +149,12 @@ def _masked(s: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.where(mask, s, NEG_INF)
 
 
-def _softmax(s: jax.Array, mask: jax.Array) -> jax.Array:
+def masked_softmax(s: jax.Array, mask: jax.Array) -> jax.Array:
+    """The softmax over the last axis of scores `s` where `mask` (broadcast to them) holds."""
     return jax.nn.softmax(_masked(s, mask), axis=-1)
 
 
-def _causal(t: int) -> jax.Array:
+def causal_mask(t: int) -> jax.Array:
     """`[T, T]`: query i sees keys j <= i."""
     return jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
 
@@ -164,7 +172,7 @@ def attend_prefill(p: dict, x: jax.Array, positions: jax.Array, cfg: Config):
         c_kv, k_pe = latents(p, x, positions, cfg)
         q = make_query(p, q_nope, q_pe, absorbed=False)
         k = make_keys(p, c_kv, None, k_pe, absorbed=False, dtype=q_nope.dtype)
-        probs = _softmax(scores(q, k, cfg), _causal(x.shape[1]))
+        probs = masked_softmax(scores(q, k, cfg), causal_mask(x.shape[1]))
         out = attention_output(p, weighted_values(probs, k), absorbed=False, dtype=q_nope.dtype)
     return out, (c_kv, k_pe)
 
@@ -197,7 +205,7 @@ def attend_cached(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache, l
         b, t = x.shape[0], x.shape[1]
         if query_at is None:
             q_nope, q_pe = queries(p, x, positions, cfg)
-            own_mask = jnp.broadcast_to(_causal(t)[None, None], (b, 1, t, t))
+            own_mask = jnp.broadcast_to(causal_mask(t)[None, None], (b, 1, t, t))
         else:
             at = query_at[:, None]
             q_nope, q_pe = queries(p, jnp.take_along_axis(x, at[..., None], axis=1),
@@ -267,7 +275,7 @@ def _cache_softmax(p: dict, q: Query, own: Keys, own_mask: jax.Array, cache: KVC
     b, queried = own_mask.shape[0], own_mask.shape[2]
     valid = jnp.arange(s)[None, :] < cache.lengths[:, None]
     mask = jnp.concatenate([jnp.broadcast_to(valid[:, None, None, :], (b, 1, queried, s)), own_mask], axis=-1)
-    probs = _softmax(jnp.concatenate([scores(q, cached, cfg), scores(q, own, cfg)], axis=-1), mask)
+    probs = masked_softmax(jnp.concatenate([scores(q, cached, cfg), scores(q, own, cfg)], axis=-1), mask)
     return weighted_values(probs[..., :s], cached) + weighted_values(probs[..., s:], own)
 
 
@@ -505,7 +513,7 @@ def attend_extend(p: dict, x: jax.Array, positions: jax.Array, context: PagedCon
             return (_attend_by_kernel(p, q, own, context.cache, layer, context.cached, dt, cfg, context.page_table),
                     (c_new, pe_new))
         with jax.named_scope("new_tokens"):
-            state = fold_keys(None, q, make_keys(p, c_new, None, pe_new, absorbed, dt), _causal(x.shape[1]), cfg)
+            state = fold_keys(None, q, make_keys(p, c_new, None, pe_new, absorbed, dt), causal_mask(x.shape[1]), cfg)
         with jax.named_scope("cached_pages"):
             kernel = absorbed and paged_attention.applies(kernel_choice(mesh, one_device)[0])
             if pool_axes(mesh, rules)[1] is not None:

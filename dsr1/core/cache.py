@@ -5,7 +5,10 @@ per-head keys and values. With `kv_cache_dtype="int8"` the latent `c_kv` (89% of
 stored as int8 with one float32 scale per token per layer; `k_pe`, which carries position, stays
 in the model's dtype.
 
-- `KVCache`: contiguous, one row of `max_len` positions per batch row (`prefill`, `decode`).
+- `KVCache`: contiguous, one row of `max_len` positions per batch row (`prefill`, `decode`). For
+  V3.2 (sparse attention) it also holds each token's indexer key, `index_head_dim` values per layer
+  in the model's dtype (not the release's FP8 form), which every decode step scans to choose the
+  positions whose latents it reads.
 - `PagedKVCache`: a pool of fixed-size pages shared by all sequences, each sequence reading and
   writing its own pages through a page table (`extend`, serving). Rows grow a page at a time and
   sequences with a common prefix can share its pages. `gather_pages` and `scatter_pages` move
@@ -34,12 +37,15 @@ KV_CACHE_DTYPES = (None, "int8")
 class KVCache:
     """`c_kv [layers, batch, max_len, kv_lora_rank]`, `k_pe [layers, batch, max_len, rope_dim]`,
     `c_scale [layers, batch, max_len]` (int8 cache only, else None), and `lengths [batch]`: how many
-    positions of each row are filled (the next token's position)."""
+    positions of each row are filled (the next token's position). `index_k [layers, batch, max_len,
+    index_head_dim]`: the sparse-attention indexer's keys (V3.2; None for dense MLA), stored as
+    `k_pe` is."""
 
     c_kv: jax.Array
     k_pe: jax.Array
     c_scale: jax.Array | None
     lengths: jax.Array
+    index_k: jax.Array | None = None
 
     @property
     def max_len(self) -> int:
@@ -62,6 +68,30 @@ class KVCache:
 
         return block(self.c_kv), None if self.c_scale is None else block(self.c_scale), block(self.k_pe)
 
+    def read_index_keys(self, layer: jax.Array) -> jax.Array:
+        """One layer's indexer keys at every position of every row `[B, max_len, index_head_dim]`, as
+        stored (one slice of the whole cache, as `read_block`)."""
+        return jax.lax.dynamic_index_in_dim(self.index_k, layer, axis=0, keepdims=False)
+
+    def gather_positions(self, layer: jax.Array, positions: jax.Array
+                         ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+        """One layer's latents at `positions [B, ...]` of each row, as stored: `c_kv [B, ..., r]`, `c_scale
+        [B, ...]` or None, `k_pe [B, ..., rope]`. One gather from the whole cache: only those positions
+        are read."""
+        rows = jnp.arange(self.batch_size).reshape(-1, *(1,) * (positions.ndim - 1))
+
+        def gather(a: jax.Array) -> jax.Array:
+            return a[layer, rows, positions]
+
+        return gather(self.c_kv), None if self.c_scale is None else gather(self.c_scale), gather(self.k_pe)
+
+
+def latent_parts(latents: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """A layer's (or every layer's) new latents as `(c_kv, k_pe, index_k)`: attention returns `(c_kv,
+    k_pe)`, sparse attention `(c_kv, k_pe, index_k)` (its indexer keys; None here for dense MLA)."""
+    c_kv, k_pe, *index_k = latents
+    return c_kv, k_pe, index_k[0] if index_k else None
+
 
 def keep_cache_rows(cache: KVCache, mesh: Mesh, rules: ShardingRules) -> KVCache:
     """Inside jit: the decode cache laid out as its rows are (`keep_rows`): under attention data
@@ -69,12 +99,14 @@ def keep_cache_rows(cache: KVCache, mesh: Mesh, rules: ShardingRules) -> KVCache
     def rows(a: jax.Array | None, axis: int = 1) -> jax.Array | None:
         return None if a is None else keep_rows(a, mesh, rules, axis)
 
-    return KVCache(rows(cache.c_kv), rows(cache.k_pe), rows(cache.c_scale), rows(cache.lengths, 0))
+    return KVCache(rows(cache.c_kv), rows(cache.k_pe), rows(cache.c_scale), rows(cache.lengths, 0),
+                   rows(cache.index_k))
 
 
 def _latent_bytes(cache: KVCache | PagedKVCache) -> int:
-    """Bytes of a cache's latents, int8 scales included."""
-    return sum(x.nbytes for x in (cache.c_kv, cache.k_pe, cache.c_scale) if x is not None)
+    """Bytes of a cache's latents, int8 scales (and a contiguous cache's indexer keys) included."""
+    index_k = getattr(cache, "index_k", None)
+    return sum(x.nbytes for x in (cache.c_kv, cache.k_pe, cache.c_scale, index_k) if x is not None)
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str | None) -> str | None:
@@ -123,35 +155,41 @@ def _put(array: jax.Array, index: tuple, values: jax.Array, **kwargs) -> jax.Arr
 
 
 def cache_from_prefill(c_kv: jax.Array, k_pe: jax.Array, lengths: jax.Array, max_len: int,
-                       kv_cache_dtype: str | None = None, platform: str | None = None) -> KVCache:
-    """A cache of `max_len` positions holding the prompts' latents `[layers, batch, T, ...]`, for
-    `platform`'s devices (`stores_bits`)."""
-    pad = [(0, 0), (0, 0), (0, max_len - c_kv.shape[2])]
+                       kv_cache_dtype: str | None = None, platform: str | None = None,
+                       index_k: jax.Array | None = None) -> KVCache:
+    """A cache of `max_len` positions holding the prompts' latents `[layers, batch, T, ...]` (and, for
+    sparse attention, their indexer keys `index_k`), for `platform`'s devices (`stores_bits`)."""
+    pad = [(0, 0), (0, 0), (0, max_len - c_kv.shape[2]), (0, 0)]
     c_kv, c_scale = _stored(c_kv, kv_cache_dtype)
-    return KVCache(jnp.pad(to_stored(c_kv, platform), pad + [(0, 0)]),
-                   jnp.pad(to_stored(k_pe, platform), pad + [(0, 0)]),
-                   None if c_scale is None else jnp.pad(c_scale, pad, constant_values=1.0),
-                   lengths.astype(jnp.int32))
+
+    def padded(a: jax.Array | None) -> jax.Array | None:
+        return None if a is None else jnp.pad(to_stored(a, platform), pad)
+
+    scale = None if c_scale is None else jnp.pad(c_scale, pad[:3], constant_values=1.0)
+    return KVCache(padded(c_kv), padded(k_pe), scale, lengths.astype(jnp.int32), padded(index_k))
 
 
-def append_token(cache: KVCache, c_kv: jax.Array, k_pe: jax.Array) -> KVCache:
+def append_token(cache: KVCache, c_kv: jax.Array, k_pe: jax.Array, index_k: jax.Array | None = None) -> KVCache:
     """Write one new position per row (`c_kv [layers, batch, r]`) at each row's own length."""
-    return append_tokens(cache, c_kv[:, :, None], k_pe[:, :, None])
+    return append_tokens(cache, c_kv[:, :, None], k_pe[:, :, None], None if index_k is None else index_k[:, :, None])
 
 
-def append_tokens(cache: KVCache, c_kv: jax.Array, k_pe: jax.Array) -> KVCache:
-    """Write T new positions per row (`c_kv [layers, batch, T, r]`) at `lengths[b] + t`; lengths grow by
-    T. Positions past `max_len` are dropped. Rolling back (speculative decoding) is setting `lengths`
-    lower: positions at or past a row's length are never read."""
+def append_tokens(cache: KVCache, c_kv: jax.Array, k_pe: jax.Array, index_k: jax.Array | None = None) -> KVCache:
+    """Write T new positions per row (`c_kv [layers, batch, T, r]`, and a sparse-attention cache's
+    indexer keys `index_k`) at `lengths[b] + t`; lengths grow by T. Positions past `max_len` are
+    dropped. Rolling back (speculative decoding) is setting `lengths` lower: positions at or past a
+    row's length are never read."""
+    if (index_k is None) != (cache.index_k is None):
+        raise ValueError("a sparse-attention cache takes the new tokens' indexer keys, a dense one none")
     t = c_kv.shape[2]
-    rows = jnp.arange(cache.batch_size)[:, None]
-    positions = cache.lengths[:, None] + jnp.arange(t)
+    at = (slice(None), jnp.arange(cache.batch_size)[:, None], cache.lengths[:, None] + jnp.arange(t))
     c_kv, c_scale = _stored(c_kv, "int8" if cache.c_scale is not None else None)
     return KVCache(
-        _put(cache.c_kv, (slice(None), rows, positions), c_kv, mode="drop"),
-        _put(cache.k_pe, (slice(None), rows, positions), k_pe, mode="drop"),
-        None if c_scale is None else _put(cache.c_scale, (slice(None), rows, positions), c_scale, mode="drop"),
+        _put(cache.c_kv, at, c_kv, mode="drop"),
+        _put(cache.k_pe, at, k_pe, mode="drop"),
+        None if c_scale is None else _put(cache.c_scale, at, c_scale, mode="drop"),
         cache.lengths + t,
+        None if index_k is None else _put(cache.index_k, at, index_k, mode="drop"),
     )
 
 

@@ -10,7 +10,9 @@ from typing import Any
 
 import numpy as np
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "kimi_k2")
+SPARSE_MODEL_TYPE = "deepseek_v32"  # V3.2: DeepSeek Sparse Attention (`index_*` fields)
+INDEX_FIELDS = ("index_n_heads", "index_head_dim", "index_topk")
 
 
 class ConfigError(ValueError):
@@ -31,7 +33,11 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Hyper-parameters of a DeepSeek-V3-architecture model (R1, V3, Kimi-K2, Moonlight, ...)."""
+    """Hyper-parameters of a DeepSeek-V3-architecture model (R1, V3, V3.2, Kimi-K2, Moonlight, ...).
+
+    `index_topk > 0` (V3.2, `model_type: deepseek_v32`): DeepSeek Sparse Attention, a lightning
+    indexer of `index_n_heads` heads of `index_head_dim` per layer choosing the `index_topk` cached
+    positions each query attends to (`dsr1.core.sparse_attention`); 0: dense MLA."""
 
     vocab_size: int
     hidden_size: int
@@ -60,6 +66,9 @@ class Config:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = 0
     eos_token_id: int | None = 1
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
 
     def __post_init__(self):
         _validate(self, "Config")
@@ -80,6 +89,11 @@ class Config:
     @property
     def shared_intermediate_size(self) -> int:
         return self.moe_intermediate_size * self.n_shared_experts
+
+    @property
+    def sparse_attention(self) -> bool:
+        """Whether the layers attend through DeepSeek Sparse Attention (V3.2's indexer)."""
+        return self.index_topk > 0
 
     @property
     def softmax_scale(self) -> float:
@@ -153,6 +167,7 @@ class Config:
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            **({name: get(name) for name in INDEX_FIELDS} if model_type == SPARSE_MODEL_TYPE else {}),
         )
         theta, scaling = _read_rope(raw, source)
         try:
@@ -163,16 +178,20 @@ class Config:
     @classmethod
     def preset(cls, name: str) -> Config:
         """A named configuration: `deepseek-r1` (the release config; `deepseek-v3.1` is the same
-        architecture and shapes), `tiny` (a CPU demo model with R1's vocabulary), `bench` (memory-bound
-        on CPU, for benchmarks) or `demo` (the trained demo model's shape)."""
+        architecture and shapes), `deepseek-v3.2` (R1's plus the sparse-attention indexer), `tiny` (a
+        CPU demo model with R1's vocabulary; `tiny-v3.2` with an indexer choosing 8 positions), `bench`
+        (memory-bound on CPU, for benchmarks) or `demo` (the trained demo model's shape)."""
         if name not in PRESETS:
             raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
         return PRESETS[name]
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The fields of a HF `config.json` describing this model (used to write test checkpoints)."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "rope_scaling"}
-        d.update(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], hidden_act="silu",
+        skip = {"rope_scaling"} | (set() if self.sparse_attention else set(INDEX_FIELDS))
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
+        model_type, architecture = ((SPARSE_MODEL_TYPE, "DeepseekV32ForCausalLM") if self.sparse_attention
+                                    else ("deepseek_v3", "DeepseekV3ForCausalLM"))
+        d.update(model_type=model_type, architectures=[architecture], hidden_act="silu",
                  scoring_func="sigmoid", topk_method="noaux_tc", moe_layer_freq=1, attention_bias=False,
                  num_key_value_heads=self.num_attention_heads, rope_interleave=True)
         s = self.rope_scaling
@@ -275,6 +294,20 @@ def _validate(cfg: Config, source: str) -> None:
              f"in topk_group={cfg.topk_group} groups")
     if cfg.first_k_dense_replace < 0:
         fail(f"first_k_dense_replace={cfg.first_k_dense_replace} must be >= 0")
+    if cfg.sparse_attention:
+        _validate_indexer(cfg, fail)
+
+
+def _validate_indexer(cfg: Config, fail) -> None:
+    """V3.2's indexer: its queries come from the query latent, and its rope takes the first
+    `qk_rope_head_dim` of each head's `index_head_dim` channels."""
+    if cfg.q_lora_rank is None:
+        fail("index_topk > 0 (sparse attention) needs q_lora_rank: the indexer's queries read the query latent")
+    if cfg.index_n_heads <= 0:
+        fail(f"index_n_heads={cfg.index_n_heads} must be positive")
+    if cfg.index_head_dim < cfg.qk_rope_head_dim:
+        fail(f"index_head_dim={cfg.index_head_dim} must be at least qk_rope_head_dim={cfg.qk_rope_head_dim} "
+             f"(the indexer ropes its first qk_rope_head_dim channels)")
 
 
 def _r1() -> Config:
@@ -327,6 +360,16 @@ def _demo() -> Config:
     )
 
 
+def _v32() -> Config:
+    """DeepSeek-V3.2(-Exp): R1's shapes plus the indexer of its release config."""
+    return dataclasses.replace(_r1(), index_n_heads=64, index_head_dim=128, index_topk=2048)
+
+
+def _tiny_v32() -> Config:
+    """The tiny preset with a V3.2 indexer that selects fewer positions than a short prompt holds."""
+    return dataclasses.replace(_tiny(), index_n_heads=4, index_head_dim=32, index_topk=8)
+
+
 # V3-0324, R1-0528, V3.1 and V3.1-Terminus have R1's architecture and shapes: `deepseek-v3.1` is R1's config.
-PRESETS: dict[str, Config] = {"deepseek-r1": _r1(), "deepseek-v3.1": _r1(), "tiny": _tiny(), "bench": _bench(),
-                              "demo": _demo()}
+PRESETS: dict[str, Config] = {"deepseek-r1": _r1(), "deepseek-v3.1": _r1(), "deepseek-v3.2": _v32(), "tiny": _tiny(),
+                              "tiny-v3.2": _tiny_v32(), "bench": _bench(), "demo": _demo()}

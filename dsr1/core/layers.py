@@ -15,6 +15,17 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * x.astype(weight.dtype)
 
 
+def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """LayerNorm (mean and variance over the last axis) computed in float32, returned in x's dtype
+    (as V3.2's reference computes its indexer's key norm)."""
+    f = x.astype(jnp.float32)
+    mean = jnp.mean(f, axis=-1, keepdims=True)
+    centred = f - mean
+    var = jnp.mean(centred * centred, axis=-1, keepdims=True)
+    out = centred * jax.lax.rsqrt(var + eps) * weight.astype(jnp.float32) + bias.astype(jnp.float32)
+    return out.astype(x.dtype)
+
+
 def silu(x: jax.Array) -> jax.Array:
     """SiLU computed in float32 and rounded once to x's dtype, as torch computes it for bf16 (HF's
     reference): `jax.nn.silu` of bf16 rounds each of its four steps, which changed ~35% of a bf16

@@ -3,6 +3,9 @@
 Layers are stacked (the dense ones, then the MoE ones) and run under `jax.lax.scan`, so compile
 time does not grow with depth. The residual stream is float32; matmuls run in the weights' dtype.
 
+The layers attend through MLA (`dsr1.core.attention`) or, for V3.2, DeepSeek Sparse Attention
+(`dsr1.core.sparse_attention`): `attention_module` picks one from the config.
+
 - `forward`: logits for every position (prefill attention path).
 - `prefill`: logits at each row's last token, and a KVCache holding the prompts' latents.
 - `decode`: one token per row with absorbed attention against the cache.
@@ -15,12 +18,14 @@ time does not grow with depth. The residual stream is float32; matmuls run in th
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from .attention import PagedContext, attend_decode, attend_extend, attend_prefill, use_absorbed
+from . import attention, sparse_attention
+from .attention import PagedContext, attend_extend, use_absorbed
 from .backend import backend_of
 from .cache import (
     KVCache,
@@ -29,6 +34,7 @@ from .cache import (
     cache_from_prefill,
     keep_cache_rows,
     keep_pool_layout,
+    latent_parts,
     pool_axes,
     token_slots,
     write_rank_tokens,
@@ -43,8 +49,16 @@ from .sharding import ShardingRules, keep_rows
 # Activations and the decode cache are laid out by their rows (`keep_rows`): whole on every device
 # in the low-latency layout, split over the data-parallel axis under attention data parallelism.
 
-Attend = Callable[[dict, jax.Array, jax.Array], tuple[jax.Array, tuple[jax.Array, jax.Array]]]
-"""`attend(layer_params, normed_x, layer_index) -> (out, (c_kv, k_pe))`: one layer's attention."""
+Attend = Callable[[dict, jax.Array, jax.Array], tuple[jax.Array, tuple[jax.Array, ...]]]
+"""`attend(layer_params, normed_x, layer_index) -> (out, (c_kv, k_pe))`: one layer's attention (sparse
+attention's new latents add the indexer keys: `(c_kv, k_pe, index_k)`)."""
+
+
+def attention_module(cfg: Config) -> ModuleType:
+    """The attention the layers of `cfg` run: `sparse_attention` for DeepSeek Sparse Attention (V3.2),
+    else MLA's `attention`. Both give `attend_prefill(p, x, positions, cfg)` and `attend_decode(p, x,
+    positions, cache, layer, cfg, one_device=, mesh=)`, and `attend_cached` (T tokens per row)."""
+    return sparse_attention if cfg.sparse_attention else attention
 
 DEFAULT_BLOCK_TOKENS = 512  # tokens of context per step of extend's page loop (rounded to whole pages)
 CHUNK_BLOCK_TOKENS = 256  # the same for chunks of more than 8 new tokens (see `default_block_pages`)
@@ -105,7 +119,8 @@ def _run_layers(params: Params, x: jax.Array, attend: Attend, cfg: Config, mesh:
     index (a scan input, so a cache is read in place by index, never sliced into a copy); the routed
     experts are read in place the same way, by their index in the stack.
 
-    Returns the final hidden states, every layer's new latents `([L, ...r], [L, ...rope])` and the
+    Returns the final hidden states, every layer's new latents `([L, ...r], [L, ...rope])` (sparse
+    attention: and `[L, ..., index_head_dim]`, the indexer keys) and the
     routed expert ids of the MoE layers `[L_moe, ..., K]` (None without MoE layers); with `train`
     (differentiable experts, for `dsr1.train`) their `RouterStats` stacked `[L_moe, ...]` instead."""
     new_latents, routing = [], None
@@ -133,15 +148,15 @@ def _run_layers(params: Params, x: jax.Array, attend: Attend, cfg: Config, mesh:
                 layer, x, (scanned, jnp.arange(layers.start, layers.stop), jnp.arange(len(layers))))
         new_latents.append(kv)
         routing = experts if experts is not None else routing
-    c_kv = jnp.concatenate([c for c, _ in new_latents])
-    k_pe = jnp.concatenate([k for _, k in new_latents])
-    return x, (c_kv, k_pe), routing
+    return x, tuple(jnp.concatenate(parts) for parts in zip(*new_latents)), routing
 
 
 def _prefill_hidden(params: Params, tokens: jax.Array, cfg: Config, mesh: Mesh, rules: ShardingRules):
-    """Final hidden states `[B, T, D]` and every layer's latents `([L, B, T, r], [L, B, T, rope])`."""
+    """Final hidden states `[B, T, D]` and every layer's latents `([L, B, T, r], [L, B, T, rope])` (and
+    indexer keys, for sparse attention)."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     x = keep_rows(_embed(params, tokens), mesh, rules)
+    attend_prefill = attention_module(cfg).attend_prefill
     x, latents, _ = _run_layers(params, x, lambda p, h, _: attend_prefill(p, h, positions, cfg), cfg, mesh, rules)
     return x, latents
 
@@ -170,6 +185,7 @@ def forward_train(params: Params, tokens: jax.Array, *, cfg: Config, mesh: Mesh,
     Pass float32 or bf16 arrays (weights in a backend's layout are for inference)."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     x = _embed(params, tokens)
+    attend_prefill = attention_module(cfg).attend_prefill
     x, _, stats = _run_layers(params, x, lambda p, h, _: attend_prefill(p, h, positions, cfg), cfg, mesh, rules,
                               train=True)
     return _logits(params, x, cfg), x, stats
@@ -188,10 +204,11 @@ def prefill_hidden(params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg
                    kv_cache_dtype: str | None = None) -> tuple[jax.Array, KVCache, jax.Array]:
     """`prefill`, and the residual stream entering the final norm at every position `[B, T, D]`
     (float32; what the MTP module reads, `dsr1.generation.speculative`)."""
-    x, (c_kv, k_pe) = _prefill_hidden(params, tokens, cfg, mesh, rules)
+    x, latents = _prefill_hidden(params, tokens, cfg, mesh, rules)
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]
     logits = keep_rows(_logits(params, last, cfg), mesh, rules)
-    cache = cache_from_prefill(c_kv, k_pe, lengths, max_len, kv_cache_dtype, mesh.devices.flat[0].platform)
+    c_kv, k_pe, index_k = latent_parts(latents)
+    cache = cache_from_prefill(c_kv, k_pe, lengths, max_len, kv_cache_dtype, mesh.devices.flat[0].platform, index_k)
     return logits, keep_cache_rows(cache, mesh, rules), keep_rows(x, mesh, rules)
 
 
@@ -210,13 +227,14 @@ def decode_hidden(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Con
     input): the one-token step that `verify_by_steps` repeats."""
     positions = cache.lengths
     x = keep_rows(_embed(params, tokens), mesh, rules)
+    attend_decode = attention_module(cfg).attend_decode
 
     def attend(p, h, i):
         return attend_decode(p, h, positions, cache, i, cfg, mesh=mesh)
 
-    x, (c_new, pe_new), routing = _run_layers(params, x, attend, cfg, mesh, rules)
+    x, new_latents, routing = _run_layers(params, x, attend, cfg, mesh, rules)
     logits = keep_rows(_logits(params, x, cfg), mesh, rules)
-    cache = keep_cache_rows(append_token(cache, c_new, pe_new), mesh, rules)
+    cache = keep_cache_rows(append_token(cache, *latent_parts(new_latents)), mesh, rules)
     return logits, cache, routing, keep_rows(x, mesh, rules)
 
 
@@ -338,6 +356,9 @@ def extend_routed(params: Params, cache: PagedKVCache, tokens: jax.Array, starts
     tokens. Every shape is static (B, T, P, K), so rows joining, growing and leaving compile nothing;
     the page loop's trip count is dynamic, set by the longest row in use.
     """
+    if cfg.sparse_attention:
+        raise ValueError("extend: the paged cache holds no indexer keys; a sparse-attention (V3.2) model runs "
+                         "with prefill and decode on the contiguous cache")
     chunk = tokens.shape[1]
     absorbed = _extend_form(cfg, chunk, absorbed, mesh, rules)
     block_pages = block_pages or default_block_pages(cache.page_size, page_table.shape[1], chunk)

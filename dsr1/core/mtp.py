@@ -23,10 +23,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from .attention import attend_prefill
 from .config import Config
 from .layers import rms_norm
-from .model import _block, _split_routed_experts
+from .model import _block, _split_routed_experts, attention_module
 from .params import Params
 from .products import einsum, matmul, to_float32
 from .sharding import ShardingRules, keep_rows
@@ -84,7 +83,8 @@ def mtp_step(params: Params, hidden: jax.Array, next_tokens: jax.Array, attend, 
              rules: ShardingRules, index: int = 0, train: bool = False, query_at: jax.Array | None = None):
     """MTP module `index` on `hidden [B, T, D]` and `next_tokens [B, T]`, with `attend(block_params,
     normed_x) -> (out, (c_kv, k_pe))` as its attention. Returns `(logits [B, T, V] float32,
-    mtp_hidden [B, T, D] float32, (c_kv, k_pe))`: the new latents for the module's own cache.
+    mtp_hidden [B, T, D] float32, (c_kv, k_pe))`: the new latents for the module's own cache (with
+    sparse attention `(c_kv, k_pe, index_k)`).
     `train`: differentiable experts (see `dsr1.core.moe.moe`). `query_at [B]`: outputs at row b's
     position `query_at[b]` only (`T` = 1 in them; every position's latents), with
     `attend(block_params, normed_x, query_at)` (see `attend_cached`)."""
@@ -100,6 +100,7 @@ def mtp_forward_train(params: Params, hidden: jax.Array, next_tokens: jax.Array,
     the module's `RouterStats` (its load and sequence-wise balance loss, as the model's MoE layers
     report theirs; None for a dense block)."""
     positions = jnp.broadcast_to(jnp.arange(hidden.shape[1]), next_tokens.shape)
+    attend_prefill = attention_module(cfg).attend_prefill
     p, x, _, stats = _mtp_block(params, hidden, next_tokens, lambda p, h: attend_prefill(p, h, positions, cfg),
                                 cfg=cfg, mesh=mesh, rules=rules, index=index, train=True)
     return keep_rows(mtp_logits(p, x, cfg), mesh, rules), stats
@@ -124,6 +125,7 @@ def mtp_forward(params: Params, hidden: jax.Array, next_tokens: jax.Array, lengt
       or the next recursive application's, `hidden`).
     """
     positions = jnp.broadcast_to(jnp.arange(hidden.shape[1]), next_tokens.shape)
+    attend_prefill = attention_module(cfg).attend_prefill
     logits, x, _ = mtp_step(params, hidden, next_tokens, lambda p, h: attend_prefill(p, h, positions, cfg),
                             cfg=cfg, mesh=mesh, rules=rules, index=index, train=True)
     valid = (jnp.arange(hidden.shape[1])[None, :] < lengths[:, None])[..., None]

@@ -68,7 +68,25 @@ def attention_specs(cfg: Config) -> dict[str, ArrayInfo]:
         specs["q_a"] = _linear((d, q), ("embed", "q_lora"), d)
         specs["q_a_norm"] = _norm(q)
         specs["q_b"] = _linear((q, h, cfg.qk_head_dim), ("q_lora", "heads", "head_dim"), q)
+    if cfg.sparse_attention:
+        specs["indexer"] = indexer_specs(cfg)
     return specs
+
+
+def indexer_specs(cfg: Config) -> dict[str, ArrayInfo]:
+    """V3.2's lightning indexer (`dsr1.core.sparse_attention`): queries from the query latent
+    (`wq_b`), one key per token from the hidden state (`wk`, then a LayerNorm), per-head weights
+    (`weights_proj`, unquantized float32 as the reference computes it). The index heads are not
+    split over devices: a query's one selection sums over all of them, and replicated it is the same
+    selection on every device without a collective."""
+    d, q, hi, di = cfg.hidden_size, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim
+    return {
+        "wq_b": _linear((q, hi, di), ("q_lora", None, "head_dim"), q),
+        "wk": _linear((d, di), ("embed", "head_dim"), d),
+        "k_norm": ArrayInfo((di,), (None,), "ones", jnp.float32),
+        "k_norm_bias": ArrayInfo((di,), (None,), "bias", jnp.float32),
+        "weights_proj": ArrayInfo((d, hi), ("embed", None), "normal", jnp.float32, d),
+    }
 
 
 def mlp_specs(d: int, f: int) -> dict[str, ArrayInfo]:

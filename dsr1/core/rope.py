@@ -1,7 +1,8 @@
-"""Rotary position embedding with YaRN frequency scaling, on interleaved pairs.
+"""Rotary position embedding with YaRN frequency scaling, on interleaved pairs or on halves.
 
-DeepSeek's weights expect RoPE applied to pairs `(x[2i], x[2i+1])`, each rotated by frequency i
-(the reference code views them as complex numbers), not to the two halves of the vector.
+DeepSeek's MLA weights expect RoPE applied to pairs `(x[2i], x[2i+1])`, each rotated by frequency i
+(the reference code views them as complex numbers), not to the two halves of the vector. V3.2's
+indexer expects the halves: pairs `(x[i], x[i + d/2])` (its reference's `interleaved=False`).
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ def attention_factor(cfg: Config) -> float:
     return yarn_mscale(s.factor, s.mscale) / yarn_mscale(s.factor, s.mscale_all_dim)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, cfg: Config) -> jax.Array:
-    """Rotate interleaved pairs of the last axis of `x [..., T, (H,) rope_dim]` by `positions [..., T]`.
+def apply_rope(x: jax.Array, positions: jax.Array, cfg: Config, interleaved: bool = True) -> jax.Array:
+    """Rotate pairs of the last axis of `x [..., T, (H,) rope_dim]` by `positions [..., T]`: interleaved
+    pairs `(x[2i], x[2i+1])`, or with `interleaved=False` the halves' pairs `(x[i], x[i + rope_dim/2])`.
 
     `x` may carry a head axis after the position axis; positions broadcast over it.
     """
@@ -54,6 +56,9 @@ def apply_rope(x: jax.Array, positions: jax.Array, cfg: Config) -> jax.Array:
         angles = angles[..., None, :]
     scale = attention_factor(cfg)
     cos, sin = jnp.cos(angles) * scale, jnp.sin(angles) * scale
+    if not interleaved:
+        first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+        return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1).astype(x.dtype)
     pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)

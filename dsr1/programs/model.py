@@ -76,15 +76,21 @@ def greedy_decode(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Con
                                              "rules"))
 def random_cache(key: jax.Array, *, cfg: Config, mesh: Mesh, batch: int, context: int, max_len: int, dtype: Any,
                  kv_cache_dtype: str | None, rules: ShardingRules = DEFAULT_RULES) -> KVCache:
-    """A cache as if `batch` prompts of `context` tokens had been prefilled: random latents in the
-    cache's dtype, room for `max_len` positions, laid out over the mesh by `rules` (`keep_cache_rows`)."""
+    """A cache as if `batch` prompts of `context` tokens had been prefilled: random latents (and, for
+    sparse attention, indexer keys) in the cache's dtype, room for `max_len` positions, laid out over
+    the mesh by `rules` (`keep_cache_rows`)."""
     layers = cfg.num_hidden_layers
     k_lat, k_pe = jax.random.split(key)
     c_kv = jax.random.normal(k_lat, (layers, batch, max_len, cfg.kv_lora_rank), jnp.float32)
     pe = jax.random.normal(k_pe, (layers, batch, max_len, cfg.qk_rope_head_dim), jnp.float32).astype(dtype)
     c_kv, c_scale = quantize_latent(c_kv) if kv_cache_dtype == "int8" else (c_kv.astype(dtype), None)
     platform = mesh.devices.flat[0].platform
-    cache = KVCache(to_stored(c_kv, platform), to_stored(pe, platform), c_scale, jnp.full((batch,), context, jnp.int32))
+    index_k = None
+    if cfg.sparse_attention:
+        keys = jax.random.normal(jax.random.fold_in(key, 2), (layers, batch, max_len, cfg.index_head_dim))
+        index_k = to_stored(keys.astype(dtype), platform)
+    cache = KVCache(to_stored(c_kv, platform), to_stored(pe, platform), c_scale, jnp.full((batch,), context, jnp.int32),
+                    index_k)
     return keep_cache_rows(cache, mesh, rules)
 
 

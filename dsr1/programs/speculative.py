@@ -35,8 +35,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from ..core import model
-from ..core.attention import attend_cached, attend_prefill
-from ..core.cache import KVCache, append_tokens, cache_from_prefill, keep_cache_rows
+from ..core.cache import KVCache, append_tokens, cache_from_prefill, keep_cache_rows, latent_parts
 from ..core.config import Config
 from ..core.mtp import mtp_step
 from ..core.params import Params
@@ -233,7 +232,7 @@ def accept_drafts(logits: jax.Array, drafts: list[jax.Array], qs: list[jax.Array
 
 def _mtp_attend(cache: KVCache, positions: jax.Array, cfg: Config):
     def attend(p: dict, h: jax.Array, query_at: jax.Array | None = None):
-        return attend_cached(p, h, positions, cache, MTP_MODULE, cfg, query_at)
+        return model.attention_module(cfg).attend_cached(p, h, positions, cache, MTP_MODULE, cfg, query_at)
     return attend
 
 
@@ -245,9 +244,9 @@ def run_mtp(params: Params, cache: KVCache, hidden: jax.Array, next_tokens: jax.
     `lengths` to what is real). A draft needs the module's output at `last` only: the block (its
     attention's queries, MoE, head) runs there; the other positions only add their latents."""
     positions = cache.lengths[:, None] + jnp.arange(hidden.shape[1])
-    logits, x, (c_kv, k_pe) = mtp_step(params, hidden, next_tokens, _mtp_attend(cache, positions, cfg), cfg=cfg,
-                                       mesh=mesh, rules=rules, index=MTP_MODULE, query_at=last)
-    cache = append_tokens(cache, c_kv[None], k_pe[None])
+    logits, x, latents = mtp_step(params, hidden, next_tokens, _mtp_attend(cache, positions, cfg), cfg=cfg,
+                                  mesh=mesh, rules=rules, index=MTP_MODULE, query_at=last)
+    cache = append_tokens(cache, *(None if a is None else a[None] for a in latent_parts(latents)))
     return logits[:, 0], x[:, 0], keep_cache_rows(cache, mesh, rules)
 
 
@@ -267,9 +266,11 @@ def speculative_start(params: Params, tokens: jax.Array, lengths: jax.Array, sam
     # The MTP prefill over the prompt: position i reads h_i and token i + 1 (padding past n - 2).
     next_tokens = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
     positions = jnp.broadcast_to(jnp.arange(width), tokens.shape)
-    _, _, (c_kv, k_pe) = mtp_step(params, hidden, next_tokens, lambda p, h: attend_prefill(p, h, positions, cfg),
+    attend_prefill = model.attention_module(cfg).attend_prefill
+    _, _, latents = mtp_step(params, hidden, next_tokens, lambda p, h: attend_prefill(p, h, positions, cfg),
                                   cfg=cfg, mesh=mesh, rules=rules, index=MTP_MODULE)
-    mtp_cache = cache_from_prefill(c_kv[None], k_pe[None], lengths - 1, max_len, kv_cache_dtype)
+    c_kv, k_pe, index_k = (None if a is None else a[None] for a in latent_parts(latents))
+    mtp_cache = cache_from_prefill(c_kv, k_pe, lengths - 1, max_len, kv_cache_dtype, index_k=index_k)
     last_hidden = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)  # [B, 1, D]
     k1 = draft_tokens + 1
     pending_hidden = jnp.pad(last_hidden, [(0, 0), (0, k1 - 1), (0, 0)])

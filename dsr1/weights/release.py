@@ -100,7 +100,21 @@ def _attention_sources(cfg: Config) -> dict[str, Source]:
         sources["q_a"] = Source(pre + "self_attn.q_a_proj.weight", (q, d), _transposed)
         sources["q_a_norm"] = Source(pre + "self_attn.q_a_layernorm.weight", (q,), _same)
         sources["q_b"] = Source(pre + "self_attn.q_b_proj.weight", (h * cfg.qk_head_dim, q), _transposed)
+    if cfg.sparse_attention:
+        sources["indexer"] = _indexer_sources(cfg)
     return sources
+
+
+def _indexer_sources(cfg: Config) -> dict[str, Source]:
+    """V3.2's indexer tensors (the release's names, which transformers' `deepseek_v32` keeps)."""
+    d, hi, di, pre = cfg.hidden_size, cfg.index_n_heads, cfg.index_head_dim, "model.layers.{layer}.self_attn.indexer."
+    return {
+        "wq_b": Source(pre + "wq_b.weight", (hi * di, cfg.q_lora_rank), _transposed),
+        "wk": Source(pre + "wk.weight", (di, d), _transposed),
+        "k_norm": Source(pre + "k_norm.weight", (di,), _same),
+        "k_norm_bias": Source(pre + "k_norm.bias", (di,), _same),
+        "weights_proj": Source(pre + "weights_proj.weight", (hi, d), _transposed),
+    }
 
 
 def _mlp_sources(prefix: str, d: int, f: int, per_expert: bool = False) -> dict[str, Source]:
