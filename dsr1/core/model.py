@@ -282,7 +282,11 @@ def extend(params: Params, cache: PagedKVCache, tokens: jax.Array, starts: jax.A
 def _extend_form(cfg: Config, chunk: int, absorbed: bool | None, mesh: Mesh, rules: ShardingRules) -> bool:
     """Whether `extend` attends in the absorbed form: as asked, else the cheaper for `chunk` tokens
     (`use_absorbed`); always where a row's positions are split over devices, which meet all heads'
-    queries as latents."""
+    queries as latents. A sparse-attention (V3.2) model does not extend: the paged cache holds no
+    indexer keys (it runs prefill and decode on the contiguous cache)."""
+    if cfg.sparse_attention:
+        raise ValueError("extend: the paged cache holds no indexer keys; a sparse-attention (V3.2) model runs "
+                         "with prefill and decode on the contiguous cache")
     if pool_axes(mesh, rules)[1] is not None:
         return True
     return use_absorbed(cfg, chunk) if absorbed is None else absorbed
@@ -356,9 +360,6 @@ def extend_routed(params: Params, cache: PagedKVCache, tokens: jax.Array, starts
     tokens. Every shape is static (B, T, P, K), so rows joining, growing and leaving compile nothing;
     the page loop's trip count is dynamic, set by the longest row in use.
     """
-    if cfg.sparse_attention:
-        raise ValueError("extend: the paged cache holds no indexer keys; a sparse-attention (V3.2) model runs "
-                         "with prefill and decode on the contiguous cache")
     chunk = tokens.shape[1]
     absorbed = _extend_form(cfg, chunk, absorbed, mesh, rules)
     block_pages = block_pages or default_block_pages(cache.page_size, page_table.shape[1], chunk)

@@ -122,19 +122,8 @@ def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | N
     state, first = start_program(tokens, lengths, arrays, rule_rows)
     chunk = to_host(first)[:, None]
     prefill_seconds = time.perf_counter() - start
-    chunks, steady_start, steady_from = 0, time.perf_counter(), 0
-    while True:
-        _consume(rows, chunk, stream, thinking, final=False)
-        stopped = np.array([r.stopped_by_string for r in rows])
-        if stopped.any():
-            state = dataclasses.replace(state, done=state.done | put_replicated(stopped, model.mesh))
-        if to_host(state.done).all():
-            break
-        state, out = chunk_program(state, arrays)
-        chunk = to_host(out)
-        chunks += 1
-        if chunks == 1:
-            steady_start, steady_from = time.perf_counter(), int((chunk >= 0).sum())
+    state, chunks, steady_start, steady_from = _decode(state, chunk, lambda s: chunk_program(s, arrays), rows,
+                                                       stream, thinking, model.mesh)
     for row in rows:
         row.finish()
     _consume(rows, np.zeros((n, 0), np.int32), stream, thinking, final=True)
@@ -148,6 +137,26 @@ def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | N
     return GenerationResult(completions, prefill_seconds, end - start - prefill_seconds,
                             int(sum(len(p) for p in encoded)), decode_tokens, end - steady_start if steady else 0.0,
                             steady, acceptance)
+
+
+def _decode(state: Any, chunk: np.ndarray, chunk_program: Callable, rows: list[RowOutput],
+            stream: StreamCallback | None, thinking: list[bool], mesh: Any) -> tuple[Any, int, float, int]:
+    """Hand out each chunk's tokens and run the next until every row is done (a stop string ends its
+    row here, on the host). Returns the final state, the chunks run, and when the steady state (from
+    the second chunk) began and how many tokens had been sampled by then."""
+    chunks, steady_start, steady_from = 0, time.perf_counter(), 0
+    while True:
+        _consume(rows, chunk, stream, thinking, final=False)
+        stopped = np.array([r.stopped_by_string for r in rows])
+        if stopped.any():
+            state = dataclasses.replace(state, done=state.done | put_replicated(stopped, mesh))
+        if to_host(state.done).all():
+            return state, chunks, steady_start, steady_from
+        state, out = chunk_program(state)
+        chunk = to_host(out)
+        chunks += 1
+        if chunks == 1:
+            steady_start, steady_from = time.perf_counter(), int((chunk >= 0).sum())
 
 
 def _row_settings(model: Model, sampling: Sampling | Sequence[Sampling] | None, n: int, tokenizer: Tokenizer | None,

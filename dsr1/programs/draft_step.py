@@ -232,38 +232,46 @@ def _verify_by_steps(params: Params, cache: PagedKVCache, fed: jax.Array, starts
     return jnp.swapaxes(logits, 0, 1), jnp.swapaxes(hidden, 0, 1), cache, routing
 
 
+def _progressed(state: DraftSlotState, slots: jax.Array, verdict: Any, starts: jax.Array, mtp_hidden: jax.Array,
+                counted: SlotState) -> DraftSlotState:
+    """The slot state after an iteration whose `verdict` kept tokens for the rows of `slots` (rows that
+    kept none leave their slots as they were): each row's last token, counts, recent tokens, length,
+    generated count and the MTP module's output for its next first draft; `counted`: the slot state
+    with the iteration's routing counted."""
+    kept = verdict.emitted > 0
+    target = jnp.where(kept, slots, state.lengths.shape[0])  # out of range: dropped
+    progressed = dataclasses.replace(counted, last=counted.last.at[target].set(verdict.last_token(), mode="drop"),
+                                     counts=counted.counts.at[target].set(verdict.counts, mode="drop"),
+                                     recent=counted.recent.at[target].set(verdict.recent, mode="drop"))
+    return DraftSlotState(progressed, state.lengths.at[target].set(starts + verdict.emitted, mode="drop"),
+                          state.generated.at[target].set(verdict.generated, mode="drop"),
+                          state.mtp_hidden.at[target].set(mtp_hidden, mode="drop"))
+
+
 def _draft_verify(params: Params, cache: PagedKVCache, mtp_cache: PagedKVCache, state: DraftSlotState,
                   rows: StepRows, active: jax.Array, page_table: jax.Array, masks: jax.Array | None, cfg: Config,
-                  mesh: Mesh,
-                  rules: ShardingRules, k: int) -> tuple[jax.Array, PagedKVCache, PagedKVCache, DraftSlotState]:
+                  mesh: Mesh, rules: ShardingRules, k: int
+                  ) -> tuple[jax.Array, PagedKVCache, PagedKVCache, DraftSlotState]:
     """One iteration (`dsr1.programs.speculative`'s steps 2-4 and its catch-up, on pages) for the `active`
-    rows, each at its slot's `L = lengths` with last token `t_L`:
-
-    1. draft `d_1` from the module's logits at `L - 1` (`mtp_hidden`), then `d_2..d_k` by applying it
-       recursively at `L..L+k-2` (provisional latents, written to the row's MTP pages and overwritten
-       by step 4);
-    2. verify `[t_L, d_1..d_k]` at `L..L+k` (`_verify_by_steps`: each position by the decode step's
-       own one-token `extend`) — only the first `min(k+1, budget left)` positions, so nothing is written
-       past the pages the request reserved;
-    3. accept (`speculative.accept_drafts`): e tokens kept, the row's length becomes `L + e` (the
-       latents written past it are never read, and overwritten later);
-    4. catch the MTP pool up: the module on `L..L+e-1` with the model's hidden states there and the
-       kept tokens, its output at `L+e-1` kept for the next iteration's first draft.
+    rows, each at its slot's `L = lengths` with last token `t_L`: 1. draft `d_1` from the module's
+    logits at `L - 1` (`mtp_hidden`), then `d_2..d_k` by applying it at `L..L+k-2` (provisional MTP
+    latents, overwritten by 4); 2. verify `[t_L, d_1..d_k]` at `L..L+k` (`_verify_by_steps`), only the
+    first `min(k+1, budget left)` positions, so nothing is written past the request's pages; 3. accept
+    (`speculative.accept_drafts`): e tokens kept, the length becomes `L + e` (latents past it are never
+    read); 4. catch the MTP pool up on `L..L+e-1`, its output at `L+e-1` kept for the next first draft.
 
     A row with a grammar mask (`rows.mask_row`) verifies `t_L` alone and samples under its mask, taking
     no draft: its next mask needs the token, which only the host's matcher can check.
     """
-    num_slots = state.lengths.shape[0]
     with jax.named_scope("step_inputs"):
         safe, sampling, last = slot_rows(state.slots, rows.slots)
-        seen, counts = state.slots.prompt_seen[safe], state.slots.counts[safe]
+        seen, counts, recent = state.slots.prompt_seen[safe], state.slots.counts[safe], state.slots.recent[safe]
         token_rules = jax.tree.map(lambda a: a[safe], state.slots.token_rules)
-        recent = state.slots.recent[safe]
         starts, generated = state.lengths[safe], state.generated[safe]
         active = active & (generated < sampling.max_new_tokens)
         constrained = jnp.zeros_like(active) if masks is None else rows.mask_row >= 0
-        width = jnp.where(active, jnp.minimum(jnp.where(constrained, 1, k + 1), sampling.max_new_tokens - generated),
-                          0)
+        left = sampling.max_new_tokens - generated
+        width = jnp.where(active, jnp.minimum(jnp.where(constrained, 1, k + 1), left), 0)
         table = page_table[jnp.minimum(rows.slots, page_table.shape[0] - 1)]
     with jax.named_scope("draft"):
         module, _ = mtp_module(params, speculative.MTP_MODULE)
@@ -291,17 +299,8 @@ def _draft_verify(params: Params, cache: PagedKVCache, mtp_cache: PagedKVCache, 
         _, x, mtp_cache = _paged_mtp(params, mtp_cache, hidden, jnp.maximum(verdict.tokens, 0), starts,
                                      verdict.emitted, table, cfg, mesh, rules)
     with jax.named_scope("slot_progress"):
-        kept = verdict.emitted > 0
-        target = jnp.where(kept, rows.slots, num_slots)  # out of range: dropped
-        slots = state.slots
-        slots = dataclasses.replace(count_routing(slots, routing, width),
-                                    last=slots.last.at[target].set(verdict.last_token(), mode="drop"),
-                                    counts=slots.counts.at[target].set(verdict.counts, mode="drop"),
-                                    recent=slots.recent.at[target].set(verdict.recent, mode="drop"))
-        state = DraftSlotState(slots, state.lengths.at[target].set(starts + verdict.emitted, mode="drop"),
-                               state.generated.at[target].set(verdict.generated, mode="drop"),
-                               state.mtp_hidden.at[target].set(_at(x, jnp.maximum(verdict.emitted - 1, 0)),
-                                                               mode="drop"))
+        state = _progressed(state, rows.slots, verdict, starts, _at(x, jnp.maximum(verdict.emitted - 1, 0)),
+                            count_routing(state.slots, routing, width))
     with jax.named_scope("logprobs"):
         out = jnp.stack([_verified_pack(verdict.tokens[:, j], logits[:, j], rows.logprobs, verdict.accepted[:, j],
                                           vocab_split(mesh, rules, cfg.vocab_size))
