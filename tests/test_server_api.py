@@ -21,13 +21,14 @@ import socket
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Literal
 
 import anthropic
 import httpx
 import jsonschema
 import numpy as np
 import openai
+import pydantic
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -621,6 +622,68 @@ def test_64_concurrent_streams_mix_tools_schemas_echo_and_chat(demo, tokenizer):
             assert joined["content"] == plain[0]
 
     run_all(64, work)
+
+
+# ---- OpenAI's Responses API ---------------------------------------------------------------------
+RESPONSE_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+
+
+class Person(pydantic.BaseModel):
+    """PERSON, as a client's `text_format` gives it."""
+
+    name: str = pydantic.Field(max_length=10)
+    age: int = pydantic.Field(ge=0, le=120)
+    role: Literal["king", "queen", "fool"]
+    loyal: bool
+
+
+def response_calls(response: Any) -> list[Any]:
+    return [item for item in response.output if item.type == "function_call"]
+
+
+def response_texts(response: Any) -> tuple[str, str]:
+    reasoning = "".join(c.text for item in response.output if item.type == "reasoning" for c in item.content or ())
+    return reasoning, response.output_text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_required_tool_round_trip_by_previous_id_and_by_items(demo, stream):
+    """`tool_choice` required: valid calls after R1's reasoning, then the results and the answer, the
+    conversation carried once by `previous_response_id` and once by passing the output items back."""
+    client = demo.client()
+    settings = dict(model=MODEL, max_output_tokens=150, tools=RESPONSE_TOOLS, temperature=0)
+    if stream:
+        with client.responses.stream(input=ASK[0]["content"], tool_choice="required", **settings) as events:
+            kinds = [event.type for event in events]
+            first = events.get_final_response()
+        assert {"response.function_call_arguments.delta", "response.function_call_arguments.done"} <= set(kinds)
+        assert kinds[-1] == "response.completed"
+    else:
+        first = client.responses.create(input=ASK[0]["content"], tool_choice="required", **settings)
+    calls = response_calls(first)
+    assert first.status == "completed" and calls and first.output[0].type == "reasoning"
+    for call in calls:
+        assert call.call_id.startswith("call_") and call.id.startswith("fc_")
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    results = [{"type": "function_call_output", "call_id": c.call_id, "output": RESULT} for c in calls]
+    settings["max_output_tokens"] = 40
+    by_id = client.responses.create(input=results, previous_response_id=first.id, **settings)
+    by_items = client.responses.create(input=[{"role": "user", "content": ASK[0]["content"]}, *first.output, *results],
+                                       **settings)
+    assert by_id.usage.input_tokens == by_items.usage.input_tokens
+    assert response_texts(by_id) == response_texts(by_items) and by_id.output_text
+    assert not response_calls(by_id)
+
+
+def test_responses_text_format_json_schema_validates(demo):
+    client = demo.client()
+    settings = dict(model=MODEL, input="Who is the king?", max_output_tokens=200, temperature=1.0)
+    response = client.responses.create(**settings, text={"format": {
+        "type": "json_schema", "name": "person", "schema": PERSON, "strict": True}})
+    assert response.status == "completed"
+    jsonschema.validate(json.loads(response.output_text), PERSON)
+    parsed = client.responses.parse(**settings, text_format=Person)
+    assert isinstance(parsed.output_parsed, Person)
 
 
 # ---- Anthropic's Messages API -------------------------------------------------------------------------
