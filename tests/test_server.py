@@ -794,6 +794,19 @@ def test_bad_responses_get_openai_errors_and_the_server_keeps_serving(served, cl
     assert client.responses.create(**OK_RESPONSE).usage.output_tokens == 2
 
 
+def test_a_responses_stream_left_early_is_cancelled_and_the_key_is_checked(served, client, guarded):
+    before = served.metrics()
+    with client.responses.stream(**with_(OK_RESPONSE, max_output_tokens=LONG_BUDGET)) as stream:
+        next(iter(stream))
+    served.wait_idle(timeout=20.0)
+    key = ("dsr1_requests_finished_total", (("endpoint", "responses"), ("finish_reason", "abort")))
+    assert served.metrics()[key] - before.get(key, 0) == 1
+    denied = httpx.post(guarded.url + RESPONSES, json=OK_RESPONSE)
+    assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+    kept = guarded.client(api_key="s3cret").responses.create(**OK_RESPONSE)
+    assert httpx.get(guarded.url + RESPONSES + "/" + kept.id, headers={"x-api-key": "s3cret"}).json()["id"] == kept.id
+
+
 # ---- metrics -------------------------------------------------------------------------------------
 def test_metrics_parse_and_count_what_was_sent(served, client):
     before = served.metrics()
