@@ -707,6 +707,8 @@ def test_responses_whole_and_streamed_equal_generate_and_are_stored(served, clie
     assert [event.sequence_number for event in events] == list(range(len(events)))
     assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == len(whole.output)
     assert output_texts(streamed) == (reasoning, content) and streamed.usage.output_tokens == tokens
+    assert [(i.type, getattr(i, "status", None)) for i in streamed.output] == [
+        (i.type, getattr(i, "status", None)) for i in whole.output]
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == content
     kept = client.responses.retrieve(streamed.id)
     assert kept.id == streamed.id and output_texts(kept) == (reasoning, content)

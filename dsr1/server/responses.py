@@ -341,24 +341,35 @@ def assistant_message(reasoning: str, text: str, calls: Sequence[ToolCall]) -> d
     return message
 
 
+def _format_echo(body: ResponsesRequest) -> dict[str, Any]:
+    """The response's `text.format`: the request's, or `text`."""
+    if body.text is None or body.text.format is None:
+        return {"type": "text"}
+    return body.text.format.model_dump(by_alias=True, exclude_none=True)
+
+
+def _choice_echo(body: ResponsesRequest) -> str | dict[str, Any]:
+    """The response's `tool_choice`: the request's, or `auto`."""
+    if isinstance(body.tool_choice, NamedToolChoice):
+        return body.tool_choice.model_dump(exclude_none=True)
+    return body.tool_choice or "auto"
+
+
 class Reply:
     """One response's id, creation time and the fields it repeats from its request, and its end:
     the response body, its usage and (with `store`) its stored conversation."""
 
     def __init__(self, body: ResponsesRequest, model: str, conversation: list[dict[str, Any]]):
-        self.id, self.created_at, self.store, self.conversation = _item_id("resp"), int(time.time()), body.store, \
-            conversation
-        fmt = body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text and body.text.format else \
-            {"type": "text"}
-        choice = body.tool_choice.model_dump(exclude_none=True) if isinstance(body.tool_choice, NamedToolChoice) \
-            else body.tool_choice or "auto"
+        self.id, self.created_at = _item_id("resp"), int(time.time())
+        self.store, self.conversation = body.store, conversation
         self.head = {"object": "response", "model": model, "instructions": body.instructions,
                      "max_output_tokens": body.max_output_tokens, "parallel_tool_calls": body.parallel_tool_calls,
                      "previous_response_id": body.previous_response_id, "store": body.store,
                      "reasoning": body.reasoning.model_dump() if body.reasoning else {"effort": None, "summary": None},
                      "temperature": 1.0 if body.temperature is None else body.temperature,
-                     "top_p": 1.0 if body.top_p is None else body.top_p, "text": {"format": fmt},
-                     "tool_choice": choice, "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
+                     "top_p": 1.0 if body.top_p is None else body.top_p, "text": {"format": _format_echo(body)},
+                     "tool_choice": _choice_echo(body),
+                     "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
                      "truncation": "disabled", "metadata": body.metadata or {}, "error": None}
 
     def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
@@ -440,8 +451,8 @@ class OutputEvents:
                                      output_index=len(self.output), delta=piece))
         return events
 
-    def close(self) -> list[str]:
-        """The events that finish the open item."""
+    def close(self, status: str = "completed") -> list[str]:
+        """The events that finish the open item (a message's `status`: "incomplete" when cut short)."""
         if self.open is None:
             return []
         kind, item_id, text = self.open["type"], self.open["id"], self.open["text"]
@@ -450,7 +461,7 @@ class OutputEvents:
             item = reasoning_item(item_id, text)
             events = [self.event("response.reasoning_text.done", **where, content_index=0, text=text)]
         elif kind == "message":
-            item = message_item(item_id, text)
+            item = message_item(item_id, text, status)
             events = [self.event("response.output_text.done", **where, content_index=0, text=text, logprobs=[]),
                       self.event("response.content_part.done", **where, content_index=0, part=_text_part(text))]
         else:
@@ -488,6 +499,7 @@ class StreamedOutput:
         self.reasoning = ReasoningSplitter(request.thinking)
         self.caller = ToolCallSplitter(plan.tool_format) if plan.calls_tools else None
         self.items = OutputEvents()
+        self.request = request
 
     def push(self, piece: str, done: bool) -> list[str]:
         """Events for the next piece of output (`done`: the last one)."""
@@ -501,7 +513,9 @@ class StreamedOutput:
         events = [*self.items.text("reasoning", reasoning), *self.items.text("message", content)]
         for delta in calls:
             events += self.items.call(delta)
-        return [*events, *self.items.close()] if done else events
+        if not done:
+            return events
+        return [*events, *self.items.close("incomplete" if self.request.finish_reason == "length" else "completed")]
 
 
 # ---- the endpoints --------------------------------------------------------------------------------
