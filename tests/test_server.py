@@ -41,6 +41,7 @@ from dsr1.server.lifecycle import free_port
 from dsr1.server.options import bind_refusal
 from dsr1.server.protocol import parse_request
 from dsr1.server.reasoning import ReasoningSplitter, split_reply
+from dsr1.server.responses import ResponseStore, Stored
 from dsr1.server.runner import ABORT, EngineFailed, EngineRunner, QueueFull, Update
 from dsr1.serving import Engine, EngineStats, Request
 
@@ -676,6 +677,136 @@ def test_messages_take_the_key_as_x_api_key_and_share_the_queue(guarded):
         for stream in streams:
             stream.close()
     guarded.wait_idle()
+
+
+# ---- OpenAI's Responses API ---------------------------------------------------------------------
+RESPONSES = "/v1/responses"
+OK_RESPONSE = {"model": MODEL, "max_output_tokens": 2, "input": "hi"}
+FUNCTION = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+
+
+def output_texts(response: Any) -> tuple[str, str]:
+    """(reasoning, message text) of a Responses reply's output items."""
+    reasoning = "".join(c.text for item in response.output if item.type == "reasoning" for c in item.content or ())
+    text = "".join(c.text for item in response.output if item.type == "message" for c in item.content)
+    return reasoning, text
+
+
+def test_responses_whole_and_streamed_equal_generate_and_are_stored(served, client, refs):
+    settings = dict(model=MODEL, input=CHATS[0][0]["content"], max_output_tokens=9, temperature=0)
+    whole = client.responses.create(**settings)
+    reasoning, content, finish, tokens = refs.chat_reply(0, 9)
+    assert output_texts(whole) == (reasoning, content) and whole.output_text == content
+    assert whole.status == ("incomplete" if finish == "length" else "completed")
+    assert (whole.usage.output_tokens, whole.usage.total_tokens) == (tokens, whole.usage.input_tokens + tokens)
+    with client.responses.stream(**settings) as stream:
+        events = list(stream)
+        streamed = stream.get_final_response() if whole.status == "completed" else events[-1].response
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == f"response.{whole.status}"
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == len(whole.output)
+    assert output_texts(streamed) == (reasoning, content) and streamed.usage.output_tokens == tokens
+    assert [(i.type, getattr(i, "status", None)) for i in streamed.output] == [
+        (i.type, getattr(i, "status", None)) for i in whole.output]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == content
+    kept = client.responses.retrieve(streamed.id)
+    assert kept.id == streamed.id and output_texts(kept) == (reasoning, content)
+    # The stored conversation goes on: its prompt is the first turn, its reply and the new input.
+    follow = client.responses.create(**{**settings, "input": "And at night?"}, previous_response_id=whole.id)
+    chat = client.chat.completions.create(model=MODEL, max_tokens=1, messages=[
+        *CHATS[0], {"role": "assistant", "content": content}, {"role": "user", "content": "And at night?"}])
+    assert follow.usage.input_tokens == chat.usage.prompt_tokens and follow.previous_response_id == whole.id
+    client.responses.delete(whole.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(whole.id)
+    unstored = client.responses.create(**settings, store=False)
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        client.responses.create(**settings, previous_response_id=unstored.id)
+
+
+def test_the_response_store_evicts_the_least_recently_used():
+    store = ResponseStore(capacity=3, chars=10_000)
+    kept = [Stored({"id": str(i)}, ({"role": "user", "content": "x" * 100},)) for i in range(5)]
+    for i in range(3):
+        store.put(str(i), kept[i])
+    assert store.get("0") is kept[0]  # "0" used: "1" is now the oldest
+    store.put("3", kept[3])
+    assert (store.get("1"), len(store)) == (None, 3) and store.get("0") is kept[0]
+    small = ResponseStore(capacity=10, chars=2 * kept[0].size)
+    for i in range(5):
+        small.put(str(i), kept[i])
+    assert [small.get(str(i)) is not None for i in range(5)] == [False, False, False, True, True]
+    assert small.delete("4") and not small.delete("4") and len(small) == 1
+
+
+def item(**fields: Any) -> dict[str, Any]:
+    return with_(OK_RESPONSE, input=[fields])
+
+
+BAD_RESPONSES: list[tuple[str, Any, int, str]] = [
+    # (name, body (bytes are sent as they are), status, the param at fault)
+    ("malformed JSON", b'{"model": "tiny", "input": [', 400, None),
+    ("missing input", {"model": MODEL}, 400, "input"),
+    ("input a number", with_(OK_RESPONSE, input=3), 400, "input"),
+    ("empty input", with_(OK_RESPONSE, input=[]), 400, "input"),
+    ("a message without a role", item(content="hi"), 400, "input[0].role"),
+    ("an image part", item(role="user", content=[{"type": "input_image", "image_url": "http://x/y.png"}]), 400,
+     "input[0].content[0].type"),
+    ("a function_call without call_id", item(type="function_call", name="f", arguments="{}"), 400,
+     "input[0].call_id"),
+    ("function_call arguments not JSON", item(type="function_call", call_id="c", name="f", arguments="{"), 400,
+     "input[0].arguments"),
+    ("a function_call_output without output", item(type="function_call_output", call_id="c"), 400,
+     "input[0].output"),
+    ("an item of an unknown type", item(type="web_search_call"), 400, "input[0].type"),
+    ("zero max_output_tokens", with_(OK_RESPONSE, max_output_tokens=0), 400, "max_output_tokens"),
+    ("max_output_tokens over the context", with_(OK_RESPONSE, max_output_tokens=400), 400, "max_output_tokens"),
+    ("temperature over 2", with_(OK_RESPONSE, temperature=3), 400, "temperature"),
+    ("a hosted tool", with_(OK_RESPONSE, tools=[{"type": "web_search"}]), 400, "tools[0].type"),
+    ("a function without a name", with_(OK_RESPONSE, tools=[{"type": "function"}]), 400, "tools[0].name"),
+    ("tool_choice required without tools", with_(OK_RESPONSE, tool_choice="required"), 400, "tool_choice"),
+    ("tool_choice naming no tool", with_(OK_RESPONSE, tools=[FUNCTION], tool_choice={"type": "function",
+                                                                                    "name": "g"}), 400,
+     "tool_choice"),
+    ("tool_choice of a hosted tool", with_(OK_RESPONSE, tool_choice={"type": "file_search"}), 400,
+     "tool_choice.type"),
+    ("json_schema without a schema", with_(OK_RESPONSE, text={"format": {"type": "json_schema", "name": "x"}}), 400,
+     "text.format.schema"),
+    ("a reasoning effort of no known kind", with_(OK_RESPONSE, reasoning={"effort": "huge"}), 400,
+     "reasoning.effort"),
+    ("an unknown previous_response_id", with_(OK_RESPONSE, previous_response_id="resp_x"), 400,
+     "previous_response_id"),
+    ("background", with_(OK_RESPONSE, background=True), 400, "background"),
+    ("a prompt longer than the context", with_(OK_RESPONSE, input=LONG_PROMPT), 400, "input"),
+    ("an unknown model", with_(OK_RESPONSE, model="gpt-x"), 404, "model"),
+]
+
+
+def test_bad_responses_get_openai_errors_and_the_server_keeps_serving(served, client):
+    for name, body, status, param in BAD_RESPONSES:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        response = httpx.post(served.url + RESPONSES, content=content, headers={"Content-Type": "application/json"})
+        assert response.status_code == status, (name, response.text)
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, (name, error)
+    assert httpx.get(served.url + RESPONSES + "/resp_x").status_code == 404
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(**with_(OK_RESPONSE, max_output_tokens=0))
+    assert client.responses.create(**OK_RESPONSE).usage.output_tokens == 2
+
+
+def test_a_responses_stream_left_early_is_cancelled_and_the_key_is_checked(served, client, guarded):
+    before = served.metrics()
+    with client.responses.stream(**with_(OK_RESPONSE, max_output_tokens=LONG_BUDGET)) as stream:
+        next(iter(stream))
+    served.wait_idle(timeout=20.0)
+    key = ("dsr1_requests_finished_total", (("endpoint", "responses"), ("finish_reason", "abort")))
+    assert served.metrics()[key] - before.get(key, 0) == 1
+    denied = httpx.post(guarded.url + RESPONSES, json=OK_RESPONSE)
+    assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+    kept = guarded.client(api_key="s3cret").responses.create(**OK_RESPONSE)
+    assert httpx.get(guarded.url + RESPONSES + "/" + kept.id, headers={"x-api-key": "s3cret"}).json()["id"] == kept.id
 
 
 # ---- metrics -------------------------------------------------------------------------------------

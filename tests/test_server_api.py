@@ -21,13 +21,14 @@ import socket
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Literal
 
 import anthropic
 import httpx
 import jsonschema
 import numpy as np
 import openai
+import pydantic
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -623,6 +624,90 @@ def test_64_concurrent_streams_mix_tools_schemas_echo_and_chat(demo, tokenizer):
     run_all(64, work)
 
 
+# ---- OpenAI's Responses API ---------------------------------------------------------------------
+RESPONSE_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+
+
+class Person(pydantic.BaseModel):
+    """PERSON, as a client's `text_format` gives it."""
+
+    name: str = pydantic.Field(max_length=10)
+    age: int = pydantic.Field(ge=0, le=120)
+    role: Literal["king", "queen", "fool"]
+    loyal: bool
+
+
+def response_calls(response: Any) -> list[Any]:
+    return [item for item in response.output if item.type == "function_call"]
+
+
+def response_texts(response: Any) -> tuple[str, str]:
+    reasoning = "".join(c.text for item in response.output if item.type == "reasoning" for c in item.content or ())
+    return reasoning, response.output_text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_required_tool_round_trip_by_previous_id_and_by_items(demo, stream):
+    """`tool_choice` required: valid calls after R1's reasoning, then the results and the answer, the
+    conversation carried once by `previous_response_id` and once by passing the output items back."""
+    client = demo.client()
+    settings = dict(model=MODEL, max_output_tokens=150, tools=RESPONSE_TOOLS, temperature=0)
+    if stream:
+        with client.responses.stream(input=ASK[0]["content"], tool_choice="required", **settings) as events:
+            kinds = [event.type for event in events]
+            first = events.get_final_response()
+        assert {"response.function_call_arguments.delta", "response.function_call_arguments.done"} <= set(kinds)
+        assert kinds[-1] == "response.completed"
+    else:
+        first = client.responses.create(input=ASK[0]["content"], tool_choice="required", **settings)
+    calls = response_calls(first)
+    assert first.status == "completed" and calls and first.output[0].type == "reasoning"
+    for call in calls:
+        assert call.call_id.startswith("call_") and call.id.startswith("fc_")
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    results = [{"type": "function_call_output", "call_id": c.call_id, "output": RESULT} for c in calls]
+    settings["max_output_tokens"] = 40
+    by_id = client.responses.create(input=results, previous_response_id=first.id, **settings)
+    by_items = client.responses.create(input=[{"role": "user", "content": ASK[0]["content"]}, *first.output, *results],
+                                       **settings)
+    assert by_id.usage.input_tokens == by_items.usage.input_tokens
+    assert response_texts(by_id) == response_texts(by_items) and by_id.output_text
+    assert not response_calls(by_id)
+
+
+def test_responses_text_format_json_schema_validates(demo):
+    client = demo.client()
+    settings = dict(model=MODEL, input="Who is the king?", max_output_tokens=200, temperature=1.0)
+    response = client.responses.create(**settings, text={"format": {
+        "type": "json_schema", "name": "person", "schema": PERSON, "strict": True}})
+    assert response.status == "completed"
+    jsonschema.validate(json.loads(response.output_text), PERSON)
+    parsed = client.responses.parse(**settings, text_format=Person)
+    assert isinstance(parsed.output_parsed, Person)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_responses_required_and_named_calls_validate_50_of_50(demo):
+    client = demo.client()
+
+    def call(j: int) -> Any:
+        choice = "required" if j % 2 else {"type": "function", "name": "lookup"}
+        settings = dict(model=MODEL, input=ASK[0]["content"], max_output_tokens=200, tools=RESPONSE_TOOLS,
+                        tool_choice=choice, temperature=1.0)
+        if j % 4 < 2:
+            with client.responses.stream(**settings) as stream:
+                return stream.get_final_response()
+        return client.responses.create(**settings)
+
+    for j, response in enumerate(run_all(50, call)):
+        calls = response_calls(response)
+        assert response.status == "completed" and calls, (j, response)
+        assert j % 2 or [c.name for c in calls] == ["lookup"]
+        for c in calls:
+            jsonschema.validate(json.loads(c.arguments), SCHEMAS[c.name])
+
+
 # ---- Anthropic's Messages API -------------------------------------------------------------------------
 ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
                     "input_schema": t["function"]["parameters"]} for t in TOOLS]
@@ -745,8 +830,8 @@ def messages_stream(claude: anthropic.Anthropic, **settings: Any) -> dict[str, A
 
 
 def mixed_streams(url: str, count: int = 64) -> None:
-    """`count` concurrent streams against the server at `url`, Messages and chat, tools and text, each
-    checked (run in a process of its own, so the clients do not share the server's GIL)."""
+    """`count` concurrent streams against the server at `url`, Messages, Responses and chat, tools and
+    text, each checked (run in a process of its own, so the clients do not share the server's GIL)."""
     claude = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=300.0)
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300.0)
     ask = [{"role": "user", "content": ASK[0]["content"]}]
@@ -755,20 +840,29 @@ def mixed_streams(url: str, count: int = 64) -> None:
     alone = "".join(b.text for b in claude.messages.create(**plain).content if b.type == "text")
 
     def work(j: int) -> None:
-        if j % 4 == 0:
+        if j % 6 == 0:
             reply = messages_stream(claude, model=MODEL, max_tokens=200, messages=ask, tools=ANTHROPIC_TOOLS,
                                     tool_choice={"type": "any"}, extra_body={"temperature": 1.0})
             assert reply["stop"] == "tool_use" and reply["inputs"]
             for name, value in zip(reply["names"], reply["inputs"], strict=True):
                 jsonschema.validate(value, SCHEMAS[name])
-        elif j % 4 == 1:
+        elif j % 6 == 1:
             assert messages_stream(claude, **plain)["text"] == alone
+        elif j % 6 == 4:
+            with client.responses.stream(model=MODEL, input=ask[0]["content"], tools=RESPONSE_TOOLS,
+                                         tool_choice="required", temperature=1.0, max_output_tokens=200) as stream:
+                calls = response_calls(stream.get_final_response())
+            assert calls and all(jsonschema.validate(json.loads(c.arguments), SCHEMAS[c.name]) is None for c in calls)
+        elif j % 6 == 5:
+            with client.responses.stream(model=MODEL, input="Good morrow.", temperature=0,
+                                         max_output_tokens=20) as stream:
+                assert "".join(e.delta for e in stream if e.type == "response.output_text.delta") == alone
         else:
             joined = assemble_stream(client.chat.completions.create(
                 model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", temperature=1.0, max_tokens=200,
-                stream=True) if j % 4 == 2 else client.chat.completions.create(
+                stream=True) if j % 6 == 2 else client.chat.completions.create(
                 model=MODEL, messages=plain["messages"], temperature=0, max_tokens=20, stream=True))
-            assert joined["finish"] in ("tool_calls", "stop", "length") and (j % 4 == 3 or joined["calls"])
+            assert joined["finish"] in ("tool_calls", "stop", "length") and (j % 6 == 3 or joined["calls"])
 
     run_all(count, work)
 

@@ -6,6 +6,7 @@ engine's thread and stops it (cancelling whatever is left). Routes:
 
 - `POST /v1/chat/completions`, `POST /v1/completions`: `completions.CompletionService`.
 - `POST /v1/messages`, `POST /v1/messages/count_tokens` (Anthropic's Messages API): `messages`.
+- `POST /v1/responses`, `GET` / `DELETE /v1/responses/{id}` (OpenAI's Responses API): `responses`.
 - `GET /v1/models`, `GET /v1/models/{id}`: the one model served.
 - `POST /tokenize`, `POST /detokenize` (vLLM's): a prompt's or chat's token ids, and ids' text.
 - `GET /tokenizer_info` (vLLM's): the special tokens, the context and the chat template, which
@@ -47,6 +48,7 @@ from .metrics import HTTPMetricsMiddleware, Metrics
 from .options import ServerConfig
 from .prepare import Limits, check_token_ids, plan_tokenize
 from .protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest, parse_request
+from .responses import ResponsesService, install_responses
 from .runner import EngineRunner
 
 __all__ = ["create_app"]
@@ -82,6 +84,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     _install_openai(app, service, engine, limits, config, guarded)
     _install_status(app, runner, metrics, limits, config, guarded)
     install_messages(app, MessagesService(runner, engine.tokenizer, limits, metrics), guarded)
+    install_responses(app, ResponsesService(runner, engine.tokenizer, limits, metrics), guarded)
     routes = {route.path for route in app.routes}
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics, endpoints=lambda: routes)
     if config.allowed_origins:
