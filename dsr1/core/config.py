@@ -202,7 +202,7 @@ class Config:
 
 def outside_vocabulary(ids: Any, vocab_size: int) -> str | None:
     """What is wrong with token `ids` (any integer sequence or array) for a vocabulary of `vocab_size`:
-    the first id outside `[0, vocab_size)`, with its index where `ids` has more than one; None when
+    the first id outside `[0, vocab_size)`, with its index (a tuple) where `ids` has more than one; None when
     every id is in it. The one check of token ids that every entry point (the API, the engine, the
     server) makes."""
     ids = np.asarray(ids)
@@ -210,7 +210,7 @@ def outside_vocabulary(ids: Any, vocab_size: int) -> str | None:
     if not bad.any():
         return None
     where = tuple(int(i) for i in np.argwhere(bad)[0])
-    at = f" at index {where if len(where) > 1 else where[0]}" if ids.size > 1 else ""
+    at = f" at index {where}" if ids.size > 1 else ""
     return f"token id {int(ids[where])}{at} is outside the vocabulary [0, {vocab_size})"
 
 
