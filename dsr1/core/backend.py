@@ -22,8 +22,9 @@ import jax
 
 
 class Backend:
-    """The operations over several weights that a backend may take over. This base is XLA's: it
-    takes none over (every `takes_*` / `attends` answers False, the copies are None)."""
+    """The operations a backend may take over: the products of the weights it holds, and a few over
+    several weights or the cache. This base is XLA's: it holds no weights and takes nothing over
+    (every `takes_*` / `attends` answers False, there are no copies)."""
 
     name: ClassVar[str] = "xla"
     # Whether a layer scan on one device leaves the routers in their stack, for `router_in_stack`.
