@@ -29,9 +29,10 @@ format says which one its model writes (`dsr1.generation.chat_templates`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..generation.tokenizer import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, TOOL_SEP, Tokenizer
@@ -201,10 +202,38 @@ def _calls_end(text: str, pos: int, calls: list[tuple[str, str, bool]], final: b
     return False, True
 
 
-def _parse_v3(text: str, final: bool) -> tuple[list[tuple[str, str, bool]], bool]:
-    """The calls in `text` (what follows `<｜tool▁calls▁begin｜>`) in R1's / V3-0324's format: (name,
-    arguments so far, complete) for each call whose name is known, and whether the text is well
-    formed so far (at the end, `final`: every call complete)."""
+Call = tuple[str, int, str]  # a call's function name, where its arguments start, and the marker ending them
+
+
+def _v3_call(text: str, head: int, final: bool) -> tuple[Call | None, bool]:
+    """A call in R1's / V3-0324's format from `head` (after `<｜tool▁call▁begin｜>`):
+    `TYPE<｜tool▁sep｜>NAME` then the arguments in a json block; None (and whether the text is well
+    formed so far) while its name or the block's opening is still coming."""
+    sep = text.find(TOOL_SEP, head)
+    opened = text.find(_ARGS_OPEN, sep + len(TOOL_SEP)) if sep >= 0 else -1
+    if opened < 0:
+        return None, (not final and "\n" not in text[sep + len(TOOL_SEP):]) if sep >= 0 else not final
+    return (text[sep + len(TOOL_SEP):opened], opened + len(_ARGS_OPEN), _ARGS_CLOSE), True
+
+
+def _v31_call(text: str, head: int, final: bool) -> tuple[Call | None, bool]:
+    """A call in V3.1's format from `head`: `NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>`; None (and whether
+    the text is well formed so far) while its name is still coming, one line."""
+    sep = text.find(TOOL_SEP, head)
+    if sep < 0:
+        return None, not final and "\n" not in text[head:]
+    name = text[head:sep]
+    if "\n" in name:
+        return None, False
+    return (name, sep + len(TOOL_SEP), CALL_END), True
+
+
+def _parse(text: str, final: bool, call_at: Callable[[str, int, bool], tuple[Call | None, bool]]
+           ) -> tuple[list[tuple[str, str, bool]], bool]:
+    """The calls in `text` (what follows `<｜tool▁calls▁begin｜>`), each read by `call_at` (the format's):
+    (name, arguments so far, complete) for each call whose name is known, and whether the text is
+    well formed so far (at the end, `final`: every call complete). Newlines between calls are
+    tolerated, as vLLM's parsers do."""
     calls: list[tuple[str, str, bool]] = []
     pos = 0
     while True:
@@ -213,50 +242,21 @@ def _parse_v3(text: str, final: bool) -> tuple[list[tuple[str, str, bool]], bool
         done, ok = _calls_end(text, pos, calls, final)
         if done:
             return calls, ok
-        head = pos + len(CALL_BEGIN)
-        sep = text.find(TOOL_SEP, head)
-        opened = text.find(_ARGS_OPEN, sep + len(TOOL_SEP)) if sep >= 0 else -1
-        if opened < 0:
-            return calls, not final and "\n" not in text[sep + len(TOOL_SEP):] if sep >= 0 else not final
-        name = text[sep + len(TOOL_SEP):opened]
-        args_at = opened + len(_ARGS_OPEN)
-        close = text.find(_ARGS_CLOSE, args_at)
-        if close < 0:
-            rest = text[args_at:]
-            calls.append((name, rest[:len(rest) - _partial_suffix(rest, _ARGS_CLOSE)], False))
-            return calls, not final
-        calls.append((name, text[args_at:close], True))
-        pos = close + len(_ARGS_CLOSE)
-
-
-def _parse_v31(text: str, final: bool) -> tuple[list[tuple[str, str, bool]], bool]:
-    """`_parse_v3` for V3.1's format: `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>`,
-    chained (newlines between calls are tolerated, as vLLM's parser does)."""
-    calls: list[tuple[str, str, bool]] = []
-    pos = 0
-    while True:
-        while text.startswith("\n", pos):
-            pos += 1
-        done, ok = _calls_end(text, pos, calls, final)
-        if done:
+        found, ok = call_at(text, pos + len(CALL_BEGIN), final)
+        if found is None:
             return calls, ok
-        head = pos + len(CALL_BEGIN)
-        sep = text.find(TOOL_SEP, head)
-        if sep < 0:  # the name is still coming: well formed while it is one line
-            return calls, not final and "\n" not in text[head:]
-        name, args_at = text[head:sep], sep + len(TOOL_SEP)
-        if "\n" in name:
-            return calls, False
-        close = text.find(CALL_END, args_at)
+        name, args_at, end = found
+        close = text.find(end, args_at)
         if close < 0:
             rest = text[args_at:]
-            calls.append((name, rest[:len(rest) - _partial_suffix(rest, CALL_END)], False))
+            calls.append((name, rest[:len(rest) - _partial_suffix(rest, end)], False))
             return calls, not final
         calls.append((name, text[args_at:close], True))
-        pos = close + len(CALL_END)
+        pos = close + len(end)
 
 
-_PARSERS = {"v3": _parse_v3, "v3.1": _parse_v31}
+_PARSERS = {"v3": functools.partial(_parse, call_at=_v3_call),
+            "v3.1": functools.partial(_parse, call_at=_v31_call)}
 
 
 def split_tool_calls(text: str, tool_format: str = "v3") -> tuple[str, list[ToolCall]] | None:
