@@ -17,6 +17,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 BASE = dict(
@@ -41,6 +42,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
                           "n_shared_experts": 2, "first_k_dense_replace": 0, "num_experts_per_tok": 3,
                           "routed_scaling_factor": 1.5, "qk_nope_head_dim": 8, "v_head_dim": 9},
 }
+
+FP8_MAX = 448.0
 
 
 def hf_config(overrides: dict[str, Any]) -> dict[str, Any]:
@@ -192,3 +195,61 @@ def reference_logits(folder: Path, tokens: np.ndarray, dtype: str = "float32") -
     for handle in handles:
         handle.remove()
     return logits, min(margins, default=math.inf)
+
+
+def is_fp8_in_release(name: str) -> bool:
+    """The release stores every layer's *_proj matmul in FP8, except the MTP projection eh_proj, and
+    V3.2's indexer `wq_b` and `wk` (not its `weights_proj`: the official code declares it in the
+    default dtype)."""
+    if ".indexer." in name:
+        return name.endswith((".indexer.wq_b.weight", ".indexer.wk.weight"))
+    return (name.startswith("model.layers.") and name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
+            and ".eh_proj." not in name)
+
+
+def fp8_blocks(w: np.ndarray, ue8m0: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(fp8 weight, scale_inv per 128x128 block, the dequantized weight), block by block. `ue8m0`:
+    each scale rounded up to a power of two, as V3.1's release (`scale_fmt: "ue8m0"`) stores them."""
+    rows, cols = w.shape
+    nr, nc = -(-rows // 128), -(-cols // 128)
+    q = np.empty(w.shape, ml_dtypes.float8_e4m3fn)
+    scale = np.empty((nr, nc), np.float32)
+    deq = np.empty(w.shape, np.float32)
+    for i in range(nr):
+        for j in range(nc):
+            block = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+            scale[i, j] = np.abs(block).max() / FP8_MAX
+            if ue8m0:
+                scale[i, j] = 2.0 ** np.ceil(np.log2(scale[i, j]))
+            q[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = (block / scale[i, j]).astype(ml_dtypes.float8_e4m3fn)
+            deq[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = (
+                q[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].astype(np.float32) * scale[i, j])
+    return q, scale, deq
+
+
+def write_release(folder: Path, config: dict, tensors: dict[str, np.ndarray], ue8m0: bool = False
+                  ) -> dict[str, np.ndarray]:
+    """An FP8 release-layout folder of `tensors` in three shards; returns the weights it stands for."""
+    import torch
+    from safetensors.torch import save_file
+
+    fp8_tensors, dequantized = {}, {}
+    for name, w in tensors.items():
+        if is_fp8_in_release(name):
+            q, scale, deq = fp8_blocks(w, ue8m0)
+            fp8_tensors[name] = torch.from_numpy(q.view(np.uint8)).view(torch.float8_e4m3fn)
+            fp8_tensors[name + "_scale_inv"] = torch.from_numpy(scale)
+            dequantized[name] = deq
+        else:
+            fp8_tensors[name] = torch.from_numpy(w).to(torch.bfloat16)
+            dequantized[name] = torch.from_numpy(w).to(torch.bfloat16).float().numpy()
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    names = sorted(fp8_tensors)
+    weight_map = {}
+    for i in range(3):
+        file = f"model-{i + 1:05d}-of-000003.safetensors"
+        save_file({n: fp8_tensors[n].contiguous() for n in names[i::3]}, str(folder / file))
+        weight_map.update({n: file for n in names[i::3]})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return dequantized

@@ -33,7 +33,16 @@ from ..core.config import Config
 from ..core.params import ArrayInfo, is_spec, loading_units, param_specs, resolved_dtype, unit_specs
 from ..core.quant import Int8Weight, check_quant, quantize
 from . import store
-from .release import CheckpointIndex, check_tensors, read_region, tensor_bytes, unit_sources, unit_tensors, validate
+from .release import (
+    CheckpointIndex,
+    check_tensors,
+    has_mtp_layer,
+    read_region,
+    tensor_bytes,
+    unit_sources,
+    unit_tensors,
+    validate,
+)
 from .safetensors_io import CheckpointError
 from .throughput import Throughput, path_bytes, rate
 
@@ -147,10 +156,13 @@ def convert_with_stats(hf: str | Path, out: str | Path, *, quant: str | None = N
     hf, out = Path(hf), Path(out)
     quant = check_quant(quant)
     cfg = Config.from_hf(hf)
-    mtp = mtp and cfg.num_nextn_predict_layers > 0
     if out.exists() and not store.is_converted(out):
         raise ConversionError(f"--out {out} exists and is not a dsr1 checkpoint; refusing to replace it")
     index = CheckpointIndex.open(hf)
+    if mtp and cfg.num_nextn_predict_layers and not has_mtp_layer(index, cfg):
+        log.warning("%s holds no MTP layer (model.layers.%d.*): converting without the MTP module", hf,
+                    cfg.num_hidden_layers)
+    mtp = mtp and has_mtp_layer(index, cfg)
     validate(index, cfg, mtp=mtp)
     partial = out.with_name(out.name + ".partial")
     settings = {"hf": str(hf.resolve()), "quant": quant, "dtype": dtype, "mtp": mtp}
@@ -199,7 +211,14 @@ def convert_with_stats(hf: str | Path, out: str | Path, *, quant: str | None = N
 
 def check(path: str | Path, config: str | Path | None = None) -> list[str]:
     """Validate a checkpoint folder or index file against its config without reading weights:
-    every tensor mapped, every shape as the config predicts, nothing missing or extra."""
+    every tensor mapped, every shape as the config predicts, nothing missing or extra. The MTP
+    layer is checked where the checkpoint holds it (`has_mtp_layer`)."""
+    index, cfg = _checked(path, config)
+    return check_tensors(index, cfg, mtp=has_mtp_layer(index, cfg), strict=True)
+
+
+def _checked(path: str | Path, config: str | Path | None) -> tuple[CheckpointIndex, Config]:
+    """The tensors `--check` compares (a folder's, or an index file's listing) and their config."""
     path = Path(path)
     if path.is_dir():
         index = CheckpointIndex.open(path)
@@ -207,8 +226,7 @@ def check(path: str | Path, config: str | Path | None = None) -> list[str]:
         index = CheckpointIndex.from_shape_index(path)
     else:
         index = CheckpointIndex.open(path.parent)
-    cfg = Config.from_hf(config or (path if path.is_dir() else path.parent))
-    return check_tensors(index, cfg, mtp=cfg.num_nextn_predict_layers > 0, strict=True)
+    return index, Config.from_hf(config or (path if path.is_dir() else path.parent))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,9 +255,12 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Convert or check as the parsed flags say; errors are printed, naming the file or tensor."""
     try:
         if args.check:
-            problems = check(args.hf, args.config)
+            index, cfg = _checked(args.hf, args.config)
+            problems = check_tensors(index, cfg, mtp=has_mtp_layer(index, cfg), strict=True)
             for p in problems:
                 print(p)
+            if cfg.num_nextn_predict_layers and not has_mtp_layer(index, cfg):
+                print(f"(no MTP layer model.layers.{cfg.num_hidden_layers}.*: checked the model without it)")
             print(f"{args.hf}: {'OK' if not problems else f'{len(problems)} problems'}")
             return 1 if problems else 0
         if not args.out:

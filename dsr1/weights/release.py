@@ -2,8 +2,13 @@
 
 Release layout: one tensor per expert (`model.layers.L.mlp.experts.E.gate_proj.weight`), linear
 weights `[out, in]`, float8 e4m3 with a `weight_scale_inv` per 128x128 block (edge blocks
-partial) for every matmul weight but the MTP projection and heads, and the MTP module stored as
-layer `num_hidden_layers`.
+partial) for every matmul weight but the MTP projection and heads (and V3.2's indexer
+`weights_proj`), and the MTP module stored as layer `num_hidden_layers`.
+
+What transformers' `save_pretrained` writes for `deepseek_v3` and `deepseek_v32` is this layout
+without the MTP layer (transformers has no MTP module); with `save_original_format=False` its routed
+experts are fused, one `mlp.experts.gate_up_proj [E, 2f, d]` and `mlp.experts.down_proj [E, d, f]`
+per layer. `CheckpointIndex` reads those as the per-expert tensors they hold (`per_expert_view`).
 
 `read_region_into` writes any region of one layer's weight in our layout into a host buffer,
 reading only the experts it covers from memory-mapped shards: the loader asks it for each device
@@ -47,6 +52,9 @@ FP8_DTYPES = ("F8_E4M3",)
 # Tensors some releases carry that no model reads: RoPE frequency buffers (Kimi-K2 saves one per
 # layer; HF transformers recomputes them and ignores the saved ones). Not "unexpected" for --check.
 IGNORED_TENSORS = (".rotary_emb.inv_freq",)
+# transformers' fused routed experts (`save_pretrained(save_original_format=False)`): per layer, the
+# release tensors each holds, in the order its rows hold them.
+FUSED_EXPERTS = {".mlp.experts.gate_up_proj": ("gate_proj", "up_proj"), ".mlp.experts.down_proj": ("down_proj",)}
 
 
 # ---- where each weight comes from ---------------------------------------------------------------
@@ -320,7 +328,7 @@ class CheckpointIndex:
         for name, file in weight_map.items():
             if name not in tensors or tensors[name].file.name != Path(file).name:
                 raise CheckpointError(f"{index_file}: maps tensor {name!r} to {file}, which does not hold it")
-        return cls(folder, tensors)
+        return cls(folder, per_expert_view(tensors))
 
     @classmethod
     def from_shape_index(cls, index_file: str | Path) -> CheckpointIndex:
@@ -334,7 +342,7 @@ class CheckpointIndex:
                                            -1, -1)
             except (KeyError, TypeError):
                 raise CheckpointError(f"{index_file}: entry {name!r} lacks shape/dtype/file") from None
-        return cls(index_file.parent, tensors)
+        return cls(index_file.parent, per_expert_view(tensors))
 
     def info(self, name: str) -> TensorInfo:
         if name not in self.tensors:
@@ -371,6 +379,41 @@ class CheckpointIndex:
     def prefetch(self, names: list[str]) -> None:
         """Start reading these tensors in the background (see `safetensors_io.prefetch`)."""
         prefetch([self.tensors[n] for n in names if n in self.tensors])
+
+
+def per_expert_view(tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
+    """`tensors` with transformers' fused routed experts (`FUSED_EXPERTS`) replaced by the release's
+    per-expert tensors they hold: `experts.E.gate_proj.weight` is rows `[0, f)` of `gate_up_proj[E]`,
+    `up_proj` rows `[f, 2f)`, `down_proj` is `down_proj[E]`. Each is one run of bytes of its file,
+    so it is read, prefetched and logged as a release tensor is."""
+    out: dict[str, TensorInfo] = {}
+    for name, info in tensors.items():
+        fused = next((k for k in FUSED_EXPERTS if name.endswith(k)), None)
+        parts = {name: info} if fused is None else _fused_parts(name[:-len(fused)], info, FUSED_EXPERTS[fused])
+        for part, part_info in parts.items():
+            if part in out:
+                raise CheckpointError(f"tensor {part!r} is held twice: in {out[part].file.name} and in "
+                                      f"{info.file.name} (as {name!r})")
+            out[part] = part_info
+    return out
+
+
+def _fused_parts(layer: str, info: TensorInfo, parts: tuple[str, ...]) -> dict[str, TensorInfo]:
+    """The per-expert tensors `layer.mlp.experts.E.{part}.weight` of one fused tensor `[E, rows, cols]`
+    whose rows hold `parts` one after another."""
+    if len(info.shape) != 3 or info.shape[1] % len(parts):
+        raise CheckpointError(f"{info.file.name}: fused expert tensor {info.name!r} has shape {list(info.shape)}, "
+                              f"expected [experts, {' + '.join(['rows'] * len(parts))}, columns]")
+    experts, rows, cols = info.shape[0], info.shape[1] // len(parts), info.shape[2]
+    size = rows * cols * DTYPES[info.dtype].itemsize
+    out = {}
+    for e in range(experts):
+        for k, part in enumerate(parts):
+            begin = info.begin + (e * len(parts) + k) * size if info.begin >= 0 else info.begin  # -1: a listing
+            name = f"{layer}.mlp.experts.{e}.{part}.weight"
+            out[name] = dataclasses.replace(info, name=name, shape=(rows, cols), begin=begin,
+                                            end=begin + size if info.begin >= 0 else info.end)
+    return out
 
 
 def _read_json(file: Path) -> dict:
@@ -431,6 +474,11 @@ def check_tensors(index: CheckpointIndex, cfg: Config, *, mtp: bool = False, str
     weights: missing tensors, wrong shapes or dtypes, FP8 weights without (right-shaped) scales, and
     with `strict`, tensors nothing reads."""
     problems, used = [], set()
+    if mtp and not has_mtp_layer(index, cfg):
+        problems.append(f"no MTP layer: config.json has num_nextn_predict_layers={cfg.num_nextn_predict_layers} but "
+                        f"no tensor is named 'model.layers.{cfg.num_hidden_layers}.*' (transformers' save_pretrained "
+                        f"leaves it out); load without the MTP module (mtp=False)")
+        mtp = False  # the main model is still checked
     for name, want in expected_tensors(cfg, mtp=mtp).items():
         info = index.tensors.get(name)
         used.add(name)
@@ -457,6 +505,13 @@ def check_tensors(index: CheckpointIndex, cfg: Config, *, mtp: bool = False, str
         problems += [f"unexpected tensor {name!r} in {index.tensors[name].file.name}"
                      for name in sorted(set(index.tensors) - used) if not name.endswith(IGNORED_TENSORS)]
     return problems
+
+
+def has_mtp_layer(index: CheckpointIndex, cfg: Config) -> bool:
+    """Whether the checkpoint holds the MTP layer `cfg` declares (any tensor of layer
+    `num_hidden_layers`): the release does, what transformers' `save_pretrained` writes does not."""
+    prefix = f"model.layers.{cfg.num_hidden_layers}."
+    return cfg.num_nextn_predict_layers > 0 and any(name.startswith(prefix) for name in index.tensors)
 
 
 def validate(index: CheckpointIndex, cfg: Config, *, mtp: bool = False, strict: bool = False) -> None:
