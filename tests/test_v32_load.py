@@ -205,19 +205,32 @@ def test_v3_transformers_saves_load_and_match_its_logits(v3):
     assert error <= TOLERANCE
 
 
-def test_check_of_a_v32_listing_names_a_missing_indexer_tensor(v32, tmp_path, capsys):
-    """`convert --check` of the tiny release's index (shapes and dtypes listed, no weights) passes,
-    and with one indexer tensor left out fails naming it."""
+def _check(index_file: Path, content: dict, capsys) -> tuple[int, str]:
+    """`convert --check --hf index_file` of `content` written there: its exit status and output."""
+    index_file.write_text(json.dumps(content))
+    status = dsr1_convert.main(["--check", "--hf", str(index_file)])
+    return status, capsys.readouterr().out
+
+
+def test_check_of_a_v32_index_names_a_missing_indexer_tensor(v32, tmp_path, capsys):
+    """`convert --check` of the tiny release's index, without its shards: a listing of shapes and
+    dtypes, and the release's own `model.safetensors.index.json` (names only), each passes, and with
+    one indexer tensor left out fails naming it."""
+    (tmp_path / "config.json").write_text((v32.release / "config.json").read_text())
     listing = {name: {"shape": list(info.shape), "dtype": info.dtype, "file": info.file.name}
                for name, info in CheckpointIndex.open(v32.release).tensors.items()}
-    (tmp_path / "config.json").write_text((v32.release / "config.json").read_text())
-    (tmp_path / "index.json").write_text(json.dumps(listing))
-    assert dsr1_convert.main(["--check", "--hf", str(tmp_path / "index.json")]) == 0
-    missing = "model.layers.2.self_attn.indexer.wk.weight_scale_inv"  # the MTP layer's
-    del listing[missing]
-    (tmp_path / "index.json").write_text(json.dumps(listing))
-    assert dsr1_convert.main(["--check", "--hf", str(tmp_path / "index.json")]) == 1
-    assert f"has no {missing}" in capsys.readouterr().out
+    assert _check(tmp_path / "index.json", listing, capsys) == (0, f"{tmp_path / 'index.json'}: OK\n")
+    scale = "model.layers.2.self_attn.indexer.wk.weight_scale_inv"  # the MTP layer's
+    status, out = _check(tmp_path / "index.json", {k: v for k, v in listing.items() if k != scale}, capsys)
+    assert status == 1 and f"has no {scale}" in out
+
+    index = json.loads((v32.release / "model.safetensors.index.json").read_text())
+    status, out = _check(tmp_path / "model.safetensors.index.json", index, capsys)
+    assert status == 0 and "names only" in out and out.strip().endswith(": OK")
+    weight = "model.layers.1.self_attn.indexer.wq_b.weight"
+    del index["weight_map"][weight]
+    status, out = _check(tmp_path / "model.safetensors.index.json", index, capsys)
+    assert status == 1 and f"missing tensor {weight!r} (expected shape [192, 136])" in out
 
 
 def _v32_index() -> tuple[dict, dict]:

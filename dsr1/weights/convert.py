@@ -2,7 +2,8 @@
 
     python -m dsr1 convert --hf DeepSeek-R1/ --out r1-int8/ --quant int8
     python -m dsr1 convert --hf DeepSeek-R1/ --out r1-bf16/                # no quantization, bfloat16
-    python -m dsr1 convert --check --hf DeepSeek-R1/model.safetensors.index.json
+    python -m dsr1 convert --check --hf DeepSeek-R1/                       # names, shapes and dtypes
+    python -m dsr1 convert --check --hf DeepSeek-V3.2/model.safetensors.index.json  # the index alone: names
 
 Conversion streams one unit at a time (the global weights, then each layer, then the MTP module),
 and within a layer one expert at a time, so peak host memory follows the largest layer, not the
@@ -34,6 +35,7 @@ from ..core.params import ArrayInfo, is_spec, loading_units, param_specs, resolv
 from ..core.quant import Int8Weight, check_quant, quantize
 from . import store
 from .release import (
+    INDEX_FILE,
     CheckpointIndex,
     check_tensors,
     has_mtp_layer,
@@ -222,8 +224,10 @@ def _checked(path: str | Path, config: str | Path | None) -> tuple[CheckpointInd
     path = Path(path)
     if path.is_dir():
         index = CheckpointIndex.open(path)
-    elif path.name.endswith((".json", ".json.gz")) and not path.name.startswith("model.safetensors.index.json"):
+    elif path.name.endswith((".json", ".json.gz")) and not path.name.startswith(INDEX_FILE):
         index = CheckpointIndex.from_shape_index(path)
+    elif path.name == INDEX_FILE and not any(path.parent.glob("*.safetensors")):
+        index = CheckpointIndex.from_weight_map(path)  # the release's index alone: its names
     else:
         index = CheckpointIndex.open(path.parent)
     return index, Config.from_hf(config or (path if path.is_dir() else path.parent))
@@ -239,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The converter's flags (also the `convert` subcommand of `python -m dsr1`)."""
     ap.add_argument("--hf", required=True, metavar="DIR_OR_INDEX",
-                    help="HF checkpoint folder (release layout); with --check also an index file")
+                    help="HF checkpoint folder (release layout); with --check also an index file: a listing of "
+                         "shapes and dtypes, or a model.safetensors.index.json without its shards (names only)")
     ap.add_argument("--out", metavar="DIR", help="output folder (written as DIR.partial, then renamed)")
     ap.add_argument("--quant", choices=["none", "int8"], default="none",
                     help="int8: matmul weights as int8 with per-output-channel scales; none: no quantization "
@@ -261,6 +266,8 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 print(p)
             if cfg.num_nextn_predict_layers and not has_mtp_layer(index, cfg):
                 print(f"(no MTP layer model.layers.{cfg.num_hidden_layers}.*: checked the model without it)")
+            if not index.shapes_known:
+                print(f"(names only: no shards beside {args.hf}, so shapes and dtypes were not checked)")
             print(f"{args.hf}: {'OK' if not problems else f'{len(problems)} problems'}")
             return 1 if problems else 0
         if not args.out:
