@@ -21,7 +21,7 @@ import dsr1
 from dsr1.weights import convert as dsr1_convert
 from dsr1.weights import store
 from dsr1.weights.release import FP8_BLOCK, CheckpointIndex, per_expert_view
-from dsr1.weights.safetensors_io import TensorInfo
+from dsr1.weights.safetensors_io import TensorInfo, write_safetensors
 
 from . import reference, reference_dsa
 from .harness import MIN_ROUTING_MARGIN, TOLERANCE, relative_error
@@ -273,8 +273,36 @@ def test_check_on_a_v32_release_index(tmp_path, capsys):
         "missing tensor 'model.layers.61.self_attn.indexer.k_norm.bias' (expected shape [128])"]
 
 
-def test_fused_experts_of_a_wrong_shape_are_named(tmp_path):
-    """A fused expert tensor whose rows do not split into gate and up is named, with its shape."""
+def _fused_fp8(folder: Path, f: int, d: int = 160, experts: int = 2) -> tuple[np.ndarray, np.ndarray]:
+    """One layer's routed experts as transformers' FP8 model holds them, fused, in `folder`: returns
+    `gate_up_proj [E, 2f, d]` and `down_proj [E, d, f]` as the weights they stand for."""
+    rng = np.random.default_rng(0)
+    tensors, values = {}, []
+    for name, shape in (("gate_up_proj", (experts, 2 * f, d)), ("down_proj", (experts, d, f))):
+        blocks = [reference.fp8_blocks(w) for w in rng.standard_normal(shape).astype(np.float32)]
+        tensors[f"model.layers.1.mlp.experts.{name}"] = np.stack([q for q, _, _ in blocks])
+        tensors[f"model.layers.1.mlp.experts.{name}_scale_inv"] = np.stack([scale for _, scale, _ in blocks])
+        values.append(np.stack([w for _, _, w in blocks]))
+    write_safetensors(folder / "model.safetensors", {k: (v.shape, v.dtype) for k, v in tensors.items()}, tensors.get)
+    return values[0], values[1]
+
+
+def test_fused_fp8_experts_read_per_expert(tmp_path):
+    """transformers' fused FP8 experts (`save_original_format=False`) read as the release's per-expert
+    tensors and block scales; where gate and up would share a 128-row scale block, or a fused tensor's
+    rows do not split, the error names the tensor."""
+    (tmp_path / "ok").mkdir()
+    gate_up, down = _fused_fp8(tmp_path / "ok", f=128)
+    index = CheckpointIndex.open(tmp_path / "ok")
+    assert index.tensors["model.layers.1.mlp.experts.1.up_proj.weight_scale_inv"].shape == (1, 2)
+    np.testing.assert_array_equal(index.read("model.layers.1.mlp.experts.1.up_proj.weight"), gate_up[1, 128:])
+    np.testing.assert_array_equal(index.read("model.layers.1.mlp.experts.0.gate_proj.weight"), gate_up[0, :128])
+    np.testing.assert_array_equal(index.read("model.layers.1.mlp.experts.1.down_proj.weight"), down[1])
+    (tmp_path / "shared").mkdir()
+    _fused_fp8(tmp_path / "shared", f=136)
+    with pytest.raises(dsr1.CheckpointError, match=r"'model\.layers\.1\.mlp\.experts\.gate_up_proj_scale_inv' "
+                                                   r"cannot be split per expert: its weight has 136 rows per part"):
+        CheckpointIndex.open(tmp_path / "shared")
     bad = TensorInfo("model.layers.1.mlp.experts.gate_up_proj", tmp_path / "m.safetensors", "F32", (8, 5, 4), 0, 640)
     with pytest.raises(dsr1.CheckpointError, match=r"m\.safetensors: fused expert tensor 'model\.layers\.1\.mlp\."
                                                    r"experts\.gate_up_proj' has shape \[8, 5, 4\]"):

@@ -398,12 +398,18 @@ class CheckpointIndex:
 def per_expert_view(tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
     """`tensors` with transformers' fused routed experts (`FUSED_EXPERTS`) replaced by the release's
     per-expert tensors they hold: `experts.E.gate_proj.weight` is rows `[0, f)` of `gate_up_proj[E]`,
-    `up_proj` rows `[f, 2f)`, `down_proj` is `down_proj[E]`. Each is one run of bytes of its file,
-    so it is read, prefetched and logged as a release tensor is."""
+    `up_proj` rows `[f, 2f)`, `down_proj` is `down_proj[E]`, and likewise their FP8 block scales
+    (`gate_up_proj_scale_inv`). Each is one run of bytes of its file, so it is read, prefetched and
+    logged as a release tensor is."""
     out: dict[str, TensorInfo] = {}
     for name, info in tensors.items():
-        fused = next((k for k in FUSED_EXPERTS if name.endswith(k)), None)
-        parts = {name: info} if fused is None else _fused_parts(name[:-len(fused)], info, FUSED_EXPERTS[fused])
+        parts = {name: info}
+        for fused, held in FUSED_EXPERTS.items():
+            if name.endswith(fused):
+                parts = _fused_parts(name[:-len(fused)], info, held, ".weight")
+            elif name.endswith(fused + "_scale_inv"):
+                _check_scales_split(info, tensors.get(name[:-len("_scale_inv")]), len(held))
+                parts = _fused_parts(name[:-len(fused + "_scale_inv")], info, held, ".weight_scale_inv")
         for part, part_info in parts.items():
             if part in out:
                 raise CheckpointError(f"tensor {part!r} is held twice: in {out[part].file.name} and in "
@@ -412,8 +418,19 @@ def per_expert_view(tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
     return out
 
 
-def _fused_parts(layer: str, info: TensorInfo, parts: tuple[str, ...]) -> dict[str, TensorInfo]:
-    """The per-expert tensors `layer.mlp.experts.E.{part}.weight` of one fused tensor `[E, rows, cols]`
+def _check_scales_split(scales: TensorInfo, weight: TensorInfo | None, parts: int) -> None:
+    """Fused FP8 experts' block scales split into each part's only where no 128-row block holds the
+    rows of two parts (gate and up: f a multiple of 128)."""
+    rows = None if weight is None or len(weight.shape) != 3 else weight.shape[1] // parts
+    if rows is None or (parts > 1 and rows % FP8_BLOCK):
+        raise CheckpointError(f"{scales.file.name}: {scales.name!r} cannot be split per expert: its weight "
+                              f"{'is missing' if rows is None else f'has {rows} rows per part'}, and each "
+                              f"part needs whole {FP8_BLOCK}-row blocks of scales; save the model with "
+                              f"save_pretrained(save_original_format=True)")
+
+
+def _fused_parts(layer: str, info: TensorInfo, parts: tuple[str, ...], suffix: str) -> dict[str, TensorInfo]:
+    """The per-expert tensors `layer.mlp.experts.E.{part}{suffix}` of one fused tensor `[E, rows, cols]`
     whose rows hold `parts` one after another."""
     if len(info.shape) != 3 or info.shape[1] % len(parts):
         raise CheckpointError(f"{info.file.name}: fused expert tensor {info.name!r} has shape {list(info.shape)}, "
@@ -424,7 +441,7 @@ def _fused_parts(layer: str, info: TensorInfo, parts: tuple[str, ...]) -> dict[s
     for e in range(experts):
         for k, part in enumerate(parts):
             begin = info.begin + (e * len(parts) + k) * size if info.begin >= 0 else info.begin  # -1: a listing
-            name = f"{layer}.mlp.experts.{e}.{part}.weight"
+            name = f"{layer}.mlp.experts.{e}.{part}{suffix}"
             out[name] = dataclasses.replace(info, name=name, shape=(rows, cols), begin=begin,
                                             end=begin + size if info.begin >= 0 else info.end)
     return out
