@@ -198,6 +198,18 @@ def test_v32_release_converts_with_its_mtp_indexer(v32, tmp_path, quant):
     assert "indexer" in converted.params["mtp"]["block"] and _params_equal(direct.params, converted.params)
 
 
+@pytest.mark.extended
+def test_v32_release_assembled_on_accelerators_equals_the_host_path(v32, monkeypatch):
+    """Where the devices are accelerators (here CPU devices taken for them) the layers, their indexers
+    and the MTP layer's too, are assembled on the devices and the FP8 experts dequantized there: the
+    same weights, bit for bit, as the host path."""
+    from dsr1.weights import loading
+
+    host = _load(v32.release, mtp=True)
+    monkeypatch.setattr(loading.LoadPlan, "accelerators", property(lambda plan: True))
+    assert _params_equal(host.params, _load(v32.release, mtp=True).params)
+
+
 @pytest.mark.slow
 def test_v3_transformers_saves_load_and_match_its_logits(v3):
     """Both of transformers' layouts of a `deepseek_v3` model load; the logits are its own."""
