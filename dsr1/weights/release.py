@@ -503,7 +503,9 @@ def quantize_fp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def check_tensors(index: CheckpointIndex, cfg: Config, *, mtp: bool = False, strict: bool = False) -> list[str]:
     """Problems found comparing the checkpoint's tensors with what `cfg` predicts, without reading
     weights: missing tensors, wrong shapes or dtypes, FP8 weights without (right-shaped) scales, and
-    with `strict`, tensors nothing reads."""
+    with `strict`, tensors nothing reads. With `mtp`, a checkpoint without the MTP layer is one
+    problem (the main model is still checked); an index of names alone (`from_weight_map`) is
+    checked for its names."""
     problems, used = [], set()
     if mtp and not has_mtp_layer(index, cfg):
         problems.append(f"no MTP layer: config.json has num_nextn_predict_layers={cfg.num_nextn_predict_layers} but "
