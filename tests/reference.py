@@ -4,6 +4,8 @@
 linear weights, one tensor per expert, the router bias as `e_score_correction_bias`, optionally an
 MTP layer. HF `DeepseekV3ForCausalLM.from_pretrained` reads that folder itself (fusing the
 per-expert tensors), which proves the layout; its float32 logits are the reference.
+`write_release` writes the release's precision: FP8 e4m3 per 128x128 block (`fp8_blocks`) for
+the tensors the release quantizes (`is_fp8_in_release`), bf16 for the rest.
 
 Random routers produce near-ties at top-k boundaries; two correct float32 implementations may then
 pick different experts. `reference_logits` measures the reference's smallest routing margin so a
