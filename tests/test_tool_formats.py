@@ -82,8 +82,8 @@ def test_calls_parse_whole_and_streamed_alike(tool_format):
 
 
 def test_unknown_tool_format_is_refused():
-    with pytest.raises(ValueError, match="unknown tool-call format 'v4'"):
-        ToolCallSplitter("v4")
+    with pytest.raises(ValueError, match="unknown tool-call format 'v9'"):
+        ToolCallSplitter("v9")
 
 
 @pytest.fixture(scope="module")

@@ -137,7 +137,7 @@ class ChatCompletionRequest(_SamplingFields):
     echo: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: the template's switches (V3.1: thinking)
     thinking: ThinkingSwitch | None = None  # DeepSeek's API: the template's thinking switch, where it has one
-    reasoning_effort: Literal["low", "medium", "high", "max"] | None = None  # accepted; no V3-line template reads it
+    reasoning_effort: Literal["low", "medium", "high", "max"] | None = None  # V4's encoder reads it ("max")
 
     @property
     def token_budget(self) -> int | None:
