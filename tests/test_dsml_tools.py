@@ -179,3 +179,42 @@ def test_format_chosen_from_config_and_chat_requests(release_folders):
                                            chat_template_kwargs={"thinking": True}), v4, limits)
     text = v4.decode(plan.prompts[0])  # the reasoning passed back is rendered (tools keep it)
     assert "Look it up.</think>" in text and text.endswith("<tool_result>Sunny</tool_result><｜Assistant｜><think>")
+
+
+GRAMMAR_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                                         "unit": {"type": "string", "enum": ["C", "F"]}},
+        "required": ["city", "days"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "note", "parameters": {"type": "object"}}},  # open: extra keys allowed
+    {"type": "function", "function": {"name": "tag", "parameters": {
+        "type": "object", "properties": {"labels": {"type": "array", "items": {"type": "string", "maxLength": 4},
+                                                    "maxItems": 2}}, "required": ["labels"]}}}]
+
+
+@pytest.mark.parametrize("tool_format", ["v3.2", "v4"])
+def test_required_and_named_grammars_write_calls_that_parse(tool_format, release_folders):
+    """A random walk through the grammar of `tool_choice` required / named (what a random model
+    under it writes) is a DSML block of valid calls that ends, in chat and thinking mode."""
+    import jsonschema
+
+    from dsr1.server.tools import parse_tools, tool_call_grammar
+    from tests.test_tool_formats import walk
+
+    tokenizer = load_tokenizer(release_folders["deepseek_v32" if tool_format == "v3.2" else "deepseek_v4"])
+    tools, schemas = parse_tools(GRAMMAR_TOOLS), {t["function"]["name"]: t["function"]["parameters"]
+                                                  for t in GRAMMAR_TOOLS}
+    for seed, (choice, reasoning) in enumerate([("required", None), ("get_weather", None), ("note", None),
+                                                ("tag", 0), ("required", 0), ("required", None)]):
+        text = walk(tokenizer, tool_call_grammar(tools, choice, tokenizer, reasoning, tool_format), seed)
+        block = f"<｜DSML｜{'function_calls' if tool_format == 'v3.2' else 'tool_calls'}>\n"
+        if reasoning is not None:  # `</think>` then at most the blank line
+            assert text.startswith("</think>") and text.removeprefix("</think>").lstrip("\n").startswith(block)
+            text = text.removeprefix("</think>")
+        else:
+            assert text.startswith("\n\n" + block)
+        content, calls = split_tool_calls(text, tool_format)
+        assert content == "" and calls and (choice == "required" or [c.name for c in calls] == [choice])
+        for call in calls:
+            jsonschema.validate(json.loads(call.arguments), schemas[call.name])

@@ -177,6 +177,8 @@ def tool_call_grammar(tools: list[ToolSpec], choice: str, tokenizer: Tokenizer, 
     arguments valid against its schema. `reasoning`: the prompt opened `<think>`, so the reply
     reasons first, for at most that many tokens (None: it did not)."""
     _check_format(tool_format)
+    if tool_format in DSML_BLOCKS:
+        return _dsml_call_grammar(tools, choice, tokenizer, reasoning, DSML_BLOCKS[tool_format])
 
     def special(text: str) -> str:
         return special_token(tokenizer, text, "tools")
@@ -198,6 +200,58 @@ def tool_call_grammar(tools: list[ToolSpec], choice: str, tokenizer: Tokenizer, 
     calls = f"call ({between}call){{0,{more}}}" if more else "call"
     return output_grammar(f"{special(CALLS_BEGIN)} {calls} {special(CALLS_END)}", tokenizer, reasoning, rules=rules,
                           param="tools")
+
+
+# A string parameter's value is raw text: bounded (by the schema's maxLength, else this) and without
+# `<`, so it cannot run on past its budget nor write the parameter's end inside itself.
+DSML_STRING_CHARS = 512
+_PARAMETER_LINE_END = json.dumps(f"</{DSML}parameter>\n", ensure_ascii=False)
+
+
+def _dsml_value_rule(prop: Any, defs: dict[str, Any]) -> tuple[bool, str]:
+    """A property's value in a DSML call: (whether it is written as a string, its lark expression):
+    a string schema's text as is (an enum's values, or up to maxLength characters), any other value
+    as JSON valid against the property's schema."""
+    prop = prop if isinstance(prop, dict) else {}
+    if prop.get("type") == "string":
+        if isinstance(prop.get("enum"), list) and all(isinstance(v, str) for v in prop["enum"]) and prop["enum"]:
+            return True, "(" + " | ".join(json.dumps(v, ensure_ascii=False) for v in prop["enum"]) + ")"
+        low, high = int(prop.get("minLength", 0)), int(prop.get("maxLength", DSML_STRING_CHARS))
+        return True, f"/[^<]{{{low},{max(low, min(high, DSML_STRING_CHARS))}}}/"
+    schema = {**({"$defs": defs} if defs else {}), **prop}
+    return False, f"%json {json.dumps(_compact(schema), ensure_ascii=False)}"
+
+
+def _dsml_invoke_rule(i: int, tool: ToolSpec) -> list[str]:
+    """The rules of one call of `tool` (`call_i`): its parameters in the schema's order, the
+    required ones always, the others optionally, no others (bounded keys: an open schema cannot
+    make the model invent names without end)."""
+    props = tool.parameters.get("properties") or {}
+    required = set(tool.parameters.get("required") or ())
+    defs = tool.parameters.get("$defs") or {}
+    rules, parts = [], []
+    for k, (key, prop) in enumerate(props.items()):
+        is_string, value = _dsml_value_rule(prop, defs)
+        head = f'<{DSML}parameter name="{key}" string="{"true" if is_string else "false"}">'
+        rules.append(f"param_{i}_{k}: {json.dumps(head, ensure_ascii=False)} {value} {_PARAMETER_LINE_END}")
+        parts.append(f"param_{i}_{k}" + ("" if key in required else "?"))
+    head = json.dumps(f'<{DSML}invoke name="{tool.name}">\n' + ("" if props else "\n"), ensure_ascii=False)
+    rules.append(f"call_{i}: {head} {' '.join(parts)} {json.dumps(_INVOKE_CLOSE, ensure_ascii=False)}")
+    return rules
+
+
+def _dsml_call_grammar(tools: list[ToolSpec], choice: str, tokenizer: Tokenizer, reasoning: int | None,
+                       block: str) -> str:
+    """`tool_call_grammar` for a DSML format: the block after its blank line (after `</think>` the
+    reasoning grammar's newlines stand for it), its calls one per line."""
+    chosen = tools if choice == "required" else [t for t in tools if t.name == choice]
+    rules = [rule for i, t in enumerate(chosen) for rule in _dsml_invoke_rule(i, t)]
+    rules.append("call: " + " | ".join(f"call_{i}" for i in range(len(chosen))))
+    more = len(chosen) - 1 if choice == "required" else 0
+    calls = f'call ("\\n" call){{0,{more}}}' if more else "call"
+    opening = json.dumps(("" if reasoning is not None else "\n\n") + f"<{DSML}{block}>\n", ensure_ascii=False)
+    closing = json.dumps(f"\n</{DSML}{block}>", ensure_ascii=False)
+    return output_grammar(f"{opening} {calls} {closing}", tokenizer, reasoning, rules=rules, param="tools")
 
 
 def _compact(schema: dict[str, Any]) -> dict[str, Any]:
