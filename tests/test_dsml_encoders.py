@@ -205,3 +205,35 @@ def test_bad_messages_name_the_field():
                                     thinking_mode="thinking")
     with pytest.raises(ValueError, match="a tool result without an assistant tool call"):
         encoder_v32.encode_messages([{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}])
+
+
+def test_chat_formats_render_through_the_encoders(tmp_path):
+    """`deepseek-v3.2` / `deepseek-v4` render with their encoders and switches, chosen from a folder's
+    config.json when it has no template (V3.2-Exp's V3.1 template still decides for it); `generate`'s
+    chat path (`encode_prompt`) passes the switches on."""
+    import shutil
+
+    import dsr1
+    from dsr1.generation.chat_templates import TemplateKwargError, render
+    from dsr1.generation.output import encode_prompt
+    from dsr1.generation.tokenizer import folder_chat_format, load_tokenizer
+
+    messages = HELD_OUT_V4[3][1]
+    expected = encoder_v4.encode_messages(messages, "thinking", drop_thinking=False, reasoning_effort="max")
+    kwargs = {"thinking": True, "drop_thinking": False, "reasoning_effort": "max"}
+    assert render("deepseek-v4", messages, kwargs=kwargs) == expected
+    assert render("deepseek-v3.2", HELD_OUT[3][1]) == encoder_v32.encode_messages(HELD_OUT[3][1], "chat")
+    for name, bad in (("deepseek-v4", {"reasoning_effort": "low"}), ("deepseek-v3.2", {"drop_thinking": "no"}),
+                      ("deepseek-v3.2", {"reasoning_effort": "max"})):
+        with pytest.raises(TemplateKwargError, match="chat_template_kwargs"):
+            render(name, messages, kwargs=bad)
+    shutil.copy(dsr1.demo_checkpoint() / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
+    tokenizer = load_tokenizer(tmp_path)
+    assert tokenizer.chat_format == "deepseek-v4"
+    assert encode_prompt(messages, tokenizer, True, kwargs) == tokenizer.encode(expected)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v32"}))
+    assert folder_chat_format(tmp_path) == "deepseek-v3.2"
+    v31 = (Path(__file__).parent / "data" / "chat_templates" / "deepseek-v3.1.jinja").read_text(encoding="utf-8")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": v31}))
+    assert folder_chat_format(tmp_path) == "deepseek-v3.1"  # V3.2-Exp ships V3.1's template
