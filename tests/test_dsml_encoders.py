@@ -95,7 +95,7 @@ def random_conversation(rng: random.Random, v4: bool, texts: list[str] = TEXTS) 
 
 
 HELD_OUT = [(seed, random_conversation(random.Random(seed), v4=False)) for seed in range(200)]
-HELD_OUT_V4 = [(seed, random_conversation(random.Random(10_000 + seed), v4=True)) for seed in range(200)]
+HELD_OUT_V4 = [(seed, random_conversation(random.Random(10_000 + seed), v4=True)) for seed in range(150)]
 
 
 def outcome(fn, *args, **kwargs):
@@ -129,7 +129,7 @@ def test_v4_held_out_conversations_render_as_the_official_encoder():
                 assert theirs != "error"
                 assert encoder_v4.encode_messages(messages, **kwargs) == theirs, (seed, kwargs)
                 rendered += 1
-    assert rendered == 2000
+    assert rendered == 1500
 
 
 def test_v4_release_test_cases():

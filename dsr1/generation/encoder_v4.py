@@ -21,7 +21,6 @@ turn, quirks included:
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -94,7 +93,7 @@ def _merge_tool_results(messages: Sequence[Mapping[str, Any]]) -> list[dict[str,
     (or after another user text) joins that turn."""
     merged: list[dict[str, Any]] = []
     for msg in messages:
-        msg = copy.deepcopy(dict(msg))
+        msg = dict(msg)  # (only the merged turns' own block lists are changed later: no deeper copy needed)
         last = merged[-1] if merged and merged[-1].get("role") == "user" and "content_blocks" in merged[-1] else None
         if msg["role"] == "tool":
             block = {"type": "tool_result", "tool_use_id": msg.get("tool_call_id", ""), "content": msg.get("content")}
