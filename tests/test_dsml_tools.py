@@ -16,6 +16,7 @@ import dsr1
 from dsr1.generation import encoder_v4, encoder_v32
 from dsr1.generation.markup import EOS
 from dsr1.generation.tokenizer import load_tokenizer
+from dsr1.server.errors import APIError
 from dsr1.server.prepare import Limits, plan_chat
 from dsr1.server.protocol import ChatCompletionRequest
 from dsr1.server.reasoning import ReasoningSplitter, split_reply
@@ -179,6 +180,18 @@ def test_format_chosen_from_config_and_chat_requests(release_folders):
                                            chat_template_kwargs={"thinking": True}), v4, limits)
     text = v4.decode(plan.prompts[0])  # the reasoning passed back is rendered (tools keep it)
     assert "Look it up.</think>" in text and text.endswith("<tool_result>Sunny</tool_result><｜Assistant｜><think>")
+    two = [{"id": f"c{k}", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}} for k in (1, 2)]
+    answered = [*ask, {"role": "assistant", "content": "", "tool_calls": two},
+                {"role": "tool", "tool_call_id": "c2", "content": "B"},
+                {"role": "tool", "tool_call_id": "c1", "content": "A"},
+                {"role": "latest_reminder", "content": "Today is Tuesday."}, {"role": "user", "content": "And?"}]
+    text = v4.decode(plan_chat(ChatCompletionRequest(model="m", messages=answered), v4, limits).prompts[0])
+    assert text == encoder_v4.encode_messages(answered, "chat")
+    assert "<tool_result>A</tool_result>\n\n<tool_result>B</tool_result>" in text  # in the calls' order
+    assert text.endswith("<｜latest_reminder｜>Today is Tuesday.<｜User｜>And?<｜Assistant｜></think>")
+    with pytest.raises(APIError, match="messages cannot be rendered") as info:
+        plan_chat(ChatCompletionRequest(model="m", messages=answered), v32, limits)
+    assert info.value.status == 400
 
 
 GRAMMAR_TOOLS = [

@@ -267,6 +267,8 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             message["tool_calls"] = m.tool_calls
         if m.reasoning_content is not None:  # read by the encoders that keep it (V3.2's, V4's)
             message["reasoning_content"] = m.reasoning_content
+        if m.tool_call_id is not None:  # V4's encoder orders results as the calls they answer
+            message["tool_call_id"] = m.tool_call_id
         out.append(message)
     return out
 
