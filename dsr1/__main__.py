@@ -51,8 +51,9 @@ def _template_kwargs(text: str) -> dict[str, Any]:
 
 def _template_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template-kwargs", type=_template_kwargs, metavar="JSON",
-                   help='the chat template\'s switches, as vLLM takes them: \'{"thinking": true}\' opens V3.1\'s '
-                        "reasoning (its default is chat mode)")
+                   help='the chat template\'s switches, as vLLM takes them: \'{"thinking": true}\' opens V3.1\'s, '
+                        'V3.2\'s and V4\'s reasoning (their default is chat mode); V3.2 and V4 also take '
+                        '"drop_thinking", V4 "reasoning_effort" ("high" or "max")')
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -227,8 +227,9 @@ def test_a_stalled_engine_is_reported():
 
 # ---- one server on the demo model --------------------------------------------------------------
 class Served:
-    def __init__(self, model: dsr1.Model, tokenizer: dsr1.Tokenizer, **config: Any):
-        self.engine = Engine(model, **SHAPES, tokenizer=tokenizer)
+    def __init__(self, model: dsr1.Model, tokenizer: dsr1.Tokenizer, shapes: dict[str, int] | None = None,
+                 **config: Any):
+        self.engine = Engine(model, **(shapes or SHAPES), tokenizer=tokenizer)
         self.engine.warm_up()
         self.app = create_app(self.engine, ServerConfig(model_name=MODEL, **config))
         self.server = BackgroundServer(self.app, shutdown_timeout=5.0).start()
@@ -882,3 +883,53 @@ def test_64_concurrent_messages_and_chat_streams_complete_while_health_answers_f
                 time.sleep(0.02)
         load.result()
     assert latencies and max(latencies) < 0.1, sorted(latencies)[-5:]
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+@pytest.mark.parametrize("chat_format", ["deepseek-v3.2", "deepseek-v4"])
+def test_dsml_tool_round_trips_on_three_apis(demo_model, tokenizer, chat_format):
+    """The demo model behind V3.2's / V4's encoder (its DSML calls): call, result and answer on the
+    chat (thinking on, the reasoning passed back; streamed and whole), Responses and Messages APIs,
+    the calls the grammar's, no markup in any text."""
+    # The DSML markup and the encoders' tool descriptions are long in the demo model's small vocabulary.
+    served = Served(demo_model, dsr1.Tokenizer(tokenizer.backend, chat_format), {**SHAPES, "max_seq_len": 2048},
+                    max_waiting=16, default_max_tokens=64)
+    try:
+        client, named = served.client(), {"type": "function", "function": {"name": "get_weather"}}
+        settings = dict(model=MODEL, tools=TOOLS[:1], temperature=0, max_tokens=300,
+                        extra_body={"chat_template_kwargs": {"thinking": True}})
+        whole = client.chat.completions.create(messages=ASK, tool_choice=named, **settings).choices[0]
+        streamed = assemble_stream(client.chat.completions.create(messages=ASK, tool_choice=named, stream=True,
+                                                                  **settings))
+        (call,) = whole.message.tool_calls
+        assert whole.finish_reason == streamed["finish"] == "tool_calls" and not whole.message.content
+        assert [(c["name"], c["arguments"]) for c in streamed["calls"].values()] == [
+            (call.function.name, call.function.arguments)]
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["get_weather"])
+        turn = [*ASK, {"role": "assistant", "content": None, "reasoning_content": whole.message.reasoning_content,
+                       "tool_calls": [call.model_dump()]}, {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
+        answer = client.chat.completions.create(messages=turn, **{**settings, "max_tokens": 40}).choices[0]
+        assert not answer.message.tool_calls and "DSML" not in (answer.message.content or "") + (
+            answer.message.reasoning_content or "")
+        first = client.responses.create(model=MODEL, input=ASK[0]["content"], tool_choice="required",
+                                        tools=RESPONSE_TOOLS[:1], max_output_tokens=300, temperature=0)
+        results = [{"type": "function_call_output", "call_id": c.call_id, "output": RESULT}
+                   for c in response_calls(first)]
+        assert results and not any("DSML" in t for t in response_texts(first))
+        later = client.responses.create(model=MODEL, input=results, previous_response_id=first.id,
+                                        tools=RESPONSE_TOOLS[:1], max_output_tokens=30, temperature=0)
+        assert later.status in ("completed", "incomplete") and not response_calls(later)
+        anthropic = anthropic_client(served)
+        ask = [{"role": "user", "content": ASK[0]["content"]}]
+        message = anthropic.messages.create(model=MODEL, max_tokens=300, tools=ANTHROPIC_TOOLS[:1], messages=ask,
+                                            tool_choice={"type": "any"}, extra_body={"temperature": 0})
+        uses = [b for b in message.content if b.type == "tool_use"]
+        assert message.stop_reason == "tool_use" and uses
+        results = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": u.id, "content": RESULT}
+                                               for u in uses]}
+        done = anthropic.messages.create(model=MODEL, max_tokens=30, tools=ANTHROPIC_TOOLS[:1], extra_body={
+            "temperature": 0}, messages=[*ask, {"role": "assistant", "content": message.content}, results])
+        assert done.stop_reason in ("end_turn", "max_tokens") and not any(b.type == "tool_use" for b in done.content)
+    finally:
+        served.server.stop()

@@ -82,8 +82,8 @@ def test_calls_parse_whole_and_streamed_alike(tool_format):
 
 
 def test_unknown_tool_format_is_refused():
-    with pytest.raises(ValueError, match="unknown tool-call format 'v4'"):
-        ToolCallSplitter("v4")
+    with pytest.raises(ValueError, match="unknown tool-call format 'v9'"):
+        ToolCallSplitter("v9")
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +188,8 @@ def test_v31_reasoning_split_in_both_modes(thinking, output, expected):
     ("deepseek-v3.1", None, None, None),
     ("deepseek-r1", "disabled", None, None),  # R1's template has no switch: it always thinks
     ("deepseek-v3-0324", "enabled", {"x": 1}, {"x": 1}),  # (the template's check refuses "x")
+    ("deepseek-v3.2", "enabled", None, {"thinking": True}),
+    ("deepseek-v4", "enabled", {"drop_thinking": False}, {"thinking": True, "drop_thinking": False}),
 ])
 def test_deepseeks_thinking_switch_becomes_the_templates(chat_format, thinking, kwargs, expected):
     """A chat request's `thinking: {"type": ...}` (DeepSeek's API) is the template's `thinking` switch
@@ -200,4 +202,20 @@ def test_deepseeks_thinking_switch_becomes_the_templates(chat_format, thinking, 
     body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
                                                  "chat_template_kwargs": kwargs,
                                                  **({"thinking": {"type": thinking}} if thinking else {})})
+    assert template_switches(body, SimpleNamespace(chat_format=chat_format)) == expected
+
+
+@pytest.mark.parametrize("chat_format,effort,kwargs,expected", [
+    ("deepseek-v4", "max", None, {"reasoning_effort": "max"}),
+    ("deepseek-v4", "low", None, {"reasoning_effort": "high"}),  # V4 knows high (its default) and max
+    ("deepseek-v4", "max", {"reasoning_effort": "high"}, {"reasoning_effort": "high"}),  # the kwargs decide
+    ("deepseek-v3.2", "max", None, None),  # V3.2's encoder has no effort
+])
+def test_reasoning_effort_becomes_v4s_switch(chat_format, effort, kwargs, expected):
+    from types import SimpleNamespace
+
+    from dsr1.server.prepare import template_switches
+
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                 "chat_template_kwargs": kwargs, "reasoning_effort": effort})
     assert template_switches(body, SimpleNamespace(chat_format=chat_format)) == expected

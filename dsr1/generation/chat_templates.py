@@ -14,6 +14,13 @@ exactly the text it renders, so each is reproduced here branch for branch, quirk
   `<｜Assistant｜></think>`; earlier answers keep the text after their first `</think>`; tool calls
   `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>` chained without separators; tool
   results `<｜tool▁output▁begin｜>...<｜tool▁output▁end｜>` with no surrounding block.
+- `deepseek-v3.2` (V3.2) and `deepseek-v4` (V4-Flash, V4-Pro): no jinja template but a Python
+  encoder in the release (`encoder_v32`, `encoder_v4`), DSML tool calls; `chat_template_kwargs`
+  `thinking` (default false: chat mode, as V3.1) and `drop_thinking` (default true), V4's also
+  `reasoning_effort` (`"max"` puts the release's directive first; `"high"` is the default). Their
+  releases have no template, so a folder's `config.json` `model_type` names them
+  (`tokenizer.folder_chat_format`). The encoders always open the reply after a user turn: they
+  have no `add_generation_prompt`.
 
 `chat_format_of` tells which of these a template is, from marks only its family's text has.
 """
@@ -24,6 +31,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from . import encoder_v4, encoder_v32
 from .markup import (
     ASSISTANT,
     BOS,
@@ -44,15 +52,16 @@ from .markup import (
     render_chat,
 )
 
-__all__ = ["CHAT_FORMATS", "ChatFormat", "TemplateKwargError", "chat_format", "chat_format_of", "render", "render_v3",
-           "render_v31", "template_kwargs"]
+__all__ = ["CHAT_FORMATS", "MODEL_TYPE_FORMATS", "ChatFormat", "TemplateKwargError", "chat_format", "chat_format_of",
+           "render", "render_dsml", "render_v3", "render_v31", "template_kwargs"]
 
 
 @dataclasses.dataclass(frozen=True)
 class ChatFormat:
     """One release family's chat template: its name, how its tool calls are written (`"v3"`:
     ``function<｜tool▁sep｜>NAME`` + a fenced JSON block, R1's and V3-0324's; `"v3.1"`:
-    ``NAME<｜tool▁sep｜>ARGS``) and the `chat_template_kwargs` its template reads."""
+    ``NAME<｜tool▁sep｜>ARGS``; `"v3.2"` and `"v4"`: DSML `function_calls` / `tool_calls` blocks)
+    and the `chat_template_kwargs` its template reads."""
 
     name: str
     tool_calls: str
@@ -61,7 +70,11 @@ class ChatFormat:
 
 CHAT_FORMATS = {f.name: f for f in (ChatFormat("deepseek-r1", "v3"), ChatFormat("deepseek-v3-0324", "v3"),
                                     ChatFormat("deepseek-r1-0528", "v3"),
-                                    ChatFormat("deepseek-v3.1", "v3.1", ("thinking",)))}
+                                    ChatFormat("deepseek-v3.1", "v3.1", ("thinking",)),
+                                    ChatFormat("deepseek-v3.2", "v3.2", ("thinking", "drop_thinking")),
+                                    ChatFormat("deepseek-v4", "v4", ("thinking", "drop_thinking", "reasoning_effort")))}
+# A release without a jinja template is known by its config.json's model_type.
+MODEL_TYPE_FORMATS = {"deepseek_v32": "deepseek-v3.2", "deepseek_v4": "deepseek-v4"}
 
 
 def chat_format(name: str) -> ChatFormat:
@@ -106,8 +119,10 @@ def template_kwargs(fmt: ChatFormat, kwargs: Mapping[str, Any] | None) -> dict[s
         if key not in fmt.kwargs:
             takes = f"takes only {list(fmt.kwargs)}" if fmt.kwargs else "takes none"
             raise TemplateKwargError(key, f"the {fmt.name} chat template has no {key!r} switch (it {takes})")
-        if key == "thinking" and not isinstance(value, bool):
+        if key in ("thinking", "drop_thinking") and not isinstance(value, bool):
             raise TemplateKwargError(key, f"must be true or false, got {value!r}")
+        if key == "reasoning_effort" and value not in encoder_v4.REASONING_EFFORTS:
+            raise TemplateKwargError(key, f"must be one of {list(encoder_v4.REASONING_EFFORTS)}, got {value!r}")
     return kwargs
 
 
@@ -120,7 +135,19 @@ def render(name: str, messages: Sequence[Mapping[str, Any]], add_generation_prom
         return render_chat(messages, add_generation_prompt)
     if name == "deepseek-v3.1":
         return render_v31(messages, add_generation_prompt, thinking=kwargs.get("thinking", False))
+    if name in ("deepseek-v3.2", "deepseek-v4"):
+        return render_dsml(name, messages, kwargs)
     return render_v3(messages, add_generation_prompt, drop_reasoning=name == "deepseek-r1-0528")
+
+
+def render_dsml(name: str, messages: Sequence[Mapping[str, Any]], kwargs: Mapping[str, Any]) -> str:
+    """`messages` through V3.2's or V4's encoder (`name`), with the checked `kwargs` as its options."""
+    mode = "thinking" if kwargs.get("thinking", False) else "chat"
+    drop = kwargs.get("drop_thinking", True)
+    if name == "deepseek-v3.2":
+        return encoder_v32.encode_messages(messages, mode, drop_thinking=drop)
+    effort = kwargs.get("reasoning_effort")
+    return encoder_v4.encode_messages(messages, mode, drop_thinking=drop, reasoning_effort=effort)
 
 
 def _system_prompt(messages: Sequence[Mapping[str, Any]]) -> str:

@@ -6,7 +6,8 @@ checkpoint folder when there is one, else the copy shipped in the `deepseek-toke
 (tokenizer_config.json) branch for branch, quirks included, because the model was trained on exactly
 that text. A folder's own `tokenizer_config.json`
 decides which release's template a `Tokenizer` renders (`Tokenizer.chat_format`: R1's, V3-0324's,
-R1-0528's or V3.1's; `chat_templates`).
+R1-0528's or V3.1's; `chat_templates`), and for releases without one (V3.2, V4) its `config.json`
+names the release's prompt encoder.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from typing import Any
 
 import tokenizers
 
+from .chat_templates import MODEL_TYPE_FORMATS, chat_format_of, render
 from .chat_templates import chat_format as known_format
-from .chat_templates import chat_format_of, render
 from .markup import (
     ASSISTANT,
     BOS,
@@ -103,14 +104,34 @@ def _with_folder_format(tokenizer: Tokenizer, folder: Path) -> Tokenizer:
 
 def folder_chat_format(folder: str | Path) -> str:
     """The chat format of the `chat_template` in `folder/tokenizer_config.json`, or of
-    `folder/chat_template.jinja` (where transformers' `save_pretrained` writes it); R1's when the
-    folder has neither. ValueError naming the file for a template dsr1 cannot render."""
+    `folder/chat_template.jinja` (where transformers' `save_pretrained` writes it); without either,
+    the encoder of the release its `config.json`'s `model_type` names (V3.2, V4: they ship no
+    template), else R1's. ValueError naming the file for a template dsr1 cannot render."""
     jinja = Path(folder) / "chat_template.jinja"
     if jinja.is_file():
         return chat_format_of(jinja.read_text(encoding="utf-8"), str(jinja))
-    file = Path(folder) / "tokenizer_config.json"
+    template = _config_template(Path(folder) / "tokenizer_config.json")
+    if template is None:
+        return MODEL_TYPE_FORMATS.get(_model_type(Path(folder) / "config.json"), "deepseek-r1")
+    return chat_format_of(template, f"{Path(folder) / 'tokenizer_config.json'}: chat_template")
+
+
+def _model_type(file: Path) -> str | None:
+    """`model_type` of a model's `config.json` (None without the file or the field): read here
+    without the model's config class, which may not know a newer release."""
     if not file.is_file():
-        return "deepseek-r1"
+        return None
+    try:
+        model_type = json.loads(file.read_text(encoding="utf-8")).get("model_type")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise ValueError(f"{file}: not a JSON object ({e})") from None
+    return model_type if isinstance(model_type, str) else None
+
+
+def _config_template(file: Path) -> str | None:
+    """The `chat_template` of a `tokenizer_config.json` (None without the file or the field)."""
+    if not file.is_file():
+        return None
     try:
         template = json.loads(file.read_text(encoding="utf-8")).get("chat_template")
     except (json.JSONDecodeError, AttributeError) as e:
@@ -119,7 +140,7 @@ def folder_chat_format(folder: str | Path) -> str:
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
     if template is not None and not isinstance(template, str):
         raise ValueError(f"{file}: chat_template must be a string, got {type(template).__name__}")
-    return chat_format_of(template, f"{file}: chat_template")
+    return template
 
 
 class Tokenizer:
@@ -180,7 +201,8 @@ class Tokenizer:
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
         """The prompt text this tokenizer's official chat template (`chat_format`) renders for
-        `messages`, with the template's switches (V3.1: `{"thinking": True}`)."""
+        `messages`, with the template's switches (V3.1: `{"thinking": True}`; V3.2 and V4 also
+        `drop_thinking`, V4 `reasoning_effort`)."""
         if self.chat_format is None:
             raise ValueError(f"{self.template_error}; send token ids instead")
         return render(self.chat_format, messages, add_generation_prompt, chat_template_kwargs)

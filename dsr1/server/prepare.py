@@ -29,7 +29,7 @@ from ..generation.tokenizer import Tokenizer
 from .errors import APIError
 from .guided import constraint_of, reasoning_budget
 from .protocol import MAX_STOP_STRINGS, ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeRequest
-from .tools import ToolSpec, parse_tool_choice, parse_tools, tool_call_grammar, tools_system_prompt
+from .tools import ToolSpec, parse_tool_choice, parse_tools, tool_call_grammar, with_tools
 
 __all__ = ["COMPLETIONS_DEFAULT_MAX_TOKENS", "Limits", "Plan", "check_size", "plan_chat", "plan_completion",
            "plan_tokenize"]
@@ -107,13 +107,19 @@ def check_size(body: ChatCompletionRequest | CompletionRequest, limits: Limits) 
 
 def template_switches(body: ChatCompletionRequest, tokenizer: Tokenizer) -> dict[str, Any] | None:
     """The request's `chat_template_kwargs`, with DeepSeek's `thinking: {"type": ...}` as the template's
-    `thinking` switch where the model's template has one (V3.1) and the kwargs do not set it already.
-    R1's and V3-0324's templates have none: R1 always thinks, V3-0324 never does."""
+    `thinking` switch where the model's template has one (V3.1, V3.2, V4) and `reasoning_effort` as
+    V4's (its "max" directive; any other effort is its default, "high"), where the kwargs do not set
+    them already. R1's and V3-0324's templates have none: R1 always thinks, V3-0324 never does."""
     kwargs = body.chat_template_kwargs
     fmt = chat_format(tokenizer.chat_format) if tokenizer.chat_format else None
-    if body.thinking is None or fmt is None or "thinking" not in fmt.kwargs or not isinstance(kwargs, dict | None):
+    if fmt is None or not isinstance(kwargs, dict | None):
         return kwargs  # (kwargs of another type: the template's check names them)
-    return {"thinking": body.thinking.type == "enabled", **(kwargs or {})}
+    switches: dict[str, Any] = {}
+    if body.thinking is not None and "thinking" in fmt.kwargs:
+        switches["thinking"] = body.thinking.type == "enabled"
+    if body.reasoning_effort is not None and "reasoning_effort" in fmt.kwargs:  # V4 knows "high" and "max"
+        switches["reasoning_effort"] = "max" if body.reasoning_effort == "max" else "high"
+    return {**switches, **(kwargs or {})} if switches else kwargs
 
 
 def plan_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits) -> Plan:
@@ -135,7 +141,7 @@ def plan_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits)
     # (A tokenizer without a template fails to render below, with the reason.)
     tool_format = chat_format(tokenizer.chat_format).tool_calls if tokenizer.chat_format else "v3"
     if tools and choice != "none":
-        messages.append({"role": "system", "content": tools_system_prompt(tools, tool_format)})
+        messages = with_tools(messages, tools, body.tools or [], tool_format)
     prompt = _render(tokenizer, messages, True, template_switches(body, tokenizer))
     prompt = _truncated(prompt, body.truncate_prompt_tokens)
     constraint = constraint_of(body)
@@ -259,6 +265,10 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": text}
         if m.tool_calls is not None:
             message["tool_calls"] = m.tool_calls
+        if m.reasoning_content is not None:  # read by the encoders that keep it (V3.2's, V4's)
+            message["reasoning_content"] = m.reasoning_content
+        if m.tool_call_id is not None:  # V4's encoder orders results as the calls they answer
+            message["tool_call_id"] = m.tool_call_id
         out.append(message)
     return out
 

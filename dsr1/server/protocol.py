@@ -51,14 +51,15 @@ class ContentPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    """One chat message. `developer` is OpenAI's newer name for `system`."""
+    """One chat message. `developer` is OpenAI's newer name for `system`; `latest_reminder` is V4's
+    (its encoder's date-and-locale turn; the other templates refuse it)."""
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "latest_reminder"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
-    reasoning_content: str | None = None  # sent back by some clients; the chat template drops it anyway
+    reasoning_content: str | None = None  # sent back by clients; V3.2's and V4's encoders render it where kept
 
     def text(self) -> str | None:
         """The content as one string (text parts joined), or None."""
@@ -137,7 +138,7 @@ class ChatCompletionRequest(_SamplingFields):
     echo: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: the template's switches (V3.1: thinking)
     thinking: ThinkingSwitch | None = None  # DeepSeek's API: the template's thinking switch, where it has one
-    reasoning_effort: Literal["low", "medium", "high", "max"] | None = None  # accepted; no V3-line template reads it
+    reasoning_effort: Literal["low", "medium", "high", "max"] | None = None  # V4's encoder reads it ("max")
 
     @property
     def token_budget(self) -> int | None:

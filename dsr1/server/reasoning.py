@@ -8,13 +8,30 @@ pieces it emits join to exactly what `split_reply` gives for the whole text. Tha
 answer without leading ones) for every output that thinks: the prompt opened `<think>` (R1's chat
 template does, V3.1's with `chat_template_kwargs` `{"thinking": true}`) or the output starts with
 it. Output that does not think is all `content` (V3.1's chat mode, whose prompt ends `</think>`).
+
+V3.2 and V4 sometimes open their DSML tool calls without closing the reasoning first (the peers'
+reports: the call left inside `reasoning_content`). A DSML call block ends the reasoning as
+`</think>` would, and stays in the content, where the tool-call parser reads it.
 """
 
 from __future__ import annotations
 
+from ..generation.dsml import DSML
 from ..generation.tokenizer import THINK_END, THINK_START
 
 __all__ = ["ReasoningSplitter", "split_reply"]
+
+# What ends the reasoning: `</think>`, or a DSML call block (kept in the content).
+_REASONING_ENDS = (THINK_END, f"<{DSML}function_calls>", f"<{DSML}tool_calls>")
+
+
+def _reasoning_end(text: str) -> tuple[int, int]:
+    """Where the reasoning in `text` ends and where the content after it starts ((-1, -1): not yet)."""
+    found = [(at, marker) for marker in _REASONING_ENDS if (at := text.find(marker)) >= 0]
+    if not found:
+        return -1, -1
+    at, marker = min(found)
+    return at, at + len(marker) if marker == THINK_END else at
 
 
 def _partial_suffix(text: str, marker: str) -> int:
@@ -51,11 +68,11 @@ class ReasoningSplitter:
             self._switch("reasoning" if opens or self._thinking else "plain", self._raw.removeprefix(THINK_START))
         reasoning = ""
         if self._mode == "reasoning":
-            end = self._raw.find(THINK_END)
+            end, answer = _reasoning_end(self._raw)
             if end < 0:
                 return self._emit(self._stable_reasoning(final)), ""
             reasoning = self._emit(self._raw[:end].strip("\n"))
-            self._switch("answer", self._raw[end + len(THINK_END):])
+            self._switch("answer", self._raw[answer:])
         if self._mode == "answer":
             return reasoning, self._emit(self._raw.lstrip("\n"))
         return reasoning, self._emit(self._raw)
@@ -65,7 +82,8 @@ class ReasoningSplitter:
         newlines at either end (trailing ones are held until more reasoning follows them)."""
         if final:
             return self._raw.strip("\n")
-        return self._raw[:len(self._raw) - _partial_suffix(self._raw, THINK_END)].strip("\n")
+        held = max(_partial_suffix(self._raw, marker) for marker in _REASONING_ENDS)
+        return self._raw[:len(self._raw) - held].strip("\n")
 
     def _switch(self, mode: str, raw: str) -> None:
         self._mode, self._raw, self._sent = mode, raw, 0

@@ -18,12 +18,28 @@ V3.1 and V3.1-Terminus (`"v3.1"`), calls chained without separators::
 
 (shown on two lines here; the model writes no newline between calls).
 
-Text before `<｜tool▁calls▁begin｜>` is the reply's content (vLLM's `deepseek_v3` / `deepseek_v31`
-parsers and SGLang's `deepseekv3` / `deepseekv31` read the same formats). The release templates have
-no place for the tool definitions, so they are given to the model in the system prompt
-(`tools_system_prompt`): for V3.1 in the words of its model card, for the others in the format
-above, as vLLM's DeepSeek tool templates do. `TOOL_FORMATS` names the formats; a tokenizer's chat
-format says which one its model writes (`dsr1.generation.chat_templates`).
+V3.2 (`"v3.2"`) and V4 (`"v4"`) write DSML blocks, `function_calls` and `tool_calls`, after a
+blank line (`dsr1.generation.dsml`)::
+
+    <｜DSML｜function_calls>
+    <｜DSML｜invoke name="NAME">
+    <｜DSML｜parameter name="arg" string="false">1</｜DSML｜parameter>
+    </｜DSML｜invoke>
+    </｜DSML｜function_calls>
+
+Their arguments are built as JSON from the parameters: a `string="true"` value encoded as a JSON
+string, any other kept as written when it is JSON and encoded as a string when it is not (a
+model's unquoted word), so the arguments always parse; streamed, each parameter goes out once its
+end is read. Their tools are described by the release encoders themselves, from a system message's
+`tools` (`with_tools`).
+
+Text before `<｜tool▁calls▁begin｜>` (DSML: before the block and its blank line) is the reply's
+content (vLLM's `deepseek_v3` / `deepseek_v31` parsers and SGLang's `deepseekv3` / `deepseekv31`
+read the same formats). The V3 line's templates have no place for the tool definitions, so they
+are given to the model in the system prompt (`tools_system_prompt`): for V3.1 in the words of its
+model card, for R1 and V3-0324 in the format above, as vLLM's DeepSeek tool templates do.
+`TOOL_FORMATS` names the formats; a tokenizer's chat format says which one its model writes
+(`dsr1.generation.chat_templates`).
 """
 
 from __future__ import annotations
@@ -31,18 +47,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 import secrets
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..generation.dsml import DSML, arguments_json, invoke_markers, to_json
 from ..generation.tokenizer import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, TOOL_SEP, Tokenizer
 from .errors import APIError
 from .guided import output_grammar, special_token
 
-__all__ = ["TOOL_FORMATS", "ToolCall", "ToolCallSplitter", "ToolSpec", "parse_tool_choice", "parse_tools",
-           "split_tool_calls", "tool_call_grammar", "tools_system_prompt"]
+__all__ = ["DSML_BLOCKS", "TOOL_FORMATS", "ToolCall", "ToolCallSplitter", "ToolSpec", "calls_begin",
+           "parse_tool_choice", "parse_tools", "split_tool_calls", "tool_call_grammar", "tools_system_prompt",
+           "with_tools"]
 
-TOOL_FORMATS = ("v3", "v3.1")
+TOOL_FORMATS = ("v3", "v3.1", "v3.2", "v4")
+DSML_BLOCKS = {"v3.2": "function_calls", "v4": "tool_calls"}  # the DSML formats' call blocks
 _ARGS_OPEN = "\n```json\n"
 _ARGS_CLOSE = "\n```" + CALL_END
 
@@ -111,9 +131,27 @@ def parse_tool_choice(choice: str | dict[str, Any] | None, tools: list[ToolSpec]
     return name
 
 
-def tools_system_prompt(tools: list[ToolSpec], tool_format: str = "v3") -> str:
-    """The tools described for the model, with the exact format of a call in `tool_format`."""
+def with_tools(messages: list[dict[str, Any]], tools: list[ToolSpec], raw: Sequence[dict[str, Any]],
+               tool_format: str) -> list[dict[str, Any]]:
+    """`messages` with the request's tools described to the model as its format wants them: the
+    DSML formats' encoders render the request's own tool objects (`raw`) from the first system
+    message's `tools` (an empty system message is put first when there is none, as vLLM does);
+    the others get `tools_system_prompt` as a system message."""
     _check_format(tool_format)
+    if tool_format not in DSML_BLOCKS:
+        return [*messages, {"role": "system", "content": tools_system_prompt(tools, tool_format)}]
+    described = [{"type": "function", "function": tool["function"]} for tool in raw]
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "tools": described}, *messages[1:]]
+    return [{"role": "system", "content": "", "tools": described}, *messages]
+
+
+def tools_system_prompt(tools: list[ToolSpec], tool_format: str = "v3") -> str:
+    """The tools described for the model, with the exact format of a call in `tool_format` (R1's,
+    V3-0324's and V3.1's; the DSML formats' encoders describe their tools themselves)."""
+    _check_format(tool_format)
+    if tool_format in DSML_BLOCKS:
+        raise ValueError(f"the {tool_format} encoder describes its tools itself: pass them with with_tools")
     lines = ["## Tools", "You have access to the following tools:"]
     for t in tools:
         lines += ["", f"### {t.name}", f"Description: {t.description}", "",
@@ -139,6 +177,8 @@ def tool_call_grammar(tools: list[ToolSpec], choice: str, tokenizer: Tokenizer, 
     arguments valid against its schema. `reasoning`: the prompt opened `<think>`, so the reply
     reasons first, for at most that many tokens (None: it did not)."""
     _check_format(tool_format)
+    if tool_format in DSML_BLOCKS:
+        return _dsml_call_grammar(tools, choice, tokenizer, reasoning, DSML_BLOCKS[tool_format])
 
     def special(text: str) -> str:
         return special_token(tokenizer, text, "tools")
@@ -160,6 +200,58 @@ def tool_call_grammar(tools: list[ToolSpec], choice: str, tokenizer: Tokenizer, 
     calls = f"call ({between}call){{0,{more}}}" if more else "call"
     return output_grammar(f"{special(CALLS_BEGIN)} {calls} {special(CALLS_END)}", tokenizer, reasoning, rules=rules,
                           param="tools")
+
+
+# A string parameter's value is raw text: bounded (by the schema's maxLength, else this) and without
+# `<`, so it cannot run on past its budget nor write the parameter's end inside itself.
+DSML_STRING_CHARS = 512
+_PARAMETER_LINE_END = json.dumps(f"</{DSML}parameter>\n", ensure_ascii=False)
+
+
+def _dsml_value_rule(prop: Any, defs: dict[str, Any]) -> tuple[bool, str]:
+    """A property's value in a DSML call: (whether it is written as a string, its lark expression):
+    a string schema's text as is (an enum's values, or up to maxLength characters), any other value
+    as JSON valid against the property's schema."""
+    prop = prop if isinstance(prop, dict) else {}
+    if prop.get("type") == "string":
+        if isinstance(prop.get("enum"), list) and all(isinstance(v, str) for v in prop["enum"]) and prop["enum"]:
+            return True, "(" + " | ".join(json.dumps(v, ensure_ascii=False) for v in prop["enum"]) + ")"
+        low, high = int(prop.get("minLength", 0)), int(prop.get("maxLength", DSML_STRING_CHARS))
+        return True, f"/[^<]{{{low},{max(low, min(high, DSML_STRING_CHARS))}}}/"
+    schema = {**({"$defs": defs} if defs else {}), **prop}
+    return False, f"%json {json.dumps(_compact(schema), ensure_ascii=False)}"
+
+
+def _dsml_invoke_rule(i: int, tool: ToolSpec) -> list[str]:
+    """The rules of one call of `tool` (`call_i`): its parameters in the schema's order, the
+    required ones always, the others optionally, no others (bounded keys: an open schema cannot
+    make the model invent names without end)."""
+    props = tool.parameters.get("properties") or {}
+    required = set(tool.parameters.get("required") or ())
+    defs = tool.parameters.get("$defs") or {}
+    rules, parts = [], []
+    for k, (key, prop) in enumerate(props.items()):
+        is_string, value = _dsml_value_rule(prop, defs)
+        head = f'<{DSML}parameter name="{key}" string="{"true" if is_string else "false"}">'
+        rules.append(f"param_{i}_{k}: {json.dumps(head, ensure_ascii=False)} {value} {_PARAMETER_LINE_END}")
+        parts.append(f"param_{i}_{k}" + ("" if key in required else "?"))
+    head = json.dumps(f'<{DSML}invoke name="{tool.name}">\n' + ("" if props else "\n"), ensure_ascii=False)
+    rules.append(f"call_{i}: {head} {' '.join(parts)} {json.dumps(_INVOKE_CLOSE, ensure_ascii=False)}")
+    return rules
+
+
+def _dsml_call_grammar(tools: list[ToolSpec], choice: str, tokenizer: Tokenizer, reasoning: int | None,
+                       block: str) -> str:
+    """`tool_call_grammar` for a DSML format: the block after its blank line (after `</think>` the
+    reasoning grammar's newlines stand for it), its calls one per line."""
+    chosen = tools if choice == "required" else [t for t in tools if t.name == choice]
+    rules = [rule for i, t in enumerate(chosen) for rule in _dsml_invoke_rule(i, t)]
+    rules.append("call: " + " | ".join(f"call_{i}" for i in range(len(chosen))))
+    more = len(chosen) - 1 if choice == "required" else 0
+    calls = f'call ("\\n" call){{0,{more}}}' if more else "call"
+    opening = json.dumps(("" if reasoning is not None else "\n\n") + f"<{DSML}{block}>\n", ensure_ascii=False)
+    closing = json.dumps(f"\n</{DSML}{block}>", ensure_ascii=False)
+    return output_grammar(f"{opening} {calls} {closing}", tokenizer, reasoning, rules=rules, param="tools")
 
 
 def _compact(schema: dict[str, Any]) -> dict[str, Any]:
@@ -255,32 +347,141 @@ def _parse(text: str, final: bool, call_at: Callable[[str, int, bool], tuple[Cal
         pos = close + len(end)
 
 
-_PARSERS = {"v3": functools.partial(_parse, call_at=_v3_call),
-            "v3.1": functools.partial(_parse, call_at=_v31_call)}
+_INVOKE, _INVOKE_END, _PARAMETER, _ = invoke_markers()
+_INVOKE_HEAD = re.compile(r' name="([^"\n]*)">\n?')
+_PARAMETER_HEAD = re.compile(r' name="([^"\n]*)" string="(true|false)">')
+_PARAMETER_CLOSE = f"</{DSML}parameter>"
+_INVOKE_CLOSE = _INVOKE_END + ">"
+Parsed = tuple[list[tuple[str, str, bool]], bool]  # the calls read (name, arguments, complete), well formed so far
+
+
+def _dsml_value(value: str, is_string: bool) -> str:
+    """A parameter's JSON: a string encoded; another value as written when it is JSON, else (a
+    model's unquoted word) encoded as a string, so the arguments always parse."""
+    if not is_string:
+        try:
+            json.loads(value)
+            return value
+        except json.JSONDecodeError:
+            pass
+    return to_json(value)
+
+
+def _dsml_parameter(text: str, at: int, final: bool) -> tuple[tuple[str, str, bool] | None, int, bool]:
+    """The parameter at `at` (just after `<｜DSML｜parameter`): (name, value, string) or None while
+    it is incomplete, where reading goes on, and whether the text is well formed so far."""
+    head = _PARAMETER_HEAD.match(text, at)
+    if head is None:
+        return None, at, not final and ">" not in text[at:] and "\n" not in text[at:]
+    close = text.find(_PARAMETER_CLOSE, head.end())
+    if close < 0:
+        return None, at, not final
+    return (head.group(1), text[head.end():close], head.group(2) == "true"), close + len(_PARAMETER_CLOSE), True
+
+
+def _dsml_invoke(text: str, at: int, final: bool) -> tuple[tuple[str, str, bool] | None, int, bool]:
+    """The invoke at `at` (just after `<｜DSML｜invoke`): (name, arguments so far, complete) or None
+    while its name is coming, where reading goes on, and whether the text is well formed so far.
+    The arguments grow by whole parameters: each one's JSON once its end is read, `}` at the end."""
+    named = _INVOKE_HEAD.match(text, at)
+    if named is None:
+        return None, at, not final and ">" not in text[at:] and "\n" not in text[at:]
+    parameters: list[tuple[str, str, bool]] = []
+    pos = named.end()
+    while True:
+        while text.startswith("\n", pos):
+            pos += 1
+        complete = text.startswith(_INVOKE_CLOSE, pos)
+        if complete or not text.startswith(_PARAMETER, pos):
+            rest = text[pos:]
+            ok = complete or (not final and (_INVOKE_CLOSE.startswith(rest) or _PARAMETER.startswith(rest)))
+            break
+        found, pos, ok = _dsml_parameter(text, pos + len(_PARAMETER), final)
+        if found is None:
+            break
+        parameters.append(found)
+    body = arguments_json([(k, _dsml_value(v, s), False) for k, v, s in parameters])
+    arguments = body if complete else body[:-1]
+    return (named.group(1), arguments, complete), pos + len(_INVOKE_CLOSE) if complete else pos, ok
+
+
+def _parse_dsml(text: str, final: bool, block: str) -> Parsed:
+    """The calls in `text` (what follows `<｜DSML｜BLOCK>`) and whether it is well formed so far (at
+    the end, `final`: every call complete; a block left open at the end is tolerated, as the
+    official parser does)."""
+    calls: list[tuple[str, str, bool]] = []
+    end, pos = f"</{DSML}{block}>", 0
+    while True:
+        while text.startswith("\n", pos):
+            pos += 1
+        rest = text[pos:]
+        if rest.startswith(end) or not rest:
+            return calls, rest.startswith(end) or not final or bool(calls)
+        if not rest.startswith(_INVOKE):
+            return calls, not final and (_INVOKE.startswith(rest) or end.startswith(rest))
+        found, pos, ok = _dsml_invoke(text, pos + len(_INVOKE), final)
+        if found is not None:
+            calls.append(found)
+        if found is None or not found[2] or not ok:
+            return calls, ok and not final
+
+
+@dataclasses.dataclass(frozen=True)
+class _Format:
+    """How a tool format's calls begin (`begin`, the text the content ends before), how many
+    newlines before it are markup (`trim`: the DSML block's blank line), and the reader of the
+    calls after it."""
+
+    begin: str
+    read: Callable[[str, bool], Parsed]
+    trim: int = 0
+
+    def content_end(self, text: str, at: int) -> int:
+        """Where the content ends, for calls that begin at `at`."""
+        return at - min(self.trim, at - len(text[:at].rstrip("\n")))
+
+    def held(self, text: str) -> int:
+        """How many characters at the end of streamed `text` might still turn out to be markup."""
+        k = _partial_suffix(text, self.begin)
+        body = text[:len(text) - k]
+        return k + min(self.trim, len(body) - len(body.rstrip("\n")))
+
+
+_FORMATS = {"v3": _Format(CALLS_BEGIN, functools.partial(_parse, call_at=_v3_call)),
+            "v3.1": _Format(CALLS_BEGIN, functools.partial(_parse, call_at=_v31_call)),
+            **{name: _Format(f"<{DSML}{block}>", functools.partial(_parse_dsml, block=block), trim=2)
+               for name, block in DSML_BLOCKS.items()}}
+
+
+def calls_begin(tool_format: str) -> str:
+    """The text that begins a reply's calls in `tool_format`."""
+    _check_format(tool_format)
+    return _FORMATS[tool_format].begin
 
 
 def split_tool_calls(text: str, tool_format: str = "v3") -> tuple[str, list[ToolCall]] | None:
     """A finished reply's (content, calls) in `tool_format`, or None when it makes no well-formed call
     (then the whole text is the content)."""
     _check_format(tool_format)
-    start = text.find(CALLS_BEGIN)
+    fmt = _FORMATS[tool_format]
+    start = text.find(fmt.begin)
     if start < 0:
         return None
-    parsed, ok = _PARSERS[tool_format](text[start + len(CALLS_BEGIN):], final=True)
+    parsed, ok = fmt.read(text[start + len(fmt.begin):], True)
     if not ok or not parsed:
         return None
-    return text[:start], [ToolCall(_new_id(), name, args, True) for name, args, _ in parsed]
+    return text[:fmt.content_end(text, start)], [ToolCall(_new_id(), name, args, True) for name, args, _ in parsed]
 
 
 class ToolCallSplitter:
     """Split a streamed reply's content into content deltas and OpenAI `tool_calls` deltas: a call's
     first delta has its index, id, type and name (arguments ""), the next ones more of its arguments,
-    as the `openai` client joins them. Text that could begin `<｜tool▁calls▁begin｜>` is held back.
-    `tool_format`: how the model writes its calls (`TOOL_FORMATS`)."""
+    as the `openai` client joins them. Text that could begin the calls is held back (DSML: with the
+    blank line before them). `tool_format`: how the model writes its calls (`TOOL_FORMATS`)."""
 
     def __init__(self, tool_format: str = "v3") -> None:
         _check_format(tool_format)
-        self._parse = _PARSERS[tool_format]
+        self._format = _FORMATS[tool_format]
         self._raw = ""
         self._calls_at: int | None = None  # where the calls begin in `_raw`
         self._content_sent = 0
@@ -293,20 +494,26 @@ class ToolCallSplitter:
     def push(self, piece: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
         """Add content text; returns (content delta, tool-call deltas)."""
         self._raw += piece
+        fmt = self._format
         if self._calls_at is None:
-            at = self._raw.find(CALLS_BEGIN)
+            at = self._raw.find(fmt.begin)
             if at >= 0:
                 self._calls_at = at
             else:
-                stable = len(self._raw) if final else len(self._raw) - _partial_suffix(self._raw, CALLS_BEGIN)
+                stable = len(self._raw) if final else len(self._raw) - fmt.held(self._raw)
                 content, self._content_sent = self._raw[self._content_sent:stable], stable
                 return content, []
-        parsed, ok = self._parse(self._raw[self._calls_at + len(CALLS_BEGIN):], final)
+        parsed, ok = fmt.read(self._raw[self._calls_at + len(fmt.begin):], final)
         if final and not (ok and parsed) and not self._sent:  # no well-formed call: all content, as whole
             content, self._content_sent = self._raw[self._content_sent:], len(self._raw)
             return content, []
-        content = self._raw[self._content_sent:self._calls_at]
-        self._content_sent = max(self._content_sent, self._calls_at)
+        end = fmt.content_end(self._raw, self._calls_at)
+        content = self._raw[self._content_sent:end]
+        self._content_sent = max(self._content_sent, end)
+        return content, self._call_deltas(parsed)
+
+    def _call_deltas(self, parsed: list[tuple[str, str, bool]]) -> list[dict[str, Any]]:
+        """The deltas that bring the sent calls up to `parsed`."""
         deltas = []
         for index, (name, arguments, complete) in enumerate(parsed):
             if index == len(self._sent):
@@ -318,4 +525,4 @@ class ToolCallSplitter:
                 deltas.append({"index": index, "function": {"arguments": arguments[len(call.arguments):]}})
                 call.arguments = arguments
             call.complete = complete
-        return content, deltas
+        return deltas
