@@ -116,6 +116,11 @@ fi
 : "${MCJAX_COORDINATOR_PORT:=}"               # the jax.distributed coordinator's port, passed to every process as
                                               #   JAX_COORDINATOR_PORT (empty: JAX's or the notebook's default; a
                                               #   local platform-numbered cluster picks a free one)
+: "${MCJAX_PORTS:=8476-8575}"                # the one port range of every listener a host opens for the others:
+                                              #   the ipyparallel controller (its highest 32 free), JAX's coordinator
+                                              #   (8476 unless MCJAX_COORDINATOR_PORT says), the smoke check, the
+                                              #   serving control channel, serve.ipynb's server; each on the host's
+                                              #   cluster address only. Firewalls let it through between the hosts
 : "${MCJAX_JAX_CACHE:=}"                      # JAX's persistent compilation cache, shared by every process
                                               #   (JAX_COMPILATION_CACHE_DIR); empty: $MCJAX_NFS_DIR/jax_cache,
                                               #   local: $MCJAX_STATE/jax_cache; off: none
@@ -185,7 +190,7 @@ MCJAX_HOST_LIST MCJAX_INTERNAL_IPS MCJAX_USER MCJAX_CONNECT_TIMEOUT MCJAX_SSH_OP
 MCJAX_SLURM_JOB_ID MCJAX_FORWARD_ENV MCJAX_SRUN_OPTS MCJAX_SRUN_CPUS MCJAX_NFS_DIR MCJAX_SHARED_FS MCJAX_KEY_FROM MCJAX_BUCKET MCJAX_BUCKET_DIR MCJAX_VENV \
 MCJAX_UV_VERSION MCJAX_HOST_PYTHON MCJAX_HOST_PYTHON_FROM MCJAX_UV_DIR MCJAX_REPO_DIR MCJAX_LOCK_PLATFORM MCJAX_LOCK MCJAX_JAX_SPEC MCJAX_STATE \
 MCJAX_PROFILE MCJAX_PROFILE_DIR MCJAX_CLUSTER_ID MCJAX_PYTHON MCJAX_LOCAL_DEVICES MCJAX_NUMBERING \
-MCJAX_COORDINATOR_PORT MCJAX_JAX_CACHE MCJAX_JAX_CACHE_MIN_SECS MCJAX_JUPYTER_PORT MCJAX_REMOTE_DIR \
+MCJAX_COORDINATOR_PORT MCJAX_PORTS MCJAX_JAX_CACHE MCJAX_JAX_CACHE_MIN_SECS MCJAX_JUPYTER_PORT MCJAX_REMOTE_DIR \
 MCJAX_START_TIMEOUT MCJAX_STOP_TIMEOUT"
 eval "export $MCJAX_SETTINGS MCJAX_DRY_RUN MCJAX_ROOT MCJAX_DERIVED MCJAX_DERIVED_KEY"
 
