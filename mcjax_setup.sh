@@ -429,6 +429,7 @@ case "$mode" in
     ;;
   stop)
     if [ "$MCJAX_PROVIDER" = slurm ]; then what=""; else what="; host 0's key removed from every host"; fi
+    if [ "$MCJAX_SHARED_FS" != 1 ]; then what="$what; the NFS mounts, their fstab lines and host 0's exports removed"; fi
     step "stop: Jupyter and the controller on host 0, the engines on hosts 1..$LAST$what ($MCJAX_PROVIDER cluster '$MCJAX_CLUSTER_ID')"
     rc=0
     [ "$N" -lt 2 ] || cluster_exec 1 "$LAST" "$(remote ipcluster.sh engine stop)" || rc=$?
@@ -436,6 +437,12 @@ case "$mode" in
     # Host 0's key (setup's keys step) is no longer accepted anywhere.
     if [ "$rc" -eq 0 ] && [ "$MCJAX_PROVIDER" != slurm ]; then
       cluster_exec 0 "$LAST" "$(remote ssh.sh unauthorize)" || rc=$?
+    fi
+    # The shared folder host 0 exported (setup's nfs step): the others' mounts and fstab lines, then
+    # the exports (the folder's files stay on host 0).
+    if [ "$rc" -eq 0 ] && [ "$MCJAX_SHARED_FS" != 1 ]; then
+      [ "$N" -lt 2 ] || cluster_exec 1 "$LAST" "$(remote nfs.sh unmount "$HOST0_IP")" || rc=$?
+      [ "$rc" -ne 0 ] || cluster_exec 0 0 "$(remote nfs.sh unexport)" || rc=$?
     fi
     if [ "$rc" -ne 0 ]; then
       mcjax_die "stopping failed on some hosts (see above); $RECORD kept: run --stop again (hosts gone for good: --forget)"

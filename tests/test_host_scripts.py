@@ -517,3 +517,36 @@ def test_uv_gets_pip_s_index_settings_and_setup_forwards_proxies_and_index(tmp_p
     assert slurm.returncode == 0, slurm.stderr
     exports = {w for words in commands(slurm.stdout) for w in words if w.startswith("--export=")}
     assert exports == {"--export=HOME,PATH,USER,PIP_INDEX_URL,UV_DEFAULT_INDEX,https_proxy"}, exports
+
+
+def test_stop_removes_the_nfs_mounts_their_fstab_lines_and_the_exports(tmp_path):
+    """--stop of a cluster whose host 0 exported the shared folder: hosts 1..N-1 drop setup's fstab
+    line and the mount (nfs.sh unmount), then host 0 its exports file (nfs.sh unexport); a shared
+    file system (Slurm's) has none of that."""
+    bin_dir, _ = fake_tools(tmp_path)
+    stop = run([ROOT / "mcjax_setup.sh", "--stop", "--dry-run", "--provider", "ssh"],
+               base_env(tmp_path, bin_dir, **PROVIDERS["ssh"]), ROOT)
+    assert stop.returncode == 0, stop.stderr
+    said = [w[2:] for w in map(remote_words, commands(stop.stdout)) if w[2:3] in (["unmount"], ["unexport"])]
+    assert said == [["unmount", "10.0.0.10"]] * 2 + [["unexport"]], said
+    slurm = run([ROOT / "mcjax_setup.sh", "--stop", "--dry-run", "--provider", "slurm"],
+                base_env(tmp_path, bin_dir, **PROVIDERS["slurm"]), ROOT)
+    assert slurm.returncode == 0 and "unmount" not in slurm.stdout and "unexport" not in slurm.stdout, slurm.stderr
+
+    fstab, exports, shared = tmp_path / "fstab", tmp_path / "mcjax.exports", tmp_path / "shared"
+    shared.mkdir()
+    ours = f"10.0.0.10:{shared} {shared} nfs rw,hard,noatime,_netdev,nofail 0 0"
+    fstab.write_text(f"UUID=abc / ext4 defaults 0 1\n{ours}\n10.0.0.99:/other /other nfs rw 0 0\n")
+    exports.write_text(f"{shared} 10.0.0.11(rw)\n")
+    (bin_dir / "exportfs").write_text(f'#!/bin/sh\necho "exportfs $*" >>"{tmp_path}/exportfs.log"\n')
+    (bin_dir / "exportfs").chmod(0o755)
+    (bin_dir / "sudo").write_text('#!/bin/sh\nexec "$@"\n')
+    (bin_dir / "sudo").chmod(0o755)
+    env = base_env(tmp_path, bin_dir, MCJAX_PROVIDER="ssh", MCJAX_NFS_DIR=str(shared), MCJAX_FSTAB=str(fstab),
+                   MCJAX_EXPORTS_FILE=str(exports))
+    done = run(["bash", ROOT / "cluster/nfs.sh", "unmount", "10.0.0.10"], env, ROOT)
+    assert done.returncode == 0, done.stderr
+    assert fstab.read_text() == "UUID=abc / ext4 defaults 0 1\n10.0.0.99:/other /other nfs rw 0 0\n"
+    done = run(["bash", ROOT / "cluster/nfs.sh", "unexport"], env, ROOT)
+    assert done.returncode == 0 and not exports.exists(), done.stderr
+    assert (tmp_path / "exportfs.log").read_text() == "exportfs -ra\n" and shared.is_dir()
