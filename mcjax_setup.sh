@@ -598,7 +598,7 @@ for s in $steps; do
         else
           deps="uv pip sync --require-hashes $MCJAX_LOCK"
         fi
-        echo "# venv.sh on a host: install|deps: uv $MCJAX_UV_VERSION from its PyPI wheel into $MCJAX_UV_DIR/$MCJAX_UV_VERSION/uv;" \
+        echo "# venv.sh on a host: install|deps: uv $MCJAX_UV_VERSION from its wheel on the package index into $MCJAX_UV_DIR/$MCJAX_UV_VERSION/uv;" \
           "the host's Python >= $MCJAX_HOST_PYTHON, else uv python install $MCJAX_HOST_PYTHON; uv venv --seed --python PYTHON $MCJAX_VENV;" \
           "$deps; install|project: uv pip install --no-deps -e $MCJAX_REPO_DIR; check: the venv against the lock"
       fi
