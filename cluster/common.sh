@@ -311,6 +311,7 @@ mcjax_own_address() {
 
 # The controller's ports: the highest 32 consecutive ports of MCJAX_PORTS free on IP, as LOW-HIGH.
 mcjax_controller_ports() {
+  [[ $MCJAX_PORTS =~ ^[0-9]+-[0-9]+$ ]] || mcjax_die "MCJAX_PORTS='$MCJAX_PORTS' is not a port range LOW-HIGH"
   "$(mcjax_python)" - "$1" "$MCJAX_PORTS" <<'EOF'
 import socket, sys
 
