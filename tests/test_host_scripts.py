@@ -442,7 +442,8 @@ def test_a_host_reaching_only_its_package_index_builds_python_and_venv_from_it(t
     wheels.mkdir()
     tiny = _wheel(wheels, "tinydep", "1.0")
     stand_in = _wheel(wheels, "wheel", "0.0.1")  # uv seeds wheel too below Python 3.12
-    _simple_index(tmp_path / "index", [_uv_wheel(request.config.cache.mkdir("uv-wheel")), tiny, stand_in, *seeds])
+    cache = request.config.cache.mkdir("uv-wheel") if getattr(request.config, "cache", None) else tmp_path / "dl"
+    _simple_index(tmp_path / "index", [_uv_wheel(Path(cache)), tiny, stand_in, *seeds])
     import hashlib
 
     lock = tmp_path / "lock.txt"
@@ -472,6 +473,7 @@ def test_a_host_reaching_only_its_package_index_builds_python_and_venv_from_it(t
     assert not (tmp_path / "uv-python").exists()  # no uv-managed CPython was installed
 
 
+@pytest.mark.slow
 def test_uv_gets_pip_s_index_settings_and_setup_forwards_proxies_and_index(tmp_path):
     """pip's configuration (which uv ignores) becomes uv's variables where no UV_* one is set; the
     proxies and UV_*/PIP_* set for setup reach the hosts: mcjax.env, and srun's --export."""
