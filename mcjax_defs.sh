@@ -64,7 +64,7 @@ fi
                                               #   host's own value wins; Slurm: srun --export): empty: the proxies
                                               #   (http_proxy, https_proxy, no_proxy, all_proxy, either case) and the
                                               #   PIP_* and UV_* set here (the package index, its certificates), but
-                                              #   those naming a local path (*_DIR, *_FILE, *_PATH); else the names
+                                              #   those naming a local path (*_DIR, *_FILE, *_PATH, *_CERT); else the names
                                               #   given (spaces or commas); none: nothing
 : "${MCJAX_SRUN_OPTS:=}"                      # slurm: extra srun options for the engines' and Jupyter's steps,
                                               #   e.g. --gpus-per-node=8 where a step does not get the job's GPUs
@@ -307,7 +307,7 @@ _mcjax_forward_names() {
     none) ;;
     '')
       env | sed -n 's/^\([A-Za-z_][A-Za-z0-9_]*\)=.*/\1/p' |
-        grep -E '^((https?|no|all)_proxy|(HTTPS?|NO|ALL)_PROXY|(PIP|UV)_[A-Z0-9_]+)$' | grep -v -E '_(DIR|FILE|PATH)$' | sort -u || true
+        grep -E '^((https?|no|all)_proxy|(HTTPS?|NO|ALL)_PROXY|(PIP|UV)_[A-Z0-9_]+)$' | grep -v -E '_(DIR|FILE|PATH|CERT)$' | sort -u || true
       ;;
     *)
       for name in $(printf '%s\n' "$MCJAX_FORWARD_ENV" | tr ',' ' '); do

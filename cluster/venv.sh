@@ -93,7 +93,7 @@ if words("extra-index-url"):
     give("UV_INDEX_STRATEGY", "unsafe-best-match")  # pip's: the best version of every index, not the first's
 give("UV_FIND_LINKS", ",".join(words("find-links")))
 give("UV_INSECURE_HOST", " ".join(words("trusted-host")))
-give("SSL_CERT_FILE", pip.get("cert", "").strip())
+give("SSL_CERT_FILE", pip.get("cert", "").strip() if os.path.isfile(pip.get("cert", "").strip()) else "")
 for name in ("HTTPS_PROXY", "HTTP_PROXY"):
     give(name, pip.get("proxy", "").strip(), name.lower())
 EOF

@@ -487,7 +487,7 @@ def test_uv_gets_pip_s_index_settings_and_setup_forwards_proxies_and_index(tmp_p
     links.mkdir()
     conf = tmp_path / "pip.conf"
     conf.write_text(f"[global]\nindex-url = https://mirror.example/simple\nextra-index-url = https://extra.example/simple\n"
-                    f"find-links = {links} /no/such/folder\ntrusted-host = mirror.example\ncert = /etc/corp.pem\n"
+                    f"find-links = {links} /no/such/folder\ntrusted-host = mirror.example\ncert = {conf}\n"
                     "proxy = http://proxy.example:3128\n")
     (tmp_path / "repo").mkdir()
     (tmp_path / "repo" / "pyproject.toml").write_text("")
@@ -498,7 +498,7 @@ def test_uv_gets_pip_s_index_settings_and_setup_forwards_proxies_and_index(tmp_p
     assert done.returncode == 0, done.stdout + done.stderr
     seen = set(log.read_text().splitlines())
     assert {"UV_DEFAULT_INDEX=https://mirror.example/simple", "UV_INDEX=https://extra.example/simple",
-            f"UV_FIND_LINKS={links}", "UV_INSECURE_HOST=mirror.example", "SSL_CERT_FILE=/etc/corp.pem",
+            f"UV_FIND_LINKS={links}", "UV_INSECURE_HOST=mirror.example", f"SSL_CERT_FILE={conf}",
             "HTTPS_PROXY=http://proxy.example:3128", "UV_INDEX_STRATEGY=unsafe-best-match"} <= seen, seen
     log.write_text("")
     own = run(["bash", ROOT / "cluster/venv.sh", "deps"], dict(env, UV_DEFAULT_INDEX="https://own.example/simple"),
@@ -507,13 +507,13 @@ def test_uv_gets_pip_s_index_settings_and_setup_forwards_proxies_and_index(tmp_p
 
     bin_dir, _ = fake_tools(tmp_path)
     given = dict(https_proxy="http://proxy.corp:3128", UV_DEFAULT_INDEX="https://mirror.corp/simple",
-                 PIP_INDEX_URL="https://mirror.corp/simple", UV_CACHE_DIR="/local/cache")
+                 PIP_INDEX_URL="https://mirror.corp/simple", UV_CACHE_DIR="/local/cache", PIP_CERT="/local/corp.pem")
     printed = run([ROOT / "mcjax_setup.sh", "--print-env"], base_env(tmp_path, bin_dir, **PROVIDERS["ssh"], **given),
                   ROOT)
     assert printed.returncode == 0, printed.stderr
     for name in ("https_proxy", "UV_DEFAULT_INDEX", "PIP_INDEX_URL"):
         assert f'[ -n "${{{name}+x}}" ] || {name}=' in printed.stdout, printed.stdout
-    assert "UV_CACHE_DIR" not in printed.stdout  # a local path of this machine
+    assert "UV_CACHE_DIR" not in printed.stdout and "PIP_CERT" not in printed.stdout  # local paths of this machine
     slurm = run([ROOT / "mcjax_setup.sh", "--dry-run", "--steps", "venv"],
                 base_env(tmp_path, bin_dir, **PROVIDERS["slurm"], **given), ROOT)
     assert slurm.returncode == 0, slurm.stderr
