@@ -60,6 +60,12 @@ fi
                                               #   mcjax.env of the hosts sets ssh: host 0 reaches the others over
                                               #   their internal IPs with the key that setup's `keys` step made
 : "${MCJAX_SLURM_JOB_ID:=${SLURM_JOB_ID:-}}"  # slurm: the allocation every srun joins (srun --jobid)
+: "${MCJAX_FORWARD_ENV:=}"                    # variables of this environment every host gets (in mcjax.env, where a
+                                              #   host's own value wins; Slurm: srun --export): empty: the proxies
+                                              #   (http_proxy, https_proxy, no_proxy, all_proxy, either case) and the
+                                              #   PIP_* and UV_* set here (the package index, its certificates), but
+                                              #   those naming a local path (*_DIR, *_FILE, *_PATH, *_CERT); else the names
+                                              #   given (spaces or commas); none: nothing
 : "${MCJAX_SRUN_OPTS:=}"                      # slurm: extra srun options for the engines' and Jupyter's steps,
                                               #   e.g. --gpus-per-node=8 where a step does not get the job's GPUs
 : "${MCJAX_SRUN_CPUS:=${SLURM_JOB_CPUS_PER_NODE:+$(_mcjax_slurm_cpus "$SLURM_JOB_CPUS_PER_NODE")}}"  # slurm: step CPUs
@@ -77,13 +83,17 @@ fi
 : "${MCJAX_BUCKET_DIR:=/mnt/mcjax-bucket}"    # where the bucket is mounted
 : "${MCJAX_VENV:=$HOME/mcjax-venv}"           # the Python venv on every host (local disk; a venv on a shared
                                               #   home is built once, by host 0, and used by every host)
-# Python on the hosts. TPU VM images ship Python 3.10 and dsr1 needs >= 3.11, so setup brings its
-# own: cluster/venv.sh puts uv $MCJAX_UV_VERSION (one binary, taken from its PyPI wheel) in
-# $MCJAX_UV_DIR, has it install CPython $MCJAX_HOST_PYTHON (a uv-managed build, in uv's own folder
-# under ~/.local/share/uv) and builds $MCJAX_VENV with that Python. Pinned here, once, so every
-# host runs the same Python; the local provider downloads nothing and uses MCJAX_PYTHON.
-: "${MCJAX_UV_VERSION:=0.13.9}"               # uv, from PyPI (pip download uv==VERSION)
-: "${MCJAX_HOST_PYTHON:=3.12}"                # the CPython uv installs (its newest 3.12.x known to that uv)
+# Python on the hosts. cluster/venv.sh puts uv $MCJAX_UV_VERSION (one binary, taken from its wheel
+# on the package index) in $MCJAX_UV_DIR and builds $MCJAX_VENV with the host's own Python when it
+# is at least $MCJAX_HOST_PYTHON, else with uv's CPython $MCJAX_HOST_PYTHON (TPU VM images ship
+# 3.10; uv installs its build under ~/.local/share/uv). Pinned here, once; the local provider
+# downloads nothing and uses MCJAX_PYTHON.
+: "${MCJAX_UV_VERSION:=0.13.9}"               # uv, from the package index (pip download uv==VERSION)
+: "${MCJAX_HOST_PYTHON:=3.12}"                # the lock's Python: the least a host's own may be, and the CPython
+                                              #   uv installs where it has none (its newest 3.12.x)
+: "${MCJAX_HOST_PYTHON_FROM:=auto}"           # auto: the host's own Python when new enough, else uv's; system: the
+                                              #   host's only; uv: uv's only (from UV_PYTHON_INSTALL_MIRROR, default
+                                              #   python-build-standalone's releases on GitHub)
 : "${MCJAX_UV_DIR:=$HOME/.mcjax-uv}"          # where the uv binary goes on each host
 : "${MCJAX_LOCK_PLATFORM:=}"                  # the platform extra of the lock: cpu, tpu or cuda12 (empty: tpu for
                                               #   gcloud, cuda12 for ssh and slurm, cpu for local)
@@ -106,6 +116,11 @@ fi
 : "${MCJAX_COORDINATOR_PORT:=}"               # the jax.distributed coordinator's port, passed to every process as
                                               #   JAX_COORDINATOR_PORT (empty: JAX's or the notebook's default; a
                                               #   local platform-numbered cluster picks a free one)
+: "${MCJAX_PORTS:=8476-8575}"                # the one port range of every listener a host opens for the others:
+                                              #   the ipyparallel controller (its highest 32 free), JAX's coordinator
+                                              #   (8476 unless MCJAX_COORDINATOR_PORT says), the smoke check, the
+                                              #   serving control channel, serve.ipynb's server; each on the host's
+                                              #   cluster address only. Firewalls let it through between the hosts
 : "${MCJAX_JAX_CACHE:=}"                      # JAX's persistent compilation cache, shared by every process
                                               #   (JAX_COMPILATION_CACHE_DIR); empty: $MCJAX_NFS_DIR/jax_cache,
                                               #   local: $MCJAX_STATE/jax_cache; off: none
@@ -172,10 +187,10 @@ fi
 MCJAX_SETTINGS="MCJAX_PROVIDER MCJAX_CLUSTER MCJAX_ZONE MCJAX_PROJECT MCJAX_GCLOUD_SSH MCJAX_GCLOUD_PARALLEL \
 MCJAX_GCLOUD_RETRIES MCJAX_HOSTS \
 MCJAX_HOST_LIST MCJAX_INTERNAL_IPS MCJAX_USER MCJAX_CONNECT_TIMEOUT MCJAX_SSH_OPTS MCJAX_TRANSPORT \
-MCJAX_SLURM_JOB_ID MCJAX_SRUN_OPTS MCJAX_SRUN_CPUS MCJAX_NFS_DIR MCJAX_SHARED_FS MCJAX_KEY_FROM MCJAX_BUCKET MCJAX_BUCKET_DIR MCJAX_VENV \
-MCJAX_UV_VERSION MCJAX_HOST_PYTHON MCJAX_UV_DIR MCJAX_REPO_DIR MCJAX_LOCK_PLATFORM MCJAX_LOCK MCJAX_JAX_SPEC MCJAX_STATE \
+MCJAX_SLURM_JOB_ID MCJAX_FORWARD_ENV MCJAX_SRUN_OPTS MCJAX_SRUN_CPUS MCJAX_NFS_DIR MCJAX_SHARED_FS MCJAX_KEY_FROM MCJAX_BUCKET MCJAX_BUCKET_DIR MCJAX_VENV \
+MCJAX_UV_VERSION MCJAX_HOST_PYTHON MCJAX_HOST_PYTHON_FROM MCJAX_UV_DIR MCJAX_REPO_DIR MCJAX_LOCK_PLATFORM MCJAX_LOCK MCJAX_JAX_SPEC MCJAX_STATE \
 MCJAX_PROFILE MCJAX_PROFILE_DIR MCJAX_CLUSTER_ID MCJAX_PYTHON MCJAX_LOCAL_DEVICES MCJAX_NUMBERING \
-MCJAX_COORDINATOR_PORT MCJAX_JAX_CACHE MCJAX_JAX_CACHE_MIN_SECS MCJAX_JUPYTER_PORT MCJAX_REMOTE_DIR \
+MCJAX_COORDINATOR_PORT MCJAX_PORTS MCJAX_JAX_CACHE MCJAX_JAX_CACHE_MIN_SECS MCJAX_JUPYTER_PORT MCJAX_REMOTE_DIR \
 MCJAX_START_TIMEOUT MCJAX_STOP_TIMEOUT"
 eval "export $MCJAX_SETTINGS MCJAX_DRY_RUN MCJAX_ROOT MCJAX_DERIVED MCJAX_DERIVED_KEY"
 
@@ -283,19 +298,41 @@ _mcjax_gcloud_ssh_line() {
   _mcjax_q "$@"
 }
 
+# _mcjax_forward_names: the names of the variables set here that reach every host (MCJAX_FORWARD_ENV),
+# one a line.
+_mcjax_forward_names() {
+  [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
+  local name
+  case "$MCJAX_FORWARD_ENV" in
+    none) ;;
+    '')
+      env | sed -n 's/^\([A-Za-z_][A-Za-z0-9_]*\)=.*/\1/p' |
+        grep -E '^((https?|no|all)_proxy|(HTTPS?|NO|ALL)_PROXY|(PIP|UV)_[A-Z0-9_]+)$' | grep -v -E '_(DIR|FILE|PATH|CERT)$' | sort -u || true
+      ;;
+    *)
+      for name in $(printf '%s\n' "$MCJAX_FORWARD_ENV" | tr ',' ' '); do
+        case "$name" in '' | [0-9]* | *[!A-Za-z0-9_]*) continue ;; esac
+        if eval "[ -n \"\${$name+x}\" ]"; then echo "$name"; fi
+      done
+      ;;
+  esac
+}
+
 # The command line (quoted) of srun on the node of host $1 in our allocation, followed by ARGS...
+# The step's environment is HOME, PATH, USER and the variables to forward (_mcjax_forward_names).
 _mcjax_srun_line() {
   [ -z "${ZSH_VERSION:-}" ] || emulate -L ksh
-  local node
+  local node keep=HOME,PATH,USER name
   if [ -z "$MCJAX_SLURM_JOB_ID" ]; then
     _mcjax_fail 1 "no Slurm allocation: MCJAX_SLURM_JOB_ID (SLURM_JOB_ID) is empty; run inside salloc"
     return
   fi
   node=$(_mcjax_host_addr "$1") || return 1
   shift
+  for name in $(_mcjax_forward_names); do keep="$keep,$name"; done
   # --overlap: every step shares the node's CPUs, memory and GPUs; each may use all the job's.
   _mcjax_q srun "--jobid=$MCJAX_SLURM_JOB_ID" --overlap --nodes=1 --ntasks=1 "--nodelist=$node" \
-    ${MCJAX_SRUN_CPUS:+"--cpus-per-task=$MCJAX_SRUN_CPUS"} --mem=0 --export=HOME,PATH,USER "$@"
+    ${MCJAX_SRUN_CPUS:+"--cpus-per-task=$MCJAX_SRUN_CPUS"} --mem=0 "--export=$keep" "$@"
 }
 
 # The command line (quoted) that runs the command string $2 on host $1, by MCJAX_TRANSPORT (empty:

@@ -53,7 +53,8 @@ Steps (default: all, in this order; every one is idempotent, so rerunning setup 
   gcsfuse    mount gs://$MCJAX_BUCKET on $MCJAX_BUCKET_DIR on every host (skipped when MCJAX_BUCKET is empty)
   code       copy this repository (without .git, ._*) to $MCJAX_REPO_DIR on the shared folder; files
              it no longer has are deleted there (only those an earlier copy brought)
-  venv       uv with CPython $MCJAX_HOST_PYTHON, a venv $MCJAX_VENV per host with dsr1[notebook] (+ $MCJAX_JAX_SPEC)
+  venv       uv, the host's Python >= $MCJAX_HOST_PYTHON (else uv's CPython), a venv $MCJAX_VENV per host with
+             dsr1[notebook] (+ $MCJAX_JAX_SPEC), all from the package index of pip's settings
   ipcluster  ipyparallel controller on host 0 (bound to its internal IP), one engine on hosts 1..N-1
   jupyter    Jupyter on host 0, bound to 127.0.0.1 (reach it with cluster_port_forward)
   smoke      the smoke check (./mcjax_setup.sh --check): imports, versions, one psum across every process
@@ -326,6 +327,8 @@ write_env() {
   # The notebooks' settings given here reach the kernel on host 0 (serve.ipynb, main.ipynb).
   if [ "$kind" = hosts ]; then
     for var in $NOTEBOOK_SETTINGS; do [ -z "${!var:-}" ] || vars="$vars $var"; done
+    # The proxies and package index set here (MCJAX_FORWARD_ENV): ssh and gcloud do not pass them on.
+    vars="$vars $(_mcjax_forward_names | tr '\n' ' ')"
   fi
   for var in $vars; do
     value=${!var}
@@ -426,6 +429,7 @@ case "$mode" in
     ;;
   stop)
     if [ "$MCJAX_PROVIDER" = slurm ]; then what=""; else what="; host 0's key removed from every host"; fi
+    if [ "$MCJAX_SHARED_FS" != 1 ]; then what="$what; the NFS mounts, their fstab lines and host 0's exports removed"; fi
     step "stop: Jupyter and the controller on host 0, the engines on hosts 1..$LAST$what ($MCJAX_PROVIDER cluster '$MCJAX_CLUSTER_ID')"
     rc=0
     [ "$N" -lt 2 ] || cluster_exec 1 "$LAST" "$(remote ipcluster.sh engine stop)" || rc=$?
@@ -433,6 +437,12 @@ case "$mode" in
     # Host 0's key (setup's keys step) is no longer accepted anywhere.
     if [ "$rc" -eq 0 ] && [ "$MCJAX_PROVIDER" != slurm ]; then
       cluster_exec 0 "$LAST" "$(remote ssh.sh unauthorize)" || rc=$?
+    fi
+    # The shared folder host 0 exported (setup's nfs step): the others' mounts and fstab lines, then
+    # the exports (the folder's files stay on host 0).
+    if [ "$rc" -eq 0 ] && [ "$MCJAX_SHARED_FS" != 1 ]; then
+      [ "$N" -lt 2 ] || cluster_exec 1 "$LAST" "$(remote nfs.sh unmount "$HOST0_IP")" || rc=$?
+      [ "$rc" -ne 0 ] || cluster_exec 0 0 "$(remote nfs.sh unexport)" || rc=$?
     fi
     if [ "$rc" -ne 0 ]; then
       mcjax_die "stopping failed on some hosts (see above); $RECORD kept: run --stop again (hosts gone for good: --forget)"
@@ -581,15 +591,15 @@ for s in $steps; do
       ;;
     venv)
       if [ "$MCJAX_LOCK" = off ]; then what="dsr1[notebook] $MCJAX_JAX_SPEC (no lock)"; else what="the lock $MCJAX_LOCK"; fi
-      step "venv: uv $MCJAX_UV_VERSION, CPython $MCJAX_HOST_PYTHON, $MCJAX_VENV with $what on every host"
+      step "venv: uv $MCJAX_UV_VERSION, Python >= $MCJAX_HOST_PYTHON, $MCJAX_VENV with $what on every host"
       if dry; then
         if [ "$MCJAX_LOCK" = off ]; then
           deps="uv pip install -r $MCJAX_REPO_DIR/pyproject.toml --extra notebook $MCJAX_JAX_SPEC"
         else
           deps="uv pip sync --require-hashes $MCJAX_LOCK"
         fi
-        echo "# venv.sh on a host: install|deps: uv $MCJAX_UV_VERSION from its PyPI wheel into $MCJAX_UV_DIR/$MCJAX_UV_VERSION/uv;" \
-          "uv python install $MCJAX_HOST_PYTHON; uv venv --seed --managed-python --python $MCJAX_HOST_PYTHON $MCJAX_VENV;" \
+        echo "# venv.sh on a host: install|deps: uv $MCJAX_UV_VERSION from its wheel on the package index into $MCJAX_UV_DIR/$MCJAX_UV_VERSION/uv;" \
+          "the host's Python >= $MCJAX_HOST_PYTHON, else uv python install $MCJAX_HOST_PYTHON; uv venv --seed --python PYTHON $MCJAX_VENV;" \
           "$deps; install|project: uv pip install --no-deps -e $MCJAX_REPO_DIR; check: the venv against the lock"
       fi
       # Host 0 first, alone: its editable install writes build metadata into the shared source.

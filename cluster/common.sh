@@ -237,10 +237,11 @@ mcjax_engine_json() {
   echo "$MCJAX_PROFILE_DIR/security/ipcontroller-$MCJAX_CLUSTER_ID-engine.json"
 }
 
-# Start the ipyparallel controller bound to IP (never 0.0.0.0): its connection files are made
-# mode 600 in a mode 700 folder. Waits until they exist.
+# Start the ipyparallel controller bound to IP (never 0.0.0.0), on ports of MCJAX_PORTS
+# (mcjax_controller_ports): its connection files are made mode 600 in a mode 700 folder. Waits
+# until they exist.
 mcjax_controller_start() {
-  local ip=$1 py sec i
+  local ip=$1 py sec i ports
   case "$ip" in
     '' | 0.0.0.0 | '*' | '::' | '[::]') mcjax_die "the controller must bind to one internal address, not '$ip'" ;;
   esac
@@ -250,10 +251,16 @@ mcjax_controller_start() {
   chmod 700 "$MCJAX_PROFILE_DIR" "$sec"
   # Stale connection files of a previous run would send engines to dead ports.
   rm -f "$(mcjax_client_json)" "$(mcjax_engine_json)"
+  # The local provider's (all on loopback, no firewall) take any free ports: local clusters started at
+  # once would race for the same ones of the range.
+  ports=""
+  if [ "$MCJAX_PROVIDER" != local ]; then
+    ports=$(mcjax_controller_ports "$ip") || mcjax_die "the controller has no ports (see above)"
+  fi
   # The hub counts an engine as registered at its first heartbeat: a 1 s period (3 s by default)
   # makes starts and restarts seconds shorter; 30 misses keep ipyparallel's 30 s before one is dropped.
   mcjax_start_bg controller "$MCJAX_STATE/logs/controller.log" \
-    "$py" -m ipyparallel.controller --ip="$ip" --profile-dir="$MCJAX_PROFILE_DIR" \
+    "$py" -m ipyparallel.controller --ip="$ip" ${ports:+"--IPController.ports=$ports"} --profile-dir="$MCJAX_PROFILE_DIR" \
     --cluster-id="$MCJAX_CLUSTER_ID" --log-level=WARN --HeartMonitor.period=1000 --HeartMonitor.max_heartmonitor_misses=30
   for i in $(seq 1 $((MCJAX_START_TIMEOUT * 10))); do
     if [ -s "$(mcjax_client_json)" ] && [ -s "$(mcjax_engine_json)" ]; then break; fi
@@ -280,13 +287,55 @@ mcjax_controller_start() {
 # dsr1 is always the installed package), the shared compilation cache and, when one is asked for,
 # the coordinator port.
 mcjax_process_env() {
+  local address
   echo "PYTHONSAFEPATH=1"
   if [ "$MCJAX_JAX_CACHE" != off ]; then
     echo "JAX_COMPILATION_CACHE_DIR=$MCJAX_JAX_CACHE"
     echo "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=$MCJAX_JAX_CACHE_MIN_SECS"
   fi
   if [ -n "$MCJAX_COORDINATOR_PORT" ]; then echo "JAX_COORDINATOR_PORT=$MCJAX_COORDINATOR_PORT"; fi
+  echo "MCJAX_PORTS=$MCJAX_PORTS"
+  echo "DSR1_CONTROL_PORTS=$MCJAX_PORTS"
+  address=$(mcjax_own_address)
+  if [ -n "$address" ]; then echo "DSR1_CONTROL_HOST=$address"; fi
   if [ "$MCJAX_PROVIDER" = slurm ]; then mcjax_gpu_env; fi
+}
+
+# This host's cluster address: its line of MCJAX_INTERNAL_IPS (host MCJAX_HOST_INDEX; the local
+# provider's hosts are all 127.0.0.1), or nothing when that is not known.
+mcjax_own_address() {
+  if [ "$MCJAX_PROVIDER" = local ]; then echo 127.0.0.1; return 0; fi
+  [ -n "${MCJAX_HOST_INDEX:-}" ] && [ -n "$MCJAX_INTERNAL_IPS" ] || return 0
+  printf '%s\n' "$MCJAX_INTERNAL_IPS" | tr ', \t;' '\n' | sed '/^$/d' | sed -n "$((MCJAX_HOST_INDEX + 1))p"
+}
+
+# The controller's ports: the highest 32 consecutive ports of MCJAX_PORTS free on IP, as LOW-HIGH.
+mcjax_controller_ports() {
+  [[ $MCJAX_PORTS =~ ^[0-9]+-[0-9]+$ ]] || mcjax_die "MCJAX_PORTS='$MCJAX_PORTS' is not a port range LOW-HIGH"
+  "$(mcjax_python)" - "$1" "$MCJAX_PORTS" <<'EOF'
+import socket, sys
+
+address, (low, high), need = sys.argv[1], map(int, sys.argv[2].split("-")), 32
+
+
+def free(port):
+    with socket.socket() as s:
+        try:
+            s.bind((address, port))
+        except OSError:
+            return False
+        return True
+
+
+top = high
+while top - need + 1 >= low:
+    taken = [p for p in range(top, top - need, -1) if not free(p)]
+    if not taken:
+        print(f"{top - need + 1}-{top}")
+        sys.exit(0)
+    top = taken[-1] - 1
+sys.exit(f"MCJAX_PORTS={sys.argv[2]} has no {need} consecutive ports free on {address} for the controller")
+EOF
 }
 
 # Slurm: JAX takes SLURM_LOCALID as the one GPU a process should use; ours own every GPU of their

@@ -20,6 +20,10 @@ nfs.sh: the shared folder $MCJAX_NFS_DIR, exported by host 0 over NFS.
   nfs.sh fstab-line SERVER_IP   print the /etc/fstab line a client host gets
   nfs.sh fstab-ensure SERVER_IP add that line to $MCJAX_FSTAB (default /etc/fstab) unless it is there
   nfs.sh client SERVER_IP       on hosts 1..N-1: mount $MCJAX_NFS_DIR from SERVER_IP, then persist it in fstab
+  nfs.sh unmount SERVER_IP      on hosts 1..N-1 (./mcjax_setup.sh --stop): remove the fstab line client wrote,
+                                then unmount $MCJAX_NFS_DIR (lazily when it is busy)
+  nfs.sh unexport               on host 0 (--stop): remove $MCJAX_EXPORTS_FILE and re-export; the folder's
+                                files stay on host 0
   nfs.sh shared-mark TOKEN      (a shared file system) write TOKEN into $MCJAX_NFS_DIR/.mcjax-shared on host 0
   nfs.sh shared-check TOKEN     (a shared file system) fail unless this host sees that TOKEN
   nfs.sh receive DIR            on host 0: unpack the code archive on stdin into DIR, then delete what
@@ -142,6 +146,34 @@ cmd_client() {
   fstab_ensure "$line"
 }
 
+# --stop on a client: the fstab line of SERVER's folder on our mount point goes (whatever its
+# options), then the mount (lazily when something still holds it: the boot's fstab no longer names it).
+cmd_unmount() {
+  local server=${1:-} spec tmp
+  fstab_line "$server" >/dev/null
+  spec="$server:$MCJAX_NFS_DIR"
+  if [ -f "$MCJAX_FSTAB" ] && awk -v s="$spec" -v m="$MCJAX_NFS_DIR" '$1 == s && $2 == m && $3 == "nfs" { f = 1 } END { exit !f }' "$MCJAX_FSTAB"; then
+    mcjax_log "removing the $MCJAX_FSTAB line of $spec"
+    tmp=$(mktemp) || mcjax_die "cannot make a temporary file"
+    awk -v s="$spec" -v m="$MCJAX_NFS_DIR" '!($1 == s && $2 == m && $3 == "nfs")' "$MCJAX_FSTAB" >"$tmp"
+    if [ -w "$MCJAX_FSTAB" ]; then cat "$tmp" >"$MCJAX_FSTAB"; else mcjax_sudo tee "$MCJAX_FSTAB" <"$tmp" >/dev/null; fi
+    rm -f "$tmp"
+  fi
+  if mountpoint -q "$MCJAX_NFS_DIR" 2>/dev/null; then
+    mcjax_log "unmounting $MCJAX_NFS_DIR"
+    mcjax_sudo umount "$MCJAX_NFS_DIR" 2>/dev/null || mcjax_sudo umount -l "$MCJAX_NFS_DIR" ||
+      mcjax_die "cannot unmount $MCJAX_NFS_DIR"
+  fi
+}
+
+# --stop on host 0: no more exports of ours.
+cmd_unexport() {
+  if [ ! -e "$MCJAX_EXPORTS_FILE" ]; then return 0; fi
+  mcjax_log "removing $MCJAX_EXPORTS_FILE"
+  mcjax_sudo rm -f "$MCJAX_EXPORTS_FILE"
+  if command -v exportfs >/dev/null 2>&1; then mcjax_sudo exportfs -ra; fi
+}
+
 # The code step's receiving end: unpack the archive on stdin into DIR. The previous archive's names
 # are in DIR/.mcjax-manifest: those this one lacks (files removed from the repository) are deleted,
 # deepest first, a folder only when it is empty. A file edited on the cluster since (its sha256 is
@@ -188,7 +220,7 @@ cmd_receive() {
 # DIR/.mcjax-sums (files gone since are not listed), one a line, relative to DIR.
 edited_files() {
   [ -s "$1/.mcjax-sums" ] || return 0
-  (cd "$1" && sha256sum --quiet -c .mcjax-sums 2>/dev/null || true) | sed -n 's#^\./\(.*\): FAILED$#\1#p'
+  (cd "$1" || exit 0; sha256sum --quiet -c .mcjax-sums 2>/dev/null || true) | sed -n 's#^\./\(.*\): FAILED$#\1#p'
 }
 
 # DIR/.mcjax-sums: the sha256 of each regular file that LIST (names relative to DIR) names, as unpacked.
@@ -214,7 +246,7 @@ edited_copy() {
 restore_edited() {
   local dir=$1 f copy
   while IFS= read -r f; do
-    [ -n "$f" ] && [ -e "$dir/$f.mcjax-edited" ] || continue
+    if [ -z "$f" ] || [ ! -e "$dir/$f.mcjax-edited" ]; then continue; fi
     if [ -f "$dir/$f" ] && ! cmp -s "$dir/$f" "$dir/$f.mcjax-edited"; then
       copy=$(edited_copy "$f")
       mv "$dir/$f" "$dir/$copy"
@@ -243,10 +275,12 @@ case "${1:-}" in
   fstab-line) fstab_line "${2:-}" ;;
   fstab-ensure) fstab_line "${2:-}" >/dev/null; fstab_ensure "$(fstab_line "${2:-}")" ;;
   client) cmd_client "${2:-}" ;;
+  unmount) cmd_unmount "${2:-}" ;;
+  unexport) cmd_unexport ;;
   shared-mark) shared_mark "${2:-}" ;;
   shared-check) shared_check "${2:-}" ;;
   receive) cmd_receive "${2:-}" ;;
   -h | --help) usage ;;
-  '') mcjax_usage_error "no command given (exports, server, fstab-line, fstab-ensure, client, shared-mark, shared-check or receive)" ;;
+  '') mcjax_usage_error "no command given (exports, server, fstab-line, fstab-ensure, client, unmount, unexport, shared-mark, shared-check or receive)" ;;
   *) mcjax_usage_error "unknown command '$1'" ;;
 esac

@@ -3,6 +3,7 @@
 # (what ./mcjax_setup.sh --single runs). single.sh --help prints the usage: the text of usage() below.
 MCJAX_PROVIDER=local
 export MCJAX_PROVIDER
+PYTHON_GIVEN=${MCJAX_PYTHON:+1}  # before common.sh gives MCJAX_PYTHON its default
 # shellcheck source-path=SCRIPTDIR source=common.sh
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
@@ -22,7 +23,10 @@ this machine.
 
 The Python is $MCJAX_PYTHON (dsr1 with the notebook extra installed). Jupyter starts in
 $MCJAX_STATE/run with PYTHONSAFEPATH=1 and the compilation cache ($MCJAX_JAX_CACHE); its root is
-this repository. A machine without an accelerator gets JAX_PLATFORMS=cpu and
+this repository. On a machine whose device files show TPU or GPU chips, without MCJAX_PYTHON
+given and JAX_PLATFORMS unset, start first builds the venv $MCJAX_VENV with the platform's lock
+(cluster/venv.sh install: cluster/locks/tpu.txt or cuda12.txt, dsr1 from this repository) and
+runs Jupyter from it. A machine without an accelerator gets JAX_PLATFORMS=cpu and
 $MCJAX_LOCAL_DEVICES CPU devices (XLA_FLAGS); one with accelerators uses them (MCJAX_LOCAL_DEVICES
 does not reach its kernel), and one whose jax cannot use its chips (a CPU-only jax) is refused,
 naming the lock to install (cluster/locks/tpu.txt, cuda12.txt), unless JAX_PLATFORMS=cpu asks for
@@ -45,10 +49,38 @@ platform() {
   (cd "$(mcjax_run_dir)" && "$MCJAX_PYTHON" -P -c 'from dsr1.workbench.process import detect_platform; print(detect_platform())')
 }
 
+# The lock of this machine's chips by its device files (under $MCJAX_DEV_DIR, else /dev, as
+# dsr1.workbench.process.accelerator_files reads them): tpu, cuda12, or nothing for none.
+chips_lock() {
+  local dev=${MCJAX_DEV_DIR:-/dev}
+  if compgen -G "$dev/accel*" >/dev/null || compgen -G "$dev/vfio/[0-9]*" >/dev/null; then
+    echo tpu
+  elif compgen -G "$dev/nvidia[0-9]*" >/dev/null || compgen -G "$dev/kfd" >/dev/null; then
+    echo cuda12
+  fi
+}
+
+# A machine with chips and no Python given: the venv $MCJAX_VENV with the platform's lock, which
+# then runs Jupyter (MCJAX_PYTHON).
+install_platform_lock() {
+  local lock
+  [ -z "$PYTHON_GIVEN" ] && [ -z "${JAX_PLATFORMS:-}" ] || return 0
+  lock=$(chips_lock)
+  [ -n "$lock" ] || return 0
+  mcjax_log "this machine has ${lock/cuda12/GPU} chips: the venv $MCJAX_VENV with the lock cluster/locks/$lock.txt"
+  MCJAX_LOCK_PLATFORM=$lock MCJAX_LOCK="$MCJAX_ROOT/cluster/locks/$lock.txt" MCJAX_REPO_DIR="$MCJAX_ROOT" \
+    MCJAX_NFS_DIR="$MCJAX_STATE" bash "$MCJAX_ROOT/cluster/venv.sh" install ||
+    mcjax_die "installing the lock cluster/locks/$lock.txt into $MCJAX_VENV failed (see above); MCJAX_PYTHON names a Python to use instead"
+  MCJAX_PYTHON="$MCJAX_VENV/bin/python"
+  export MCJAX_PYTHON
+}
+
 cmd_start() {
   local kind pid line root unused keep
-  [ ! -f "$MCJAX_STATE/setup.env" ] && [ ! -f "$MCJAX_STATE/local.env" ] ||
+  if [ -f "$MCJAX_STATE/setup.env" ] || [ -f "$MCJAX_STATE/local.env" ]; then
     mcjax_die "MCJAX_STATE=$MCJAX_STATE records another cluster: stop it (./mcjax_setup.sh --stop) or use another MCJAX_STATE"
+  fi
+  install_platform_lock
   (cd "$(mcjax_run_dir)" && "$MCJAX_PYTHON" -P -c 'import jax, jupyterlab, dsr1') 2>/dev/null ||
     mcjax_die "$MCJAX_PYTHON cannot import jax, jupyterlab and dsr1: pip install -e '.[notebook]' (or set MCJAX_PYTHON)"
   pid=$(mcjax_running_pid jupyter "$MARKER")

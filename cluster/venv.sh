@@ -13,10 +13,16 @@ extra and jax[tpu] (tpu), jax[cuda12] (cuda12) or jax (cpu), every file's hash),
 `uv pip sync --require-hashes`: every host and every rebuild gets the same versions, and a venv
 that has others is brought to the lock. MCJAX_LOCK=off: pyproject's ranges plus $MCJAX_JAX_SPEC.
 
-The host's own python3 only fetches uv: uv $MCJAX_UV_VERSION, one binary taken from its PyPI wheel
-(checked against PyPI's sha256) into $MCJAX_UV_DIR. uv then installs CPython $MCJAX_HOST_PYTHON
-(a uv-managed build: TPU images ship 3.10, dsr1 needs >= 3.11), makes the venv with it and
-installs the packages. Idempotent: what is there at the right version is kept.
+The host's own python3 fetches uv: uv $MCJAX_UV_VERSION, one binary taken from its wheel on the
+package index (checked against the index's sha256) into $MCJAX_UV_DIR. The venv's Python
+(MCJAX_HOST_PYTHON_FROM): auto takes the host's own when it is at least $MCJAX_HOST_PYTHON (the
+lock's), else uv's CPython $MCJAX_HOST_PYTHON (TPU images ship 3.10), which uv downloads from
+$UV_PYTHON_INSTALL_MIRROR (default: python-build-standalone's releases on GitHub); system: the
+host's only; uv: uv's only. Every download goes through pip's settings: its configuration files
+and PIP_* variables (index-url, extra-index-url, find-links, trusted-host, cert, proxy) become
+uv's (UV_DEFAULT_INDEX, UV_INDEX, ...) where no UV_* variable says otherwise, so a host whose only
+route is a package index (a mirror, a proxy) installs through it. Idempotent: what is there at the
+right version is kept.
 
   venv.sh [install]  host 0: all of it, dsr1 included (the only install that writes into the shared
                      source); marks the venv as host 0's
@@ -35,24 +41,84 @@ UV="$MCJAX_UV_DIR/$MCJAX_UV_VERSION/uv"
 OWNER_SHARED="$MCJAX_NFS_DIR/.mcjax/venv-owner"  # written by host 0's install, on the shared folder
 OWNER_VENV="$MCJAX_VENV/.mcjax-owner"           # the same, in the venv it made
 
-# uv at the pinned version, from its PyPI wheel (a zip holding the uv binary): fetched by the
-# host's pip when it has one (its configuration: index, proxy, certificates), else straight from
-# PyPI's JSON API, checked against PyPI's sha256.
+# uv's index settings from pip's, which uv does not read: pip's configuration files (PIP_CONFIG_FILE,
+# then the global, user and site ones) and PIP_* variables, as uv's variables, each only where no
+# uv-side one is set; local paths that are not there are left out.
+use_pip_settings() {
+  local base=${MCJAX_BASE_PYTHON:-python3} line
+  command -v "$base" >/dev/null 2>&1 || return 0
+  while IFS= read -r line; do
+    [ -z "$line" ] || export "${line?}"
+  done < <("$base" - <<'EOF'
+import configparser, os
+
+env = os.environ
+home = os.path.expanduser("~")
+# pip's order, later files winning: global, user (not when PIP_CONFIG_FILE names a file), site, PIP_CONFIG_FILE.
+own = env.get("PIP_CONFIG_FILE", "")
+files = [os.path.join(d, "pip", "pip.conf") for d in env.get("XDG_CONFIG_DIRS", "/etc/xdg").split(":")]
+files.append("/etc/pip.conf")
+if not os.path.isfile(own):
+    files += [os.path.join(home, ".pip", "pip.conf"),
+              os.path.join(env.get("XDG_CONFIG_HOME", os.path.join(home, ".config")), "pip", "pip.conf")]
+if env.get("VIRTUAL_ENV"):
+    files.append(os.path.join(env["VIRTUAL_ENV"], "pip.conf"))
+files = [] if own == os.devnull else [*files, own]
+pip = {}
+for path in [f for f in files if f and os.path.isfile(f)]:
+    config = configparser.RawConfigParser()
+    config.read(path)
+    for section in ("global", "install", "download"):
+        if config.has_section(section):
+            pip.update(config.items(section))
+for key in ("index-url", "extra-index-url", "find-links", "trusted-host", "cert", "proxy"):
+    value = env.get("PIP_" + key.upper().replace("-", "_"))
+    if value is not None:
+        pip[key] = value
+
+
+def words(key):
+    found = pip.get(key, "").split()
+    return [w for w in found if "://" in w or os.path.exists(w)] if key == "find-links" else found
+
+
+def give(name, value, *instead):
+    if value and not any(env.get(n) for n in (name, *instead)):
+        print(f"{name}={value}")
+
+
+give("UV_DEFAULT_INDEX", pip.get("index-url", "").strip(), "UV_INDEX_URL")
+give("UV_INDEX", " ".join(words("extra-index-url")), "UV_EXTRA_INDEX_URL")
+if words("extra-index-url"):
+    give("UV_INDEX_STRATEGY", "unsafe-best-match")  # pip's: the best version of every index, not the first's
+give("UV_FIND_LINKS", ",".join(words("find-links")))
+give("UV_INSECURE_HOST", " ".join(words("trusted-host")))
+give("SSL_CERT_FILE", pip.get("cert", "").strip() if os.path.isfile(pip.get("cert", "").strip()) else "")
+for name in ("HTTPS_PROXY", "HTTP_PROXY"):
+    give(name, pip.get("proxy", "").strip(), name.lower())
+EOF
+  )
+}
+
+# uv at the pinned version, from its wheel on the package index (a zip holding the uv binary):
+# fetched by the host's pip when it has one (its configuration: index, proxy, certificates), else
+# from the index's simple page ($UV_DEFAULT_INDEX, $UV_INDEX_URL or PyPI's), checked against the
+# sha256 the index gives.
 ensure_uv() {
   local base=${MCJAX_BASE_PYTHON:-python3} tmp
   if [ -x "$UV" ] && "$UV" --version 2>/dev/null | grep -F " $MCJAX_UV_VERSION" >/dev/null; then
     return 0
   fi
   command -v "$base" >/dev/null 2>&1 || mcjax_die "no $base on this host to fetch uv with"
-  mcjax_log "fetching uv $MCJAX_UV_VERSION from PyPI into $(dirname "$UV")"
+  mcjax_log "fetching uv $MCJAX_UV_VERSION from the package index into $(dirname "$UV")"
   mkdir -p "$(dirname "$UV")"
   tmp=$(mktemp -d "$(dirname "$UV")/fetch.XXXXXX")
   if "$base" -m pip --version >/dev/null 2>&1; then
     "$base" -m pip download --quiet --no-deps --only-binary=:all: --dest "$tmp" "uv==$MCJAX_UV_VERSION" ||
-      mcjax_log "pip download failed; trying PyPI directly"
+      mcjax_log "pip download failed; trying the index's simple page"
   fi
   "$base" - "$MCJAX_UV_VERSION" "$tmp" <<'EOF' || { rm -rf "$tmp"; mcjax_die "fetching uv $MCJAX_UV_VERSION failed"; }
-import glob, hashlib, io, json, os, platform, sys, urllib.parse, urllib.request, zipfile
+import glob, hashlib, io, os, platform, re, sys, urllib.parse, urllib.request, zipfile
 
 version, folder = sys.argv[1], sys.argv[2]
 found = glob.glob(os.path.join(folder, f"uv-{version}-*.whl"))
@@ -60,15 +126,19 @@ if found:
     data = open(found[0], "rb").read()
 else:
     arch = {"x86_64": "x86_64", "amd64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}[platform.machine().lower()]
-    index = "https://pypi.org/pypi/uv/json"
-    with urllib.request.urlopen(index, timeout=120) as r:
-        files = json.load(r)["releases"][version]
-    wheel = next(f for f in files if f["filename"].endswith(".whl") and "manylinux" in f["filename"]
-                 and f"_{arch}" in f["filename"])
-    with urllib.request.urlopen(urllib.parse.urljoin(index, wheel["url"]), timeout=300) as r:
+    index = (os.environ.get("UV_DEFAULT_INDEX") or os.environ.get("UV_INDEX_URL") or "https://pypi.org/simple").rstrip("/")
+    page = f"{index}/uv/"
+    with urllib.request.urlopen(urllib.request.Request(page, headers={"Accept": "text/html"}), timeout=120) as r:
+        html = r.read().decode()
+    links = [urllib.parse.urljoin(page, h) for h in re.findall(r'href="([^"]+)"', html)]
+    wheel = next((u for u in links if re.search(rf"/uv-{re.escape(version)}-[^/#]*manylinux[^/#]*_{arch}\.whl", u)), None)
+    if wheel is None:
+        sys.exit(f"{page} has no uv {version} wheel for manylinux {arch}")
+    digest = dict([wheel.split("#", 1)[1].split("=", 1)]) if "#" in wheel else {}
+    with urllib.request.urlopen(wheel.split("#")[0], timeout=300) as r:
         data = r.read()
-    if hashlib.sha256(data).hexdigest() != wheel["digests"]["sha256"]:
-        sys.exit(f"{wheel['filename']}: its sha256 is not PyPI's")
+    if "sha256" in digest and hashlib.sha256(data).hexdigest() != digest["sha256"]:
+        sys.exit(f"{wheel.split('#')[0]}: its sha256 is not the one {page} gives")
 with zipfile.ZipFile(io.BytesIO(data)) as z:
     member = next(n for n in z.namelist() if n.endswith(".data/scripts/uv"))
     with open(os.path.join(folder, "uv"), "wb") as f:
@@ -90,22 +160,64 @@ python_version() {
   "$1" -c 'import sys; print(sys.version.split()[0])' 2>/dev/null || true
 }
 
-# The venv with uv's CPython $MCJAX_HOST_PYTHON, made anew when its Python is another version, down
-# to the patch level (a 3.12 venv of another 3.12.x is not every host's Python).
+# This host's own Python when it is at least $MCJAX_HOST_PYTHON (major.minor): python3.X on PATH
+# from that version up, then python3; nothing when none runs.
+system_python() {
+  local want major minor m p
+  want=$(printf '%s\n' "$MCJAX_HOST_PYTHON" | cut -d. -f1-2)
+  major=${want%%.*}
+  minor=${want#*.}
+  for p in "python$want" $(for m in $(seq $((minor + 1)) $((minor + 4))); do echo "python$major.$m"; done) python3; do
+    p=$(command -v "$p" 2>/dev/null) || continue
+    if "$p" -c 'import sys; sys.exit(sys.version_info[:2] < tuple(map(int, sys.argv[1].split("."))))' "$want" 2>/dev/null; then
+      echo "$p"
+      return 0
+    fi
+  done
+}
+
+# uv's CPython $MCJAX_HOST_PYTHON, installed when missing.
+uv_python() {
+  local python from="python-build-standalone's releases on GitHub"
+  from=${UV_PYTHON_INSTALL_MIRROR:-$from}
+  "$UV" python install "$MCJAX_HOST_PYTHON" >&2 ||
+    mcjax_die "uv could not install CPython $MCJAX_HOST_PYTHON from $from, and this host has no Python >= $MCJAX_HOST_PYTHON of its own: install one (apt-get install python$MCJAX_HOST_PYTHON), or set UV_PYTHON_INSTALL_MIRROR to a copy of those releases that the host reaches (a folder of a package index's server, file:///path)"
+  python=$("$UV" python find --managed-python "$MCJAX_HOST_PYTHON") || python=""
+  [ -n "$python" ] || mcjax_die "uv installed CPython $MCJAX_HOST_PYTHON but cannot find it"
+  echo "$python"
+}
+
+# The interpreter the venv is made with, by MCJAX_HOST_PYTHON_FROM (see usage).
+host_python() {
+  local python=""
+  case "$MCJAX_HOST_PYTHON_FROM" in
+    auto | system) python=$(system_python) ;;
+    uv) ;;
+    *) mcjax_die "MCJAX_HOST_PYTHON_FROM='$MCJAX_HOST_PYTHON_FROM' (want auto, system or uv)" ;;
+  esac
+  if [ -n "$python" ]; then
+    echo "$python"
+  elif [ "$MCJAX_HOST_PYTHON_FROM" = system ]; then
+    mcjax_die "MCJAX_HOST_PYTHON_FROM=system, but this host has no Python >= $MCJAX_HOST_PYTHON on PATH (python$MCJAX_HOST_PYTHON, python3)"
+  else
+    uv_python
+  fi
+}
+
+# The venv with host_python's interpreter, made anew when its Python is another version, down to
+# the patch level (a 3.12 venv of another 3.12.x is not this host's Python).
 ensure_venv() {
   local python want have
   ensure_uv
-  "$UV" python install "$MCJAX_HOST_PYTHON" || mcjax_die "uv could not install CPython $MCJAX_HOST_PYTHON"
-  python=$("$UV" python find --managed-python "$MCJAX_HOST_PYTHON") && [ -n "$python" ] ||
-    mcjax_die "uv installed CPython $MCJAX_HOST_PYTHON but cannot find it"
+  python=$(host_python)
   want=$(python_version "$python")
-  [ -n "$want" ] || mcjax_die "$python (uv's CPython $MCJAX_HOST_PYTHON) does not run"
+  [ -n "$want" ] || mcjax_die "$python (the Python for $MCJAX_HOST_PYTHON) does not run"
   have=""
   if [ -x "$MCJAX_VENV/bin/python" ]; then have=$(python_version "$MCJAX_VENV/bin/python"); fi
   if [ "$have" = "$want" ]; then
     mcjax_log "reusing the venv $MCJAX_VENV (Python $have)"
   else
-    mcjax_log "creating the venv $MCJAX_VENV with CPython $want${have:+ (it had $have)}"
+    mcjax_log "creating the venv $MCJAX_VENV with CPython $want${have:+ (it had $have)}: $python"
     "$UV" venv --clear --seed --python "$python" "$MCJAX_VENV" || mcjax_die "uv could not create $MCJAX_VENV"
   fi
 }
@@ -199,6 +311,7 @@ cmd_lock() {
   done
 }
 
+use_pip_settings
 case "${1:-install}" in
   install) cmd_install; cmd_check ;;
   deps) cmd_deps ;;

@@ -47,8 +47,9 @@ assert NUM_PROCESSES == len(layout.engines) + 1 and PROCESS_ID == layout.kernel_
 # It binds the address on which the kernel's host reaches it: loopback when it is this kernel, else
 # its host's internal address (on the simulated cluster both are 127.0.0.1), never all interfaces.
 # A bind other than loopback needs an API key (`dsr1.server.options.bind_refusal`), so the notebook
-# always sets one: `$DSR1_API_KEY`, else a random key for this session. `SERVE_PORT = 0` takes any
-# free port; pick a fixed one (e.g. 8000) to reach the server through an ssh port-forward (see the end).
+# always sets one: `$DSR1_API_KEY`, else a random key for this session. `SERVE_PORT = 0` takes the
+# first free port of the cluster's one range (`MCJAX_PORTS`, 8476-8575; any free one on the simulated
+# cluster); pick a fixed one (e.g. 8000) to reach the server through an ssh port-forward (see the end).
 
 # %%
 import secrets
@@ -138,10 +139,12 @@ engine = Engine(model, max_seqs=4, page_size=16, num_pages=64, prefill_chunk=32,
 SERVER_URL = None
 if engine.is_leader:
     from dsr1.server import BackgroundServer, ServerConfig, create_app
+    from dsr1.workbench.ports import free_port
 
     engine.warm_up()
     app = create_app(engine, ServerConfig(model_name=MODEL_NAME, api_key=API_KEY, default_max_tokens=64))
-    server = BackgroundServer(app, host=SERVE_HOST, port=SERVE_PORT, shutdown_timeout=30.0).start()
+    server = BackgroundServer(app, host=SERVE_HOST, port=SERVE_PORT or free_port(SERVE_HOST), shutdown_timeout=30.0)
+    server.start()
     SERVER_URL = server.url
     print(f"process {PROCESS_ID} serves '{MODEL_NAME}' on {SERVER_URL}/v1")
 else:

@@ -743,3 +743,94 @@ mcjax.shutdown_everywhere(cluster)
 cluster.close()
 print("RESULT " + json.dumps(out, default=str), flush=True)
 '''
+
+
+# ----------------------------------------------------------------------------- the one port range
+
+def test_the_port_range_gives_free_ports_of_its_own_and_probes_reach_them(monkeypatch):
+    from dsr1.workbench import ports
+    from dsr1.workbench.process import ClusterError
+
+    monkeypatch.delenv("MCJAX_PROVIDER", raising=False)
+    assert ports.port_range("") == ports.DEFAULT_PORTS == (8476, 8575)
+    with pytest.raises(ClusterError, match="MCJAX_PORTS='8476:8575'"):
+        ports.port_range("8476:8575")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        taken = s.getsockname()[1]
+        s.listen()
+        monkeypatch.setenv("MCJAX_PORTS", f"{taken}-{taken + 40}")
+        assert ports.free_port("127.0.0.1") > taken  # the taken one is passed over
+        assert ports.free_port("127.0.0.1", highest=True) <= taken + 40
+        probe = ports.open_probe("127.0.0.1", seconds=5)
+        assert taken < probe <= taken + 40 and ports.reaches("127.0.0.1", probe) is None
+        monkeypatch.setenv("MCJAX_PORTS", f"{taken}-{taken}")
+        with pytest.raises(ClusterError, match=f"range {taken}-{taken}"):
+            ports.open_probe("127.0.0.1")
+    assert ports.reaches("127.0.0.1", taken, timeout=1) is not None  # closed now
+
+
+def test_the_serving_control_channel_listens_on_the_cluster_address_in_the_range(monkeypatch):
+    from dsr1.serving import control
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        low = s.getsockname()[1]
+        s.listen()
+        monkeypatch.setenv("DSR1_CONTROL_HOST", "127.0.0.1")
+        monkeypatch.setenv("DSR1_CONTROL_PORTS", f"{low}-{low + 20}")
+        with control._listen(4) as server:
+            host, port = server.getsockname()[:2]
+    assert host == "127.0.0.1" and low < port <= low + 20
+    monkeypatch.setenv("DSR1_CONTROL_PORTS", "many")
+    with pytest.raises(ValueError, match="DSR1_CONTROL_PORTS='many'"):
+        control.control_ports()
+
+
+class _HereClient:
+    """ipyparallel's client as far as the port probe uses it: every engine runs here, at once."""
+
+    class _View:
+        def apply_async(self, f, *args):
+            result = f(*args)
+            return type("Done", (), {"get": lambda self, timeout=None: result})()
+
+    def __getitem__(self, engine_id):
+        return self._View()
+
+
+def test_check_probes_the_range_from_every_host_to_host_0_and_back(monkeypatch):
+    from dsr1.workbench import ports, smoke
+
+    monkeypatch.delenv("MCJAX_PROVIDER", raising=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        low = s.getsockname()[1]
+    monkeypatch.setenv("MCJAX_PORTS", f"{low}-{low + 30}")
+    engines = {0: {"hostname": "h1", "host_index": "1", "pid": 1, "address": "127.0.0.1"},
+               1: {"hostname": "h2", "host_index": "2", "pid": 2, "address": "127.0.0.1"}}
+    lines, failures = smoke._reachability(_HereClient(), engines, "127.0.0.1", timeout=10)
+    assert failures == [] and lines[0].startswith(f"ports {low}-{low + 30} (MCJAX_PORTS)") and lines[0].endswith(": ok")
+    # A host whose ports host 0 cannot reach (a firewall): named, with the port.
+    monkeypatch.setattr(ports, "open_probe", lambda address, highest=False, seconds=60.0: low + 30 if highest else low)
+    monkeypatch.setattr(ports, "reaches", lambda address, port, timeout=5.0: None if port != low + 30
+                        else f"{address}:{port}: timed out")
+    lines, failures = smoke._reachability(_HereClient(), engines, "127.0.0.1", timeout=10)
+    assert "BLOCKED" in lines[0] and len(failures) == 4, lines
+    assert failures[:2] == [f"host 1 (h1, engine 0, pid 1): cannot reach host 0 at 127.0.0.1:{low + 30}: timed out",
+                            f"host 1 (h1, engine 0, pid 1): host 0 cannot reach it at 127.0.0.1:{low + 30}: timed out"]
+
+
+def test_every_process_gets_the_range_and_its_host_s_cluster_address(tmp_path):
+    root = Path(__file__).resolve().parent.parent
+    env = {"HOME": str(tmp_path), "PATH": os.environ["PATH"], "MCJAX_PROVIDER": "ssh", "MCJAX_STATE": str(tmp_path),
+           "MCJAX_HOST_INDEX": "2", "MCJAX_INTERNAL_IPS": "10.0.0.10 10.0.0.11 10.0.0.12", "MCJAX_JAX_CACHE": "off",
+           "MCJAX_PORTS": "20000-20099", "MCJAX_VENV": str(Path(sys.executable).parent.parent)}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 20090))  # the top of the range is taken: the controller's 32 end below it
+        script = ". cluster/common.sh && mcjax_process_env && mcjax_controller_ports 127.0.0.1"
+        done = subprocess.run(["bash", "-c", script], env=env, cwd=root, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert {"MCJAX_PORTS=20000-20099", "DSR1_CONTROL_PORTS=20000-20099", "DSR1_CONTROL_HOST=10.0.0.12"} <= set(lines)
+    assert lines[-1] == "20058-20089", lines

@@ -178,7 +178,7 @@ def test_dry_run_commands_survive_the_quoting(provider, tmp_path):
     remote_dir = PROVIDERS[provider].get("MCJAX_REMOTE_DIR", ".mcjax-setup")
     venv = [s for s in scripts if s[:2] == ["bash", f"{remote_dir}/cluster/venv.sh"]]
     assert [s[2] for s in venv] == ["install", "deps", "deps", "project", "project", "check", "check", "check"]
-    assert "uv 0.13.9 from its PyPI wheel" in setup and "uv python install 3.12" in setup
+    assert "uv 0.13.9 from its wheel on the package index" in setup and "uv python install 3.12" in setup
     if provider == "gcloud":
         assert all("--tunnel-through-iap" in c and "--ssh-flag=-o ConnectTimeout=20 -o ServerAliveInterval=15 "
                    "-o ServerAliveCountMax=4" in c for c in cmds)

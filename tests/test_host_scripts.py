@@ -344,3 +344,211 @@ def test_a_named_cluster_gets_its_own_settings_folder_and_key_on_the_hosts(tmp_p
     tags = run(["bash", "-c", ". ./mcjax_defs.sh; echo \"[$(mcjax_cluster_tag)]\"; MCJAX_CLUSTER_ID=x.1 "
                 "mcjax_cluster_tag"], env, ROOT).stdout.split()
     assert tags == ["[]", "-x.1"]
+
+
+# ----------------------------------------------------------------------------- a host that reaches only its index
+
+def _wheel(folder: Path, name: str, version: str) -> Path:
+    """A minimal pure-Python wheel of NAME VERSION (one module) in FOLDER."""
+    import base64
+    import hashlib
+    import zipfile
+
+    dist = f"{name}-{version}.dist-info"
+    files = {f"{name}.py": f"VERSION = {version!r}\n",
+             f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+
+    def digest(text: str) -> str:
+        return base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+
+    record = "".join(f"{p},sha256={digest(t)},{len(t.encode())}\n" for p, t in files.items()) + f"{dist}/RECORD,,\n"
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for p, t in {**files, f"{dist}/RECORD": record}.items():
+            z.writestr(p, t)
+    return path
+
+
+def _simple_index(root: Path, wheels: list[Path]) -> None:
+    """ROOT/simple/<project>/index.html (PEP 503) linking ROOT/files/<wheel> with its sha256."""
+    import hashlib
+
+    (root / "files").mkdir(parents=True)
+    projects: dict[str, list[str]] = {}
+    for wheel in wheels:
+        shutil.copy(wheel, root / "files" / wheel.name)
+        sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
+        project = wheel.name.split("-")[0].lower().replace("_", "-")
+        projects.setdefault(project, []).append(f'<a href="../../files/{wheel.name}#sha256={sha}">{wheel.name}</a>')
+    for project, links in projects.items():
+        (root / "simple" / project).mkdir(parents=True)
+        (root / "simple" / project / "index.html").write_text("<html><body>" + "".join(links) + "</body></html>")
+    (root / "simple" / "index.html").write_text(
+        "<html><body>" + "".join(f'<a href="{p}/">{p}</a>' for p in projects) + "</body></html>")
+
+
+def _uv_wheel(cache: Path) -> Path:
+    """uv's wheel at the version mcjax_defs.sh pins, downloaded once into CACHE (skips without it)."""
+    import re
+    import sys
+
+    version = re.search(r'MCJAX_UV_VERSION:=([0-9.]+)', (ROOT / "mcjax_defs.sh").read_text()).group(1)
+    found = sorted(cache.glob(f"uv-{version}-*manylinux*.whl"))
+    if not found:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+                        "--dest", str(cache), f"uv=={version}"], capture_output=True, timeout=300)
+        found = sorted(cache.glob(f"uv-{version}-*manylinux*.whl"))
+    if not found:
+        pytest.skip(f"uv {version}'s wheel could not be downloaded")
+    return found[0]
+
+
+NETWORK_OF_ITS_OWN = shutil.which("unshare") is not None and shutil.which("ip") is not None and \
+    subprocess.run(["unshare", "-n", "-m", "true"], capture_output=True).returncode == 0
+
+# In a network (and mount) namespace of its own, with loopback alone: the package index served
+# there, pip's global configuration of this machine hidden, then venv.sh.
+ONLY_AN_INDEX = r"""
+set -eu
+ip link set lo up
+[ ! -e /etc/pip.conf ] || mount --bind /dev/null /etc/pip.conf
+"$INDEX_PYTHON" -m http.server --bind 127.0.0.1 --directory "$INDEX_ROOT" "$INDEX_PORT" >/dev/null 2>&1 &
+server=$!
+trap 'kill "$server"' EXIT
+for _ in $(seq 1 100); do
+  "$INDEX_PYTHON" -c 'import socket, sys; socket.create_connection(("127.0.0.1", int(sys.argv[1])))' "$INDEX_PORT" \
+    2>/dev/null && break
+  sleep 0.1
+done
+bash "$VENV_SH" deps
+"$MCJAX_VENV/bin/python" -c 'import tinydep, pip; print("tinydep", tinydep.VERSION)'
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.skipif(not NETWORK_OF_ITS_OWN, reason="needs unshare -n -m (root) and ip")
+def test_a_host_reaching_only_its_package_index_builds_python_and_venv_from_it(tmp_path, request):
+    """A host whose only route is its package index (named in its pip.conf, which uv does not read):
+    venv.sh takes the host's own Python (new enough), fetches uv through pip from that index, and
+    seeds and syncs the venv from it; nothing comes from GitHub (uv's CPython downloads)."""
+    import ensurepip
+    import sys
+
+    base = Path(sys._base_executable).resolve()
+    seeds = sorted((Path(ensurepip.__file__).parent / "_bundled").glob("*.whl"))
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    tiny = _wheel(wheels, "tinydep", "1.0")
+    stand_in = _wheel(wheels, "wheel", "0.0.1")  # uv seeds wheel too below Python 3.12
+    cache = request.config.cache.mkdir("uv-wheel") if getattr(request.config, "cache", None) else tmp_path / "dl"
+    _simple_index(tmp_path / "index", [_uv_wheel(Path(cache)), tiny, stand_in, *seeds])
+    import hashlib
+
+    lock = tmp_path / "lock.txt"
+    lock.write_text(f"tinydep==1.0 \\\n    --hash=sha256:{hashlib.sha256(tiny.read_bytes()).hexdigest()}\n")
+    home, pybin = tmp_path / "home", tmp_path / "pybin"
+    (home / ".config" / "pip").mkdir(parents=True)
+    pybin.mkdir()
+    version = ".".join(map(str, sys.version_info[:2]))
+    (pybin / f"python{version}").symlink_to(base)
+    (pybin / "python3").symlink_to(base)
+    port = 18000 + os.getpid() % 1000
+    (home / ".config" / "pip" / "pip.conf").write_text(f"[global]\nindex-url = http://127.0.0.1:{port}/simple\n")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "pyproject.toml").write_text("")
+    env = {"HOME": str(home), "USER": "obrien", "LANG": "C.UTF-8", "TMPDIR": str(tmp_path),
+           "PATH": f"{pybin}{os.pathsep}/usr/sbin{os.pathsep}/usr/bin{os.pathsep}/sbin{os.pathsep}/bin",
+           "MCJAX_PROVIDER": "ssh", "MCJAX_STATE": str(tmp_path / "state"), "MCJAX_HOST_PYTHON": version,
+           "MCJAX_UV_DIR": str(tmp_path / "uv"), "MCJAX_VENV": str(tmp_path / "venv"), "MCJAX_REPO_DIR": str(repo),
+           "MCJAX_NFS_DIR": str(tmp_path / "nfs"), "MCJAX_LOCK": str(lock), "UV_CACHE_DIR": str(tmp_path / "uv-cache"),
+           "UV_PYTHON_INSTALL_DIR": str(tmp_path / "uv-python"), "INDEX_PYTHON": str(base),
+           "INDEX_ROOT": str(tmp_path / "index"), "INDEX_PORT": str(port), "VENV_SH": str(ROOT / "cluster/venv.sh")}
+    done = run(["unshare", "-n", "-m", "bash", "-c", ONLY_AN_INDEX], env, tmp_path, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "tinydep 1.0" in done.stdout, done.stdout
+    assert f"with CPython {sys.version.split()[0]}" in done.stdout and str(pybin) in done.stdout, done.stdout
+    assert not (tmp_path / "uv-python").exists()  # no uv-managed CPython was installed
+
+
+@pytest.mark.slow
+def test_uv_gets_pip_s_index_settings_and_setup_forwards_proxies_and_index(tmp_path):
+    """pip's configuration (which uv ignores) becomes uv's variables where no UV_* one is set; the
+    proxies and UV_*/PIP_* set for setup reach the hosts: mcjax.env, and srun's --export."""
+    log, uv_dir = tmp_path / "uv.log", tmp_path / "uv"
+    (uv_dir / "0.13.9").mkdir(parents=True)
+    uv = uv_dir / "0.13.9" / "uv"
+    uv.write_text(f'#!/bin/sh\nenv | grep -E "^(UV_|SSL_CERT_FILE|HTTPS?_PROXY)" | sort >>"{log}"\n'
+                  'case "$*" in --version) echo "uv 0.13.9";; esac\nexit 0\n')
+    uv.chmod(0o755)
+    links = tmp_path / "links"
+    links.mkdir()
+    conf = tmp_path / "pip.conf"
+    conf.write_text(f"[global]\nindex-url = https://mirror.example/simple\nextra-index-url = https://extra.example/simple\n"
+                    f"find-links = {links} /no/such/folder\ntrusted-host = mirror.example\ncert = {conf}\n"
+                    "proxy = http://proxy.example:3128\n")
+    (tmp_path / "repo").mkdir()
+    (tmp_path / "repo" / "pyproject.toml").write_text("")
+    env = base_env(tmp_path, tmp_path, MCJAX_PROVIDER="ssh", PATH=os.environ["PATH"], MCJAX_UV_DIR=str(uv_dir),
+                   MCJAX_VENV=str(tmp_path / "venv"), MCJAX_LOCK="off", MCJAX_REPO_DIR=str(tmp_path / "repo"),
+                   MCJAX_HOST_PYTHON_FROM="system", MCJAX_HOST_PYTHON="3.8", PIP_CONFIG_FILE=str(conf))
+    done = run(["bash", ROOT / "cluster/venv.sh", "deps"], env, ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    seen = set(log.read_text().splitlines())
+    assert {"UV_DEFAULT_INDEX=https://mirror.example/simple", "UV_INDEX=https://extra.example/simple",
+            f"UV_FIND_LINKS={links}", "UV_INSECURE_HOST=mirror.example", f"SSL_CERT_FILE={conf}",
+            "HTTPS_PROXY=http://proxy.example:3128", "UV_INDEX_STRATEGY=unsafe-best-match"} <= seen, seen
+    log.write_text("")
+    own = run(["bash", ROOT / "cluster/venv.sh", "deps"], dict(env, UV_DEFAULT_INDEX="https://own.example/simple"),
+              ROOT)
+    assert own.returncode == 0 and "UV_DEFAULT_INDEX=https://own.example/simple" in log.read_text(), own.stderr
+
+    bin_dir, _ = fake_tools(tmp_path)
+    given = dict(https_proxy="http://proxy.corp:3128", UV_DEFAULT_INDEX="https://mirror.corp/simple",
+                 PIP_INDEX_URL="https://mirror.corp/simple", UV_CACHE_DIR="/local/cache", PIP_CERT="/local/corp.pem")
+    printed = run([ROOT / "mcjax_setup.sh", "--print-env"], base_env(tmp_path, bin_dir, **PROVIDERS["ssh"], **given),
+                  ROOT)
+    assert printed.returncode == 0, printed.stderr
+    for name in ("https_proxy", "UV_DEFAULT_INDEX", "PIP_INDEX_URL"):
+        assert f'[ -n "${{{name}+x}}" ] || {name}=' in printed.stdout, printed.stdout
+    assert "UV_CACHE_DIR" not in printed.stdout and "PIP_CERT" not in printed.stdout  # local paths of this machine
+    slurm = run([ROOT / "mcjax_setup.sh", "--dry-run", "--steps", "venv"],
+                base_env(tmp_path, bin_dir, **PROVIDERS["slurm"], **given), ROOT)
+    assert slurm.returncode == 0, slurm.stderr
+    exports = {w for words in commands(slurm.stdout) for w in words if w.startswith("--export=")}
+    assert exports == {"--export=HOME,PATH,USER,PIP_INDEX_URL,UV_DEFAULT_INDEX,https_proxy"}, exports
+
+
+def test_stop_removes_the_nfs_mounts_their_fstab_lines_and_the_exports(tmp_path):
+    """--stop of a cluster whose host 0 exported the shared folder: hosts 1..N-1 drop setup's fstab
+    line and the mount (nfs.sh unmount), then host 0 its exports file (nfs.sh unexport); a shared
+    file system (Slurm's) has none of that."""
+    bin_dir, _ = fake_tools(tmp_path)
+    stop = run([ROOT / "mcjax_setup.sh", "--stop", "--dry-run", "--provider", "ssh"],
+               base_env(tmp_path, bin_dir, **PROVIDERS["ssh"]), ROOT)
+    assert stop.returncode == 0, stop.stderr
+    said = [w[2:] for w in map(remote_words, commands(stop.stdout)) if w[2:3] in (["unmount"], ["unexport"])]
+    assert said == [["unmount", "10.0.0.10"]] * 2 + [["unexport"]], said
+    slurm = run([ROOT / "mcjax_setup.sh", "--stop", "--dry-run", "--provider", "slurm"],
+                base_env(tmp_path, bin_dir, **PROVIDERS["slurm"]), ROOT)
+    assert slurm.returncode == 0 and "unmount" not in slurm.stdout and "unexport" not in slurm.stdout, slurm.stderr
+
+    fstab, exports, shared = tmp_path / "fstab", tmp_path / "mcjax.exports", tmp_path / "shared"
+    shared.mkdir()
+    ours = f"10.0.0.10:{shared} {shared} nfs rw,hard,noatime,_netdev,nofail 0 0"
+    fstab.write_text(f"UUID=abc / ext4 defaults 0 1\n{ours}\n10.0.0.99:/other /other nfs rw 0 0\n")
+    exports.write_text(f"{shared} 10.0.0.11(rw)\n")
+    (bin_dir / "exportfs").write_text(f'#!/bin/sh\necho "exportfs $*" >>"{tmp_path}/exportfs.log"\n')
+    (bin_dir / "exportfs").chmod(0o755)
+    (bin_dir / "sudo").write_text('#!/bin/sh\nexec "$@"\n')
+    (bin_dir / "sudo").chmod(0o755)
+    env = base_env(tmp_path, bin_dir, MCJAX_PROVIDER="ssh", MCJAX_NFS_DIR=str(shared), MCJAX_FSTAB=str(fstab),
+                   MCJAX_EXPORTS_FILE=str(exports))
+    done = run(["bash", ROOT / "cluster/nfs.sh", "unmount", "10.0.0.10"], env, ROOT)
+    assert done.returncode == 0, done.stderr
+    assert fstab.read_text() == "UUID=abc / ext4 defaults 0 1\n10.0.0.99:/other /other nfs rw 0 0\n"
+    done = run(["bash", ROOT / "cluster/nfs.sh", "unexport"], env, ROOT)
+    assert done.returncode == 0 and not exports.exists(), done.stderr
+    assert (tmp_path / "exportfs.log").read_text() == "exportfs -ra\n" and shared.is_dir()

@@ -312,7 +312,8 @@ def test_a_venv_of_another_patch_release_is_made_anew(tmp_path):
     venv = tmp_path / "venv"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MCJAX_")}
     env.update(MCJAX_PROVIDER="ssh", MCJAX_UV_DIR=str(uv_dir), MCJAX_VENV=str(venv), MCJAX_LOCK="off",
-               MCJAX_REPO_DIR=str(tmp_path / "repo"), MCJAX_STATE=str(tmp_path / "state"), MCJAX_HOST_PYTHON="3.12")
+               MCJAX_REPO_DIR=str(tmp_path / "repo"), MCJAX_STATE=str(tmp_path / "state"), MCJAX_HOST_PYTHON="3.12",
+               MCJAX_HOST_PYTHON_FROM="uv")
     (tmp_path / "repo").mkdir()
     (tmp_path / "repo" / "pyproject.toml").write_text("")
 

@@ -11,8 +11,9 @@ Each message is `broadcast.encode_work` (the page table as the entries that chan
 step's) behind an 8-byte length (-1: stop). Setup takes one device broadcast, at construction:
 process 0 listens on a free port of one address, the first of `leader_addresses` it can bind (never
 every interface), and sends that address, the port and a random token to the others, which connect
-and present the token. `DSR1_CONTROL_HOST` (comma-separated) names the addresses to try first, for
-hosts whose name resolves to an address the others cannot reach.
+and present the token. `DSR1_CONTROL_HOST` (comma-separated) names the addresses to bind instead,
+the only ones tried (the cluster scripts set it to each host's cluster address), and
+`DSR1_CONTROL_PORTS` (`LOW-HIGH`, the cluster's one port range) the ports to take the free one from.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import numpy as np
 from .broadcast import decode_work, encode_work
 from .work import StepWork
 
-__all__ = ["HostChannel", "leader_addresses"]
+__all__ = ["HostChannel", "control_ports", "leader_addresses"]
 
 _LENGTH = struct.Struct("<q")
 _HELLO = struct.Struct("<i16s")  # a follower's process id and the token
@@ -55,16 +56,31 @@ def leader_addresses() -> list[str]:
     return list(dict.fromkeys([*routable, "127.0.0.1"]))
 
 
+def control_ports() -> list[int]:
+    """The ports the channel may listen on: `$DSR1_CONTROL_PORTS` (`LOW-HIGH`), else [0] (any free one)."""
+    text = os.environ.get("DSR1_CONTROL_PORTS", "").strip()
+    if not text:
+        return [0]
+    low, sep, high = text.partition("-")
+    if not (sep and low.isdigit() and high.isdigit() and 0 < int(low) <= int(high) < 65536):
+        raise ValueError(f"DSR1_CONTROL_PORTS={text!r} is not a port range LOW-HIGH (1 <= LOW <= HIGH <= 65535)")
+    return list(range(int(low), int(high) + 1))
+
+
 def _listen(backlog: int) -> socket.socket:
-    """A server socket on the first of `leader_addresses()` this host can bind, on a free port: the
-    address the others reach this host at, never every interface."""
+    """A server socket on the first address this host can bind, `$DSR1_CONTROL_HOST`'s alone when
+    set, else `leader_addresses()`'s, on a free port of `control_ports()`: the address the others
+    reach this host at, never every interface."""
+    chosen = [h.strip() for h in os.environ.get("DSR1_CONTROL_HOST", "").split(",") if h.strip()]
     errors = {}
-    for host in leader_addresses():
-        try:
-            return socket.create_server((host, 0), backlog=backlog)
-        except OSError as e:
-            errors[host] = e
+    for host in chosen or leader_addresses():
+        for port in control_ports():
+            try:
+                return socket.create_server((host, port), backlog=backlog)
+            except OSError as e:
+                errors[host] = e
     raise ConnectionError(f"process 0 could not listen for the serving control channel on any of its addresses "
+                          f"and ports {os.environ.get('DSR1_CONTROL_PORTS') or '(any)'} "
                           f"({'; '.join(f'{h}: {e}' for h, e in errors.items())}); set DSR1_CONTROL_HOST to one "
                           f"of this host's addresses")
 

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from . import ports
 from .connection import Cluster, cluster_info
 from .layout import DEFAULT_COORDINATOR_PORT, Layout, assign_process_ids
 from .process import ClusterError, reset_here
@@ -109,11 +110,14 @@ def reset_engines(cluster: Cluster, *, n: int | None = None, timeout: float = 18
 
 
 def next_port(info: dict[str, Any], layout: Layout | None) -> int:
-    """A coordinator port for the next initialize: a free one on a local cluster (everything runs
-    here), else the previous one + 1 (a port the old coordinator may still hold is avoided)."""
+    """A coordinator port of the cluster's range (``$MCJAX_PORTS``) for the next initialize: a free
+    one on a local cluster (everything runs here), else the previous one + 1 (a port the old
+    coordinator may still hold is avoided), back to the range's first after its last."""
     if info.get("provider") == "local":
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
+    low, high = ports.port_range()
     previous = (layout.port if layout else None) or info.get("coordinator_port") or DEFAULT_COORDINATOR_PORT
-    return int(previous) + 1
+    following = int(previous) + 1
+    return following if low <= following <= high else low

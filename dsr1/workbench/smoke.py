@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import ports
 from .process import address_towards
 
 LOCKED = ("jax", "jaxlib")
@@ -77,10 +78,40 @@ def _jax_started() -> bool:
 
 
 def free_port(address: str) -> int:
-    """A TCP port free on ``address`` now (for the check's coordinator)."""
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
+    """A port of the cluster's range (``$MCJAX_PORTS``) free on ``address`` now (for the check's
+    coordinator)."""
+    return ports.free_port(address)
+
+
+def probe_host_0(host_0: str, host_0_ports: list[int], address: str) -> tuple[list[str], list[int]]:
+    """(On an engine) Whether this host reaches ``host_0`` on each of ``host_0_ports``, and the
+    ports of the range it now listens on at ``address`` (its address towards host 0) for host 0 to
+    reach: the problems, the ports."""
+    problems = [f"cannot reach host 0 at {why}" for port in host_0_ports if (why := ports.reaches(host_0, port))]
+    return problems, [ports.open_probe(address, highest=h) for h in (False, True)]
+
+
+def _reachability(client: Any, engines: dict[int, dict[str, Any]], controller_ip: str,
+                  timeout: float) -> tuple[list[str], list[str]]:
+    """The range's lowest and highest free ports, from every engine's host to host 0 and back: the
+    report's lines and the failures."""
+    low, high = ports.port_range()
+    mine = [ports.open_probe(controller_ip, highest=h) for h in (False, True)]
+    pending = {e: client[e].apply_async(probe_host_0, controller_ip, mine, r["address"])
+               for e, r in engines.items() if r.get("address") not in (None, "?")}
+    failures = []
+    for e, ar in pending.items():
+        try:
+            found, theirs = ar.get(timeout=timeout)
+        except Exception as error:  # noqa: BLE001 - reported per host
+            found, theirs = [f"the port probe failed: {type(error).__name__}: {error}"], []
+        found += [f"host 0 cannot reach it at {why}" for port in theirs
+                  if (why := ports.reaches(engines[e]["address"], port))]
+        failures += [f"{_label(engines[e], e)}: {f}" for f in found]
+    verdict = "ok" if not failures else "BLOCKED"
+    lines = [f"ports {low}-{high} (MCJAX_PORTS), the lowest and highest free, every host to host 0 and back: "
+             f"{verdict}"] + [f"    {f}" for f in failures]
+    return lines, failures
 
 
 def collective(process_id: int, num_processes: int, coordinator: str | None, env: dict[str, str],
@@ -273,6 +304,9 @@ def _check(client: Any, info: dict[str, Any], lock: dict[str, str] | None, lock_
                      f"from {r['dsr1_file']}: {'ok' if not found else 'MISMATCH'}")
         lines += [f"    {p}" for p in found]
         failures += [f"{label}: {p}" for p in found]
+    reach, blocked = _reachability(client, {e: engines[e] for e in by_host}, controller_ip, timeout)
+    lines += reach
+    failures += blocked
     busy = [label for label, r in reports.items() if r.get("jax_started")]
     if failures:
         lines.append("collective: not run (fix the hosts above first)")
