@@ -187,6 +187,17 @@ def test_unsupported_fields_name_the_field(field, value, message):
         Config.from_dict(raw, source="v4/config.json")
 
 
+def test_model_api_refuses_v4_clearly(tmp_path):
+    """`dsr1.load` and `init_random` name the config instead of failing inside MLA's code."""
+    import dsr1
+
+    (tmp_path / "config.json").write_text(json.dumps(reference_v4.CONFIGS["all_kinds"]))
+    with pytest.raises(ConfigError, match="DeepSeek-V4 .* is not served by dsr1.Model yet"):
+        dsr1.load(tmp_path, progress=False)
+    with pytest.raises(ConfigError, match="init_random: DeepSeek-V4"):
+        dsr1.init_random(reference_v4.config("all_kinds"))
+
+
 def test_hash_routing_and_sqrtsoftplus_scores():
     """Hash layers take their table's experts and weight them by the router's normalised
     `sqrt(softplus)` scores; top-k layers choose on the scores plus the bias."""
