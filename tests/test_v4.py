@@ -187,6 +187,31 @@ def test_unsupported_fields_name_the_field(field, value, message):
         Config.from_dict(raw, source="v4/config.json")
 
 
+@pytest.mark.slow
+@pytest.mark.extended
+def test_every_expert_kernel_clamps_swiglu():
+    """The SwiGLU clamp (gate <= limit, up in [-limit, limit]) in every routed-expert kernel, as NumPy computes it."""
+    from dsr1.core import moe
+
+    rng = np.random.default_rng(1)
+    n, d, f, e, k, limit = 6, 8, 4, 5, 2, 0.5
+    p = {name: jnp.asarray(3 * rng.standard_normal(shape), jnp.float32)
+         for name, shape in (("gate", (e, d, f)), ("up", (e, d, f)), ("down", (e, f, d)))}
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    experts = np.stack([rng.permutation(e)[:k] for _ in range(n)]).astype(np.int32)
+    weights = rng.random((n, k)).astype(np.float32)
+    want = np.zeros((n, d), np.float32)
+    for i in range(n):
+        for j in range(k):
+            g, u = x[i] @ np.asarray(p["gate"][experts[i, j]]), x[i] @ np.asarray(p["up"][experts[i, j]])
+            g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+            want[i] += weights[i, j] * ((g / (1 + np.exp(-g)) * u) @ np.asarray(p["down"][experts[i, j]]))
+    for kernel in (moe.loop_experts, moe.ragged_experts, moe.dense_experts, moe.gather_experts, moe.capacity_experts):
+        got = moe.routed_experts(p, jnp.asarray(x), jnp.asarray(weights), jnp.asarray(experts), MESH["mesh"],
+                                 MESH["rules"], kernel=kernel, limit=limit)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5, err_msg=kernel.__name__)
+
+
 def test_model_api_refuses_v4_clearly(tmp_path):
     """`dsr1.load` and `init_random` name the config instead of failing inside MLA's code."""
     import dsr1
