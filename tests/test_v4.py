@@ -78,7 +78,7 @@ def test_forward_matches_official_and_hf_token_by_token(v4):
     assert relative_error(v4.hf, v4.official[0]) <= TOLERANCE  # the two references agree with each other
 
 
-CHUNKS = (5, 11, 1, 1, 11, 5, 1, 11, 1, 1)  # 48 positions, windows of 8-12 crossed mid-chunk
+CHUNKS = (5, 1) * 8  # 48 positions: chunks crossing windows (8, 12) and entries mid-chunk, decode steps between
 
 
 def _fed_in_chunks(v4: V4Fixture, sizes) -> np.ndarray:
@@ -96,8 +96,8 @@ def _fed_in_chunks(v4: V4Fixture, sizes) -> np.ndarray:
 
 @pytest.mark.slow
 def test_prefill_in_chunks_and_decode_equal_whole_prefill(v4):
-    """Chunks of 5 and 11 tokens and decode steps (1 token) between them, crossing windows and
-    entries anywhere, give the whole-sequence forward's logits at every position of both rows."""
+    """Chunks of 5 tokens and decode steps (1 token) between them, crossing windows and entries
+    anywhere, give the whole-sequence forward's logits at every position of both rows."""
     whole = np.asarray(programs.forward(v4.params, jnp.asarray(v4.tokens), jnp.asarray(LENGTHS), cfg=v4.cfg, **MESH))
     chunked = _fed_in_chunks(v4, CHUNKS)
     errors = [relative_error(chunked[r, :n], whole[r, :n]) for r, n in enumerate(LENGTHS)]
@@ -241,3 +241,4 @@ def test_hash_routing_and_sqrtsoftplus_scores():
     _, chosen = route(jnp.asarray(x, jnp.float32), jnp.asarray(router, jnp.float32), jnp.asarray(bias), cfg)
     assert (np.asarray(chosen) == 3).any(-1).all()
     assert json.dumps(cfg.to_hf_dict())  # a V4 config writes as JSON
+    assert cfg.hca_ratio == 8 and dataclasses.replace(cfg, compress_ratios=(0, 4, 2, 4, 0)).hca_ratio == 2

@@ -41,7 +41,7 @@ LayerCache = dict[str, jax.Array]  # "window", and "entries", "state_kv", "state
 
 def layer_ratio(cfg: Config, kind: str) -> int:
     """The compress ratio of a layer of attention kind `kind` ("window", "csa", "hca")."""
-    return {"window": 0, "csa": CSA_RATIO}.get(kind, max(cfg.compress_ratios))
+    return {"window": 0, "csa": CSA_RATIO, "hca": cfg.hca_ratio}[kind]
 
 
 def empty_layer_cache(cfg: Config, kind: str, batch: int, max_len: int, dtype=jnp.float32) -> LayerCache:

@@ -124,6 +124,11 @@ class Config:
         """Whether this is a V4 model: window and compressed attention, mHC streams (see the class)."""
         return bool(self.compress_ratios)
 
+    @property
+    def hca_ratio(self) -> int:
+        """V4: the compress ratio of the heavily compressed attention layers (0: none)."""
+        return max((r for r in self.compress_ratios if r not in (0, CSA_RATIO)), default=0)
+
     def compress_ratio(self, layer: int) -> int:
         """V4: layer `layer`'s compress ratio (0: window only; layers past the model's: its MTP layers)."""
         return self.compress_ratios[layer]
@@ -403,7 +408,6 @@ def _from_v4_dict(raw: dict[str, Any], source: str) -> Config:
 def _v4_hf_dict(cfg: Config) -> dict[str, Any]:
     """A V4 config's fields as transformers' `deepseek_v4` reads them (and the release's names)."""
     layers = cfg.num_hidden_layers
-    hca = sorted({r for r in cfg.compress_ratios if r not in (0, CSA_RATIO)}) or [128]
     kinds = {0: "sliding_attention", CSA_RATIO: "compressed_sparse_attention"}
     d = {name: getattr(cfg, name) for name in (
         "vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -415,7 +419,8 @@ def _v4_hf_dict(cfg: Config) -> dict[str, Any]:
              topk_method="noaux_tc", norm_topk_prob=True, num_key_value_heads=1, attention_bias=False,
              compress_ratios=list(cfg.compress_ratios),
              layer_types=[kinds.get(r, "heavily_compressed_attention") for r in cfg.compress_ratios[:layers]],
-             compress_rates={"compressed_sparse_attention": CSA_RATIO, "heavily_compressed_attention": hca[0]},
+             compress_rates={"compressed_sparse_attention": CSA_RATIO,
+                             "heavily_compressed_attention": cfg.hca_ratio or 128},
              mlp_layer_types=["hash_moe" if i < cfg.num_hash_layers else "moe" for i in range(layers)])
     s = cfg.rope_scaling
     if s.factor != 1.0:

@@ -431,7 +431,7 @@ def v4_attention_specs(cfg: Config, kind: str) -> dict[str, Any]:
                        input_axes=(1, 2)),
         "o_b": _linear((g, cfg.o_lora_rank, d), ("heads", None, "embed"), g * cfg.o_lora_rank, input_axes=(0, 1)),
     }
-    ratios = {"csa": CSA_RATIO, "hca": max(cfg.compress_ratios)}
+    ratios = {"csa": CSA_RATIO, "hca": cfg.hca_ratio}
     if kind != "window":
         specs["compressor"] = compressor_specs(cfg, ratios[kind], hd)
     if kind == "csa":
