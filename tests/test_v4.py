@@ -212,6 +212,15 @@ def test_every_expert_kernel_clamps_swiglu():
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5, err_msg=kernel.__name__)
 
 
+def test_mla_configs_write_no_v4_fields():
+    """An R1 or V3.2 config.json written by dsr1 holds none of V4's fields (transformers' V3 would read `head_dim`)."""
+    from dsr1.core.config import V4_FIELDS
+
+    for name in ("deepseek-r1", "tiny-v3.2"):
+        d = Config.preset(name).to_hf_dict()
+        assert not {"compress_ratios", *V4_FIELDS} & set(d) and d["scoring_func"] == "sigmoid"
+
+
 def test_model_api_refuses_v4_clearly(tmp_path):
     """`dsr1.load` and `init_random` name the config instead of failing inside MLA's code."""
     import dsr1

@@ -229,7 +229,7 @@ class Config:
         """The fields of a HF `config.json` describing this model (used to write test checkpoints)."""
         if self.compressed_attention:
             return _v4_hf_dict(self)
-        skip = {"rope_scaling"} | (set() if self.sparse_attention else set(INDEX_FIELDS))
+        skip = {"rope_scaling", "compress_ratios", *V4_FIELDS} | (set() if self.sparse_attention else set(INDEX_FIELDS))
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
         model_type, architecture = ((SPARSE_MODEL_TYPE, "DeepseekV32ForCausalLM") if self.sparse_attention
                                     else ("deepseek_v3", "DeepseekV3ForCausalLM"))
