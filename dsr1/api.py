@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from . import cpu, programs
 from .core.cache import KVCache, check_kv_cache_dtype
-from .core.config import Config, outside_vocabulary
+from .core.config import Config, ConfigError, outside_vocabulary
 from .core.eplb import ExpertPlacement, placement_of
 from .core.eplb import balance as eplb_balance
 from .core.params import Params
@@ -162,6 +162,13 @@ def _resolve(mesh: Mesh | None, dtype: Any) -> tuple[Mesh, jnp.dtype]:
     return (make_mesh() if mesh is None else mesh), jnp.dtype(dtype)
 
 
+def _check_model_api(cfg: Config, source: str) -> None:
+    """`Model` runs the MLA family; a V4 config is run by `dsr1.programs.model_v4` for now."""
+    if cfg.compressed_attention:
+        raise ConfigError(f"{source}: DeepSeek-V4 (model_type 'deepseek_v4') is not served by dsr1.Model yet: its "
+                          f"passes are dsr1.programs.model_v4 (dsr1.core.model_v4), its release files not read yet")
+
+
 def init_random(cfg: Config, *, seed: int = 0, mesh: Mesh | None = None, dtype: Any = "bfloat16",
                 quant: str | None = None, kv_cache_dtype: str | None = None,
                 rules: ShardingRules = DEFAULT_RULES, mtp: bool = False) -> Model:
@@ -169,6 +176,7 @@ def init_random(cfg: Config, *, seed: int = 0, mesh: Mesh | None = None, dtype: 
     The values depend on `seed` only, not on the mesh. `quant="int8"` quantizes the matmul weights.
     `mtp=True` also creates the multi-token-prediction module(s) as `params["mtp"]` (the config
     must have `num_nextn_predict_layers > 0`)."""
+    _check_model_api(cfg, "init_random")
     mesh, dtype = _resolve(mesh, dtype)
     if mtp and not cfg.num_nextn_predict_layers:
         raise ValueError("init_random(mtp=True) needs a config with num_nextn_predict_layers > 0")
@@ -196,6 +204,7 @@ def load(path: str | Path, *, mesh: Mesh | None = None, dtype: Any = "bfloat16",
     """
     mesh, dtype = _resolve(mesh, dtype)
     cfg = Config.from_hf(path)
+    _check_model_api(cfg, str(path))
     params, read = load_params(path, cfg, mesh, rules, dtype, quant=check_quant(quant), mtp=mtp, progress=progress,
                                host=cpu_loading.host_layout(mesh))
     log.info("loaded %s: read %s", path, read, extra={"throughput": read})

@@ -10,9 +10,13 @@ from typing import Any
 
 import numpy as np
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "kimi_k2")
+SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "deepseek_v4", "kimi_k2")
 SPARSE_MODEL_TYPE = "deepseek_v32"  # V3.2: DeepSeek Sparse Attention (`index_*` fields)
+V4_MODEL_TYPE = "deepseek_v4"  # V4: window + compressed attention, mHC (`V4_FIELDS`, `compress_ratios`)
 INDEX_FIELDS = ("index_n_heads", "index_head_dim", "index_topk")
+V4_FIELDS = ("head_dim", "o_groups", "o_lora_rank", "sliding_window", "compress_rope_theta", "hc_mult",
+             "hc_sinkhorn_iters", "hc_eps", "swiglu_limit", "num_hash_layers")
+CSA_RATIO = 4  # the compress ratio of compressed sparse attention (overlapping windows, an indexer)
 
 
 class ConfigError(ValueError):
@@ -37,7 +41,15 @@ class Config:
 
     `index_topk > 0` (V3.2, `model_type: deepseek_v32`): DeepSeek Sparse Attention, a lightning
     indexer of `index_n_heads` heads of `index_head_dim` per layer choosing the `index_topk` cached
-    positions each query attends to (`dsr1.core.sparse_attention`); 0: dense MLA."""
+    positions each query attends to (`dsr1.core.sparse_attention`); 0: dense MLA.
+
+    `compress_ratios` non-empty (V4, `model_type: deepseek_v4`): every layer attends through
+    `dsr1.core.compressed_attention` (one shared key=value head of `head_dim`, a window of
+    `sliding_window` raw entries, plus per layer `compress_ratios[i]`: 0 none, `CSA_RATIO` compressed
+    sparse attention whose indexer picks `index_topk` entries, any other ratio heavily compressed
+    attention reading every entry), the residual is `hc_mult` streams (`dsr1.core.hyper_connections`)
+    and the first `num_hash_layers` MoE layers route by token id. The MLA fields then describe the
+    same head: `kv_lora_rank = v_head_dim = head_dim`, `qk_nope_head_dim = head_dim - qk_rope_head_dim`."""
 
     vocab_size: int
     hidden_size: int
@@ -69,6 +81,18 @@ class Config:
     index_n_heads: int = 0
     index_head_dim: int = 0
     index_topk: int = 0
+    scoring_func: str = "sigmoid"  # the router's score: "sigmoid" (V3), "sqrtsoftplus" (V4)
+    swiglu_limit: float = 0.0  # V4: experts' gate clamped to <= limit, up to [-limit, limit]; 0: none
+    head_dim: int = 0
+    o_groups: int = 0
+    o_lora_rank: int = 0
+    sliding_window: int = 0
+    compress_ratios: tuple[int, ...] = ()  # per layer, then per MTP layer
+    compress_rope_theta: float = 0.0
+    hc_mult: int = 0
+    hc_sinkhorn_iters: int = 0
+    hc_eps: float = 1e-6
+    num_hash_layers: int = 0
 
     def __post_init__(self):
         _validate(self, "Config")
@@ -93,7 +117,21 @@ class Config:
     @property
     def sparse_attention(self) -> bool:
         """Whether the layers attend through DeepSeek Sparse Attention (V3.2's indexer)."""
-        return self.index_topk > 0
+        return self.index_topk > 0 and not self.compressed_attention
+
+    @property
+    def compressed_attention(self) -> bool:
+        """Whether this is a V4 model: window and compressed attention, mHC streams (see the class)."""
+        return bool(self.compress_ratios)
+
+    @property
+    def hca_ratio(self) -> int:
+        """V4: the compress ratio of the heavily compressed attention layers (0: none)."""
+        return max((r for r in self.compress_ratios if r not in (0, CSA_RATIO)), default=0)
+
+    def compress_ratio(self, layer: int) -> int:
+        """V4: layer `layer`'s compress ratio (0: window only; layers past the model's: its MTP layers)."""
+        return self.compress_ratios[layer]
 
     @property
     def softmax_scale(self) -> float:
@@ -124,6 +162,8 @@ class Config:
                 f"{source}: model_type={model_type!r} is not supported; dsr1 runs the DeepSeek-V3 "
                 f"architecture ({', '.join(SUPPORTED_MODEL_TYPES)})"
             )
+        if model_type == V4_MODEL_TYPE:
+            return _from_v4_dict(raw, source)
         _require(raw, "scoring_func", "sigmoid", source)
         _require(raw, "topk_method", "noaux_tc", source)
         _require(raw, "hidden_act", "silu", source)
@@ -187,7 +227,9 @@ class Config:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The fields of a HF `config.json` describing this model (used to write test checkpoints)."""
-        skip = {"rope_scaling"} | (set() if self.sparse_attention else set(INDEX_FIELDS))
+        if self.compressed_attention:
+            return _v4_hf_dict(self)
+        skip = {"rope_scaling", "compress_ratios", *V4_FIELDS} | (set() if self.sparse_attention else set(INDEX_FIELDS))
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
         model_type, architecture = ((SPARSE_MODEL_TYPE, "DeepseekV32ForCausalLM") if self.sparse_attention
                                     else ("deepseek_v3", "DeepseekV3ForCausalLM"))
@@ -272,6 +314,154 @@ def _read_rope(raw: dict, source: str) -> tuple[float, RopeScaling]:
     return theta, scaling
 
 
+SCORING_FUNCTIONS = ("sigmoid", "sqrtsoftplus")
+HF_LAYER_TYPES = {"sliding_attention": 0, "compressed_sparse_attention": CSA_RATIO,
+                  "heavily_compressed_attention": None}  # HCA's ratio: `compress_rates`
+
+
+def _v4_ratios(raw: dict, source: str) -> tuple[int, ...]:
+    """V4's per-layer compress ratios, from the release's `compress_ratios` (layers, then MTP layers)
+    or transformers' `layer_types` with `compress_rates` (layers only: MTP layers are window-only)."""
+    layers, mtp = raw.get("num_hidden_layers", 0), raw.get("num_nextn_predict_layers", 0) or 0
+    if raw.get("compress_ratios") is not None:
+        ratios = tuple(int(r) for r in raw["compress_ratios"])
+        if len(ratios) not in (layers, layers + mtp):
+            raise ConfigError(f"{source}: compress_ratios has {len(ratios)} entries; expected num_hidden_layers "
+                              f"({layers}) plus num_nextn_predict_layers ({mtp})")
+        return ratios + (0,) * (layers + mtp - len(ratios))
+    if raw.get("layer_types") is None:
+        raise ConfigError(f"{source}: missing field 'compress_ratios' (or transformers' 'layer_types')")
+    rates = raw.get("compress_rates") or {"compressed_sparse_attention": CSA_RATIO,
+                                          "heavily_compressed_attention": 128}
+    ratios = []
+    for kind in raw["layer_types"]:
+        if kind not in HF_LAYER_TYPES:
+            raise ConfigError(f"{source}: layer_types entry {kind!r} is not supported ({', '.join(HF_LAYER_TYPES)})")
+        ratios.append(int(rates.get(kind, 0)) if kind != "sliding_attention" else 0)
+    if rates.get("compressed_sparse_attention", CSA_RATIO) != CSA_RATIO:
+        raise ConfigError(f"{source}: compress_rates.compressed_sparse_attention="
+                          f"{rates['compressed_sparse_attention']} is not supported (CSA's is {CSA_RATIO})")
+    return tuple(ratios) + (0,) * mtp
+
+
+def _v4_rope(raw: dict, source: str) -> tuple[float, float, RopeScaling]:
+    """(window layers' theta, compressed layers' theta, compressed layers' YaRN), from the release's
+    `rope_theta`, `compress_rope_theta`, `rope_scaling` or transformers' nested `rope_parameters`."""
+    params = raw.get("rope_parameters") or {}
+    if isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict):
+        _, scaling = _read_rope({"rope_parameters": params["compress"]}, source)
+        return float(params["main"].get("rope_theta", 10000.0)), float(params["compress"]["rope_theta"]), scaling
+    theta, scaling = _read_rope(raw, source)
+    return theta, float(raw.get("compress_rope_theta", theta)), scaling
+
+
+def _from_v4_dict(raw: dict[str, Any], source: str) -> Config:
+    """A DeepSeek-V4 `config.json` (the release's or one transformers wrote) as a Config."""
+    _require(raw, "scoring_func", "sqrtsoftplus", source)
+    _require(raw, "hidden_act", "silu", source)
+    _require(raw, "topk_method", "noaux_tc", source)
+    for field, expected in (("num_key_value_heads", 1), ("n_shared_experts", 1), ("norm_topk_prob", True),
+                            ("attention_bias", False)):
+        if raw.get(field, expected) != expected:
+            raise ConfigError(f"{source}: {field}={raw[field]!r} is not supported (DeepSeek-V4 has {expected!r})")
+    _check_quantization(raw.get("quantization_config"), source)
+
+    def get(name: str, default: Any = dataclasses.MISSING) -> Any:
+        if raw.get(name) is not None:
+            return raw[name]
+        if default is dataclasses.MISSING:
+            raise ConfigError(f"{source}: missing field {name!r}")
+        return default
+
+    head, moe = get("head_dim"), get("moe_intermediate_size")
+    rope = raw.get("qk_rope_head_dim") or int(head * float(get("partial_rotary_factor", 64 / 512)))
+    ratios = _v4_ratios(raw, source)
+    theta, compress_theta, scaling = _v4_rope(raw, source)
+    eos = raw.get("eos_token_id", 1)
+    n_hash = raw.get("num_hash_layers")
+    if n_hash is None:
+        n_hash = sum(t == "hash_moe" for t in raw.get("mlp_layer_types") or ()) if "mlp_layer_types" in raw else 3
+    fields = dict(
+        vocab_size=get("vocab_size"), hidden_size=get("hidden_size"), intermediate_size=moe,
+        moe_intermediate_size=moe, num_hidden_layers=get("num_hidden_layers"),
+        num_attention_heads=get("num_attention_heads"), q_lora_rank=get("q_lora_rank"), kv_lora_rank=head,
+        qk_nope_head_dim=head - rope, qk_rope_head_dim=rope, v_head_dim=head, n_routed_experts=get("n_routed_experts"),
+        n_shared_experts=1, num_experts_per_tok=get("num_experts_per_tok"), n_group=1, topk_group=1,
+        routed_scaling_factor=float(get("routed_scaling_factor", 1.0)), norm_topk_prob=True, first_k_dense_replace=0,
+        rms_norm_eps=float(get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+        max_position_embeddings=get("max_position_embeddings", 4096),
+        num_nextn_predict_layers=get("num_nextn_predict_layers", 0),
+        tie_word_embeddings=bool(get("tie_word_embeddings", False)), bos_token_id=raw.get("bos_token_id"),
+        eos_token_id=eos[0] if isinstance(eos, list) else eos, scoring_func="sqrtsoftplus",
+        swiglu_limit=float(get("swiglu_limit", 0.0)), head_dim=head, o_groups=get("o_groups"),
+        o_lora_rank=get("o_lora_rank"), sliding_window=get("sliding_window"), compress_ratios=ratios,
+        compress_rope_theta=compress_theta, hc_mult=get("hc_mult"), hc_sinkhorn_iters=get("hc_sinkhorn_iters"),
+        hc_eps=float(get("hc_eps", 1e-6)), num_hash_layers=n_hash,
+        **({name: get(name) for name in INDEX_FIELDS} if CSA_RATIO in ratios else {}),
+    )
+    try:
+        return Config(**fields)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def _v4_hf_dict(cfg: Config) -> dict[str, Any]:
+    """A V4 config's fields as transformers' `deepseek_v4` reads them (and the release's names)."""
+    layers = cfg.num_hidden_layers
+    kinds = {0: "sliding_attention", CSA_RATIO: "compressed_sparse_attention"}
+    d = {name: getattr(cfg, name) for name in (
+        "vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "q_lora_rank", "qk_rope_head_dim", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
+        "routed_scaling_factor", "rms_norm_eps", "rope_theta", "max_position_embeddings",
+        "num_nextn_predict_layers", "tie_word_embeddings", "bos_token_id", "eos_token_id", "scoring_func",
+        *V4_FIELDS, *INDEX_FIELDS)}
+    d.update(model_type=V4_MODEL_TYPE, architectures=["DeepseekV4ForCausalLM"], hidden_act="silu",
+             topk_method="noaux_tc", norm_topk_prob=True, num_key_value_heads=1, attention_bias=False,
+             compress_ratios=list(cfg.compress_ratios),
+             layer_types=[kinds.get(r, "heavily_compressed_attention") for r in cfg.compress_ratios[:layers]],
+             compress_rates={"compressed_sparse_attention": CSA_RATIO,
+                             "heavily_compressed_attention": cfg.hca_ratio or 128},
+             mlp_layer_types=["hash_moe" if i < cfg.num_hash_layers else "moe" for i in range(layers)])
+    s = cfg.rope_scaling
+    if s.factor != 1.0:
+        d["rope_scaling"] = dict(type="yarn", factor=s.factor, beta_fast=s.beta_fast, beta_slow=s.beta_slow,
+                                 original_max_position_embeddings=s.original_max_position_embeddings)
+    return d
+
+
+def _validate_v4(cfg: Config, fail) -> None:
+    """V4's shapes: the head holds the rope slice, the heads split into `o_groups`, a ratio per layer
+    (and MTP layer), one HCA ratio, an indexer where a layer is CSA."""
+    if not cfg.qk_rope_head_dim < cfg.head_dim:
+        fail(f"qk_rope_head_dim={cfg.qk_rope_head_dim} must be below head_dim={cfg.head_dim}")
+    if cfg.o_groups <= 0 or cfg.num_attention_heads % cfg.o_groups:
+        fail(f"o_groups={cfg.o_groups} must divide num_attention_heads={cfg.num_attention_heads}")
+    for name in ("o_lora_rank", "sliding_window", "hc_mult", "hc_sinkhorn_iters"):
+        if getattr(cfg, name) <= 0:
+            fail(f"{name}={getattr(cfg, name)} must be positive")
+    if cfg.q_lora_rank is None:
+        fail("DeepSeek-V4 needs q_lora_rank (the query latent)")
+    expected = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+    if len(cfg.compress_ratios) != expected:
+        fail(f"compress_ratios has {len(cfg.compress_ratios)} entries; expected {expected} (layers, then MTP layers)")
+    bad = [r for r in cfg.compress_ratios if r < 0 or r == 1]
+    if bad:
+        fail(f"compress_ratios entry {bad[0]} is not supported (0: window only, {CSA_RATIO}: CSA, >= 2: HCA)")
+    if len({r for r in cfg.compress_ratios if r not in (0, CSA_RATIO)}) > 1:
+        fail(f"compress_ratios holds several HCA ratios {sorted(set(cfg.compress_ratios) - {0, CSA_RATIO})}; "
+             f"dsr1 runs one")
+    if not 0 <= cfg.num_hash_layers <= cfg.num_hidden_layers:
+        fail(f"num_hash_layers={cfg.num_hash_layers} must be in [0, num_hidden_layers={cfg.num_hidden_layers}]")
+    if cfg.scoring_func != "sqrtsoftplus":
+        fail(f"scoring_func={cfg.scoring_func!r} is not supported for DeepSeek-V4 (only 'sqrtsoftplus')")
+    if CSA_RATIO in cfg.compress_ratios:
+        if min(cfg.index_n_heads, cfg.index_topk) <= 0:
+            fail(f"index_n_heads={cfg.index_n_heads} and index_topk={cfg.index_topk} must be positive "
+                 f"(CSA layers' indexer)")
+        if not cfg.qk_rope_head_dim < cfg.index_head_dim:
+            fail(f"index_head_dim={cfg.index_head_dim} must exceed qk_rope_head_dim={cfg.qk_rope_head_dim}")
+
+
 def _validate(cfg: Config, source: str) -> None:
     def fail(msg: str):
         raise ConfigError(msg)
@@ -296,6 +486,10 @@ def _validate(cfg: Config, source: str) -> None:
         fail(f"first_k_dense_replace={cfg.first_k_dense_replace} must be >= 0")
     if cfg.sparse_attention:
         _validate_indexer(cfg, fail)
+    if cfg.scoring_func not in SCORING_FUNCTIONS:
+        fail(f"scoring_func={cfg.scoring_func!r} is not supported (dsr1 implements {', '.join(SCORING_FUNCTIONS)})")
+    if cfg.compressed_attention:
+        _validate_v4(cfg, fail)
 
 
 def _validate_indexer(cfg: Config, fail) -> None:

@@ -33,6 +33,18 @@ def silu(x: jax.Array) -> jax.Array:
     return jax.nn.silu(x.astype(jnp.float32)).astype(x.dtype)
 
 
-def mlp(p: dict, x: jax.Array) -> jax.Array:
-    """SwiGLU feed-forward: `(silu(x W_gate) * x W_up) W_down`, in x's dtype."""
+def swiglu(gate: jax.Array, up: jax.Array, limit: float = 0.0) -> jax.Array:
+    """`silu(gate) * up`; with `limit > 0` (V4) the gate clamped to at most `limit` and the up
+    projection to `[-limit, limit]` first, computed in float32 as the official code does."""
+    if not limit:
+        return jax.nn.silu(gate) * up
+    gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
+    return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
+
+
+def mlp(p: dict, x: jax.Array, limit: float = 0.0) -> jax.Array:
+    """SwiGLU feed-forward: `(silu(x W_gate) * x W_up) W_down`, in x's dtype (`limit`: see `swiglu`)."""
+    if limit:
+        h = swiglu(matmul(x, p["gate"]), matmul(x, p["up"]), limit)
+        return matmul(h.astype(x.dtype), p["down"])
     return matmul(silu(matmul(x, p["gate"])) * matmul(x, p["up"]), p["down"])

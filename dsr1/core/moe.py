@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 from .backend import HeldWeight, backend_of, is_held
 from .config import Config
 from .eplb import physical_experts
-from .layers import mlp
+from .layers import mlp, swiglu
 from .products import einsum, grouped_dot, ragged_dot, to_float32
 from .quant import Int8Weight
 from .sharding import ShardingRules
@@ -45,13 +45,17 @@ from .sharding import ShardingRules
 ExpertKernel = Callable[..., jax.Array]
 
 
-def route(x: jax.Array, router: jax.Array | HeldWeight, bias: jax.Array,
-          cfg: Config) -> tuple[jax.Array, jax.Array]:
+def route(x: jax.Array, router: jax.Array | HeldWeight, bias: jax.Array | None,
+          cfg: Config, hashed: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """`x [N, D]` -> `(weights [N, K] float32, expert ids [N, K] int32)`. `router [D, E]`, or a layer's
-    router read in its stack by a backend (`Backend.router_in_stack`: see `router_logits`)."""
+    router read in its stack by a backend (`Backend.router_in_stack`: see `router_logits`). Scores by
+    `cfg.scoring_func`: `sigmoid`, or V4's `sqrt(softplus)`. `hashed [N, K]`: the experts chosen
+    already (V4's hash layers, by token id); the weights are still the router's scores of those."""
     with jax.named_scope("router"):
         logits = router_logits(x, router)
-        scores = jax.nn.sigmoid(logits)
+        scores = jnp.sqrt(jax.nn.softplus(logits)) if cfg.scoring_func == "sqrtsoftplus" else jax.nn.sigmoid(logits)
+        if hashed is not None:
+            return _weights(scores, hashed, cfg), hashed.astype(jnp.int32)
         biased = scores + bias
         if cfg.topk_group < cfg.n_group:
             n, e = biased.shape
@@ -62,10 +66,15 @@ def route(x: jax.Array, router: jax.Array | HeldWeight, bias: jax.Array,
             expert_mask = jnp.repeat(group_mask, e // cfg.n_group, axis=1)
             biased = jnp.where(expert_mask, biased, -jnp.inf)
         _, experts = jax.lax.top_k(biased, cfg.num_experts_per_tok)
-        weights = jnp.take_along_axis(scores, experts, axis=1)
-        if cfg.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-    return weights * cfg.routed_scaling_factor, experts.astype(jnp.int32)
+    return _weights(scores, experts, cfg), experts.astype(jnp.int32)
+
+
+def _weights(scores: jax.Array, experts: jax.Array, cfg: Config) -> jax.Array:
+    """The chosen experts' scores, normalized when `norm_topk_prob`, times `routed_scaling_factor`."""
+    weights = jnp.take_along_axis(scores, experts, axis=1)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor
 
 
 def router_logits(x: jax.Array, router: jax.Array | HeldWeight) -> jax.Array:
@@ -99,17 +108,19 @@ def _combine(n_tokens: int, token: jax.Array, y: jax.Array, weight: jax.Array) -
     return jnp.zeros((n_tokens, y.shape[-1]), jnp.float32).at[token].add(y * weight[:, None])
 
 
-def ragged_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRules):
-    """Sort the pairs by expert and run grouped matmuls (`ragged_dot`) on the layer's experts."""
+def ragged_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRules, *, limit: float = 0.0):
+    """Sort the pairs by expert and run grouped matmuls (`ragged_dot`) on the layer's experts (every
+    kernel's `limit`: the SwiGLU clamp, `layers.swiglu`)."""
     gate, up, down = (jax.tree.map(lambda a: a[layer], w) for w in (gate, up, down))
     token, expert, is_local, order, group_sizes = _sorted_pairs(experts, gate.shape[0], rules)
     xs = x[token]
-    h = jax.nn.silu(ragged_dot(xs, gate, group_sizes, expert)) * ragged_dot(xs, up, group_sizes, expert)
+    h = swiglu(ragged_dot(xs, gate, group_sizes, expert), ragged_dot(xs, up, group_sizes, expert), limit)
     y = ragged_dot(h.astype(x.dtype), down, group_sizes, expert)
     return _combine(x.shape[0], token, y, jnp.where(is_local, weights.reshape(-1)[order], 0.0))
 
 
-def grouped_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRules, *, interpret: bool = False):
+def grouped_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRules, *, interpret: bool = False,
+                    limit: float = 0.0):
     """`ragged_experts` by the TPU grouped-matmul kernel (`products.grouped_dot`): the layer's experts
     read in place from their stacks, only those that got pairs (XLA:TPU's `ragged_dot` on a layer's
     slice copies the whole local stack first). The kernel's cost estimate counts the local experts a
@@ -125,12 +136,12 @@ def grouped_experts(x, weights, experts, gate, up, down, layer, rules: ShardingR
     def dot(rows, w):
         return grouped_dot(rows, w, group_sizes, expert, layer, groups_hit=hit, interpret=interpret)
 
-    h = jax.nn.silu(dot(xs, gate)) * dot(xs, up)
+    h = swiglu(dot(xs, gate), dot(xs, up), limit)
     y = dot(h.astype(x.dtype), down)
     return _combine(x.shape[0], token, y, jnp.where(is_local, weights.reshape(-1)[order], 0.0))
 
 
-def dense_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRules):
+def dense_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRules, *, limit: float = 0.0):
     """Every local expert on every token, each output scaled by the token's routing weight for that
     expert (zero where it was not chosen): plain batched matmuls, differentiable, experts/K times the
     routed FLOPs. Training on CPU runs it: there `ragged_dot` computes every expert for every *pair*,
@@ -141,8 +152,8 @@ def dense_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRul
     chosen = jax.nn.one_hot(jnp.where(is_local, local, n_local), n_local, dtype=jnp.float32)  # [N*K, E]
     mix = (chosen * weights.reshape(-1, 1)).reshape(*experts.shape, n_local).sum(1)  # [N, E]
     f32 = jnp.float32
-    h = (jax.nn.silu(einsum("nd,edf->enf", x, gate, preferred_element_type=f32))
-         * einsum("nd,edf->enf", x, up, preferred_element_type=f32))
+    h = swiglu(einsum("nd,edf->enf", x, gate, preferred_element_type=f32),
+               einsum("nd,edf->enf", x, up, preferred_element_type=f32), limit)
     h = (h * mix.T[:, :, None]).astype(x.dtype)
     return einsum("enf,efd->nd", h, down, preferred_element_type=f32)
 
@@ -195,7 +206,7 @@ def _blocks(group_sizes: jax.Array, block: int):
     return block_ends[-1], block_at
 
 
-def loop_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRules):
+def loop_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRules, *, limit: float = 0.0):
     """CPU: sort the pairs by expert, then a loop over blocks of sorted rows, each block one expert's,
     which slices that expert of `layer` from the stacks in place and runs its rows. Reads each hit
     expert once per block and computes only its (padded) rows: its cost follows the pairs and the hit
@@ -205,8 +216,8 @@ def loop_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRule
     n_local, n_tokens = gate.shape[1], x.shape[0]
     varying = functools.partial(jax.lax.pcast, axis_name=rules.moe_reduce_axes(), to="varying")
     # The kernels group an expert's rows and sum each row by how many there are; the loop's blocks
-    # have one shape whatever the routing.
-    kernels = not rules.batch_invariant
+    # have one shape whatever the routing. A backend's kernels have no SwiGLU clamp.
+    kernels = not rules.batch_invariant and not limit
     backend = backend_of(gate)
     if kernels and backend.takes_pairs(gate, up, down, n_tokens):  # decode, bf16
         local, is_local = _local_pairs(experts, n_local, rules)
@@ -231,7 +242,7 @@ def loop_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRule
     def step(j, ys):
         expert, start, mine = block_at(j)
         rows = jax.lax.dynamic_slice_in_dim(xs, start, block)
-        h = jax.nn.silu(_expert_matmul(rows, gate, layer, expert)) * _expert_matmul(rows, up, layer, expert)
+        h = swiglu(_expert_matmul(rows, gate, layer, expert), _expert_matmul(rows, up, layer, expert), limit)
         y = _expert_matmul(h.astype(rows.dtype), down, layer, expert)
         # A block's trailing rows belong to the next expert: keep what is there (written later).
         old = jax.lax.dynamic_slice_in_dim(ys, start, block)
@@ -243,7 +254,7 @@ def loop_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRule
     return _combine(n_tokens, token, ys[:token.shape[0]], weight)
 
 
-def gather_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRules):
+def gather_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRules, *, limit: float = 0.0):
     """GPU decode: each token-expert pair's expert of `layer` gathered from the stacks and contracted
     by a float32 multiply-reduce, all pairs in one product. A step reads each pair's expert once and
     spreads the work over the whole chip: the expert loop's one-row matmuls use a few of a GPU's cores,
@@ -253,7 +264,7 @@ def gather_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRu
     pick = jnp.where(is_local, local, 0)
     rows = x[jnp.arange(experts.size) // k].astype(jnp.float32)
     w_gate, w_up, w_down = (jax.tree.map(lambda a: a[layer, pick], w) for w in (gate, up, down))
-    h = jax.nn.silu(_pair_matmul(rows, w_gate)) * _pair_matmul(rows, w_up)
+    h = swiglu(_pair_matmul(rows, w_gate), _pair_matmul(rows, w_up), limit)
     y = _pair_matmul(h, w_down) * jnp.where(is_local, weights.reshape(-1), 0.0)[:, None]
     return y.reshape(x.shape[0], k, -1).sum(1)
 
@@ -275,7 +286,7 @@ def capacity_rows(n_pairs: int, n_local: int) -> int:
     return 8 * max(1, -(-int(CAPACITY_FACTOR * -(-n_pairs // n_local)) // 8))
 
 
-def capacity_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRules):
+def capacity_experts(x, weights, experts, gate, up, down, layer, rules: ShardingRules, *, limit: float = 0.0):
     """GPU prefill: the pairs sorted by expert into fixed-size buffers `[E, C, D]`, then batched
     matmuls over every local expert (computes ~1.5x the routed rows, in large dense products). Dropless:
     rows past an expert's capacity run in further rounds (a loop that balanced routing skips)."""
@@ -293,8 +304,8 @@ def capacity_experts(x, weights, experts, gate, up, down, layer, rules: Sharding
         slot = jnp.where(fits, expert * capacity + slot_rank, n_local * capacity)  # the rest: a dropped row
         buf = jnp.zeros((n_local * capacity + 1, dim), x.dtype).at[slot].set(rows)[:-1]
         buf = buf.reshape(n_local, capacity, dim)
-        h = (jax.nn.silu(einsum("ecd,edf->ecf", buf, gate, preferred_element_type=f32))
-             * einsum("ecd,edf->ecf", buf, up, preferred_element_type=f32))
+        h = swiglu(einsum("ecd,edf->ecf", buf, gate, preferred_element_type=f32),
+                   einsum("ecd,edf->ecf", buf, up, preferred_element_type=f32), limit)
         out = einsum("ecf,efd->ecd", h.astype(x.dtype), down, preferred_element_type=f32).reshape(-1, dim)
         return jnp.where(fits[:, None], out[jnp.minimum(slot, n_local * capacity - 1)], ys)
 
@@ -331,14 +342,16 @@ def differentiable_kernel(platform: str) -> ExpertKernel:
 
 
 def _local_experts(x, weights, experts, gate, up, down, layer, *, rules: ShardingRules, platform: str,
-                   differentiable: bool = False, kernel: ExpertKernel | None = None):
+                   differentiable: bool = False, kernel: ExpertKernel | None = None, limit: float = 0.0):
     """Per-device body: this device's experts (and ffw slice) applied to every token routed to them,
     by `kernel`, or by default the `platform`'s: `differentiable`, no expert loop (its dynamic trip
-    count has no reverse mode): `ragged_dot`, or on CPU every expert on every token (`dense_experts`)."""
+    count has no reverse mode): `ragged_dot`, or on CPU every expert on every token (`dense_experts`).
+    `limit`: the SwiGLU clamp (`layers.swiglu`)."""
     if kernel is None and differentiable:
         kernel = differentiable_kernel(platform)
     elif kernel is None:
         kernel = default_kernel(experts.size, gate.shape[1], platform)
+    kernel = functools.partial(kernel, limit=limit) if limit else kernel
     return jax.lax.psum(kernel(x, weights, experts, gate, up, down, layer, rules), rules.moe_reduce_axes())
 
 
@@ -357,7 +370,7 @@ def _partition_spec(w: Any, axes: tuple[str, ...], rules: ShardingRules) -> Any:
 
 def routed_experts(p: dict, x: jax.Array, weights: jax.Array, experts: jax.Array, mesh: Mesh,
                    rules: ShardingRules, layer: jax.Array | None = None, *, differentiable: bool = False,
-                   kernel: ExpertKernel | None = None) -> jax.Array:
+                   kernel: ExpertKernel | None = None, limit: float = 0.0) -> jax.Array:
     """Dropless routed-expert output `[N, D]` (float32), experts split over the expert mesh axis.
 
     How tokens meet their experts follows `rules.moe_dispatch`: "psum" runs each device's experts on
@@ -369,7 +382,7 @@ def routed_experts(p: dict, x: jax.Array, weights: jax.Array, experts: jax.Array
     kernels slice an expert in place. `differentiable`: a path with reverse mode (training, which
     sums partial outputs whatever the dispatch; see `_local_experts`). `kernel`: one of
     `ragged_experts`, `grouped_experts`, `loop_experts`, `dense_experts` instead of the platform's
-    (benchmarks, tests)."""
+    (benchmarks, tests). `limit`: the experts' SwiGLU clamp (V4's `swiglu_limit`; 0: none)."""
     gate, up, down = p["gate"], p["up"], p["down"]
     if layer is None:
         gate, up, down = (jax.tree.map(lambda a: a[None], w) for w in (gate, up, down))
@@ -382,10 +395,10 @@ def routed_experts(p: dict, x: jax.Array, weights: jax.Array, experts: jax.Array
         n_rows = x.shape[0]
         if token_axis is None:
             body = functools.partial(_local_experts, rules=rules, platform=platform, differentiable=differentiable,
-                                     kernel=kernel)
+                                     kernel=kernel, limit=limit)
         else:
             body = functools.partial(_dispatched_experts, rules=rules, platform=platform, ragged=ragged_dispatch(mesh),
-                                     kernel=kernel)
+                                     kernel=kernel, limit=limit)
             x, weights, experts = _pad_rows(x, weights, experts, mesh.shape[token_axis])
         rows = P(token_axis)
         run = jax.shard_map(body, mesh=mesh, in_specs=(rows, rows, rows, w_in, w_in, w_out, P()), out_specs=rows)
@@ -486,7 +499,7 @@ def ragged_dispatch(mesh: Mesh) -> bool:
 
 
 def _dispatched_experts(x, weights, experts, gate, up, down, layer, *, rules: ShardingRules, platform: str,
-                        ragged: bool, kernel: ExpertKernel | None = None):
+                        ragged: bool, kernel: ExpertKernel | None = None, limit: float = 0.0):
     """Per-device body of the all-to-all dispatch, on this device's rows `x [n, D]` (a share of the
     batch): their token-expert pairs, sorted by expert, go to the devices holding the experts; each
     device runs its experts (its ffw slice) on the pairs it received only, by `kernel` (default:
@@ -508,6 +521,7 @@ def _dispatched_experts(x, weights, experts, gate, up, down, layer, *, rules: Sh
         xs = _send(x[token], plan, slots, axis, ragged)
     received = _received_experts(plan, p, jax.lax.axis_index(axis) * n_local, ragged)  # empty rows: -1
     kernel = kernel or default_kernel(received.shape[0], n_local, platform)
+    kernel = functools.partial(kernel, limit=limit) if limit else kernel
     y = kernel(xs, jnp.ones((received.shape[0], 1), jnp.float32), received[:, None], gate, up, down, layer, rules)
     with jax.named_scope("return"):
         back = _send_back(y.astype(x.dtype), plan, slots, rules.moe_reduce_axes(), ragged)
@@ -516,19 +530,28 @@ def _dispatched_experts(x, weights, experts, gate, up, down, layer, *, rules: Sh
 
 
 def moe(p: dict, x: jax.Array, cfg: Config, mesh: Mesh, rules: ShardingRules,
-        layer: jax.Array | None = None, *, differentiable: bool = False) -> tuple[jax.Array, jax.Array]:
+        layer: jax.Array | None = None, *, differentiable: bool = False,
+        tokens: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The DeepSeekMoE block on `x [..., D]`: routed plus shared experts, and the routed expert ids
     `[N, K]`, logical (for accounting what a step reads; unused outputs cost nothing under jit). `layer`: see
-    `routed_experts` (the routed experts of every layer, read in place); `differentiable`: see there."""
+    `routed_experts` (the routed experts of every layer, read in place); `differentiable`: see there.
+    A hash layer (V4: `p["tid2eid"] [vocab, K]`) routes each of `tokens [...]` (the ids of x's rows)
+    to its table row's experts; `cfg.swiglu_limit` clamps routed and shared experts alike."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
-    weights, experts = route(x, p["router"], jax.lax.stop_gradient(p["router_bias"]), cfg)
+    if "tid2eid" in p:
+        if tokens is None:
+            raise ValueError("a hash-routed MoE layer (tid2eid) needs the token ids of its rows")
+        weights, experts = route(x, p["router"], None, cfg, hashed=p["tid2eid"][tokens.reshape(-1)])
+    else:
+        weights, experts = route(x, p["router"], jax.lax.stop_gradient(p["router_bias"]), cfg)
     # Redundant experts (`dsr1.core.eplb`): the stacks hold physical slots, each pair goes to a copy.
     slots = physical_experts(experts, p["replicas"], p["replica_counts"]) if "replicas" in p else experts
-    out = routed_experts(p, x, weights, slots, mesh, rules, layer, differentiable=differentiable)
+    out = routed_experts(p, x, weights, slots, mesh, rules, layer, differentiable=differentiable,
+                         limit=cfg.swiglu_limit)
     if "shared" in p:
         with jax.named_scope("shared_experts"):
-            out = out + mlp(p["shared"], x).astype(jnp.float32)
+            out = out + mlp(p["shared"], x, cfg.swiglu_limit).astype(jnp.float32)
     return out.reshape(shape), experts
 
 

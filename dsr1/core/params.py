@@ -6,6 +6,10 @@ Layout: matrices are stored `[in, out]` (x @ W), per-head matrices keep the head
 and layers are stacked on a leading axis (dense layers and MoE layers in two stacks) so the model
 runs them under `jax.lax.scan`. The MTP module (layer `num_hidden_layers` of the release) is its
 own subtree, loaded only on request.
+
+V4 (`cfg.compressed_attention`) stacks its layers by attention kind and routing (`v4_stacks`): the
+window-only, CSA and HCA layers hold different weights, and the hash-routed ones a `tid2eid` table in
+place of the router's bias.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from .config import Config
+from .config import CSA_RATIO, Config
 from .quant import Int8Weight, check_quant, quantize
 from .sharding import DEFAULT_RULES, LogicalAxes, ShardingRules
 
@@ -34,7 +38,7 @@ class ArrayInfo:
 
     shape: tuple[int, ...]
     axes: LogicalAxes
-    init: str  # "normal" (std 1/sqrt(fan_in)), "ones", "bias"
+    init: str  # "normal" (std 1/sqrt(fan_in)), "ones", "bias", "expert_ids" (distinct ids below fan_in)
     dtype: Any = None
     fan_in: int = 1
     input_axes: tuple[int, ...] | None = None
@@ -144,6 +148,8 @@ def multiplies_last_two_axes(spec: ArrayInfo) -> bool:
 
 def float_specs(cfg: Config, *, mtp: bool = False) -> dict[str, Any]:
     """The declaration of every weight in full precision, as a pytree of ArrayInfo."""
+    if cfg.compressed_attention:
+        return v4_specs(cfg, mtp=mtp)
     specs: dict[str, Any] = {
         "embed": ArrayInfo((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), "normal", fan_in=1),
         "final_norm": _norm(cfg.hidden_size),
@@ -271,6 +277,9 @@ def _draw(key: jax.Array, spec: ArrayInfo, dtype: Any, sharding: NamedSharding |
     dt = resolved_dtype(spec, dtype)
     if spec.init == "ones":
         return jnp.ones(spec.shape, dt)
+    if spec.init == "expert_ids":  # distinct experts per row, of `fan_in` experts
+        draws = jax.random.uniform(key, (*spec.shape[:-1], spec.fan_in))
+        return jnp.argsort(draws, axis=-1)[..., :spec.shape[-1]].astype(dt)
     std = 0.01 if spec.init == "bias" else spec.fan_in ** -0.5
 
     def normal(k: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -361,3 +370,112 @@ def with_placement_arrays(params: Params, placement: dict) -> Params:
         return params
     layers = params["moe_layers"]
     return {**params, "moe_layers": {**layers, "moe": {**layers["moe"], **placement}}}
+
+
+# ---- DeepSeek-V4 ------------------------------------------------------------------------------------
+
+V4_KINDS = ("window", "csa", "hca")  # attention kinds by compress ratio: 0, CSA_RATIO, any other
+
+
+def attention_kind(cfg: Config, layer: int) -> str:
+    """V4: the attention kind of release layer `layer` (layers past the model's are its MTP layers)."""
+    ratio = cfg.compress_ratio(layer)
+    return "window" if ratio == 0 else "csa" if ratio == CSA_RATIO else "hca"
+
+
+def v4_stack_name(cfg: Config, layer: int) -> str:
+    """The stack holding V4 layer `layer`: by attention kind, the hash-routed layers apart."""
+    return f"{'hash_' if layer < cfg.num_hash_layers else ''}{attention_kind(cfg, layer)}_layers"
+
+
+def v4_stacks(cfg: Config) -> dict[str, list[int]]:
+    """V4's layer stacks in order of their first layer, each with the release layers it holds."""
+    stacks: dict[str, list[int]] = {}
+    for layer in range(cfg.num_hidden_layers):
+        stacks.setdefault(v4_stack_name(cfg, layer), []).append(layer)
+    return stacks
+
+
+def hc_specs(cfg: Config, outputs: int) -> dict[str, ArrayInfo]:
+    """One mHC mixing (`dsr1.core.hyper_connections`): `fn [hc * D, outputs]`, `base`, `scale` (float32)."""
+    wide = cfg.hc_mult * cfg.hidden_size
+    f32 = jnp.float32
+    return {"fn": ArrayInfo((wide, outputs), ("embed", None), "normal", f32, wide),
+            "base": ArrayInfo((outputs,), (None,), "bias", f32),
+            "scale": ArrayInfo((3 if outputs > cfg.hc_mult else 1,), (None,), "ones", f32)}
+
+
+def compressor_specs(cfg: Config, ratio: int, width: int) -> dict[str, ArrayInfo]:
+    """A compressor of `ratio` tokens into entries of `width` (CSA's overlap doubles its projections):
+    `wkv`, `wgate` (float32 as the official code computes them), `ape [ratio, .]`, the entries' norm."""
+    d, out = cfg.hidden_size, width * (2 if ratio == CSA_RATIO else 1)
+    f32 = jnp.float32
+    return {"wkv": ArrayInfo((d, out), ("embed", None), "normal", f32, d),
+            "wgate": ArrayInfo((d, out), ("embed", None), "normal", f32, d),
+            "ape": ArrayInfo((ratio, out), (None, None), "bias", f32),
+            "norm": _norm(width)}
+
+
+def v4_attention_specs(cfg: Config, kind: str) -> dict[str, Any]:
+    """A V4 layer's attention (`dsr1.core.compressed_attention`) and its two mHC mixings."""
+    d, h, hd, q, g = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank, cfg.o_groups
+    mix = (2 + cfg.hc_mult) * cfg.hc_mult
+    specs: dict[str, Any] = {
+        "hc_attn": hc_specs(cfg, mix), "hc_ffn": hc_specs(cfg, mix),
+        "attn_norm": _norm(d), "mlp_norm": _norm(d),
+        "q_a": _linear((d, q), ("embed", "q_lora"), d), "q_a_norm": _norm(q),
+        "q_b": _linear((q, h, hd), ("q_lora", "heads", "head_dim"), q),
+        "kv": _linear((d, hd), ("embed", "head_dim"), d), "kv_norm": _norm(hd),
+        "sinks": ArrayInfo((h,), ("heads",), "bias", jnp.float32),
+        "o_a": _linear((g, h // g, hd, cfg.o_lora_rank), ("heads", None, "head_dim", None), h // g * hd,
+                       input_axes=(1, 2)),
+        "o_b": _linear((g, cfg.o_lora_rank, d), ("heads", None, "embed"), g * cfg.o_lora_rank, input_axes=(0, 1)),
+    }
+    ratios = {"csa": CSA_RATIO, "hca": cfg.hca_ratio}
+    if kind != "window":
+        specs["compressor"] = compressor_specs(cfg, ratios[kind], hd)
+    if kind == "csa":
+        hi, di = cfg.index_n_heads, cfg.index_head_dim
+        specs["indexer"] = {"wq_b": _linear((q, hi, di), ("q_lora", None, "head_dim"), q),
+                            "weights_proj": ArrayInfo((d, hi), ("embed", None), "normal", jnp.float32, d),
+                            "compressor": compressor_specs(cfg, CSA_RATIO, di)}
+    return specs
+
+
+def v4_moe_specs(cfg: Config, hashed: bool) -> dict[str, Any]:
+    """A V4 MoE layer: `moe_specs`' weights, with a hash layer's `tid2eid [vocab, K]` for the bias."""
+    specs = moe_specs(cfg)
+    if hashed:
+        del specs["router_bias"]
+        specs["tid2eid"] = ArrayInfo((cfg.vocab_size, cfg.num_experts_per_tok), (None, None), "expert_ids",
+                                     jnp.int32, cfg.n_routed_experts)
+    return specs
+
+
+def v4_mtp_specs(cfg: Config) -> dict[str, Any]:
+    """A V4 MTP module: `e_proj(enorm(embed)) + h_proj(hnorm(streams))` into one layer of the kind its
+    compress ratio says (the release's: window-only) with top-k MoE, then its own `hc_head` and norm
+    (the embeddings and output head are the model's)."""
+    d = cfg.hidden_size
+    return {**v4_attention_specs(cfg, attention_kind(cfg, cfg.num_hidden_layers)), "moe": v4_moe_specs(cfg, False),
+            "e_proj": _linear((d, d), ("embed", None), d), "h_proj": _linear((d, d), ("embed", None), d),
+            "enorm": _norm(d), "hnorm": _norm(d), "head_norm": _norm(d), "hc_head": hc_specs(cfg, cfg.hc_mult)}
+
+
+def v4_specs(cfg: Config, *, mtp: bool = False) -> dict[str, Any]:
+    """Every V4 weight: embeddings, the stacks of `v4_stacks`, the final `hc_head` collapse, norm, head;
+    with `mtp`, the MTP modules (`params["mtp"]`, stacked)."""
+    d = cfg.hidden_size
+    specs: dict[str, Any] = {
+        "embed": ArrayInfo((cfg.vocab_size, d), ("vocab", "embed"), "normal", fan_in=1),
+        "hc_head": hc_specs(cfg, cfg.hc_mult),
+        "final_norm": _norm(d),
+        "lm_head": _linear((d, cfg.vocab_size), ("embed", "vocab"), d, quantizable=False),
+    }
+    for name, layers in v4_stacks(cfg).items():
+        kind = attention_kind(cfg, layers[0])
+        layer = {**v4_attention_specs(cfg, kind), "moe": v4_moe_specs(cfg, name.startswith("hash_"))}
+        specs[name] = _stack(layer, len(layers))
+    if mtp and cfg.num_nextn_predict_layers:
+        specs["mtp"] = _stack(v4_mtp_specs(cfg), cfg.num_nextn_predict_layers)
+    return specs

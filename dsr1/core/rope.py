@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import Config, yarn_mscale
+from .config import Config, RopeScaling, yarn_mscale
 
 
 def _correction_dim(rotations: float, dim: int, base: float, max_pos: int) -> float:
@@ -22,7 +22,19 @@ def _correction_dim(rotations: float, dim: int, base: float, max_pos: int) -> fl
 
 def inverse_frequencies(cfg: Config) -> np.ndarray:
     """Per-pair angular frequencies `[qk_rope_head_dim // 2]` (float32), YaRN-blended when scaled."""
-    dim, base, s = cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling
+    return yarn_inverse_frequencies(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+
+def v4_inverse_frequencies(cfg: Config, compressed: bool) -> np.ndarray:
+    """V4's per-pair frequencies: window-only layers `rope_theta` without YaRN, layers with compressed
+    entries `compress_rope_theta` with YaRN (their queries, window and entries alike)."""
+    if compressed:
+        return yarn_inverse_frequencies(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.rope_scaling)
+    return yarn_inverse_frequencies(cfg.qk_rope_head_dim, cfg.rope_theta, RopeScaling())
+
+
+def yarn_inverse_frequencies(dim: int, base: float, s: RopeScaling) -> np.ndarray:
+    """Per-pair angular frequencies `[dim // 2]` of theta `base` (float32), YaRN-blended when `s` scales."""
     # float32 throughout, as the reference computes it, so angles agree to the last bit that matters.
     exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
     extrapolated = np.float32(1.0) / (np.float32(base) ** exponents)
@@ -50,12 +62,19 @@ def apply_rope(x: jax.Array, positions: jax.Array, cfg: Config, interleaved: boo
 
     `x` may carry a head axis after the position axis; positions broadcast over it.
     """
-    inv_freq = jnp.asarray(inverse_frequencies(cfg))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, dim/2]
+    return rotate(x, positions, inverse_frequencies(cfg), interleaved=interleaved, scale=attention_factor(cfg))
+
+
+def rotate(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, *, interleaved: bool = True,
+           scale: float = 1.0, inverse: bool = False) -> jax.Array:
+    """`apply_rope` with the frequencies `inv_freq [rope_dim // 2]` given; `inverse`: rotate back (by
+    minus the angles), as V4 does to its attention output's rope slice."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., T, dim/2]
     if x.ndim == angles.ndim + 1:  # a head axis sits between positions and features
         angles = angles[..., None, :]
-    scale = attention_factor(cfg)
     cos, sin = jnp.cos(angles) * scale, jnp.sin(angles) * scale
+    if inverse:
+        sin = -sin
     if not interleaved:
         first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
         return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1).astype(x.dtype)

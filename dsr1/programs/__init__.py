@@ -14,6 +14,9 @@ so the caller must not use it again.
   the tokens fed and the experts routed (what benchmarks and profiles account for);
   `greedy_main_and_draft`: the model's and the MTP module's teacher-forced argmaxes (`dsr1.bench quality`);
   `random_cache`: a cache as if prompts had been prefilled, for timing decode at any context.
+- `model_v4`: DeepSeek-V4's passes (`dsr1.core.model_v4`): `forward`, `prefill`, `decode`, `extend`
+  (T new tokens per row against the contiguous `V4Cache`, donated), `streams` (the residual streams
+  the MTP module reads) and `mtp_extend`.
 - `decoding`: `generate`'s device loop. `generate_start`, `generate_chunk`: prefill and sample the
   first token, then up to `steps` decode-and-sample steps in one `lax.while_loop` that leaves early
   when every row is done; `speculative_start`, `speculative_chunk`: the same with MTP drafts
