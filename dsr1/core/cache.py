@@ -24,12 +24,14 @@ On CPU a bf16 cache stores its latents as their bits (uint16, `stores_bits`): re
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from . import paged_gather
 from .sharding import ShardingRules, keep_rows
 
 KV_CACHE_DTYPES = (None, "int8")
@@ -467,3 +469,81 @@ def scatter_pages(cache: PagedKVCache, pages: jax.Array, contents: PagedKVCache)
 
     return PagedKVCache(put(cache.c_kv, contents.c_kv), put(cache.k_pe, contents.k_pe),
                         put(cache.c_scale, contents.c_scale), put(cache.index_k, contents.index_k))
+
+
+# ---- a page pool read as each row's positions (sparse attention) ---------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class PagedRows:
+    """A page pool seen as a contiguous cache of `page_table.shape[1] * page_size` positions per row:
+    row b's position s is slot `s % page_size` of its page `page_table[b, s // page_size]`, and it
+    holds `lengths[b]` positions. Sparse attention (`sparse_attention.attend_cached`) reads it as it
+    reads a `KVCache`: every indexer key of the row's pages (`read_index_keys`), then only the
+    selected positions' latents (`gather_positions`; by the TPU kernel `paged_gather` where `kernel`).
+    Under attention data parallelism (the pool split over ranks, `pool_axes`) each rank reads its own
+    rows' pages; a pool split over each row's positions is not read this way (ValueError)."""
+
+    cache: PagedKVCache
+    page_table: jax.Array
+    lengths: jax.Array
+    mesh: Mesh | None = None
+    rules: ShardingRules | None = None
+    kernel: bool = False
+
+    def __post_init__(self):
+        if self.cache.index_k is None:
+            raise ValueError("PagedRows: the page pool holds no indexer keys (a sparse-attention pool has index_k)")
+        if self.rules is not None and pool_axes(self.mesh, self.rules)[1] is not None:
+            raise ValueError("sparse attention reads each row's pages on the device holding them: a page pool split "
+                             f"over each row's positions (rules.positions={self.rules.positions!r}) is not supported")
+
+    @property
+    def max_len(self) -> int:
+        return self.page_table.shape[1] * self.cache.page_size
+
+    @property
+    def batch_size(self) -> int:
+        return self.page_table.shape[0]
+
+    def _rows_axis(self) -> str | None:
+        return None if self.rules is None else pool_axes(self.mesh, self.rules)[0]
+
+    def read_index_keys(self, layer: jax.Array) -> jax.Array:
+        """One layer's indexer keys at every position of each row's pages `[B, max_len, index_head_dim]`,
+        as stored."""
+        rows_axis = self._rows_axis()
+        if rows_axis is None:
+            return self.cache.read_index_pages(layer, self.page_table)
+        rows, whole = jax.sharding.PartitionSpec(rows_axis), jax.sharding.PartitionSpec()
+        read = _per_device(lambda c, i, t: c.read_index_pages(i, t), self.mesh, self.rules,
+                           (pool_specs(self.cache, self.mesh, self.rules), whole, rows), rows)
+        return read(self.cache, layer, self.page_table)
+
+    def gather_positions(self, layer: jax.Array, positions: jax.Array
+                         ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+        """One layer's latents at `positions [B, ...]` (each below `max_len`) of each row, as stored:
+        `c_kv [B, ..., r]`, `c_scale [B, ...]` or None, `k_pe [B, ..., rope]`; only those positions are
+        read."""
+        gather = functools.partial(_gather_row_positions, kernel=self.kernel)
+        rows_axis = self._rows_axis()
+        if rows_axis is None:
+            return gather(self.cache, layer, self.page_table, positions)
+        rows, whole = jax.sharding.PartitionSpec(rows_axis), jax.sharding.PartitionSpec()
+        out = (rows, None if self.cache.c_scale is None else rows, rows)
+        run = _per_device(gather, self.mesh, self.rules,
+                          (pool_specs(self.cache, self.mesh, self.rules), whole, rows, rows), out)
+        return run(self.cache, layer, self.page_table, positions)
+
+
+def _gather_row_positions(cache: PagedKVCache, layer: jax.Array, page_table: jax.Array, positions: jax.Array,
+                          kernel: bool) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+    """`PagedRows.gather_positions` on a pool whose page ids `page_table` names (one device's share)."""
+    b, size = positions.shape[0], cache.page_size
+    pages = jnp.take_along_axis(page_table, (positions // size).reshape(b, -1), axis=1).reshape(positions.shape)
+    slots = positions % size
+
+    def take(a: jax.Array) -> jax.Array:
+        return paged_gather.gather(a, layer, pages, slots) if kernel else a[layer, pages, slots]
+
+    scale = None if cache.c_scale is None else cache.c_scale[layer, pages, slots]
+    return take(cache.c_kv), scale, take(cache.k_pe)
