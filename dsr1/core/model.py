@@ -345,8 +345,7 @@ def extend_routed(params: Params, cache: PagedKVCache, tokens: jax.Array, starts
         those of the device holding each page (`cache.pool_axes`).
       logits_at: `[B, K]` indices into T whose logits are wanted (e.g. `counts - 1` for the next
         token, or every draft position for verification).
-      absorbed: the attention form (None: the cheaper for T, `use_absorbed`); both give the same
-        logits up to float rounding.
+      absorbed: the attention form (None: the cheaper for T, `use_absorbed`; sparse attention: absorbed).
       block_pages: pages per step of the page loop (None: `default_block_pages`).
       hidden_at: `[B, K']` indices into T whose hidden states are wanted (None: `logits_at`), e.g.
         every position of a prompt chunk for the MTP module while only the last needs logits.
@@ -371,10 +370,10 @@ def extend_routed(params: Params, cache: PagedKVCache, tokens: jax.Array, starts
     context = PagedContext(cache, page_table, cached, block_pages)
     positions = cached[:, None] + jnp.arange(chunk)
     x = keep_rows(_embed(params, tokens), mesh, rules)
-    attend_extend = attention_module(cfg).attend_extend
 
     def attend(p, h, i):
-        return attend_extend(p, h, positions, context, i, cfg, absorbed=absorbed, mesh=mesh, rules=rules)
+        return attention_module(cfg).attend_extend(p, h, positions, context, i, cfg, absorbed=absorbed, mesh=mesh,
+                                                   rules=rules)
 
     x, new_latents, routing = _run_layers(params, x, attend, cfg, mesh, rules)
     cache = _write_new_tokens(cache, new_latents, page_table, cached, counts, chunk, mesh, rules)
