@@ -96,17 +96,17 @@ def test_greedy_equals_generate_on_eight_devices_in_layouts_tp_and_dp(reference)
 
 def main() -> None:
     """(Subprocess, 8 devices) the workload on layout tp (expert 4 x tensor 2: heads split, the pool whole
-    on every device) and layout dp (8 ranks, each its own rows and share of the pool); prints one JSON
-    line of both runs."""
+    on every device) and layout dp over 2 ranks (expert 2 x tensor 4: each rank its own rows, slots and
+    share of the pool, the heads split within it; a row's pages are not split over positions, which
+    sparse attention refuses), both with one device's slots and pages; prints one JSON line of both."""
     argparse.ArgumentParser().parse_args()
-    from dsr1.core.sharding import layout_rules
+    from dsr1.core.sharding import layout_rules, rules_layout
 
     tp = dsr1.init_random(CONFIG, seed=0, dtype="float32", mesh=dsr1.make_mesh(expert=4, tensor=2))
-    dp_rules = layout_rules("dp")
-    dp = dsr1.init_random(CONFIG, seed=0, dtype="float32", mesh=dsr1.make_mesh(expert=8, tensor=1), rules=dp_rules)
-    # Eight ranks: a slot, a prefill row and 12 pages each (44 tokens: the longest request).
-    dp_shapes = dict(ONE_DEVICE, max_seqs=8, prefill_rows=8, num_pages=96, max_seq_len=44)
-    print(json.dumps({"tp": serve(tp, ONE_DEVICE), "dp": serve(dp, dp_shapes)}))
+    rows_only = dataclasses.replace(layout_rules("dp"), positions=None)
+    assert rules_layout(rows_only) == "dp"
+    dp = dsr1.init_random(CONFIG, seed=0, dtype="float32", mesh=dsr1.make_mesh(expert=2, tensor=4), rules=rows_only)
+    print(json.dumps({"tp": serve(tp, ONE_DEVICE), "dp": serve(dp, ONE_DEVICE)}))
 
 
 if __name__ == "__main__":

@@ -116,3 +116,28 @@ def test_paged_extend_equals_forward_at_every_position(monkeypatch, kernel):
         monkeypatch.setattr(paged_gather, "gather", lambda *a, **k: real(*a, **{**k, "interpret": True}))
     got = _extend_logits(model, tokens, (8, 8, 4) + (1,) * 8)
     assert max(relative_error(got[r, t], want[r, t]) for r in range(2) for t in range(28)) < 1e-5
+
+
+@pytest.mark.extended
+def test_paged_decode_step_reads_only_the_selected_latents():
+    """The compiled one-token `extend` of rows of 1,000 positions (250 pages of 4) holds no layer's
+    latents of a row's every position, nor a page loop's block of them: it scans the row's indexer
+    keys, then gathers the 8 selected positions' latents."""
+    from dsr1.programs import model as programs
+
+    cfg = dataclasses.replace(CONFIG, index_head_dim=24)  # shapes apart from the latents'
+    model = dsr1.init_random(cfg, seed=0, dtype="float32")
+    b, width = 2, 250
+    pool = programs.paged_cache(cfg=cfg, mesh=model.mesh, num_pages=1 + b * width, page_size=4, dtype=jnp.float32,
+                                kv_cache_dtype=None)
+    table = jnp.arange(1, 1 + b * width, dtype=jnp.int32).reshape(b, width)
+    one = jnp.ones((b, 1), jnp.int32)
+    hlo = programs.extend.lower(model.params, pool, one, jnp.full((b,), 900, jnp.int32), one[:, 0], table,
+                                one - 1, **model.program_kwargs).compile().as_text()
+    r, rope, n = cfg.kv_lora_rank, cfg.qk_rope_head_dim, width * 4
+    assert f"f32[{b},{n},{cfg.index_head_dim}]" in hlo  # the keys are scanned
+    # A row's every position, or a page loop's block of 512 positions (128 pages), flat or as pages.
+    whole = [f"f32[{b},{m},{d}]" for d in (r, rope) for m in (n, 512)] + [f"f32[{b},{m},4,{d}]" for d in (r, rope)
+                                                                          for m in (width, 128)]
+    assert [s for s in whole if s in hlo] == []
+    assert f"f32[{b},1,8,{r}]" in hlo  # the selected latents
