@@ -13,6 +13,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -72,14 +73,21 @@ def test_greedy_equals_generate_with_shared_prefixes_and_offload_on_one_device(r
     _check(serve(model, ONE_DEVICE), reference, "one device")
 
 
-def test_engine_refuses_drafts_for_sparse_attention():
-    """The engine serves no MTP drafts for V3.2 (its draft pool holds no indexer keys): it says so."""
-    from dsr1.serving import Engine
+def test_engine_refuses_drafts_and_a_positions_split_for_sparse_attention():
+    """The engine serves no MTP drafts for V3.2 (its draft pool holds no indexer keys), nor splits a row's
+    pages over devices (the top-k needs all its keys on one): `Engine` says so before building anything."""
+    from dsr1.core.sharding import DEFAULT_RULES, layout_rules
+    from dsr1.serving.engine import check_sparse_serving
 
-    model = dsr1.init_random(dataclasses.replace(CONFIG, num_nextn_predict_layers=1), seed=0, dtype="float32",
-                             mtp=True)
+    one = types.SimpleNamespace(cfg=CONFIG, mesh=None, rules=DEFAULT_RULES)
     with pytest.raises(ValueError, match="no MTP drafts for a sparse-attention"):
-        Engine(model, **ONE_DEVICE, draft_tokens=1)
+        check_sparse_serving(one, draft_tokens=1)
+    check_sparse_serving(one, draft_tokens=0)
+    check_sparse_serving(types.SimpleNamespace(**{**vars(one), "cfg": dsr1.Config.preset("tiny")}), draft_tokens=1)
+    split = types.SimpleNamespace(cfg=CONFIG, mesh=types.SimpleNamespace(shape={"expert": 2, "tensor": 2}),
+                                  rules=layout_rules("dp"))
+    with pytest.raises(ValueError, match="cannot split a row's pages over mesh axis 'tensor'"):
+        check_sparse_serving(split, draft_tokens=0)
 
 
 @pytest.mark.extended
