@@ -17,10 +17,10 @@ needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="libtpu is not installed (pip install 'dsr1[tpu-plan]')")
 
 
-# The interpreter runs each DMA on the host: one case in the quick tier, the other dtypes slow.
+# The interpreter runs each DMA on the host: bf16 in the quick tier, int8 slow, the rest extended.
 @pytest.mark.parametrize("page_size,dtype", [
-    (64, jnp.bfloat16), pytest.param(4, jnp.float32, marks=pytest.mark.slow),
-    pytest.param(64, jnp.int8, marks=pytest.mark.slow), pytest.param(16, jnp.uint16, marks=pytest.mark.slow)],
+    (64, jnp.bfloat16), pytest.param(4, jnp.float32, marks=pytest.mark.extended),
+    pytest.param(64, jnp.int8, marks=pytest.mark.slow), pytest.param(16, jnp.uint16, marks=pytest.mark.extended)],
     ids=["64-bf16", "4-f32", "64-int8", "16-bf16-bits"])
 def test_interpreted_kernel_equals_xla_gather(page_size, dtype):
     """Positions of a 2-layer pool named by (page, slot), `[rows, queries, K]` with K not a multiple of
