@@ -187,16 +187,6 @@ def test_release_layout_names_the_indexer_tensors():
     assert not any(".indexer." in name for name in expected_tensors(dsr1.Config.preset("deepseek-r1"), mtp=True))
 
 
-def test_paged_extend_refuses_sparse_attention():
-    """The serving engine's paged cache holds no indexer keys: `extend` says so, before tracing anything."""
-    from dsr1.core.model import extend
-
-    cfg = dsr1.Config.preset("tiny-v3.2")
-    with pytest.raises(ValueError, match="paged cache holds no indexer keys"):
-        extend({}, None, np.zeros((1, 1), np.int32), np.zeros(1, np.int32), np.ones(1, np.int32),
-               np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int32), cfg=cfg, mesh=None, rules=None)
-
-
 @pytest.mark.slow
 def test_decode_step_reads_only_the_selected_latents():
     """The compiled decode step of a 1,000-position cache holds no layer's latents of every position,

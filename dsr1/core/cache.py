@@ -12,7 +12,10 @@ in the model's dtype.
 - `PagedKVCache`: a pool of fixed-size pages shared by all sequences, each sequence reading and
   writing its own pages through a page table (`extend`, serving). Rows grow a page at a time and
   sequences with a common prefix can share its pages. `gather_pages` and `scatter_pages` move
-  whole pages out of and back into the pool (the prefix cache's host offload).
+  whole pages out of and back into the pool (the prefix cache's host offload). For V3.2 each page
+  also holds its tokens' indexer keys (`index_k`, beside the latents, as the contiguous cache keeps
+  them), so prefix sharing and offload carry them with the latents; `PagedRows` reads a pool through
+  the rows' page tables as sparse attention reads a contiguous cache.
 
 On CPU a bf16 cache stores its latents as their bits (uint16, `stores_bits`): read them through
 `latent_values`.
@@ -21,12 +24,14 @@ On CPU a bf16 cache stores its latents as their bits (uint16, `stores_bits`): re
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from . import paged_gather
 from .sharding import ShardingRules, keep_rows
 
 KV_CACHE_DTYPES = (None, "int8")
@@ -208,7 +213,9 @@ class PagedKVCache:
     `c_kv [layers, num_pages, page_size, kv_lora_rank]` (the model's dtype, or int8; bf16 on CPU as
     its bits, `stores_bits`),
     `c_scale [layers, num_pages, page_size]` (float32 per-token scales of an int8 cache, else None),
-    `k_pe [layers, num_pages, page_size, rope_dim]` (the model's dtype, as stored). Which pages hold which
+    `k_pe [layers, num_pages, page_size, rope_dim]` (the model's dtype, as stored),
+    `index_k [layers, num_pages, page_size, index_head_dim]` (sparse attention's indexer keys, stored as
+    `k_pe` is; None for dense MLA). Which pages hold which
     sequence is not stored here: each sequence has a page table (page ids, in order), kept on the
     host by `dsr1.serving.pages` and passed to every call. Token `pos` of a sequence lives in page
     `table[pos // page_size]`, slot `pos % page_size`. Page `SCRATCH_PAGE` is never handed out.
@@ -217,6 +224,7 @@ class PagedKVCache:
     c_kv: jax.Array
     k_pe: jax.Array
     c_scale: jax.Array | None
+    index_k: jax.Array | None = None
 
     @property
     def page_size(self) -> int:
@@ -239,17 +247,26 @@ class PagedKVCache:
 
         return flat(self.c_kv), None if self.c_scale is None else flat(self.c_scale), flat(self.k_pe)
 
+    def read_index_pages(self, layer: jax.Array, pages: jax.Array) -> jax.Array:
+        """One layer's indexer keys in `pages [B, n]`, laid end to end: `[B, n * page_size, index_head_dim]`
+        (as stored; one gather from the whole pool, as `read_pages`)."""
+        a = self.index_k[layer, pages]
+        return a.reshape(a.shape[0], a.shape[1] * a.shape[2], a.shape[3])
+
 
 def empty_paged_cache(num_layers: int, num_pages: int, page_size: int, kv_lora_rank: int, rope_dim: int,
-                      dtype: jnp.dtype, kv_cache_dtype: str | None = None, platform: str | None = None) -> PagedKVCache:
-    """A zeroed page pool (scales 1 for int8) for `platform`'s devices (`stores_bits`). Call under jit
-    to create it directly on the devices."""
+                      dtype: jnp.dtype, kv_cache_dtype: str | None = None, platform: str | None = None,
+                      index_head_dim: int = 0) -> PagedKVCache:
+    """A zeroed page pool (scales 1 for int8) for `platform`'s devices (`stores_bits`); with
+    `index_head_dim` (sparse attention) room for each token's indexer key, stored as `k_pe` is. Call
+    under jit to create it directly on the devices."""
     check_kv_cache_dtype(kv_cache_dtype)
     shape = (num_layers, num_pages, page_size)
     int8 = kv_cache_dtype == "int8"
     stored = jnp.uint16 if stores_bits(dtype, platform) else dtype
     return PagedKVCache(jnp.zeros((*shape, kv_lora_rank), jnp.int8 if int8 else stored),
-                        jnp.zeros((*shape, rope_dim), stored), jnp.ones(shape, jnp.float32) if int8 else None)
+                        jnp.zeros((*shape, rope_dim), stored), jnp.ones(shape, jnp.float32) if int8 else None,
+                        jnp.zeros((*shape, index_head_dim), stored) if index_head_dim else None)
 
 
 def token_slots(page_table: jax.Array, starts: jax.Array, counts: jax.Array, chunk: int,
@@ -268,14 +285,19 @@ def token_slots(page_table: jax.Array, starts: jax.Array, counts: jax.Array, chu
 
 
 def write_tokens(cache: PagedKVCache, c_kv: jax.Array, k_pe: jax.Array, pages: jax.Array,
-                 slots: jax.Array) -> PagedKVCache:
-    """Write every layer's new latents `c_kv [L, B, T, r]`, `k_pe [L, B, T, rope]` at `(pages, slots)
-    [B, T]` in one scatter per array (quantized first for an int8 cache)."""
+                 slots: jax.Array, index_k: jax.Array | None = None) -> PagedKVCache:
+    """Write every layer's new latents `c_kv [L, B, T, r]`, `k_pe [L, B, T, rope]` (and a sparse-attention
+    pool's indexer keys `index_k [L, B, T, index_head_dim]`) at `(pages, slots) [B, T]` in one scatter
+    per array (quantized first for an int8 cache)."""
+    if (index_k is None) != (cache.index_k is None):
+        raise ValueError("a sparse-attention page pool takes the new tokens' indexer keys, a dense one none")
+    at = (slice(None), pages, slots)
     c_kv, c_scale = _stored(c_kv, cache.kv_cache_dtype)
     return PagedKVCache(
-        _put(cache.c_kv, (slice(None), pages, slots), c_kv),
-        _put(cache.k_pe, (slice(None), pages, slots), k_pe),
-        None if c_scale is None else _put(cache.c_scale, (slice(None), pages, slots), c_scale),
+        _put(cache.c_kv, at, c_kv),
+        _put(cache.k_pe, at, k_pe),
+        None if c_scale is None else _put(cache.c_scale, at, c_scale),
+        None if index_k is None else _put(cache.index_k, at, index_k),
     )
 
 
@@ -314,8 +336,12 @@ def keep_pool_layout(cache: PagedKVCache, mesh: Mesh, rules: ShardingRules) -> P
 
 def pool_specs(cache: PagedKVCache, mesh: Mesh | None, rules: ShardingRules) -> PagedKVCache:
     """The `shard_map` specs of the pool's arrays (`keep_pool_layout`'s split)."""
-    pool = _pool_spec(mesh, rules)
-    return PagedKVCache(pool, pool, None if cache.c_scale is None else pool)
+    return _specs_like(cache, _pool_spec(mesh, rules))
+
+
+def _specs_like(cache: PagedKVCache, spec: jax.sharding.PartitionSpec) -> PagedKVCache:
+    """`spec` for each array `cache` holds (None where it holds none)."""
+    return PagedKVCache(*(None if a is None else spec for a in (cache.c_kv, cache.k_pe, cache.c_scale, cache.index_k)))
 
 
 def _per_device(fn, mesh: Mesh, rules: ShardingRules, in_specs, out_specs):
@@ -341,24 +367,26 @@ def read_rank_pages(cache: PagedKVCache, layer: jax.Array, pages: jax.Array, mes
 
 
 def write_rank_tokens(cache: PagedKVCache, c_kv: jax.Array, k_pe: jax.Array, pages: jax.Array, slots: jax.Array,
-                      page_index: jax.Array, mesh: Mesh | None, rules: ShardingRules) -> PagedKVCache:
+                      page_index: jax.Array, mesh: Mesh | None, rules: ShardingRules,
+                      index_k: jax.Array | None = None) -> PagedKVCache:
     """`write_tokens`, each row's tokens written on the device holding their page when the pool is
     split (`page_index [B, T]`: each token's page's index in its row's table, which names the device
     of the positions axis holding it)."""
     rows_axis, positions_axis = pool_axes(mesh, rules)
     if rows_axis is None and positions_axis is None:
-        return write_tokens(cache, c_kv, k_pe, pages, slots)
+        return write_tokens(cache, c_kv, k_pe, pages, slots, index_k)
 
-    def write(cache, c_kv, k_pe, pages, slots, page_index):
+    def write(cache, c_kv, k_pe, pages, slots, page_index, index_k):
         if positions_axis is not None:  # another device's page: this device writes to its scratch page
             mine = page_index % jax.lax.axis_size(positions_axis) == jax.lax.axis_index(positions_axis)
             pages = jnp.where(mine, pages, SCRATCH_PAGE)
-        return write_tokens(cache, c_kv, k_pe, pages, slots)
+        return write_tokens(cache, c_kv, k_pe, pages, slots, index_k)
 
     pool, rows = pool_specs(cache, mesh, rules), jax.sharding.PartitionSpec(rows_axis)
     new = jax.sharding.PartitionSpec(None, rows_axis)
-    return _per_device(write, mesh, rules, (pool, new, new, rows, rows, rows), pool)(
-        cache, c_kv, k_pe, pages, slots, page_index)
+    keys = None if index_k is None else new
+    return _per_device(write, mesh, rules, (pool, new, new, rows, rows, rows, keys), pool)(
+        cache, c_kv, k_pe, pages, slots, page_index, index_k)
 
 
 def _rank_only(mesh: Mesh | None, rules: ShardingRules, what: str) -> str | None:
@@ -390,7 +418,7 @@ def gather_rank_pages(cache: PagedKVCache, pages: jax.Array, mesh: Mesh | None,
         return jax.tree.map(summed, got)
 
     whole = jax.sharding.PartitionSpec()
-    out = PagedKVCache(whole, whole, None if cache.c_scale is None else whole)
+    out = _specs_like(cache, whole)
     return _per_device(gather, mesh, rules, (pool_specs(cache, mesh, rules), whole), out)(cache, pages)
 
 
@@ -408,7 +436,7 @@ def scatter_rank_pages(cache: PagedKVCache, pages: jax.Array, contents: PagedKVC
         return scatter_pages(cache, jnp.where(mine, pages % per, SCRATCH_PAGE), contents)
 
     whole, pool = jax.sharding.PartitionSpec(), pool_specs(cache, mesh, rules)
-    specs = PagedKVCache(whole, whole, None if contents.c_scale is None else whole)
+    specs = _specs_like(contents, whole)
     return _per_device(scatter, mesh, rules, (pool, whole, specs), pool)(cache, pages, contents)
 
 
@@ -428,8 +456,9 @@ def local_pages(page_table: jax.Array, cached: jax.Array, page_size: int, device
 
 def gather_pages(cache: PagedKVCache, pages: jax.Array) -> PagedKVCache:
     """The contents of `pages [K]` for every layer, as a pool of K pages (`c_kv [L, K, page_size, r]`, ...):
-    what the prefix cache copies to host memory when it evicts pages."""
-    return PagedKVCache(*(None if a is None else a[:, pages] for a in (cache.c_kv, cache.k_pe, cache.c_scale)))
+    what the prefix cache copies to host memory when it evicts pages (the indexer keys too, if any)."""
+    return PagedKVCache(*(None if a is None else a[:, pages]
+                          for a in (cache.c_kv, cache.k_pe, cache.c_scale, cache.index_k)))
 
 
 def scatter_pages(cache: PagedKVCache, pages: jax.Array, contents: PagedKVCache) -> PagedKVCache:
@@ -439,4 +468,82 @@ def scatter_pages(cache: PagedKVCache, pages: jax.Array, contents: PagedKVCache)
         return None if pool is None else _put(pool, (slice(None), pages), new)
 
     return PagedKVCache(put(cache.c_kv, contents.c_kv), put(cache.k_pe, contents.k_pe),
-                        put(cache.c_scale, contents.c_scale))
+                        put(cache.c_scale, contents.c_scale), put(cache.index_k, contents.index_k))
+
+
+# ---- a page pool read as each row's positions (sparse attention) ---------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class PagedRows:
+    """A page pool seen as a contiguous cache of `page_table.shape[1] * page_size` positions per row:
+    row b's position s is slot `s % page_size` of its page `page_table[b, s // page_size]`, and it
+    holds `lengths[b]` positions. Sparse attention (`sparse_attention.attend_cached`) reads it as it
+    reads a `KVCache`: every indexer key of the row's pages (`read_index_keys`), then only the
+    selected positions' latents (`gather_positions`; by the TPU kernel `paged_gather` where `kernel`).
+    Under attention data parallelism (the pool split over ranks, `pool_axes`) each rank reads its own
+    rows' pages; a pool split over each row's positions is not read this way (ValueError)."""
+
+    cache: PagedKVCache
+    page_table: jax.Array
+    lengths: jax.Array
+    mesh: Mesh | None = None
+    rules: ShardingRules | None = None
+    kernel: bool = False
+
+    def __post_init__(self):
+        if self.cache.index_k is None:
+            raise ValueError("PagedRows: the page pool holds no indexer keys (a sparse-attention pool has index_k)")
+        if self.rules is not None and pool_axes(self.mesh, self.rules)[1] is not None:
+            raise ValueError("sparse attention reads each row's pages on the device holding them: a page pool split "
+                             f"over each row's positions (rules.positions={self.rules.positions!r}) is not supported")
+
+    @property
+    def max_len(self) -> int:
+        return self.page_table.shape[1] * self.cache.page_size
+
+    @property
+    def batch_size(self) -> int:
+        return self.page_table.shape[0]
+
+    def _rows_axis(self) -> str | None:
+        return None if self.rules is None else pool_axes(self.mesh, self.rules)[0]
+
+    def read_index_keys(self, layer: jax.Array) -> jax.Array:
+        """One layer's indexer keys at every position of each row's pages `[B, max_len, index_head_dim]`,
+        as stored."""
+        rows_axis = self._rows_axis()
+        if rows_axis is None:
+            return self.cache.read_index_pages(layer, self.page_table)
+        rows, whole = jax.sharding.PartitionSpec(rows_axis), jax.sharding.PartitionSpec()
+        read = _per_device(lambda c, i, t: c.read_index_pages(i, t), self.mesh, self.rules,
+                           (pool_specs(self.cache, self.mesh, self.rules), whole, rows), rows)
+        return read(self.cache, layer, self.page_table)
+
+    def gather_positions(self, layer: jax.Array, positions: jax.Array
+                         ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+        """One layer's latents at `positions [B, ...]` (each below `max_len`) of each row, as stored:
+        `c_kv [B, ..., r]`, `c_scale [B, ...]` or None, `k_pe [B, ..., rope]`; only those positions are
+        read."""
+        gather = functools.partial(_gather_row_positions, kernel=self.kernel)
+        rows_axis = self._rows_axis()
+        if rows_axis is None:
+            return gather(self.cache, layer, self.page_table, positions)
+        rows, whole = jax.sharding.PartitionSpec(rows_axis), jax.sharding.PartitionSpec()
+        out = (rows, None if self.cache.c_scale is None else rows, rows)
+        run = _per_device(gather, self.mesh, self.rules,
+                          (pool_specs(self.cache, self.mesh, self.rules), whole, rows, rows), out)
+        return run(self.cache, layer, self.page_table, positions)
+
+
+def _gather_row_positions(cache: PagedKVCache, layer: jax.Array, page_table: jax.Array, positions: jax.Array,
+                          kernel: bool) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+    """`PagedRows.gather_positions` on a pool whose page ids `page_table` names (one device's share)."""
+    b, size = positions.shape[0], cache.page_size
+    pages = jnp.take_along_axis(page_table, (positions // size).reshape(b, -1), axis=1).reshape(positions.shape)
+    slots = positions % size
+
+    def take(a: jax.Array) -> jax.Array:
+        return paged_gather.gather(a, layer, pages, slots) if kernel else a[layer, pages, slots]
+
+    scale = None if cache.c_scale is None else cache.c_scale[layer, pages, slots]
+    return take(cache.c_kv), scale, take(cache.k_pe)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from . import attention, sparse_attention
-from .attention import PagedContext, attend_extend, use_absorbed
+from .attention import PagedContext, use_absorbed
 from .backend import backend_of
 from .cache import (
     KVCache,
@@ -282,25 +282,29 @@ def extend(params: Params, cache: PagedKVCache, tokens: jax.Array, starts: jax.A
 def _extend_form(cfg: Config, chunk: int, absorbed: bool | None, mesh: Mesh, rules: ShardingRules) -> bool:
     """Whether `extend` attends in the absorbed form: as asked, else the cheaper for `chunk` tokens
     (`use_absorbed`); always where a row's positions are split over devices, which meet all heads'
-    queries as latents. A sparse-attention (V3.2) model does not extend: the paged cache holds no
-    indexer keys (it runs prefill and decode on the contiguous cache)."""
+    queries as latents. Sparse attention (V3.2) always attends absorbed, over the selected latents, and
+    reads a row's pages on the device holding them (a pool split over positions: ValueError)."""
     if cfg.sparse_attention:
-        raise ValueError("extend: the paged cache holds no indexer keys; a sparse-attention (V3.2) model runs "
-                         "with prefill and decode on the contiguous cache")
+        if pool_axes(mesh, rules)[1] is not None:
+            raise ValueError(f"extend: a sparse-attention (V3.2) model reads each row's pages on one device; the "
+                             f"page pool is split over each row's positions (rules.positions={rules.positions!r}): "
+                             "use a mesh without that axis, or rules with positions=None")
+        return True
     if pool_axes(mesh, rules)[1] is not None:
         return True
     return use_absorbed(cfg, chunk) if absorbed is None else absorbed
 
 
-def _write_new_tokens(cache: PagedKVCache, c_new: jax.Array, pe_new: jax.Array, page_table: jax.Array,
+def _write_new_tokens(cache: PagedKVCache, latents: tuple[jax.Array, ...], page_table: jax.Array,
                       cached: jax.Array, counts: jax.Array, chunk: int, mesh: Mesh,
                       rules: ShardingRules) -> PagedKVCache:
-    """The pool with each row's real new latents (`chunk` per row, padded) written at positions
-    `cached[b] + t` (padding goes to `SCRATCH_PAGE`)."""
+    """The pool with each row's real new latents `(c_kv, k_pe[, index_k])` (`chunk` per row, padded)
+    written at positions `cached[b] + t` (padding goes to `SCRATCH_PAGE`)."""
+    c_new, pe_new, index_k = latent_parts(latents)
     with jax.named_scope("write_pages"):
         pages, slots = token_slots(page_table, cached, counts, chunk, cache.page_size)
         page_index = (cached[:, None] + jnp.arange(chunk)) // cache.page_size
-        return write_rank_tokens(cache, c_new, pe_new, pages, slots, page_index, mesh, rules)
+        return write_rank_tokens(cache, c_new, pe_new, pages, slots, page_index, mesh, rules, index_k)
 
 
 def _at(x: jax.Array, indices: jax.Array, counts: jax.Array) -> jax.Array:
@@ -341,8 +345,7 @@ def extend_routed(params: Params, cache: PagedKVCache, tokens: jax.Array, starts
         those of the device holding each page (`cache.pool_axes`).
       logits_at: `[B, K]` indices into T whose logits are wanted (e.g. `counts - 1` for the next
         token, or every draft position for verification).
-      absorbed: the attention form (None: the cheaper for T, `use_absorbed`); both give the same
-        logits up to float rounding.
+      absorbed: the attention form (None: the cheaper for T, `use_absorbed`; sparse attention: absorbed).
       block_pages: pages per step of the page loop (None: `default_block_pages`).
       hidden_at: `[B, K']` indices into T whose hidden states are wanted (None: `logits_at`), e.g.
         every position of a prompt chunk for the MTP module while only the last needs logits.
@@ -369,10 +372,11 @@ def extend_routed(params: Params, cache: PagedKVCache, tokens: jax.Array, starts
     x = keep_rows(_embed(params, tokens), mesh, rules)
 
     def attend(p, h, i):
-        return attend_extend(p, h, positions, context, i, cfg, absorbed=absorbed, mesh=mesh, rules=rules)
+        return attention_module(cfg).attend_extend(p, h, positions, context, i, cfg, absorbed=absorbed, mesh=mesh,
+                                                   rules=rules)
 
-    x, (c_new, pe_new), routing = _run_layers(params, x, attend, cfg, mesh, rules)
-    cache = _write_new_tokens(cache, c_new, pe_new, page_table, cached, counts, chunk, mesh, rules)
+    x, new_latents, routing = _run_layers(params, x, attend, cfg, mesh, rules)
+    cache = _write_new_tokens(cache, new_latents, page_table, cached, counts, chunk, mesh, rules)
     head_input = _at(x, logits_at, counts)
     hidden = head_input if hidden_at is None else _at(x, hidden_at, counts)
     logits = _wanted_logits(params, head_input, logits_at < counts[:, None], chunk, cfg)

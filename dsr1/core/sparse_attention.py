@@ -21,6 +21,9 @@ without it, and the cache holds the keys in the model's dtype (`KVCache.index_k`
   scans every cached key, then only the selected positions' latents are gathered (`index_topk` per
   query) and attended. The new tokens' latents and indexer keys join directly (the cache is only read
   here); the caller writes the returned `(c_kv, k_pe, index_k)`.
+- `attend_extend`: the same against the serving engine's page pool (`attention.PagedContext`), read
+  through each row's page table (`cache.PagedRows`): the indexer scans the keys of the row's own
+  pages, and only the selected positions' latents are gathered (on TPU by `paged_gather`'s kernel).
 
 The functions share MLA's pieces (`dsr1.core.attention`): its queries, latents, the two forms'
 `Query` and `Keys`, `scores`, `weighted_values` and `attention_output`.
@@ -32,12 +35,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from . import products
+from . import paged_gather, products
 from .attention import (
     Keys,
+    PagedContext,
     Query,
     attention_output,
     causal_mask,
+    kernel_choice,
     latents,
     make_keys,
     make_query,
@@ -47,10 +52,11 @@ from .attention import (
     scores,
     weighted_values,
 )
-from .cache import KVCache, latent_values
+from .cache import KVCache, PagedRows, latent_values
 from .config import Config
 from .layers import layer_norm
 from .rope import apply_rope
+from .sharding import DEFAULT_RULES, ShardingRules
 
 LAYER_NORM_EPS = 1e-6  # the indexer's key norm (the reference's LayerNorm default)
 
@@ -134,7 +140,8 @@ def attend_decode(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache, l
     return out[:, 0], tuple(a[:, 0] for a in new)
 
 
-def attend_cached(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache, layer: jax.Array, cfg: Config,
+def attend_cached(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache | PagedRows, layer: jax.Array,
+                  cfg: Config,
                   query_at: jax.Array | None = None, one_device: bool = False, mesh: Mesh | None = None):
     """T new tokens per row, `x [B, T, D]` at `positions [B, T]` (`lengths[b] + t`), against
     `cache.lengths[b]` cached positions of `layer` of a contiguous cache and causally to each other,
@@ -164,6 +171,21 @@ def attend_cached(p: dict, x: jax.Array, positions: jax.Array, cache: KVCache, l
         ctx = _selected_context(make_query(p, q_nope, q_pe, absorbed=True), keys, chosen, cfg)
         out = attention_output(p, ctx, absorbed=True, dtype=q_nope.dtype)
     return out, (c_new, pe_new, keys_new)
+
+
+def attend_extend(p: dict, x: jax.Array, positions: jax.Array, context: PagedContext, layer: jax.Array,
+                  cfg: Config, *, absorbed: bool = True, one_device: bool = False, mesh: Mesh | None = None,
+                  rules: ShardingRules = DEFAULT_RULES):
+    """T new tokens per row, `x [B, T, D]` at `positions [B, T]` (`context.cached[b] + t`), against their
+    row's cached positions of `layer` in the page pool and causally to each other: `attend_cached`
+    over the pool read through the rows' page tables (`PagedRows`), its selected latents gathered by
+    the TPU kernel where `one_device`/`mesh` name a TPU (`paged_gather.applies`). Always the absorbed
+    form (`absorbed` is `attention.attend_extend`'s and chooses nothing). Returns `(out [B, T, D],
+    (c_kv, k_pe, index_k))`, each `[B, T, ...]`."""
+    del absorbed
+    kernel = paged_gather.applies(kernel_choice(mesh, one_device)[0])
+    rows = PagedRows(context.cache, context.page_table, context.cached, mesh, rules, kernel)
+    return attend_cached(p, x, positions, rows, layer, cfg)
 
 
 def _queried(x: jax.Array, c_q: jax.Array, positions: jax.Array, query_at: jax.Array | None):

@@ -114,10 +114,12 @@ def greedy_main_and_draft(params: Params, tokens: jax.Array, *, cfg: Config, mes
 def paged_cache(*, cfg: Config, mesh: Mesh, num_pages: int, page_size: int, dtype: Any,
                 kv_cache_dtype: str | None, rules: ShardingRules = DEFAULT_RULES) -> PagedKVCache:
     """An empty pool of `num_pages` pages of `page_size` tokens (page 0 is the scratch page) for every
-    layer, in the model's `dtype` (or int8 latents with per-token scales), whole on every device; or,
+    layer, in the model's `dtype` (or int8 latents with per-token scales; sparse attention's indexer keys
+    beside them, in the model's dtype), whole on every device; or,
     under attention data parallelism (`rules.batch`, `rules.positions`), split evenly over the devices
     of those axes, each share's first page its own scratch page (`cache.pool_axes`)."""
     cache = empty_paged_cache(cfg.num_hidden_layers, num_pages, page_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
-                              jnp.dtype(dtype), kv_cache_dtype, mesh.devices.flat[0].platform)
+                              jnp.dtype(dtype), kv_cache_dtype, mesh.devices.flat[0].platform,
+                              cfg.index_head_dim if cfg.sparse_attention else 0)
     return keep_pool_layout(cache, mesh, rules)
 

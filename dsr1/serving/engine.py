@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from ..api import Model
+from ..core.cache import pool_axes
 from ..core.config import outside_vocabulary
 from ..core.eplb import ExpertPlacement
 from ..core.sharding import to_host
@@ -153,6 +154,7 @@ class Engine:
                  draft_tokens: int = 0, control: str = "host", batch_invariant: bool = False,
                  disaggregate: tuple[int, int] | None = None, rebalance_every: int = 0):
         model.check_draft_tokens(draft_tokens)
+        check_sparse_serving(model, draft_tokens)
         check_rebalance(model.params, rebalance_every, disaggregate)
         model = serving_model(model, batch_invariant, disaggregate)
         max_seq_len = _max_seq_len(model, max_seq_len, num_pages * page_size - page_size)
@@ -462,6 +464,21 @@ class Engine:
                 draft_acceptance=s.accepted_drafts / s.drafted_tokens if s.drafted_tokens else None,
                 running_per_rank=s.running_per_rank(),
                 pages_used_per_rank=tuple(rank.allocator.used_count for rank in s.ranks))
+
+
+def check_sparse_serving(model: Model, draft_tokens: int) -> None:
+    """ValueError for what the engine cannot serve a sparse-attention (V3.2) model with: MTP drafts (the
+    draft programs' MTP pool holds no indexer keys), and a page pool split over each row's positions
+    (the indexer reads all of a row's keys on one device)."""
+    if not model.cfg.sparse_attention:
+        return
+    if draft_tokens:
+        raise ValueError("draft_tokens > 0: the engine serves no MTP drafts for a sparse-attention (V3.2) model "
+                         "(its draft pool holds no indexer keys); use draft_tokens=0 (dsr1.generate drafts for it)")
+    if pool_axes(model.mesh, model.rules)[1] is not None:
+        raise ValueError(f"a sparse-attention (V3.2) model reads each row's pages on one device: the engine cannot "
+                         f"split a row's pages over mesh axis {model.rules.positions!r} (layout dp on a mesh whose "
+                         f"{model.rules.positions!r} axis is larger than 1); use a mesh without it")
 
 
 def data_parallel_ranks(model: Model) -> int:

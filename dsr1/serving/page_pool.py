@@ -8,10 +8,10 @@ Two halves, so that every JAX process can run the copies process 0's prefix cach
 - `PagePool` owns the current `PagedKVCache` (every program that writes it returns a new one,
   which replaces it) and, with MTP drafts, the MTP module's one-layer pool under the same page ids
   (`mtp_cache`), and *runs* the ops: a save dispatches a copy of whole pages (every layer's
-  `c_kv`, `c_scale`, `k_pe`, in both pools) and starts its transfer to host memory without waiting;
-  a restore writes host copies back into fresh pages; a release drops host copies. Copies go
-  through fixed-size programs (`COPY_BATCH` pages per call, padded with the scratch page) so they
-  never compile after warm-up.
+  `c_kv`, `c_scale`, `k_pe`, and V3.2's indexer keys `index_k`, in both pools) and starts its
+  transfer to host memory without waiting; a restore writes host copies back into fresh pages; a
+  release drops host copies. Copies go through fixed-size programs (`COPY_BATCH` pages per call,
+  padded with the scratch page) so they never compile after warm-up.
 
 Across processes each process keeps its own host copies, under the ids process 0 gave them: a copy
 program returns its pages whole on every device (under attention data parallelism, where each rank
@@ -87,7 +87,12 @@ class PageLog:
         return ops
 
 
-Latents = tuple[np.ndarray | None, ...]  # (c_kv, k_pe, c_scale) of one pool, in host memory
+Latents = tuple[np.ndarray | None, ...]  # (c_kv, k_pe, c_scale, index_k) of one pool, in host memory
+
+
+def _arrays(pool: PagedKVCache) -> tuple:
+    """A pool's arrays in `Latents` order (None where it holds none)."""
+    return pool.c_kv, pool.k_pe, pool.c_scale, pool.index_k
 
 
 class _Copied:
@@ -102,7 +107,7 @@ class _Copied:
 
     def host(self) -> tuple[Latents, ...]:
         if self._host is None:
-            self._host = tuple(tuple(None if a is None else to_host(a) for a in (c.c_kv, c.k_pe, c.c_scale))
+            self._host = tuple(tuple(None if a is None else to_host(a) for a in _arrays(c))
                                for c in self._device)
             self._device = None
         return self._host
@@ -110,8 +115,8 @@ class _Copied:
 
 class HostPage:
     """One page's latents for every layer in host memory, per pool (the model's, then the MTP module's if
-    any): `c_kv [L, page_size, r]`, `k_pe [L, page_size, rope]`, `c_scale [L, page_size]` or None
-    (still in flight until `settle`)."""
+    any): `c_kv [L, page_size, r]`, `k_pe [L, page_size, rope]`, `c_scale [L, page_size]` or None,
+    `index_k [L, page_size, index_head_dim]` or None (still in flight until `settle`)."""
 
     def __init__(self, copied: _Copied, index: int):
         self._copied: _Copied | None = copied
@@ -119,7 +124,7 @@ class HostPage:
         self._arrays: tuple[Latents, ...] | None = None
 
     def arrays(self) -> tuple[Latents, ...]:
-        """`(c_kv, k_pe, c_scale)` of each pool; waits for the copy if it is still in flight."""
+        """`(c_kv, k_pe, c_scale, index_k)` of each pool; waits for the copy if it is still in flight."""
         self.settle()
         return self._arrays
 
@@ -231,7 +236,7 @@ def _padded(batch: np.ndarray) -> np.ndarray:
 
 
 def _stacked(arrays: Sequence[Latents]) -> PagedKVCache:
-    """Host pages `(c_kv, k_pe, c_scale)` as one `COPY_BATCH`-page pool (zero padding)."""
+    """Host pages `(c_kv, k_pe, c_scale, index_k)` as one `COPY_BATCH`-page pool (zero padding)."""
     def stack(parts: list[np.ndarray | None]) -> np.ndarray | None:
         if parts[0] is None:
             return None
@@ -239,4 +244,4 @@ def _stacked(arrays: Sequence[Latents]) -> PagedKVCache:
         out[:, :len(parts)] = np.stack(parts, axis=1)
         return out
 
-    return PagedKVCache(*(stack([a[i] for a in arrays]) for i in range(3)))
+    return PagedKVCache(*(stack([a[i] for a in arrays]) for i in range(len(arrays[0]))))
