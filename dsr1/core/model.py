@@ -302,7 +302,7 @@ def verify_per_position(params: Params, cache: KVCache, tokens: jax.Array, *, cf
         return jnp.stack(outs, axis=1), (stacked, None if experts[0] is None else jnp.stack(experts, axis=1))
 
     x, new_latents, _ = _run_layers(params, x, None, cfg, mesh, rules, block=block)
-    logits = keep_rows(_logits(params, x, cfg), mesh, rules)
+    logits = keep_rows(jnp.stack([_logits(params, x[:, t], cfg) for t in range(t_len)], axis=1), mesh, rules)
     cache = keep_cache_rows(append_tokens(cache, *latent_parts(new_latents)), mesh, rules)
     return logits, keep_rows(x, mesh, rules), cache
 
