@@ -98,8 +98,9 @@ def test_perfect_drafter_accepts_everything(mtp_model, baseline, monkeypatch):
     assert result.draft_acceptance > 0.8  # all but the drafts cut off by a row's budget
 
 
-def _verified(cfg, dtype: str, kv_cache_dtype: str | None = None):
-    """Logits and hidden states of verifying 3 tokens per row after a prompt, by the three forms of
+def _verified(cfg, dtype: str, kv_cache_dtype: str | None = None,
+              forms: tuple[str, ...] = ("verify", "verify_per_position", "verify_by_steps")):
+    """Logits and hidden states of verifying 3 tokens per row after a prompt, by forms of
     `dsr1.core.model` (`verify`, `verify_per_position`, `verify_by_steps`), and their caches' lengths."""
     from dsr1.core import model as core
 
@@ -107,7 +108,7 @@ def _verified(cfg, dtype: str, kv_cache_dtype: str | None = None):
     _, cache = model.prefill(np.array([[5, 6, 7, 8, 9], [10, 11, 12, 0, 0]]), np.array([5, 3]), max_len=16)
     fed = jnp.array([[20, 21, 22], [30, 31, 32]])
     out = {}
-    for form in ("verify", "verify_per_position", "verify_by_steps"):
+    for form in forms:
         logits, hidden, verified = jax.jit(getattr(core, form), static_argnames=("cfg", "mesh", "rules"))(
             model.params, cache, fed, **model.program_kwargs)
         out[form] = (np.asarray(logits), np.asarray(hidden), np.asarray(verified.lengths))
@@ -129,7 +130,7 @@ def test_per_position_verification_is_decode_bit_for_bit_in_bf16(cfg, kv_cache_d
 
 @pytest.mark.slow
 def test_one_pass_verification_equals_decode_in_float32(cfg):
-    out = _verified(cfg, "float32")
+    out = _verified(cfg, "float32", forms=("verify", "verify_by_steps"))
     np.testing.assert_allclose(out["verify"][0], out["verify_by_steps"][0], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(out["verify"][1], out["verify_by_steps"][1], rtol=1e-4, atol=1e-4)
 
