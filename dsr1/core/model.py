@@ -283,26 +283,26 @@ def verify_per_position(params: Params, cache: KVCache, tokens: jax.Array, *, cf
     products do not batch them: what a row computes never depends on how many positions share the
     step (the batch-invariant mode, `dsr1.generate(..., batch_invariant=True)`). Returns what
     `verify` returns."""
-    t_len = tokens.shape[1]
     x = keep_rows(_embed(params, tokens), mesh, rules)
     attend_decode = attention_module(cfg).attend_decode
 
     def block(p: dict, x: jax.Array, i: jax.Array, in_stack: jax.Array):
-        view, outs, latents, experts = _layer_view(cache, i), [], [], []
-        for t in range(t_len):
-            def attend(p, h, view=view, t=t):
-                return attend_decode(p, h, cache.lengths + t, view, jnp.zeros((), jnp.int32), cfg, mesh=mesh)
+        # A loop over the positions, not T copies of the layer: XLA may merge independent products
+        # that share a weight into one of more rows, which would sum them in another order.
+        def position(view: KVCache, x_t: jax.Array):
+            def attend(p, h):
+                return attend_decode(p, h, view.lengths, view, jnp.zeros((), jnp.int32), cfg, mesh=mesh)
 
-            out, (kv, routed) = _block(p, x[:, t], attend, cfg, mesh, rules, in_stack)
+            out, (kv, routed) = _block(p, x_t, attend, cfg, mesh, rules, in_stack)
             view = append_token(view, *(None if a is None else a[None] for a in latent_parts(kv)))
-            outs.append(out)
-            latents.append(kv)
-            experts.append(routed)
-        stacked = tuple(jnp.stack(parts, axis=1) for parts in zip(*latents))
-        return jnp.stack(outs, axis=1), (stacked, None if experts[0] is None else jnp.stack(experts, axis=1))
+            return view, (out, kv, routed)
+
+        _, (outs, kv, routed) = jax.lax.scan(position, _layer_view(cache, i), jnp.swapaxes(x, 0, 1))
+        return jnp.swapaxes(outs, 0, 1), (jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), (kv, routed)))
 
     x, new_latents, _ = _run_layers(params, x, None, cfg, mesh, rules, block=block)
-    logits = keep_rows(jnp.stack([_logits(params, x[:, t], cfg) for t in range(t_len)], axis=1), mesh, rules)
+    logits = jnp.swapaxes(jax.lax.map(lambda x_t: _logits(params, x_t, cfg), jnp.swapaxes(x, 0, 1)), 0, 1)
+    logits = keep_rows(logits, mesh, rules)
     cache = keep_cache_rows(append_tokens(cache, *latent_parts(new_latents)), mesh, rules)
     return logits, keep_rows(x, mesh, rules), cache
 
