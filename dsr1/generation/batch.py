@@ -103,16 +103,10 @@ def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | N
     its MTP module: `dsr1.load(..., mtp=True)`). The MTP module drafts k tokens, the model verifies
     them in one step; greedy output is the same token for token, sampled output has the same
     distribution. A chunk is then `chunk_size // (k + 1)` (at least 1) draft-verify steps, and
-    `GenerationResult.draft_acceptance` is the share of drafts accepted. The verification reads
-    the weights once for all k+1 positions, so its logits equal plain decoding's up to float
-    rounding: in float32 greedy tokens do not change in practice, in bfloat16 a near tie can.
-
-    `batch_invariant=True`: every product's per-row arithmetic is that of the one-token decode step
-    whatever shares the call (`ShardingRules.batch_invariant`, the name `dsr1.serving.Engine` takes
-    for the same guarantee, so one keyword means it everywhere): a verification runs each position in
-    decode's own shapes within its one pass over the layers (`dsr1.core.model.verify_per_position`),
-    and greedy tokens with drafts are those without, bit for bit, in bfloat16 too; drafts then save
-    less (docs/limits.md).
+    `GenerationResult.draft_acceptance` is the share of drafts accepted. The verification reads the
+    weights once for all k+1 positions: its logits equal decoding's up to float rounding (in
+    bfloat16 a near tie can flip a greedy token). `batch_invariant=True`: bit for bit, drafts or
+    not (`batch_invariant_model`; the keyword `dsr1.serving.Engine` takes for the same guarantee).
     """
     n = len(prompts)
     if n == 0:
@@ -151,8 +145,11 @@ def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | N
 
 
 def batch_invariant_model(model: Model) -> Model:
-    """`model` with products whose per-row sums never depend on the other rows or positions of a call
-    (`ShardingRules.batch_invariant`)."""
+    """`model` with products whose per-row arithmetic is the one-token decode step's whatever shares the
+    call (`ShardingRules.batch_invariant`; one name with `Engine(batch_invariant=True)`, so one keyword
+    means it everywhere): a verification runs each position in decode's own shapes within its one
+    pass over the layers (`dsr1.core.model.verify_per_position`), so greedy tokens with drafts are
+    those without, bit for bit, in bfloat16 too; drafts then save less (docs/limits.md)."""
     if model.rules.batch_invariant:
         return model
     return dataclasses.replace(model, rules=dataclasses.replace(model.rules, batch_invariant=True))
