@@ -11,7 +11,8 @@ The layers attend through MLA (`dsr1.core.attention`) or, for V3.2, DeepSeek Spa
 - `decode`: one token per row with absorbed attention against the cache.
 - `verify`: T tokens per row against the cache in one pass, causal among themselves (speculative
   verification).
-- `verify_by_steps`: the same as T decode steps (the numerics of `decode`, bit for bit).
+- `verify_per_position`: the same pass with each position in decode's own shapes (the numerics of
+  `decode`, bit for bit: the batch-invariant mode); `verify_by_steps`: as T decode steps.
 - `extend`: T new tokens per row against each row's pages of a `PagedKVCache` (serving: chunked
   prefill, prefill after a prefix-cache hit, decode with T = 1, speculative verification).
 """
