@@ -68,6 +68,19 @@ def test_quality_command_reports_every_variant_and_k(checkpoint, tmp_path, capsy
     assert "| variant | path | bits per byte | bytes scored |" in stdout and "| draft tokens k |" in stdout
 
 
+def test_drafts_command_alternates_every_k_in_both_modes(checkpoint, tmp_path, capsys):
+    out = tmp_path / "drafts.json"
+    assert main(["drafts", "--model", str(checkpoint), "--text", str(HELD_OUT), "--max-bytes", "2000", "--prompts",
+                 "1", "--prompt-len", "8", "--new-tokens", "6", "--draft-tokens", "1", "--rounds", "2", "--dtype",
+                 "bfloat16", "--batch-invariant", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch_invariant"], r["draft_tokens"]) for r in rows] == [(False, 0), (False, 1), (True, 0), (True, 1)]
+    assert rows[0]["speedup"] == 1.0 and all(r["decode_tok_s"] > 0 for r in rows)
+    assert rows[3]["same_tokens"]  # the batch-invariant mode: bf16 greedy drafts never change the output
+    assert 0 <= rows[1]["draft_acceptance"] <= 1 and rows[0]["draft_acceptance"] is None
+    assert "| weights | mode | draft tokens k |" in capsys.readouterr().out
+
+
 def test_float32_bits_per_byte_equals_a_direct_computation(checkpoint):
     model = dsr1.load(checkpoint, dtype="float32", progress=False)
     tok = dsr1.load_tokenizer(checkpoint)

@@ -1,12 +1,13 @@
-"""Drafts never change greedy output on the shipped demo model in bfloat16 (its default dtype), with a
-bf16 and an int8 latent cache, in `dsr1.generate` and in the serving engine.
+"""Drafts never change greedy output on the shipped demo model in the batch-invariant mode, in bfloat16
+(its default dtype), with a bf16 and an int8 latent cache, in `dsr1.generate(..., batch_invariant=True)`
+and in `Engine(..., batch_invariant=True)`; and in float32 in the default mode.
 
-Verification runs each drafted position through the decode step's own one-token computation
-(`dsr1.core.model.verify_by_steps`, `dsr1.programs.draft_step._verify_by_steps`), so its logits are bit
-for bit those of decoding without drafts. A multi-token verification step rounds differently in
-bfloat16, and on this model that flipped greedy tokens within a dozen steps (docs/serving.md, "Draft
-numerics"). CI runs `dsr1.generate` on 4 held-out prompts x 64 tokens and the engine on 6 prompts
-queued on 4 slots; the extended tier 16 x 128 in both.
+The default verification runs the k+1 positions in one pass with k+1 times the rows per product, whose
+bfloat16 roundings differ from decoding's enough to flip a greedy token on this model within a dozen
+steps (docs/serving.md, "Draft numerics"); the batch-invariant mode runs each position in the decode
+step's own shapes (`dsr1.core.model.verify_per_position`, `dsr1.programs.draft_step._verify_by_steps`),
+so its logits are bit for bit decoding's. CI runs `dsr1.generate` on 4 held-out prompts x 64 tokens
+and the engine on 6 prompts queued on 4 slots; the extended tier 16 x 128 in both.
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
-def assert_generate_unchanged(model, prompts, max_new_tokens: int, drafts: tuple[int, ...], **kwargs) -> None:
-    options = dict(max_new_tokens=max_new_tokens, sampling=GREEDY, **kwargs)
+def assert_generate_unchanged(model, prompts, max_new_tokens: int, drafts: tuple[int, ...], batch_invariant=True,
+                              **kwargs) -> None:
+    options = dict(max_new_tokens=max_new_tokens, sampling=GREEDY, batch_invariant=batch_invariant, **kwargs)
     plain = [c.tokens for c in dsr1.generate(model, prompts, **options).completions]
     assert all(len(t) > 0 for t in plain)
     for k in drafts:
@@ -97,13 +99,21 @@ def test_generate_bf16(bf16_model, tokenizer):
 
 
 @pytest.mark.slow
+def test_generate_float32_in_the_default_mode(tokenizer):
+    """The one-pass verification (k+1 times the rows per product) rounds differently from decoding;
+    in float32 those roundings do not flip the demo's greedy tokens."""
+    model = dsr1.load(dsr1.demo_checkpoint(), mtp=True, progress=False, dtype="float32")
+    assert_generate_unchanged(model, held_out_prompts(tokenizer, 4), 64, (1, 3), batch_invariant=False)
+
+
+@pytest.mark.slow
 def test_generate_int8_cache(int8_cache_model, tokenizer):
     assert_generate_unchanged(int8_cache_model, held_out_prompts(tokenizer, 4), 64, (2,))
 
 
 @pytest.mark.slow
 def test_engine_bf16_queued(bf16_model, tokenizer):
-    """The engine verifies by decode-shaped steps too, and a prompt's last token is its first decode
+    """The batch-invariant engine verifies by decode-shaped steps, and a prompt's last token is its first decode
     input with or without drafts; `batch_invariant` keeps every call's shape and routes the experts
     through XLA's loop, so requests joining and finishing at other times with drafts do not change
     how a row's products are summed (docs/serving.md, "Draft numerics"). 6 prompts on 4 slots: two

@@ -98,6 +98,50 @@ def test_perfect_drafter_accepts_everything(mtp_model, baseline, monkeypatch):
     assert result.draft_acceptance > 0.8  # all but the drafts cut off by a row's budget
 
 
+def _verified(cfg, dtype: str, kv_cache_dtype: str | None = None,
+              forms: tuple[str, ...] = ("verify", "verify_per_position", "verify_by_steps")):
+    """Logits and hidden states of verifying 3 tokens per row after a prompt, by forms of
+    `dsr1.core.model` (`verify`, `verify_per_position`, `verify_by_steps`), and their caches' lengths."""
+    from dsr1.core import model as core
+
+    model = dsr1.init_random(cfg, seed=5, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    _, cache = model.prefill(np.array([[5, 6, 7, 8, 9], [10, 11, 12, 0, 0]]), np.array([5, 3]), max_len=16)
+    fed = jnp.array([[20, 21, 22], [30, 31, 32]])
+    out = {}
+    for form in forms:
+        logits, hidden, verified = jax.jit(getattr(core, form), static_argnames=("cfg", "mesh", "rules"))(
+            model.params, cache, fed, **model.program_kwargs)
+        out[form] = (np.asarray(logits), np.asarray(hidden), np.asarray(verified.lengths))
+    return out
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [None, "int8"])
+@pytest.mark.slow
+def test_per_position_verification_is_decode_bit_for_bit_in_bf16(cfg, kv_cache_dtype):
+    """The batch-invariant form runs each position in decode's shapes within one pass over the layers:
+    its logits are those of decode steps (`verify_by_steps`) bit for bit; the one-pass form's equal
+    them up to bf16 rounding."""
+    out = _verified(cfg, "bfloat16", kv_cache_dtype)
+    for got, want in zip(out["verify_per_position"], out["verify_by_steps"]):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(out["verify"][0], out["verify_by_steps"][0], atol=0.1)
+    np.testing.assert_array_equal(out["verify"][2], [8, 6])
+
+
+@pytest.mark.slow
+def test_one_pass_verification_equals_decode_in_float32(cfg):
+    out = _verified(cfg, "float32", forms=("verify", "verify_by_steps"))
+    np.testing.assert_allclose(out["verify"][0], out["verify_by_steps"][0], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(out["verify"][1], out["verify_by_steps"][1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_batch_invariant_greedy_with_drafts_equals_greedy(mtp_model, baseline):
+    result = generate(mtp_model, PROMPTS, sampling=BUDGETS, draft_tokens=2, batch_invariant=True)
+    assert [c.tokens for c in result.completions] == [c.tokens for c in generate(
+        mtp_model, PROMPTS, sampling=BUDGETS, batch_invariant=True).completions]
+
+
 def test_needs_mtp_params(mtp_model):
     plain = dataclasses.replace(mtp_model, params={k: v for k, v in mtp_model.params.items() if k != "mtp"})
     with pytest.raises(ValueError, match="mtp=True"):

@@ -13,6 +13,7 @@ transformers.
         [--mesh expert=8,tensor=8] [--hbm GIB]
     python -m dsr1.bench load [--preset bench | --model PATH] [--quant int8] [--cache cold|warm] [--repeats 3]
     python -m dsr1.bench quality [--model PATH] [--text FILE] [--draft-tokens 1,2,3] [--plot PNG]
+    python -m dsr1.bench drafts [--model PATH] [--draft-tokens 1,2,3] [--dtype float32,bfloat16] [--batch-invariant]
     python -m dsr1.bench control [--processes 2,4,16] [--slots 66] [--max-seq-len 163840]
     python -m dsr1.bench paged [--lengths 32768,1024x63] [--page-size 16,64] [--kv-cache-dtype int8]
     python -m dsr1.bench eplb [--model PATH] [--devices 4] [--redundant 4,8] [--routing PATH.npy]
@@ -50,6 +51,8 @@ from .control import __doc__ as CONTROL_DOC
 from .control import add_control_options, run_control
 from .decode_attention import __doc__ as ATTENTION_DOC
 from .decode_attention import add_attention_options, run_attention
+from .drafts import __doc__ as DRAFTS_DOC
+from .drafts import add_drafts_options, run_drafts
 from .eplb import __doc__ as EPLB_DOC
 from .eplb import add_eplb_options, run_eplb
 from .experts import EXPERT_COLUMNS, KERNELS, bench_kernels
@@ -503,6 +506,10 @@ def parser() -> argparse.ArgumentParser:
                                          "(acceptance, speedup) of a trained model (default: the demo model)",
                          description=QUALITY_DOC.split("\n\n")[0])
     add_quality_options(qua)
+    dra = sub.add_parser("drafts", help="MTP drafts' decode speedup at batch 1 (k = 1, 2, 3; float32 and bf16; "
+                                        "alternated rounds, medians), and the exact mode's",
+                         description=DRAFTS_DOC.split("\n\n")[0])
+    add_drafts_options(dra)
     ctl = sub.add_parser("control", help="the serving control plane's host cost per step at 2 to 16 processes",
                          description=CONTROL_DOC.split("\n\n")[0])
     add_control_options(ctl)
@@ -527,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "compare-hf" and args.new_tokens < 2:
         raise SystemExit("--new-tokens must be at least 2 (the first token comes from the prefill)")
     commands = {"decode": run_decode, "prefill": run_prefill, "moe": run_moe, "compare-hf": run_compare_hf,
-                "serve": run_serve, "plan": run_plan, "load": run_load, "quality": run_quality,
+                "serve": run_serve, "plan": run_plan, "load": run_load, "quality": run_quality, "drafts": run_drafts,
                 "attention": run_attention, "control": run_control, "paged": run_paged, "eplb": run_eplb,
                 "shares": run_shares}
     result = commands[args.command](args)

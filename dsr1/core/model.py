@@ -9,8 +9,10 @@ The layers attend through MLA (`dsr1.core.attention`) or, for V3.2, DeepSeek Spa
 - `forward`: logits for every position (prefill attention path).
 - `prefill`: logits at each row's last token, and a KVCache holding the prompts' latents.
 - `decode`: one token per row with absorbed attention against the cache.
-- `verify_by_steps`: T tokens per row against the cache (speculative verification), as T decode
-  steps (the numerics of `decode`, bit for bit).
+- `verify`: T tokens per row against the cache in one pass, causal among themselves (speculative
+  verification).
+- `verify_per_position`: the same pass with each position in decode's own shapes (the numerics of
+  `decode`, bit for bit: the batch-invariant mode); `verify_by_steps`: as T decode steps.
 - `extend`: T new tokens per row against each row's pages of a `PagedKVCache` (serving: chunked
   prefill, prefill after a prefix-cache hit, decode with T = 1, speculative verification).
 """
@@ -31,6 +33,7 @@ from .cache import (
     KVCache,
     PagedKVCache,
     append_token,
+    append_tokens,
     cache_from_prefill,
     keep_cache_rows,
     keep_pool_layout,
@@ -114,10 +117,11 @@ def _split_routed_experts(stack: dict, router_in_place: bool = False) -> tuple[d
 
 
 def _run_layers(params: Params, x: jax.Array, attend: Attend, cfg: Config, mesh: Mesh, rules: ShardingRules,
-                train: bool = False):
+                train: bool = False, block: Callable | None = None):
     """Every layer stack under `lax.scan`. `attend(p, normed_x, layer)` gets the model-wide layer
     index (a scan input, so a cache is read in place by index, never sliced into a copy); the routed
-    experts are read in place the same way, by their index in the stack.
+    experts are read in place the same way, by their index in the stack. `block(p, x, layer,
+    in_stack)`: what runs one layer in place of `_block` with `attend` (`verify_per_position`).
 
     Returns the final hidden states, every layer's new latents `([L, ...r], [L, ...rope])` (sparse
     attention: and `[L, ..., index_head_dim]`, the indexer keys) and the
@@ -141,6 +145,8 @@ def _run_layers(params: Params, x: jax.Array, attend: Attend, cfg: Config, mesh:
             if routed is not None:
                 router = {"router": backend.router_in_stack(routed["router"], in_stack)} if "router" in routed else {}
                 p = {**p, "moe": {**p["moe"], **routed, **router}}
+            if block is not None:
+                return block(p, x, i, in_stack)
             return _block(p, x, lambda p, h: attend(p, h, i), cfg, mesh, rules, in_stack, train)
 
         with jax.named_scope(stack):
@@ -236,6 +242,70 @@ def decode_hidden(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Con
     logits = keep_rows(_logits(params, x, cfg), mesh, rules)
     cache = keep_cache_rows(append_token(cache, *latent_parts(new_latents)), mesh, rules)
     return logits, cache, routing, keep_rows(x, mesh, rules)
+
+
+def verify(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config, mesh: Mesh,
+           rules: ShardingRules) -> tuple[jax.Array, jax.Array, KVCache]:
+    """T new tokens per row at positions `cache.lengths + t` against a contiguous cache in one pass over
+    the weights, causal among themselves (absorbed attention: `decode` for T tokens), the verification
+    step of speculative decoding. Its logits equal T decode steps' up to float rounding: the products
+    run on T times the rows, in the shapes' own reduction orders (`verify_by_steps` has decode's own).
+    Returns logits `[B, T, V]` (float32), the residual stream entering the final norm `[B, T, D]` (the
+    MTP module's input) and the cache with all T written and `lengths + T`; keep fewer by setting
+    `lengths` back (rejected drafts are then never read, and later overwritten)."""
+    positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])
+    x = keep_rows(_embed(params, tokens), mesh, rules)
+    attend_cached = attention_module(cfg).attend_cached
+
+    def attend(p, h, i):
+        return attend_cached(p, h, positions, cache, i, cfg, mesh=mesh)
+
+    x, new_latents, _ = _run_layers(params, x, attend, cfg, mesh, rules)
+    logits = keep_rows(_logits(params, x, cfg), mesh, rules)
+    cache = keep_cache_rows(append_tokens(cache, *latent_parts(new_latents)), mesh, rules)
+    return logits, keep_rows(x, mesh, rules), cache
+
+
+def _layer_view(cache: KVCache, layer: jax.Array) -> KVCache:
+    """One layer of a contiguous cache as a cache of one layer (a copy of that layer's latents)."""
+    def one(a: jax.Array | None) -> jax.Array | None:
+        return None if a is None else jax.lax.dynamic_slice_in_dim(a, layer, 1, axis=0)
+
+    return KVCache(one(cache.c_kv), one(cache.k_pe), one(cache.c_scale), cache.lengths, one(cache.index_k))
+
+
+def verify_per_position(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config, mesh: Mesh,
+                        rules: ShardingRules) -> tuple[jax.Array, jax.Array, KVCache]:
+    """`verify` with every position's arithmetic that of the one-token decode step, bit for bit, in one
+    pass over the layer stack: each layer runs the T positions one after another in decode's own
+    shapes (`[B]` rows per product, one query per row), position t attending to a copy of the layer's
+    cache holding positions `< lengths + t` (the positions before it appended there, stored as decode
+    stores them). The k+1 positions of a verification meet each layer's weights together, but its
+    products do not batch them: what a row computes never depends on how many positions share the
+    step (the batch-invariant mode, `dsr1.generate(..., batch_invariant=True)`). Returns what
+    `verify` returns."""
+    x = keep_rows(_embed(params, tokens), mesh, rules)
+    attend_decode = attention_module(cfg).attend_decode
+
+    def block(p: dict, x: jax.Array, i: jax.Array, in_stack: jax.Array):
+        # A loop over the positions, not T copies of the layer: XLA may merge independent products
+        # that share a weight into one of more rows, which would sum them in another order.
+        def position(view: KVCache, x_t: jax.Array):
+            def attend(p, h):
+                return attend_decode(p, h, view.lengths, view, jnp.zeros((), jnp.int32), cfg, mesh=mesh)
+
+            out, (kv, routed) = _block(p, x_t, attend, cfg, mesh, rules, in_stack)
+            view = append_token(view, *(None if a is None else a[None] for a in latent_parts(kv)))
+            return view, (out, kv, routed)
+
+        _, (outs, kv, routed) = jax.lax.scan(position, _layer_view(cache, i), jnp.swapaxes(x, 0, 1))
+        return jnp.swapaxes(outs, 0, 1), (jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), (kv, routed)))
+
+    x, new_latents, _ = _run_layers(params, x, None, cfg, mesh, rules, block=block)
+    logits = jnp.swapaxes(jax.lax.map(lambda x_t: _logits(params, x_t, cfg), jnp.swapaxes(x, 0, 1)), 0, 1)
+    logits = keep_rows(logits, mesh, rules)
+    cache = keep_cache_rows(append_tokens(cache, *latent_parts(new_latents)), mesh, rules)
+    return logits, keep_rows(x, mesh, rules), cache
 
 
 def verify_by_steps(params: Params, cache: KVCache, tokens: jax.Array, *, cfg: Config, mesh: Mesh,

@@ -85,7 +85,8 @@ def _pad(prompts: list[list[int]], limit: int) -> tuple[np.ndarray, np.ndarray]:
 def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | None = None,
              sampling: Sampling | Sequence[Sampling] | None = None, tokenizer: Tokenizer | None = None,
              chat: bool = False, stream: StreamCallback | None = None, chunk_size: int = 16,
-             draft_tokens: int = 0, chat_template_kwargs: dict[str, Any] | None = None) -> GenerationResult:
+             draft_tokens: int = 0, chat_template_kwargs: dict[str, Any] | None = None,
+             batch_invariant: bool = False) -> GenerationResult:
     """Generate for a batch of prompts of different lengths.
 
     `prompts`: strings (encoded with BOS, or as one user turn of the chat template with `chat=True`),
@@ -102,12 +103,16 @@ def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | N
     its MTP module: `dsr1.load(..., mtp=True)`). The MTP module drafts k tokens, the model verifies
     them in one step; greedy output is the same token for token, sampled output has the same
     distribution. A chunk is then `chunk_size // (k + 1)` (at least 1) draft-verify steps, and
-    `GenerationResult.draft_acceptance` is the share of drafts accepted.
+    `GenerationResult.draft_acceptance` is the share of drafts accepted. The verification reads the
+    weights once for all k+1 positions: its logits equal decoding's up to float rounding (in
+    bfloat16 a near tie can flip a greedy token). `batch_invariant=True`: bit for bit, drafts or
+    not (`batch_invariant_model`; the keyword `dsr1.serving.Engine` takes for the same guarantee).
     """
     n = len(prompts)
     if n == 0:
         raise ValueError("generate needs at least one prompt")
     model.check_draft_tokens(draft_tokens)
+    model = batch_invariant_model(model) if batch_invariant else model
     tokenizer = text_tokenizer(tokenizer, model.tokenizer, model.cfg.vocab_size, prompts)
     settings = _row_settings(model, sampling, n, tokenizer, max_new_tokens)
     encoded = [encode_prompt(p, tokenizer, chat, chat_template_kwargs) for p in prompts]
@@ -137,6 +142,17 @@ def generate(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | N
     return GenerationResult(completions, prefill_seconds, end - start - prefill_seconds,
                             int(sum(len(p) for p in encoded)), decode_tokens, end - steady_start if steady else 0.0,
                             steady, acceptance)
+
+
+def batch_invariant_model(model: Model) -> Model:
+    """`model` with products whose per-row arithmetic is the one-token decode step's whatever shares the
+    call (`ShardingRules.batch_invariant`; one name with `Engine(batch_invariant=True)`, so one keyword
+    means it everywhere): a verification runs each position in decode's own shapes within its one
+    pass over the layers (`dsr1.core.model.verify_per_position`), so greedy tokens with drafts are
+    those without, bit for bit, in bfloat16 too; drafts then save less (docs/limits.md)."""
+    if model.rules.batch_invariant:
+        return model
+    return dataclasses.replace(model, rules=dataclasses.replace(model.rules, batch_invariant=True))
 
 
 def _decode(state: Any, chunk: np.ndarray, chunk_program: Callable, rows: list[RowOutput],

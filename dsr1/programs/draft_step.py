@@ -10,7 +10,9 @@ between calls. The module's output at the last position (`mtp_hidden`) gives the
 first draft.
 
 A prompt is prefilled as without drafts, all but its last token, and that token is the request's
-first decode input: the first token, like every later one, comes from the decode step's own
+first decode input: the first token, like every later one, comes from a verification (`_verify`: one
+`extend` of the k+1 positions, one pass over the weights). Its logits equal an engine's without drafts
+up to float rounding; with `Engine(batch_invariant=True)` each position runs the decode step's own
 one-token computation (`_verify_by_steps`), so greedy tokens are those of an engine without drafts.
 """
 
@@ -209,6 +211,20 @@ def serve_draft_step(params: Params, cache: PagedKVCache, mtp_cache: PagedKVCach
     return keep_replicated(outs, mesh), cache, mtp_cache, state
 
 
+def _verify(params: Params, cache: PagedKVCache, fed: jax.Array, starts: jax.Array, width: jax.Array,
+            table: jax.Array, cfg: Config, mesh: Mesh,
+            rules: ShardingRules) -> tuple[jax.Array, jax.Array, PagedKVCache, jax.Array | None]:
+    """Verify `fed [B, k+1]` at `starts + j` in one `extend` over the row's pages, causal among the k+1
+    (one pass over the weights); row b runs its first `width[b]` positions. Its logits equal the
+    one-token decode calls' up to float rounding; with `rules.batch_invariant`, `_verify_by_steps`.
+    Returns what `_verify_by_steps` returns."""
+    if rules.batch_invariant:
+        return _verify_by_steps(params, cache, fed, starts, width, table, cfg, mesh, rules)
+    every = jnp.broadcast_to(jnp.arange(fed.shape[1]), fed.shape)
+    return model.extend_routed(params, cache, fed, starts, width, table, every, cfg=cfg, mesh=mesh, rules=rules,
+                               absorbed=True)
+
+
 def _verify_by_steps(params: Params, cache: PagedKVCache, fed: jax.Array, starts: jax.Array, width: jax.Array,
                      table: jax.Array, cfg: Config, mesh: Mesh,
                      rules: ShardingRules) -> tuple[jax.Array, jax.Array, PagedKVCache, jax.Array | None]:
@@ -255,7 +271,7 @@ def _draft_verify(params: Params, cache: PagedKVCache, mtp_cache: PagedKVCache, 
     """One iteration (`dsr1.programs.speculative`'s steps 2-4 and its catch-up, on pages) for the `active`
     rows, each at its slot's `L = lengths` with last token `t_L`: 1. draft `d_1` from the module's
     logits at `L - 1` (`mtp_hidden`), then `d_2..d_k` by applying it at `L..L+k-2` (provisional MTP
-    latents, overwritten by 4); 2. verify `[t_L, d_1..d_k]` at `L..L+k` (`_verify_by_steps`), only the
+    latents, overwritten by 4); 2. verify `[t_L, d_1..d_k]` at `L..L+k` (`_verify`), only the
     first `min(k+1, budget left)` positions, so nothing is written past the request's pages; 3. accept
     (`speculative.accept_drafts`): e tokens kept, the length becomes `L + e` (latents past it are never
     read); 4. catch the MTP pool up on `L..L+e-1`, its output at `L+e-1` kept for the next first draft.
@@ -290,7 +306,7 @@ def _draft_verify(params: Params, cache: PagedKVCache, mtp_cache: PagedKVCache, 
                                                           counts, generated, token_rules, recent)
     fed = jnp.stack([last, *drafts], axis=1)
     with jax.named_scope("verify"):
-        logits, hidden, cache, routing = _verify_by_steps(params, cache, fed, starts, width, table, cfg, mesh, rules)
+        logits, hidden, cache, routing = _verify(params, cache, fed, starts, width, table, cfg, mesh, rules)
     with jax.named_scope("accept"):
         checked = logits if masks is None else logits.at[:, 0].set(apply_masks(logits[:, 0], masks, rows.mask_row))
         verdict = speculative.accept_drafts(checked, drafts, qs, sampling, seen, counts, generated, active,

@@ -9,10 +9,13 @@ row's last token `t_L` not yet fed:
 2. *Draft* `d_1 ~ q_0`, then apply the module recursively: at position `L + j - 1` its own output
    replaces `h`, with the draft `d_j` as the next token, giving `q_j` and `d_{j+1}` (k > 1). These
    recursive latents are provisional: the MTP cache's length is set back, and step 1 overwrites them.
-3. *Verify* `[t_L, d_1, ..., d_k]` at positions `L..L+k` against the main cache, each position by
-   the model's own one-token decode step (`dsr1.core.model.verify_by_steps`): `p_j` predicts the same
-   token as `q_j`, and its logits are bit for bit those of decoding without drafts, so greedy output
-   never depends on the drafts (docs/serving.md, "Draft numerics").
+3. *Verify* `[t_L, d_1, ..., d_k]` at positions `L..L+k` against the main cache in one pass over the
+   weights (`dsr1.core.model.verify`, causal among the k+1): `p_j` predicts the same token as `q_j`.
+   Its logits equal those of decoding without drafts up to float rounding (k+1 times the rows per
+   product). With `ShardingRules.batch_invariant` (`dsr1.generate(..., batch_invariant=True)`) each
+   position runs in the one-token decode step's own shapes within that pass
+   (`dsr1.core.model.verify_per_position`): its logits are bit for bit decoding's, so greedy output
+   never depends on the drafts, in bf16 too (docs/serving.md, "Draft numerics").
 4. *Accept*: greedy rows keep `d_{j+1}` while it equals `argmax p_j` and then emit that argmax;
    sampled rows run standard speculative rejection sampling (keep `d` with probability
    `min(1, p(d) / q(d))`, else draw from `norm(max(p - q, 0))`; after k acceptances draw from
@@ -306,7 +309,8 @@ def speculative_step(params: Params, state: SpecState, sampling: SamplingArrays,
         mtp_cache = dataclasses.replace(mtp_cache, lengths=caught_up)  # the recursive latents are provisional
     fed = jnp.stack([state.last, *drafts], axis=1)
     with jax.named_scope("verify"):
-        logits, hidden, cache = model.verify_by_steps(params, state.cache, fed, cfg=cfg, mesh=mesh, rules=rules)
+        verify = model.verify_per_position if rules.batch_invariant else model.verify
+        logits, hidden, cache = verify(params, state.cache, fed, cfg=cfg, mesh=mesh, rules=rules)
     with jax.named_scope("accept"):
         verdict = accept_drafts(logits, drafts, qs, sampling, state.prompt_seen, state.counts, state.generated,
                                 active, state.token_rules, state.recent)
