@@ -1,0 +1,137 @@
+"""The cluster scripts on hosts that look real: tests/netns makes each host a network, UTS and mount
+namespace (own address, hostname, HOME, firewall) with fake ssh, gcloud and srun reaching them.
+
+Setup (every step but `venv`, which downloads uv and CPython: the hosts share a venv made from this
+environment instead), `--check` and `--stop` of ssh-, gcloud- and Slurm-shaped clusters of 3 hosts;
+what listens where; two clusters on one shared home. Root and nftables are needed
+(tests/install_browser.sh installs nftables); the extended tier.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from .netns import Harness, available, port_range, shared_venv
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = "check,push,keys,nfs,code,ipcluster,jupyter,smoke"  # all but venv (no downloads here)
+
+pytestmark = [pytest.mark.extended, pytest.mark.skipif(bool(available()), reason=available() or "ok")]
+
+
+def setup_env(h: Harness, **extra: str) -> dict[str, str]:
+    """The MCJAX_* settings of a cluster on the harness: its shared folder and venv, no lock."""
+    shared = h.root / "shared"
+    shared.mkdir(exist_ok=True)
+    venv = h.root / "venv"
+    if not venv.exists():
+        shared_venv(venv, ROOT)
+    return {"MCJAX_SHARED_FS": "1", "MCJAX_NFS_DIR": str(shared), "MCJAX_VENV": str(venv),
+            "MCJAX_LOCK": "off", "MCJAX_USER": "root", **extra}
+
+
+def setup(h: Harness, args: str, env: dict[str, str], timeout: float = 600) -> str:
+    """``./mcjax_setup.sh ARGS`` on the client; its output, or a failure showing it."""
+    out = h.run(h.client, f"bash {ROOT}/mcjax_setup.sh {args}", timeout=timeout, **env)
+    assert out.returncode == 0, \
+        f"mcjax_setup.sh {args} failed ({out.returncode}):\n{out.stdout[-5000:]}\n{out.stderr[-3000:]}"
+    return out.stdout
+
+
+def left_running(h: Harness) -> list[str]:
+    """The command lines of what runs in the hosts besides the harness's own holders."""
+    holders = {p.pid for p in h.procs}
+    lines = []
+    for pid in h.members():
+        if pid not in holders:
+            try:
+                lines.append(Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ").strip())
+            except OSError:
+                pass
+    return lines
+
+
+def wildcard_listeners(h: Harness) -> list[str]:
+    """Listeners on every interface (0.0.0.0, [::], *), named by host."""
+    return [f"{host.name} {a}" for host in h.hosts for a in h.listeners(host)
+            if a.rpartition(":")[0] in ("0.0.0.0", "[::]", "*", "[::ffff:0.0.0.0]")]
+
+
+def outside_range(h: Harness, ports: tuple[int, int]) -> list[str]:
+    """Listeners on a host's cluster address whose port is not in the documented range."""
+    bad = []
+    for host in h.hosts:
+        for a in h.listeners(host):
+            addr, _, port = a.rpartition(":")
+            if not ipaddress.ip_address(addr.strip("[]").split("%")[0]).is_loopback and \
+                    not ports[0] <= int(port) <= ports[1]:
+                bad.append(f"{host.name} {a}")
+    return bad
+
+
+def links() -> set[str]:
+    """This network namespace's interface names."""
+    out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+    return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines()}
+
+
+def test_hosts_are_apart_and_nothing_is_left():
+    """Own hostname, address, HOME content and firewall per host; after close no process, link,
+    mount or folder is left."""
+    before = links()
+    with Harness(["a0", "a1"], ports=(8476, 8575)) as h:
+        for host in h.hosts:
+            out = h.run(host, "hostname; ip -4 -o addr show eth0; echo $HOSTNAME > ~/mine; ls ~")
+            assert out.stdout.split()[0] == host.name and host.address in out.stdout
+        assert (h.root / "homes" / "a0" / "mine").exists() and not (h.root / "homes" / "client" / "mine").exists()
+        server = f"python3 -m http.server {{}} --bind {h.hosts[1].address} >/dev/null 2>&1 & sleep 1"
+        h.run(h.hosts[1], server.format(8500) + "; " + server.format(9000))
+        probe = h.run(h.hosts[0], f"for p in 8500 9000; do curl -s -m 2 -o /dev/null http://{h.hosts[1].address}:$p/;"
+                                  " echo $?; done").stdout.split()
+        assert probe == ["0", "28"], "the firewall should let 8500 (in the range) in and time 9000 out"
+        assert h.run(h.client, "ssh a1 hostname").stdout.strip() == "a1"
+        assert links() <= before, "the harness's links live in its own namespaces"
+    assert h.members() == [] and not h.root.exists()
+    assert links() <= before and str(h.root) not in Path("/proc/self/mountinfo").read_text()
+
+
+@pytest.fixture(scope="class")
+def ssh_cluster():
+    """An ssh-shaped cluster of 3 namespace hosts, set up from the client; stopped at the end."""
+    ports = port_range(ROOT)
+    with Harness(["h0", "h1", "h2"], ports=ports) as h:
+        env = setup_env(h, MCJAX_PROVIDER="ssh", MCJAX_HOST_LIST="h0 h1 h2")
+        out = setup(h, f"--steps {STEPS}", env)
+        yield h, env, out, ports
+
+
+class TestSshCluster:
+    def test_setup_reaches_every_step(self, ssh_cluster):
+        h, _, out, _ = ssh_cluster
+        assert "smoke check: ok" in out and "2 engines registered" in out
+        assert "host 0 knows the host keys of 3 hosts" in out
+
+    def test_nothing_listens_on_every_interface(self, ssh_cluster):
+        h, *_ = ssh_cluster
+        assert wildcard_listeners(h) == []
+
+    def test_listeners_between_hosts_use_the_documented_range(self, ssh_cluster):
+        h, _, _, ports = ssh_cluster
+        assert ports is not None, "mcjax_defs.sh documents no port range (MCJAX_PORTS) for the firewall"
+        assert outside_range(h, ports) == []
+
+    def test_check_passes(self, ssh_cluster):
+        h, env, *_ = ssh_cluster
+        assert "smoke check: ok" in setup(h, "--check", env)
+
+    def test_stop_leaves_nothing_running_and_no_key(self, ssh_cluster):
+        h, env, *_ = ssh_cluster
+        setup(h, "--stop", env)
+        assert left_running(h) == []
+        for host in h.hosts:
+            keys = host.home / ".ssh" / "authorized_keys"
+            assert "mcjax-host0" not in (keys.read_text() if keys.exists() else "")
