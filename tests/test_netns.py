@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -42,17 +43,21 @@ def setup(h: Harness, args: str, env: dict[str, str], timeout: float = 600) -> s
     return out.stdout
 
 
-def left_running(h: Harness) -> list[str]:
-    """The command lines of what runs in the hosts besides the harness's own holders."""
+def left_running(h: Harness, grace: float = 15) -> list[str]:
+    """The command lines of what still runs in the hosts besides the harness's holders after
+    ``grace`` seconds (a Slurm step's wrapper notices its process is gone within 5 s)."""
     holders = {p.pid for p in h.procs}
-    lines = []
-    for pid in h.members():
-        if pid not in holders:
+    deadline = time.monotonic() + grace
+    while True:
+        lines = []
+        for pid in set(h.members()) - holders:
             try:
                 lines.append(Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ").strip())
             except OSError:
                 pass
-    return lines
+        if not lines or time.monotonic() > deadline:
+            return lines
+        time.sleep(1)
 
 
 def wildcard_listeners(h: Harness) -> list[str]:
@@ -99,39 +104,93 @@ def test_hosts_are_apart_and_nothing_is_left():
     assert links() <= before and str(h.root) not in Path("/proc/self/mountinfo").read_text()
 
 
-@pytest.fixture(scope="class")
-def ssh_cluster():
-    """An ssh-shaped cluster of 3 namespace hosts, set up from the client; stopped at the end."""
+def shaped(shape: str, ports: tuple[int, int] | None) -> tuple[Harness, dict[str, str]]:
+    """The harness and settings of a cluster of 3 hosts shaped as ``shape`` (ssh, gcloud, slurm)."""
+    if shape == "ssh":
+        h = Harness(["h0", "h1", "h2"], ports=ports).__enter__()
+        return h, setup_env(h, MCJAX_PROVIDER="ssh", MCJAX_HOST_LIST="h0 h1 h2")
+    if shape == "gcloud":
+        h = Harness(["w0", "w1", "w2"], hostnames=[f"t1v-n-65-w-{i}" for i in range(3)], ports=ports).__enter__()
+        h.write_map(tpus={"tpu65": ["w0", "w1", "w2"]})
+        # kernel-last: platform numbering is JAX's own TPU detection, which a CPU host fails
+        return h, setup_env(h, MCJAX_PROVIDER="gcloud", MCJAX_CLUSTER="tpu65", MCJAX_ZONE="zone-a",
+                            MCJAX_PROJECT="proj", MCJAX_NUMBERING="kernel-last")
+    h = Harness(["node0", "node1", "node2"], shared_home=True, ports=ports).__enter__()
+    h.write_map(slurm={"job": "6500", "nodelist": "node[0-2]"})
+    env = setup_env(h, MCJAX_PROVIDER="slurm", SLURM_JOB_ID="6500", SLURM_JOB_NODELIST="node[0-2]",
+                    SLURM_JOB_CPUS_PER_NODE="2(x3)")
+    del env["MCJAX_NFS_DIR"]  # Slurm's default: ~/mcjax-shared on the shared home
+    return h, env
+
+
+@pytest.fixture(scope="class", params=["ssh", "gcloud", "slurm"])
+def cluster(request):
+    """A cluster of 3 namespace hosts shaped as ssh, gcloud or Slurm, set up from the client."""
     ports = port_range(ROOT)
-    with Harness(["h0", "h1", "h2"], ports=ports) as h:
-        env = setup_env(h, MCJAX_PROVIDER="ssh", MCJAX_HOST_LIST="h0 h1 h2")
+    h, env = shaped(request.param, ports)
+    try:
         out = setup(h, f"--steps {STEPS}", env)
         yield h, env, out, ports
+    finally:
+        h.close()
 
 
-class TestSshCluster:
-    def test_setup_reaches_every_step(self, ssh_cluster):
-        h, _, out, _ = ssh_cluster
+class TestCluster:
+    def test_setup_reaches_every_step(self, cluster):
+        h, env, out, _ = cluster
         assert "smoke check: ok" in out and "2 engines registered" in out
-        assert "host 0 knows the host keys of 3 hosts" in out
+        assert env["MCJAX_PROVIDER"] == "slurm" or "host 0 knows the host keys of 3 hosts" in out
 
-    def test_nothing_listens_on_every_interface(self, ssh_cluster):
-        h, *_ = ssh_cluster
+    def test_nothing_listens_on_every_interface(self, cluster):
+        h, *_ = cluster
         assert wildcard_listeners(h) == []
 
-    def test_listeners_between_hosts_use_the_documented_range(self, ssh_cluster):
-        h, _, _, ports = ssh_cluster
+    def test_listeners_between_hosts_use_the_documented_range(self, cluster):
+        h, _, _, ports = cluster
         assert ports is not None, "mcjax_defs.sh documents no port range (MCJAX_PORTS) for the firewall"
         assert outside_range(h, ports) == []
 
-    def test_check_passes(self, ssh_cluster):
-        h, env, *_ = ssh_cluster
+    def test_check_passes(self, cluster):
+        h, env, *_ = cluster
         assert "smoke check: ok" in setup(h, "--check", env)
 
-    def test_stop_leaves_nothing_running_and_no_key(self, ssh_cluster):
-        h, env, *_ = ssh_cluster
+    def test_stop_leaves_nothing_running_and_no_key(self, cluster):
+        h, env, *_ = cluster
         setup(h, "--stop", env)
         assert left_running(h) == []
-        for host in h.hosts:
+        for host in h.hosts:  # Slurm's keys step is skipped
             keys = host.home / ".ssh" / "authorized_keys"
             assert "mcjax-host0" not in (keys.read_text() if keys.exists() else "")
+
+
+def from_host0(h: Harness, host0, name: str) -> str:
+    """``cluster_exec 0 LAST hostname`` on ``host0`` with cluster ``name``'s settings: host 0's own
+    ssh key and known hosts reaching the others (what cluster_restart and reset_engines use)."""
+    remote = f"~/.mcjax-setup-{name}"
+    out = h.run(host0, f". {remote}/mcjax.env && . {remote}/mcjax_defs.sh && cluster_exec 0 2 hostname")
+    assert out.returncode == 0, f"host 0 of {name} cannot reach its hosts:\n{out.stdout}\n{out.stderr}"
+    return out.stdout
+
+
+@pytest.mark.parametrize("first", ["A", "B"])
+def test_two_clusters_on_one_home(first):
+    """Clusters A and B of 3 hosts each, every host (and the client) on one home: both set up, then
+    either one stopped; the other keeps its engines (its --check passes), its key and its env."""
+    names = [f"{c.lower()}{i}" for c in "AB" for i in range(3)]
+    with Harness(names, shared_home=True, ports=port_range(ROOT)) as h:
+        envs = {}
+        for c, hosts in (("A", names[:3]), ("B", names[3:])):
+            envs[c] = setup_env(h, MCJAX_PROVIDER="ssh", MCJAX_HOST_LIST=" ".join(hosts),
+                                MCJAX_NFS_DIR=str(h.root / "shared" / c))
+            (h.root / "shared" / c).mkdir(parents=True)
+            setup(h, f"--name {c} --steps {STEPS}", envs[c])
+        host0 = {"A": h.hosts[0], "B": h.hosts[3]}
+        assert from_host0(h, host0["A"], "A").count("[host ") == 3
+        other = "B" if first == "A" else "A"
+        setup(h, f"--name {first} --stop", envs[first])
+        assert "smoke check: ok" in setup(h, f"--name {other} --check", envs[other])
+        assert from_host0(h, host0[other], other).count("[host ") == 3
+        env_file = (h.hosts[0].home / f".mcjax-setup-{other}" / "mcjax.env").read_text()
+        assert f"MCJAX_CLUSTER_ID={other}" in env_file.replace("'", "")
+        setup(h, f"--name {other} --stop", envs[other])
+        assert left_running(h) == []

@@ -130,7 +130,7 @@ class Harness:
     """``len(names)`` namespace hosts on one bridge plus the "client"; a context manager.
 
     ``hostnames`` (default: ``names``) may repeat (cloned hosts); ``shared_home`` gives every
-    host one home folder (NFS homes, Slurm); ``ports``: the range the firewall lets in (None: no
+    host, the client included, one home folder (NFS homes, Slurm); ``ports``: the range the firewall lets in (None: no
     firewall)."""
 
     def __init__(self, names: list[str], hostnames: list[str] | None = None, shared_home: bool = False,
@@ -174,7 +174,7 @@ class Harness:
         nsenter(switch.pid, "sh", "-c", "ip link add br0 type bridge && ip link set br0 up && ip link set lo up")
         self.switch = switch.pid
         addresses = [f"{self.subnet}.{10 + i}" for i in range(len(self.names))]
-        self._write_etc_hosts(addresses + [f"{self.subnet}.2"])
+        self.etc_hosts = self._etc_hosts(addresses + [f"{self.subnet}.2"])
         for i, (name, address) in enumerate(zip(self.names, addresses, strict=True)):
             self.hosts.append(self._host(name, self.hostnames[i], address, f"p{i}"))
         self.client = self._host("client", "client", f"{self.subnet}.2", "pc", firewall=False)
@@ -186,18 +186,21 @@ class Harness:
         self.namespaces.append(_ns_id(proc.pid))
         return proc
 
-    def _write_etc_hosts(self, addresses: list[str]) -> None:
+    def _etc_hosts(self, addresses: list[str]) -> list[str]:
+        """/etc/hosts lines every host has: each host's name and (unless cloned) its hostname."""
         lines = ["127.0.0.1 localhost", "::1 localhost"]
-        names = self.names + ["client"]
+        names = [[n] for n in self.names] + [["client"]]
         if len(set(self.hostnames)) == len(self.hostnames):  # cloned hostnames resolve to nothing
-            lines += [f"{a} {n}" for a, n in zip(addresses, names, strict=True)]
-        (self.root / "etc_hosts").write_text("\n".join(lines) + "\n")
+            names = [sorted({n, hn}) for n, hn in zip(self.names, self.hostnames, strict=True)] + [["client"]]
+        return lines + [f"{a} {' '.join(n)}" for a, n in zip(addresses, names, strict=True)]
 
     def _host(self, name: str, hostname: str, address: str, port: str, firewall: bool = True) -> Host:
         """One namespace host: hostname, veth + address on the bridge, firewall, home, /etc files."""
         pid = self._holder().pid
-        home = self.root / "homes" / ("shared" if self.shared_home and name != "client" else name)
+        home = self.root / "homes" / ("shared" if self.shared_home else name)
         home.mkdir(exist_ok=True)
+        etc_hosts = self.root / f"etc_hosts_{name}"  # its own hostname resolves to its address, as in a VPC
+        etc_hosts.write_text("\n".join(self.etc_hosts + [f"{address} {hostname}"]) + "\n")
         ssh_dir = self.root / "etc_ssh" / name
         shutil.copytree("/etc/ssh", ssh_dir)
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"root@{hostname}",
@@ -207,7 +210,7 @@ class Harness:
         nsenter(self.switch, "ip", "link", "set", port, "master", "br0", "up")
         setup = [f"ip addr add {address}/24 dev eth0", "ip link set eth0 up", "ip link set lo up",
                  f"echo '{EPHEMERAL[0]} {EPHEMERAL[1]}' > /proc/sys/net/ipv4/ip_local_port_range",
-                 f"mount --bind {home} {self.home}", f"mount --bind {self.root / 'etc_hosts'} /etc/hosts",
+                 f"mount --bind {home} {self.home}", f"mount --bind {etc_hosts} /etc/hosts",
                  f"mount --bind {ssh_dir} /etc/ssh"]
         nsenter(pid, "sh", "-ec", " && ".join(setup))
         if firewall:
