@@ -10,6 +10,7 @@ what listens where; two clusters on one shared home. Root and nftables are neede
 from __future__ import annotations
 
 import ipaddress
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -28,11 +29,12 @@ def setup_env(h: Harness, **extra: str) -> dict[str, str]:
     """The MCJAX_* settings of a cluster on the harness: its shared folder and venv, no lock."""
     shared = h.root / "shared"
     shared.mkdir(exist_ok=True)
+    os.chown(shared, h.uid, h.uid)
     venv = h.root / "venv"
     if not venv.exists():
         shared_venv(venv, ROOT)
     return {"MCJAX_SHARED_FS": "1", "MCJAX_NFS_DIR": str(shared), "MCJAX_VENV": str(venv),
-            "MCJAX_LOCK": "off", "MCJAX_USER": "root", **extra}
+            "MCJAX_LOCK": "off", "MCJAX_USER": h.user, **extra}
 
 
 def setup(h: Harness, args: str, env: dict[str, str], timeout: float = 600) -> str:
@@ -105,7 +107,8 @@ def test_hosts_are_apart_and_nothing_is_left():
 
 
 def shaped(shape: str, ports: tuple[int, int] | None) -> tuple[Harness, dict[str, str]]:
-    """The harness and settings of a cluster of 3 hosts shaped as ``shape`` (ssh, gcloud, slurm)."""
+    """The harness and settings of a cluster of 3 hosts shaped as ``shape``: ssh, gcloud, slurm, or
+    cloned (ssh to 3 hosts of one hostname, as a user without sudo)."""
     if shape == "ssh":
         h = Harness(["h0", "h1", "h2"], ports=ports).__enter__()
         return h, setup_env(h, MCJAX_PROVIDER="ssh", MCJAX_HOST_LIST="h0 h1 h2")
@@ -115,6 +118,9 @@ def shaped(shape: str, ports: tuple[int, int] | None) -> tuple[Harness, dict[str
         # kernel-last: platform numbering is JAX's own TPU detection, which a CPU host fails
         return h, setup_env(h, MCJAX_PROVIDER="gcloud", MCJAX_CLUSTER="tpu65", MCJAX_ZONE="zone-a",
                             MCJAX_PROJECT="proj", MCJAX_NUMBERING="kernel-last")
+    if shape == "cloned":  # one hostname for all, addressed by IP; a user without sudo
+        h = Harness(["h0", "h1", "h2"], hostnames=["ubuntu"] * 3, ports=ports, user="mcjax").__enter__()
+        return h, setup_env(h, MCJAX_PROVIDER="ssh", MCJAX_HOST_LIST=" ".join(x.address for x in h.hosts))
     h = Harness(["node0", "node1", "node2"], shared_home=True, ports=ports).__enter__()
     h.write_map(slurm={"job": "6500", "nodelist": "node[0-2]"})
     env = setup_env(h, MCJAX_PROVIDER="slurm", SLURM_JOB_ID="6500", SLURM_JOB_NODELIST="node[0-2]",
@@ -123,7 +129,7 @@ def shaped(shape: str, ports: tuple[int, int] | None) -> tuple[Harness, dict[str
     return h, env
 
 
-@pytest.fixture(scope="class", params=["ssh", "gcloud", "slurm"])
+@pytest.fixture(scope="class", params=["ssh", "gcloud", "slurm", "cloned"])
 def cluster(request):
     """A cluster of 3 namespace hosts shaped as ssh, gcloud or Slurm, set up from the client."""
     ports = port_range(ROOT)
@@ -153,6 +159,45 @@ class TestCluster:
     def test_check_passes(self, cluster):
         h, env, *_ = cluster
         assert "smoke check: ok" in setup(h, "--check", env)
+
+    def test_second_kernel_is_refused_and_the_first_keeps_working(self, cluster):
+        """Two kernels on host 0 (two notebooks open): the second's connect is refused, naming the
+        first, and the first still reaches every engine."""
+        h, env, *_ = cluster
+        if env["MCJAX_PROVIDER"] != "ssh" or h.uid != 0:
+            pytest.skip("through the ssh-shaped cluster only")
+        ready, go = h.root / "kernel1.ready", h.root / "kernel1.go"
+        python = f"{env['MCJAX_VENV']}/bin/python"
+        kernel = f". ~/.mcjax-setup/mcjax.env && cd {ROOT} && {python} -m tests.netns.kernel_worker"
+        first = subprocess.Popen(h.login_line(h.hosts[0], f"{kernel} {ready} {go}"), stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 300
+            while not ready.exists() and first.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert ready.exists(), f"the first kernel did not connect: {first.poll()}"
+            second = h.run(h.hosts[0], f"{kernel} {h.root / 'kernel2.ready'} {go}", timeout=300)
+            assert second.returncode == 3, second.stdout + second.stderr
+            assert "held by another notebook kernel" in second.stdout
+        finally:
+            go.touch()
+            out, _ = first.communicate(timeout=300)
+        assert f"engines answered {ready.read_text()}" in out, out
+
+    @pytest.mark.parametrize("notebook", ["main", "serve"])
+    def test_notebook_runs_on_host0(self, cluster, notebook):
+        """The notebook, executed on host 0 in the kernel "mcjax" as Jupyter would (ssh shape)."""
+        h, env, *_ = cluster
+        if env["MCJAX_PROVIDER"] != "ssh" or h.uid != 0:
+            pytest.skip("the notebooks run through the ssh-shaped cluster only (each takes minutes)")
+        out_dir = h.root / "notebooks-run"
+        out_dir.mkdir(exist_ok=True)
+        repo = Path(env["MCJAX_NFS_DIR"]) / "dsr1"
+        run = h.run(h.hosts[0], f"cd {repo}/notebooks && {env['MCJAX_VENV']}/bin/python -m jupyter nbconvert"
+                                f" --to notebook --execute --ExecutePreprocessor.kernel_name=mcjax"
+                                f" --ExecutePreprocessor.timeout=900 --output-dir={out_dir} {notebook}.ipynb",
+                    timeout=1800)
+        assert run.returncode == 0, f"{notebook}.ipynb failed on host 0:\n{run.stderr[-6000:]}"
 
     def test_stop_leaves_nothing_running_and_no_key(self, cluster):
         h, env, *_ = cluster

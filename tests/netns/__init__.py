@@ -35,6 +35,7 @@ TOOLS = Path(__file__).resolve().parent / "fake_tools.py"
 FAKES = ("ssh", "gcloud", "srun", "scontrol", "curl")
 EPHEMERAL = (40000, 40999)  # each host's ip_local_port_range: the collectives' (Gloo's) ports
 LOGIN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+USER_ID = 1065  # the uid and gid of a harness user other than root
 
 
 def available() -> str:
@@ -130,14 +131,17 @@ class Harness:
     """``len(names)`` namespace hosts on one bridge plus the "client"; a context manager.
 
     ``hostnames`` (default: ``names``) may repeat (cloned hosts); ``shared_home`` gives every
-    host, the client included, one home folder (NFS homes, Slurm); ``ports``: the range the firewall lets in (None: no
-    firewall)."""
+    host, the client included, one home folder (NFS homes, Slurm); ``ports``: the range the
+    firewall lets in (None: none but the ephemeral ports); ``user``: who logins on the hosts are
+    (another than root: a user of its own, without sudo, who owns the homes)."""
 
     def __init__(self, names: list[str], hostnames: list[str] | None = None, shared_home: bool = False,
-                 ports: tuple[int, int] | None = None, subnet: str = "10.65.0"):
-        self.names, self.hostnames = names, hostnames or names
+                 ports: tuple[int, int] | None = None, subnet: str = "10.65.0", user: str = "root"):
+        self.names, self.hostnames, self.user = names, hostnames or names, user
+        self.uid = 0 if user == "root" else USER_ID
         self.shared_home, self.ports, self.subnet = shared_home, ports, subnet
         self.root = Path(tempfile.mkdtemp(prefix="dsr1-netns-"))
+        self.root.chmod(0o755)
         self.procs: list[subprocess.Popen] = []
         self.namespaces: list[str] = []
         self.hosts: list[Host] = []
@@ -212,10 +216,28 @@ class Harness:
                  f"echo '{EPHEMERAL[0]} {EPHEMERAL[1]}' > /proc/sys/net/ipv4/ip_local_port_range",
                  f"mount --bind {home} {self.home}", f"mount --bind {etc_hosts} /etc/hosts",
                  f"mount --bind {ssh_dir} /etc/ssh"]
-        nsenter(pid, "sh", "-ec", " && ".join(setup))
+        nsenter(pid, "sh", "-ec", " && ".join(setup + self._user_mounts(name, home)))
         if firewall:
             nsenter(pid, "nft", "-f", "-", input=ruleset(self.ports))
         return Host(name, address, pid, home)
+
+    def _user_mounts(self, name: str, home: Path) -> list[str]:
+        """For a user other than root: its /etc/passwd and /etc/group lines, its home, and a /root
+        it may pass through to this interpreter (/root is 0700 here; only its .pyenv is kept)."""
+        if self.uid == 0:
+            return []
+        etc = self.root / "etc_users" / name
+        etc.mkdir(parents=True, exist_ok=True)
+        line = {"passwd": f"{self.user}:x:{self.uid}:{self.uid}::{self.home}:/bin/bash",
+                "group": f"{self.user}:x:{self.uid}:"}
+        for f in ("passwd", "group"):
+            (etc / f).write_text(Path("/etc", f).read_text() + line[f] + "\n")
+        os.chown(home, self.uid, self.uid)
+        stash = self.root / "stash"
+        stash.mkdir(exist_ok=True)
+        return [f"mount --bind {etc / 'passwd'} /etc/passwd", f"mount --bind {etc / 'group'} /etc/group",
+                f"mount --bind /root/.pyenv {stash}", "mount -t tmpfs -o mode=755 tmpfs /root",
+                "mkdir /root/.pyenv", f"mount --move {stash} /root/.pyenv"]
 
     def write_map(self, **extra) -> None:
         """hosts.json, what the fake tools read: hosts, client, HOME, PATH and ``extra`` (tpus, ...)."""
@@ -223,7 +245,8 @@ class Harness:
             return {"name": h.name, "address": h.address, "pid": h.pid, "net": _ns_id(h.pid), "home": h.home.name}
         old = json.loads((self.root / "hosts.json").read_text()) if (self.root / "hosts.json").exists() else {}
         data = {**old, "hosts": [entry(h) for h in self.hosts], "client": entry(self.client),
-                "home": str(self.home), "path": f"{self.bin}:{LOGIN_PATH}", **extra}
+                "home": str(self.home), "path": f"{self.bin}:{LOGIN_PATH}", "user": self.user, "uid": self.uid,
+                **extra}
         (self.root / "hosts.json").write_text(json.dumps(data, indent=1))
 
     def login_env(self, **extra: str) -> dict[str, str]:
@@ -231,12 +254,17 @@ class Harness:
         return {"HOME": str(self.home), "USER": "root", "LOGNAME": "root", "SHELL": "/bin/bash",
                 "PATH": f"{self.bin}:{LOGIN_PATH}", "LANG": "C.UTF-8", **extra}
 
-    def run(self, host: Host, command: str, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
-        """``bash -c command`` on ``host`` as a login there (its HOME, the login environment + ``env``)."""
+    def login_line(self, host: Host, command: str, **env: str) -> list[str]:
+        """The command line of ``bash -c command`` on ``host`` as root logged in there (its HOME, the
+        login environment + ``env``)."""
         assignments = [f"{k}={v}" for k, v in self.login_env(**env).items()]
-        line = ["env", "-i", "-C", str(self.home), *assignments, "bash", "-c", command]
-        return subprocess.run(["nsenter", "-t", str(host.pid), "-n", "-u", "-m", "--", *line],
-                              capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        return ["nsenter", "-t", str(host.pid), "-n", "-u", "-m", "--",
+                "env", "-i", "-C", str(self.home), *assignments, "bash", "-c", command]
+
+    def run(self, host: Host, command: str, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
+        """Run :meth:`login_line`; its exit status and output."""
+        return subprocess.run(self.login_line(host, command, **env), capture_output=True, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL)
 
     def listeners(self, host: Host) -> list[str]:
         """The local addresses of ``host``'s listening TCP sockets (``ss -ltn``), e.g. 10.65.0.10:8476."""

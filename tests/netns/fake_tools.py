@@ -40,14 +40,17 @@ def here(data: dict) -> dict:
 
 
 def login(data: dict, host: dict, argv: list[str], env: dict[str, str], cwd: str | None = None) -> None:
-    """Replace this process by ``argv`` on ``host`` with exactly ``env``."""
-    line = ["nsenter", "-t", str(host["pid"]), "-n", "-u", "-m", "--",
+    """Replace this process by ``argv`` on ``host`` as the harness's user, with exactly ``env``."""
+    if os.geteuid() != 0:
+        fail(Path(sys.argv[0]).name, "the harness's tools switch namespaces as root; this process is not", 255)
+    user = [] if data["uid"] == 0 else ["setpriv", f"--reuid={data['uid']}", f"--regid={data['uid']}", "--clear-groups"]
+    line = ["nsenter", "-t", str(host["pid"]), "-n", "-u", "-m", "--", *user,
             "env", "-i", "-C", cwd or data["home"], *[f"{k}={v}" for k, v in env.items()], *argv]
     os.execvp("nsenter", line)
 
 
 def login_env(data: dict) -> dict[str, str]:
-    return {"HOME": data["home"], "USER": "root", "LOGNAME": "root", "SHELL": "/bin/bash",
+    return {"HOME": data["home"], "USER": data["user"], "LOGNAME": data["user"], "SHELL": "/bin/bash",
             "PATH": data["path"], "LANG": "C.UTF-8"}
 
 
@@ -116,6 +119,9 @@ def ssh(args: list[str]) -> None:
         fail("ssh", f"Could not resolve hostname {dest.rpartition('@')[2]}: Name or service not known", 255)
     if "N" in flags or not command:
         fail("ssh", "the harness's ssh runs commands only (no shells, no forwarding)", 255)
+    user = dest.rpartition("@")[0] or os.environ.get("USER", "root")
+    if user != data["user"]:
+        fail("ssh", f"{dest}: Permission denied (publickey) [the hosts' user is {data['user']}, not {user}]", 255)
     caller = here(data)
     if "IdentityFile" in opts:
         why = key_accepted(data, target, opts["IdentityFile"], caller)
