@@ -12,7 +12,9 @@ The "client" (the user's machine, where ``mcjax_setup.sh`` runs) is one more suc
 ``ssh``, ``gcloud``, ``srun``, ``scontrol`` and the TPU metadata ``curl`` are fakes on PATH
 (``tests/netns/fake_tools.py``) that map a host name, address, TPU worker or Slurm node onto its
 namespace and run the command there as a login would; the fake ssh checks host 0's key the way
-sshd would (``authorized_keys``, its ``from=``, the known hosts file).
+sshd would (``authorized_keys``, its ``from=``, the known hosts file). Logins are root's, or those
+of a user without sudo (``Harness(user=...)``); the fakes switch namespaces as root, so such a
+user's own host-to-host ssh (``cluster_restart`` on host 0) is not simulated.
 
 Every namespace dies with its holder process, and with it the veths, the bridge, the mounts and
 the firewall: ``Harness.close`` kills the holders and every process left inside them.
