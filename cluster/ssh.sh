@@ -111,11 +111,22 @@ cmd_known_hosts() {
   mcjax_log "host 0 knows the host keys of $# hosts"
 }
 
+# The hosts of a cluster on a shared home edit one authorized_keys at the same time (cluster_exec
+# runs them in parallel): one at a time, under a lock beside it.
+with_keys_lock() {
+  ssh_dir
+  if command -v flock >/dev/null 2>&1; then
+    (flock 9 && "$@") 9>>"$HOME/.ssh/.mcjax-keys.lock"
+  else
+    "$@"
+  fi
+}
+
 case "${1:-}" in
   key) cmd_key ;;
   hostkey) cmd_hostkey ;;
-  authorize) cmd_authorize "${2:-}" "${3:-}" ;;
-  unauthorize) cmd_unauthorize ;;
+  authorize) with_keys_lock cmd_authorize "${2:-}" "${3:-}" ;;
+  unauthorize) with_keys_lock cmd_unauthorize ;;
   known-hosts) shift; cmd_known_hosts "$@" ;;
   -h | --help) usage ;;
   '') mcjax_usage_error "no command given (key, hostkey, authorize, unauthorize or known-hosts)" ;;

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # tests/install_browser.sh: what tests/test_browser.py (JupyterLab in a headless browser) and the
-# zsh case of tests/test_scripts.py need from the distribution: Debian's Chromium and zsh.
+# zsh case of tests/test_scripts.py need from the distribution: Debian's Chromium and zsh; and
+# nftables, the hosts' firewall of the namespace harness (tests/netns, tests/test_netns.py).
 # Idempotent: installs only what is missing, with apt-get, as root; otherwise says what to do.
 set -euo pipefail
 
 missing=()
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 command -v zsh >/dev/null 2>&1 || missing+=(zsh)
+command -v nft >/dev/null 2>&1 || missing+=(nftables)
 if [ "${#missing[@]}" -eq 0 ]; then
-  echo "install_browser.sh: chromium and zsh are installed"
+  echo "install_browser.sh: chromium, zsh and nftables are installed"
   exit 0
 fi
 if ! command -v apt-get >/dev/null 2>&1; then

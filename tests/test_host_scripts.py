@@ -320,6 +320,25 @@ def test_two_clusters_on_one_home_keep_their_own_key_known_hosts_and_authorized_
     assert authorized.read_text().splitlines() == ["ssh-ed25519 AAAAmine me@laptop"]
 
 
+@pytest.mark.skipif(shutil.which("flock") is None, reason="no flock")
+def test_hosts_on_one_home_authorize_at_once_without_losing_a_line(tmp_path):
+    """The keys step runs `ssh.sh authorize` on every host at once; on a shared home they all edit
+    one authorized_keys: every host's call succeeds and every cluster's line is there once."""
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "authorized_keys").write_text("ssh-ed25519 AAAAmine me@laptop\n")
+    calls = []
+    for i in range(12):
+        env = base_env(tmp_path, tmp_path, MCJAX_PROVIDER="ssh", HOME=str(home), PATH=os.environ["PATH"],
+                       MCJAX_CLUSTER_ID=f"c{i % 4}")
+        calls.append(subprocess.Popen(["bash", ROOT / "cluster/ssh.sh", "authorize", f"ssh-ed25519 AAAA{i % 4}",
+                                       f"10.0.0.{i % 4}"], env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True))
+    errors = [p.communicate()[1] for p in calls if p.wait() != 0]
+    assert errors == []
+    lines = (home / ".ssh" / "authorized_keys").read_text().splitlines()
+    assert sorted(lines[1:]) == [f'from="10.0.0.{i}" ssh-ed25519 AAAA{i} mcjax-host0-c{i}' for i in range(4)]
+
+
 def test_a_named_cluster_gets_its_own_settings_folder_and_key_on_the_hosts(tmp_path):
     """--name B: the hosts' scripts and mcjax.env in ~/.mcjax-setup-B, host 0's key and known hosts
     -B, so B's setup does not rewrite the mcjax.env the default cluster's --stop then reads."""
