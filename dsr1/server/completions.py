@@ -268,7 +268,7 @@ class CompletionService:
             if plan.calls_tools and (parsed := split_tool_calls(content, plan.tool_format)) is not None:
                 content, found = parsed
                 calls = [ToolCall(id=c.id, function={"name": c.name, "arguments": c.arguments}) for c in found]
-                finish = "tool_calls" if finish == "stop" else finish
+                finish = "tool_calls" if finish == "stop" and calls else finish
             message = AssistantMessage(content=content if content or not calls else None, tool_calls=calls,
                                        reasoning_content=reasoning if request.thinking or reasoning else None)
             logprobs = None if request.logprobs is None else chat_logprobs(self.tokenizer, request.logprobs)
