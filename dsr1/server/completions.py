@@ -207,7 +207,7 @@ class CompletionService:
         """Answer `POST /v1/chat/completions`."""
         body = await self._parse(http, ChatCompletionRequest)
         plan = await self._plan(plan_chat, body)
-        submission = self._submit("chat", plan)
+        submission = await self._submit("chat", plan)
         reply = _Reply("chatcmpl", self.limits.model_name)
         if plan.stream:
             return _event_stream(self._chat_events(submission, plan, reply))
@@ -218,7 +218,7 @@ class CompletionService:
         """Answer `POST /v1/completions`."""
         body = await self._parse(http, CompletionRequest)
         plan = await self._plan(plan_completion, body)
-        submission = self._submit("completions", plan)
+        submission = await self._submit("completions", plan)
         reply = _Reply("cmpl", self.limits.model_name)
         if plan.stream:
             return _event_stream(self._text_events(submission, plan, reply))
@@ -260,17 +260,18 @@ class CompletionService:
             self.metrics.rejected.labels("invalid").inc()
             raise
 
-    def _submit(self, endpoint: str, plan: Plan) -> Submission:
-        """Submit every choice of `plan` (all or none), or raise the fitting `APIError`."""
+    async def _submit(self, endpoint: str, plan: Plan) -> Submission:
+        """Submit every choice of `plan` (all or none), or raise the fitting `APIError`. On a worker
+        thread: the engine compiles each grammar's matcher as it takes the request."""
         self._check_capacity(plan)
         loop = asyncio.get_running_loop()
         if self._inbox is None or self._inbox.loop is not loop:
             self._inbox = Inbox(loop)
         submission = Submission(endpoint, self.metrics, self._inbox)
         try:
-            submission.requests = self.runner.submit(plan.choice_prompts(), plan.samplings, submission.listener,
-                                                     logprobs=plan.top_logprobs, grammars=plan.choice_grammars(),
-                                                     prompt_logprobs=plan.prompt_logprobs)
+            submission.requests = await run_in_threadpool(
+                self.runner.submit, plan.choice_prompts(), plan.samplings, submission.listener,
+                logprobs=plan.top_logprobs, grammars=plan.choice_grammars(), prompt_logprobs=plan.prompt_logprobs)
         except QueueFull as e:
             self.metrics.rejected.labels("queue_full").inc()
             raise APIError(429, f"the server is busy ({e}); retry later", code="queue_full",

@@ -424,7 +424,7 @@ class MessagesService(CompletionService):
         """Answer `POST /v1/messages`."""
         body = await self._parse(http, MessagesRequest)
         plan = await self._plan_messages(body)
-        submission = self._submit("messages", plan)
+        submission = await self._submit("messages", plan)
         message_id = f"msg_{secrets.token_hex(12)}"
         stops = tuple(body.stop_sequences or ())
         omit = body.thinking is not None and body.thinking.display == "omitted"
