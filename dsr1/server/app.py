@@ -25,7 +25,6 @@ With `ServerConfig.api_key` set, every route but `/health` and `/version` needs
 from __future__ import annotations
 
 import secrets
-import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -52,12 +51,7 @@ from .protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest, 
 from .responses import ResponsesService, install_responses
 from .runner import EngineRunner
 
-__all__ = ["GIL_SWITCH_INTERVAL", "create_app"]
-
-# The event loop's thread gives up the GIL at every socket call and waits for it again, up to one
-# switch interval (Python's default: 5 ms), while the engine's thread runs Python between device
-# calls; with many streams those waits added up to whole tenths of a second per loop pass.
-GIL_SWITCH_INTERVAL = 0.0005  # seconds
+__all__ = ["create_app"]
 
 
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
@@ -76,14 +70,11 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        previous = sys.getswitchinterval()
-        sys.setswitchinterval(min(previous, GIL_SWITCH_INTERVAL))
         runner.start()
         try:
             yield
         finally:
             runner.stop()
-            sys.setswitchinterval(previous)
 
     app = FastAPI(title="dsr1", description="OpenAI-compatible DeepSeek-V3/R1 server", lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
