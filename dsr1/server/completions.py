@@ -25,17 +25,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import json
 import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from ..generation.output import TokenLogprob
 from ..generation.tokenizer import Tokenizer
@@ -71,9 +70,6 @@ __all__ = ["CompletionService", "Submission", "finish_reason", "read_body"]
 DISCONNECT_POLL = 0.5  # seconds between checks that a non-streaming client is still there
 MAX_BODY_BYTES = 64 << 20  # a request body beyond this is refused (413) before it is parsed
 RETRY_AFTER = "1"  # seconds, for a full queue or a draining server
-# Threads parsing, planning and submitting requests: few, because each one running Python takes the
-# GIL from the event loop's thread (a burst of requests on a large pool starves every stream and /health).
-WORKER_THREADS = 2
 
 
 def finish_reason(request: Request) -> str | None:
@@ -206,11 +202,6 @@ class CompletionService:
         self.limits = limits
         self.metrics = metrics
         self._inbox: Inbox | None = None  # made on the event loop, by the first submission
-        self._workers = ThreadPoolExecutor(WORKER_THREADS, thread_name_prefix="dsr1-plan")
-
-    async def _off_loop(self, work: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """`work(*args, **kwargs)` on one of the service's worker threads."""
-        return await asyncio.get_running_loop().run_in_executor(self._workers, functools.partial(work, *args, **kwargs))
 
     async def chat(self, http: HTTPRequest) -> Response:
         """Answer `POST /v1/chat/completions`."""
@@ -243,7 +234,7 @@ class CompletionService:
             raise
         # Parsing megabytes of JSON takes long enough to stall every stream: a worker thread does it.
         try:
-            return await self._off_loop(parse_request, body, model)
+            return await run_in_threadpool(parse_request, body, model)
         except APIError:
             self.metrics.rejected.labels("invalid").inc()
             raise
@@ -256,7 +247,7 @@ class CompletionService:
             return plan(body, self.tokenizer, self.limits)
 
         try:
-            return await self._off_loop(sized_plan)
+            return await run_in_threadpool(sized_plan)
         except APIError:
             self.metrics.rejected.labels("invalid").inc()
             raise
@@ -278,7 +269,7 @@ class CompletionService:
             self._inbox = Inbox(loop)
         submission = Submission(endpoint, self.metrics, self._inbox)
         try:
-            submission.requests = await self._off_loop(
+            submission.requests = await run_in_threadpool(
                 self.runner.submit, plan.choice_prompts(), plan.samplings, submission.listener,
                 logprobs=plan.top_logprobs, grammars=plan.choice_grammars(), prompt_logprobs=plan.prompt_logprobs)
         except QueueFull as e:
