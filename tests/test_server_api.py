@@ -606,7 +606,7 @@ def test_required_calls_on_open_schemas_end_valid_50_of_50_and_a_cut_call_leaks_
             jsonschema.validate(json.loads(c.function.arguments), OPEN_SCHEMAS[c.function.name])
     for stream in (False, True):
         settings = dict(model=MODEL, messages=ask, tools=OPEN_TOOLS, tool_choice="required", temperature=0,
-                        max_tokens=16, max_reasoning_tokens=4)
+                        max_tokens=16, extra_body={"max_reasoning_tokens": 4})
         if stream:
             joined = assemble_stream(client.chat.completions.create(stream=True, **settings))
             finish, content = joined["finish"], joined["content"]
