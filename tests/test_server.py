@@ -784,12 +784,17 @@ BAD_RESPONSES: list[tuple[str, Any, int, str]] = [
 
 
 def test_bad_responses_get_openai_errors_and_the_server_keeps_serving(served, client):
+    # With the Messages corpus: at least 60 malformed requests across the two newer APIs, each a 400.
+    assert sum(status == 400 for *_, status, _ in BAD_RESPONSES) + sum(
+        status == 400 for *_, status, _ in BAD_MESSAGES) >= 60
     for name, body, status, param in BAD_RESPONSES:
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
         response = httpx.post(served.url + RESPONSES, content=content, headers={"Content-Type": "application/json"})
         assert response.status_code == status, (name, response.text)
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, (name, error)
+        assert error["type"] == "invalid_request_error", (name, error)
+        assert isinstance(error["message"], str) and error["message"], name
     assert httpx.get(served.url + RESPONSES + "/resp_x").status_code == 404
     with pytest.raises(openai.BadRequestError):
         client.responses.create(**with_(OK_RESPONSE, max_output_tokens=0))

@@ -41,6 +41,7 @@ from dsr1.server.options import origins
 from dsr1.server.prepare import Limits, bad_words_ids, plan_chat
 from dsr1.server.protocol import ChatCompletionRequest
 from dsr1.server.runner import EngineRunner
+from dsr1.server.schema_bounds import SchemaBounds, bounded_schema, fitting_bounds, longest_output
 from dsr1.server.tools import ToolCallSplitter, parse_tools, split_tool_calls, tool_call_grammar
 from dsr1.serving import Engine, EngineStats, Request
 
@@ -62,6 +63,17 @@ LOOKUP = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"word": {"type": "string", "maxLength": 10}},
                    "required": ["word"], "additionalProperties": False}}}
 TOOLS = [WEATHER, LOOKUP]
+# Extra properties allowed (`additionalProperties` absent or true), strings and integers without bounds.
+NOTE = {"type": "function", "function": {
+    "name": "take_note", "description": "Write a note down, with any fields it needs.",
+    "parameters": {"type": "object", "properties": {"title": {"type": "string"}, "pages": {"type": "integer"}},
+                   "required": ["title", "pages"]}}}
+REMEMBER = {"type": "function", "function": {
+    "name": "remember", "description": "Keep any facts for later.",
+    "parameters": {"type": "object", "properties": {"about": {"type": "string"}, "facts": {"type": "array"}},
+                   "additionalProperties": True}}}
+OPEN_TOOLS = [NOTE, REMEMBER]
+OPEN_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in OPEN_TOOLS}
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 10},
@@ -82,7 +94,8 @@ def test_tool_calls_parse_whole_and_streamed_alike():
     assert [(c.name, json.loads(c.arguments)) for c in found] == [("get_weather", {"city": "Rome", "days": 2}),
                                                                    ("lookup", {"word": "a`b"})]
     assert split_tool_calls("no calls here") is None
-    assert split_tool_calls(f"{CALLS_BEGIN}{CALL_BEGIN}function{TOOL_SEP}f\n```json\n{{") is None  # cut short
+    cut, partial = split_tool_calls(f"{CALLS_BEGIN}{CALL_BEGIN}function{TOOL_SEP}f\n```json\n{{")  # max_tokens
+    assert cut == "" and [(c.name, c.arguments, c.complete) for c in partial] == [("f", "{", False)]
     rng = np.random.default_rng(0)
     for _ in range(300):
         cuts = np.sort(rng.integers(0, len(calls) + 1, size=int(rng.integers(0, 8))))
@@ -148,6 +161,33 @@ def test_grammars_only_allow_valid_calls_and_json():
     choice = ChatCompletionRequest(model="m", messages=ASK, guided_choice=["yes", "no"])
     assert {masked_walk(tokenizer, constraint_of(choice).grammar(tokenizer, None), s) for s in range(8)} <= {
         "yes", "no"}
+
+
+def test_open_schemas_are_bounded_to_fit_the_budget():
+    """Schemas that allow extra properties and unbounded strings get bounded keys, values and lengths:
+    random walks through the grammar end within the budget, valid against the original schemas."""
+    tokenizer = dsr1.load_tokenizer(dsr1.demo_checkpoint())
+    schema = OPEN_SCHEMAS["take_note"]
+    assert bounded_schema(SCHEMAS["get_weather"]) == SCHEMAS["get_weather"]  # closed and bounded already
+    roomy = bounded_schema(schema)
+    assert roomy["properties"]["title"]["maxLength"] == SchemaBounds().string_length
+    assert roomy["maxProperties"] == 2 + SchemaBounds().extra_properties
+    assert bounded_schema(OPEN_SCHEMAS["remember"])["additionalProperties"] is False  # optional ones: no extras
+    assert longest_output(roomy) is not None and longest_output(bounded_schema({"$ref": "#/x"})) is None
+    for budget in (120, 400, 4000):
+        bounds = fitting_bounds(list(OPEN_SCHEMAS.values()), budget)
+        assert max(longest_output(bounded_schema(s, bounds)) for s in OPEN_SCHEMAS.values()) <= budget
+        assert (bounds.extra_properties > 0) == (budget > 1000)
+    tools = parse_tools(OPEN_TOOLS)
+    for seed in range(12):
+        grammar = tool_call_grammar(tools, "required" if seed % 2 else "take_note", tokenizer, None, budget=150)
+        _, calls = split_tool_calls(masked_walk(tokenizer, grammar, seed, budget=150))
+        for call in calls:
+            jsonschema.validate(json.loads(call.arguments), OPEN_SCHEMAS[call.name])
+    walks = [json.loads(split_tool_calls(masked_walk(tokenizer, tool_call_grammar(
+        tools[:1], "take_note", tokenizer, None), s, budget=6000))[1][0].arguments) for s in range(4)]
+    assert all(len(walk) <= 6 and all(len(key) <= 32 for key in walk) for walk in walks)
+    assert any(set(walk) - {"title", "pages"} for walk in walks)  # extra properties stay possible
 
 
 def test_reasoning_is_bounded_so_the_constrained_answer_always_comes():
@@ -544,6 +584,37 @@ def test_required_and_named_calls_validate_50_of_50(demo):
         assert j % 2 or [name for name, _ in calls] == ["lookup"]
         for name, arguments in calls:
             jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+def test_required_calls_on_open_schemas_end_valid_50_of_50_and_a_cut_call_leaks_no_markup(demo):
+    """Schemas allowing extra properties (the demo model would write one property name until
+    max_tokens): every reply ends with valid calls; a reply cut inside its call has no markup as content."""
+    client = demo.client()
+    ask = [{"role": "user", "content": "Note down what the king said, and keep the facts."}]
+
+    def call(j: int) -> Any:
+        choice = "required" if j % 2 else {"type": "function", "function": {"name": "take_note"}}
+        return client.chat.completions.create(model=MODEL, messages=ask, tools=OPEN_TOOLS, tool_choice=choice,
+                                              temperature=1.0, seed=j, max_tokens=200).choices[0]
+
+    for j, choice in enumerate(run_all(50, call)):
+        calls = choice.message.tool_calls or []
+        assert choice.finish_reason == "tool_calls" and calls and not choice.message.content, (j, choice)
+        assert j % 2 or [c.function.name for c in calls] == ["take_note"]
+        for c in calls:
+            jsonschema.validate(json.loads(c.function.arguments), OPEN_SCHEMAS[c.function.name])
+    for stream in (False, True):
+        settings = dict(model=MODEL, messages=ask, tools=OPEN_TOOLS, tool_choice="required", temperature=0,
+                        max_tokens=16, extra_body={"max_reasoning_tokens": 4})
+        if stream:
+            joined = assemble_stream(client.chat.completions.create(stream=True, **settings))
+            finish, content = joined["finish"], joined["content"]
+        else:
+            reply = client.chat.completions.create(**settings).choices[0]
+            finish, content = reply.finish_reason, reply.message.content
+        assert finish == "length" and not content and "｜" not in (content or ""), (stream, content)
 
 
 # ---- structured outputs -----------------------------------------------------------------------------

@@ -62,23 +62,24 @@ def test_calls_parse_whole_and_streamed_alike(tool_format):
     assert content == "Let me look."
     assert [(c.name, json.loads(c.arguments)) for c in found] == CALLS
     assert split_tool_calls("no calls", tool_format) is None
-    assert split_tool_calls(reply[:len(reply) // 2], tool_format) is None  # cut short
+    half, partial = split_tool_calls(reply[:len(reply) // 2], tool_format)  # cut short: no markup in the content
+    assert half == "Let me look." and not partial[-1].complete
     rng = np.random.default_rng(1)
     for _ in range(300):
         text, calls = streamed(reply, tool_format, rng)
         assert "｜" not in text and text == content
         assert calls == [(c.name, c.arguments) for c in found]
-    # A reply that ends inside its first call is all content, whole; streamed, V3.1's call was sent as
-    # soon as its name was known (its arguments cut short), R1's / V3-0324's name comes with its JSON block.
+    # A reply that ends inside its first call (max_tokens) keeps the markup out of its content, whole
+    # and streamed; V3.1's call was sent as soon as its name was known (its arguments cut short),
+    # R1's / V3-0324's name comes with its JSON block.
     cut = reply[:reply.index(TOOL_SEP) + len(TOOL_SEP) + 5]
-    assert split_tool_calls(cut, tool_format) is None
+    whole, cut_calls = split_tool_calls(cut, tool_format)
     splitter = ToolCallSplitter(tool_format)
     content, deltas = splitter.push(cut)
     rest, _ = splitter.push("", final=True)
-    if tool_format == "v3.1":
-        assert content + rest == "Let me look." and deltas[0]["function"]["name"] == "get_weather"
-    else:
-        assert content + rest == cut and not deltas
+    assert whole == content + rest == "Let me look."
+    assert [c.name for c in cut_calls] == [d["function"]["name"] for d in deltas if "id" in d]
+    assert bool(deltas) == (tool_format == "v3.1")
 
 
 def test_unknown_tool_format_is_refused():

@@ -24,8 +24,10 @@ its next step, freeing their slots and pages.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -91,25 +93,61 @@ async def read_body(http: HTTPRequest, limit: int = MAX_BODY_BYTES) -> bytes:
     return b"".join(chunks)
 
 
+class Inbox:
+    """Updates on their way from the engine's thread to one event loop: the engine thread appends
+    them, and wakes the loop once for all it appends until the loop takes them, not once per
+    update (many streams would otherwise cost the loop a callback and a wakeup each per step)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue[Update], Update]] = []
+
+    def post(self, queue: asyncio.Queue[Update], update: Update) -> None:
+        """(Engine thread) Queue `update` for `queue`'s consumer on the loop."""
+        with self._lock:
+            self._items.append((queue, update))
+            if len(self._items) > 1:
+                return  # the loop is woken already and takes this one too
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:
+            pass  # the event loop is closed: the server is gone and nobody waits for this update
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for queue, update in items:
+            queue.put_nowait(update)
+
+
+def merged(updates: list[Update]) -> list[Update]:
+    """The updates one consumer has waiting, one per request (its pieces joined, its latest counts):
+    a stream that falls behind the engine sends fewer, larger chunks instead of falling further."""
+    by_request: dict[int, Update] = {}
+    for update in updates:
+        first = by_request.get(update.request.id)
+        by_request[update.request.id] = update if first is None else dataclasses.replace(
+            update, text=first.text + update.text, scheduled=first.scheduled or update.scheduled)
+    return list(by_request.values())
+
+
 class Submission:
     """One HTTP request's engine requests (one per choice) and their updates, delivered to the event
-    loop. `listener` runs on the engine thread: it records metrics and queues the update."""
+    loop through its `Inbox`. `listener` runs on the engine thread: it records metrics and posts the update."""
 
-    def __init__(self, endpoint: str, metrics: Metrics, loop: asyncio.AbstractEventLoop):
+    def __init__(self, endpoint: str, metrics: Metrics, inbox: Inbox):
         self.endpoint = endpoint
         self.requests: list[Request] = []
         self._metrics = metrics
-        self._loop = loop
+        self._inbox = inbox
         self._queue: asyncio.Queue[Update] = asyncio.Queue()
         self._clocks: dict[int, RequestClock] = {}  # engine thread only
 
     def listener(self, update: Update) -> None:
         """(Engine thread) Record the update's metrics and pass it to the event loop."""
         self._metrics.observe(self.endpoint, update, self._clocks.setdefault(update.request.id, RequestClock()))
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, update)
-        except RuntimeError:
-            pass  # the event loop is closed: the server is gone and nobody waits for this update
+        self._inbox.post(self._queue, update)
 
     def index(self, request: Request) -> int:
         """The choice index of one of this submission's requests."""
@@ -132,10 +170,13 @@ class Submission:
                 done, _ = await asyncio.wait({get}, timeout=DISCONNECT_POLL if disconnected else None)
                 if not done:
                     continue
-                update, get = get.result(), None
-                if update.done:
-                    pending.discard(update.request.id)
-                yield update
+                waiting, get = [get.result()], None
+                while not self._queue.empty():
+                    waiting.append(self._queue.get_nowait())
+                for update in merged(waiting):
+                    if update.done:
+                        pending.discard(update.request.id)
+                    yield update
         finally:
             if get is not None:
                 get.cancel()
@@ -160,12 +201,13 @@ class CompletionService:
         self.tokenizer = tokenizer
         self.limits = limits
         self.metrics = metrics
+        self._inbox: Inbox | None = None  # made on the event loop, by the first submission
 
     async def chat(self, http: HTTPRequest) -> Response:
         """Answer `POST /v1/chat/completions`."""
         body = await self._parse(http, ChatCompletionRequest)
         plan = await self._plan(plan_chat, body)
-        submission = self._submit("chat", plan)
+        submission = await self._submit("chat", plan)
         reply = _Reply("chatcmpl", self.limits.model_name)
         if plan.stream:
             return _event_stream(self._chat_events(submission, plan, reply))
@@ -176,7 +218,7 @@ class CompletionService:
         """Answer `POST /v1/completions`."""
         body = await self._parse(http, CompletionRequest)
         plan = await self._plan(plan_completion, body)
-        submission = self._submit("completions", plan)
+        submission = await self._submit("completions", plan)
         reply = _Reply("cmpl", self.limits.model_name)
         if plan.stream:
             return _event_stream(self._text_events(submission, plan, reply))
@@ -218,14 +260,18 @@ class CompletionService:
             self.metrics.rejected.labels("invalid").inc()
             raise
 
-    def _submit(self, endpoint: str, plan: Plan) -> Submission:
-        """Submit every choice of `plan` (all or none), or raise the fitting `APIError`."""
+    async def _submit(self, endpoint: str, plan: Plan) -> Submission:
+        """Submit every choice of `plan` (all or none), or raise the fitting `APIError`. On a worker
+        thread: the engine compiles each grammar's matcher as it takes the request."""
         self._check_capacity(plan)
-        submission = Submission(endpoint, self.metrics, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        if self._inbox is None or self._inbox.loop is not loop:
+            self._inbox = Inbox(loop)
+        submission = Submission(endpoint, self.metrics, self._inbox)
         try:
-            submission.requests = self.runner.submit(plan.choice_prompts(), plan.samplings, submission.listener,
-                                                     logprobs=plan.top_logprobs, grammars=plan.choice_grammars(),
-                                                     prompt_logprobs=plan.prompt_logprobs)
+            submission.requests = await run_in_threadpool(
+                self.runner.submit, plan.choice_prompts(), plan.samplings, submission.listener,
+                logprobs=plan.top_logprobs, grammars=plan.choice_grammars(), prompt_logprobs=plan.prompt_logprobs)
         except QueueFull as e:
             self.metrics.rejected.labels("queue_full").inc()
             raise APIError(429, f"the server is busy ({e}); retry later", code="queue_full",
@@ -268,7 +314,7 @@ class CompletionService:
             if plan.calls_tools and (parsed := split_tool_calls(content, plan.tool_format)) is not None:
                 content, found = parsed
                 calls = [ToolCall(id=c.id, function={"name": c.name, "arguments": c.arguments}) for c in found]
-                finish = "tool_calls" if finish == "stop" else finish
+                finish = "tool_calls" if finish == "stop" and calls else finish
             message = AssistantMessage(content=content if content or not calls else None, tool_calls=calls,
                                        reasoning_content=reasoning if request.thinking or reasoning else None)
             logprobs = None if request.logprobs is None else chat_logprobs(self.tokenizer, request.logprobs)
@@ -333,13 +379,15 @@ class CompletionService:
                 if content or (logprobs and not deltas and not calls):  # tokens whose text is held back send theirs
                     deltas.append({"content": content})
                 deltas += [{"tool_calls": [call]} for call in calls]
-                for k, delta in enumerate(deltas):
-                    yield reply.chat_chunk(plan, i, delta, logprobs=logprobs if k == len(deltas) - 1 else None)
+                chunks = [reply.chat_chunk(plan, i, delta, logprobs=logprobs if k == len(deltas) - 1 else None)
+                          for k, delta in enumerate(deltas)]
                 if update.done:
                     finish = finish_reason(update.request)
                     if callers[i] is not None and callers[i].calls and finish == "stop":
                         finish = "tool_calls"
-                    yield reply.chat_chunk(plan, i, {}, finish)
+                    chunks.append(reply.chat_chunk(plan, i, {}, finish))
+                if chunks:
+                    yield "".join(chunks)  # one write per update, however many chunks it made
             if plan.include_usage:
                 yield reply.usage_chunk("chat.completion.chunk", _usage(submission, plan))
             yield _sse("[DONE]")

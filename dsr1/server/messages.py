@@ -280,16 +280,14 @@ class StopCutter:
 
 
 def calls_of(content: str, tool_format: str = "v3") -> tuple[str, list[tuple[str, dict[str, Any]]]]:
-    """(text, calls as (name, input)) of a reply's content in the model's tool-call format: no calls
-    unless every call it makes is well formed with a JSON object as its arguments."""
+    """(text, calls as (name, input)) of a reply's content in the model's tool-call format: the calls
+    that are complete with a JSON object as their arguments (the markup is never text)."""
     parsed = split_tool_calls(content, tool_format)
     if parsed is None:
         return content, []
     text, calls = parsed
-    inputs = [_json_object(call.arguments) for call in calls]
-    if any(value is None for value in inputs):
-        return content, []
-    return text, [(call.name, value) for call, value in zip(calls, inputs)]
+    inputs = [_json_object(call.arguments) if call.complete else None for call in calls]
+    return text, [(call.name, value) for call, value in zip(calls, inputs) if value is not None]
 
 
 def _json_object(text: str) -> dict[str, Any] | None:
@@ -426,7 +424,7 @@ class MessagesService(CompletionService):
         """Answer `POST /v1/messages`."""
         body = await self._parse(http, MessagesRequest)
         plan = await self._plan_messages(body)
-        submission = self._submit("messages", plan)
+        submission = await self._submit("messages", plan)
         message_id = f"msg_{secrets.token_hex(12)}"
         stops = tuple(body.stop_sequences or ())
         omit = body.thinking is not None and body.thinking.display == "omitted"

@@ -153,7 +153,7 @@ def plan_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits)
         if constraint is not None:
             raise APIError(400, f"tool_choice {body.tool_choice!r} and {constraint.param} both constrain the reply; "
                                 "send one", param=constraint.param, code="invalid_value")
-        grammar = tool_call_grammar(tools, choice, tokenizer, reasoning, tool_format)
+        grammar = tool_call_grammar(tools, choice, tokenizer, reasoning, tool_format, budget)
     else:
         grammar = constraint.grammar(tokenizer, reasoning) if constraint is not None else None
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None

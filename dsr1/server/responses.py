@@ -535,7 +535,7 @@ class ResponsesService(CompletionService):
             plan = await self._plan(plan_chat, chat)
         except APIError as e:
             raise _renamed(e) from None
-        submission = self._submit("responses", plan)
+        submission = await self._submit("responses", plan)
         reply = Reply(body, self.limits.model_name, conversation)
         if body.stream:
             return StreamingResponse(self._events(submission, plan, reply), media_type="text/event-stream",

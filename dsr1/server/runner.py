@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..generation.sampling import Sampling
 from ..serving import Engine, EngineStats, Request
@@ -89,6 +90,7 @@ class EngineRunner:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._tracked: list[_Tracked] = []
+        self._reserved = 0  # admitted by `submit`, not yet tracked
         self._draining = False
         self._stopping = False
         self._error: BaseException | None = None
@@ -144,27 +146,37 @@ class EngineRunner:
                 raise EngineFailed(f"the engine stopped: {self._error!r}")
             if self._draining:
                 raise Draining("the server is shutting down")
-            if len(self._tracked) + len(prompts) > self.capacity:
+            if len(self._tracked) + self._reserved + len(prompts) > self.capacity:
                 raise QueueFull(f"{len(self._tracked)} requests in flight; the server admits {self.capacity}")
             if not self.engine.has_work:
                 self._progress_at = time.monotonic()  # an idle engine's stall clock starts now
-            requests = []
-            try:
-                for prompt, sampling, grammar in zip(prompts, samplings, grammars, strict=True):
-                    tracked = _Tracked(listener)
-                    options = {"grammar": grammar} if grammar is not None else {}
-                    if prompt_logprobs is not None:
-                        options["prompt_logprobs"] = prompt_logprobs
-                    tracked.request = self.engine.submit(prompt, sampling=sampling, on_text=tracked.pieces.append,
-                                                         logprobs=logprobs, **options)
-                    self._tracked.append(tracked)
-                    requests.append(tracked.request)
-            except BaseException:
-                for request in requests:
-                    request.cancel()  # the engine drops them at its next step; the listener hears "abort"
-                raise
+            self._reserved += len(prompts)
+        # The engine compiles each grammar's matcher as it takes the request: outside the lock, so the
+        # engine's thread (publishing a step) and other submissions do not wait on it.
+        tracked: list[_Tracked] = []
+        try:
+            for prompt, sampling, grammar in zip(prompts, samplings, grammars, strict=True):
+                options: dict[str, Any] = {"grammar": grammar} if grammar is not None else {}
+                if prompt_logprobs is not None:
+                    options["prompt_logprobs"] = prompt_logprobs
+                one = _Tracked(listener)
+                one.request = self.engine.submit(prompt, sampling=sampling, on_text=one.pieces.append,
+                                                 logprobs=logprobs, **options)
+                tracked.append(one)
+        except BaseException:
+            for t in tracked:
+                t.request.cancel()  # the engine drops them at its next step
+            with self._lock:
+                self._reserved -= len(prompts)
+            raise
+        with self._lock:
+            self._reserved -= len(prompts)
+            self._tracked += tracked
+            stopping = self._stopping
+        for t in tracked if stopping else ():
+            t.request.cancel()  # `stop` came while they were being submitted
         self._wake.set()
-        return requests
+        return [t.request for t in tracked]
 
     def drain(self) -> None:
         """Admit no more requests (`submit` raises `Draining`); those in flight go on."""
@@ -196,6 +208,7 @@ class EngineRunner:
             if self._error is None and self.engine.has_work:
                 self._step()
                 continue
+            self._publish(time.perf_counter())  # a request can finish before `submit` tracks it
             self._refresh_stats(force=True)
             if self._stopping:
                 return

@@ -56,6 +56,7 @@ from ..generation.dsml import DSML, arguments_json, invoke_markers, to_json
 from ..generation.tokenizer import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, TOOL_SEP, Tokenizer
 from .errors import APIError
 from .guided import output_grammar, special_token
+from .schema_bounds import SchemaBounds, bounded_schema, fitting_bounds
 
 __all__ = ["DSML_BLOCKS", "TOOL_FORMATS", "ToolCall", "ToolCallSplitter", "ToolSpec", "calls_begin",
            "parse_tool_choice", "parse_tools", "split_tool_calls", "tool_call_grammar", "tools_system_prompt",
@@ -171,11 +172,13 @@ def tools_system_prompt(tools: list[ToolSpec], tool_format: str = "v3") -> str:
 
 
 def tool_call_grammar(tools: list[ToolSpec], choice: str, tokenizer: Tokenizer, reasoning: int | None,
-                      tool_format: str = "v3") -> str:
+                      tool_format: str = "v3", budget: int | None = None) -> str:
     """The llguidance grammar of a reply that must call tools, written in `tool_format`: one or more
     calls of any of `tools` (`choice` "required") or exactly one of the named function, each call's
-    arguments valid against its schema. `reasoning`: the prompt opened `<think>`, so the reply
-    reasons first, for at most that many tokens (None: it did not)."""
+    arguments valid against its schema, with what the schema leaves open bounded
+    (`schema_bounds`) so the calls fit the reply's `budget` of tokens (None: the default bounds).
+    `reasoning`: the prompt opened `<think>`, so the reply reasons first, for at most that many
+    tokens (None: it did not)."""
     _check_format(tool_format)
     if tool_format in DSML_BLOCKS:
         return _dsml_call_grammar(tools, choice, tokenizer, reasoning, DSML_BLOCKS[tool_format])
@@ -184,6 +187,7 @@ def tool_call_grammar(tools: list[ToolSpec], choice: str, tokenizer: Tokenizer, 
         return special_token(tokenizer, text, "tools")
 
     chosen = tools if choice == "required" else [t for t in tools if t.name == choice]
+    chosen = _bounded_tools(chosen, None if budget is None else budget - (reasoning or 0))
     if tool_format == "v3.1":
         rules = [f"call_{i}: {json.dumps(t.name)} {special(TOOL_SEP)} %json {json.dumps(_compact(t.parameters))} "
                  f"{special(CALL_END)}" for i, t in enumerate(chosen)]
@@ -252,6 +256,15 @@ def _dsml_call_grammar(tools: list[ToolSpec], choice: str, tokenizer: Tokenizer,
     opening = json.dumps(("" if reasoning is not None else "\n\n") + f"<{DSML}{block}>\n", ensure_ascii=False)
     closing = json.dumps(f"\n</{DSML}{block}>", ensure_ascii=False)
     return output_grammar(f"{opening} {calls} {closing}", tokenizer, reasoning, rules=rules, param="tools")
+
+
+def _bounded_tools(tools: list[ToolSpec], budget: int | None) -> list[ToolSpec]:
+    """`tools` with their schemas bounded so that as many calls as the grammar allows fit in `budget`
+    tokens (at one character a token, after each call's markup)."""
+    markup = max(len(t.name) for t in tools) + 12  # a call's markers, name, fences, newlines (tokens)
+    bounds = SchemaBounds() if budget is None else fitting_bounds(
+        [t.parameters for t in tools], budget - len(tools) * markup, len(tools))
+    return [dataclasses.replace(t, parameters=bounded_schema(t.parameters, bounds)) for t in tools]
 
 
 def _compact(schema: dict[str, Any]) -> dict[str, Any]:
@@ -460,17 +473,17 @@ def calls_begin(tool_format: str) -> str:
 
 
 def split_tool_calls(text: str, tool_format: str = "v3") -> tuple[str, list[ToolCall]] | None:
-    """A finished reply's (content, calls) in `tool_format`, or None when it makes no well-formed call
-    (then the whole text is the content)."""
+    """A finished reply's (content, calls) in `tool_format`, or None when it begins no calls (then
+    the whole text is the content). The markup never lands in the content: a reply cut short inside
+    its calls (`max_tokens`) gives the calls read so far, the last one `complete` False."""
     _check_format(tool_format)
     fmt = _FORMATS[tool_format]
     start = text.find(fmt.begin)
     if start < 0:
         return None
-    parsed, ok = fmt.read(text[start + len(fmt.begin):], True)
-    if not ok or not parsed:
-        return None
-    return text[:fmt.content_end(text, start)], [ToolCall(_new_id(), name, args, True) for name, args, _ in parsed]
+    parsed, _ = fmt.read(text[start + len(fmt.begin):], True)
+    return text[:fmt.content_end(text, start)], [ToolCall(_new_id(), name, args, complete)
+                                                 for name, args, complete in parsed]
 
 
 class ToolCallSplitter:
@@ -503,10 +516,7 @@ class ToolCallSplitter:
                 stable = len(self._raw) if final else len(self._raw) - fmt.held(self._raw)
                 content, self._content_sent = self._raw[self._content_sent:stable], stable
                 return content, []
-        parsed, ok = fmt.read(self._raw[self._calls_at + len(fmt.begin):], final)
-        if final and not (ok and parsed) and not self._sent:  # no well-formed call: all content, as whole
-            content, self._content_sent = self._raw[self._content_sent:], len(self._raw)
-            return content, []
+        parsed, _ = fmt.read(self._raw[self._calls_at + len(fmt.begin):], final)
         end = fmt.content_end(self._raw, self._calls_at)
         content = self._raw[self._content_sent:end]
         self._content_sent = max(self._content_sent, end)
