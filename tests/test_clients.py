@@ -4,15 +4,16 @@ langchain-openai, the anthropic SDK and the openai SDK's Responses calls. Each f
 structured outputs validating against their pydantic models and its tool calls against their
 schemas; a tool conversation (call, result, answer) round-trips on the chat, Responses and Messages
 APIs with the reasoning passed back as each carries it (`reasoning_content`, reasoning items,
-thinking blocks), read from the requests the clients sent.
+thinking blocks), read from the requests the clients sent: on R1's format (the served process), and
+on V3.1's (the demo model behind V3.1's template, in process), thinking switched on per API.
 
 The tools are declared as a user would (plain `str` arguments, the SDKs' own schema settings): the
 server's grammar bounds what their schemas leave open. The output types bound their strings, as a
-JSON-schema reply (`response_format`, `text.format`) is held to its schema as given. The server is served as
-`deepseek-demo`, a name the Agents SDK's chat model recognizes as DeepSeek's (it passes the reasoning
-back to DeepSeek models only). The clients are the `clients` extra (`pip install -e '.[clients]'`);
-a test whose client is missing is skipped. One server serves the module's flows, in the extended
-tier; what the SDKs send that the server had to learn is checked without one.
+JSON-schema reply (`response_format`, `text.format`) is held to its schema as given. The server is
+served as `deepseek-demo`, a name the Agents SDK's chat model recognizes as DeepSeek's (it passes
+the reasoning back to DeepSeek models only). The clients are the `clients` extra (`pip install -e
+'.[clients]'`); a test whose client is missing is skipped. The flows are in the extended tier;
+what the SDKs send that the server had to learn is checked without a server.
 """
 
 from __future__ import annotations
@@ -370,3 +371,85 @@ def test_chat_tool_round_trip_with_reasoning_content_passed_back(url):
     answer = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=40,
                                             temperature=0).choices[0]
     assert answer.finish_reason in ("stop", "length") and answer.message.content and not answer.message.tool_calls
+
+
+# ---- V3.1's format: the same round trips with thinking switched on -------------------------------------------------
+@pytest.fixture(scope="module")
+def v31_url():
+    """The demo model behind V3.1's chat template and tool format (thinking switchable), in process:
+    the grammar of required calls writes V3.1's markup, which the demo model was not trained on."""
+    from dsr1.generation.tokenizer import Tokenizer
+    from dsr1.server import BackgroundServer, ServerConfig, create_app
+    from dsr1.serving import Engine
+
+    model = dsr1.load(dsr1.demo_checkpoint(), dtype="float32", progress=False)
+    tokenizer = Tokenizer(dsr1.load_tokenizer(dsr1.demo_checkpoint()).backend, "deepseek-v3.1")
+    engine = Engine(model, max_seqs=2, page_size=16, num_pages=128, prefill_chunk=64, prefill_rows=1,
+                    max_seq_len=1024, tokenizer=tokenizer)
+    server = BackgroundServer(create_app(engine, ServerConfig(model_name=MODEL)), shutdown_timeout=5.0).start()
+    yield server.url
+    server.stop()
+
+
+THOUGHT = "The forecast tool knows Verona."  # the reasoning passed back (the demo model's is empty on V3.1)
+
+
+# Thinking switched on per API (`chat_template_kwargs`, `reasoning.effort`, `thinking`), a required
+# call in V3.1's format, then its result with the call's turn passed back carrying reasoning
+# (`reasoning_content`, a reasoning item, a thinking block): accepted, and rendered as V3.1's template
+# says (it drops earlier turns' reasoning: the prompt is the one without it).
+@pytest.mark.slow
+@pytest.mark.extended
+def test_v31_chat_round_trip_with_reasoning_content_passed_back(v31_url):
+    client = openai_client(v31_url, Recorder())
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather forecast of a city.",
+                                               "parameters": CITY}}]
+    on = {"chat_template_kwargs": {"thinking": True}}
+    ask: list[dict[str, Any]] = [{"role": "user", "content": ASK}]
+    first = client.chat.completions.create(model=MODEL, messages=ask, tools=tools, tool_choice="required",
+                                           max_tokens=200, temperature=0, extra_body=on).choices[0]
+    assert first.finish_reason == "tool_calls" and first.message.tool_calls
+    results = [{"role": "tool", "tool_call_id": c.id, "content": FORECAST} for c in first.message.tool_calls]
+    turn = {"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in first.message.tool_calls]}
+    answers = [client.chat.completions.create(model=MODEL, messages=[*ask, {**turn, **extra}, *results], tools=tools,
+                                              max_tokens=30, temperature=0, extra_body=on)
+               for extra in ({"reasoning_content": THOUGHT}, {})]
+    assert answers[0].choices[0].message.content and not answers[0].choices[0].message.tool_calls
+    assert answers[0].usage.prompt_tokens == answers[1].usage.prompt_tokens
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_v31_responses_round_trip_with_a_reasoning_item_passed_back(v31_url):
+    client = openai_client(v31_url, Recorder())
+    ask = [{"role": "user", "content": ASK}]
+    effort = dict(model=MODEL, tools=[RESPONSE_WEATHER], reasoning={"effort": "low"}, temperature=0)
+    response = client.responses.create(input=ASK, tool_choice="required", max_output_tokens=200, **effort)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert response.status == "completed" and calls
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [],
+               "content": [{"type": "reasoning_text", "text": THOUGHT}]}
+    outputs = [{"type": "function_call_output", "call_id": c.call_id, "output": FORECAST} for c in calls]
+    replies = [client.responses.create(input=[*ask, *passed, *calls, *outputs], max_output_tokens=30, **effort)
+               for passed in ([thought], [])]
+    assert replies[0].output_text and replies[0].usage.input_tokens == replies[1].usage.input_tokens
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_v31_messages_round_trip_with_a_thinking_block_passed_back(v31_url):
+    messages = claude(v31_url, Recorder())
+    ask = [{"role": "user", "content": ASK}]
+    thinking = dict(model=MODEL, tools=[WEATHER], thinking={"type": "enabled", "budget_tokens": 20}, extra_body=GREEDY)
+    use = messages.messages.create(messages=ask, tool_choice={"type": "any"}, max_tokens=200, **thinking)
+    uses = [b.to_dict() for b in use.content if b.type == "tool_use"]
+    assert use.stop_reason == "tool_use" and uses
+    tool_results = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": u["id"], "content": FORECAST}
+                                                for u in uses]}
+    block = {"type": "thinking", "thinking": THOUGHT, "signature": ""}
+    said = messages.messages.create(messages=[*ask, {"role": "assistant", "content": [block, *uses]}, tool_results],
+                                    max_tokens=30, **thinking)
+    unthought = messages.messages.count_tokens(model=MODEL, tools=[WEATHER], thinking=thinking["thinking"], messages=[
+        *ask, {"role": "assistant", "content": uses}, tool_results]).input_tokens
+    assert said.content[-1].type == "text" and said.content[-1].text
+    assert said.usage.input_tokens + (said.usage.cache_read_input_tokens or 0) == unthought
