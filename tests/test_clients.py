@@ -121,12 +121,25 @@ def openai_client(url: str, recorder: Recorder, asynchronous: bool = False) -> A
 
 
 # ---- the OpenAI Agents SDK ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("api", ["responses", "chat"])
+async def run_agent(agents: Any, agent: Any, streamed: bool) -> Any:
+    """`Runner.run`'s result, or `Runner.run_streamed`'s once its events are read."""
+    config = agents.RunConfig(tracing_disabled=True)
+    if not streamed:
+        return await agents.Runner.run(agent, ASK, max_turns=3, run_config=config)
+    result = agents.Runner.run_streamed(agent, ASK, max_turns=3, run_config=config)
+    kinds = {event.type async for event in result.stream_events()}
+    assert {"raw_response_event", "run_item_stream_event"} <= kinds, kinds
+    return result
+
+
+@pytest.mark.parametrize("api,streamed", [("responses", False), ("responses", True), ("chat", False),
+                                          ("chat", True)])
 @pytest.mark.slow
 @pytest.mark.extended
-def test_agents_sdk_calls_the_tool_then_answers_in_its_output_type(url, api):
+def test_agents_sdk_calls_the_tool_then_answers_in_its_output_type(url, api, streamed):
     """A required first call (the SDK resets `tool_choice` after it), the tool's result, then the
-    final output as `output_type`'s JSON; the reasoning of the call's turn is passed back."""
+    final output as `output_type`'s JSON, run whole or streamed; the reasoning of the call's turn is
+    passed back."""
     agents = pytest.importorskip("agents", reason="the OpenAI Agents SDK is not installed: pip install -e '.[clients]'")
     recorder = Recorder()
     client = openai_client(url, recorder, asynchronous=True)
@@ -135,14 +148,14 @@ def test_agents_sdk_calls_the_tool_then_answers_in_its_output_type(url, api):
     agent = agents.Agent(name="forecaster", instructions=BRIEF, model=model, output_type=Forecast,
                          tools=[agents.function_tool(get_weather)],
                          model_settings=agents.ModelSettings(tool_choice="required", max_tokens=300, temperature=0))
-    result = asyncio.run(agents.Runner.run(agent, ASK, max_turns=3,
-                                           run_config=agents.RunConfig(tracing_disabled=True)))
+    result = asyncio.run(run_agent(agents, agent, streamed))
     assert isinstance(result.final_output, Forecast)
     kinds = [type(item).__name__ for item in result.new_items]
     assert kinds.count("ToolCallItem") == kinds.count("ToolCallOutputItem") >= 1, kinds
     assert len(recorder.bodies) == len(result.raw_responses) == 2
     first, second = recorder.bodies
     assert first["tool_choice"] == "required" and "tool_choice" not in second
+    assert first.get("stream", False) == streamed
     if api == "responses":
         reasoning = [item for item in result.raw_responses[0].output if item.type == "reasoning"]
         passed = [item for item in second["input"] if item.get("type") == "reasoning"]
