@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -132,6 +133,39 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_demo_server(log: Path, *options: str, name: str = "demo",
+                      timeout: float = 900) -> tuple[subprocess.Popen, str]:
+    """`python -m dsr1 serve` on the demo model in float32, served as `name`, `options` added, its
+    output in `log`; returned with its URL once `/health` answers."""
+    import httpx
+
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "dsr1", "serve", "--dtype", "float32", "--port", str(port),
+                                "--served-model-name", name, *options],
+                               stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=log.parent)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, log.read_text()
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    process.terminate()
+    raise AssertionError(f"dsr1 serve did not start:\n{log.read_text()}")
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    """End a server process (its drain included), killing it past a minute."""
+    process.terminate()
+    try:
+        process.wait(60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def start_processes(module: str, args: list[str], count: int = 2, devices: int = 2) -> list[subprocess.Popen]:

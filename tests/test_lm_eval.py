@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from operator import itemgetter
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,8 @@ import pytest
 import dsr1
 from dsr1.server import BackgroundServer, ServerConfig, create_app
 from dsr1.serving import Engine
+
+from .harness import start_demo_server, stop_server
 
 MODEL = "demo"
 # Small shapes: few programs to compile (each on its first request) for prompts of a few dozen tokens.
@@ -193,33 +194,12 @@ def write_task(folder: Path) -> None:
     (folder / "shakespeare_mc.yaml").write_text(TASK.format(data=data))
 
 
-def start_server(port: int, log: Path) -> subprocess.Popen:
-    """`python -m dsr1 serve` on the demo model in float32, returned once `/health` answers."""
-    process = subprocess.Popen([sys.executable, "-m", "dsr1", "serve", "--dtype", "float32", "--port", str(port),
-                                "--served-model-name", MODEL, "--max-seqs", "8", "--max-seq-len", "512"],
-                               stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=log.parent)
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        assert process.poll() is None, log.read_text()
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    process.terminate()
-    raise AssertionError(f"dsr1 serve did not start:\n{log.read_text()}")
-
-
 @pytest.fixture(scope="module")
 def served_process(tmp_path_factory):
-    from dsr1.server.lifecycle import free_port
-
-    port = free_port("127.0.0.1")
-    process = start_server(port, tmp_path_factory.mktemp("serve") / "serve.log")
-    yield f"http://127.0.0.1:{port}"
-    process.terminate()
-    process.wait(60)
+    process, url = start_demo_server(tmp_path_factory.mktemp("serve") / "serve.log", "--max-seqs", "8",
+                                     "--max-seq-len", "512")
+    yield url
+    stop_server(process)
 
 
 @pytest.mark.extended

@@ -150,9 +150,7 @@ def plan_chat(body: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits)
     budget = _budget(len(prompt), body.token_budget, limits.default_max_tokens, limits.context, "messages", param)
     reasoning = reasoning_budget(body.max_reasoning_tokens, limits.max_reasoning_tokens, budget) if thinking else None
     if choice not in ("none", "auto"):
-        if constraint is not None:
-            raise APIError(400, f"tool_choice {body.tool_choice!r} and {constraint.param} both constrain the reply; "
-                                "send one", param=constraint.param, code="invalid_value")
+        # The reply is calls alone: a text format beside it (agents send theirs every turn) shapes no text.
         grammar = tool_call_grammar(tools, choice, tokenizer, reasoning, tool_format, budget)
     else:
         grammar = constraint.grammar(tokenizer, reasoning) if constraint is not None else None
