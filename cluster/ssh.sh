@@ -116,7 +116,7 @@ cmd_known_hosts() {
 with_keys_lock() {
   ssh_dir
   if command -v flock >/dev/null 2>&1; then
-    (flock 9 && "$@") 9>>"$HOME/.ssh/.mcjax-keys.lock"
+    (umask 077 && exec 9>>"$HOME/.ssh/.mcjax-keys.lock" && flock 9 && "$@")  # 0600, as the rest of ~/.ssh
   else
     "$@"
   fi
