@@ -86,15 +86,19 @@ def test_held_out_calls_parse_whole_and_streamed_alike(tool_format):
 
 
 @pytest.mark.parametrize("tool_format", ["v3.2", "v4"])
-def test_replies_without_a_whole_call_are_content(tool_format):
+def test_replies_without_a_whole_call_keep_the_markup_out_of_content(tool_format):
     reply = completion(tool_format, "Let me look.", [("get_weather", {"city": "Rome"})])
+    assert split_tool_calls("plain answer\n\n", tool_format) is None
+    for cut in (reply[:reply.index("invoke") + 3], reply[:reply.index("Rome") + 2]):
+        content, calls = split_tool_calls(cut, tool_format)  # cut inside the block: the calls read so far
+        assert content == "Let me look." and all(c.name == "get_weather" and not c.complete for c in calls)
     for cut in (reply[:reply.index("invoke") + 3], reply[:reply.index("Rome") + 2], "plain answer\n\n"):
-        assert split_tool_calls(cut, tool_format) is None
         splitter = ToolCallSplitter(tool_format)
         content, _ = splitter.push(cut)
         rest, _ = splitter.push("", final=True)
         assert not splitter.calls or splitter.calls[0].name == "get_weather"
-        if not splitter.calls:
+        assert "DSML" not in content + rest
+        if "DSML" not in cut:
             assert content + rest == cut
     other = "v4" if tool_format == "v3.2" else "v3.2"  # the other model's block is not this one's call
     assert split_tool_calls(completion(other, "x", [("f", {})]), tool_format) is None

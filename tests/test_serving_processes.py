@@ -137,8 +137,8 @@ def test_host_channel_sends_steps_and_table_deltas_to_every_follower():
 
 
 def test_host_channel_listens_on_one_address_not_every_interface():
-    """Process 0 binds the first of its addresses it can (DSR1_CONTROL_HOST's first; one that is not
-    this host's is passed over), never 0.0.0.0, and offers the others only that one."""
+    """Process 0 binds the first of DSR1_CONTROL_HOST's addresses it can (one that is not this
+    host's is passed over), never 0.0.0.0, and offers the others only that one."""
     import json
     import os
     import threading
@@ -152,10 +152,10 @@ def test_host_channel_listens_on_one_address_not_every_interface():
         threading.Thread(target=lambda: control.HostChannel(1, 2, rendezvous=lambda _: data, timeout=30)).start()
         return data
 
-    old = os.environ.get("DSR1_CONTROL_HOST")
-    os.environ["DSR1_CONTROL_HOST"] = "198.51.100.7"  # TEST-NET-2: no host's address
+    old = os.environ.pop("DSR1_CONTROL_HOST", None)
+    expected = control.leader_addresses()[0]  # this host's own, best first
+    os.environ["DSR1_CONTROL_HOST"] = f"198.51.100.7,{expected}"  # TEST-NET-2 first: no host's address
     try:
-        expected = control.leader_addresses()[1]
         with control._listen(8) as server:
             assert server.getsockname()[0] == expected != "0.0.0.0"
         leader = control.HostChannel(0, 2, rendezvous=rendezvous, timeout=30)
