@@ -24,7 +24,8 @@ from typing import Any
 
 from .markup import BOS, EOS, THINK_END, THINK_START
 
-__all__ = ["DSML", "arguments_json", "calls_block", "check_messages", "invoke_markers", "parse_completion", "to_json"]
+__all__ = ["DSML", "arguments_json", "calls_block", "check_messages", "invoke_markers", "last_user_turn",
+           "parse_completion", "to_json"]
 
 DSML = "｜DSML｜"
 _INVOKE, _INVOKE_END = f"<{DSML}invoke", f"</{DSML}invoke"
@@ -166,3 +167,9 @@ def parse_completion(text: str, thinking_mode: str, block: str) -> dict[str, Any
             raise ValueError(f"{token!r} inside the completion's text")
     tool_calls = [{"type": "function", "function": call} for call in calls]
     return {"role": "assistant", "content": content, "reasoning_content": reasoning, "tool_calls": tool_calls}
+
+
+def last_user_turn(messages: Sequence[Mapping[str, Any]]) -> int:
+    """The index of the last user (or developer) message, -1 if none: the encoders think after it
+    and drop earlier turns' reasoning before it."""
+    return max((i for i, m in enumerate(messages) if m.get("role") in ("user", "developer")), default=-1)

@@ -23,7 +23,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .dsml import DSML, calls_block, check_messages, to_json
+from .dsml import DSML, calls_block, check_messages, last_user_turn, to_json
 from .dsml import parse_completion as _parse
 from .markup import ASSISTANT, BOS, EOS, THINK_END, THINK_START, USER
 
@@ -80,10 +80,6 @@ def _extras(msg: Mapping[str, Any]) -> str:
     return out
 
 
-def _last_user(messages: Sequence[Mapping[str, Any]]) -> int:
-    return max((i for i, m in enumerate(messages) if m.get("role") in ("user", "developer")), default=-1)
-
-
 def _decoded_calls(msg: Mapping[str, Any], index: int) -> list[tuple[str, dict[str, Any]]]:
     """An assistant message's OpenAI-style tool calls as (name, decoded arguments)."""
     calls = []
@@ -105,7 +101,7 @@ def _assistant(messages: Sequence[Mapping[str, Any]], index: int, thinking: bool
     calls = _decoded_calls(msg, index)
     tail = "\n\n" + calls_block(calls, BLOCK) if calls else ""
     reasoning = ""
-    if thinking and index > _last_user(messages):
+    if thinking and index > last_user_turn(messages):
         if not (msg.get("reasoning_content") or calls):
             raise ValueError(f"messages[{index}]: in thinking mode an assistant turn after the last user turn needs "
                              "reasoning_content or tool_calls")
@@ -124,7 +120,8 @@ def _tool(messages: Sequence[Mapping[str, Any]], index: int, thinking: bool) -> 
         raise ValueError(f"messages[{index}]: a tool result without an assistant tool call before it to answer")
     out = ("\n\n<function_results>" if order == 1 else "") + f"\n<result>{messages[index]['content']}</result>"
     if order == len(calls):
-        out += "\n</function_results>\n\n" + (THINK_START if thinking and index >= _last_user(messages) else THINK_END)
+        thinks = thinking and index >= last_user_turn(messages)
+        out += "\n</function_results>\n\n" + (THINK_START if thinks else THINK_END)
     return out
 
 
@@ -135,7 +132,7 @@ def _user(messages: Sequence[Mapping[str, Any]], index: int, thinking: bool) -> 
         if not text:
             raise ValueError(f"messages[{index}]: a developer message needs content")
         text = _extras(msg) + f"\n\n# The user's message is: {text}"
-    opens = THINK_START if thinking and index == _last_user(messages) else THINK_END
+    opens = THINK_START if thinking and index == last_user_turn(messages) else THINK_END
     return USER + text + ASSISTANT + opens
 
 
@@ -152,7 +149,7 @@ def _render(messages: Sequence[Mapping[str, Any]], index: int, thinking: bool) -
 
 def _drop_thinking(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """Turns before the last user turn without their reasoning; developer turns there dropped."""
-    last = _last_user(messages)
+    last = last_user_turn(messages)
     out: list[Mapping[str, Any]] = []
     for i, m in enumerate(messages):
         if m["role"] in ("user", "system", "tool") or i >= last:

@@ -25,7 +25,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .dsml import DSML, calls_block, check_messages, to_json
+from .dsml import DSML, calls_block, check_messages, last_user_turn, to_json
 from .dsml import parse_completion as _parse
 from .markup import ASSISTANT, BOS, EOS, THINK_END, THINK_START, USER
 
@@ -81,10 +81,6 @@ def _extras(msg: Mapping[str, Any]) -> str:
     if msg.get("response_format"):
         out += "\n\n" + _RESPONSE_FORMAT + to_json(msg["response_format"])
     return out
-
-
-def _last_user(messages: Sequence[Mapping[str, Any]]) -> int:
-    return max((i for i, m in enumerate(messages) if m.get("role") in ("user", "developer")), default=-1)
 
 
 # ---- tool results into user turns -----------------------------------------------------------------
@@ -179,7 +175,7 @@ def _assistant(messages: Sequence[Mapping[str, Any]], index: int, thinking: bool
     tail = "\n\n" + calls_block(calls, BLOCK) if calls else ""
     after_task = index > 0 and messages[index - 1].get("task") is not None
     reasoning = ""
-    if thinking and not after_task and (not drop or index > _last_user(messages)):
+    if thinking and not after_task and (not drop or index > last_user_turn(messages)):
         reasoning = (msg.get("reasoning_content") or "") + THINK_END
     return reasoning + (msg.get("content") or "") + tail + ("" if msg.get("wo_eos", False) else EOS)
 
@@ -213,7 +209,7 @@ def _transition(messages: Sequence[Mapping[str, Any]], index: int, thinking: boo
             return TASKS[task]
         return ASSISTANT + (THINK_START if thinking else THINK_END) + TASKS[task]
     if messages[index]["role"] in ("user", "developer"):
-        opens = thinking and (not drop or index >= _last_user(messages))
+        opens = thinking and (not drop or index >= last_user_turn(messages))
         return ASSISTANT + (THINK_START if opens else THINK_END)
     return ""
 
@@ -222,7 +218,7 @@ def _transition(messages: Sequence[Mapping[str, Any]], index: int, thinking: boo
 def _drop_thinking(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Assistant turns before the last user turn without their reasoning; turns there of roles other
     than user, system, tool and latest_reminder (developer) dropped."""
-    last = _last_user(messages)
+    last = last_user_turn(messages)
     out = []
     for i, m in enumerate(messages):
         if m["role"] in ("user", "system", "tool", "latest_reminder", "direct_search_results") or i >= last:
