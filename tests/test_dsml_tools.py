@@ -22,6 +22,8 @@ from dsr1.server.protocol import ChatCompletionRequest
 from dsr1.server.reasoning import ReasoningSplitter, split_reply
 from dsr1.server.tools import ToolCallSplitter, split_tool_calls
 
+from .test_tool_formats import streamed
+
 ENCODERS = {"v3.2": encoder_v32, "v4": encoder_v4}
 VALUES = ["Rome", "", "multi\nline", 'quote " </tag> <｜x', "x < y", 3, -2.5, True, None, [1, "two", {"k": [3]}],
           {"nested": {"deep": "é"}}, "😀 {brace}"]
@@ -50,22 +52,6 @@ def completion(tool_format: str, content: str, calls: list[tuple[str, dict]], th
     mode = "chat" if thinking is None else "thinking"
     prompt = encoder.encode_messages(ask, mode)
     return encoder.encode_messages(ask + [reply], mode)[len(prompt):].removesuffix(EOS)
-
-
-def streamed(text: str, tool_format: str, rng: np.random.Generator) -> tuple[str, list[tuple[str, str]]]:
-    """`text` pushed through a `ToolCallSplitter` in random pieces; the content and the calls as the
-    openai client joins the deltas."""
-    cuts = np.sort(rng.integers(0, len(text) + 1, size=int(rng.integers(0, 12))))
-    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-    splitter, content, joined = ToolCallSplitter(tool_format), "", {}
-    for k, piece in enumerate(pieces):
-        delta, deltas = splitter.push(piece, final=k == len(pieces) - 1)
-        content += delta
-        for d in deltas:
-            call = joined.setdefault(d["index"], {"name": "", "arguments": ""})
-            call["name"] += d["function"].get("name") or ""
-            call["arguments"] += d["function"]["arguments"]
-    return content, [(c["name"], c["arguments"]) for c in joined.values()]
 
 
 @pytest.mark.parametrize("tool_format", ["v3.2", "v4"])
